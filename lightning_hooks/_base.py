@@ -1,0 +1,120 @@
+"""HookCallback: the hook lifecycle every callback of this package shares."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Optional
+
+import lightning.pytorch as pl
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+
+from lightning_hooks.selection import ModuleSelection, select_modules, validate_selection
+
+
+class HookCallback(Callback):
+    """Base class: resolve a module selection, register hooks on fit start, remove them on exit.
+
+    The selection is resolved in :meth:`setup`, so a pattern that matches nothing fails before
+    training starts. Hooks go on the LightningModule's own submodules (never on a DDP or FSDP
+    wrapper), are registered in ``on_fit_start`` and removed in ``on_fit_end``,
+    ``on_exception`` and ``teardown``. Removal is idempotent, a second ``fit`` never registers
+    twice, and hooks the user registered are left alone.
+
+    Every hook a subclass registers goes through :meth:`_guard`: an exception inside one of our
+    hooks warns once and disables that module's hook instead of killing the run.
+
+    Subclasses implement :meth:`_register`, which returns the handles of the hooks it added.
+
+    Args:
+        modules: Which modules to hook; see :func:`lightning_hooks.selection.select_modules`.
+
+    Raises:
+        TypeError: If ``modules`` has the wrong type.
+        ValueError: If ``modules`` is an empty list or holds an empty pattern.
+    """
+
+    def __init__(self, modules: ModuleSelection = None) -> None:
+        validate_selection(modules)
+        self.modules = modules
+        self._root: Optional[nn.Module] = None
+        self._targets: list[tuple[str, nn.Module]] = []
+        self._handles: list[RemovableHandle] = []
+        self._failed: set[str] = set()
+        # Gated hooks return at once while this is False; a plain attribute, so that
+        # torch.compile guards on it instead of seeing hooks come and go.
+        self._collecting = False
+
+    @property
+    def module_names(self) -> list[str]:
+        """Qualified names of the selected modules, in registration order."""
+        return [name for name, _ in self._targets]
+
+    @property
+    def is_attached(self) -> bool:
+        """Whether this callback's hooks are registered right now."""
+        return bool(self._handles)
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        """Resolve the module selection, so a bad pattern fails before any training."""
+        self._root, self._targets = pl_module, select_modules(pl_module, self.modules)
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Register the hooks."""
+        self.attach(pl_module)
+
+    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Remove the hooks."""
+        self.detach()
+
+    def on_exception(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
+    ) -> None:
+        """Remove the hooks when ``fit`` raises (Lightning skips ``on_fit_end`` then)."""
+        self.detach()
+
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        """Remove the hooks on every way out."""
+        self.detach()
+
+    def attach(self, model: nn.Module) -> None:
+        """Register this callback's hooks on ``model``, replacing any it registered before."""
+        self.detach()
+        if model is not self._root:
+            self._root, self._targets = model, select_modules(model, self.modules)
+        self._failed.clear()
+        for index, (name, module) in enumerate(self._targets):
+            self._handles.extend(self._register(index, name, module))
+
+    def detach(self) -> None:
+        """Remove every hook this callback registered. Safe to call any number of times."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+    def _register(self, index: int, name: str, module: nn.Module) -> list[RemovableHandle]:
+        """Register the hooks for one selected module and return their handles."""
+        raise NotImplementedError
+
+    def _guard(
+        self, name: str, hook: Callable[..., Any], gated: bool = True
+    ) -> Callable[..., Optional[Any]]:
+        """Wrap ``hook``: skip it while not collecting (if ``gated``), and on an exception warn
+        once and disable it for ``name``."""
+
+        def guarded(*args: Any) -> Optional[Any]:
+            if gated and not self._collecting or name in self._failed:
+                return None
+            try:
+                return hook(*args)
+            except Exception as err:  # a monitor must never kill the training run
+                self._failed.add(name)
+                rank_zero_warn(
+                    f"{type(self).__name__}: the hook on module {name!r} raised"
+                    f" {type(err).__name__}: {err}. It is disabled for the rest of this fit."
+                )
+                return None
+
+        return guarded

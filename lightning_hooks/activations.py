@@ -1,0 +1,192 @@
+"""ActivationMonitor: statistics and histograms of module outputs on logged training steps."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Literal, Optional
+
+import lightning.pytorch as pl
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+
+from lightning_hooks._base import HookCallback
+from lightning_hooks.aggregate import StatBlock
+from lightning_hooks.selection import ModuleSelection
+from lightning_hooks.sinks import log_histogram, log_scalars
+from lightning_hooks.stats import STAT_NAMES, Bins, histogram_edges, iter_tensors, summarize
+
+Stage = Literal["train", "validate"]
+
+
+class ActivationMonitor(HookCallback):
+    """Log statistics and histograms of what the selected modules output during training.
+
+    On a logged training step (``trainer.global_step % log_every_n_steps == 0``) a forward
+    hook on each selected module adds every tensor it returns (inside tuples, lists, dicts and
+    dataclasses; other values are skipped) to that module's row of on-device statistics. Rows
+    add up over the step's micro-batches (gradient accumulation) and over repeated calls of a
+    module (shared layers, loops): the ``calls`` stat says how many calls a row holds. At the
+    optimizer step the rows are reduced across ranks once, copied to the host once, and logged
+    as ``activations/<module>/<stat>`` scalars to every logger and as
+    ``activations/<module>`` histograms to TensorBoard. On other steps the hooks return at once.
+
+    Non-finite values are left out of the moments and the histogram and counted as
+    ``nan_count``, ``posinf_count`` and ``neginf_count``; a diverging run keeps logging.
+    Integer and bool outputs are summarised as floats, complex outputs by their magnitude;
+    sparse, quantized and empty tensors are skipped.
+
+    Args:
+        log_every_n_steps: Log every this many optimizer steps. None: the Trainer's
+            ``log_every_n_steps``.
+        modules: Which modules to watch: None (every leaf module with parameters, plus
+            activation modules), a name glob, an ``nn.Module`` subclass, a predicate
+            ``(name, module) -> bool``, or a list of globs and subclasses.
+        stats: Which scalars to log, from ``lightning_hooks.stats.STAT_NAMES``.
+        histogram: Whether to write histograms to TensorBoard.
+        bins: Histogram bins: a count of symmetric log-spaced bins covering all of float32,
+            or increasing bin edges.
+        inputs: Also record each module's positional inputs, as ``<module>.input``.
+        stages: ``"train"``, and ``"validate"`` to log validation forwards (summed over the
+            validation run, under ``val_activations/``, sanity check excluded).
+
+    Raises:
+        ValueError: For an unknown stat, ``bins`` < 1, ``log_every_n_steps`` < 1, an unknown
+            stage, or (in ``setup``, before training) a module pattern that matches nothing.
+
+    Example::
+
+        from lightning import Trainer
+        from lightning_hooks import ActivationMonitor
+
+        trainer = Trainer(callbacks=[ActivationMonitor(log_every_n_steps=10, modules="encoder.*")])
+    """
+
+    def __init__(
+        self,
+        log_every_n_steps: Optional[int] = None,
+        modules: ModuleSelection = None,
+        stats: Sequence[str] = STAT_NAMES,
+        histogram: bool = True,
+        bins: Bins = 128,
+        inputs: bool = False,
+        stages: Sequence[Stage] = ("train",),
+    ) -> None:
+        super().__init__(modules)
+        if log_every_n_steps is not None and (
+            not isinstance(log_every_n_steps, int) or log_every_n_steps < 1
+        ):
+            raise ValueError(f"`log_every_n_steps` must be a positive int or None, got {log_every_n_steps!r}")
+        unknown = [s for s in stats if s not in STAT_NAMES]
+        if isinstance(stats, str) or unknown:
+            raise ValueError(f"unknown stat(s) {unknown or stats!r}; choose from {list(STAT_NAMES)}")
+        bad_stages = [s for s in stages if s not in ("train", "validate")]
+        if isinstance(stages, str) or bad_stages or not stages:
+            raise ValueError(f"`stages` must be a non-empty list of 'train'/'validate', got {stages!r}")
+        histogram_edges(bins)  # validates `bins`
+        self.log_every_n_steps = log_every_n_steps
+        self.stats = tuple(stats)
+        self.histogram = histogram
+        self.bins = bins
+        self.inputs = inputs
+        self.stages = tuple(stages)
+        self._every = 1
+        self._blocks: dict[str, StatBlock] = {}
+        self._block: Optional[StatBlock] = None
+        self._pending_step: Optional[int] = None
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        """Resolve modules and the logging interval before training starts."""
+        super().setup(trainer, pl_module, stage)
+        self._every = self.log_every_n_steps or trainer.log_every_n_steps or 1
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Allocate the per-step buffers on the module's device and register the hooks."""
+        names = self.module_names + ([f"{n}.input" for n in self.module_names] if self.inputs else [])
+        self._blocks = {s: StatBlock(names, self.bins, pl_module.device) for s in self.stages}
+        self._block, self._pending_step = None, None
+        super().on_fit_start(trainer, pl_module)
+
+    def _register(self, index: int, name: str, module: nn.Module) -> list[RemovableHandle]:
+        input_index = index + len(self._targets)
+
+        def record(mod: nn.Module, args: tuple[Any, ...], output: Any) -> None:
+            block = self._block
+            assert block is not None
+            for tensor in iter_tensors(output):
+                block.add(index, tensor)
+            if self.inputs:
+                for tensor in iter_tensors(args):
+                    block.add(input_index, tensor)
+
+        return [module.register_forward_hook(self._guard(name, record))]
+
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        """Open the gate on logged steps."""
+        step = trainer.global_step
+        if self._pending_step is not None and self._pending_step != step:
+            self._flush(trainer, "train")  # an earlier step ended without an optimizer step
+        if "train" in self._blocks and step % self._every == 0:
+            self._block, self._collecting, self._pending_step = self._blocks["train"], True, step
+
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        """Close the gate, so evaluation forwards between batches are not counted."""
+        self._collecting = False
+
+    def on_before_optimizer_step(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any
+    ) -> None:
+        """Log the step's figures once its micro-batches are all in."""
+        if self._pending_step is not None:
+            self._flush(trainer, "train")
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Log what an unfinished last step collected."""
+        self._collecting = False
+        if self._pending_step is not None:
+            self._flush(trainer, "train")
+
+    def on_validation_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int,
+        dataloader_idx: int = 0,
+    ) -> None:
+        """Collect validation forwards only when asked, never in the sanity check."""
+        collect = "validate" in self._blocks and not trainer.sanity_checking and self.is_attached
+        self._block = self._blocks.get("validate") if collect else None
+        self._collecting = collect
+
+    def on_validation_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
+        batch_idx: int, dataloader_idx: int = 0,
+    ) -> None:
+        """Close the gate after each validation batch."""
+        self._collecting = False
+
+    def on_validation_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Log the validation run's figures under ``val_activations/``."""
+        block = self._blocks.get("validate")
+        if block is not None and not trainer.sanity_checking and self.is_attached:
+            self._log(trainer, block, "val_activations", trainer.global_step)
+
+    def _flush(self, trainer: pl.Trainer, stage: str) -> None:
+        step, self._pending_step = self._pending_step, None
+        assert step is not None
+        self._log(trainer, self._blocks[stage], "activations", step)
+
+    def _log(self, trainer: pl.Trainer, block: StatBlock, prefix: str, step: int) -> None:
+        rows = block.drain(trainer)
+        if not trainer.is_global_zero:
+            return
+        edges = block.edges.tolist()
+        scalars: dict[str, float] = {}
+        for name, row in zip(block.names, rows):
+            summary = summarize(row)
+            if summary["calls"] == 0:
+                continue
+            scalars.update({f"{prefix}/{name}/{stat}": summary[stat] for stat in self.stats})
+            if self.histogram:
+                log_histogram(trainer, f"{prefix}/{name}", summary, row[-len(edges) + 1 :], edges, step)
+        log_scalars(trainer, scalars, step)
