@@ -1,0 +1,80 @@
+"""Small shared pieces for tests: a tiny LightningModule, data, trainers, event-file readers."""
+
+from __future__ import annotations
+
+import csv
+import glob
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import lightning as L
+import torch
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+
+class TinyNet(L.LightningModule):
+    """Linear -> ReLU -> Linear regression, optionally with a fixed input to record."""
+
+    def __init__(self, width: int = 16, lr: float = 0.05) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(8, width), nn.ReLU(), nn.Linear(width, 1))
+        self.lr = lr
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return nn.functional.mse_loss(self(x), y)
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        x, y = batch
+        self.log("val_loss", nn.functional.mse_loss(self(x), y))
+
+    def predict_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return self(batch[0])
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=self.lr)
+
+
+def loader(n: int = 64, batch_size: int = 8, seed: int = 0) -> DataLoader:
+    """A deterministic regression loader over ``n`` samples of 8 features."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, 8, generator=gen)
+    return DataLoader(TensorDataset(x, x.sum(1, keepdim=True)), batch_size=batch_size)
+
+
+def trainer(tmp_path: Any, callbacks: Sequence[L.Callback], **kwargs: Any) -> L.Trainer:
+    """A quiet CPU trainer writing under ``tmp_path``."""
+    defaults: dict[str, Any] = dict(
+        accelerator="cpu", devices=1, max_steps=6, default_root_dir=str(tmp_path),
+        enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+        log_every_n_steps=1,
+    )
+    defaults.update(kwargs)
+    return L.Trainer(callbacks=list(callbacks), **defaults)
+
+
+def events(log_dir: str) -> EventAccumulator:
+    """The TensorBoard events under ``log_dir``, read back with nothing dropped."""
+    files = glob.glob(os.path.join(log_dir, "**", "events.out.tfevents.*"), recursive=True)
+    assert files, f"no event file under {log_dir}"
+    acc = EventAccumulator(os.path.dirname(files[0]), size_guidance={"histograms": 0, "scalars": 0})
+    acc.Reload()
+    return acc
+
+
+def csv_metrics(log_dir: str) -> list[dict[str, str]]:
+    """Rows of the CSVLogger's metrics.csv under ``log_dir``."""
+    (path,) = glob.glob(os.path.join(log_dir, "**", "metrics.csv"), recursive=True)
+    with open(path) as f:
+        return list(csv.DictReader(f))
+
+
+def forward_hook_count(model: nn.Module) -> int:
+    """All forward hooks on ``model`` and its submodules."""
+    return sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules())
