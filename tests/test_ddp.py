@@ -1,0 +1,57 @@
+"""Real 2-process DDP on CPU (gloo): figures reduced across ranks, hooks removed on every rank."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from tests.helpers import TinyNet, events
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+@pytest.fixture(scope="module")
+def ddp_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("ddp")
+    proc = subprocess.run(
+        [sys.executable, os.path.join(HERE, "_ddp_activations.py"), str(out)],
+        capture_output=True, text=True, timeout=180,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    ranks = [json.load(open(out / f"rank{r}.json")) for r in (0, 1)]
+    return out, ranks
+
+
+def test_histogram_counts_add_across_ranks_and_moments_match_the_global_batch(ddp_run):
+    out, _ = ddp_run
+    acc = events(str(out))
+    series = acc.Histograms("activations/net.0")
+    assert [e.step for e in series] == [0, 2]
+    # Step 0's global batch is the union of the batches each rank saw (4 samples each).
+    x = torch.cat([torch.load(out / f"batch0-rank{r}.pt") for r in (0, 1)])
+    assert series[0].histogram_value.num == 2 * 4 * 16
+    model = TinyNet()
+    model.load_state_dict(torch.load(out / "initial.pt"))
+    with torch.no_grad():
+        hidden = model.net[0](x)
+    scalars = {tag: acc.Scalars(tag)[0].value for tag in acc.Tags()["scalars"] if tag.startswith("activations/net.0/")}
+    assert scalars["activations/net.0/count"] == hidden.numel()
+    assert scalars["activations/net.0/mean"] == pytest.approx(hidden.mean().item(), rel=1e-5)
+    assert scalars["activations/net.0/std"] == pytest.approx(hidden.std().item(), rel=1e-5)
+    assert scalars["activations/net.0/min"] == pytest.approx(hidden.min().item(), rel=1e-6)
+    assert scalars["activations/net.0/max"] == pytest.approx(hidden.max().item(), rel=1e-6)
+    hist = series[0].histogram_value
+    assert hist.sum == pytest.approx(hidden.sum().item(), rel=1e-5, abs=1e-4)
+    limits = torch.tensor(list(hist.bucket_limit), dtype=torch.float32)
+    expected = torch.bincount(torch.bucketize(hidden.flatten(), limits[:-1]), minlength=len(limits))
+    assert list(hist.bucket) == expected.tolist()
+
+
+def test_hooks_attach_on_every_rank_and_are_removed_after_fit(ddp_run):
+    _, ranks = ddp_run
+    assert [r["hooks_during"] for r in ranks] == [3, 3]  # on the LightningModule, not the DDP wrapper
+    assert [r["hooks_after"] for r in ranks] == [0, 0]
+    assert [r["global_step"] for r in ranks] == [3, 3]
