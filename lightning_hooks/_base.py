@@ -7,6 +7,7 @@ from typing import Any, Optional
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import nn
 from torch.utils.hooks import RemovableHandle
@@ -39,7 +40,6 @@ class HookCallback(Callback):
     def __init__(self, modules: ModuleSelection = None) -> None:
         validate_selection(modules)
         self.modules = modules
-        self._root: Optional[nn.Module] = None
         self._targets: list[tuple[str, nn.Module]] = []
         self._handles: list[RemovableHandle] = []
         self._failed: set[str] = set()
@@ -58,8 +58,13 @@ class HookCallback(Callback):
         return bool(self._handles)
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        """Resolve the module selection, so a bad pattern fails before any training."""
-        self._root, self._targets = pl_module, select_modules(pl_module, self.modules)
+        """Resolve the module selection, so a bad pattern fails before any training.
+
+        A LightningModule that builds its layers in ``configure_model`` (which Lightning runs
+        after ``setup``) is resolved in ``on_fit_start`` instead, still before the first step.
+        """
+        if not is_overridden("configure_model", pl_module):
+            self._targets = select_modules(pl_module, self.modules)
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Register the hooks."""
@@ -82,8 +87,7 @@ class HookCallback(Callback):
     def attach(self, model: nn.Module) -> None:
         """Register this callback's hooks on ``model``, replacing any it registered before."""
         self.detach()
-        if model is not self._root:
-            self._root, self._targets = model, select_modules(model, self.modules)
+        self._targets = select_modules(model, self.modules)
         self._failed.clear()
         for index, (name, module) in enumerate(self._targets):
             self._handles.extend(self._register(index, name, module))
