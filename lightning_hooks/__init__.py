@@ -2,16 +2,21 @@
 
 from lightning_hooks._base import HookCallback
 from lightning_hooks.activations import ActivationMonitor
+from lightning_hooks.features import FeatureExtractor, load_features
 from lightning_hooks.selection import ACTIVATION_TYPES, ModuleSelection, select_modules
 from lightning_hooks.stats import STAT_NAMES, histogram_edges
+from lightning_hooks.transforms import GradientTransform
 
 __all__ = [
     "ACTIVATION_TYPES",
     "STAT_NAMES",
     "ActivationMonitor",
+    "FeatureExtractor",
+    "GradientTransform",
     "HookCallback",
     "ModuleSelection",
     "histogram_edges",
+    "load_features",
     "select_modules",
 ]
 __version__ = "0.1.0"

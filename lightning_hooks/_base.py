@@ -105,18 +105,21 @@ class HookCallback(Callback):
     def _guard(
         self, name: str, hook: Callable[..., Any], gated: bool = True
     ) -> Callable[..., Optional[Any]]:
-        """Wrap ``hook``: skip it while not collecting (if ``gated``), and on an exception warn
-        once and disable it for ``name``."""
+        """Wrap ``hook`` so that it is skipped while not collecting, and disabled once it raises.
+
+        ``gated`` hooks return at once while ``self._collecting`` is False. An exception warns
+        once and disables the hook registered under ``name`` for the rest of the fit.
+        """
 
         def guarded(*args: Any) -> Optional[Any]:
-            if gated and not self._collecting or name in self._failed:
+            if (gated and not self._collecting) or name in self._failed:
                 return None
             try:
                 return hook(*args)
             except Exception as err:  # a monitor must never kill the training run
                 self._failed.add(name)
                 rank_zero_warn(
-                    f"{type(self).__name__}: the hook on module {name!r} raised"
+                    f"{type(self).__name__}: the hook on {name!r} raised"
                     f" {type(err).__name__}: {err}. It is disabled for the rest of this fit."
                 )
                 return None

@@ -36,7 +36,12 @@ def validate_selection(selection: ModuleSelection) -> None:
             or a sequence of globs and module types.
         ValueError: If ``selection`` is an empty sequence or holds an empty pattern.
     """
-    if selection is None or callable(selection) and not isinstance(selection, type):
+    if isinstance(selection, nn.Module):
+        raise TypeError(
+            f"`modules` got a module instance ({type(selection).__name__}); pass its qualified name"
+            " instead, e.g. modules='encoder' or modules='encoder.*' for what is inside it"
+        )
+    if selection is None or (callable(selection) and not isinstance(selection, type)):
         return
     items = [selection] if isinstance(selection, (str, type)) else selection
     if not isinstance(items, Sequence):
@@ -54,24 +59,34 @@ def validate_selection(selection: ModuleSelection) -> None:
             raise TypeError(f"`modules` items must be name globs or nn.Module subclasses, got {item!r}")
 
 
-def select_modules(root: nn.Module, selection: ModuleSelection) -> list[tuple[str, nn.Module]]:
+def select_modules(
+    root: nn.Module, selection: ModuleSelection, argument: str = "modules"
+) -> list[tuple[str, nn.Module]]:
     """Resolve ``selection`` against ``root`` into ``(qualified_name, module)`` pairs.
 
-    The root module itself is never selected. Each module appears once, in registration order,
-    even when several patterns match it.
+    The root module itself is never selected. Each module appears once, under its first name in
+    registration order, even when several patterns match it; a module registered under several
+    names (a shared layer) is matched by any of them. A submodule compiled with ``torch.compile`` keeps its
+    own name: the wrapper is skipped and ``_orig_mod`` is left out of the names below it.
 
     Args:
         root: The model, normally the LightningModule itself (never a DDP or FSDP wrapper).
         selection: None for the default (leaf modules with parameters, plus activation
             modules), a name glob (``"encoder.*"``), an ``nn.Module`` subclass, a predicate
             ``(name, module) -> bool``, or a list of globs and subclasses (their union).
+        argument: The name of the argument the selection came from, for error messages.
 
     Raises:
         ValueError: If a glob or type matches no module (the message lists close names), or
             the whole selection matches nothing.
     """
     validate_selection(selection)
-    named = [(name, module) for name, module in root.named_modules() if name]
+    named = [
+        (_clean_name(name), m)
+        for name, m in root.named_modules(remove_duplicate=False)
+        if name and not _is_compiled(m)
+    ]
+    names = list(dict.fromkeys(n for n, _ in named))
     if selection is None:
         chosen = [(n, m) for n, m in named if is_default_module(m)]
     elif callable(selection) and not isinstance(selection, type):
@@ -80,14 +95,25 @@ def select_modules(root: nn.Module, selection: ModuleSelection) -> list[tuple[st
         items = [selection] if isinstance(selection, (str, type)) else list(selection)
         for item in items:
             if not any(_matches(item, n, m) for n, m in named):
-                raise ValueError(_no_match_message(item, [n for n, _ in named]))
+                raise ValueError(_no_match_message(argument, item, names))
         chosen = [(n, m) for n, m in named if any(_matches(item, n, m) for item in items)]
     if not chosen:
         raise ValueError(
-            f"`modules`={selection!r} selected no module of {type(root).__name__}."
-            f" Available modules: {_short_list([n for n, _ in named])}"
+            f"`{argument}`={selection!r} selected no module of {type(root).__name__}."
+            f" Available modules: {_short_list(names)}"
         )
-    return chosen
+    first_names = {id(m): n for n, m in reversed(named)}
+    return list({id(m): (first_names[id(m)], m) for _, m in chosen}.values())
+
+
+def _is_compiled(module: nn.Module) -> bool:
+    """Whether ``module`` is the wrapper ``torch.compile`` returns (its model is ``_orig_mod``)."""
+    return isinstance(getattr(module, "_orig_mod", None), nn.Module)
+
+
+def _clean_name(name: str) -> str:
+    """``name`` without the ``_orig_mod`` parts that ``torch.compile`` adds, so tags do not change."""
+    return ".".join(part for part in name.split(".") if part != "_orig_mod")
 
 
 def _matches(item: str | type, name: str, module: nn.Module) -> bool:
@@ -96,16 +122,16 @@ def _matches(item: str | type, name: str, module: nn.Module) -> bool:
     return isinstance(module, item)
 
 
-def _no_match_message(item: str | type, names: list[str]) -> str:
+def _no_match_message(argument: str, item: str | type, names: list[str]) -> str:
     if isinstance(item, type):
         return (
-            f"`modules` names type {item.__name__}, but the model holds no {item.__name__}."
+            f"`{argument}` names type {item.__name__}, but the model holds no {item.__name__}."
             f" Available modules: {_short_list(names)}"
         )
     close = difflib.get_close_matches(item, names, n=5, cutoff=0.5)
     hint = f" Did you mean: {', '.join(repr(c) for c in close)}?" if close else ""
     return (
-        f"`modules` pattern {item!r} matched no module.{hint}"
+        f"`{argument}` pattern {item!r} matched no module.{hint}"
         f" Available modules: {_short_list(names)}. Patterns are fnmatch globs over"
         " qualified names, e.g. 'encoder.*' or '*.relu'."
     )

@@ -1,0 +1,353 @@
+"""FeatureExtractor: write the outputs of chosen layers to disk, shard by shard."""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+from typing import Any, Literal, Optional, Union, get_args
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.loggers import TensorBoardLogger
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from torch import Tensor, nn
+from torch.utils.hooks import RemovableHandle
+
+from lightning_hooks._base import HookCallback
+from lightning_hooks.selection import ModuleSelection
+
+Stage = Literal["fit", "validate", "test", "predict"]
+_STAGES: tuple[str, ...] = get_args(Stage)
+_SHARD = re.compile(r"rank(\d+)-shard(\d+)\.pt")
+
+
+class FeatureExtractor(HookCallback):
+    """Save the outputs of chosen layers during ``validate``/``test``/``predict`` (or ``fit``).
+
+    Forward hooks copy each selected layer's output, detached, to host memory (one copy per
+    layer per batch; from CUDA it is asynchronous, with one synchronize per shard). Every
+    ``flush_every_n_batches`` batches the buffered outputs of each layer are concatenated
+    along dim 0 and written to ``<dirpath>/<stage>/<layer>/rank<r>-shard<k>.pt`` (``k``
+    zero-padded, counting from 0 in each run), so at most that many outputs per layer are ever
+    held on host. Read them back with :func:`load_features`.
+
+    A stage name is the ``Trainer`` method: ``"validate"`` covers ``trainer.validate`` (not the
+    validation loop inside ``fit``, nor its sanity check) and ``"fit"`` covers the training
+    batches of ``trainer.fit``. Hooks are attached at the start of each enabled stage and
+    removed at its end. A new run of a stage first deletes this rank's old shards of the
+    selected layers for that stage; batches still buffered when a run raises are dropped.
+
+    Layer outputs: a tensor is saved as is; from a tuple, list or dict output (an LSTM's
+    ``(output, (h, c))``) the first tensor found is saved, with a warning once per layer. The
+    shape past dim 0 must stay the same from batch to batch; a layer that changes it, or
+    returns no tensor, is skipped from then on with a warning. A layer called several times in
+    one batch saves one output per call, in call order (and so fills the buffer sooner).
+
+    Under DDP every rank writes its own shards (``rank<r>`` in the name). With Lightning's
+    distributed sampler rank ``r`` of ``W`` sees samples ``r, r + W, r + 2W, ...`` of an
+    unshuffled dataset, so ``load_features(..., rank=r)`` lines up with ``dataset[r::W]``
+    (padded with repeats when the dataset does not split evenly); across several dataloaders
+    the features are concatenated in loop order.
+
+    Args:
+        modules: The layers to save, as globs over qualified names (``"encoder.*"``), module
+            types, a predicate or a list; see :func:`~lightning_hooks.selection.select_modules`.
+        dirpath: Directory to write the shards under; created if needed.
+        stages: The ``Trainer`` methods to extract in: any of ``"fit"``, ``"validate"``,
+            ``"test"``, ``"predict"``.
+        flush_every_n_batches: Batches to buffer on host before writing a shard.
+        embedding_samples: If positive and a ``TensorBoardLogger`` is attached, at the end of
+            each stage rank zero logs a uniform random sample of this many of its rows per layer
+            (flattened to vectors) to the TensorBoard embedding projector.
+
+    Raises:
+        TypeError: If ``dirpath`` is not a path, or ``stages`` not a sequence of names.
+        ValueError: If ``modules`` is None, ``stages`` is empty or holds an unknown name, or
+            ``flush_every_n_batches`` < 1 or ``embedding_samples`` < 0; in ``setup``, if a
+            pattern matches no module.
+
+    Example::
+
+        extractor = FeatureExtractor(modules=["encoder.2", "head"], dirpath="features")
+        trainer = pl.Trainer(callbacks=[extractor])
+        trainer.predict(model, dataloaders=loader)
+        embeddings = load_features("features", "encoder.2")  # (n_samples, ...)
+
+    """
+
+    def __init__(
+        self,
+        modules: ModuleSelection,
+        dirpath: Union[str, os.PathLike],
+        stages: Union[Stage, tuple[Stage, ...], list[Stage]] = ("validate", "predict"),
+        flush_every_n_batches: int = 16,
+        embedding_samples: int = 0,
+    ) -> None:
+        if modules is None:
+            raise ValueError("`modules` is required: name the layers to save, e.g. modules='encoder.*'")
+        if not isinstance(dirpath, (str, os.PathLike)) or not str(dirpath):
+            raise TypeError(f"`dirpath` must be a non-empty path, got {dirpath!r}")
+        stages = (stages,) if isinstance(stages, str) else stages
+        if not isinstance(stages, (tuple, list)):
+            raise TypeError(f"`stages` must be a stage name or a tuple of them, got {stages!r}")
+        if not stages:
+            raise ValueError(f"`stages` must name at least one of {_STAGES}")
+        for stage in stages:
+            if stage not in _STAGES:
+                raise ValueError(f"`stages` items must be one of {_STAGES}, got {stage!r}")
+        for arg, value, low in (("flush_every_n_batches", flush_every_n_batches, 1),
+                                ("embedding_samples", embedding_samples, 0)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < low:
+                raise ValueError(f"`{arg}` must be an int >= {low}, got {value!r}")
+        super().__init__(modules)
+        self.dirpath = dirpath
+        self.stages = tuple(stages)
+        self.flush_every_n_batches = flush_every_n_batches
+        self.embedding_samples = embedding_samples
+        self._stage: Optional[str] = None
+        self._rank = 0
+        self._shard = 0
+        self._buffer: dict[str, list[Tensor]] = {}
+        self._shapes: dict[str, torch.Size] = {}
+        self._warned: set[str] = set()
+        self._async_copies = False
+        self._tensorboard: Optional[TensorBoardLogger] = None
+        self._samples: dict[str, tuple[Tensor, Tensor]] = {}
+        self._generator = torch.Generator()
+
+    @property
+    def buffered_batches(self) -> int:
+        """The most outputs any layer holds on host now: one per buffered batch and call."""
+        return max((len(chunks) for chunks in self._buffer.values()), default=0)
+
+    def layer_dir(self, stage: str, layer: str) -> Path:
+        """Return the directory holding the shards of ``layer`` for ``stage``."""
+        return Path(self.dirpath) / stage / layer
+
+    def _register(self, index: int, name: str, module: nn.Module) -> list[RemovableHandle]:
+        return [module.register_forward_hook(self._guard(name, self._make_hook(name)))]
+
+    def _make_hook(self, name: str) -> Any:
+        def save_output(module: nn.Module, args: Any, output: Any) -> None:
+            tensor = self._as_tensor(name, output)
+            expected = self._shapes.setdefault(name, tensor.shape[1:])
+            if tensor.shape[1:] != expected:
+                raise ValueError(
+                    f"its output shape {tuple(tensor.shape)} differs past dim 0 from earlier batches'"
+                    f" (N, {', '.join(map(str, expected))}), so the outputs cannot be concatenated"
+                )
+            self._async_copies |= tensor.is_cuda
+            copy = tensor.detach().to("cpu", non_blocking=tensor.is_cuda, copy=True)
+            self._buffer.setdefault(name, []).append(copy)
+
+        return save_output
+
+    def _as_tensor(self, name: str, output: Any) -> Tensor:
+        tensor = _first_tensor(output)
+        if tensor is None or tensor.dim() == 0:
+            raise TypeError(f"it returned {type(output).__name__}, with no tensor that has a batch dim")
+        if not isinstance(output, Tensor) and name not in self._warned:
+            self._warned.add(name)
+            rank_zero_warn(
+                f"FeatureExtractor: module {name!r} returns a {type(output).__name__}; saving its"
+                f" first tensor, of shape {tuple(tensor.shape)}."
+            )
+        return tensor
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Attach nothing yet: hooks go on at the start of each enabled stage."""
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Start extracting training batches, if ``"fit"`` is enabled."""
+        self._begin(trainer, pl_module, "fit")
+
+    def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Start extracting, if this is ``trainer.validate`` and ``"validate"`` is enabled."""
+        self._begin(trainer, pl_module, "validate")
+
+    def on_test_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Start extracting, if ``"test"`` is enabled."""
+        self._begin(trainer, pl_module, "test")
+
+    def on_predict_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Start extracting, if ``"predict"`` is enabled."""
+        self._begin(trainer, pl_module, "predict")
+
+    def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
+        """Open the hooks for this batch."""
+        self._batch_start(trainer, "fit")
+
+    def on_validation_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
+        """Open the hooks for this batch."""
+        self._batch_start(trainer, "validate")
+
+    def on_test_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
+        """Open the hooks for this batch."""
+        self._batch_start(trainer, "test")
+
+    def on_predict_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
+        """Open the hooks for this batch."""
+        self._batch_start(trainer, "predict")
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        """Close the hooks; write a shard every ``flush_every_n_batches`` batches."""
+        self._batch_end("fit")
+
+    def on_validation_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        """Close the hooks; write a shard every ``flush_every_n_batches`` batches."""
+        self._batch_end("validate")
+
+    def on_test_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        """Close the hooks; write a shard every ``flush_every_n_batches`` batches."""
+        self._batch_end("test")
+
+    def on_predict_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        """Close the hooks; write a shard every ``flush_every_n_batches`` batches."""
+        self._batch_end("predict")
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Write the last shard and remove the hooks."""
+        self._finish(trainer, "fit")
+
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Write the last shard and remove the hooks."""
+        self._finish(trainer, "validate")
+
+    def on_test_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Write the last shard and remove the hooks."""
+        self._finish(trainer, "test")
+
+    def on_predict_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Write the last shard and remove the hooks."""
+        self._finish(trainer, "predict")
+
+    def on_exception(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
+    ) -> None:
+        """Remove the hooks and drop what is buffered."""
+        super().on_exception(trainer, pl_module, exception)
+        self._stage, self._collecting = None, False
+        self._buffer.clear()
+
+    def _begin(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage not in self.stages or trainer.state.fn != stage:
+            return
+        self._stage, self._rank, self._shard = stage, trainer.global_rank, 0
+        self._buffer.clear()
+        self._shapes.clear()
+        self._samples.clear()
+        self._generator.manual_seed(0)
+        self._tensorboard = self._find_tensorboard(trainer)
+        self.attach(pl_module)
+        for layer in self.module_names:
+            folder = self.layer_dir(stage, layer)
+            folder.mkdir(parents=True, exist_ok=True)
+            for old in folder.glob(f"rank{self._rank}-shard*.pt"):
+                old.unlink()
+
+    def _find_tensorboard(self, trainer: pl.Trainer) -> Optional[TensorBoardLogger]:
+        if not self.embedding_samples or not trainer.is_global_zero:
+            return None
+        found = next((lg for lg in trainer.loggers if isinstance(lg, TensorBoardLogger)), None)
+        if found is None:
+            rank_zero_warn("FeatureExtractor: `embedding_samples` is set but there is no TensorBoardLogger")
+        return found
+
+    def _batch_start(self, trainer: pl.Trainer, stage: str) -> None:
+        self._collecting = self._stage == stage and not trainer.sanity_checking
+
+    def _batch_end(self, stage: str) -> None:
+        if self._stage != stage:
+            return
+        self._collecting = False
+        if self.buffered_batches >= self.flush_every_n_batches:
+            self._flush(stage)
+
+    def _finish(self, trainer: pl.Trainer, stage: str) -> None:
+        if self._stage != stage:
+            return
+        self._flush(stage)
+        if self._tensorboard is not None:
+            for layer, (_, rows) in self._samples.items():
+                tag = f"features/{stage}/{layer}"
+                self._tensorboard.experiment.add_embedding(rows, tag=tag, global_step=trainer.global_step)
+        self.detach()
+        self._stage, self._collecting = None, False
+
+    def _flush(self, stage: str) -> None:
+        if self._async_copies:  # the device-to-host copies must land before the host reads them
+            torch.cuda.synchronize()
+            self._async_copies = False
+        for layer, chunks in self._buffer.items():
+            if chunks:
+                features = torch.cat(chunks)
+                name = f"rank{self._rank}-shard{self._shard:05d}.pt"
+                torch.save(features, self.layer_dir(stage, layer) / name)
+                if self._tensorboard is not None:
+                    self._sample(layer, features)
+        self._buffer.clear()
+        self._shard += 1
+
+    def _sample(self, layer: str, features: Tensor) -> None:
+        """Keep a uniform random sample of rows: the ``embedding_samples`` smallest random keys."""
+        keys = torch.rand(len(features), generator=self._generator)
+        rows = features.reshape(len(features), -1).float()
+        if layer in self._samples:
+            kept_keys, kept_rows = self._samples[layer]
+            keys, rows = torch.cat([kept_keys, keys]), torch.cat([kept_rows, rows])
+        keep = keys.argsort()[: self.embedding_samples]
+        self._samples[layer] = (keys[keep], rows[keep])
+
+
+def load_features(
+    dirpath: Union[str, os.PathLike], layer: str, stage: Stage = "predict", rank: Optional[int] = None
+) -> Tensor:
+    """Load the outputs a :class:`FeatureExtractor` saved for one layer, as one tensor.
+
+    Shards are concatenated along dim 0 in order: by rank, then by shard index.
+
+    Args:
+        dirpath: The extractor's ``dirpath``.
+        layer: The layer's qualified name, as in ``FeatureExtractor.module_names``.
+        stage: The stage the features were extracted in.
+        rank: Load only this rank's shards; None (the default) loads every rank's.
+
+    Returns:
+        The features, on CPU.
+
+    Raises:
+        FileNotFoundError: If nothing was saved for this layer, stage and rank (the message
+            lists the layers that were).
+
+    Example::
+
+        features = load_features("features", "encoder.2", stage="predict")
+
+    """
+    folder = Path(dirpath) / stage / layer
+    shards = sorted(
+        (int(match[1]), int(match[2]), path)
+        for path in (folder.iterdir() if folder.is_dir() else [])
+        if (match := _SHARD.fullmatch(path.name)) and (rank is None or int(match[1]) == rank)
+    )
+    if not shards:
+        stage_dir = Path(dirpath) / stage
+        saved = sorted(p.name for p in stage_dir.iterdir()) if stage_dir.is_dir() else []
+        which = "" if rank is None else f" by rank {rank}"
+        raise FileNotFoundError(
+            f"No features saved{which} for layer {layer!r} in stage {stage!r} under {str(dirpath)!r}."
+            f" Layers saved for {stage!r}: {saved or 'none'}"
+        )
+    return torch.cat([torch.load(path, map_location="cpu", weights_only=True) for _, _, path in shards])
+
+
+def _first_tensor(output: Any) -> Optional[Tensor]:
+    """Return ``output`` if it is a tensor, else the first tensor inside it, depth first."""
+    if isinstance(output, Tensor):
+        return output
+    if isinstance(output, dict):
+        output = list(output.values())
+    if not isinstance(output, (tuple, list)):
+        return None
+    return next((t for t in map(_first_tensor, output) if t is not None), None)

@@ -1,0 +1,289 @@
+"""GradientTransform: per-module gradient scaling, reversal and clipping through hooks."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Any, Optional
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.utilities.model_helpers import is_overridden
+from lightning_utilities.core.apply_func import apply_to_collection
+from torch import Tensor, nn
+from torch.optim import Optimizer
+from torch.utils.hooks import RemovableHandle
+
+from lightning_hooks._base import HookCallback
+from lightning_hooks.selection import select_modules
+
+
+class GradientTransform(HookCallback):
+    """Scale, reverse or clip the gradients of chosen modules, every training step.
+
+    Every argument maps fnmatch globs over qualified module names (``"backbone.*"``,
+    ``"head"``) to a number. A pattern selects the modules it matches *and everything inside
+    them*, and it acts once on each parameter it reaches, however many nested modules it matches.
+
+    Mechanisms, and why:
+
+    * ``scale``: a tensor hook on each parameter (``param.register_hook``) multiplies the
+      gradient of that parameter by the factor, before it is accumulated into ``.grad``. Only
+      the parameters' own gradients change; the gradient flowing on to earlier layers does not.
+      (A parameter shared with an unselected module has one gradient: it is scaled too.)
+      Tensor hooks work with in-place ops and any output structure, unlike
+      ``register_full_backward_hook``, which raises on in-place ops (``ReLU(inplace=True)``,
+      ``x += shortcut``) and never fires for modules returning lists or dicts.
+    * ``reverse``: a gradient reversal layer placed *after* the selected module. A forward
+      hook puts a tensor hook returning ``-scale * grad`` on each output tensor, so the
+      module's own parameters and everything upstream of it receive the reversed gradient;
+      modules downstream, and other consumers of the module's *input*, do not. Outputs that
+      are an input returned as is (``nn.Identity``, in-place modules) or a view are replaced
+      by a copy first, so the reversal holds for them too, and survives later in-place ops
+      such as ``x += shortcut``. For domain adaptation put the reversal on the domain branch only,
+      e.g. an ``nn.Identity`` in front of the domain classifier: a reversal on a module whose
+      output also feeds the task head flips the task gradient too. Each ``reverse`` pattern
+      must select exactly one module, since a chain of reversals cancels out.
+    * ``clip_value`` / ``clip_norm``: applied to ``.grad`` in ``on_before_optimizer_step``,
+      i.e. to exactly the gradient the optimizer is about to use: after gradient
+      accumulation, after the DDP all-reduce and after AMP unscaling (clipping inside backward
+      would clip the loss-scaled, per-micro-batch, per-rank gradient instead). ``clip_value``
+      clamps each gradient element to ``[-v, v]``; ``clip_norm`` rescales the parameters
+      under each selected module jointly so their total L2 norm is at most the value
+      (``torch.nn.utils.clip_grad_norm_``). A ``clip_norm`` pattern makes one group per
+      outermost module it matches (``"blocks.*"``: one group per block). This runs before the
+      LightningModule's own ``on_before_optimizer_step`` and before Lightning's
+      ``gradient_clip_val``; only the parameters of the optimizer being stepped are touched.
+      With FSDP the gradients are sharded, so ``clip_norm`` would see a local norm: unsupported.
+
+    Gradient accumulation and DDP: the ``scale`` and ``reverse`` hooks run on every backward,
+    on each rank's local gradient, before DDP averages it. Both are linear, so the accumulated
+    and averaged gradient is transformed exactly as if the hooks ran once at the end (and AMP
+    loss scaling commutes with them too).
+
+    Overlapping patterns: ``scale`` factors multiply; ``reverse`` factors compose (two
+    reversals on one path cancel); the smallest ``clip_value`` applies; nested ``clip_norm``
+    groups are clipped innermost first, so every group ends within its bound.
+
+    Hooks go on at ``on_fit_start`` and come off on every way out, like every
+    :class:`~lightning_hooks._base.HookCallback`; they are not gated, so they act on every
+    step. Parameters that do not require grad when fit starts are left alone.
+
+    Args:
+        scale: Pattern to factor multiplying the gradients of the selected parameters
+            (e.g. ``{"backbone.*": 0.1}``; 0 freezes, a negative factor flips them).
+        reverse: Pattern to positive ``scale``: the gradient flowing back through the
+            selected module's output is multiplied by ``-scale``.
+        clip_value: Pattern to positive bound ``v``: gradient elements are clamped to ``[-v, v]``.
+        clip_norm: Pattern to positive max norm of each selected module's parameter gradients.
+
+    Raises:
+        TypeError: If an argument is not a mapping of strings to numbers.
+        ValueError: If no argument is given, one is empty, holds an empty pattern, a
+            non-finite number, or a non-positive ``reverse``/``clip`` value; in ``setup``, if a
+            pattern matches no module (the message lists close names) or a ``reverse``
+            pattern selects more than one module.
+
+    Example::
+
+        class DANN(pl.LightningModule):
+            def __init__(self):
+                super().__init__()
+                self.features = nn.Sequential(nn.Linear(32, 64), nn.ReLU())
+                self.label_head = nn.Linear(64, 10)
+                self.grl = nn.Identity()  # the domain branch starts here
+                self.domain_head = nn.Linear(64, 2)
+
+        transform = GradientTransform(
+            scale={"features.0": 0.1}, reverse={"grl": 1.0}, clip_norm={"domain_head": 1.0}
+        )
+        trainer = pl.Trainer(callbacks=[transform])
+
+    """
+
+    def __init__(
+        self,
+        scale: Optional[Mapping[str, float]] = None,
+        reverse: Optional[Mapping[str, float]] = None,
+        clip_value: Optional[Mapping[str, float]] = None,
+        clip_norm: Optional[Mapping[str, float]] = None,
+    ) -> None:
+        tables = {"scale": scale, "reverse": reverse, "clip_value": clip_value, "clip_norm": clip_norm}
+        if all(table is None for table in tables.values()):
+            raise ValueError(
+                "GradientTransform needs at least one of `scale`, `reverse`, `clip_value`, `clip_norm`,"
+                " e.g. `scale={'backbone.*': 0.1}`"
+            )
+        for arg, table in tables.items():
+            if table is not None:
+                _validate_table(arg, table, positive=arg != "scale")
+        self.scale = dict(scale) if scale is not None else None
+        self.reverse = dict(reverse) if reverse is not None else None
+        self.clip_value = dict(clip_value) if clip_value is not None else None
+        self.clip_norm = dict(clip_norm) if clip_norm is not None else None
+        patterns = {p for table in tables.values() if table is not None for p in table}
+        super().__init__(modules=sorted(patterns))
+        self._plan: Optional[_Plan] = None
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        """Resolve every pattern, so a typo or an ambiguous reversal fails before training.
+
+        As in the base class, a model built in ``configure_model`` is resolved in ``on_fit_start``.
+        """
+        if not is_overridden("configure_model", pl_module):
+            self._plan = self._resolve(pl_module)
+        super().setup(trainer, pl_module, stage)
+
+    def attach(self, model: nn.Module) -> None:
+        """Register the reversal hooks on modules and the scaling hooks on parameters."""
+        self._plan = self._resolve(model)
+        super().attach(model)
+        for name, param, factor in self._plan.scaled:
+            hook = self._guard(name, partial(_multiply, factor=factor), gated=False)
+            self._handles.append(param.register_hook(hook))
+
+    def _register(self, index: int, name: str, module: nn.Module) -> list[RemovableHandle]:
+        factor = self._plan.reversed.get(name) if self._plan is not None else None
+        if factor is None:
+            return []
+        hook = self._guard(name, partial(_reverse_outputs, factor=factor), gated=False)
+        return [module.register_forward_hook(hook, with_kwargs=True)]
+
+    def on_before_optimizer_step(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Optimizer
+    ) -> None:
+        """Clip the accumulated, all-reduced, unscaled gradients of the selected parameters."""
+        if self._plan is None or not (self._plan.clip_values or self._plan.clip_norms):
+            return
+        stepped = {p for group in optimizer.param_groups for p in group["params"]}
+        for bound, params in self._plan.clip_values.items():
+            with_grad = [p for p in params if p in stepped and p.grad is not None]
+            if with_grad:
+                nn.utils.clip_grad_value_(with_grad, bound)
+        for _, params, max_norm in self._plan.clip_norms:
+            with_grad = [p for p in params if p in stepped and p.grad is not None]
+            if with_grad:
+                nn.utils.clip_grad_norm_(with_grad, max_norm)
+
+    def _resolve(self, root: nn.Module) -> _Plan:
+        plan = _Plan()
+        if self.scale:
+            factors = _combine(root, "scale", self.scale, lambda a, b: a * b)
+            plan.scaled = [(name, p, f) for p, (name, f) in factors.items()]
+        for pattern, value in (self.reverse or {}).items():
+            selected = _outermost(root, "reverse", pattern)
+            if len(selected) != 1:
+                raise ValueError(
+                    f"`reverse` pattern {pattern!r} selects {len(selected)} modules"
+                    f" ({', '.join(repr(n) for n, _ in selected[:5])}); a reversal flips everything"
+                    " upstream, so a chain of them cancels out. Name the single module whose output"
+                    " the gradient should be reversed at, e.g. the whole block or an nn.Identity."
+                )
+            name = selected[0][0]
+            plan.reversed[name] = plan.reversed.get(name, 1.0) * -value
+        if self.clip_value:
+            bounds = _combine(root, "clip_value", self.clip_value, min)
+            for p, (_, bound) in bounds.items():
+                plan.clip_values.setdefault(bound, []).append(p)
+        if self.clip_norm:
+            plan.clip_norms = _norm_groups(root, self.clip_norm)
+        return plan
+
+
+@dataclass
+class _Plan:
+    """What a GradientTransform does to one model, resolved from its patterns."""
+
+    scaled: list[tuple[str, nn.Parameter, float]] = field(default_factory=list)
+    reversed: dict[str, float] = field(default_factory=dict)
+    clip_values: dict[float, list[nn.Parameter]] = field(default_factory=dict)
+    clip_norms: list[tuple[str, list[nn.Parameter], float]] = field(default_factory=list)
+
+
+def _validate_table(arg: str, table: Any, positive: bool) -> None:
+    if not isinstance(table, Mapping):
+        raise TypeError(f"`{arg}` must be a dict of name patterns to numbers, got {table!r}")
+    if not table:
+        raise ValueError(f"`{arg}` is empty: pass None, or a dict like {{'backbone.*': 0.1}}")
+    for pattern, value in table.items():
+        if not isinstance(pattern, str) or not pattern:
+            raise TypeError(f"`{arg}` keys must be non-empty name globs like 'backbone.*', got {pattern!r}")
+        is_number = isinstance(value, (int, float)) and not isinstance(value, bool)
+        if not is_number or not math.isfinite(value):
+            raise ValueError(f"`{arg}` values must be finite numbers, got {value!r} for {pattern!r}")
+        if positive and value <= 0:
+            raise ValueError(f"`{arg}` values must be positive, got {value!r} for {pattern!r}")
+
+
+def _outermost(root: nn.Module, arg: str, pattern: str) -> list[tuple[str, nn.Module]]:
+    """Return the modules ``pattern`` matches that are not inside another module it matches."""
+    matched = select_modules(root, pattern, argument=arg)
+    names = {name for name, _ in matched}
+    return [(name, m) for name, m in matched if not any(a in names for a in _ancestors(name))]
+
+
+def _ancestors(name: str) -> list[str]:
+    parts = name.split(".")
+    return [".".join(parts[:i]) for i in range(1, len(parts))]
+
+
+def _trainable(root: nn.Module, arg: str, pattern: str) -> dict[nn.Parameter, str]:
+    """Parameters under the modules ``pattern`` selects, once each, with a qualified name."""
+    found: dict[nn.Parameter, str] = {}
+    for module_name, module in _outermost(root, arg, pattern):
+        for param_name, param in module.named_parameters():
+            if param.requires_grad:
+                found.setdefault(param, f"{module_name}.{param_name}")
+    return found
+
+
+def _combine(
+    root: nn.Module, arg: str, table: Mapping[str, float], merge: Any
+) -> dict[nn.Parameter, tuple[str, float]]:
+    """Each parameter's value, merging the values of every pattern that reaches it."""
+    combined: dict[nn.Parameter, tuple[str, float]] = {}
+    for pattern, value in table.items():
+        for param, name in _trainable(root, arg, pattern).items():
+            combined[param] = (name, merge(combined[param][1], value)) if param in combined else (name, value)
+    return combined
+
+
+def _norm_groups(root: nn.Module, table: Mapping[str, float]) -> list[tuple[str, list[nn.Parameter], float]]:
+    """One group per outermost module each pattern matches, the innermost groups first."""
+    bounds: dict[str, float] = {}
+    modules: dict[str, nn.Module] = {}
+    for pattern, value in table.items():
+        for name, module in _outermost(root, "clip_norm", pattern):
+            bounds[name] = min(value, bounds.get(name, value))
+            modules[name] = module
+    ordered = sorted(bounds, key=lambda name: -name.count("."))
+    groups = [(n, [p for p in modules[n].parameters() if p.requires_grad], bounds[n]) for n in ordered]
+    return [group for group in groups if group[1]]
+
+
+def _multiply(grad: Tensor, factor: float) -> Tensor:
+    return grad * factor
+
+
+def _reverse_outputs(
+    module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any, factor: float
+) -> Any:
+    """Forward hook: make the gradient reaching each output tensor be multiplied by ``factor``."""
+    if not torch.is_grad_enabled():
+        return None
+    inputs = [value for value in (*args, *kwargs.values()) if isinstance(value, Tensor)]
+
+    def reverse(tensor: Tensor) -> Tensor:
+        if not tensor.requires_grad:
+            return tensor
+        # A hook on an input returned as is (nn.Identity, in-place modules) would reverse the
+        # input's other consumers too, and one on a view is bypassed once the view is modified
+        # in place: both get a copy of their own.
+        if tensor._is_view() or any(tensor is value for value in inputs):
+            tensor = tensor.clone()
+        tensor.register_hook(partial(_multiply, factor=factor))
+        return tensor
+
+    return apply_to_collection(output, Tensor, reverse)

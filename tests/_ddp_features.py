@@ -1,0 +1,42 @@
+"""Run by tests/test_features.py: a 2-process CPU DDP predict with FeatureExtractor (gloo)."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import lightning as L
+import torch
+from torch import Tensor, nn
+from torch.utils.data import DataLoader, TensorDataset
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from lightning_hooks.features import FeatureExtractor  # noqa: E402
+
+
+class Encoder(L.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.encoder = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3))
+
+    def predict_step(self, batch: list[Tensor], batch_idx: int) -> Tensor:
+        return self.encoder(batch[0])
+
+
+def main(out_dir: str) -> None:
+    L.seed_everything(0, verbose=False)
+    model = Encoder()
+    x = torch.randn(32, 4, generator=torch.Generator().manual_seed(1))
+    trainer = L.Trainer(
+        accelerator="cpu", devices=2, strategy="ddp", logger=False, enable_progress_bar=False,
+        enable_model_summary=False, enable_checkpointing=False,
+        callbacks=[FeatureExtractor("encoder.2", os.path.join(out_dir, "features"), flush_every_n_batches=2)],
+    )
+    trainer.predict(model, DataLoader(TensorDataset(x), batch_size=4), return_predictions=False)
+    if trainer.is_global_zero:
+        torch.save({"state": model.state_dict(), "x": x}, os.path.join(out_dir, "inputs.pt"))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
