@@ -49,7 +49,11 @@ def synthetic_data(n: int = 4096) -> DataLoader:
 
 def callbacks() -> list[L.Callback]:
     """The monitors this demo runs; every one of them is a plain Lightning callback."""
-    return [lh.ActivationMonitor(log_every_n_steps=20)]
+    return [
+        lh.ActivationMonitor(log_every_n_steps=20),
+        lh.GradientMonitor(log_every_n_steps=20, provenance=True),
+        lh.GradientAnomalyStopping(action="skip", max_norm=1e4),
+    ]
 
 
 def main(log_dir: str = "runs/quickstart") -> None:
@@ -67,7 +71,7 @@ def main(log_dir: str = "runs/quickstart") -> None:
     tags = events.Tags()
     print(f"\nTensorBoard logs: {logger.log_dir}")
     print(f"{len(tags['histograms'])} histogram series, {len(tags['scalars'])} scalar series")
-    for tag in ("activations/encoder.1/zero_fraction", "activations/head/std"):
+    for tag in ("activations/encoder.1/zero_fraction", "activations/head/std", "gradients/total_norm"):
         if tag in tags["scalars"]:
             first, last = events.Scalars(tag)[0], events.Scalars(tag)[-1]
             print(f"{tag}: step {first.step} -> {first.value:.3f}, step {last.step} -> {last.value:.3f}")

@@ -2,19 +2,39 @@
 
 from lightning_hooks._base import HookCallback
 from lightning_hooks.activations import ActivationMonitor
+from lightning_hooks.anomalies import (
+    FLAG_NAMES,
+    AnomalyDetector,
+    AnomalyReport,
+    GradientFigures,
+    anomaly_flags,
+    gradient_figures,
+)
 from lightning_hooks.features import FeatureExtractor, load_features
+from lightning_hooks.gradients import GRADIENT_STAT_NAMES, GradientMonitor
 from lightning_hooks.selection import ACTIVATION_TYPES, ModuleSelection, select_modules
 from lightning_hooks.stats import STAT_NAMES, histogram_edges
+from lightning_hooks.stopping import GradientAnomalyError, GradientAnomalyStopping
 from lightning_hooks.transforms import GradientTransform
 
 __all__ = [
     "ACTIVATION_TYPES",
+    "FLAG_NAMES",
+    "GRADIENT_STAT_NAMES",
     "STAT_NAMES",
     "ActivationMonitor",
+    "AnomalyDetector",
+    "AnomalyReport",
     "FeatureExtractor",
+    "GradientAnomalyError",
+    "GradientAnomalyStopping",
+    "GradientFigures",
+    "GradientMonitor",
     "GradientTransform",
     "HookCallback",
     "ModuleSelection",
+    "anomaly_flags",
+    "gradient_figures",
     "histogram_edges",
     "load_features",
     "select_modules",

@@ -6,6 +6,7 @@ from collections.abc import Sequence
 from typing import Any, Literal, Optional
 
 import lightning.pytorch as pl
+import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
@@ -13,9 +14,17 @@ from lightning_hooks._base import HookCallback
 from lightning_hooks.aggregate import StatBlock
 from lightning_hooks.selection import ModuleSelection
 from lightning_hooks.sinks import log_histogram, log_scalars
-from lightning_hooks.stats import STAT_NAMES, Bins, histogram_edges, iter_tensors, summarize
+from lightning_hooks.stats import STAT_NAMES, Bins, histogram_edges, summarize
 
 Stage = Literal["train", "validate"]
+
+
+def _in_backward() -> bool:
+    """Whether autograd is running a backward pass.
+
+    Forwards there are gradient checkpointing recomputing outputs that were already counted.
+    """
+    return not torch.compiler.is_compiling() and torch._C._current_graph_task_id() != -1
 
 
 class ActivationMonitor(HookCallback):
@@ -25,7 +34,9 @@ class ActivationMonitor(HookCallback):
     hook on each selected module adds every tensor it returns (inside tuples, lists, dicts and
     dataclasses; other values are skipped) to that module's row of on-device statistics. Rows
     add up over the step's micro-batches (gradient accumulation) and over repeated calls of a
-    module (shared layers, loops): the ``calls`` stat says how many calls a row holds. At the
+    module (shared layers, loops): the ``calls`` stat says how many calls a row holds (a call
+    counts once however many tensors it returns; recomputation by gradient checkpointing in
+    backward is not a call, and calls that return nothing summarisable are not counted). At the
     optimizer step the rows are reduced across ranks once, copied to the host once, and logged
     as ``activations/<module>/<stat>`` scalars to every logger and as
     ``activations/<module>`` histograms to TensorBoard. On other steps the hooks return at once.
@@ -45,7 +56,8 @@ class ActivationMonitor(HookCallback):
         histogram: Whether to write histograms to TensorBoard.
         bins: Histogram bins: a count of symmetric log-spaced bins covering all of float32,
             or increasing bin edges.
-        inputs: Also record each module's positional inputs, as ``<module>.input``.
+        inputs: Also record each module's positional inputs, as ``<module>.input``, read
+            before the forward runs (so an in-place module reports the input it was given).
         stages: ``"train"``, and ``"validate"`` to log validation forwards (summed over the
             validation run, under ``val_activations/``, sanity check excluded).
 
@@ -110,15 +122,19 @@ class ActivationMonitor(HookCallback):
         input_index = index + len(self._targets)
 
         def record(mod: nn.Module, args: tuple[Any, ...], output: Any) -> None:
-            block = self._block
-            assert block is not None
-            for tensor in iter_tensors(output):
-                block.add(index, tensor)
-            if self.inputs:
-                for tensor in iter_tensors(args):
-                    block.add(input_index, tensor)
+            if self._block is not None and not _in_backward():
+                self._block.add_all(index, output)
 
-        return [module.register_forward_hook(self._guard(name, record))]
+        # A pre-hook, as an in-place module (ReLU(inplace=True)) has overwritten its input by
+        # the time a forward hook runs.
+        def record_inputs(mod: nn.Module, args: tuple[Any, ...]) -> None:
+            if self._block is not None and not _in_backward():
+                self._block.add_all(input_index, args)
+
+        handles = [module.register_forward_hook(self._guard(name, record))]
+        if self.inputs:
+            handles.append(module.register_forward_pre_hook(self._guard(name, record_inputs)))
+        return handles
 
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int

@@ -10,7 +10,9 @@ from typing import Union
 from torch import nn
 
 ModulePredicate = Callable[[str, nn.Module], bool]
-ModuleSelection = Union[None, str, type, ModulePredicate, Sequence[Union[str, type]]]
+# The order is for jsonargparse (LightningCLI): a class path such as torch.nn.Linear parses as a
+# type before it falls back to a glob, and lists serialize only with the predicate last.
+ModuleSelection = Union[None, type, str, Sequence[Union[type, str]], ModulePredicate]
 
 #: Parameter-free modules selected by default, beside every leaf module that has parameters.
 ACTIVATION_TYPES: tuple[type[nn.Module], ...] = (

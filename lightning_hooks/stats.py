@@ -58,7 +58,10 @@ def histogram_edges(bins: Bins = 128, low: float = 1e-6, high: float = 1e6) -> T
             ``0 < low < high < float32 max`` does not hold.
     """
     if not isinstance(bins, int):
-        edges = torch.as_tensor(list(bins), dtype=torch.float64)
+        try:
+            edges = torch.as_tensor(list(bins), dtype=torch.float64)
+        except (TypeError, ValueError):
+            raise ValueError(f"`bins` must be a positive int or a sequence of edges, got {bins!r}") from None
         if edges.ndim != 1 or edges.numel() < 2 or not bool((edges[1:] > edges[:-1]).all()):
             raise ValueError(f"`bins` as edges must be >= 2 strictly increasing numbers, got {bins!r}")
         return edges
@@ -112,7 +115,7 @@ def as_float_values(tensor: Tensor) -> Tensor | None:
 
 
 @torch.no_grad()
-def accumulate_(row: Tensor, values: Tensor, inner_edges: Tensor, zero_bin: int) -> None:
+def accumulate_(row: Tensor, values: Tensor, inner_edges: Tensor, zero_bin: int, calls: int = 1) -> None:
     """Add the statistics of flat float32 ``values`` into stat ``row``, in place, on device.
 
     Args:
@@ -120,6 +123,7 @@ def accumulate_(row: Tensor, values: Tensor, inner_edges: Tensor, zero_bin: int)
         values: Flat float32 values, as from :func:`as_float_values`.
         inner_edges: The bin edges without the outermost two, on ``values``' device.
         zero_bin: Index of the bin that holds 0 (masked values land there and are taken out).
+        calls: Added to the ``calls`` column: 0 for the second and later tensors of one call.
     """
     finite = torch.isfinite(values)
     n_finite = finite.sum()
@@ -138,7 +142,7 @@ def accumulate_(row: Tensor, values: Tensor, inner_edges: Tensor, zero_bin: int)
                         n_posinf.double(), n_neginf.double()]).to(row.device)
     row[1:8] += sums
     row[0] += values.numel()
-    row[8] += 1
+    row[8] += calls
     row[_MAX_SLICE] = torch.maximum(row[_MAX_SLICE], torch.stack([high, -low]).double().to(row.device))
     hist = row[N_FIELDS:]
     index = torch.bucketize(clean, inner_edges)

@@ -1,0 +1,283 @@
+"""Gradient anomaly kernels and state: norms, flags, the running median, the report.
+
+The kernels are pure tensor functions that never leave the device; :class:`AnomalyDetector`
+holds the thresholds and the running median window that the callbacks share.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, NamedTuple, Optional
+
+import torch
+from torch import Tensor
+
+#: Anomaly flags, in the order of the rows of :func:`anomaly_flags`.
+FLAG_NAMES = ("nonfinite", "exploding", "vanishing")
+
+_NARROW = (torch.float16, torch.bfloat16, torch.float32)
+
+
+class GradientFigures(NamedTuple):
+    """What :func:`gradient_figures` measures; every field stays on the gradients' device."""
+
+    norms: Tensor
+    """(P,) float64: the L2 norm of each gradient."""
+    max_abs: Tensor
+    """(P,) float64: each gradient's largest absolute value (NaN where it holds a NaN)."""
+    group_norms: Tensor
+    """(G + 1,) float64: the L2 norm per parameter group (NaN for a group without
+    gradients), then of all gradients together."""
+    nonfinite: Tensor
+    """(G + 1,) int64: how many gradients hold a NaN or an Inf, per group, then in all."""
+
+
+def _foreach_norms(tensors: list[Tensor], ord: float) -> list[Tensor]:
+    """Per-tensor norms, batched, accumulated in at least float32."""
+    out: list[Optional[Tensor]] = [None] * len(tensors)
+    narrow = [i for i, t in enumerate(tensors) if t.dtype in _NARROW]
+    wide = [i for i, t in enumerate(tensors) if t.dtype not in _NARROW]
+    for index, dtype in ((narrow, torch.float32), (wide, None)):
+        if index:
+            norms = torch._foreach_norm([tensors[i] for i in index], ord, dtype=dtype)
+            for i, norm in zip(index, norms):
+                out[i] = norm
+    return [norm for norm in out if norm is not None]
+
+
+@torch.no_grad()
+def gradient_figures(grads: Sequence[Tensor], group_sizes: Sequence[int]) -> GradientFigures:
+    """Norms of gradients, per gradient, per parameter group and in total, batched on device.
+
+    The total norm is the one ``torch.nn.utils.get_total_norm`` gives. Non-finite gradients
+    are told apart from finite gradients whose float32 norm overflows by their largest
+    absolute value, which is non-finite only for a gradient holding a NaN or an Inf.
+
+    Args:
+        grads: Dense gradients, grouped by parameter group, in order.
+        group_sizes: How many of ``grads`` each parameter group holds (0 for a group without
+            gradients).
+
+    Returns:
+        The figures, on the device of ``grads[0]``.
+
+    Raises:
+        ValueError: If ``grads`` is empty or ``group_sizes`` does not add up to its length.
+
+    Example::
+
+        figures = gradient_figures([p.grad for p in model.parameters()], [4])
+        total_norm = figures.group_norms[-1]
+
+    """
+    if not grads or any(size < 0 for size in group_sizes) or sum(group_sizes) != len(grads):
+        raise ValueError(f"`group_sizes` {list(group_sizes)} must add up to the {len(grads)} gradients")
+    device = grads[0].device
+    norms = torch.stack([n.to(device) for n in _foreach_norms(list(grads), 2.0)]).double()
+    max_abs = torch.stack([n.to(device) for n in _foreach_norms(list(grads), math.inf)]).double()
+    bad = ~torch.isfinite(max_abs)
+    nan = torch.full((), math.nan, dtype=torch.float64, device=device)
+    group_norms, nonfinite, start = [], [], 0
+    for size in group_sizes:
+        part = slice(start, start + size)
+        group_norms.append(torch.linalg.vector_norm(norms[part]) if size else nan)
+        nonfinite.append(bad[part].sum())
+        start += size
+    group_norms.append(torch.linalg.vector_norm(norms))
+    nonfinite.append(bad.sum())
+    return GradientFigures(norms, max_abs, torch.stack(group_norms), torch.stack(nonfinite))
+
+
+@torch.no_grad()
+def anomaly_flags(
+    group_norms: Tensor,
+    nonfinite: Tensor,
+    *,
+    check_finite: bool = True,
+    max_norm: Optional[float] = None,
+    min_norm: Optional[float] = None,
+    relative_threshold: Optional[float] = None,
+    reference: Optional[Tensor] = None,
+) -> Tensor:
+    """Anomaly flags from the figures of :func:`gradient_figures`, on device.
+
+    A column (group or total) whose gradients are not all finite is flagged ``nonfinite``
+    (if ``check_finite``) and never ``exploding`` or ``vanishing``. A NaN norm (a group without
+    gradients) or a NaN reference flags nothing.
+
+    Args:
+        group_norms: Norms per group and in total, as in :class:`GradientFigures`.
+        nonfinite: Non-finite gradient counts per group and in total.
+        check_finite: Flag non-finite gradients.
+        max_norm: Flag ``exploding`` above this norm.
+        min_norm: Flag ``vanishing`` below this norm.
+        relative_threshold: Flag ``exploding`` above this multiple of ``reference``.
+        reference: The running median norm per column; None before there is one.
+
+    Returns:
+        Bool tensor of shape ``(len(FLAG_NAMES), len(group_norms))``, rows in ``FLAG_NAMES``
+        order.
+
+    Example::
+
+        flags = anomaly_flags(figures.group_norms, figures.nonfinite, max_norm=1e3)
+        any_exploding = flags[FLAG_NAMES.index("exploding")].any()
+
+    """
+    finite = nonfinite == 0
+    never = torch.zeros_like(finite)
+    exploding = never
+    if max_norm is not None:
+        exploding = exploding | (group_norms > max_norm)
+    if relative_threshold is not None and reference is not None:
+        exploding = exploding | (group_norms > relative_threshold * reference.to(group_norms))
+    vanishing = group_norms < min_norm if min_norm is not None else never
+    return torch.stack([~finite if check_finite else never, exploding & finite, vanishing & finite])
+
+
+def _check_number(name: str, value: Any, low: float, strict_low: bool) -> None:
+    is_number = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if value is not None and not (is_number and (value > low if strict_low else value >= low)):
+        bound = f"> {low:g}" if strict_low else f">= {low:g}"
+        raise ValueError(f"`{name}` must be a finite number {bound} or None, got {value!r}")
+
+
+@dataclass
+class AnomalyDetector:
+    """Thresholds for gradient anomaly flags, and the running median norm that they compare with.
+
+    The median is over the group and total norms of the last ``window`` steps that were not
+    anomalous (a run of bad steps does not drag it up), kept per optimizer on device; the
+    relative check starts once the window is full.
+
+    Args:
+        check_finite: Flag gradients that hold a NaN or an Inf.
+        max_norm: Flag a group or total norm above this as exploding.
+        relative_threshold: Flag a norm above this multiple of its running median as exploding.
+        min_norm: Flag a group or total norm below this as vanishing.
+        window: How many clean steps the running median covers.
+
+    Raises:
+        ValueError: For a threshold that is not a finite positive number (``relative_threshold``
+            must be > 1), ``min_norm >= max_norm``, or ``window`` < 1.
+
+    """
+
+    check_finite: bool = True
+    max_norm: Optional[float] = None
+    relative_threshold: Optional[float] = None
+    min_norm: Optional[float] = None
+    window: int = 50
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.check_finite, bool):
+            raise ValueError(f"`check_finite` must be a bool, got {self.check_finite!r}")
+        _check_number("max_norm", self.max_norm, 0.0, strict_low=True)
+        _check_number("min_norm", self.min_norm, 0.0, strict_low=True)
+        _check_number("relative_threshold", self.relative_threshold, 1.0, strict_low=True)
+        if self.min_norm is not None and self.max_norm is not None and self.min_norm >= self.max_norm:
+            raise ValueError(f"`min_norm` ({self.min_norm}) must be below `max_norm` ({self.max_norm})")
+        if not isinstance(self.window, int) or isinstance(self.window, bool) or self.window < 1:
+            raise ValueError(f"`window` must be a positive int, got {self.window!r}")
+        self._history: dict[int, Tensor] = {}
+        self._seen: dict[int, int] = {}
+
+    @property
+    def enabled_flags(self) -> tuple[str, ...]:
+        """The flags these settings can raise."""
+        exploding = self.max_norm is not None or self.relative_threshold is not None
+        enabled = (self.check_finite, exploding, self.min_norm is not None)
+        return tuple(name for name, on in zip(FLAG_NAMES, enabled) if on)
+
+    def flags(self, figures: GradientFigures, key: int = 0) -> Tensor:
+        """:func:`anomaly_flags` for one optimizer (``key``) against its running median."""
+        history = self._history.get(key)
+        shape = (self.window, figures.group_norms.numel())
+        reference = None
+        if history is not None and history.shape == shape and self._seen[key] >= self.window:
+            reference = history.nanmedian(0).values
+        return anomaly_flags(
+            figures.group_norms, figures.nonfinite, check_finite=self.check_finite,
+            max_norm=self.max_norm, min_norm=self.min_norm,
+            relative_threshold=self.relative_threshold, reference=reference,
+        )
+
+    def remember(self, group_norms: Tensor, key: int = 0) -> None:
+        """Add a clean step's norms to the window of optimizer ``key``; on device, no sync."""
+        if self.relative_threshold is None:
+            return
+        history = self._history.get(key)
+        if history is None or history.shape != (self.window, group_norms.numel()):
+            history = torch.full((self.window, group_norms.numel()), math.nan, dtype=torch.float64,
+                                 device=group_norms.device)
+            self._seen[key] = 0
+        self._history[key] = history = history.to(group_norms.device)
+        history[self._seen[key] % self.window] = group_norms
+        self._seen[key] += 1
+
+    def state_dict(self) -> dict[str, Any]:
+        """Return the running windows, on the CPU."""
+        return {"history": {k: h.cpu() for k, h in self._history.items()}, "seen": dict(self._seen)}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore the running windows; they move to the gradients' device at the next step."""
+        self._history = {int(k): h.clone() for k, h in state_dict["history"].items()}
+        self._seen = {int(k): int(n) for k, n in state_dict["seen"].items()}
+
+
+@dataclass(frozen=True)
+class AnomalyReport:
+    """What went wrong at one optimizer step, and where it began.
+
+    Attributes:
+        step: ``trainer.global_step`` of the optimizer step (steps completed before it).
+        epoch: The epoch.
+        batch_idx: Index in the epoch of the step's last batch.
+        flags: The flags that fired: ``"nonfinite"`` for all gradients together, and with
+            several parameter groups ``"nonfinite/group1"`` for group 1, and so on.
+        total_norm: L2 norm of all gradients.
+        group_norms: L2 norm per parameter group.
+        first_nonfinite_module: The first watched module, in forward execution order, whose
+            output held a NaN or an Inf this step; None if none did or provenance was off.
+        nonfinite_rank: Under several processes, the rank where that output was seen.
+        nonfinite_params: Parameters whose gradients hold a NaN or an Inf.
+        largest_norms: The parameters with the largest gradient norms, largest first.
+        saved_path: Where the step's batch and model state were saved for replay, if they were.
+
+    """
+
+    step: int
+    epoch: int
+    batch_idx: Optional[int]
+    flags: tuple[str, ...]
+    total_norm: float
+    group_norms: tuple[float, ...]
+    first_nonfinite_module: Optional[str] = None
+    nonfinite_rank: Optional[int] = None
+    nonfinite_params: tuple[str, ...] = ()
+    largest_norms: tuple[tuple[str, float], ...] = ()
+    saved_path: Optional[str] = None
+
+    def __str__(self) -> str:
+        groups = ", ".join(f"{n:.4g}" for n in self.group_norms)
+        lines = [
+            f"Gradient anomaly at step {self.step} (epoch {self.epoch}, batch {self.batch_idx}):"
+            f" {', '.join(self.flags)}",
+            f"  total gradient norm {self.total_norm:.4g}"
+            + (f" (per parameter group: {groups})" if len(self.group_norms) > 1 else ""),
+        ]
+        if self.first_nonfinite_module is not None:
+            rank = f" on rank {self.nonfinite_rank}" if self.nonfinite_rank is not None else ""
+            lines.append(f"  first non-finite output: module {self.first_nonfinite_module!r}{rank}")
+        if self.nonfinite_params:
+            bad = self.nonfinite_params
+            more = f", ... ({len(bad) - 8} more)" if len(bad) > 8 else ""
+            lines.append(f"  non-finite gradients in {len(bad)} parameter(s): {', '.join(bad[:8])}{more}")
+        if self.largest_norms:
+            largest = ", ".join(f"{name} {norm:.4g}" for name, norm in self.largest_norms)
+            lines.append(f"  largest gradient norms: {largest}")
+        if self.saved_path is not None:
+            lines.append(f"  batch and model state saved to {self.saved_path}")
+        return "\n".join(lines)

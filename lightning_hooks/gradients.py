@@ -1,0 +1,241 @@
+"""GradientMonitor: gradient norms and histograms, and anomaly flags at every optimizer step."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any, Literal, Optional
+
+import lightning.pytorch as pl
+import torch
+from torch import Tensor
+
+from lightning_hooks._gradient_check import Check, GradientCheck, Step
+from lightning_hooks.aggregate import StatBlock
+from lightning_hooks.anomalies import AnomalyReport
+from lightning_hooks.selection import ModuleSelection
+from lightning_hooks.sinks import log_histogram, log_scalars
+from lightning_hooks.stats import STAT_NAMES, Bins, histogram_edges, summarize
+
+Granularity = Literal["parameter", "module"]
+
+#: Statistics GradientMonitor can log per parameter or module: the L2 norm, and those of stat rows.
+GRADIENT_STAT_NAMES = ("norm", *STAT_NAMES)
+
+
+class GradientMonitor(GradientCheck):
+    """Log gradient norms and histograms, and flag gradient anomalies at every optimizer step.
+
+    Everything happens in ``on_before_optimizer_step``: after gradient accumulation, and after
+    AMP unscaling, so the figures are those of the gradients the optimizer is about to apply (an
+    optimizer that would unscale in its own step, ``fused=True``, is unscaled here, as for
+    gradient clipping). Under DDP the gradients have been all-reduced (averaged) by then and
+    are the same on every rank, so they are not reduced again; rank zero writes, and one small
+    all-reduce per step agrees on whether the step was anomalous.
+
+    On logged steps (``trainer.global_step % log_every_n_steps == 0``) it logs
+    ``gradients/<name>/norm`` per parameter (``granularity="parameter"``) or per module
+    (``"module"``: the norm over the module's parameters), ``gradients/total_norm`` (as
+    ``torch.nn.utils.get_total_norm`` gives it; per parameter group as
+    ``gradients/total_norm/group<i>`` when there are several), any other ``stats``, and
+    ``gradients/<name>`` histograms to TensorBoard, with non-finite values left out and counted.
+
+    At every optimizer step it logs the anomaly flags as 0/1 scalars: ``anomalies/<flag>`` for
+    all gradients together and ``anomalies/<flag>/group<i>`` per parameter group, with
+    ``<flag>`` one of ``nonfinite``, ``exploding`` and ``vanishing`` (those the thresholds
+    enable), and ``anomalies/amp_overflow`` under a GradScaler: steps the scaler itself skips
+    are never flagged otherwise (with fp16 a NaN from the model itself also looks like an
+    overflow to the scaler, and is counted there). The number of anomalous steps so far shows in the progress bar
+    as ``anomalies``. The first step of a run of anomalous steps, and any step that raises a new
+    flag, gets an :class:`~lightning_hooks.anomalies.AnomalyReport`, logged as text
+    (``anomalies/report``) and kept in :attr:`last_report`.
+
+    All figures of a step are computed batched on the gradients' device and reach the host in
+    one transfer. With several optimizers each is checked at its own step.
+
+    Args:
+        log_every_n_steps: Log norms and histograms every this many optimizer steps. None: the
+            Trainer's ``log_every_n_steps``.
+        granularity: One row per ``"parameter"`` or per selected ``"module"``.
+        modules: The modules whose parameters get rows (None: every parameter, or with
+            ``"module"`` every leaf module with parameters); also the modules whose outputs
+            ``provenance`` watches.
+        stats: Which figures to log per row, from :data:`GRADIENT_STAT_NAMES`.
+        histogram: Whether to write gradient histograms to TensorBoard.
+        bins: Histogram bins, see :func:`lightning_hooks.stats.histogram_edges`.
+        check_finite: Flag gradients that hold a NaN or an Inf.
+        max_norm: Flag a group or total norm above this as exploding.
+        relative_threshold: Flag a norm above this multiple of its running median as exploding.
+        min_norm: Flag a group or total norm below this as vanishing.
+        window: How many clean steps the running median covers.
+        provenance: Watch module outputs for NaN/Inf (a cheap on-device check per call), to
+            report the first module in forward order whose output was non-finite.
+        save_dir: Save the batch and the model state of each reported step here, for replay.
+        prog_bar: Show the count of anomalous steps in the progress bar.
+
+    Raises:
+        ValueError: For a bad ``log_every_n_steps``, ``granularity``, stat, ``bins`` or
+            threshold, or (in ``setup``, before training) a module pattern that matches nothing.
+
+    Example::
+
+        from lightning import Trainer
+        from lightning_hooks import GradientMonitor
+
+        monitor = GradientMonitor(log_every_n_steps=50, max_norm=100.0, provenance=True)
+        trainer = Trainer(callbacks=[monitor])
+
+    """
+
+    def __init__(
+        self,
+        log_every_n_steps: Optional[int] = None,
+        granularity: Granularity = "parameter",
+        modules: ModuleSelection = None,
+        stats: Sequence[str] = ("norm",),
+        histogram: bool = True,
+        bins: Bins = 128,
+        check_finite: bool = True,
+        max_norm: Optional[float] = None,
+        relative_threshold: Optional[float] = None,
+        min_norm: Optional[float] = None,
+        window: int = 50,
+        provenance: bool = False,
+        save_dir: Optional[str] = None,
+        prog_bar: bool = True,
+    ) -> None:
+        super().__init__(modules, check_finite, max_norm, relative_threshold, min_norm, window,
+                         provenance, save_dir)
+        every = log_every_n_steps
+        if every is not None and (not isinstance(every, int) or isinstance(every, bool) or every < 1):
+            raise ValueError(f"`log_every_n_steps` must be a positive int or None, got {log_every_n_steps!r}")
+        if granularity not in ("parameter", "module"):
+            raise ValueError(f"`granularity` must be 'parameter' or 'module', got {granularity!r}")
+        unknown = [s for s in stats if s not in GRADIENT_STAT_NAMES]
+        if isinstance(stats, str) or unknown:
+            raise ValueError(f"unknown stat(s) {unknown or stats!r}; choose from {list(GRADIENT_STAT_NAMES)}")
+        histogram_edges(bins)  # validates `bins`
+        self.log_every_n_steps, self.granularity, self.stats = log_every_n_steps, granularity, tuple(stats)
+        self.histogram, self.bins, self.prog_bar = histogram, bins, prog_bar
+        self.last_report: Optional[AnomalyReport] = None
+        self._anomalies, self._streak = 0, 0
+        self._fired: frozenset[str] = frozenset()
+        self._every = 1
+        self._rows: list[tuple[str, list[Tensor]]] = []
+        self._logged = False  # whether this step's transfer holds the rows' figures
+        self._present: list[bool] = []  # which rows had gradients this step
+        self._block: Optional[StatBlock] = None
+
+    @property
+    def anomalous_steps(self) -> int:
+        """How many optimizer steps were flagged so far."""
+        return self._anomalies
+
+    def _uses_modules(self) -> bool:
+        return self.provenance or self.granularity == "module" or self.modules is not None
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        """Resolve modules and the logging interval before training starts."""
+        super().setup(trainer, pl_module, stage)
+        self._every = self.log_every_n_steps or trainer.log_every_n_steps or 1
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Register the hooks, choose the rows and allocate their buffers on the module's device."""
+        super().on_fit_start(trainer, pl_module)
+        self._rows = self._select_rows(pl_module)
+        needs_rows = self.histogram or any(s != "norm" for s in self.stats)
+        names = [name for name, _ in self._rows]
+        self._block = StatBlock(names, self.bins, pl_module.device) if needs_rows and names else None
+
+    def detach(self) -> None:
+        """Remove the hooks and drop the rows' references to parameters."""
+        super().detach()
+        self._rows, self._block = [], None
+
+    def _select_rows(self, pl_module: pl.LightningModule) -> list[tuple[str, list[Tensor]]]:
+        if self.granularity == "module":
+            rows: list[tuple[str, list[Tensor]]] = [
+                (name, [p for p in m.parameters() if p.requires_grad]) for name, m in self._targets
+            ]
+            return [(name, params) for name, params in rows if params]
+        named = pl_module.named_parameters() if self.modules is None else (
+            (f"{mname}.{pname}", p) for mname, m in self._targets for pname, p in m.named_parameters()
+        )
+        first_name: dict[Tensor, str] = {}
+        for name, param in named:
+            if param.requires_grad:
+                first_name.setdefault(param, name)
+        return [(name, [param]) for param, name in first_name.items()]
+
+    def _extra(self, trainer: pl.Trainer, step: Step) -> list[Tensor]:
+        """Row norms, and the rows' stats and histograms, on logged steps."""
+        self._logged, self._present = trainer.global_step % self._every == 0, []
+        if not self._logged or not self._rows:
+            return []
+        position = {p: i for i, p in enumerate(step.params)}
+        norms = step.figures.norms
+        nan = torch.full((), math.nan, dtype=norms.dtype, device=norms.device)
+        row_norms = []
+        for index, (_, params) in enumerate(self._rows):
+            present = [p for p in params if p in position]
+            if self._block is not None:
+                for param in present:
+                    self._block.add(index, param.grad)  # type: ignore[arg-type]
+            parts = [norms[position[p]] for p in present]
+            row_norms.append(torch.linalg.vector_norm(torch.stack(parts)) if parts else nan)
+            self._present.append(bool(present))
+        return [torch.stack(row_norms)] + ([self._block.rows] if self._block is not None else [])
+
+    def _handle(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any, step: Step,
+                check: Check) -> None:
+        metrics = {f"anomalies/{name}": float(fired) for name, fired in check.flags.items()}
+        if check.amp_overflow is not None:
+            metrics["anomalies/amp_overflow"] = float(check.amp_overflow)
+        if self._logged:
+            metrics.update(self._gradient_metrics(trainer, check))
+        log_scalars(trainer, metrics, trainer.global_step)
+        if check.anomalous:
+            fired = frozenset(name for name, on in check.flags.items() if on)
+            # Agreed, so that every rank builds the report (it gathers provenance) or none does.
+            if trainer.strategy.reduce_boolean_decision(bool(fired - self._fired), all=False):
+                self.last_report = self._report(trainer, pl_module, step, check)
+            self._anomalies, self._streak, self._fired = self._anomalies + 1, self._streak + 1, fired
+        else:
+            self._streak, self._fired = 0, frozenset()
+        if self.prog_bar:
+            pl_module.log("anomalies", float(self._anomalies), prog_bar=True, logger=False, on_step=True,
+                          on_epoch=False)
+
+    def _gradient_metrics(self, trainer: pl.Trainer, check: Check) -> dict[str, float]:
+        n_rows, block = len(self._rows), self._block
+        row_norms, flat = check.extra[:n_rows], check.extra[n_rows:]
+        metrics = {"gradients/total_norm": check.norms[-1]}
+        if len(check.norms) > 2:
+            metrics.update({f"gradients/total_norm/group{g}": n for g, n in enumerate(check.norms[:-1])})
+        width = len(flat) // max(n_rows, 1)
+        edges = block.edges.tolist() if block is not None else []
+        for index, (name, _) in enumerate(self._rows):
+            if not self._present[index]:
+                continue  # no gradient this step (unused or frozen for now)
+            if "norm" in self.stats:
+                metrics[f"gradients/{name}/norm"] = row_norms[index]
+            if block is None:
+                continue
+            row = flat[index * width : (index + 1) * width]
+            summary = summarize(row)
+            metrics.update({f"gradients/{name}/{s}": summary[s] for s in self.stats if s != "norm"})
+            if self.histogram:
+                log_histogram(trainer, f"gradients/{name}", summary, row[-len(edges) + 1 :], edges,
+                              trainer.global_step)
+        if block is not None:
+            block.reset()
+        return metrics
+
+    def state_dict(self) -> dict[str, Any]:
+        """Return the anomaly count and the running median windows."""
+        return {"anomalies": self._anomalies, "streak": self._streak, **self._state()}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore what :meth:`state_dict` returned."""
+        self._anomalies, self._streak = int(state_dict["anomalies"]), int(state_dict["streak"])
+        self._load_state(state_dict)

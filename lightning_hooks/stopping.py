@@ -1,0 +1,161 @@
+"""GradientAnomalyStopping: stop, skip, raise or warn when the gradients go bad."""
+
+from __future__ import annotations
+
+from typing import Any, Literal, Optional
+
+import lightning.pytorch as pl
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+
+from lightning_hooks._gradient_check import Check, GradientCheck, Step
+from lightning_hooks.anomalies import AnomalyReport
+from lightning_hooks.selection import ModuleSelection
+
+Action = Literal["stop", "skip", "raise", "warn"]
+_ACTIONS = ("stop", "skip", "raise", "warn")
+_COUNTERS = ("streak", "anomalous_steps", "dropped_steps", "amp_overflows")
+
+
+class GradientAnomalyError(RuntimeError):
+    """Raised by ``GradientAnomalyStopping(action="raise")``; ``report`` says what and where."""
+
+    def __init__(self, report: AnomalyReport) -> None:
+        super().__init__(str(report))
+        self.report = report
+
+
+def _drop_update(optimizer: Any) -> None:
+    """Set every gradient of ``optimizer`` to None, so that its step leaves parameters and state alone."""
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            param.grad = None
+
+
+class GradientAnomalyStopping(GradientCheck):
+    """Act when gradients are non-finite, explode or vanish: stop, skip the update, raise or warn.
+
+    The check runs at every optimizer step in ``on_before_optimizer_step`` (after gradient
+    accumulation and AMP unscaling). A step is anomalous when any enabled flag fires for all
+    gradients together or for any parameter group: a NaN or Inf gradient (``check_finite``), a
+    norm above ``max_norm`` or above ``relative_threshold`` times its running median over the
+    last ``window`` clean steps (exploding), or below ``min_norm`` (vanishing). Steps whose
+    overflow the AMP GradScaler handles itself (it skips them and lowers its scale) never count;
+    with fp16 that includes a NaN from the model itself, which the scaler cannot tell apart.
+
+    ``patience`` anomalous steps in a row are tolerated (and applied); the next one is acted on,
+    so ``patience=0`` acts on the first. Then, with an
+    :class:`~lightning_hooks.anomalies.AnomalyReport` (logged as text, kept in
+    :attr:`last_report`):
+
+    - ``"stop"``: drops that step's update and sets ``trainer.should_stop``, so ``fit`` ends
+      after this step: ``trainer.global_step`` is the step's number + 1 (the dropped step still
+      counts), and validation runs once more as with ``EarlyStopping``. Lightning keeps
+      training past ``should_stop`` until ``min_steps`` and ``min_epochs`` are met (and given
+      ``min_steps`` alone it sets ``min_epochs=1``, so the first epoch always ends); every
+      further anomalous step is then dropped too.
+    - ``"skip"``: drops the update of this and every following anomalous step of the run
+      (gradients set to None, so the optimizer leaves parameters and its state alone) and
+      trains on. The global step and learning-rate schedules still advance.
+    - ``"raise"``: raises :class:`GradientAnomalyError` carrying the report, before the update.
+    - ``"warn"``: warns with the report, on rank zero, and applies the update.
+
+    The report is built once per run of anomalous steps, when the action starts.
+
+    Decisions are agreed across ranks (any rank anomalous means all act at the same step), so
+    ranks never diverge or hang. Under DDP the gradients are already all-reduced here and the
+    same on every rank. The streak and the running medians survive a checkpoint resume. Works
+    beside Lightning's ``EarlyStopping``. Put it after a ``GradientMonitor`` in ``callbacks``
+    so that the monitor still sees a step's gradients before they are dropped.
+
+    Args:
+        action: What to do: ``"stop"``, ``"skip"``, ``"raise"`` or ``"warn"``.
+        patience: How many anomalous optimizer steps in a row to tolerate before acting.
+        check_finite: Flag gradients that hold a NaN or an Inf.
+        max_norm: Flag a group or total norm above this as exploding.
+        relative_threshold: Flag a norm above this multiple of its running median as exploding.
+        min_norm: Flag a group or total norm below this as vanishing.
+        window: How many clean steps the running median covers.
+        provenance: Watch module outputs for NaN/Inf, to report the first module in forward
+            order whose output was non-finite.
+        modules: The modules ``provenance`` watches (None: leaf modules with parameters, and
+            activation modules).
+        save_dir: Save the offending batch and the model state here when acting, for replay.
+
+    Raises:
+        ValueError: For an unknown ``action``, a negative ``patience``, a bad threshold, or
+            when no check is enabled.
+
+    Example::
+
+        from lightning import Trainer
+        from lightning_hooks import GradientAnomalyStopping
+
+        stopper = GradientAnomalyStopping(action="stop", patience=2, max_norm=1e4, provenance=True)
+        trainer = Trainer(callbacks=[stopper])
+
+    """
+
+    def __init__(
+        self,
+        action: Action = "stop",
+        patience: int = 0,
+        check_finite: bool = True,
+        max_norm: Optional[float] = None,
+        relative_threshold: Optional[float] = None,
+        min_norm: Optional[float] = None,
+        window: int = 50,
+        provenance: bool = False,
+        modules: ModuleSelection = None,
+        save_dir: Optional[str] = None,
+    ) -> None:
+        super().__init__(modules, check_finite, max_norm, relative_threshold, min_norm, window,
+                         provenance, save_dir)
+        if action not in _ACTIONS:
+            raise ValueError(f"`action` must be one of {list(_ACTIONS)}, got {action!r}")
+        if not isinstance(patience, int) or isinstance(patience, bool) or patience < 0:
+            raise ValueError(f"`patience` must be a non-negative int, got {patience!r}")
+        if not self._detector.enabled_flags:
+            raise ValueError(
+                "nothing to check: set `check_finite=True`, or one of `max_norm`,"
+                " `relative_threshold`, `min_norm`"
+            )
+        self.action, self.patience = action, patience
+        self.last_report: Optional[AnomalyReport] = None
+        self.streak = 0
+        self.anomalous_steps = 0
+        self.dropped_steps = 0
+        self.amp_overflows = 0
+
+    def _handle(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any, step: Step,
+                check: Check) -> None:
+        self.amp_overflows += bool(check.amp_overflow)
+        self.anomalous_steps += check.anomalous
+        self.streak = self.streak + 1 if check.anomalous else 0
+        pl_module.log("anomaly_streak", float(self.streak), prog_bar=True, logger=False, on_step=True,
+                      on_epoch=False)
+        if self.streak <= self.patience:
+            return
+        if self.streak == self.patience + 1:  # report once per run of anomalous steps
+            self.last_report = report = self._report(trainer, pl_module, step, check)
+            if self.action == "raise":
+                raise GradientAnomalyError(report)
+            if self.action == "warn":
+                rank_zero_warn(str(report))
+            elif self.action == "stop":
+                rank_zero_info(f"GradientAnomalyStopping: stopping.\n{report}")
+        if self.action in ("stop", "skip"):
+            _drop_update(optimizer)
+            self.dropped_steps += 1
+        if self.action == "stop":
+            trainer.should_stop = True
+
+    def state_dict(self) -> dict[str, Any]:
+        """Return the counters and the running median windows."""
+        counters = {name: getattr(self, name) for name in _COUNTERS}
+        return {**counters, **self._state()}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore what :meth:`state_dict` returned."""
+        for name in _COUNTERS:
+            setattr(self, name, int(state_dict[name]))
+        self._load_state(state_dict)

@@ -1,0 +1,141 @@
+"""The pure anomaly kernels, the detector's thresholds and running median, and the report."""
+
+import math
+
+import pytest
+import torch
+
+from lightning_hooks.anomalies import FLAG_NAMES, AnomalyDetector, AnomalyReport, anomaly_flags, gradient_figures
+
+NAN, INF = math.nan, math.inf
+
+
+def grads(seed: int = 0) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randn(4, 3, generator=gen), torch.randn(3, generator=gen), torch.randn(5, generator=gen)]
+
+
+def flag(flags: torch.Tensor, name: str) -> list[bool]:
+    return flags[FLAG_NAMES.index(name)].tolist()
+
+
+def test_norms_per_gradient_per_group_and_total_match_torch():
+    g = grads()
+    figures = gradient_figures(g, [2, 1])
+    torch.testing.assert_close(figures.norms, torch.stack([torch.linalg.vector_norm(t) for t in g]).double())
+    torch.testing.assert_close(figures.max_abs, torch.stack([t.abs().max() for t in g]).double())
+    expected_groups = [torch.nn.utils.get_total_norm(g[:2]), torch.nn.utils.get_total_norm(g[2:])]
+    torch.testing.assert_close(figures.group_norms[:2].float(), torch.stack(expected_groups))
+    torch.testing.assert_close(figures.group_norms[-1].float(), torch.nn.utils.get_total_norm(g))
+    assert figures.nonfinite.tolist() == [0, 0, 0]
+
+
+def test_nonfinite_gradients_are_counted_per_group_and_make_the_norms_nonfinite():
+    g = grads()
+    g[0][1, 2], g[2][0] = NAN, -INF
+    figures = gradient_figures(g, [2, 1])
+    assert figures.nonfinite.tolist() == [1, 1, 2]
+    assert math.isnan(figures.norms[0]) and math.isinf(figures.norms[2]) and math.isfinite(figures.norms[1])
+    assert math.isnan(figures.group_norms[0]) and math.isinf(figures.group_norms[1])
+
+
+def test_a_huge_finite_gradient_whose_float32_norm_overflows_is_not_counted_nonfinite():
+    figures = gradient_figures([torch.full((4,), 1e30)], [1])
+    assert figures.nonfinite.tolist() == [0, 0]
+    assert math.isinf(figures.norms[0]) and figures.max_abs[0] == pytest.approx(1e30)
+    assert flag(anomaly_flags(figures.group_norms, figures.nonfinite, max_norm=1e3), "exploding") == [True, True]
+
+
+def test_a_group_without_gradients_has_a_nan_norm_and_flags_nothing():
+    figures = gradient_figures(grads()[:1], [0, 1])
+    assert math.isnan(figures.group_norms[0]) and figures.nonfinite[0] == 0
+    flags = anomaly_flags(figures.group_norms, figures.nonfinite, max_norm=1e-9, min_norm=1e-12)
+    assert not flags[:, 0].any() and flags[FLAG_NAMES.index("exploding"), 1:].all()
+
+
+def test_low_and_high_precision_gradients_are_measured_in_at_least_float32():
+    half = torch.randn(1000, dtype=torch.bfloat16)
+    wide = torch.randn(10, dtype=torch.float64)
+    figures = gradient_figures([half, wide], [2])
+    assert figures.norms[0].item() == pytest.approx(torch.linalg.vector_norm(half.float()).item(), rel=1e-6)
+    assert figures.norms[1].item() == pytest.approx(torch.linalg.vector_norm(wide).item(), rel=1e-12)
+
+
+def test_group_sizes_must_add_up():
+    with pytest.raises(ValueError, match="must add up to the 3 gradients"):
+        gradient_figures(grads(), [1, 1])
+    with pytest.raises(ValueError, match="must add up"):
+        gradient_figures([], [])
+
+
+def test_flags_for_each_threshold():
+    norms = torch.tensor([0.5, 50.0, 1e-9, 50.0], dtype=torch.float64)
+    nonfinite = torch.tensor([0, 0, 0, 1])
+    flags = anomaly_flags(norms, nonfinite, max_norm=10.0, min_norm=1e-6)
+    assert flag(flags, "nonfinite") == [False, False, False, True]
+    assert flag(flags, "exploding") == [False, True, False, False]  # non-finite is not also exploding
+    assert flag(flags, "vanishing") == [False, False, True, False]
+    assert not anomaly_flags(norms, nonfinite, check_finite=False).any()
+
+
+def test_relative_flag_compares_with_the_reference_and_ignores_a_missing_one():
+    norms = torch.tensor([3.0, 30.0], dtype=torch.float64)
+    nonfinite = torch.zeros(2, dtype=torch.long)
+    reference = torch.tensor([1.0, NAN], dtype=torch.float64)
+    flags = anomaly_flags(norms, nonfinite, relative_threshold=2.0, reference=reference)
+    assert flag(flags, "exploding") == [True, False]
+    assert not anomaly_flags(norms, nonfinite, relative_threshold=2.0).any()
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"max_norm": 0}, r"`max_norm` must be a finite number > 0 or None, got 0"),
+        ({"max_norm": math.inf}, r"`max_norm` must be a finite number"),
+        ({"min_norm": -1.0}, r"`min_norm` must be a finite number > 0 or None, got -1.0"),
+        ({"relative_threshold": 1.0}, r"`relative_threshold` must be a finite number > 1 or None, got 1.0"),
+        ({"relative_threshold": True}, r"`relative_threshold` must be a finite number > 1 or None, got True"),
+        ({"min_norm": 2.0, "max_norm": 1.0}, r"`min_norm` \(2.0\) must be below `max_norm` \(1.0\)"),
+        ({"window": 0}, r"`window` must be a positive int, got 0"),
+        ({"check_finite": "yes"}, r"`check_finite` must be a bool, got 'yes'"),
+    ],
+)
+def test_detector_rejects_bad_settings(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        AnomalyDetector(**kwargs)
+
+
+def test_enabled_flags_follow_the_thresholds():
+    assert AnomalyDetector().enabled_flags == ("nonfinite",)
+    assert AnomalyDetector(check_finite=False, relative_threshold=3.0, min_norm=1e-8).enabled_flags == (
+        "exploding", "vanishing",
+    )
+
+
+def test_running_median_starts_when_the_window_is_full_and_survives_a_state_dict_round_trip():
+    detector = AnomalyDetector(relative_threshold=4.0, window=3)
+    spike = gradient_figures([torch.full((4,), 10.0)], [1])  # norm 20
+    for norm in (1.0, 5.0):
+        assert not detector.flags(spike).any()  # window not full yet
+        detector.remember(torch.tensor([norm, norm], dtype=torch.float64))
+    detector.remember(torch.tensor([4.0, 4.0], dtype=torch.float64))  # median 4: 20 > 4 * 4
+    assert flag(detector.flags(spike), "exploding") == [True, True]
+    restored = AnomalyDetector(relative_threshold=4.0, window=3)
+    restored.load_state_dict(detector.state_dict())
+    assert flag(restored.flags(spike), "exploding") == [True, True]
+    assert not restored.flags(spike, key=1).any()  # another optimizer has its own window
+
+
+def test_report_reads_well():
+    report = AnomalyReport(
+        step=7, epoch=1, batch_idx=3, flags=("nonfinite", "nonfinite/group1"), total_norm=NAN,
+        group_norms=(0.5, NAN), first_nonfinite_module="net.2", nonfinite_rank=1,
+        nonfinite_params=tuple(f"p{i}" for i in range(10)), largest_norms=(("net.0.weight", 0.5),),
+        saved_path="/tmp/a.pt",
+    )
+    text = str(report)
+    assert text.splitlines()[0] == "Gradient anomaly at step 7 (epoch 1, batch 3): nonfinite, nonfinite/group1"
+    assert "per parameter group: 0.5, nan" in text
+    assert "first non-finite output: module 'net.2' on rank 1" in text
+    assert "non-finite gradients in 10 parameter(s): p0, p1" in text and "(2 more)" in text
+    assert "largest gradient norms: net.0.weight 0.5" in text and "saved to /tmp/a.pt" in text

@@ -1,0 +1,176 @@
+"""GradientMonitor: true norms in the logs, once per optimizer step, flags, provenance, AMP."""
+
+import math
+from typing import Any
+
+import pytest
+import torch
+from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
+from lightning.pytorch.plugins import MixedPrecision
+
+from lightning_hooks.gradients import GradientMonitor
+from tests.grad_helpers import GradNet, GradRecorder, run_example
+from tests.helpers import csv_metrics, events, forward_hook_count, loader, trainer
+
+
+def logged(rows: list[dict[str, str]], tag: str) -> dict[int, float]:
+    return {int(r["step"]): float(r[tag]) for r in rows if r.get(tag, "") != ""}
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"log_every_n_steps": 0}, r"`log_every_n_steps` must be a positive int or None, got 0"),
+        ({"granularity": "layer"}, r"`granularity` must be 'parameter' or 'module', got 'layer'"),
+        ({"stats": ["norm", "median"]}, r"unknown stat\(s\) \['median'\]"),
+        ({"bins": 0}, r"`bins` must be a positive int"),
+        ({"max_norm": -1}, r"`max_norm` must be a finite number > 0 or None, got -1"),
+        ({"modules": []}, r"`modules` is an empty list"),
+    ],
+)
+def test_bad_settings_fail_at_construction(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        GradientMonitor(**kwargs)
+
+
+def test_logged_norms_equal_the_gradients_on_logged_steps_only(tmp_path):
+    torch.manual_seed(0)
+    recorder = GradRecorder()
+    monitor = GradientMonitor(log_every_n_steps=2)
+    logger = CSVLogger(tmp_path, name="", version="")
+    trainer(tmp_path, [recorder, monitor], logger=logger, max_steps=5).fit(GradNet(), loader())
+    rows = csv_metrics(str(tmp_path))
+    total = logged(rows, "gradients/total_norm")
+    assert sorted(total) == [0, 2, 4]
+    for step, value in total.items():
+        assert value == pytest.approx(recorder.total[step], rel=1e-6)
+        for name, norm in recorder.norms[step].items():
+            assert logged(rows, f"gradients/{name}/norm")[step] == pytest.approx(norm, rel=1e-6)
+    assert sorted(logged(rows, "anomalies/nonfinite")) == [0, 1, 2, 3, 4]  # flags at every step
+    assert set(logged(rows, "anomalies/nonfinite").values()) == {0.0}
+
+
+def test_module_granularity_norms_cover_each_module_and_histograms_reach_tensorboard(tmp_path):
+    torch.manual_seed(0)
+    recorder = GradRecorder()
+    monitor = GradientMonitor(log_every_n_steps=1, granularity="module", stats=("norm", "nan_count"))
+    logger = TensorBoardLogger(tmp_path, name="", version="")
+    trainer(tmp_path, [recorder, monitor], logger=logger, max_steps=2).fit(GradNet(), loader())
+    acc = events(str(tmp_path))
+    for step in (0, 1):
+        norms = recorder.norms[step]
+        expected = math.hypot(norms["net.2.weight"], norms["net.2.bias"])
+        assert acc.Scalars("gradients/net.2/norm")[step].value == pytest.approx(expected, rel=1e-5)
+        assert acc.Scalars("gradients/net.2/nan_count")[step].value == 0
+    histogram = acc.Histograms("gradients/net.0")[0].histogram_value
+    assert histogram.num == 16 * 8 + 16
+    assert "gradients/net.1" not in acc.Tags()["histograms"]  # the Tanh has no parameters
+
+
+def test_several_parameter_groups_get_their_own_norms_and_flags(tmp_path):
+    torch.manual_seed(0)
+    recorder = GradRecorder()
+    logger = CSVLogger(tmp_path, name="", version="")
+    monitor = GradientMonitor(log_every_n_steps=1, max_norm=1e6)
+    trainer(tmp_path, [recorder, monitor], logger=logger, max_steps=1).fit(GradNet(groups=True), loader())
+    rows = csv_metrics(str(tmp_path))
+    first = recorder.norms[0]
+    assert logged(rows, "gradients/total_norm/group0")[0] == pytest.approx(
+        math.hypot(first["net.0.weight"], first["net.0.bias"]), rel=1e-6
+    )
+    for tag in ("anomalies/exploding", "anomalies/exploding/group0", "anomalies/exploding/group1"):
+        assert logged(rows, tag) == {0: 0.0}
+
+
+def test_with_gradient_accumulation_the_check_runs_once_per_optimizer_step(tmp_path, monkeypatch):
+    torch.manual_seed(0)
+    calls = []
+    original = GradientMonitor._measure
+
+    def counting(self: GradientMonitor, trainer: Any, optimizer: Any) -> Any:
+        calls.append(trainer.global_step)
+        return original(self, trainer, optimizer)
+
+    monkeypatch.setattr(GradientMonitor, "_measure", counting)
+    recorder = GradRecorder()
+    logger = CSVLogger(tmp_path, name="", version="")
+    fit = trainer(tmp_path, [recorder, GradientMonitor(log_every_n_steps=1)], logger=logger,
+                  accumulate_grad_batches=4, max_steps=-1, max_epochs=1)
+    fit.fit(GradNet(), loader(n=64, batch_size=8))
+    assert fit.global_step == 2 and calls == [0, 1] and recorder.calls == 2
+    total = logged(csv_metrics(str(tmp_path)), "gradients/total_norm")
+    assert total == pytest.approx(recorder.total, rel=1e-6)  # the accumulated gradients
+
+
+def test_bf16_mixed_precision_on_cpu_reports_finite_figures(tmp_path):
+    torch.manual_seed(0)
+    logger = CSVLogger(tmp_path, name="", version="")
+    trainer(tmp_path, [GradientMonitor(log_every_n_steps=1)], logger=logger, max_steps=3,
+            precision="bf16-mixed").fit(GradNet(), loader())
+    rows = csv_metrics(str(tmp_path))
+    values = [float(v) for r in rows for k, v in r.items() if k.startswith("gradients/") and v != ""]
+    assert len(values) == 3 * 7 and all(math.isfinite(v) and v > 0 for v in values)
+    assert set(logged(rows, "anomalies/nonfinite").values()) == {0.0}
+
+
+def test_a_nan_in_a_named_layer_is_traced_to_it_saved_for_replay_and_counted(tmp_path):
+    torch.manual_seed(0)
+    monitor = GradientMonitor(log_every_n_steps=100, provenance=True, save_dir=str(tmp_path / "bad"))
+    model = GradNet(nan_steps=(3,))
+    logger = TensorBoardLogger(tmp_path, name="", version="")
+    fit = trainer(tmp_path, [monitor], logger=logger, max_steps=6, enable_progress_bar=True)
+    fit.fit(model, loader())
+    report = monitor.last_report
+    assert report is not None and (report.step, report.epoch, report.batch_idx) == (3, 0, 3)
+    assert report.flags == ("nonfinite",) and report.first_nonfinite_module == "net.2"
+    assert set(report.nonfinite_params) == {n for n, _ in model.named_parameters()}
+    assert monitor.anomalous_steps == 3  # the NaN update poisoned the weights: steps 3, 4, 5
+    assert fit.progress_bar_metrics["anomalies"] == 3
+    assert "anomalies/report/text_summary" in events(str(tmp_path)).Tags()["tensors"]
+    saved = torch.load(report.saved_path, weights_only=False)
+    assert saved["report"]["step"] == 3
+    replay = GradNet()
+    replay.load_state_dict(saved["state_dict"])
+    assert torch.isfinite(replay(saved["batch"][0])).all()
+    replay.net[2].active = True
+    assert torch.isnan(replay(saved["batch"][0])).all()
+
+
+def test_no_hook_and_no_tensor_is_kept_after_fit(tmp_path):
+    model = GradNet(nan_steps=(1,))
+    monitor = GradientMonitor(provenance=True, save_dir=str(tmp_path))
+    trainer(tmp_path, [monitor], logger=False, max_steps=3).fit(model, loader())
+    assert forward_hook_count(model) == 0
+    assert monitor._trace._calls == [] and monitor._batch is None
+
+
+def test_amp_scaler_overflow_is_counted_apart_and_not_flagged(tmp_path):
+    torch.manual_seed(0)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**40)  # fp16 overflows at first
+    logger = CSVLogger(tmp_path, name="", version="")
+    monitor = GradientMonitor(log_every_n_steps=1)
+    fit = trainer(tmp_path, [monitor], logger=logger, max_steps=40,
+                  plugins=[MixedPrecision("16-mixed", "cpu", scaler=scaler)])
+    fit.fit(GradNet(), loader())
+    rows = csv_metrics(str(tmp_path))
+    overflow, nonfinite = logged(rows, "anomalies/amp_overflow"), logged(rows, "anomalies/nonfinite")
+    assert overflow[0] == 1.0 and overflow[39] == 0.0  # the scaler backed off, then trained
+    assert set(nonfinite.values()) == {0.0} and monitor.anomalous_steps == 0
+
+
+def test_state_dict_round_trip():
+    monitor = GradientMonitor(relative_threshold=3.0, window=2)
+    monitor._anomalies, monitor._streak = 4, 2
+    monitor._detector.remember(torch.tensor([1.0, 1.0], dtype=torch.float64))
+    restored = GradientMonitor(relative_threshold=3.0, window=2)
+    restored.load_state_dict(monitor.state_dict())
+    assert restored.state_dict()["anomalies"] == 4 and restored.state_dict()["streak"] == 2
+    history = [m.state_dict()["detector"]["history"][0] for m in (monitor, restored)]
+    torch.testing.assert_close(*history, rtol=0, atol=0, equal_nan=True)
+
+
+def test_vanishing_sigmoid_example_flags_the_first_parameter_group(tmp_path, capsys):
+    run_example("vanishing_sigmoid", str(tmp_path))
+    out = capsys.readouterr().out
+    assert "anomalies/vanishing/group0     flagged on  32 of 32 steps" in out
+    assert "anomalies/vanishing            flagged on   0 of 32 steps" in out

@@ -1,0 +1,215 @@
+"""GradientAnomalyStopping: stop at the step, skip without a trace, raise, warn, resume, DDP."""
+
+import copy
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+from typing import Any
+
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
+from lightning.pytorch.plugins import MixedPrecision
+from torch import nn
+
+from lightning_hooks.stopping import GradientAnomalyError, GradientAnomalyStopping
+from tests.grad_helpers import GradNet, GradRecorder, run_example
+from tests.helpers import forward_hook_count, loader, trainer
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+class Snapshots(L.Callback):
+    """Parameters and optimizer state at the start of every step."""
+
+    def __init__(self) -> None:
+        self.params: dict[int, dict[str, torch.Tensor]] = {}
+        self.optim: dict[int, dict[str, Any]] = {}
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        step = trainer.global_step
+        self.params[step] = {n: p.detach().clone() for n, p in pl_module.named_parameters()}
+        self.optim[step] = copy.deepcopy(trainer.optimizers[0].state_dict()["state"])
+
+
+def all_finite(model: nn.Module) -> bool:
+    return all(torch.isfinite(p).all() for p in model.parameters())
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"action": "halt"}, r"`action` must be one of \['stop', 'skip', 'raise', 'warn'\], got 'halt'"),
+        ({"patience": -1}, r"`patience` must be a non-negative int, got -1"),
+        ({"patience": 1.5}, r"`patience` must be a non-negative int, got 1.5"),
+        ({"check_finite": False}, r"nothing to check: set `check_finite=True`, or one of `max_norm`"),
+        ({"relative_threshold": 0.5}, r"`relative_threshold` must be a finite number > 1 or None, got 0.5"),
+        ({"window": 0}, r"`window` must be a positive int, got 0"),
+        ({"modules": ""}, r"`modules` holds an empty pattern"),
+    ],
+)
+def test_bad_settings_fail_at_construction(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        GradientAnomalyStopping(**kwargs)
+
+
+@pytest.mark.parametrize("patience", [0, 2])
+def test_an_exploding_run_stops_patience_steps_after_the_first_bad_gradient(tmp_path, patience):
+    torch.manual_seed(0)
+    recorder = GradRecorder()
+    stopper = GradientAnomalyStopping(patience=patience, max_norm=1e3)
+    model = GradNet(lr=0.5, act=nn.Identity)
+    fit = trainer(tmp_path, [recorder, stopper], logger=False, max_steps=50)
+    fit.fit(model, loader())
+    bad = [step for step, norm in sorted(recorder.total.items()) if not norm <= 1e3]
+    first = bad[0]
+    assert bad == list(range(first, first + patience + 1))  # consecutive, and nothing after
+    assert fit.global_step == first + patience + 1
+    assert stopper.last_report.step == first + patience and stopper.last_report.flags[0] in (
+        "exploding", "nonfinite",
+    )
+    assert stopper.dropped_steps == 1
+    if patience == 0:
+        assert all_finite(model)  # the exploding update was never applied
+
+
+def test_a_nan_in_a_named_layer_stops_the_run_and_the_report_names_the_layer(tmp_path):
+    torch.manual_seed(0)
+    stopper = GradientAnomalyStopping(provenance=True, save_dir=str(tmp_path))
+    model = GradNet(nan_steps=(4,))
+    fit = trainer(tmp_path, [stopper], logger=False, max_steps=20)
+    fit.fit(model, loader())
+    report = stopper.last_report
+    assert fit.global_step == 5 and (report.step, report.epoch, report.batch_idx) == (4, 0, 4)
+    assert report.flags == ("nonfinite",) and report.first_nonfinite_module == "net.2"
+    assert "net.0.weight" in report.nonfinite_params and os.path.exists(report.saved_path)
+    assert all_finite(model) and forward_hook_count(model) == 0
+
+
+def test_skip_leaves_parameters_and_optimizer_state_bit_identical_and_trains_on(tmp_path):
+    torch.manual_seed(0)
+    snapshots = Snapshots()
+    stopper = GradientAnomalyStopping(action="skip")
+    fit = trainer(tmp_path, [snapshots, stopper], logger=False, max_steps=6)
+    fit.fit(GradNet(optimizer="adam", nan_steps=(3,)), loader())
+    assert fit.global_step == 6 and stopper.dropped_steps == 1 and stopper.anomalous_steps == 1
+    for name, before in snapshots.params[3].items():
+        assert torch.equal(before, snapshots.params[4][name])  # step 3 was skipped
+        assert not torch.equal(snapshots.params[4][name], snapshots.params[5][name])  # step 4 was not
+    for index, state in snapshots.optim[3].items():
+        for key, value in state.items():
+            assert torch.equal(value, snapshots.optim[4][index][key]), (index, key)
+
+
+def test_raise_raises_before_the_update_with_the_report(tmp_path):
+    torch.manual_seed(0)
+    model = GradNet(nan_steps=(2,))
+    stopper = GradientAnomalyStopping(action="raise", provenance=True)
+    with pytest.raises(GradientAnomalyError, match="Gradient anomaly at step 2") as info:
+        trainer(tmp_path, [stopper], logger=False, max_steps=20).fit(model, loader())
+    assert isinstance(info.value, RuntimeError) and info.value.report is stopper.last_report
+    assert info.value.report.first_nonfinite_module == "net.2"
+    assert all_finite(model) and forward_hook_count(model) == 0
+
+
+def test_warn_warns_once_per_run_of_bad_steps_and_trains_on(tmp_path):
+    torch.manual_seed(0)
+    stopper = GradientAnomalyStopping(action="warn", patience=1)
+    with pytest.warns(UserWarning, match="Gradient anomaly at step 3") as record:
+        fit = trainer(tmp_path, [stopper], logger=False, max_steps=6)
+        fit.fit(GradNet(nan_steps=(2,)), loader())
+    assert fit.global_step == 6 and stopper.anomalous_steps == 4 and stopper.dropped_steps == 0
+    assert sum("Gradient anomaly" in str(w.message) for w in record) == 1
+
+
+def test_a_relative_spike_and_a_vanishing_norm_are_caught(tmp_path):
+    torch.manual_seed(0)
+    spike = GradientAnomalyStopping(relative_threshold=20.0, window=3)
+    fit = trainer(tmp_path, [spike], logger=False, max_steps=20)
+    fit.fit(GradNet(spike_steps=(5,)), loader())
+    assert fit.global_step == 6 and spike.last_report.flags == ("exploding",)
+    vanish = GradientAnomalyStopping(check_finite=False, min_norm=1e3)
+    fit = trainer(tmp_path, [vanish], logger=False, max_steps=20)
+    fit.fit(GradNet(), loader())
+    assert fit.global_step == 1 and vanish.last_report.flags == ("vanishing",)
+
+
+def test_amp_scaler_overflows_never_stop_the_run(tmp_path):
+    torch.manual_seed(0)
+    stopper = GradientAnomalyStopping()
+    plugin = MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu", init_scale=2.0**40))
+    fit = trainer(tmp_path, [stopper], logger=False, max_steps=12, plugins=[plugin])
+    fit.fit(GradNet(), loader())
+    assert fit.global_step == 12 and stopper.amp_overflows > 0 and stopper.anomalous_steps == 0
+
+
+def test_skip_under_16_mixed_with_a_fused_optimizer_measures_unscaled_gradients_and_skips(tmp_path):
+    torch.manual_seed(0)
+    recorder, snapshots = GradRecorder(), Snapshots()
+    stopper = GradientAnomalyStopping(action="skip", max_norm=20.0)
+    model = GradNet(spike_steps=(3,))
+    model.configure_optimizers = lambda: torch.optim.Adam(model.parameters(), lr=0.01, fused=True)
+    plugin = MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu", init_scale=16.0))
+    fit = trainer(tmp_path, [snapshots, stopper, recorder], logger=False, max_steps=6, plugins=[plugin])
+    fit.fit(model, loader())
+    assert fit.global_step == 6 and stopper.dropped_steps == 1 and stopper.amp_overflows == 0
+    assert sorted(recorder.total) == [0, 1, 2, 4, 5]  # step 3's gradients were dropped
+    assert all(norm < 20.0 for norm in recorder.total.values())  # unscaled: 16 times as much before
+    for name, before in snapshots.params[3].items():
+        assert torch.equal(before, snapshots.params[4][name])
+
+
+def test_stop_works_beside_early_stopping_and_waits_for_min_steps(tmp_path):
+    torch.manual_seed(0)
+    stopper = GradientAnomalyStopping()
+    early = EarlyStopping(monitor="val_loss", patience=100)
+    fit = trainer(tmp_path, [stopper, early], logger=False, max_steps=20, limit_val_batches=2)
+    fit.fit(GradNet(nan_steps=(3,)), loader(), loader(n=16))
+    assert fit.global_step == 4 and math.isfinite(fit.callback_metrics["val_loss"])
+    # Lightning trains on until min_steps (and, with min_steps, min_epochs=1: 8 steps here).
+    stopper = GradientAnomalyStopping()
+    fit = trainer(tmp_path, [stopper], logger=False, max_steps=20, min_steps=10)
+    fit.fit(GradNet(nan_steps=(3,)), loader())
+    assert fit.global_step == 10 and stopper.dropped_steps == 1
+
+
+def test_state_survives_a_checkpoint_resume(tmp_path):
+    torch.manual_seed(0)
+    first = GradientAnomalyStopping(action="skip", relative_threshold=50.0, window=2)
+    checkpoint = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=4, save_top_k=-1)
+    fit = trainer(tmp_path, [first, checkpoint], logger=False, max_steps=4, enable_checkpointing=True)
+    fit.fit(GradNet(nan_steps=(1,)), loader())
+    saved = first.state_dict()
+    assert (saved["anomalous_steps"], saved["dropped_steps"], saved["detector"]["seen"]) == (1, 1, {0: 3})
+    resumed = GradientAnomalyStopping(action="skip", relative_threshold=50.0, window=2)
+    fit = trainer(tmp_path, [resumed], logger=False, max_steps=5, enable_checkpointing=True)
+    fit.fit(GradNet(), loader(), ckpt_path=checkpoint.last_model_path or checkpoint.best_model_path)
+    state = resumed.state_dict()
+    assert (state["anomalous_steps"], state["dropped_steps"], state["detector"]["seen"]) == (1, 1, {0: 4})
+
+
+def test_exploding_lr_example_stops_the_run_early(tmp_path, capsys):
+    run_example("exploding_lr", str(tmp_path))
+    out = capsys.readouterr().out
+    assert "Training stopped at global step 6 of 160 planned" in out
+    assert "Parameters all finite after the stop (the last, NaN update was dropped): True" in out
+
+
+def test_ddp_a_nan_on_one_rank_stops_both_ranks_at_the_same_step(tmp_path):
+    proc = subprocess.Popen(
+        [sys.executable, os.path.join(HERE, "_ddp_stopping.py"), str(tmp_path)],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+    )
+    try:
+        output, _ = proc.communicate(timeout=90)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        pytest.fail("DDP run hung: " + proc.communicate()[0][-3000:])
+    assert proc.returncode == 0, output[-3000:]
+    ranks = [json.load(open(tmp_path / f"rank{r}.json")) for r in (0, 1)]
+    assert ranks[0] == ranks[1]
+    assert ranks[0] == {"global_step": 4, "report_step": 3, "module": "net.2", "nonfinite_rank": 1}
