@@ -1,0 +1,206 @@
+"""Which modules a callback hooks: globs, types, predicates, the default, and the errors."""
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_hooks.selection import ACTIVATION_TYPES, is_default_module, select_modules, validate_selection
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.relu = nn.ReLU()
+        self.drop = nn.Dropout(0.1)
+
+
+class MyLinear(nn.Linear):
+    pass
+
+
+class WithOwnParam(nn.Module):
+    """Has a parameter of its own and a child, so it is not a leaf."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(4))
+        self.inner = nn.Identity()
+
+
+class Model(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.encoder = nn.Sequential(Block(), Block())
+        self.norm = nn.LayerNorm(4)
+        self.frozen_bn = nn.BatchNorm1d(4, affine=False)  # buffers but no parameters
+        self.gelu = nn.GELU()
+        self.flat = nn.Flatten()
+        self.mine = MyLinear(4, 2)
+        self.own = WithOwnParam()
+        self.prelu = nn.PReLU()
+
+
+def names(selection, root=None):
+    return [n for n, _ in select_modules(root or Model(), selection)]
+
+
+def test_default_takes_leaves_with_parameters_and_activations():
+    assert names(None) == [
+        "encoder.0.lin", "encoder.0.relu", "encoder.1.lin", "encoder.1.relu",
+        "norm", "gelu", "mine", "prelu",
+    ]  # not: containers, dropout, flatten, a norm without parameters, a non-leaf with a parameter
+
+
+def test_default_rule_module_by_module():
+    assert is_default_module(nn.Linear(2, 2))
+    assert is_default_module(nn.ReLU()) and is_default_module(nn.Softmax(dim=-1))
+    assert not is_default_module(nn.Dropout())  # parameter-free, not an activation
+    assert not is_default_module(nn.BatchNorm1d(4, affine=False))
+    assert not is_default_module(nn.Sequential(nn.Linear(2, 2)))  # a container
+    assert not is_default_module(WithOwnParam())  # own parameter, but not a leaf
+    assert all(issubclass(t, nn.Module) for t in ACTIVATION_TYPES)
+
+
+@pytest.mark.parametrize(
+    ("pattern", "expected"),
+    [
+        ("norm", ["norm"]),
+        ("encoder.*", [  # '*' crosses dots: every module below encoder
+            "encoder.0", "encoder.0.lin", "encoder.0.relu", "encoder.0.drop",
+            "encoder.1", "encoder.1.lin", "encoder.1.relu", "encoder.1.drop",
+        ]),
+        ("encoder.?", ["encoder.0", "encoder.1"]),
+        ("encoder.[1].lin", ["encoder.1.lin"]),
+        ("*.relu", ["encoder.0.relu", "encoder.1.relu"]),
+        ("*lin", ["encoder.0.lin", "encoder.1.lin"]),
+        ("Norm", None),  # case-sensitive
+    ],
+)
+def test_globs(pattern, expected):
+    if expected is None:
+        with pytest.raises(ValueError, match="matched no module"):
+            names(pattern)
+    else:
+        assert names(pattern) == expected
+
+
+def test_a_type_selects_instances_and_subclasses():
+    assert names(nn.Linear) == ["encoder.0.lin", "encoder.1.lin", "mine"]
+    assert names(MyLinear) == ["mine"]
+    assert names(nn.Sequential) == ["encoder"]
+
+
+def test_a_list_is_a_union_in_registration_order_without_duplicates():
+    assert names([nn.ReLU, "norm", "encoder.0.*", nn.Linear]) == [
+        "encoder.0.lin", "encoder.0.relu", "encoder.0.drop", "encoder.1.lin", "encoder.1.relu",
+        "norm", "mine",
+    ]
+    assert names(("gelu",)) == ["gelu"]
+
+
+def test_a_predicate_sees_names_and_modules():
+    seen = []
+
+    def wide_linears(name, module):
+        seen.append(name)
+        return isinstance(module, nn.Linear) and module.out_features == 4
+
+    assert names(wide_linears) == ["encoder.0.lin", "encoder.1.lin"]
+    assert "" not in seen and seen[0] == "encoder"  # the root is never offered
+
+
+def test_the_root_is_never_selected():
+    assert "" not in names("*")
+    assert "" not in names(lambda name, module: True)
+    assert names("*")[0] == "encoder"
+
+
+def test_modules_come_with_their_objects():
+    model = Model()
+    (name, module), = select_modules(model, "encoder.1.lin")
+    assert module is model.encoder[1].lin
+
+
+def test_a_module_under_two_names_is_matched_by_either_and_reported_under_its_first():
+    model = nn.Module()
+    model.a = nn.Linear(2, 2)
+    model.b = model.a  # tied: one module, two attribute names
+    assert names(None, model) == ["a"]
+    assert names(nn.Linear, model) == ["a"]
+    assert select_modules(model, "b") == [("a", model.a)]
+    assert names(["a", "b"], model) == ["a"]  # hooked once
+
+
+def test_a_compiled_submodule_keeps_its_name():
+    model = nn.Module()
+    model.net = torch.compile(nn.Sequential(nn.Linear(2, 2), nn.ReLU()), backend="eager")
+    chosen = select_modules(model, None)
+    assert [n for n, _ in chosen] == ["net.0", "net.1"]
+    assert chosen[0][1] is model.net._orig_mod[0]
+    assert names("net", model) == ["net"]  # the compiled model, not torch's wrapper around it
+    assert select_modules(model, "net")[0][1] is model.net._orig_mod
+
+
+# ---------------------------------------------------------------- errors
+
+
+def test_no_match_lists_close_names_and_all_names():
+    with pytest.raises(ValueError, match=r"pattern 'encoder.0.lni' matched no module\.") as err:
+        names("encoder.0.lni")
+    message = str(err.value)
+    assert "Did you mean: 'encoder.0.lin'" in message
+    assert "Available modules: 'encoder', 'encoder.0', 'encoder.0.lin'" in message
+    assert "fnmatch globs" in message
+
+
+def test_no_match_without_close_names_still_lists_the_modules():
+    with pytest.raises(ValueError, match=r"pattern 'zzz' matched no module\. Available modules: 'encoder'"):
+        names("zzz")
+
+
+def test_one_bad_item_of_a_list_is_named():
+    with pytest.raises(ValueError, match=r"pattern 'nrom' matched no module\. Did you mean: 'norm'"):
+        names(["encoder.*", "nrom"])
+
+
+def test_a_type_the_model_lacks():
+    with pytest.raises(ValueError, match=r"names type Conv2d, but the model holds no Conv2d\. Available"):
+        names(nn.Conv2d)
+
+
+def test_a_predicate_that_selects_nothing():
+    with pytest.raises(ValueError, match=r"selected no module of Model\. Available modules: 'encoder'"):
+        names(lambda name, module: False)
+
+
+def test_long_module_lists_are_shortened():
+    model = nn.Sequential(*[nn.Linear(1, 1) for _ in range(40)])
+    with pytest.raises(ValueError, match=r"'29', \.\.\. \(10 more\)\.") as err:
+        names("nope", model)
+    assert "'30'" not in str(err.value)
+
+
+@pytest.mark.parametrize(
+    ("selection", "error", "match"),
+    [
+        (3, TypeError, r"`modules` must be None, a name glob like 'encoder.\*'.*got 3"),
+        ({"a": 1}.keys(), TypeError, "`modules` must be None"),
+        ([], ValueError, "`modules` is an empty list: pass None for the default selection"),
+        ("", ValueError, "`modules` holds an empty pattern ''"),
+        (["encoder.*", ""], ValueError, "empty pattern"),
+        ([nn.Linear, 3], TypeError, r"`modules` items must be name globs or nn.Module subclasses, got 3"),
+        (int, TypeError, "items must be name globs or nn.Module subclasses, got <class 'int'>"),
+        ([str], TypeError, "got <class 'str'>"),
+    ],
+)
+def test_malformed_selections_fail_before_any_model(selection, error, match):
+    with pytest.raises(error, match=match):
+        validate_selection(selection)
+    with pytest.raises(error, match=match):
+        select_modules(Model(), selection)
+
+
+@pytest.mark.parametrize("selection", [None, "a", nn.Linear, ["a", nn.ReLU], ("a",), lambda n, m: True])
+def test_well_formed_selections_pass(selection):
+    validate_selection(selection)

@@ -1,0 +1,327 @@
+"""The pure statistics kernels, checked against torch and numpy computed directly."""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from lightning_hooks.stats import (
+    FLOAT32_MAX,
+    N_FIELDS,
+    STAT_NAMES,
+    accumulate_,
+    as_float_values,
+    histogram_edges,
+    iter_tensors,
+    new_rows,
+    reduce_rows,
+    summarize,
+)
+
+NAN, INF = math.nan, math.inf
+
+
+def _row(*tensors, bins=128, calls=1):
+    """One stat row over ``tensors``, as a hook would fill it."""
+    edges = histogram_edges(bins)
+    inner = edges[1:-1].float()
+    zero_bin = int(torch.bucketize(torch.zeros((), dtype=torch.float64), edges[1:-1]))
+    row = new_rows(1, edges.numel() - 1)[0]
+    for t in tensors:
+        accumulate_(row, as_float_values(t), inner, zero_bin, calls)
+    return row
+
+
+def _summary(*tensors, **kwargs):
+    return summarize(_row(*tensors, **kwargs).tolist())
+
+
+def _hist(row):
+    return row[N_FIELDS:]
+
+
+def _bin_counts(values, edges):
+    """Bin counts by plain comparisons: bin i holds edges[i] < v <= edges[i+1]; the outer bins
+    also hold anything beyond the outer edges. Values are float32, and so are the edges they are
+    compared with (float32(-1e-6) lands in the bin that ends at -1e-6)."""
+    v = values.double()
+    inner = edges[1:-1].float().double()
+    counts = []
+    for i in range(edges.numel() - 1):
+        above = v > inner[i - 1] if i > 0 else torch.ones_like(v, dtype=torch.bool)
+        below = v <= inner[i] if i < inner.numel() else torch.ones_like(v, dtype=torch.bool)
+        counts.append(int((above & below).sum()))
+    return counts
+
+
+# ---------------------------------------------------------------- moments and counts
+
+
+def test_known_input_with_nan_inf_1e30_and_float32_max():
+    fmax = torch.finfo(torch.float32).max
+    x = torch.tensor([0.0, 1.0, -2.0, 3.5, 0.0, NAN, INF, -INF, 1e30, fmax, NAN])
+    finite = x[torch.isfinite(x)].double()
+    s = _summary(x)
+    assert s["count"] == 11
+    assert s["count_finite"] == 7
+    assert s["nan_count"] == 2 and s["posinf_count"] == 1 and s["neginf_count"] == 1
+    assert s["nonfinite_fraction"] == pytest.approx(4 / 11)
+    assert s["zero_fraction"] == pytest.approx(2 / 11)
+    assert s["min"] == -2.0
+    assert s["max"] == fmax and s["abs_max"] == fmax
+    assert s["mean"] == pytest.approx(float(finite.mean()), rel=1e-6)
+    assert s["std"] == pytest.approx(float(finite.std()), rel=1e-6)
+    assert math.isfinite(s["sum_sq"])  # squares of float32 max do not overflow
+    assert s["sum_sq"] == pytest.approx(float(finite.square().sum()), rel=1e-6)
+    assert s["calls"] == 1
+
+
+@pytest.mark.parametrize("shift", [0.0, 1.0, -5.0])
+@pytest.mark.parametrize("scale", [1e-4, 1.0, 3e3])
+def test_moments_and_extremes_equal_torch(shift, scale):
+    g = torch.Generator().manual_seed(1)
+    x = (torch.randn(4096, generator=g) * scale + shift * scale).relu_() - 0.25 * scale
+    x[::7] = 0.0
+    s = _summary(x)
+    assert s["mean"] == pytest.approx(float(x.double().mean()), rel=1e-6, abs=1e-12)
+    assert s["std"] == pytest.approx(float(x.double().std()), rel=1e-5)  # unbiased, like torch.std
+    assert s["min"] == float(x.min()) and s["max"] == float(x.max())
+    assert s["abs_max"] == float(x.abs().max())
+    assert s["zero_fraction"] == float((x == 0).double().mean())
+    assert s["count"] == x.numel() == s["count_finite"]
+    assert s["nonfinite_fraction"] == 0 and s["nan_count"] == 0
+
+
+def test_moments_of_several_tensors_are_those_of_their_union():
+    g = torch.Generator().manual_seed(2)
+    parts = [torch.randn(n, generator=g) * (i + 1) for i, n in enumerate([5, 300, 1, 64])]
+    union = torch.cat(parts).double()
+    s = _summary(*parts)
+    assert s["count"] == union.numel()
+    assert s["calls"] == len(parts)
+    assert s["mean"] == pytest.approx(float(union.mean()), rel=1e-6)
+    assert s["std"] == pytest.approx(float(union.std()), rel=1e-5)
+    assert (s["min"], s["max"]) == (float(union.min()), float(union.max()))
+
+
+def test_calls_column_adds_what_it_is_given():
+    x = torch.ones(3)
+    row = _row(x, x, x, calls=0)
+    assert summarize(row.tolist())["calls"] == 0
+    assert summarize(row.tolist())["count"] == 9
+
+
+def test_all_non_finite_gives_nan_figures_and_exact_counts():
+    x = torch.tensor([NAN, INF, -INF, -INF])
+    s = _summary(x)
+    for stat in ("mean", "std", "min", "max", "abs_max"):
+        assert math.isnan(s[stat]), stat
+    assert (s["nan_count"], s["posinf_count"], s["neginf_count"]) == (1, 1, 2)
+    assert s["nonfinite_fraction"] == 1.0 and s["zero_fraction"] == 0.0
+    assert s["count"] == 4 and s["count_finite"] == 0
+    assert _hist(_row(x)).sum() == 0
+
+
+def test_one_value_has_no_std_and_no_rows_has_nothing():
+    assert math.isnan(_summary(torch.tensor([2.5]))["std"])
+    assert _summary(torch.tensor([2.5]))["mean"] == 2.5
+    empty = summarize(new_rows(1, 4)[0].tolist())
+    assert empty["count"] == 0 and empty["calls"] == 0
+    assert all(math.isnan(empty[s]) for s in ("mean", "std", "min", "max", "zero_fraction"))
+
+
+def test_summary_reports_every_stat_name():
+    assert set(STAT_NAMES) <= set(_summary(torch.randn(10)))
+
+
+# ---------------------------------------------------------------- what gets summarised
+
+
+@pytest.mark.parametrize(
+    ("tensor", "expected"),
+    [
+        (torch.tensor([[1, 2], [3, 4]]), [1.0, 2.0, 3.0, 4.0]),
+        (torch.tensor([True, False, True]), [1.0, 0.0, 1.0]),
+        (torch.tensor([3 + 4j, -1j]), [5.0, 1.0]),
+        (torch.tensor([1.5, -2.0], dtype=torch.float16), [1.5, -2.0]),
+        (torch.tensor([1.5, -2.0], dtype=torch.bfloat16), [1.5, -2.0]),
+        (torch.tensor([7], dtype=torch.uint8), [7.0]),
+    ],
+)
+def test_values_of_int_bool_complex_and_half_tensors(tensor, expected):
+    values = as_float_values(tensor)
+    assert values.dtype == torch.float32 and values.ndim == 1
+    assert values.tolist() == expected
+
+
+@pytest.mark.filterwarnings("ignore:.*(Sparse CSR|quantize).*:UserWarning")
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: torch.empty(0),
+        lambda: torch.empty(3, 0),
+        lambda: torch.eye(3).to_sparse(),
+        lambda: torch.eye(3).to_sparse_csr(),
+        lambda: torch.empty(4, device="meta"),
+        lambda: torch.quantize_per_tensor(torch.ones(3), 0.1, 0, torch.quint8),
+    ],
+    ids=["empty", "empty-2d", "sparse-coo", "sparse-csr", "meta", "quantized"],
+)
+def test_tensors_that_are_skipped(make):
+    assert as_float_values(make()) is None
+
+
+def test_values_never_alias_or_track_the_input():
+    x = torch.randn(3, requires_grad=True)
+    values = as_float_values(x)
+    assert not values.requires_grad
+    big = torch.randn(2, 2, dtype=torch.float64)
+    assert as_float_values(big).data_ptr() != big.data_ptr()
+
+
+def test_iter_tensors_finds_tensors_in_nested_outputs():
+    from dataclasses import dataclass
+
+    @dataclass
+    class Out:
+        a: torch.Tensor
+        b: object
+
+    t = [torch.full((1,), float(i)) for i in range(6)]
+    value = (t[0], [t[1], {"x": t[2], "y": "text", "z": None}], Out(a=t[3], b=(t[4], 7)), {t[5]}, 3.0)
+    assert [float(x) for x in iter_tensors(value)] == [0, 1, 2, 3, 4]  # sets are not walked
+    assert list(iter_tensors(None)) == []
+    deep: object = t[0]
+    for _ in range(20):
+        deep = [deep]
+    assert list(iter_tensors(deep)) == []  # nesting beyond 8 levels is not walked
+
+
+# ---------------------------------------------------------------- histogram
+
+
+@pytest.mark.parametrize("bins", [1, 2, 3, 4, 9, 128, 129])
+def test_default_edges_symmetric_increasing_and_cover_float32(bins):
+    edges = histogram_edges(bins)
+    assert edges.dtype == torch.float64
+    assert edges.numel() == bins + 1
+    assert bool((edges[1:] > edges[:-1]).all())
+    assert torch.equal(edges, -edges.flip(0))
+    assert edges[0] == -FLOAT32_MAX and edges[-1] == FLOAT32_MAX
+    if bins % 2 == 0:
+        assert edges[bins // 2] == 0  # an even count puts an edge at 0
+    else:
+        assert not bool((edges == 0).any())  # an odd count has a central bin around 0
+
+
+def test_default_edges_are_log_spaced_between_low_and_high():
+    edges = histogram_edges(10, low=1e-3, high=1e3)
+    positive = edges[edges > 0]
+    assert positive[0] == pytest.approx(1e-3) and positive[-2] == pytest.approx(1e3)
+    ratios = positive[1:-1] / positive[:-2]
+    assert torch.allclose(ratios, ratios[0].expand_as(ratios))
+
+
+def test_explicit_edges_are_used_as_given():
+    edges = histogram_edges([-1, 0, 0.5, 2])
+    assert edges.tolist() == [-1.0, 0.0, 0.5, 2.0] and edges.dtype == torch.float64
+    assert histogram_edges((0.0, 1.0)).tolist() == [0.0, 1.0]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        (dict(bins=0), r"`bins` must be a positive int or a sequence of edges, got 0"),
+        (dict(bins=-3), r"got -3"),
+        (dict(bins=True), r"got True"),
+        (dict(bins=128.0), r"got 128.0"),
+        (dict(bins="abc"), r"a sequence of edges, got 'abc'"),
+        (dict(bins=[1.0]), r">= 2 strictly increasing numbers, got \[1.0\]"),
+        (dict(bins=[0.0, 1.0, 1.0]), r"strictly increasing"),
+        (dict(bins=[0.0, NAN, 1.0]), r"strictly increasing"),
+        (dict(bins=[[0.0, 1.0], [2.0, 3.0]]), r"strictly increasing"),
+        (dict(bins=8, low=0.0), r"0 < low < high < 3.4e38, got low=0.0"),
+        (dict(bins=8, low=10.0, high=1.0), r"got low=10.0, high=1.0"),
+        (dict(bins=8, high=1e39), r"high=1e\+39"),
+    ],
+)
+def test_bad_edges_raise(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        histogram_edges(**kwargs)
+
+
+@pytest.mark.parametrize("bins", [2, 7, 128, 129])
+def test_histogram_counts_equal_independent_binning(bins):
+    g = torch.Generator().manual_seed(3)
+    x = torch.cat([
+        torch.randn(2000, generator=g) * 10.0 ** torch.randint(-8, 9, (2000,), generator=g),
+        torch.tensor([0.0, 0.0, 1e30, -1e30, FLOAT32_MAX, -FLOAT32_MAX, 1e-6, -1e-6, 1e6]),
+    ])
+    edges = histogram_edges(bins)
+    hist = _hist(_row(x, bins=bins))
+    assert hist.tolist() == _bin_counts(x, edges)
+    assert hist.sum() == x.numel()
+
+
+def test_histogram_of_the_finite_part_only():
+    x = torch.tensor([NAN, 0.5, INF, -3.0, -INF, NAN, 0.0, 1e30])
+    edges = histogram_edges(16)
+    hist = _hist(_row(x, bins=16))
+    finite = x[torch.isfinite(x)]
+    assert hist.tolist() == _bin_counts(finite, edges)
+    assert hist.sum() == 4  # the masked values were taken back out of the zero bin
+    assert (hist >= 0).all()
+
+
+def test_histogram_equals_numpy_away_from_edges():
+    # np.histogram bins are [a, b), ours (a, b]: they agree when no value sits on an edge.
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(5000, generator=g).double() * 50
+    edges = histogram_edges(33)
+    assert not bool(torch.isin(x, edges).any())
+    counts, _ = np.histogram(x.numpy(), bins=edges.numpy())
+    hist = _hist(_row(x.float(), bins=33))
+    assert hist.tolist() == counts.astype(float).tolist()
+
+
+def test_explicit_edges_put_values_beyond_them_in_the_outer_bins():
+    x = torch.tensor([-50.0, -1.0, 0.25, 0.75, 1.0, 99.0])
+    hist = _hist(_row(x, bins=[0.0, 0.5, 1.0]))
+    assert hist.tolist() == [3.0, 3.0]  # (-inf, 0.5]: -50, -1, 0.25; (0.5, inf): 0.75, 1, 99
+
+
+def test_zero_sits_in_the_central_bin():
+    zeros = torch.zeros(5)
+    assert _hist(_row(zeros, bins=4)).tolist() == [0, 5, 0, 0]  # (-1e-6, 0]
+    assert _hist(_row(zeros, bins=5)).tolist() == [0, 0, 5, 0, 0]  # (-1e-6, 1e-6]
+
+
+# ---------------------------------------------------------------- reduction across rows
+
+
+def test_reduce_rows_adds_sums_and_takes_max_of_extremes():
+    g = torch.Generator().manual_seed(5)
+    a, b = torch.randn(100, generator=g), torch.randn(30, generator=g) * 4 + 2
+    a[3] = NAN
+    b[0] = -INF
+    per_rank = torch.stack([_row(a), _row(b)])  # (ranks, cols)
+    reduced = reduce_rows(per_rank)
+    whole = _row(a, b)
+    assert torch.equal(reduced[N_FIELDS:], whole[N_FIELDS:])
+    got, want = summarize(reduced.tolist()), summarize(whole.tolist())
+    for stat in (*STAT_NAMES, "sum", "sum_sq"):
+        assert got[stat] == pytest.approx(want[stat], rel=1e-12, nan_ok=True), stat
+    assert got["min"] == float(torch.cat([a, b])[torch.isfinite(torch.cat([a, b]))].min())
+
+
+def test_reduce_rows_works_on_blocks_of_rows():
+    blocks = new_rows(3, 8, None).expand(2, 3, -1).clone()  # (ranks, rows, cols)
+    blocks[0, 1] = _row(torch.tensor([1.0, 5.0]), bins=8)
+    blocks[1, 1] = _row(torch.tensor([-7.0]), bins=8)
+    out = reduce_rows(blocks)
+    assert out.shape == (3, N_FIELDS + 8)
+    s = summarize(out[1].tolist())
+    assert (s["min"], s["max"], s["count"], s["calls"]) == (-7.0, 5.0, 3, 2)
+    assert summarize(out[0].tolist())["count"] == 0
+    assert math.isinf(out[0, N_FIELDS - 1]) and out[0, N_FIELDS - 1] < 0  # max columns stay -inf

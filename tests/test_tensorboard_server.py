@@ -1,0 +1,138 @@
+"""What a user sees: the real ``tensorboard`` server, read over its HTTP data API."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from pathlib import Path
+
+import pytest
+import torch
+from lightning.pytorch.loggers import TensorBoardLogger
+from torch import nn
+
+from lightning_hooks import ActivationMonitor
+from tests.helpers import trainer
+from tests.zoo import F, LitNet
+
+RUN = "tb/version_0"
+
+
+def _tensorboard_command() -> list[str]:
+    script = Path(sys.executable).with_name("tensorboard")
+    return [str(script)] if script.exists() else [sys.executable, "-m", "tensorboard.main"]
+
+
+def _wait_for(check, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        result = check()
+        if result:
+            return result
+        time.sleep(0.2)
+    raise TimeoutError(f"tensorboard: no {what} after {timeout} s")
+
+
+@pytest.fixture
+def serve(tmp_path):
+    """Start ``tensorboard`` over a log dir on 127.0.0.1 (a free port it picks), yield a getter
+    for its JSON API, and always stop it."""
+    procs = []
+
+    def start(logdir: Path):
+        log = open(tmp_path / "tensorboard.log", "w+")
+        cmd = [*_tensorboard_command(), "--logdir", str(logdir), "--host", "127.0.0.1", "--port", "0",
+               "--load_fast=false", "--reload_interval", "1"]
+        procs.append((subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT), log))
+
+        def url() -> str | None:
+            if procs[-1][0].poll() is not None:
+                raise RuntimeError(f"tensorboard exited: {(tmp_path / 'tensorboard.log').read_text()}")
+            found = re.search(r"http://127\.0\.0\.1:(\d+)/", (tmp_path / "tensorboard.log").read_text())
+            return found and f"http://127.0.0.1:{found.group(1)}"
+
+        base = _wait_for(url, 60, "address")
+
+        def get(route: str, **params: str):
+            query = f"?{urllib.parse.urlencode(params)}" if params else ""
+            with urllib.request.urlopen(f"{base}{route}{query}", timeout=10) as response:
+                return json.loads(response.read())
+
+        return get
+
+    try:
+        yield start
+    finally:
+        for proc, log in procs:
+            proc.terminate()
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+            log.close()
+
+
+def _loaded(get, tag: str):
+    """Wait until the server has read ``tag`` for our run (it loads event files in the background)."""
+
+    def check():
+        try:
+            return RUN in get("/data/runs") and tag in get("/data/plugin/scalars/tags").get(RUN, {})
+        except (urllib.error.URLError, ConnectionError):
+            return False
+
+    _wait_for(check, 60, f"scalar {tag!r} for run {RUN!r}")
+
+
+def test_tensorboard_serves_the_figures(tmp_path, serve):
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(F, 8), nn.ReLU(), nn.Linear(8, 1))
+    outputs: list[torch.Tensor] = []
+    net[1].register_forward_hook(lambda module, args, out: outputs.append(out.detach().clone()))
+    x = torch.randn(24, F, generator=torch.Generator().manual_seed(1))
+    x[9, 2] = math.nan  # step 1 holds a NaN: one NaN row through the ReLU, then NaN weights
+    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, torch.zeros(24, 1)), batch_size=8)
+    monitor = ActivationMonitor(log_every_n_steps=1, modules=["net.1"])
+    logger = TensorBoardLogger(tmp_path, name="tb", version=0)
+    trainer(tmp_path, [monitor], logger=logger, max_steps=3).fit(LitNet(net), data)
+    logger.experiment.flush()
+
+    get = serve(tmp_path)
+    _loaded(get, "activations/net.1/zero_fraction")
+
+    tags = get("/data/plugin/scalars/tags")[RUN]
+    assert {f"activations/net.1/{s}" for s in ("mean", "zero_fraction", "nan_count", "count")} <= set(tags)
+    assert list(get("/data/plugin/histograms/tags")[RUN]) == ["activations/net.1"]
+
+    def scalars(stat):
+        rows = get("/data/plugin/scalars/scalars", tag=f"activations/net.1/{stat}", run=RUN)
+        return {step: float(value) for _, step, value in rows}  # NaN comes as the string "NaN"
+
+    assert scalars("count") == {0: 64, 1: 64, 2: 64}
+    assert scalars("nan_count") == {0: 0, 1: 8, 2: 64}  # NaN row at step 1, NaN weights after
+    for step in (0, 1):
+        out = outputs[step]
+        finite = out[torch.isfinite(out)].double()
+        assert scalars("zero_fraction")[step] == pytest.approx(float((out == 0).double().mean()))
+        assert scalars("mean")[step] == pytest.approx(float(finite.mean()), rel=1e-5)
+    assert math.isnan(scalars("mean")[2])
+
+    series = get("/data/plugin/histograms/histograms", tag="activations/net.1", run=RUN)
+    hist = {step: buckets for _, step, buckets in series}
+    assert sorted(hist) == [0, 1]  # step 2 had no finite value to draw
+    for step, buckets in hist.items():
+        out = outputs[step]
+        finite = out[torch.isfinite(out)]
+        assert sum(c for _, _, c in buckets) == finite.numel()
+        assert buckets[0][0] == pytest.approx(float(finite.min()))  # left edge of the first: true min
+        assert buckets[-1][1] == pytest.approx(float(finite.max()))  # right edge of the last: true max
+        zeros = [c for left, right, c in buckets if right == 0.0]
+        assert zeros == [int((finite == 0).sum())]  # the (-1e-6, 0] bin holds the dead units
