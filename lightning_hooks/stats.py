@@ -132,10 +132,15 @@ def accumulate_(row: Tensor, values: Tensor, inner_edges: Tensor, zero_bin: int,
     clean = torch.where(finite, values, 0.0)
     high = torch.where(finite, values, -math.inf).max()
     low = torch.where(finite, values, math.inf).min()
-    scale = torch.maximum(high.abs(), low.abs()).nan_to_num(0.0, 0.0, 0.0).clamp_min(1e-30)
     total = clean.sum(dtype=torch.float64)
-    # Square after scaling so that values up to float32 max do not overflow.
-    sum_sq = (clean / scale).square().sum(dtype=torch.float64) * scale.double().square()
+    # The sum of squares is taken about this tensor's own mean ``a`` (so std stays exact when
+    # the mean dwarfs it), squared after scaling by the largest deviation (so values up to
+    # float32 max do not overflow), then shifted back in float64: sum x^2 = sum (x-a)^2 + a(2 sum x - n a).
+    shift = (total / n_finite.clamp_min(1)).float()
+    centered = torch.where(finite, clean - shift, 0.0)
+    spread = centered.abs().max().nan_to_num(0.0, 0.0, 0.0).clamp_min(1e-30)
+    sum_sq = (centered / spread).square().sum(dtype=torch.float64) * spread.double().square()
+    sum_sq = sum_sq + shift.double() * (2 * total - n_finite * shift.double())
     n_zero = (values == 0).sum()
     n_neginf = values.numel() - n_finite - n_nan - n_posinf
     sums = torch.stack([n_finite.double(), total, sum_sq, n_zero.double(), n_nan.double(),
