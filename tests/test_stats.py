@@ -93,6 +93,13 @@ def test_moments_and_extremes_equal_torch(shift, scale):
     assert s["nonfinite_fraction"] == 0 and s["nan_count"] == 0
 
 
+@pytest.mark.parametrize("offset", [1e3, 1e4, 1e5])
+def test_std_stays_accurate_when_the_mean_dwarfs_it(offset):
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(50_000, generator=g) + offset
+    assert _summary(x)["std"] == pytest.approx(float(x.double().std()), rel=1e-6)
+
+
 def test_moments_of_several_tensors_are_those_of_their_union():
     g = torch.Generator().manual_seed(2)
     parts = [torch.randn(n, generator=g) * (i + 1) for i, n in enumerate([5, 300, 1, 64])]
