@@ -16,6 +16,7 @@ from lightning_hooks.stats import (
     iter_tensors,
     new_rows,
     reduce_rows,
+    reset_rows_,
 )
 
 
@@ -35,13 +36,20 @@ class StatBlock:
     def __init__(self, names: list[str], bins: Bins, device: torch.device | str) -> None:
         self.names = names
         self.edges = histogram_edges(bins)
-        inner = self.edges[1:-1]
-        self.zero_bin = int(torch.bucketize(torch.zeros((), dtype=torch.float64), inner))
         self.rows = new_rows(len(names), self.edges.numel() - 1, device)
+        self._bins: dict[tuple[torch.device, torch.dtype], tuple[Tensor, int]] = {}
         # Filled for the rows' device up front: under torch.compile a first miss costs a recompile.
-        device = self.rows.device
-        self._inner: dict[torch.device, Tensor] = {device: inner.to(device, torch.float32)}
+        self._bins_for(self.rows.device, torch.float32)
         self.pending = False
+
+    def _bins_for(self, device: torch.device, dtype: torch.dtype) -> tuple[Tensor, int]:
+        """The inner edges in ``dtype`` on ``device``, and the index of the bin holding 0."""
+        found = self._bins.get((device, dtype))
+        if found is None:
+            inner = self.edges[1:-1].to(dtype)
+            zero_bin = int(torch.bucketize(torch.zeros((), dtype=dtype), inner))
+            found = self._bins[(device, dtype)] = (inner.to(device), zero_bin)
+        return found
 
     def add(self, index: int, tensor: Tensor, calls: int = 1) -> bool:
         """Add one tensor's statistics, and ``calls`` calls, to row ``index``.
@@ -51,10 +59,8 @@ class StatBlock:
         values = as_float_values(tensor)
         if values is None:
             return False
-        inner = self._inner.get(values.device)
-        if inner is None:
-            inner = self._inner[values.device] = self.edges[1:-1].to(values.device, torch.float32)
-        accumulate_(self.rows[index], values, inner, self.zero_bin, calls)
+        inner, zero_bin = self._bins_for(values.device, values.dtype)
+        accumulate_(self.rows[index], values, inner, zero_bin, calls)
         self.pending = True
         return True
 
@@ -79,5 +85,5 @@ class StatBlock:
 
     def reset(self) -> None:
         """Empty every row, on device, without reading it."""
-        self.rows.copy_(new_rows(self.rows.shape[0], self.edges.numel() - 1, self.rows.device))
+        reset_rows_(self.rows)
         self.pending = False

@@ -62,8 +62,11 @@ def histogram_edges(bins: Bins = 128, low: float = 1e-6, high: float = 1e6) -> T
             edges = torch.as_tensor(list(bins), dtype=torch.float64)
         except (TypeError, ValueError):
             raise ValueError(f"`bins` must be a positive int or a sequence of edges, got {bins!r}") from None
-        if edges.ndim != 1 or edges.numel() < 2 or not bool((edges[1:] > edges[:-1]).all()):
-            raise ValueError(f"`bins` as edges must be >= 2 strictly increasing numbers, got {bins!r}")
+        as_float32 = edges.float()  # float32 values are binned against float32 edges
+        if edges.ndim != 1 or edges.numel() < 2 or not bool((as_float32[1:] > as_float32[:-1]).all()):
+            raise ValueError(
+                f"`bins` as edges must be >= 2 numbers, strictly increasing in float32, got {bins!r}"
+            )
         return edges
     if isinstance(bins, bool) or bins < 1:
         raise ValueError(f"`bins` must be a positive int or a sequence of edges, got {bins!r}")
@@ -78,7 +81,12 @@ def histogram_edges(bins: Bins = 128, low: float = 1e-6, high: float = 1e6) -> T
 
 def new_rows(n_rows: int, n_bins: int, device: torch.device | str | None = None) -> Tensor:
     """An empty block of stat rows: zeros, with the max columns at -inf."""
-    rows = torch.zeros(n_rows, N_FIELDS + n_bins, dtype=torch.float64, device=device)
+    return reset_rows_(torch.empty(n_rows, N_FIELDS + n_bins, dtype=torch.float64, device=device))
+
+
+def reset_rows_(rows: Tensor) -> Tensor:
+    """Empty a block of stat rows in place (zeros, the max columns at -inf) and return it."""
+    rows.zero_()
     rows[:, _MAX_SLICE] = -math.inf
     return rows
 
@@ -101,27 +109,29 @@ def iter_tensors(value: Any, _depth: int = 0) -> Iterator[Tensor]:
 
 
 def as_float_values(tensor: Tensor) -> Tensor | None:
-    """The flat float32 values that stats are taken over, or None for a tensor we skip.
+    """The flat floating values that stats are taken over, or None for a tensor we skip.
 
-    Floating and integer/bool tensors give their values as float32, complex tensors their
-    magnitude; sparse, quantized and meta tensors, and empty tensors, are skipped.
+    float64 tensors keep float64 (a finite 1e300 stays finite); other floating, integer and
+    bool tensors give float32; complex tensors their magnitude. Sparse, quantized, meta and
+    empty tensors are skipped.
     """
     if tensor.layout != torch.strided or tensor.is_quantized or tensor.is_meta or tensor.numel() == 0:
         return None
     values = tensor.detach()
     if values.is_complex():
         values = values.abs()
-    return values.reshape(-1).float()
+    values = values.reshape(-1)
+    return values if values.dtype == torch.float64 else values.float()
 
 
 @torch.no_grad()
 def accumulate_(row: Tensor, values: Tensor, inner_edges: Tensor, zero_bin: int, calls: int = 1) -> None:
-    """Add the statistics of flat float32 ``values`` into stat ``row``, in place, on device.
+    """Add the statistics of flat floating ``values`` into stat ``row``, in place, on device.
 
     Args:
         row: One stat row (a view into a block from :func:`new_rows`), float64.
-        values: Flat float32 values, as from :func:`as_float_values`.
-        inner_edges: The bin edges without the outermost two, on ``values``' device.
+        values: Flat float32 or float64 values, as from :func:`as_float_values`.
+        inner_edges: The bin edges without the outermost two, on ``values``' device and dtype.
         zero_bin: Index of the bin that holds 0 (masked values land there and are taken out).
         calls: Added to the ``calls`` column: 0 for the second and later tensors of one call.
     """
@@ -134,20 +144,22 @@ def accumulate_(row: Tensor, values: Tensor, inner_edges: Tensor, zero_bin: int,
     low = torch.where(finite, values, math.inf).min()
     total = clean.sum(dtype=torch.float64)
     # The sum of squares is taken about this tensor's own mean ``a`` (so std stays exact when
-    # the mean dwarfs it), squared after scaling by the largest deviation (so values up to
-    # float32 max do not overflow), then shifted back in float64: sum x^2 = sum (x-a)^2 + a(2 sum x - n a).
-    shift = (total / n_finite.clamp_min(1)).float()
-    centered = torch.where(finite, clean - shift, 0.0)
-    spread = centered.abs().max().nan_to_num(0.0, 0.0, 0.0).clamp_min(1e-30)
-    sum_sq = (centered / spread).square().sum(dtype=torch.float64) * spread.double().square()
+    # the mean dwarfs it), on halved values (exact, and their differences cannot overflow),
+    # squared after scaling by the largest deviation, then shifted back in float64:
+    # sum x^2 = 4 sum ((x-a)/2)^2 + a (2 sum x - n a).
+    shift = (total / n_finite.clamp_min(1)).to(values.dtype)
+    half_dev = torch.where(finite, clean * 0.5 - shift * 0.5, 0.0)
+    spread = half_dev.abs().max().clamp_min(1e-30)
+    sum_sq = (half_dev / spread).square().sum(dtype=torch.float64) * (2 * spread.double()).square()
     sum_sq = sum_sq + shift.double() * (2 * total - n_finite * shift.double())
     n_zero = (values == 0).sum()
     n_neginf = values.numel() - n_finite - n_nan - n_posinf
+    # In SUM_FIELDS order, from "finite" to "neginf".
     sums = torch.stack([n_finite.double(), total, sum_sq, n_zero.double(), n_nan.double(),
                         n_posinf.double(), n_neginf.double()]).to(row.device)
-    row[1:8] += sums
-    row[0] += values.numel()
-    row[8] += calls
+    row[_COL["finite"] : _COL["neginf"] + 1] += sums
+    row[_COL["count"]] += values.numel()
+    row[_COL["calls"]] += calls
     row[_MAX_SLICE] = torch.maximum(row[_MAX_SLICE], torch.stack([high, -low]).double().to(row.device))
     hist = row[N_FIELDS:]
     index = torch.bucketize(clean, inner_edges)

@@ -179,12 +179,20 @@ def test_tensors_that_are_skipped(make):
     assert as_float_values(make()) is None
 
 
-def test_values_never_alias_or_track_the_input():
+def test_values_are_detached_and_keep_float64_range():
     x = torch.randn(3, requires_grad=True)
     values = as_float_values(x)
     assert not values.requires_grad
-    big = torch.randn(2, 2, dtype=torch.float64)
-    assert as_float_values(big).data_ptr() != big.data_ptr()
+    big = torch.tensor([[1e300, -1e300], [1.0, 0.0]], dtype=torch.float64)
+    assert as_float_values(big).dtype == torch.float64
+    s = _summary(big)
+    assert s["posinf_count"] == s["neginf_count"] == 0
+    assert (s["max"], s["min"], s["count_finite"]) == (1e300, -1e300, 4)
+
+
+def test_std_of_huge_values_of_opposite_sign_does_not_overflow():
+    x = torch.tensor([3e38, -3e38, -3e38])
+    assert _summary(x)["std"] == pytest.approx(float(x.double().std()), rel=1e-6)
 
 
 def test_iter_tensors_finds_tensors_in_nested_outputs():
@@ -244,10 +252,11 @@ def test_explicit_edges_are_used_as_given():
         (dict(bins=True), r"got True"),
         (dict(bins=128.0), r"got 128.0"),
         (dict(bins="abc"), r"a sequence of edges, got 'abc'"),
-        (dict(bins=[1.0]), r">= 2 strictly increasing numbers, got \[1.0\]"),
+        (dict(bins=[1.0]), r">= 2 numbers, strictly increasing in float32, got \[1.0\]"),
         (dict(bins=[0.0, 1.0, 1.0]), r"strictly increasing"),
         (dict(bins=[0.0, NAN, 1.0]), r"strictly increasing"),
         (dict(bins=[[0.0, 1.0], [2.0, 3.0]]), r"strictly increasing"),
+        (dict(bins=[0.0, 1.0, 1.00000001]), r"strictly increasing in float32"),
         (dict(bins=8, low=0.0), r"0 < low < high < 3.4e38, got low=0.0"),
         (dict(bins=8, low=10.0, high=1.0), r"got low=10.0, high=1.0"),
         (dict(bins=8, high=1e39), r"high=1e\+39"),
