@@ -2,17 +2,52 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import warnings
+from collections.abc import Callable, Sequence
 from typing import Any, Optional
 
 import lightning.pytorch as pl
+import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.model_helpers import is_overridden
-from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from lightning_hooks.selection import ModuleSelection, select_modules, validate_selection
+
+
+def in_backward() -> bool:
+    """Whether autograd is running a backward pass right now.
+
+    Forwards inside backward are gradient checkpointing recomputing outputs that were already
+    seen. Not checked while torch.compile traces, so dynamo never sees the private call.
+    """
+    return not torch.compiler.is_compiling() and torch._C._current_graph_task_id() != -1
+
+
+def _validate_interval(value: Any) -> None:
+    """Check a ``log_every_n_steps`` argument: a positive int (not a bool) or None."""
+    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+        raise ValueError(f"`log_every_n_steps` must be a positive int or None, got {value!r}")
+
+
+def _validate_stats(stats: Any, allowed: Sequence[str]) -> None:
+    """Check a ``stats`` argument: a list of names from ``allowed``."""
+    if isinstance(stats, str):
+        raise ValueError(
+            f"`stats` must be a list of names, not the string {stats!r} (read letter by letter, as the"
+            f" unknown stats {list(stats)}); write stats=[{stats!r}]"
+        )
+    if not isinstance(stats, Sequence):
+        raise ValueError(f"`stats` must be a list of names from {list(allowed)}, got {stats!r}")
+    unknown = [s for s in stats if s not in allowed]
+    if unknown:
+        raise ValueError(f"unknown stat(s) {unknown}; choose from {list(allowed)}")
+
+
+def _log_interval(log_every_n_steps: Optional[int], trainer: pl.Trainer) -> int:
+    """The steps between logged steps: the callback's own setting, else the Trainer's, else 1."""
+    return log_every_n_steps or getattr(trainer, "log_every_n_steps", None) or 1
 
 
 class HookCallback(Callback):
@@ -118,9 +153,11 @@ class HookCallback(Callback):
                 return hook(*args)
             except Exception as err:  # a monitor must never kill the training run
                 self._failed.add(name)
-                rank_zero_warn(
-                    f"{type(self).__name__}: the hook on {name!r} raised"
-                    f" {type(err).__name__}: {err}. It is disabled for the rest of this fit."
+                rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+                warnings.warn(
+                    f"{type(self).__name__}: the hook on {name!r} raised {type(err).__name__}: {err}"
+                    f" (rank {rank}). It is disabled for the rest of this fit.",
+                    stacklevel=2,
                 )
                 return None
 

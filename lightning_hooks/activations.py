@@ -6,25 +6,16 @@ from collections.abc import Sequence
 from typing import Any, Literal, Optional
 
 import lightning.pytorch as pl
-import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from lightning_hooks._base import HookCallback
+from lightning_hooks._base import HookCallback, _log_interval, _validate_interval, _validate_stats, in_backward
 from lightning_hooks.aggregate import StatBlock
 from lightning_hooks.selection import ModuleSelection
 from lightning_hooks.sinks import log_histogram, log_scalars
 from lightning_hooks.stats import STAT_NAMES, Bins, histogram_edges, summarize
 
 Stage = Literal["train", "validate"]
-
-
-def _in_backward() -> bool:
-    """Whether autograd is running a backward pass.
-
-    Forwards there are gradient checkpointing recomputing outputs that were already counted.
-    """
-    return not torch.compiler.is_compiling() and torch._C._current_graph_task_id() != -1
 
 
 class ActivationMonitor(HookCallback):
@@ -84,13 +75,8 @@ class ActivationMonitor(HookCallback):
         stages: Sequence[Stage] = ("train",),
     ) -> None:
         super().__init__(modules)
-        if log_every_n_steps is not None and (
-            not isinstance(log_every_n_steps, int) or log_every_n_steps < 1
-        ):
-            raise ValueError(f"`log_every_n_steps` must be a positive int or None, got {log_every_n_steps!r}")
-        unknown = [s for s in stats if s not in STAT_NAMES]
-        if isinstance(stats, str) or unknown:
-            raise ValueError(f"unknown stat(s) {unknown or stats!r}; choose from {list(STAT_NAMES)}")
+        _validate_interval(log_every_n_steps)
+        _validate_stats(stats, STAT_NAMES)
         bad_stages = [s for s in stages if s not in ("train", "validate")]
         if isinstance(stages, str) or bad_stages or not stages:
             raise ValueError(f"`stages` must be a non-empty list of 'train'/'validate', got {stages!r}")
@@ -109,26 +95,26 @@ class ActivationMonitor(HookCallback):
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         """Resolve modules and the logging interval before training starts."""
         super().setup(trainer, pl_module, stage)
-        self._every = self.log_every_n_steps or trainer.log_every_n_steps or 1
+        self._every = _log_interval(self.log_every_n_steps, trainer)
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        """Allocate the per-step buffers on the module's device and register the hooks."""
+        """Register the hooks, then size the per-step buffers to the modules they went on."""
+        super().on_fit_start(trainer, pl_module)
         names = self.module_names + ([f"{n}.input" for n in self.module_names] if self.inputs else [])
         self._blocks = {s: StatBlock(names, self.bins, pl_module.device) for s in self.stages}
         self._block, self._pending_step = None, None
-        super().on_fit_start(trainer, pl_module)
 
     def _register(self, index: int, name: str, module: nn.Module) -> list[RemovableHandle]:
         input_index = index + len(self._targets)
 
         def record(mod: nn.Module, args: tuple[Any, ...], output: Any) -> None:
-            if self._block is not None and not _in_backward():
+            if self._block is not None and not in_backward():
                 self._block.add_all(index, output)
 
         # A pre-hook, as an in-place module (ReLU(inplace=True)) has overwritten its input by
         # the time a forward hook runs.
         def record_inputs(mod: nn.Module, args: tuple[Any, ...]) -> None:
-            if self._block is not None and not _in_backward():
+            if self._block is not None and not in_backward():
                 self._block.add_all(input_index, args)
 
         handles = [module.register_forward_hook(self._guard(name, record))]
@@ -149,14 +135,13 @@ class ActivationMonitor(HookCallback):
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        """Close the gate, so evaluation forwards between batches are not counted."""
-        self._collecting = False
+        """Close the gate; log the step's figures once its optimizer step is done.
 
-    def on_before_optimizer_step(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any
-    ) -> None:
-        """Log the step's figures once its micro-batches are all in."""
-        if self._pending_step is not None:
+        Flushing here rather than at the optimizer step keeps every forward of the batch in its
+        step: closures re-run by LBFGS, several optimizers under manual optimization.
+        """
+        self._collecting = False
+        if self._pending_step is not None and self._pending_step != trainer.global_step:
             self._flush(trainer, "train")
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -189,6 +174,7 @@ class ActivationMonitor(HookCallback):
 
     def _flush(self, trainer: pl.Trainer, stage: str) -> None:
         step, self._pending_step = self._pending_step, None
+        self._collecting, self._block = False, None
         assert step is not None
         self._log(trainer, self._blocks[stage], "activations", step)
 

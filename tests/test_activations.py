@@ -1,5 +1,5 @@
 import copy
-import math
+import warnings
 
 import lightning as L
 import pytest
@@ -146,14 +146,82 @@ def test_a_pattern_matching_nothing_fails_before_training(tmp_path):
     assert _Counting.steps == 0
 
 
+class _PendingProbe(L.Callback):
+    """Placed before the monitor: sees its buffer as the batch left it, before any flush."""
+
+    def __init__(self, monitor: ActivationMonitor) -> None:
+        self.monitor = monitor
+        self.pending: list[bool] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.pending.append(self.monitor._blocks["train"].pending)
+
+
 def test_unlogged_steps_leave_the_buffers_untouched(tmp_path):
-    class Probe(L.Callback):
-        pending: list[bool] = []
-
-        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-            self.pending.append(monitor._blocks["train"].pending)
-
     monitor = ActivationMonitor(log_every_n_steps=3)
-    trainer(tmp_path, [monitor, Probe()], logger=False).fit(TinyNet(), loader())
-    assert Probe.pending == [False] * 6  # drained at each logged step, never filled otherwise
-    assert not math.isnan(monitor._blocks["train"].rows[0, 0].item())
+    probe = _PendingProbe(monitor)
+    trainer(tmp_path, [probe, monitor], logger=False).fit(TinyNet(), loader())
+    assert probe.pending == [True, False, False, True, False, False]
+
+
+class _LBFGSNet(TinyNet):
+    def configure_optimizers(self):
+        return torch.optim.LBFGS(self.parameters(), lr=0.1, max_iter=4)
+
+
+def test_every_closure_evaluation_of_a_step_is_logged_at_that_step(tmp_path):
+    monitor = ActivationMonitor(log_every_n_steps=2, modules="net.0", stats=["calls", "count"])
+    trainer(tmp_path, [monitor], logger=CSVLogger(tmp_path), max_steps=4).fit(_LBFGSNet(), loader())
+    rows = [r for r in csv_metrics(str(tmp_path)) if r.get("activations/net.0/calls")]
+    assert [int(r["step"]) for r in rows] == [0, 2]
+    calls = [float(r["activations/net.0/calls"]) for r in rows]
+    assert all(2 <= c <= 5 for c in calls), calls  # LBFGS evaluates the closure up to max_iter + 1 times
+    assert [float(r["activations/net.0/count"]) for r in rows] == [c * 8 * 16 for c in calls]
+
+
+class _TwoOptimizers(TinyNet):
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+
+    def training_step(self, batch, batch_idx):
+        first, second = self.optimizers()
+        x, y = batch
+        for opt in (first, second):
+            loss = torch.nn.functional.mse_loss(self(x), y)
+            opt.zero_grad()
+            self.manual_backward(loss)
+            opt.step()
+
+    def configure_optimizers(self):
+        return [torch.optim.SGD(self.net[0].parameters(), lr=0.01), torch.optim.SGD(self.net[2].parameters(), lr=0.01)]
+
+
+def test_manual_optimization_with_two_optimizers_logs_each_batch_at_its_first_step(tmp_path):
+    monitor = ActivationMonitor(log_every_n_steps=2, modules="net.2", stats=["calls"])
+    run = trainer(tmp_path, [monitor], logger=CSVLogger(tmp_path), max_steps=8)
+    run.fit(_TwoOptimizers(), loader())
+    rows = [r for r in csv_metrics(str(tmp_path)) if r.get("activations/net.2/calls")]
+    # Each batch makes two optimizer steps: batches start at global steps 0, 2, 4, 6.
+    assert [(int(r["step"]), float(r["activations/net.2/calls"])) for r in rows] == [(0, 2), (2, 2), (4, 2), (6, 2)]
+
+
+class _BuiltInConfigureModel(TinyNet):
+    def __init__(self) -> None:
+        L.LightningModule.__init__(self)
+        self.lr = 0.05
+
+    def configure_model(self):
+        if not hasattr(self, "net"):
+            self.net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+
+
+def test_a_model_built_in_configure_model_is_monitored(tmp_path):
+    monitor = ActivationMonitor(log_every_n_steps=1, modules="net.*", stats=["count"])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer(tmp_path, [monitor], logger=CSVLogger(tmp_path), max_steps=2).fit(_BuiltInConfigureModel(), loader())
+    assert not [w for w in caught if "the hook on" in str(w.message)]  # no hook failed
+    rows = csv_metrics(str(tmp_path))
+    assert [float(r["activations/net.2/count"]) for r in rows] == [8, 8]
+    assert monitor.module_names == ["net.0", "net.1", "net.2"]
