@@ -14,7 +14,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
-from lightning_hooks._base import HookCallback
+from lightning_hooks._base import HookCallback, in_backward
 from lightning_hooks.selection import ModuleSelection
 
 Stage = Literal["fit", "validate", "test", "predict"]
@@ -130,6 +130,8 @@ class FeatureExtractor(HookCallback):
 
     def _make_hook(self, name: str) -> Any:
         def save_output(module: nn.Module, args: Any, output: Any) -> None:
+            if in_backward():  # gradient checkpointing recomputing an output already saved
+                return
             tensor = self._as_tensor(name, output)
             expected = self._shapes.setdefault(name, tensor.shape[1:])
             if tensor.shape[1:] != expected:
@@ -243,8 +245,12 @@ class FeatureExtractor(HookCallback):
         for layer in self.module_names:
             folder = self.layer_dir(stage, layer)
             folder.mkdir(parents=True, exist_ok=True)
-            for old in folder.glob(f"rank{self._rank}-shard*.pt"):
-                old.unlink()
+            for old in folder.glob("rank*-shard*.pt"):
+                # Each rank deletes its own old shards; rank 0 also those of ranks that no
+                # longer exist (an earlier run with more processes).
+                rank = int(old.name[len("rank") : old.name.index("-shard")])
+                if rank == self._rank or (self._rank == 0 and rank >= trainer.world_size):
+                    old.unlink()
 
     def _find_tensorboard(self, trainer: pl.Trainer) -> Optional[TensorBoardLogger]:
         if not self.embedding_samples or not trainer.is_global_zero:

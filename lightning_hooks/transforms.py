@@ -140,16 +140,16 @@ class GradientTransform(HookCallback):
         """Register the reversal hooks on modules and the scaling hooks on parameters."""
         self._plan = self._resolve(model)
         super().attach(model)
-        for name, param, factor in self._plan.scaled:
-            hook = self._guard(name, partial(_multiply, factor=factor), gated=False)
-            self._handles.append(param.register_hook(hook))
+        # Not wrapped in `_guard`: a hook that changes training must fail loudly, never be
+        # switched off while the run goes on with other gradients (or other ranks' gradients).
+        for _, param, factor in self._plan.scaled:
+            self._handles.append(param.register_hook(partial(_multiply, factor=factor)))
 
     def _register(self, index: int, name: str, module: nn.Module) -> list[RemovableHandle]:
         factor = self._plan.reversed.get(name) if self._plan is not None else None
         if factor is None:
             return []
-        hook = self._guard(name, partial(_reverse_outputs, factor=factor), gated=False)
-        return [module.register_forward_hook(hook, with_kwargs=True)]
+        return [module.register_forward_hook(partial(_reverse_outputs, factor=factor), with_kwargs=True)]
 
     def on_before_optimizer_step(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Optimizer

@@ -111,6 +111,30 @@ def test_a_new_run_replaces_the_shards_of_the_last_one(tmp_path: Path) -> None:
         torch.testing.assert_close(load_features(tmp_path, "encoder.2"), model.encoder(inputs(8, seed=2)))
 
 
+def test_shards_of_ranks_that_no_longer_exist_are_removed(tmp_path: Path) -> None:
+    stale = tmp_path / "predict" / "encoder.2" / "rank3-shard00000.pt"
+    stale.parent.mkdir(parents=True)
+    torch.save(torch.zeros(5, 3), stale)
+    model = Encoder()
+    Trainer(callbacks=[FeatureExtractor("encoder.2", tmp_path)], **TRAINER).predict(model, loader(inputs(8)))
+    assert shard_names(stale.parent) == ["rank0-shard00000.pt"]
+    assert load_features(tmp_path, "encoder.2").shape == (8, 3)
+
+
+class Checkpointed(Encoder):
+    def forward(self, x: Tensor) -> Tensor:
+        hidden = torch.utils.checkpoint.checkpoint(self.encoder, x, use_reentrant=False)
+        return self.head(hidden)
+
+
+def test_gradient_checkpointing_recomputation_is_not_saved_twice(tmp_path: Path) -> None:
+    model, x = Checkpointed(), inputs(12)
+    # encoder.0 is recomputed in backward (encoder.2 is not: recomputation stops early).
+    trainer = Trainer(max_epochs=1, callbacks=[FeatureExtractor("encoder.0", tmp_path, stages="fit")], **TRAINER)
+    trainer.fit(model, loader(x))
+    assert load_features(tmp_path, "encoder.0", "fit").shape == (12, 8)
+
+
 def test_only_enabled_stages_extract_and_never_the_validation_inside_fit(tmp_path: Path) -> None:
     model, extractor = Encoder(), FeatureExtractor("encoder.2", tmp_path, stages="validate")
     trainer = Trainer(max_epochs=1, num_sanity_val_steps=2, callbacks=[extractor], **TRAINER)
