@@ -59,8 +59,9 @@ class HookCallback(Callback):
     ``on_exception`` and ``teardown``. Removal is idempotent, a second ``fit`` never registers
     twice, and hooks the user registered are left alone.
 
-    Every hook a subclass registers goes through :meth:`_guard`: an exception inside one of our
-    hooks warns once and disables that module's hook instead of killing the run.
+    Every observing hook goes through :meth:`_guard`: it returns at once while the callback is
+    not collecting, and an exception inside it warns once and disables that module's hook
+    instead of killing the run.
 
     Subclasses implement :meth:`_register`, which returns the handles of the hooks it added.
 
@@ -137,17 +138,16 @@ class HookCallback(Callback):
         """Register the hooks for one selected module and return their handles."""
         raise NotImplementedError
 
-    def _guard(
-        self, name: str, hook: Callable[..., Any], gated: bool = True
-    ) -> Callable[..., Optional[Any]]:
-        """Wrap ``hook`` so that it is skipped while not collecting, and disabled once it raises.
+    def _guard(self, name: str, hook: Callable[..., Any]) -> Callable[..., Optional[Any]]:
+        """Wrap an observing ``hook``: skipped while not collecting, disabled once it raises.
 
-        ``gated`` hooks return at once while ``self._collecting`` is False. An exception warns
-        once and disables the hook registered under ``name`` for the rest of the fit.
+        The hook returns at once while ``self._collecting`` is False. An exception warns once
+        and disables the hook registered under ``name`` for the rest of the fit. Hooks that
+        change training (gradient transforms) are never wrapped: they must fail loudly.
         """
 
         def guarded(*args: Any) -> Optional[Any]:
-            if (gated and not self._collecting) or name in self._failed:
+            if not self._collecting or name in self._failed:
                 return None
             try:
                 return hook(*args)
