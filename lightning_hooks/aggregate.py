@@ -9,6 +9,7 @@ import torch
 from torch import Tensor
 
 from lightning_hooks.stats import (
+    Binning,
     Bins,
     accumulate_,
     as_float_values,
@@ -37,18 +38,17 @@ class StatBlock:
         self.names = names
         self.edges = histogram_edges(bins)
         self.rows = new_rows(len(names), self.edges.numel() - 1, device)
-        self._bins: dict[tuple[torch.device, torch.dtype], tuple[Tensor, int]] = {}
+        self.bins = bins
+        self._binnings: dict[tuple[torch.device, torch.dtype], Binning] = {}
         # Filled for the rows' device up front: under torch.compile a first miss costs a recompile.
-        self._bins_for(self.rows.device, torch.float32)
+        self._binning(self.rows.device, torch.float32)
         self.pending = False
 
-    def _bins_for(self, device: torch.device, dtype: torch.dtype) -> tuple[Tensor, int]:
-        """The inner edges in ``dtype`` on ``device``, and the index of the bin holding 0."""
-        found = self._bins.get((device, dtype))
+    def _binning(self, device: torch.device, dtype: torch.dtype) -> Binning:
+        """The histogram bins for values of ``dtype`` on ``device``."""
+        found = self._binnings.get((device, dtype))
         if found is None:
-            inner = self.edges[1:-1].to(dtype)
-            zero_bin = int(torch.bucketize(torch.zeros((), dtype=dtype), inner))
-            found = self._bins[(device, dtype)] = (inner.to(device), zero_bin)
+            found = self._binnings[(device, dtype)] = Binning(self.bins, device, dtype)
         return found
 
     def add(self, index: int, tensor: Tensor, calls: int = 1) -> bool:
@@ -59,8 +59,7 @@ class StatBlock:
         values = as_float_values(tensor)
         if values is None:
             return False
-        inner, zero_bin = self._bins_for(values.device, values.dtype)
-        accumulate_(self.rows[index], values, inner, zero_bin, calls)
+        accumulate_(self.rows[index], values, self._binning(values.device, values.dtype), calls)
         self.pending = True
         return True
 

@@ -124,48 +124,110 @@ def as_float_values(tensor: Tensor) -> Tensor | None:
     return values if values.dtype == torch.float64 else values.float()
 
 
+class Binning:
+    """Histogram edges ready for one device and dtype, with a fast bin index for the default edges.
+
+    ``torch.bucketize`` is a binary search per element and dominates the cost of a histogram.
+    For the default symmetric log-spaced edges the bin follows from ``log2|x|`` in a few
+    elementwise ops, then a comparison with the two edges of that bin corrects the rare
+    rounding at an edge, so the result equals ``bucketize`` exactly. Explicit edges use
+    ``bucketize``.
+
+    Args:
+        bins: As for :func:`histogram_edges`.
+        device: Where the values to bin live.
+        dtype: Their dtype (float32 or float64): values are compared with edges of that dtype.
+        low: Smallest positive default edge.
+        high: Largest default edge below float32 max.
+    """
+
+    def __init__(
+        self, bins: Bins, device: torch.device, dtype: torch.dtype, low: float = 1e-6, high: float = 1e6
+    ) -> None:
+        edges = histogram_edges(bins, low, high).to(device, dtype)
+        self.n_bins = edges.numel() - 1
+        self.inner = edges[1:-1]
+        self.right, self.left = edges[1:].contiguous(), edges[:-1].contiguous()
+        # The outer bins take everything beyond their inner edge (float64 values can pass
+        # float32 max).
+        self.left[0], self.right[-1] = -math.inf, math.inf
+        n_positive = (self.n_bins + 1) // 2
+        self._log: tuple[int, float, float, float, float] | None = None
+        if isinstance(bins, int) and n_positive >= 3:
+            log_low, step = math.log2(low), (math.log2(high) - math.log2(low)) / (n_positive - 2)
+            # Even counts have an edge at 0: x > 0 goes to n_positive + j, x <= 0 to n_positive - 1 - j.
+            centre, half = (n_positive - 0.5, 0.5) if self.n_bins % 2 == 0 else (n_positive - 1.0, 0.0)
+            self._log = (n_positive - 1, log_low, 1.0 / step, centre, half)
+
+    def index(self, x: Tensor) -> Tensor:
+        """The bin of each finite value in ``x``: bin ``i`` holds ``edges[i] < x <= edges[i + 1]``."""
+        if self._log is None:
+            return torch.bucketize(x, self.inner)
+        top, log_low, inv_step, centre, half = self._log
+        # j: how many positive edges lie below |x|, taking every bin as right-closed.
+        j = torch.log2(x.abs()).sub_(log_low).mul_(inv_step).ceil_().clamp_(0, top).add_(half)
+        index = torch.copysign(j, x).add_(centre).to(torch.int32)
+        fix = (x > self.right.index_select(0, index)).to(torch.int32)
+        fix -= (x <= self.left.index_select(0, index)).to(torch.int32)
+        return index.add_(fix)
+
+
 @torch.no_grad()
-def accumulate_(row: Tensor, values: Tensor, inner_edges: Tensor, zero_bin: int, calls: int = 1) -> None:
+def accumulate_(row: Tensor, values: Tensor, binning: Binning, calls: int = 1) -> None:
     """Add the statistics of flat floating ``values`` into stat ``row``, in place, on device.
+
+    About a dozen light passes over the values and no host synchronisation. Non-finite values
+    are first replaced by a finite one of the tensor (the pivot), so that no later pass needs a
+    mask; the pivot's share is taken out of the sums and the histogram again at the end.
 
     Args:
         row: One stat row (a view into a block from :func:`new_rows`), float64.
         values: Flat float32 or float64 values, as from :func:`as_float_values`.
-        inner_edges: The bin edges without the outermost two, on ``values``' device and dtype.
-        zero_bin: Index of the bin that holds 0 (masked values land there and are taken out).
+        binning: The histogram bins for ``values``' device and dtype.
         calls: Added to the ``calls`` column: 0 for the second and later tensors of one call.
     """
-    finite = torch.isfinite(values)
-    n_finite = finite.sum()
-    n_nan = torch.isnan(values).sum()
-    n_posinf = torch.isposinf(values).sum()
-    clean = torch.where(finite, values, 0.0)
-    high = torch.where(finite, values, -math.inf).max()
-    low = torch.where(finite, values, math.inf).min()
-    total = clean.sum(dtype=torch.float64)
-    # The sum of squares is taken about this tensor's own mean ``a`` (so std stays exact when
-    # the mean dwarfs it), on halved values (exact, and their differences cannot overflow),
-    # squared after scaling by the largest deviation, then shifted back in float64:
-    # sum x^2 = 4 sum ((x-a)/2)^2 + a (2 sum x - n a).
-    shift = (total / n_finite.clamp_min(1)).to(values.dtype)
-    half_dev = torch.where(finite, clean * 0.5 - shift * 0.5, 0.0)
-    spread = half_dev.abs().max().clamp_min(1e-30)
-    sum_sq = (half_dev / spread).square().sum(dtype=torch.float64) * (2 * spread.double()).square()
-    sum_sq = sum_sq + shift.double() * (2 * total - n_finite * shift.double())
-    n_zero = (values == 0).sum()
-    n_neginf = values.numel() - n_finite - n_nan - n_posinf
+    n = values.numel()
+    finite = (values - values) == 0  # isfinite, cheaper on CPU: inf - inf and NaN give NaN
+    n_finite = torch.count_nonzero(finite)
+    n_bad = n - n_finite
+    first = finite.view(torch.uint8).argmax().view(1)
+    pivot = torch.where(n_finite > 0, values.gather(0, first), 0.0)
+    x = torch.where(finite, values, pivot)
+    low, high = torch.aminmax(x)
+    # Deviations from the mid-range, scaled by a power of two (exact) so that squares of values
+    # up to float32 max cannot overflow, while std stays accurate when the mean dwarfs it.
+    centre = (low.double() + high.double()) / 2
+    span = torch.stack([(high.double() - low.double()) / 2, high.double().abs() * 2.0**-100])
+    limit = 1022 if x.dtype == torch.float64 else 126  # largest exact power-of-two exponents
+    exponent = torch.frexp(span.amax()).exponent.clamp(-limit, limit)
+    scale = torch.ldexp(torch.ones((), dtype=torch.float64, device=x.device), -exponent)
+    dev = (x * scale.to(x.dtype)).sub_((centre * scale).to(x.dtype))
+    pivot_dev = (pivot.double() - centre) * scale
+    sum_dev = (dev.sum().double() - n_bad * pivot_dev) / scale
+    sum_dev_sq = (torch.dot(dev, dev).double() - n_bad * pivot_dev.square()) / scale.square()
+    total = n_finite * centre + sum_dev
+    sum_sq = sum_dev_sq + 2 * centre * sum_dev + n_finite * centre.square()
+    n_nan = torch.count_nonzero(values != values)
+    n_posinf = torch.count_nonzero(values == math.inf)
+    n_zero = n - torch.count_nonzero(values)
     # In SUM_FIELDS order, from "finite" to "neginf".
-    sums = torch.stack([n_finite.double(), total, sum_sq, n_zero.double(), n_nan.double(),
-                        n_posinf.double(), n_neginf.double()]).to(row.device)
+    sums = torch.cat([n_finite.double().view(1), total.view(1), sum_sq.view(1), n_zero.double().view(1),
+                      torch.stack([n_nan, n_posinf, n_bad - n_nan - n_posinf]).double()]).to(row.device)
     row[_COL["finite"] : _COL["neginf"] + 1] += sums
-    row[_COL["count"]] += values.numel()
+    row[_COL["count"]] += n
     row[_COL["calls"]] += calls
-    row[_MAX_SLICE] = torch.maximum(row[_MAX_SLICE], torch.stack([high, -low]).double().to(row.device))
-    hist = row[N_FIELDS:]
-    index = torch.bucketize(clean, inner_edges)
-    ones = torch.ones((), dtype=torch.float64, device=row.device).expand(index.numel())
-    hist.index_put_((index.to(row.device),), ones, accumulate=True)
-    hist[zero_bin] -= values.numel() - n_finite.double().to(row.device)
+    extremes = torch.stack([high, -low]).double().view(2)
+    extremes = torch.where(n_finite > 0, extremes, -math.inf).to(row.device)
+    row[_MAX_SLICE] = torch.maximum(row[_MAX_SLICE], extremes)
+    index = binning.index(x)
+    # bincount sizes its output from the data: a host sync on CUDA, a graph break under compile.
+    if x.is_cuda or torch.compiler.is_compiling():
+        counts = torch.zeros(binning.n_bins, dtype=torch.float64, device=x.device)
+        counts.index_put_((index.long(),), torch.ones((), dtype=torch.float64, device=x.device).expand(n), True)
+    else:
+        counts = torch.bincount(index, minlength=binning.n_bins).double()
+    counts.index_put_((index.gather(0, first.to(index.dtype)).long(),), -n_bad.double().view(1), accumulate=True)
+    row[N_FIELDS:] += counts.to(row.device)
 
 
 def reduce_rows(gathered: Tensor) -> Tensor:

@@ -10,6 +10,7 @@ from lightning_hooks.stats import (
     FLOAT32_MAX,
     N_FIELDS,
     STAT_NAMES,
+    Binning,
     accumulate_,
     as_float_values,
     histogram_edges,
@@ -25,11 +26,10 @@ NAN, INF = math.nan, math.inf
 def _row(*tensors, bins=128, calls=1):
     """One stat row over ``tensors``, as a hook would fill it."""
     edges = histogram_edges(bins)
-    inner = edges[1:-1].float()
-    zero_bin = int(torch.bucketize(torch.zeros((), dtype=torch.float64), edges[1:-1]))
     row = new_rows(1, edges.numel() - 1)[0]
     for t in tensors:
-        accumulate_(row, as_float_values(t), inner, zero_bin, calls)
+        values = as_float_values(t)
+        accumulate_(row, values, Binning(bins, values.device, values.dtype), calls)
     return row
 
 
