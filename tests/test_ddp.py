@@ -45,6 +45,8 @@ def test_histogram_counts_add_across_ranks_and_moments_match_the_global_batch(dd
     assert scalars["activations/net.0/max"] == pytest.approx(hidden.max().item(), rel=1e-6)
     hist = series[0].histogram_value
     assert hist.sum == pytest.approx(hidden.sum().item(), rel=1e-5, abs=1e-4)
+    assert hist.sum_squares == pytest.approx(hidden.square().sum().item(), rel=1e-5)
+    assert (hist.min, hist.max) == pytest.approx((hidden.min().item(), hidden.max().item()), rel=1e-6)
     limits = torch.tensor(list(hist.bucket_limit), dtype=torch.float32)
     expected = torch.bincount(torch.bucketize(hidden.flatten(), limits[:-1]), minlength=len(limits))
     assert list(hist.bucket) == expected.tolist()
