@@ -1,11 +1,11 @@
-"""The gradient check GradientMonitor and GradientAnomalyStopping share, and NaN provenance."""
+"""The gradient check GradientMonitor and GradientAnomalyStopping share: flags, agreement, reports."""
 
 from __future__ import annotations
 
 import math
 import os
 from dataclasses import asdict, dataclass, replace
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import lightning.pytorch as pl
 import torch
@@ -15,6 +15,7 @@ from torch.amp.grad_scaler import OptState
 from torch.utils.hooks import RemovableHandle
 
 from lightning_hooks._base import HookCallback
+from lightning_hooks._provenance import NEVER, NonFiniteTrace
 from lightning_hooks.anomalies import (
     FLAG_NAMES,
     AnomalyDetector,
@@ -24,58 +25,11 @@ from lightning_hooks.anomalies import (
 )
 from lightning_hooks.selection import ModuleSelection
 from lightning_hooks.sinks import log_text
-from lightning_hooks.stats import iter_tensors
 
 
-class NonFiniteTrace:
-    """Where non-finite values began: the first watched module whose output held a NaN or an Inf.
-
-    Its forward hooks append ``(module index, on-device "all finite" bool)`` per call, in call
-    order, and never sync with the host. :meth:`first_nonfinite` reads them (one transfer) only
-    when asked; :meth:`clear` drops them, once per step, so no tensor outlives its step.
-    """
-
-    def __init__(self) -> None:
-        self._calls: list[tuple[int, Tensor]] = []
-
-    def hook(self, index: int) -> Callable[[nn.Module, tuple[Any, ...], Any], None]:
-        """Return a forward hook recording whether module ``index``'s output is all finite."""
-
-        @torch.no_grad()
-        def record(module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
-            checks = [torch.isfinite(t).all() for t in iter_tensors(output) if _is_float(t)]
-            if checks:
-                self._calls.append((index, torch.stack(checks).all() if len(checks) > 1 else checks[0]))
-
-        return record
-
-    def clear(self) -> None:
-        """Drop the recorded calls."""
-        self._calls.clear()
-
-    def first_nonfinite(self) -> Optional[int]:
-        """Return the index of the first module, in call order, with a non-finite output, or None."""
-        if not self._calls:
-            return None
-        device = self._calls[0][1].device
-        finite = torch.stack([ok.to(device) for _, ok in self._calls]).cpu()
-        bad = (~finite).nonzero()
-        return self._calls[int(bad[0])][0] if bad.numel() else None
-
-    def locate(self, trainer: pl.Trainer) -> tuple[Optional[int], Optional[int]]:
-        """:meth:`first_nonfinite` over every rank: ``(module index, rank)``; all ranks must call it."""
-        index = self.first_nonfinite()
-        if trainer.world_size == 1:
-            return index, None
-        local = torch.tensor([-1 if index is None else index], device=trainer.strategy.root_device)
-        found = trainer.strategy.all_gather(local).reshape(-1).tolist()
-        return next(((i, rank) for rank, i in enumerate(found) if i >= 0), (None, None))
-
-
-def _is_float(tensor: Tensor) -> bool:
-    return tensor.layout == torch.strided and not tensor.is_meta and (
-        tensor.is_floating_point() or tensor.is_complex()
-    )
+def _check_bool(name: str, value: Any) -> None:
+    if not isinstance(value, bool):
+        raise TypeError(f"`{name}` must be a bool, got {value!r}")
 
 
 def _params_with_grads(optimizer: Any) -> tuple[list[Tensor], list[int]]:
@@ -105,6 +59,16 @@ def _amp_overflow(trainer: pl.Trainer, optimizer: Any, device: torch.device) -> 
     return torch.stack([f.to(device) for f in found]).sum() > 0 if found else None
 
 
+def _agree(trainer: pl.Trainer, votes: Tensor) -> Tensor:
+    """Sum ``votes`` over ranks, on device: no collective under one process, and no host sync."""
+    if trainer.world_size == 1:
+        return votes
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.all_reduce(votes)  # not strategy.reduce, whose barrier blocks the host
+        return votes
+    return trainer.strategy.reduce(votes, reduce_op="sum")
+
+
 @dataclass
 class Step:
     """One optimizer step's figures, still on device."""
@@ -118,22 +82,23 @@ class Step:
 
 @dataclass
 class Check:
-    """One optimizer step's figures, on the host."""
+    """One optimizer step's figures, on the host; flags and the rest agreed across ranks."""
 
     flags: dict[str, bool]
     amp_overflow: Optional[bool]
     norms: list[float]
     anomalous: bool
     extra: list[float]
+    skipped: bool
+    """The scaler skipped the step, or a rank had no gradient: it says nothing about the gradients."""
 
 
 class GradientCheck(HookCallback):
     """The step check both gradient callbacks run in ``on_before_optimizer_step``.
 
-    Measures the gradients and flags anomalies on device, reads the step's figures in one
-    host transfer, agrees on whether the step was anomalous across ranks, keeps the running
-    median, traces NaN provenance and writes reports. Subclasses act on the result in
-    :meth:`_handle`.
+    Measures the gradients and flags anomalies on device, agrees on the flags across ranks on
+    device, reads the step's figures in one host transfer, keeps the running median, traces NaN
+    provenance and writes reports. Subclasses act on the result in :meth:`_handle`.
     """
 
     def __init__(
@@ -143,17 +108,32 @@ class GradientCheck(HookCallback):
     ) -> None:
         super().__init__(modules)
         self._detector = AnomalyDetector(check_finite, max_norm, relative_threshold, min_norm, window)
+        _check_bool("provenance", provenance)
+        if save_dir is not None and not isinstance(save_dir, (str, os.PathLike)):
+            raise TypeError(f"`save_dir` must be a directory path or None, got {save_dir!r}")
+        if save_dir is not None and not os.fspath(save_dir):
+            raise ValueError("`save_dir` is empty: pass a directory, or None to save nothing")
         self.check_finite, self.max_norm, self.min_norm = check_finite, max_norm, min_norm
         self.relative_threshold, self.window = relative_threshold, window
-        self.provenance, self.save_dir = bool(provenance), save_dir
+        self.provenance, self.save_dir = provenance, save_dir
         self._trace = NonFiniteTrace()
-        self._trace_step: Optional[int] = None
-        self._batch: Any = None
-        self._batch_idx: Optional[int] = None
+        self._micro_batches: list[tuple[int, Any]] = []  # (batch_idx, batch if saved) of this step
+        self._stepped = False  # whether an optimizer step ran in the current batch
         self._param_names: dict[Tensor, str] = {}
+        self._traced: list[Tensor] = []  # parameters whose gradients the trace checks
 
     def _uses_modules(self) -> bool:
         return self.provenance
+
+    def _key(self) -> dict[str, Any]:
+        """What tells two instances apart in a checkpoint, for ``state_key``."""
+        return dict(check_finite=self.check_finite, max_norm=self.max_norm,
+                    relative_threshold=self.relative_threshold, min_norm=self.min_norm)
+
+    @property
+    def state_key(self) -> str:
+        """Identifies this instance's state in a checkpoint, so several can be used together."""
+        return self._generate_state_key(**self._key())
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         """Resolve the module selection when it is used."""
@@ -164,45 +144,59 @@ class GradientCheck(HookCallback):
         """Learn the parameter names; register the provenance hooks when asked for."""
         if self._uses_modules():
             super().attach(model)
+        else:
+            self.detach()
         self._param_names = {p: name for name, p in model.named_parameters()}
+        if not self.provenance:
+            return
+        self._traced = [p for p in self._param_names if p.requires_grad]
+        for index, param in enumerate(self._traced, start=len(self._targets)):
+            hook = self._guard(self._param_names[param], self._trace.grad_hook(index))
+            self._handles.append(param.register_post_accumulate_grad_hook(hook))
 
     def _register(self, index: int, name: str, module: nn.Module) -> list[RemovableHandle]:
         if not self.provenance:
             return []
-        return [module.register_forward_hook(self._guard(name, self._trace.hook(index)))]
+        return [module.register_forward_hook(self._guard(name, self._trace.output_hook(index)))]
 
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
-        """Start a new trace on a new step; keep a reference to the batch while it runs."""
-        if trainer.global_step != self._trace_step:
-            self._trace.clear()
-            self._trace_step = trainer.global_step
-        self._batch = batch if self.save_dir is not None else None
-        self._batch_idx = batch_idx
+        """Note the micro-batch (and keep the batch, to save it) until its optimizer step."""
+        if len(self._micro_batches) >= trainer.accumulate_grad_batches:  # no step came (manual optimization)
+            self._new_step()
+        self._trace.mark()
+        self._micro_batches.append((batch_idx, batch if self.save_dir is not None else None))
         self._collecting = self.provenance
 
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        """Drop the batch and close the gate."""
-        self._batch, self._collecting = None, False
+        """Close the gate; drop the step's batches once its optimizer step is done."""
+        self._collecting = False
+        if self._stepped:
+            self._new_step()
+
+    def _new_step(self) -> None:
+        self._trace.clear()
+        self._micro_batches.clear()
+        self._stepped = False
 
     def detach(self) -> None:
         """Remove the hooks and drop every reference into the model and the step."""
         super().detach()
-        self._trace.clear()
-        self._batch, self._collecting, self._param_names = None, False, {}
+        self._new_step()
+        self._collecting, self._param_names, self._traced = False, {}, []
 
     def on_before_optimizer_step(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any
     ) -> None:
         """Check the step's gradients: after accumulation, after AMP unscaling."""
         step = self._measure(trainer, optimizer)
-        if step is not None:
-            check = self._conclude(trainer, step, self._extra(trainer, step))
-            self._handle(trainer, pl_module, optimizer, step, check)
+        check = self._conclude(trainer, step, self._extra(trainer, step))
+        self._handle(trainer, pl_module, optimizer, step, check)
         self._trace.clear()
+        self._stepped = True
 
     def _extra(self, trainer: pl.Trainer, step: Step) -> list[Tensor]:
         """More device figures to bring to the host in the step's one transfer."""
@@ -212,12 +206,11 @@ class GradientCheck(HookCallback):
                 check: Check) -> None:
         raise NotImplementedError
 
-    def _measure(self, trainer: pl.Trainer, optimizer: Any) -> Optional[Step]:
+    def _measure(self, trainer: pl.Trainer, optimizer: Any) -> Step:
         params, sizes = _params_with_grads(optimizer)
-        if not params:
-            return None
-        overflow = _amp_overflow(trainer, optimizer, params[0].device)  # may unscale: before measuring
-        figures = gradient_figures([p.grad for p in params], sizes)  # type: ignore[misc]
+        device = params[0].device if params else trainer.strategy.root_device
+        overflow = _amp_overflow(trainer, optimizer, device) if params else None  # may unscale: first
+        figures = gradient_figures([p.grad for p in params], sizes, device=device)  # type: ignore[misc]
         key = next((i for i, opt in enumerate(trainer.optimizers) if opt is optimizer), 0)
         flags = self._detector.flags(figures, key)
         if overflow is not None:  # the scaler skips this step itself
@@ -225,9 +218,16 @@ class GradientCheck(HookCallback):
         return Step(key, params, figures, flags, overflow)
 
     def _conclude(self, trainer: pl.Trainer, step: Step, extra: list[Tensor]) -> Check:
+        """Agree on the flags across ranks on device, then read everything in one transfer.
+
+        Every rank reaches the one collective at every optimizer step, a rank without
+        gradients too, so a decision one rank alone made is everyone's and no rank waits alone.
+        """
         norms = step.figures.group_norms
         overflow = step.overflow if step.overflow is not None else torch.zeros((), device=norms.device)
-        parts = [step.flags, overflow, norms, *extra]
+        empty = torch.full((), float(not step.params), device=norms.device)
+        votes = torch.cat([t.reshape(-1).double() for t in (step.flags, overflow, empty)])
+        parts = [_agree(trainer, votes), norms, *extra]
         host = torch.cat([p.reshape(-1).to(norms.device, torch.float64) for p in parts]).cpu().tolist()
         n_flags, n_cols = step.flags.numel(), norms.numel()
         # All gradients first, as "<flag>"; then per group, as "<flag>/group<i>", if several.
@@ -237,42 +237,51 @@ class GradientCheck(HookCallback):
             for row, name in enumerate(FLAG_NAMES) if name in self._detector.enabled_flags
             for col, suffix in columns
         }
-        overflowed = host[n_flags] > 0
-        anomalous = trainer.strategy.reduce_boolean_decision(any(flags.values()), all=False)
-        if not anomalous and not overflowed:
+        overflowed, skipped = host[n_flags] > 0, host[n_flags] > 0 or host[n_flags + 1] > 0
+        anomalous = any(flags.values())
+        if not anomalous and not skipped:
             self._detector.remember(norms, step.key)
         amp = overflowed if step.overflow is not None else None
-        end = n_flags + 1 + n_cols
-        return Check(flags, amp, host[n_flags + 1 : end], anomalous, host[end:])
+        start = n_flags + 2
+        return Check(flags, amp, host[start : start + n_cols], anomalous, host[start + n_cols :], skipped)
 
     def _report(self, trainer: pl.Trainer, pl_module: pl.LightningModule, step: Step,
                 check: Check) -> AnomalyReport:
         """Build, save and log the report; under several ranks every rank must call this."""
-        module, rank = self._trace.locate(trainer) if self.provenance else (None, None)
+        n_outputs = len(self._targets)
+        located = self._trace.locate(trainer, n_outputs, n_outputs + len(self._traced)) if self.provenance else None
         norms, max_abs = torch.stack([step.figures.norms, step.figures.max_abs]).cpu().tolist()
         names = [self._param_names.get(p, f"param{i}") for i, p in enumerate(step.params)]
-        finite = [(name, norm) for name, norm in zip(names, norms) if math.isfinite(norm)]
-        largest = sorted(finite, key=lambda item: -item[1])
+        largest = sorted(((n, v) for n, v in zip(names, norms) if math.isfinite(v)), key=lambda item: -item[1])
+        # First bad first: in the order backward made them non-finite; the rest in optimizer order.
+        went_bad = {p: located.first[i] for i, p in enumerate(self._traced, n_outputs)} if located else {}
+        bad = sorted((i for i, high in enumerate(max_abs) if not math.isfinite(high)),
+                     key=lambda i: went_bad.get(step.params[i], NEVER))
+        module = located.earliest(range(n_outputs)) if located else None
+        micro = located.micro_batch if located and located.micro_batch is not None else -1
+        batch_idx, batch = self._micro_batches[micro] if self._micro_batches else (None, None)
         report = AnomalyReport(
-            step=trainer.global_step, epoch=trainer.current_epoch, batch_idx=self._batch_idx,
+            step=trainer.global_step, epoch=trainer.current_epoch, batch_idx=batch_idx,
             flags=tuple(name for name, fired in check.flags.items() if fired),
             total_norm=check.norms[-1], group_norms=tuple(check.norms[:-1]),
             first_nonfinite_module=None if module is None else self.module_names[module],
-            nonfinite_rank=rank,
-            nonfinite_params=tuple(n for n, high in zip(names, max_abs) if not math.isfinite(high)),
+            nonfinite_rank=located.rank if located else None,
+            nonfinite_params=tuple(names[i] for i in bad),
             largest_norms=tuple(largest[:5]),
         )
         if self.save_dir is not None:
-            report = replace(report, saved_path=self._save(trainer, pl_module, report))
+            report = replace(report, saved_path=self._save(trainer, pl_module, report, batch))
         text = "\n".join("    " + line for line in str(report).splitlines())  # markdown code block
         log_text(trainer, "anomalies/report", text, trainer.global_step)
         return report
 
-    def _save(self, trainer: pl.Trainer, pl_module: pl.LightningModule, report: AnomalyReport) -> str:
+    def _save(self, trainer: pl.Trainer, pl_module: pl.LightningModule, report: AnomalyReport,
+              batch: Any) -> str:
         assert self.save_dir is not None
         os.makedirs(self.save_dir, exist_ok=True)
         path = os.path.join(self.save_dir, f"anomaly-step{report.step}-rank{trainer.global_rank}.pt")
-        payload = {"report": asdict(report), "batch": self._batch, "state_dict": pl_module.state_dict()}
+        payload = {"report": asdict(report), "batch": batch, "batches": [b for _, b in self._micro_batches],
+                   "state_dict": pl_module.state_dict()}
         torch.save(move_data_to_device(payload, "cpu"), path)
         return path
 

@@ -47,24 +47,37 @@ def _foreach_norms(tensors: list[Tensor], ord: float) -> list[Tensor]:
     return [norm for norm in out if norm is not None]
 
 
+def _stacked(norms: list[Tensor], device: torch.device) -> Tensor:
+    """``norms`` as one float64 tensor on ``device``; empty if there are none."""
+    if not norms:
+        return torch.zeros(0, dtype=torch.float64, device=device)
+    return torch.stack([n.to(device) for n in norms]).double()
+
+
 @torch.no_grad()
-def gradient_figures(grads: Sequence[Tensor], group_sizes: Sequence[int]) -> GradientFigures:
+def gradient_figures(
+    grads: Sequence[Tensor], group_sizes: Sequence[int], device: Optional[torch.device] = None
+) -> GradientFigures:
     """Norms of gradients, per gradient, per parameter group and in total, batched on device.
 
     The total norm is the one ``torch.nn.utils.get_total_norm`` gives. Non-finite gradients
     are told apart from finite gradients whose float32 norm overflows by their largest
-    absolute value, which is non-finite only for a gradient holding a NaN or an Inf.
+    absolute value, which is non-finite only for a gradient holding a NaN or an Inf. A group
+    without gradients, and the total when there is none at all, has a NaN norm.
 
     Args:
         grads: Dense gradients, grouped by parameter group, in order.
         group_sizes: How many of ``grads`` each parameter group holds (0 for a group without
             gradients).
+        device: Where the figures go; by default the device of ``grads[0]``. Needed when
+            ``grads`` is empty.
 
     Returns:
-        The figures, on the device of ``grads[0]``.
+        The figures, on ``device``.
 
     Raises:
-        ValueError: If ``grads`` is empty or ``group_sizes`` does not add up to its length.
+        ValueError: If ``group_sizes`` does not add up to the length of ``grads``, or ``grads``
+            is empty and no ``device`` is given.
 
     Example::
 
@@ -72,11 +85,12 @@ def gradient_figures(grads: Sequence[Tensor], group_sizes: Sequence[int]) -> Gra
         total_norm = figures.group_norms[-1]
 
     """
-    if not grads or any(size < 0 for size in group_sizes) or sum(group_sizes) != len(grads):
+    if any(size < 0 for size in group_sizes) or sum(group_sizes) != len(grads) or (
+        not grads and device is None
+    ):
         raise ValueError(f"`group_sizes` {list(group_sizes)} must add up to the {len(grads)} gradients")
-    device = grads[0].device
-    norms = torch.stack([n.to(device) for n in _foreach_norms(list(grads), 2.0)]).double()
-    max_abs = torch.stack([n.to(device) for n in _foreach_norms(list(grads), math.inf)]).double()
+    device = grads[0].device if device is None else device
+    norms, max_abs = (_stacked(_foreach_norms(list(grads), ord), device) for ord in (2.0, math.inf))
     bad = ~torch.isfinite(max_abs)
     nan = torch.full((), math.nan, dtype=torch.float64, device=device)
     group_norms, nonfinite, start = [], [], 0
@@ -85,7 +99,7 @@ def gradient_figures(grads: Sequence[Tensor], group_sizes: Sequence[int]) -> Gra
         group_norms.append(torch.linalg.vector_norm(norms[part]) if size else nan)
         nonfinite.append(bad[part].sum())
         start += size
-    group_norms.append(torch.linalg.vector_norm(norms))
+    group_norms.append(torch.linalg.vector_norm(norms) if grads else nan)
     nonfinite.append(bad.sum())
     return GradientFigures(norms, max_abs, torch.stack(group_norms), torch.stack(nonfinite))
 
@@ -103,14 +117,16 @@ def anomaly_flags(
 ) -> Tensor:
     """Anomaly flags from the figures of :func:`gradient_figures`, on device.
 
-    A column (group or total) whose gradients are not all finite is flagged ``nonfinite``
-    (if ``check_finite``) and never ``exploding`` or ``vanishing``. A NaN norm (a group without
-    gradients) or a NaN reference flags nothing.
+    A column (group or total) whose gradients are not all finite is flagged ``nonfinite`` and
+    never ``exploding`` or ``vanishing``; with ``check_finite=False`` it is flagged
+    ``exploding`` instead, if ``max_norm`` or ``relative_threshold`` is set, so that a NaN never
+    passes a norm check unseen. A NaN norm (a group without gradients) or a NaN reference
+    flags nothing.
 
     Args:
         group_norms: Norms per group and in total, as in :class:`GradientFigures`.
         nonfinite: Non-finite gradient counts per group and in total.
-        check_finite: Flag non-finite gradients.
+        check_finite: Flag non-finite gradients ``nonfinite`` (else ``exploding``, see above).
         max_norm: Flag ``exploding`` above this norm.
         min_norm: Flag ``vanishing`` below this norm.
         relative_threshold: Flag ``exploding`` above this multiple of ``reference``.
@@ -134,7 +150,11 @@ def anomaly_flags(
     if relative_threshold is not None and reference is not None:
         exploding = exploding | (group_norms > relative_threshold * reference.to(group_norms))
     vanishing = group_norms < min_norm if min_norm is not None else never
-    return torch.stack([~finite if check_finite else never, exploding & finite, vanishing & finite])
+    if check_finite:
+        return torch.stack([~finite, exploding & finite, vanishing & finite])
+    if max_norm is not None or relative_threshold is not None:
+        exploding = exploding | ~finite
+    return torch.stack([never, exploding, vanishing & finite])
 
 
 def _check_number(name: str, value: Any, low: float, strict_low: bool) -> None:
@@ -150,10 +170,12 @@ class AnomalyDetector:
 
     The median is over the group and total norms of the last ``window`` steps that were not
     anomalous (a run of bad steps does not drag it up), kept per optimizer on device; the
-    relative check starts once the window is full.
+    relative check starts once the window is full. A non-finite norm is never stored (it is
+    kept as a gap, which the median skips).
 
     Args:
-        check_finite: Flag gradients that hold a NaN or an Inf.
+        check_finite: Flag gradients that hold a NaN or an Inf as nonfinite; when off, they
+            count as exploding if ``max_norm`` or ``relative_threshold`` is set.
         max_norm: Flag a group or total norm above this as exploding.
         relative_threshold: Flag a norm above this multiple of its running median as exploding.
         min_norm: Flag a group or total norm below this as vanishing.
@@ -214,7 +236,7 @@ class AnomalyDetector:
                                  device=group_norms.device)
             self._seen[key] = 0
         self._history[key] = history = history.to(group_norms.device)
-        history[self._seen[key] % self.window] = group_norms
+        history[self._seen[key] % self.window] = torch.where(group_norms.isfinite(), group_norms, math.nan)
         self._seen[key] += 1
 
     def state_dict(self) -> dict[str, Any]:
@@ -234,17 +256,26 @@ class AnomalyReport:
     Attributes:
         step: ``trainer.global_step`` of the optimizer step (steps completed before it).
         epoch: The epoch.
-        batch_idx: Index in the epoch of the step's last batch.
+        batch_idx: Index in the epoch of the step's batch: with gradient accumulation and
+            provenance, the micro-batch in which non-finite values showed first, else the
+            step's last one.
         flags: The flags that fired: ``"nonfinite"`` for all gradients together, and with
             several parameter groups ``"nonfinite/group1"`` for group 1, and so on.
         total_norm: L2 norm of all gradients.
         group_norms: L2 norm per parameter group.
         first_nonfinite_module: The first watched module, in forward execution order, whose
             output held a NaN or an Inf this step; None if none did or provenance was off.
-        nonfinite_rank: Under several processes, the rank where that output was seen.
-        nonfinite_params: Parameters whose gradients hold a NaN or an Inf.
+        nonfinite_rank: Under several processes, the rank where non-finite values showed
+            first (in a module output, else in a gradient); the report's provenance is that
+            rank's.
+        nonfinite_params: Parameters whose gradients hold a NaN or an Inf. With provenance,
+            in the order backward made them non-finite, first bad first (those that were
+            finite on that rank, so only went bad in the all-reduce, come last); else in the
+            optimizer's order.
         largest_norms: The parameters with the largest gradient norms, largest first.
-        saved_path: Where the step's batch and model state were saved for replay, if they were.
+        saved_path: Where the step's batch and model state were saved for replay, if they were:
+            a ``torch.save`` of ``{"report", "batch", "batches", "state_dict"}``, where ``batch``
+            is the micro-batch of ``batch_idx`` and ``batches`` all of the step's micro-batches.
 
     """
 

@@ -8,9 +8,11 @@ from typing import Any, Literal, Optional
 
 import lightning.pytorch as pl
 import torch
+from lightning.pytorch.loggers import TensorBoardLogger
 from torch import Tensor
 
-from lightning_hooks._gradient_check import Check, GradientCheck, Step
+from lightning_hooks._base import _log_interval, _validate_interval, _validate_stats
+from lightning_hooks._gradient_check import Check, GradientCheck, Step, _check_bool
 from lightning_hooks.aggregate import StatBlock
 from lightning_hooks.anomalies import AnomalyReport
 from lightning_hooks.selection import ModuleSelection
@@ -38,7 +40,8 @@ class GradientMonitor(GradientCheck):
     (``"module"``: the norm over the module's parameters), ``gradients/total_norm`` (as
     ``torch.nn.utils.get_total_norm`` gives it; per parameter group as
     ``gradients/total_norm/group<i>`` when there are several), any other ``stats``, and
-    ``gradients/<name>`` histograms to TensorBoard, with non-finite values left out and counted.
+    ``gradients/<name>`` histograms to TensorBoard (only when a ``TensorBoardLogger`` is
+    attached), with non-finite values left out and counted.
 
     At every optimizer step it logs the anomaly flags as 0/1 scalars: ``anomalies/<flag>`` for
     all gradients together and ``anomalies/<flag>/group<i>`` per parameter group, with
@@ -51,7 +54,10 @@ class GradientMonitor(GradientCheck):
     (``anomalies/report``) and kept in :attr:`last_report`.
 
     All figures of a step are computed batched on the gradients' device and reach the host in
-    one transfer. With several optimizers each is checked at its own step.
+    one transfer. With several optimizers each is checked at its own step. It sees every step's
+    gradients wherever it is in ``callbacks``, a ``GradientAnomalyStopping`` before it included
+    (that one drops updates only after every callback has seen them). Several instances can be
+    used together (and resumed) when their settings differ.
 
     Args:
         log_every_n_steps: Log norms and histograms every this many optimizer steps. None: the
@@ -68,14 +74,18 @@ class GradientMonitor(GradientCheck):
         relative_threshold: Flag a norm above this multiple of its running median as exploding.
         min_norm: Flag a group or total norm below this as vanishing.
         window: How many clean steps the running median covers.
-        provenance: Watch module outputs for NaN/Inf (a cheap on-device check per call), to
-            report the first module in forward order whose output was non-finite.
+        provenance: Watch module outputs and gradients for NaN/Inf (a cheap on-device check
+            per module call and per parameter per backward), to report the first module in
+            forward order whose output was non-finite, and the parameters whose gradients went
+            non-finite in the order backward reached them.
         save_dir: Save the batch and the model state of each reported step here, for replay.
         prog_bar: Show the count of anomalous steps in the progress bar.
 
     Raises:
         ValueError: For a bad ``log_every_n_steps``, ``granularity``, stat, ``bins`` or
             threshold, or (in ``setup``, before training) a module pattern that matches nothing.
+        TypeError: If ``histogram``, ``provenance`` or ``prog_bar`` is not a bool, or
+            ``save_dir`` not a path.
 
     Example::
 
@@ -106,21 +116,20 @@ class GradientMonitor(GradientCheck):
     ) -> None:
         super().__init__(modules, check_finite, max_norm, relative_threshold, min_norm, window,
                          provenance, save_dir)
-        every = log_every_n_steps
-        if every is not None and (not isinstance(every, int) or isinstance(every, bool) or every < 1):
-            raise ValueError(f"`log_every_n_steps` must be a positive int or None, got {log_every_n_steps!r}")
+        _validate_interval(log_every_n_steps)
         if granularity not in ("parameter", "module"):
             raise ValueError(f"`granularity` must be 'parameter' or 'module', got {granularity!r}")
-        unknown = [s for s in stats if s not in GRADIENT_STAT_NAMES]
-        if isinstance(stats, str) or unknown:
-            raise ValueError(f"unknown stat(s) {unknown or stats!r}; choose from {list(GRADIENT_STAT_NAMES)}")
+        _validate_stats(stats, GRADIENT_STAT_NAMES)
         histogram_edges(bins)  # validates `bins`
+        _check_bool("histogram", histogram)
+        _check_bool("prog_bar", prog_bar)
         self.log_every_n_steps, self.granularity, self.stats = log_every_n_steps, granularity, tuple(stats)
         self.histogram, self.bins, self.prog_bar = histogram, bins, prog_bar
         self.last_report: Optional[AnomalyReport] = None
-        self._anomalies, self._streak = 0, 0
+        self._anomalies = 0
         self._fired: frozenset[str] = frozenset()
         self._every = 1
+        self._histograms = False  # whether histograms are written: asked for, and a TensorBoardLogger
         self._rows: list[tuple[str, list[Tensor]]] = []
         self._logged = False  # whether this step's transfer holds the rows' figures
         self._present: list[bool] = []  # which rows had gradients this step
@@ -134,16 +143,21 @@ class GradientMonitor(GradientCheck):
     def _uses_modules(self) -> bool:
         return self.provenance or self.granularity == "module" or self.modules is not None
 
+    def _key(self) -> dict[str, Any]:
+        return {"granularity": self.granularity, "modules": _selection_key(self.modules),
+                "log_every_n_steps": self.log_every_n_steps, "stats": self.stats, **super()._key()}
+
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         """Resolve modules and the logging interval before training starts."""
         super().setup(trainer, pl_module, stage)
-        self._every = self.log_every_n_steps or trainer.log_every_n_steps or 1
+        self._every = _log_interval(self.log_every_n_steps, trainer)
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Register the hooks, choose the rows and allocate their buffers on the module's device."""
         super().on_fit_start(trainer, pl_module)
         self._rows = self._select_rows(pl_module)
-        needs_rows = self.histogram or any(s != "norm" for s in self.stats)
+        self._histograms = self.histogram and any(isinstance(lg, TensorBoardLogger) for lg in trainer.loggers)
+        needs_rows = self._histograms or any(s != "norm" for s in self.stats)
         names = [name for name, _ in self._rows]
         self._block = StatBlock(names, self.bins, pl_module.device) if needs_rows and names else None
 
@@ -169,22 +183,33 @@ class GradientMonitor(GradientCheck):
 
     def _extra(self, trainer: pl.Trainer, step: Step) -> list[Tensor]:
         """Row norms, and the rows' stats and histograms, on logged steps."""
-        self._logged, self._present = trainer.global_step % self._every == 0, []
+        self._logged = trainer.global_step % self._every == 0 and bool(step.params)
         if not self._logged or not self._rows:
+            self._present = []
             return []
         position = {p: i for i, p in enumerate(step.params)}
-        norms = step.figures.norms
-        nan = torch.full((), math.nan, dtype=norms.dtype, device=norms.device)
-        row_norms = []
-        for index, (_, params) in enumerate(self._rows):
-            present = [p for p in params if p in position]
-            if self._block is not None:
-                for param in present:
+        present = [[p for p in params if p in position] for _, params in self._rows]
+        self._present = [bool(params) for params in present]
+        if self._block is not None:
+            for index, params in enumerate(present):
+                for param in params:
                     self._block.add(index, param.grad)  # type: ignore[arg-type]
-            parts = [norms[position[p]] for p in present]
-            row_norms.append(torch.linalg.vector_norm(torch.stack(parts)) if parts else nan)
-            self._present.append(bool(present))
-        return [torch.stack(row_norms)] + ([self._block.rows] if self._block is not None else [])
+        return [self._row_norms(step.figures.norms, position, present)] + (
+            [self._block.rows] if self._block is not None else []
+        )
+
+    def _row_norms(self, norms: Tensor, position: dict[Tensor, int], present: list[list[Tensor]]) -> Tensor:
+        """Each row's gradient norm from the per-gradient ``norms``; NaN for a row without gradients.
+
+        Indexing with Python ints makes views, so no index goes to the device (a blocking copy).
+        """
+        nan = norms.new_full((), math.nan)
+        if self.granularity == "parameter":  # one parameter a row: its norm, in one stack
+            return torch.stack([norms[position[params[0]]] if params else nan for params in present])
+        return torch.stack([
+            torch.linalg.vector_norm(torch.stack([norms[position[p]] for p in params])) if params else nan
+            for params in present
+        ])
 
     def _handle(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any, step: Step,
                 check: Check) -> None:
@@ -196,12 +221,11 @@ class GradientMonitor(GradientCheck):
         log_scalars(trainer, metrics, trainer.global_step)
         if check.anomalous:
             fired = frozenset(name for name, on in check.flags.items() if on)
-            # Agreed, so that every rank builds the report (it gathers provenance) or none does.
-            if trainer.strategy.reduce_boolean_decision(bool(fired - self._fired), all=False):
+            if fired - self._fired:  # the flags are agreed: every rank reports (and gathers), or none
                 self.last_report = self._report(trainer, pl_module, step, check)
-            self._anomalies, self._streak, self._fired = self._anomalies + 1, self._streak + 1, fired
-        else:
-            self._streak, self._fired = 0, frozenset()
+            self._anomalies, self._fired = self._anomalies + 1, fired
+        elif not check.skipped:
+            self._fired = frozenset()
         if self.prog_bar:
             pl_module.log("anomalies", float(self._anomalies), prog_bar=True, logger=False, on_step=True,
                           on_epoch=False)
@@ -224,7 +248,7 @@ class GradientMonitor(GradientCheck):
             row = flat[index * width : (index + 1) * width]
             summary = summarize(row)
             metrics.update({f"gradients/{name}/{s}": summary[s] for s in self.stats if s != "norm"})
-            if self.histogram:
+            if self._histograms:
                 log_histogram(trainer, f"gradients/{name}", summary, row[-len(edges) + 1 :], edges,
                               trainer.global_step)
         if block is not None:
@@ -233,9 +257,16 @@ class GradientMonitor(GradientCheck):
 
     def state_dict(self) -> dict[str, Any]:
         """Return the anomaly count and the running median windows."""
-        return {"anomalies": self._anomalies, "streak": self._streak, **self._state()}
+        return {"anomalies": self._anomalies, **self._state()}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore what :meth:`state_dict` returned."""
-        self._anomalies, self._streak = int(state_dict["anomalies"]), int(state_dict["streak"])
+        """Restore what :meth:`state_dict` returned (keys it no longer writes are ignored)."""
+        self._anomalies = int(state_dict["anomalies"])
         self._load_state(state_dict)
+
+
+def _selection_key(modules: ModuleSelection) -> Any:
+    """``modules`` as it can go in a state key: a predicate by its name, not its address."""
+    if callable(modules) and not isinstance(modules, type):
+        return f"{getattr(modules, '__module__', '')}.{getattr(modules, '__qualname__', type(modules).__name__)}"
+    return modules

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal, Optional
+from typing import Any, Callable, Literal, Optional
 
 import lightning.pytorch as pl
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
-from lightning_hooks._gradient_check import Check, GradientCheck, Step
+from lightning_hooks._gradient_check import Check, GradientCheck, Step, _check_bool
 from lightning_hooks.anomalies import AnomalyReport
 from lightning_hooks.selection import ModuleSelection
 
@@ -38,9 +38,11 @@ class GradientAnomalyStopping(GradientCheck):
     accumulation and AMP unscaling). A step is anomalous when any enabled flag fires for all
     gradients together or for any parameter group: a NaN or Inf gradient (``check_finite``), a
     norm above ``max_norm`` or above ``relative_threshold`` times its running median over the
-    last ``window`` clean steps (exploding), or below ``min_norm`` (vanishing). Steps whose
-    overflow the AMP GradScaler handles itself (it skips them and lowers its scale) never count;
-    with fp16 that includes a NaN from the model itself, which the scaler cannot tell apart.
+    last ``window`` clean steps (exploding; with ``check_finite=False`` a NaN or Inf gradient
+    counts as exploding), or below ``min_norm`` (vanishing). Steps whose overflow the AMP
+    GradScaler handles itself (it skips them and lowers its scale) never count and leave the
+    streak of anomalous steps as it was; with fp16 that includes a NaN from the model itself,
+    which the scaler cannot tell apart.
 
     ``patience`` anomalous steps in a row are tolerated (and applied); the next one is acted on,
     so ``patience=0`` acts on the first. Then, with an
@@ -61,11 +63,16 @@ class GradientAnomalyStopping(GradientCheck):
 
     The report is built once per run of anomalous steps, when the action starts.
 
-    Decisions are agreed across ranks (any rank anomalous means all act at the same step), so
-    ranks never diverge or hang. Under DDP the gradients are already all-reduced here and the
-    same on every rank. The streak and the running medians survive a checkpoint resume. Works
-    beside Lightning's ``EarlyStopping``. Put it after a ``GradientMonitor`` in ``callbacks``
-    so that the monitor still sees a step's gradients before they are dropped.
+    An update is dropped in an optimizer step pre-hook, once every callback's
+    ``on_before_optimizer_step`` (and the LightningModule's, and gradient clipping) has run, so
+    a ``GradientMonitor`` sees the step's gradients wherever it is in ``callbacks``. Under a
+    GradScaler that skips the step itself nothing needs dropping, and the scaler still updates.
+
+    The flags are agreed across ranks on device, in the step's one small all-reduce (any rank
+    anomalous means all act at the same step), so ranks never diverge or hang. Under DDP the
+    gradients are already all-reduced here and the same on every rank. The streak and the
+    running medians survive a checkpoint resume; several instances can be used together when
+    their ``action`` or thresholds differ. Works beside Lightning's ``EarlyStopping``.
 
     Args:
         action: What to do: ``"stop"``, ``"skip"``, ``"raise"`` or ``"warn"``.
@@ -80,10 +87,12 @@ class GradientAnomalyStopping(GradientCheck):
         modules: The modules ``provenance`` watches (None: leaf modules with parameters, and
             activation modules).
         save_dir: Save the offending batch and the model state here when acting, for replay.
+        prog_bar: Show the streak of anomalous steps in the progress bar as ``anomaly_streak``.
 
     Raises:
         ValueError: For an unknown ``action``, a negative ``patience``, a bad threshold, or
             when no check is enabled.
+        TypeError: If ``provenance`` or ``prog_bar`` is not a bool, or ``save_dir`` not a path.
 
     Example::
 
@@ -107,6 +116,7 @@ class GradientAnomalyStopping(GradientCheck):
         provenance: bool = False,
         modules: ModuleSelection = None,
         save_dir: Optional[str] = None,
+        prog_bar: bool = True,
     ) -> None:
         super().__init__(modules, check_finite, max_norm, relative_threshold, min_norm, window,
                          provenance, save_dir)
@@ -119,21 +129,65 @@ class GradientAnomalyStopping(GradientCheck):
                 "nothing to check: set `check_finite=True`, or one of `max_norm`,"
                 " `relative_threshold`, `min_norm`"
             )
-        self.action, self.patience = action, patience
+        _check_bool("prog_bar", prog_bar)
+        self.action, self.patience, self.prog_bar = action, patience, prog_bar
         self.last_report: Optional[AnomalyReport] = None
         self.streak = 0
         self.anomalous_steps = 0
         self.dropped_steps = 0
         self.amp_overflows = 0
+        self._drop: Any = None  # the optimizer whose coming update is to be dropped
+
+    def _key(self) -> dict[str, Any]:
+        return {"action": self.action, **super()._key()}
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Register the step pre-hooks that drop updates (after tuners may have replaced the optimizers)."""
+        if self.action in ("stop", "skip"):
+            self._handles.extend(opt.register_step_pre_hook(self._before_step) for opt in trainer.optimizers)
+
+    def on_before_optimizer_step(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any
+    ) -> None:
+        """Check the step's gradients, and decide whether to drop its update."""
+        self._drop = None
+        super().on_before_optimizer_step(trainer, pl_module, optimizer)
+
+    def _before_step(self, optimizer: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Optional[Any]:
+        """Step pre-hook: drop the update decided on, once every hook has seen the gradients.
+
+        Lightning's default and bf16 precision pass ``step`` a closure that runs backward and
+        then the ``on_before_optimizer_step`` hooks, so the drop follows the closure. Under a
+        GradScaler the closure has run before ``step``, which the scaler calls only when the
+        gradients are finite.
+        """
+        closure: Optional[Callable[[], Any]] = kwargs.get("closure")
+        if closure is None:
+            self._drop_if_decided(optimizer)
+            return None
+
+        def closure_then_drop() -> Any:
+            loss = closure()
+            self._drop_if_decided(optimizer)
+            return loss
+
+        return args, {**kwargs, "closure": closure_then_drop}
+
+    def _drop_if_decided(self, optimizer: Any) -> None:
+        if self._drop is optimizer:
+            _drop_update(optimizer)
+        self._drop = None
 
     def _handle(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any, step: Step,
                 check: Check) -> None:
         self.amp_overflows += bool(check.amp_overflow)
         self.anomalous_steps += check.anomalous
-        self.streak = self.streak + 1 if check.anomalous else 0
-        pl_module.log("anomaly_streak", float(self.streak), prog_bar=True, logger=False, on_step=True,
-                      on_epoch=False)
-        if self.streak <= self.patience:
+        if not check.skipped:  # a step the scaler skipped says nothing: the streak stays
+            self.streak = self.streak + 1 if check.anomalous else 0
+        if self.prog_bar:
+            pl_module.log("anomaly_streak", float(self.streak), prog_bar=True, logger=False, on_step=True,
+                          on_epoch=False)
+        if not check.anomalous or self.streak <= self.patience:
             return
         if self.streak == self.patience + 1:  # report once per run of anomalous steps
             self.last_report = report = self._report(trainer, pl_module, step, check)
@@ -144,7 +198,7 @@ class GradientAnomalyStopping(GradientCheck):
             elif self.action == "stop":
                 rank_zero_info(f"GradientAnomalyStopping: stopping.\n{report}")
         if self.action in ("stop", "skip"):
-            _drop_update(optimizer)
+            self._drop = optimizer
             self.dropped_steps += 1
         if self.action == "stop":
             trainer.should_stop = True

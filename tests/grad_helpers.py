@@ -23,7 +23,7 @@ class NaNAt(nn.Linear):
 
 
 class GradNet(L.LightningModule):
-    """Linear -> act -> NaNAt -> ReLU -> Linear; ``net.2`` outputs NaN at ``nan_steps``.
+    """NaNAt -> act -> NaNAt -> ReLU -> Linear; ``net.2`` outputs NaN at ``nan_steps``.
 
     Args:
         lr: Learning rate.
@@ -33,30 +33,34 @@ class GradNet(L.LightningModule):
         act: The first activation (``nn.Identity`` makes the net linear, so a big LR diverges).
         groups: Put the first layer in a parameter group of its own.
         spike_steps: Global steps at which the loss is multiplied by 1000 (finite, big gradients).
+        nan_batches: Batch indices (in the epoch) at which ``net.2`` outputs NaN.
+        first_nan_steps: Global steps at which ``net.0`` outputs NaN.
     """
 
     def __init__(
         self, lr: float = 0.05, optimizer: str = "sgd", nan_steps: Sequence[int] = (),
         nan_rank: Optional[int] = None, act: type[nn.Module] = nn.Tanh, groups: bool = False,
-        spike_steps: Sequence[int] = (),
+        spike_steps: Sequence[int] = (), nan_batches: Sequence[int] = (), first_nan_steps: Sequence[int] = (),
     ) -> None:
         super().__init__()
-        self.net = nn.Sequential(nn.Linear(8, 16), act(), NaNAt(16, 16), nn.ReLU(), nn.Linear(16, 1))
+        self.net = nn.Sequential(NaNAt(8, 16), act(), NaNAt(16, 16), nn.ReLU(), nn.Linear(16, 1))
         self.lr, self.optimizer, self.nan_steps, self.nan_rank = lr, optimizer, set(nan_steps), nan_rank
         self.groups, self.spike_steps = groups, set(spike_steps)
+        self.nan_batches, self.first_nan_steps = set(nan_batches), set(first_nan_steps)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.net(x)
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         on_rank = self.nan_rank is None or self.trainer.global_rank == self.nan_rank
-        self.net[2].active = on_rank and self.global_step in self.nan_steps
+        self.net[2].active = on_rank and (self.global_step in self.nan_steps or batch_idx in self.nan_batches)
+        self.net[0].active = self.global_step in self.first_nan_steps
         x, y = batch
         scale = 1000.0 if self.global_step in self.spike_steps else 1.0
         return nn.functional.mse_loss(self(x).float(), y) * scale
 
     def validation_step(self, batch: Any, batch_idx: int) -> None:
-        self.net[2].active = False
+        self.net[0].active = self.net[2].active = False
         x, y = batch
         self.log("val_loss", nn.functional.mse_loss(self(x), y))
 

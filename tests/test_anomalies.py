@@ -68,6 +68,13 @@ def test_group_sizes_must_add_up():
         gradient_figures([], [])
 
 
+def test_no_gradients_at_all_give_nan_norms_that_flag_nothing():
+    figures = gradient_figures([], [0, 0], device=torch.device("cpu"))
+    assert figures.norms.shape == (0,) and figures.nonfinite.tolist() == [0, 0, 0]
+    assert all(math.isnan(n) for n in figures.group_norms.tolist())
+    assert not anomaly_flags(figures.group_norms, figures.nonfinite, max_norm=1.0, min_norm=0.5).any()
+
+
 def test_flags_for_each_threshold():
     norms = torch.tensor([0.5, 50.0, 1e-9, 50.0], dtype=torch.float64)
     nonfinite = torch.tensor([0, 0, 0, 1])
@@ -76,6 +83,15 @@ def test_flags_for_each_threshold():
     assert flag(flags, "exploding") == [False, True, False, False]  # non-finite is not also exploding
     assert flag(flags, "vanishing") == [False, False, True, False]
     assert not anomaly_flags(norms, nonfinite, check_finite=False).any()
+
+
+def test_with_check_finite_off_nonfinite_gradients_count_as_exploding_when_a_norm_is_checked():
+    norms = torch.tensor([NAN, INF, 0.5], dtype=torch.float64)
+    nonfinite = torch.tensor([1, 1, 0])
+    for kwargs in ({"max_norm": 1e9}, {"relative_threshold": 2.0}):  # no median yet: still flagged
+        flags = anomaly_flags(norms, nonfinite, check_finite=False, min_norm=1e-3, **kwargs)
+        assert flag(flags, "exploding") == [True, True, False] and not flags[0].any()
+        assert flag(flags, "vanishing") == [False, False, False]
 
 
 def test_relative_flag_compares_with_the_reference_and_ignores_a_missing_one():
@@ -124,6 +140,15 @@ def test_running_median_starts_when_the_window_is_full_and_survives_a_state_dict
     restored.load_state_dict(detector.state_dict())
     assert flag(restored.flags(spike), "exploding") == [True, True]
     assert not restored.flags(spike, key=1).any()  # another optimizer has its own window
+
+
+def test_nonfinite_norms_never_enter_the_running_median():
+    detector = AnomalyDetector(check_finite=False, relative_threshold=4.0, window=3)
+    for norm in (INF, INF, 1.0):  # finite gradients whose float32 norm overflowed, then a clean step
+        detector.remember(torch.tensor([norm, norm], dtype=torch.float64))
+    assert math.isnan(detector.state_dict()["history"][0][0, 0])
+    spike = gradient_figures([torch.full((4,), 10.0)], [1])  # norm 20 > 4 * the median of the finite (1)
+    assert flag(detector.flags(spike), "exploding") == [True, True]
 
 
 def test_report_reads_well():

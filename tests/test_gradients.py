@@ -3,8 +3,10 @@
 import math
 from typing import Any
 
+import lightning as L
 import pytest
 import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from lightning.pytorch.plugins import MixedPrecision
 
@@ -21,8 +23,10 @@ def logged(rows: list[dict[str, str]], tag: str) -> dict[int, float]:
     ("kwargs", "match"),
     [
         ({"log_every_n_steps": 0}, r"`log_every_n_steps` must be a positive int or None, got 0"),
+        ({"log_every_n_steps": True}, r"`log_every_n_steps` must be a positive int or None, got True"),
         ({"granularity": "layer"}, r"`granularity` must be 'parameter' or 'module', got 'layer'"),
         ({"stats": ["norm", "median"]}, r"unknown stat\(s\) \['median'\]"),
+        ({"stats": "norm"}, r"`stats` must be a list of names, not the string 'norm' .*; write stats=\['norm'\]"),
         ({"bins": 0}, r"`bins` must be a positive int"),
         ({"max_norm": -1}, r"`max_norm` must be a finite number > 0 or None, got -1"),
         ({"modules": []}, r"`modules` is an empty list"),
@@ -30,6 +34,20 @@ def logged(rows: list[dict[str, str]], tag: str) -> dict[int, float]:
 )
 def test_bad_settings_fail_at_construction(kwargs, match):
     with pytest.raises(ValueError, match=match):
+        GradientMonitor(**kwargs)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"histogram": "yes"}, r"`histogram` must be a bool, got 'yes'"),
+        ({"prog_bar": None}, r"`prog_bar` must be a bool, got None"),
+        ({"provenance": 1}, r"`provenance` must be a bool, got 1"),
+        ({"save_dir": ["out"]}, r"`save_dir` must be a directory path or None, got \['out'\]"),
+    ],
+)
+def test_arguments_of_the_wrong_type_fail_at_construction(kwargs, match):
+    with pytest.raises(TypeError, match=match):
         GradientMonitor(**kwargs)
 
 
@@ -141,7 +159,54 @@ def test_no_hook_and_no_tensor_is_kept_after_fit(tmp_path):
     monitor = GradientMonitor(provenance=True, save_dir=str(tmp_path))
     trainer(tmp_path, [monitor], logger=False, max_steps=3).fit(model, loader())
     assert forward_hook_count(model) == 0
-    assert monitor._trace._calls == [] and monitor._batch is None
+    assert not any(p._post_accumulate_grad_hooks for p in model.parameters())
+    assert monitor._trace._calls == [] and monitor._micro_batches == [] and monitor._traced == []
+
+
+class NaNInBackwardOf(L.Callback):
+    """At ``step``, the gradient flowing into ``module``'s output turns NaN (its forward stays finite)."""
+
+    def __init__(self, module: str, step: int) -> None:
+        self.module, self.step = module, step
+
+    def on_fit_start(self, trainer: L.Trainer, pl_module: Any) -> None:
+        def poison(module: Any, grad_output: tuple[torch.Tensor, ...]) -> Any:
+            if pl_module.global_step == self.step:
+                return (grad_output[0] * math.nan,)
+            return None
+
+        pl_module.get_submodule(self.module).register_full_backward_pre_hook(poison)
+
+
+@pytest.mark.parametrize(
+    ("poison", "first_bad"),
+    [
+        ({"nan_steps": (2,)}, "net.4"),  # a NaN output of net.2: backward reaches net.4 first
+        (NaNInBackwardOf("net.2", 2), "net.2"),  # net.2's gradients go bad first; net.4's stay finite
+    ],
+)
+def test_parameters_with_nonfinite_gradients_are_listed_first_bad_first(tmp_path, poison, first_bad):
+    torch.manual_seed(0)
+    monitor = GradientMonitor(provenance=True)
+    callbacks = [monitor] if isinstance(poison, dict) else [poison, monitor]
+    model = GradNet(**poison) if isinstance(poison, dict) else GradNet()
+    trainer(tmp_path, callbacks, logger=False, max_steps=3).fit(model, loader())
+    bad = monitor.last_report.nonfinite_params
+    assert monitor.last_report.step == 2 and bad[0].startswith(first_bad + ".")
+    assert bad[-2:] == ("net.0.bias", "net.0.weight")  # the first layer is the last backward reaches
+
+
+def test_without_a_tensorboard_logger_no_histogram_is_computed(tmp_path):
+    class Probe(L.Callback):
+        blocks: list[Any] = []
+
+        def on_train_start(self, trainer: L.Trainer, pl_module: Any) -> None:
+            self.blocks.extend(m._block for m in trainer.callbacks if isinstance(m, GradientMonitor))
+
+    csv = CSVLogger(tmp_path, name="", version="")
+    monitors = [GradientMonitor(), GradientMonitor(stats=("norm", "max"))]
+    trainer(tmp_path, [*monitors, Probe()], logger=csv, max_steps=1).fit(GradNet(), loader())
+    assert Probe.blocks[0] is None and Probe.blocks[1] is not None  # the other stats still need rows
 
 
 def test_amp_scaler_overflow_is_counted_apart_and_not_flagged(tmp_path):
@@ -160,13 +225,30 @@ def test_amp_scaler_overflow_is_counted_apart_and_not_flagged(tmp_path):
 
 def test_state_dict_round_trip():
     monitor = GradientMonitor(relative_threshold=3.0, window=2)
-    monitor._anomalies, monitor._streak = 4, 2
+    monitor._anomalies = 4
     monitor._detector.remember(torch.tensor([1.0, 1.0], dtype=torch.float64))
     restored = GradientMonitor(relative_threshold=3.0, window=2)
-    restored.load_state_dict(monitor.state_dict())
-    assert restored.state_dict()["anomalies"] == 4 and restored.state_dict()["streak"] == 2
+    restored.load_state_dict({**monitor.state_dict(), "streak": 2})  # an older checkpoint's key is ignored
+    assert restored.state_dict().keys() == {"anomalies", "detector"} and restored.anomalous_steps == 4
     history = [m.state_dict()["detector"]["history"][0] for m in (monitor, restored)]
     torch.testing.assert_close(*history, rtol=0, atol=0, equal_nan=True)
+
+
+def test_two_monitors_work_together_and_each_resumes_its_own_state(tmp_path):
+    def monitors() -> list[GradientMonitor]:
+        return [GradientMonitor(min_norm=1e3),  # every step vanishes
+                GradientMonitor(granularity="module", relative_threshold=50.0, window=2)]
+
+    torch.manual_seed(0)
+    checkpoint = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=4, save_top_k=-1)
+    fit = trainer(tmp_path, [*monitors(), checkpoint], logger=False, max_steps=4, enable_checkpointing=True)
+    fit.fit(GradNet(), loader())
+    resumed = monitors()[::-1]  # the order in `callbacks` does not matter
+    fit = trainer(tmp_path, resumed, logger=False, max_steps=5, enable_checkpointing=True)
+    fit.fit(GradNet(), loader(), ckpt_path=checkpoint.best_model_path)
+    relative, vanishing = resumed
+    assert (vanishing.anomalous_steps, vanishing.state_dict()["detector"]["seen"]) == (5, {})
+    assert (relative.anomalous_steps, relative.state_dict()["detector"]["seen"]) == (0, {0: 5})
 
 
 def test_vanishing_sigmoid_example_flags_the_first_parameter_group(tmp_path, capsys):

@@ -16,6 +16,7 @@ from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
 from lightning.pytorch.plugins import MixedPrecision
 from torch import nn
 
+from lightning_hooks.gradients import GradientMonitor
 from lightning_hooks.stopping import GradientAnomalyError, GradientAnomalyStopping
 from tests.grad_helpers import GradNet, GradRecorder, run_example
 from tests.helpers import forward_hook_count, loader, trainer
@@ -50,10 +51,24 @@ def all_finite(model: nn.Module) -> bool:
         ({"relative_threshold": 0.5}, r"`relative_threshold` must be a finite number > 1 or None, got 0.5"),
         ({"window": 0}, r"`window` must be a positive int, got 0"),
         ({"modules": ""}, r"`modules` holds an empty pattern"),
+        ({"save_dir": ""}, r"`save_dir` is empty: pass a directory, or None to save nothing"),
     ],
 )
 def test_bad_settings_fail_at_construction(kwargs, match):
     with pytest.raises(ValueError, match=match):
+        GradientAnomalyStopping(**kwargs)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"provenance": "yes"}, r"`provenance` must be a bool, got 'yes'"),
+        ({"prog_bar": 1}, r"`prog_bar` must be a bool, got 1"),
+        ({"save_dir": 3}, r"`save_dir` must be a directory path or None, got 3"),
+    ],
+)
+def test_arguments_of_the_wrong_type_fail_at_construction(kwargs, match):
+    with pytest.raises(TypeError, match=match):
         GradientAnomalyStopping(**kwargs)
 
 
@@ -90,11 +105,12 @@ def test_a_nan_in_a_named_layer_stops_the_run_and_the_report_names_the_layer(tmp
     assert all_finite(model) and forward_hook_count(model) == 0
 
 
-def test_skip_leaves_parameters_and_optimizer_state_bit_identical_and_trains_on(tmp_path):
+@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
+def test_skip_leaves_parameters_and_optimizer_state_bit_identical_and_trains_on(tmp_path, precision):
     torch.manual_seed(0)
     snapshots = Snapshots()
     stopper = GradientAnomalyStopping(action="skip")
-    fit = trainer(tmp_path, [snapshots, stopper], logger=False, max_steps=6)
+    fit = trainer(tmp_path, [snapshots, stopper], logger=False, max_steps=6, precision=precision)
     fit.fit(GradNet(optimizer="adam", nan_steps=(3,)), loader())
     assert fit.global_step == 6 and stopper.dropped_steps == 1 and stopper.anomalous_steps == 1
     for name, before in snapshots.params[3].items():
@@ -157,10 +173,46 @@ def test_skip_under_16_mixed_with_a_fused_optimizer_measures_unscaled_gradients_
     fit = trainer(tmp_path, [snapshots, stopper, recorder], logger=False, max_steps=6, plugins=[plugin])
     fit.fit(model, loader())
     assert fit.global_step == 6 and stopper.dropped_steps == 1 and stopper.amp_overflows == 0
-    assert sorted(recorder.total) == [0, 1, 2, 4, 5]  # step 3's gradients were dropped
-    assert all(norm < 20.0 for norm in recorder.total.values())  # unscaled: 16 times as much before
+    # Unscaled (16 times as much before), and step 3's seen by the recorder after the stopper.
+    assert [step for step, norm in sorted(recorder.total.items()) if norm >= 20.0] == [3]
     for name, before in snapshots.params[3].items():
         assert torch.equal(before, snapshots.params[4][name])
+    for index, state in snapshots.optim[3].items():
+        for key, value in state.items():
+            assert torch.equal(value, snapshots.optim[4][index][key]), (index, key)
+    assert fit.precision_plugin.scaler.get_scale() == 16.0  # the scaler updated as usual: no backoff
+
+
+@pytest.mark.parametrize("order", ["monitor first", "stopper first"])
+def test_a_monitor_sees_the_dropped_step_wherever_it_is_in_callbacks(tmp_path, order):
+    torch.manual_seed(0)
+    snapshots, monitor = Snapshots(), GradientMonitor(log_every_n_steps=1)
+    stopper = GradientAnomalyStopping(action="skip")
+    callbacks = [monitor, stopper] if order == "monitor first" else [stopper, monitor]
+    fit = trainer(tmp_path, [snapshots, *callbacks], logger=False, max_steps=6)
+    fit.fit(GradNet(nan_steps=(3,)), loader())
+    assert monitor.anomalous_steps == 1 and monitor.last_report.step == 3
+    assert stopper.dropped_steps == 1
+    for name, before in snapshots.params[3].items():
+        assert torch.equal(before, snapshots.params[4][name])
+
+
+def test_an_amp_overflow_between_two_anomalous_steps_leaves_the_streak_as_it_was(tmp_path):
+    class Scaled(GradNet):
+        """The loss times 100 at steps 3 and 5 (exploding), times 1e8 at step 4 (fp16 overflows)."""
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            scale = {3: 100.0, 4: 1e8, 5: 100.0}.get(self.global_step, 1.0)
+            return super().training_step(batch, batch_idx) * scale
+
+    torch.manual_seed(0)
+    stopper = GradientAnomalyStopping(action="skip", patience=1, max_norm=50.0)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1.0, growth_interval=1000)
+    fit = trainer(tmp_path, [stopper], logger=False, max_steps=8,
+                  plugins=[MixedPrecision("16-mixed", "cpu", scaler=scaler)])
+    fit.fit(Scaled(lr=0.001), loader())
+    assert stopper.amp_overflows == 1 and stopper.anomalous_steps == 2
+    assert stopper.dropped_steps == 1 and stopper.last_report.step == 5  # the second in a row
 
 
 def test_stop_works_beside_early_stopping_and_waits_for_min_steps(tmp_path):
@@ -175,6 +227,80 @@ def test_stop_works_beside_early_stopping_and_waits_for_min_steps(tmp_path):
     fit = trainer(tmp_path, [stopper], logger=False, max_steps=20, min_steps=10)
     fit.fit(GradNet(nan_steps=(3,)), loader())
     assert fit.global_step == 10 and stopper.dropped_steps == 1
+
+
+def test_with_check_finite_off_a_nan_gradient_counts_as_exploding(tmp_path):
+    torch.manual_seed(0)
+    stopper = GradientAnomalyStopping(check_finite=False, max_norm=1e6)
+    fit = trainer(tmp_path, [stopper], logger=False, max_steps=20)
+    model = GradNet(nan_steps=(2,))
+    fit.fit(model, loader())
+    assert fit.global_step == 3 and stopper.last_report.flags == ("exploding",)
+    assert all_finite(model)
+
+
+@pytest.mark.parametrize("prog_bar", [True, False])
+def test_the_streak_shows_in_the_progress_bar_only_when_asked(tmp_path, prog_bar):
+    fit = trainer(tmp_path, [GradientAnomalyStopping(prog_bar=prog_bar)], logger=False, max_steps=2)
+    fit.fit(GradNet(), loader())
+    assert ("anomaly_streak" in fit.progress_bar_metrics) is prog_bar
+
+
+def test_with_accumulation_the_report_names_and_saves_the_micro_batch_that_went_bad(tmp_path):
+    torch.manual_seed(0)
+    stopper = GradientAnomalyStopping(provenance=True, save_dir=str(tmp_path))
+    data = loader(n=64, batch_size=8)
+    fit = trainer(tmp_path, [stopper], logger=False, max_steps=-1, max_epochs=1, accumulate_grad_batches=4)
+    fit.fit(GradNet(nan_batches=(5,)), data)  # step 1 is batches 4 to 7: a NaN in its micro-batch 1
+    report = stopper.last_report
+    assert (report.step, report.batch_idx, report.first_nonfinite_module) == (1, 5, "net.2")
+    saved = torch.load(report.saved_path, weights_only=False)
+    batches = list(data)
+    assert torch.equal(saved["batch"][0], batches[5][0])
+    assert [torch.equal(b[0], x) for b, (x, _) in zip(saved["batches"], batches[4:])] == [True] * 4
+
+
+class StepProbe(L.Callback):
+    """After the check (placed after it): nothing of the step is kept once its optimizer step is done."""
+
+    def __init__(self, check: GradientAnomalyStopping) -> None:
+        self.check, self.reports = check, {}
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        assert self.check._trace._calls == [] and self.check._micro_batches == []
+        if self.check.last_report is not None:
+            self.reports[self.check.last_report.step] = self.check.last_report
+
+
+def test_each_report_names_its_own_module_and_nothing_outlives_its_step(tmp_path):
+    torch.manual_seed(0)
+    stopper = GradientAnomalyStopping(action="skip", provenance=True, save_dir=str(tmp_path))
+    probe = StepProbe(stopper)
+    trainer(tmp_path, [stopper, probe], logger=False, max_steps=6).fit(
+        GradNet(nan_steps=(1,), first_nan_steps=(4,)), loader()
+    )
+    assert {step: r.first_nonfinite_module for step, r in probe.reports.items()} == {1: "net.2", 4: "net.0"}
+    assert stopper.dropped_steps == 2
+
+
+def test_two_stoppers_work_together_and_each_resumes_its_own_state(tmp_path):
+    def stoppers() -> list[GradientAnomalyStopping]:
+        return [GradientAnomalyStopping(action="skip"),
+                GradientAnomalyStopping(action="warn", relative_threshold=50.0, window=2)]
+
+    torch.manual_seed(0)
+    first = stoppers()
+    checkpoint = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=4, save_top_k=-1)
+    fit = trainer(tmp_path, [*first, checkpoint], logger=False, max_steps=4, enable_checkpointing=True)
+    with pytest.warns(UserWarning, match="Gradient anomaly at step 1"):
+        fit.fit(GradNet(nan_steps=(1,)), loader())
+    assert [(s.anomalous_steps, s.dropped_steps) for s in first] == [(1, 1), (1, 0)]
+    resumed = stoppers()[::-1]  # the order in `callbacks` does not matter
+    fit = trainer(tmp_path, resumed, logger=False, max_steps=5, enable_checkpointing=True)
+    fit.fit(GradNet(), loader(), ckpt_path=checkpoint.last_model_path or checkpoint.best_model_path)
+    warn, skip = resumed
+    assert (skip.anomalous_steps, skip.dropped_steps, skip.state_dict()["detector"]["seen"]) == (1, 1, {})
+    assert (warn.anomalous_steps, warn.dropped_steps, warn.state_dict()["detector"]["seen"]) == (1, 0, {0: 4})
 
 
 def test_state_survives_a_checkpoint_resume(tmp_path):
@@ -199,9 +325,12 @@ def test_exploding_lr_example_stops_the_run_early(tmp_path, capsys):
     assert "Parameters all finite after the stop (the last, NaN update was dropped): True" in out
 
 
-def test_ddp_a_nan_on_one_rank_stops_both_ranks_at_the_same_step(tmp_path):
+@pytest.fixture(scope="module")
+def ddp_ranks(tmp_path_factory):
+    """One 2-process run of tests/_ddp_stopping.py (two fits); what each rank wrote."""
+    out = tmp_path_factory.mktemp("ddp_stopping")
     proc = subprocess.Popen(
-        [sys.executable, os.path.join(HERE, "_ddp_stopping.py"), str(tmp_path)],
+        [sys.executable, os.path.join(HERE, "_ddp_stopping.py"), str(out)],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
     )
     try:
@@ -210,6 +339,28 @@ def test_ddp_a_nan_on_one_rank_stops_both_ranks_at_the_same_step(tmp_path):
         os.killpg(proc.pid, signal.SIGKILL)
         pytest.fail("DDP run hung: " + proc.communicate()[0][-3000:])
     assert proc.returncode == 0, output[-3000:]
-    ranks = [json.load(open(tmp_path / f"rank{r}.json")) for r in (0, 1)]
-    assert ranks[0] == ranks[1]
-    assert ranks[0] == {"global_step": 4, "report_step": 3, "module": "net.2", "nonfinite_rank": 1}
+    return [json.load(open(out / f"rank{r}.json")) for r in (0, 1)]
+
+
+def test_ddp_a_nan_on_one_rank_stops_both_ranks_at_the_same_step(ddp_ranks):
+    nan = [rank["nan"] for rank in ddp_ranks]
+    assert nan[0] == nan[1]
+    # Provenance is rank 1's, where the NaN began: net.4's gradients went bad first in backward.
+    assert nan[0] == {"global_step": 4, "report_step": 3, "module": "net.2", "nonfinite_rank": 1,
+                      "first_bad_param": "net.4.bias"}
+
+
+def test_ddp_a_decision_one_rank_alone_makes_is_acted_on_by_both(ddp_ranks):
+    split = [rank["split"] for rank in ddp_ranks]
+    for rank in split:
+        assert (rank["global_step"], rank["report_step"], rank["dropped_steps"]) == (6, 3, 1)
+        assert not rank["step3_applied"] and rank["step4_applied"]  # skipped on both ranks
+    assert split[0]["params"] == split[1]["params"]  # so the ranks never diverged
+
+
+def test_ddp_each_check_is_one_all_reduce_and_one_host_transfer(ddp_ranks):
+    for rank in ddp_ranks:
+        calls = rank["split"]["calls"]
+        assert sorted(calls) == ["0", "1", "2", "3", "4", "5"]
+        for step in ("0", "1", "2", "4", "5"):  # clean steps; step 3 builds a report as well
+            assert calls[step] == {"all_reduce": 1, "cpu": 1}, (step, calls[step])
