@@ -77,9 +77,16 @@ class ActivationMonitor(HookCallback):
         super().__init__(modules)
         _validate_interval(log_every_n_steps)
         _validate_stats(stats, STAT_NAMES)
-        bad_stages = [s for s in stages if s not in ("train", "validate")]
-        if isinstance(stages, str) or bad_stages or not stages:
+        if (
+            isinstance(stages, str)
+            or not isinstance(stages, Sequence)
+            or not stages
+            or any(s not in ("train", "validate") for s in stages)
+        ):
             raise ValueError(f"`stages` must be a non-empty list of 'train'/'validate', got {stages!r}")
+        for name, flag in (("histogram", histogram), ("inputs", inputs)):
+            if not isinstance(flag, bool):
+                raise TypeError(f"`{name}` must be True or False, got {flag!r}")
         histogram_edges(bins)  # validates `bins`
         self.log_every_n_steps = log_every_n_steps
         self.stats = tuple(stats)
