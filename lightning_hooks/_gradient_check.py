@@ -78,6 +78,8 @@ class Step:
     figures: GradientFigures
     flags: Tensor
     overflow: Optional[Tensor]
+    unsure: Tensor
+    """How many gradients have an infinite norm but were not checked for NaN and Inf values."""
 
 
 @dataclass
@@ -91,13 +93,16 @@ class Check:
     extra: list[float]
     skipped: bool
     """The scaler skipped the step, or a rank had no gradient: it says nothing about the gradients."""
+    unsure: bool
+    """A rank had an infinite norm that a finite gradient may have: measure exactly, agree again."""
 
 
 class GradientCheck(HookCallback):
     """The step check both gradient callbacks run in ``on_before_optimizer_step``.
 
     Measures the gradients and flags anomalies on device, agrees on the flags across ranks on
-    device, reads the step's figures in one host transfer, keeps the running median, traces NaN
+    device, reads the step's figures in one host transfer (two on a step with an infinite
+    gradient norm, see :meth:`on_before_optimizer_step`), keeps the running median, traces NaN
     provenance and writes reports. Subclasses act on the result in :meth:`_handle`.
     """
 
@@ -121,6 +126,8 @@ class GradientCheck(HookCallback):
         self._stepped = False  # whether an optimizer step ran in the current batch
         self._param_names: dict[Tensor, str] = {}
         self._traced: list[Tensor] = []  # parameters whose gradients the trace checks
+        self._shown: Optional[int] = None  # the value the progress bar shows
+        self._state_key: Optional[str] = None
 
     def _uses_modules(self) -> bool:
         return self.provenance
@@ -132,8 +139,13 @@ class GradientCheck(HookCallback):
 
     @property
     def state_key(self) -> str:
-        """Identifies this instance's state in a checkpoint, so several can be used together."""
-        return self._generate_state_key(**self._key())
+        """Identifies this instance's state in a checkpoint, so several can be used together.
+
+        Made once: Lightning reads it at every hook call, for its profiler's labels.
+        """
+        if self._state_key is None:
+            self._state_key = self._generate_state_key(**self._key())
+        return self._state_key
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         """Resolve the module selection when it is used."""
@@ -159,6 +171,15 @@ class GradientCheck(HookCallback):
             return []
         return [module.register_forward_hook(self._guard(name, self._trace.output_hook(index)))]
 
+    def _show(self, trainer: pl.Trainer, pl_module: pl.LightningModule, name: str, value: int) -> None:
+        """Show ``value`` in the progress bar if there is one and it changed (the bar keeps it).
+
+        A ``log`` call costs a good part of a millisecond, and on an accelerator a host-to-device copy.
+        """
+        if trainer.progress_bar_callback is not None and value != self._shown:
+            pl_module.log(name, float(value), prog_bar=True, logger=False, on_step=True, on_epoch=False)
+            self._shown = value
+
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
@@ -183,17 +204,29 @@ class GradientCheck(HookCallback):
         self._stepped = False
 
     def detach(self) -> None:
-        """Remove the hooks and drop every reference into the model and the step."""
+        """Remove the hooks, drop every reference into the model and the step, forget the progress bar.
+
+        Lightning clears the progress bar's values for each fit.
+        """
         super().detach()
         self._new_step()
-        self._collecting, self._param_names, self._traced = False, {}, []
+        self._collecting, self._param_names, self._traced, self._shown = False, {}, [], None
 
     def on_before_optimizer_step(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any
     ) -> None:
-        """Check the step's gradients: after accumulation, after AMP unscaling."""
-        step = self._measure(trainer, optimizer)
-        check = self._conclude(trainer, step, self._extra(trainer, step))
+        """Check the step's gradients: after accumulation, after AMP unscaling.
+
+        The L2 norms alone tell whether gradients are finite unless a norm is infinite, which a
+        finite gradient whose float32 norm overflows also gives; only then (agreed across
+        ranks) are the gradients measured again exactly, in a second collective and transfer.
+        """
+        step = self._measure(trainer, optimizer, exact=False)
+        extra = self._extra(trainer, step)
+        check = self._conclude(trainer, step, extra)
+        if check.unsure:
+            step = self._measure(trainer, optimizer, exact=True)
+            check = self._conclude(trainer, step, extra)
         self._handle(trainer, pl_module, optimizer, step, check)
         self._trace.clear()
         self._stepped = True
@@ -206,16 +239,18 @@ class GradientCheck(HookCallback):
                 check: Check) -> None:
         raise NotImplementedError
 
-    def _measure(self, trainer: pl.Trainer, optimizer: Any) -> Step:
+    def _measure(self, trainer: pl.Trainer, optimizer: Any, exact: bool) -> Step:
         params, sizes = _params_with_grads(optimizer)
         device = params[0].device if params else trainer.strategy.root_device
         overflow = _amp_overflow(trainer, optimizer, device) if params else None  # may unscale: first
-        figures = gradient_figures([p.grad for p in params], sizes, device=device)  # type: ignore[misc]
+        grads: list[Tensor] = [p.grad for p in params]  # type: ignore[misc]
+        figures = gradient_figures(grads, sizes, device=device, exact=exact)
         key = next((i for i, opt in enumerate(trainer.optimizers) if opt is optimizer), 0)
         flags = self._detector.flags(figures, key)
         if overflow is not None:  # the scaler skips this step itself
             flags = flags & ~overflow
-        return Step(key, params, figures, flags, overflow)
+        unsure = torch.zeros((), device=device) if exact else torch.isinf(figures.norms).sum()
+        return Step(key, params, figures, flags, overflow, unsure)
 
     def _conclude(self, trainer: pl.Trainer, step: Step, extra: list[Tensor]) -> Check:
         """Agree on the flags across ranks on device, then read everything in one transfer.
@@ -226,7 +261,7 @@ class GradientCheck(HookCallback):
         norms = step.figures.group_norms
         overflow = step.overflow if step.overflow is not None else torch.zeros((), device=norms.device)
         empty = torch.full((), float(not step.params), device=norms.device)
-        votes = torch.cat([t.reshape(-1).double() for t in (step.flags, overflow, empty)])
+        votes = torch.cat([t.reshape(-1).double() for t in (step.flags, overflow, empty, step.unsure)])
         parts = [_agree(trainer, votes), norms, *extra]
         host = torch.cat([p.reshape(-1).to(norms.device, torch.float64) for p in parts]).cpu().tolist()
         n_flags, n_cols = step.flags.numel(), norms.numel()
@@ -238,24 +273,26 @@ class GradientCheck(HookCallback):
             for col, suffix in columns
         }
         overflowed, skipped = host[n_flags] > 0, host[n_flags] > 0 or host[n_flags + 1] > 0
+        # Settled without an exact measure when no flag could hinge on it, or the scaler skips the step.
+        unsure = host[n_flags + 2] > 0 and bool(self._detector.enabled_flags) and not overflowed
         anomalous = any(flags.values())
-        if not anomalous and not skipped:
+        if not anomalous and not skipped and not unsure:
             self._detector.remember(norms, step.key)
         amp = overflowed if step.overflow is not None else None
-        start = n_flags + 2
-        return Check(flags, amp, host[start : start + n_cols], anomalous, host[start + n_cols :], skipped)
+        start = n_flags + 3
+        return Check(flags, amp, host[start : start + n_cols], anomalous, host[start + n_cols :], skipped, unsure)
 
     def _report(self, trainer: pl.Trainer, pl_module: pl.LightningModule, step: Step,
                 check: Check) -> AnomalyReport:
         """Build, save and log the report; under several ranks every rank must call this."""
         n_outputs = len(self._targets)
         located = self._trace.locate(trainer, n_outputs, n_outputs + len(self._traced)) if self.provenance else None
-        norms, max_abs = torch.stack([step.figures.norms, step.figures.max_abs]).cpu().tolist()
+        norms, bad_grads = torch.stack([step.figures.norms, step.figures.bad.double()]).cpu().tolist()
         names = [self._param_names.get(p, f"param{i}") for i, p in enumerate(step.params)]
         largest = sorted(((n, v) for n, v in zip(names, norms) if math.isfinite(v)), key=lambda item: -item[1])
         # First bad first: in the order backward made them non-finite; the rest in optimizer order.
         went_bad = {p: located.first[i] for i, p in enumerate(self._traced, n_outputs)} if located else {}
-        bad = sorted((i for i, high in enumerate(max_abs) if not math.isfinite(high)),
+        bad = sorted((i for i, is_bad in enumerate(bad_grads) if is_bad),
                      key=lambda i: went_bad.get(step.params[i], NEVER))
         module = located.earliest(range(n_outputs)) if located else None
         micro = located.micro_batch if located and located.micro_batch is not None else -1

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from typing import Any, Callable, NamedTuple, Optional
 
 import lightning.pytorch as pl
@@ -35,11 +34,13 @@ class Located(NamedTuple):
 class NonFiniteTrace:
     """Where non-finite values began in a step: module outputs in forward order, gradients in backward order.
 
-    Its hooks append ``(index, on-device 0-d tensor)`` per call, in call order, and never sync
-    with the host: a forward hook records whether a module's output is all finite; a
-    post-accumulate-grad hook records the largest absolute value of a parameter's gradient as
-    backward accumulates it (one reduction, non-finite exactly when the gradient holds a NaN or
-    an Inf; it runs at every step, as a step is known to be bad only at its end). :meth:`mark`
+    Its hooks append ``(index, on-device witness)`` per tensor, in call order, and never sync
+    with the host: a forward hook for each floating tensor a module outputs, a
+    post-accumulate-grad hook for a parameter's gradient as backward accumulates it (it runs at
+    every step, as a step is known to be bad only at its end). The witness is the tensor's
+    smallest and largest value, non-finite exactly when the tensor holds a NaN or an Inf: one
+    reduction, about ten times cheaper on CPU than ``isfinite().all()`` (which writes a mask as
+    large as the tensor) or an infinity norm. :meth:`mark`
     notes where each micro-batch starts. :meth:`locate` reads the calls (one all-gather across
     ranks, one transfer) only for a reported step; :meth:`clear` drops them once per step, so
     no tensor outlives its step.
@@ -50,23 +51,23 @@ class NonFiniteTrace:
         self._marks: list[int] = []
 
     def output_hook(self, index: int) -> Callable[[nn.Module, tuple[Any, ...], Any], None]:
-        """Return a forward hook recording whether module ``index``'s output is all finite."""
+        """Return a forward hook recording whether module ``index``'s outputs are all finite."""
 
         @torch.no_grad()
         def record(module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
-            checks = [torch.isfinite(t).all() for t in iter_tensors(output) if _is_float(t)]
-            if checks:
-                self._calls.append((index, torch.stack(checks).all() if len(checks) > 1 else checks[0]))
+            for tensor in iter_tensors(output):
+                if _is_float(tensor):
+                    self._calls.append((index, _extremes(tensor)))
 
         return record
 
     def grad_hook(self, index: int) -> Callable[[Tensor], None]:
-        """Return a post-accumulate-grad hook recording a parameter's gradient's largest absolute value."""
+        """Return a post-accumulate-grad hook recording whether a parameter's gradient is all finite."""
 
         @torch.no_grad()
         def record(param: Tensor) -> None:
-            if param.grad is not None and _is_float(param.grad) and param.grad.numel():
-                self._calls.append((index, torch.linalg.vector_norm(param.grad, math.inf)))
+            if param.grad is not None and _is_float(param.grad):
+                self._calls.append((index, _extremes(param.grad)))
 
         return record
 
@@ -83,7 +84,7 @@ class NonFiniteTrace:
         """(size,) int64 on ``device``: per index, the position of its first non-finite call, or ``NEVER``."""
         first = torch.full((size,), NEVER, dtype=torch.int64, device=device)
         if self._calls:
-            finite = torch.stack([(v if v.dtype == torch.bool else v.isfinite()).to(device) for _, v in self._calls])
+            finite = torch.stack([v.isfinite().all().to(device) for _, v in self._calls])
             index = torch.tensor([i for i, _ in self._calls], device=device)
             position = torch.arange(len(self._calls), device=device)
             first.scatter_reduce_(0, index, torch.where(finite, NEVER, position), "amin")
@@ -112,6 +113,17 @@ class NonFiniteTrace:
 
 
 def _is_float(tensor: Tensor) -> bool:
-    return tensor.layout == torch.strided and not tensor.is_meta and (
+    """Whether ``tensor`` can hold a NaN or an Inf and has values to check."""
+    return tensor.layout == torch.strided and not tensor.is_meta and tensor.numel() > 0 and (
         tensor.is_floating_point() or tensor.is_complex()
     )
+
+
+def _extremes(tensor: Tensor) -> Tensor:
+    """The smallest and largest value of a non-empty floating ``tensor``: finite exactly when it all is.
+
+    ``aminmax`` propagates NaN, and an Inf is an extreme. A complex tensor is checked through its
+    real and imaginary parts.
+    """
+    values = torch.view_as_real(tensor.resolve_conj()) if tensor.is_complex() else tensor
+    return torch.stack(torch.aminmax(values))

@@ -43,21 +43,29 @@ class GradientMonitor(GradientCheck):
     ``gradients/<name>`` histograms to TensorBoard (only when a ``TensorBoardLogger`` is
     attached), with non-finite values left out and counted.
 
-    At every optimizer step it logs the anomaly flags as 0/1 scalars: ``anomalies/<flag>`` for
-    all gradients together and ``anomalies/<flag>/group<i>`` per parameter group, with
-    ``<flag>`` one of ``nonfinite``, ``exploding`` and ``vanishing`` (those the thresholds
-    enable), and ``anomalies/amp_overflow`` under a GradScaler: steps the scaler itself skips
-    are never flagged otherwise (with fp16 a NaN from the model itself also looks like an
-    overflow to the scaler, and is counted there). The number of anomalous steps so far shows in the progress bar
-    as ``anomalies``. The first step of a run of anomalous steps, and any step that raises a new
-    flag, gets an :class:`~lightning_hooks.anomalies.AnomalyReport`, logged as text
-    (``anomalies/report``) and kept in :attr:`last_report`.
+    At every optimizer step it computes the anomaly flags, and logs them as 0/1 scalars on
+    logged steps, on every step that raises one, and on the step after (where they come back
+    to 0): ``anomalies/<flag>`` for all gradients together and ``anomalies/<flag>/group<i>``
+    per parameter group, with ``<flag>`` one of ``nonfinite``, ``exploding`` and ``vanishing``
+    (those the thresholds enable), and ``anomalies/amp_overflow`` under a GradScaler: steps
+    the scaler itself skips are never flagged otherwise (with fp16 a NaN from the model itself
+    also looks like an overflow to the scaler, and is counted there). The number of anomalous
+    steps so far shows in the progress bar as ``anomalies`` (when there is a progress bar).
+    The first step of a run of anomalous steps, and any step that raises a new flag, gets an
+    :class:`~lightning_hooks.anomalies.AnomalyReport`, logged as text (``anomalies/report``)
+    and kept in :attr:`last_report`. With no flag enabled (``check_finite=False`` and no
+    threshold) and no ``provenance``, the steps in between are left alone: nothing is
+    measured and ``anomalies/amp_overflow`` shows on logged steps only.
 
     All figures of a step are computed batched on the gradients' device and reach the host in
-    one transfer. With several optimizers each is checked at its own step. It sees every step's
-    gradients wherever it is in ``callbacks``, a ``GradientAnomalyStopping`` before it included
-    (that one drops updates only after every callback has seen them). Several instances can be
-    used together (and resumed) when their settings differ.
+    one transfer, at every step, as a step's report must be made at that step. The per-step
+    check reads every gradient once (an L2 norm); only a step with an infinite norm, which a
+    finite gradient whose float32 norm overflows also gives, is measured again to tell the
+    two apart (a second transfer). With several optimizers each is checked at its own step.
+    It sees every step's gradients wherever it is in ``callbacks``, a
+    ``GradientAnomalyStopping`` before it included (that one drops updates only after every
+    callback has seen them). Several instances can be used together (and resumed) when their
+    settings differ.
 
     Args:
         log_every_n_steps: Log norms and histograms every this many optimizer steps. None: the
@@ -128,6 +136,7 @@ class GradientMonitor(GradientCheck):
         self.last_report: Optional[AnomalyReport] = None
         self._anomalies = 0
         self._fired: frozenset[str] = frozenset()
+        self._raised = False  # whether a flag was raised at the last step
         self._every = 1
         self._histograms = False  # whether histograms are written: asked for, and a TensorBoardLogger
         self._rows: list[tuple[str, list[Tensor]]] = []
@@ -155,6 +164,7 @@ class GradientMonitor(GradientCheck):
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Register the hooks, choose the rows and allocate their buffers on the module's device."""
         super().on_fit_start(trainer, pl_module)
+        self._raised = False
         self._rows = self._select_rows(pl_module)
         self._histograms = self.histogram and any(isinstance(lg, TensorBoardLogger) for lg in trainer.loggers)
         needs_rows = self._histograms or any(s != "norm" for s in self.stats)
@@ -180,6 +190,15 @@ class GradientMonitor(GradientCheck):
             if param.requires_grad:
                 first_name.setdefault(param, name)
         return [(name, [param]) for param, name in first_name.items()]
+
+    def on_before_optimizer_step(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any
+    ) -> None:
+        """Check the step's gradients; with nothing to flag or trace, on logged steps only."""
+        if self._detector.enabled_flags or self.provenance or trainer.global_step % self._every == 0:
+            super().on_before_optimizer_step(trainer, pl_module, optimizer)
+        else:
+            self._stepped = True
 
     def _extra(self, trainer: pl.Trainer, step: Step) -> list[Tensor]:
         """Row norms, and the rows' stats and histograms, on logged steps."""
@@ -216,9 +235,14 @@ class GradientMonitor(GradientCheck):
         metrics = {f"anomalies/{name}": float(fired) for name, fired in check.flags.items()}
         if check.amp_overflow is not None:
             metrics["anomalies/amp_overflow"] = float(check.amp_overflow)
-        if self._logged:
-            metrics.update(self._gradient_metrics(trainer, check))
-        log_scalars(trainer, metrics, trainer.global_step)
+        raised = any(metrics.values())
+        # Flags go out on logged steps, and whenever one is raised or was at the step before (so
+        # the plot comes back down where it did): no logger call on a quiet step.
+        if self._logged or raised or self._raised:
+            if self._logged:
+                metrics.update(self._gradient_metrics(trainer, check))
+            log_scalars(trainer, metrics, trainer.global_step)
+        self._raised = raised
         if check.anomalous:
             fired = frozenset(name for name, on in check.flags.items() if on)
             if fired - self._fired:  # the flags are agreed: every rank reports (and gathers), or none
@@ -227,8 +251,7 @@ class GradientMonitor(GradientCheck):
         elif not check.skipped:
             self._fired = frozenset()
         if self.prog_bar:
-            pl_module.log("anomalies", float(self._anomalies), prog_bar=True, logger=False, on_step=True,
-                          on_epoch=False)
+            self._show(trainer, pl_module, "anomalies", self._anomalies)
 
     def _gradient_metrics(self, trainer: pl.Trainer, check: Check) -> dict[str, float]:
         n_rows, block = len(self._rows), self._block

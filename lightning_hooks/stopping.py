@@ -69,10 +69,12 @@ class GradientAnomalyStopping(GradientCheck):
     GradScaler that skips the step itself nothing needs dropping, and the scaler still updates.
 
     The flags are agreed across ranks on device, in the step's one small all-reduce (any rank
-    anomalous means all act at the same step), so ranks never diverge or hang. Under DDP the
-    gradients are already all-reduced here and the same on every rank. The streak and the
-    running medians survive a checkpoint resume; several instances can be used together when
-    their ``action`` or thresholds differ. Works beside Lightning's ``EarlyStopping``.
+    anomalous means all act at the same step; a step with an infinite gradient norm, which a
+    finite gradient whose float32 norm overflows also gives, is measured exactly and agreed
+    again), so ranks never diverge or hang. Under DDP the gradients are already all-reduced
+    here and the same on every rank. The streak and the running medians survive a checkpoint
+    resume; several instances can be used together when their ``action`` or thresholds
+    differ. Works beside Lightning's ``EarlyStopping``.
 
     Args:
         action: What to do: ``"stop"``, ``"skip"``, ``"raise"`` or ``"warn"``.
@@ -185,8 +187,7 @@ class GradientAnomalyStopping(GradientCheck):
         if not check.skipped:  # a step the scaler skipped says nothing: the streak stays
             self.streak = self.streak + 1 if check.anomalous else 0
         if self.prog_bar:
-            pl_module.log("anomaly_streak", float(self.streak), prog_bar=True, logger=False, on_step=True,
-                          on_epoch=False)
+            self._show(trainer, pl_module, "anomaly_streak", self.streak)
         if not check.anomalous or self.streak <= self.patience:
             return
         if self.streak == self.patience + 1:  # report once per run of anomalous steps

@@ -2,7 +2,8 @@
 
 ``nan``: a NaN injected on rank 1 only, ``action="stop"`` with provenance.
 ``split``: rank 1 alone flags step 3 (a test-only subclass; its gradients are the same as rank
-0's), ``action="skip"``; what each check asks of the host and of the other rank is counted.
+0's), ``action="skip"``, and alone is unsure at step 2 whether its gradients are finite (as
+when a norm overflows); what each check asks of the host and of the other rank is counted.
 """
 
 from __future__ import annotations
@@ -39,16 +40,18 @@ def _counted(obj: Any, name: str, calls: Counter) -> Any:
 
 
 class RankOneFlagsStep3(GradientAnomalyStopping):
-    """Rank 1 alone sees step 3 as anomalous; counts collectives and host transfers per step."""
+    """Rank 1 alone is unsure at step 2 and flags step 3; counts collectives and host transfers per step."""
 
     def __init__(self) -> None:
         super().__init__(action="skip", prog_bar=False)
         self.calls: dict[int, Counter] = {}
 
-    def _measure(self, trainer: L.Trainer, optimizer: Any) -> Step:
-        step = super()._measure(trainer, optimizer)
+    def _measure(self, trainer: L.Trainer, optimizer: Any, exact: bool) -> Step:
+        step = super()._measure(trainer, optimizer, exact)
         if trainer.global_rank == 1 and trainer.global_step == 3:
             step.flags = torch.ones_like(step.flags)
+        if trainer.global_rank == 1 and trainer.global_step == 2 and not exact:
+            step.unsure = torch.ones_like(step.unsure)
         return step
 
     def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: Any, optimizer: Any) -> None:

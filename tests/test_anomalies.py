@@ -23,27 +23,34 @@ def test_norms_per_gradient_per_group_and_total_match_torch():
     g = grads()
     figures = gradient_figures(g, [2, 1])
     torch.testing.assert_close(figures.norms, torch.stack([torch.linalg.vector_norm(t) for t in g]).double())
-    torch.testing.assert_close(figures.max_abs, torch.stack([t.abs().max() for t in g]).double())
+    assert figures.bad.tolist() == [False, False, False]
     expected_groups = [torch.nn.utils.get_total_norm(g[:2]), torch.nn.utils.get_total_norm(g[2:])]
     torch.testing.assert_close(figures.group_norms[:2].float(), torch.stack(expected_groups))
     torch.testing.assert_close(figures.group_norms[-1].float(), torch.nn.utils.get_total_norm(g))
     assert figures.nonfinite.tolist() == [0, 0, 0]
 
 
-def test_nonfinite_gradients_are_counted_per_group_and_make_the_norms_nonfinite():
+@pytest.mark.parametrize("exact", [True, False])
+def test_nonfinite_gradients_are_counted_per_group_and_make_the_norms_nonfinite(exact):
     g = grads()
     g[0][1, 2], g[2][0] = NAN, -INF
-    figures = gradient_figures(g, [2, 1])
-    assert figures.nonfinite.tolist() == [1, 1, 2]
+    figures = gradient_figures(g, [2, 1], exact=exact)
+    assert figures.nonfinite.tolist() == [1, 1, 2] and figures.bad.tolist() == [True, False, True]
     assert math.isnan(figures.norms[0]) and math.isinf(figures.norms[2]) and math.isfinite(figures.norms[1])
     assert math.isnan(figures.group_norms[0]) and math.isinf(figures.group_norms[1])
 
 
 def test_a_huge_finite_gradient_whose_float32_norm_overflows_is_not_counted_nonfinite():
     figures = gradient_figures([torch.full((4,), 1e30)], [1])
-    assert figures.nonfinite.tolist() == [0, 0]
-    assert math.isinf(figures.norms[0]) and figures.max_abs[0] == pytest.approx(1e30)
+    assert figures.nonfinite.tolist() == [0, 0] and figures.bad.tolist() == [False]
+    assert math.isinf(figures.norms[0])
     assert flag(anomaly_flags(figures.group_norms, figures.nonfinite, max_norm=1e3), "exploding") == [True, True]
+
+
+def test_without_exact_an_overflowing_norm_counts_as_nonfinite_and_only_then_differs():
+    huge, fine = torch.full((4,), 1e30), torch.ones(4)
+    assert gradient_figures([huge, fine], [2], exact=False).bad.tolist() == [True, False]
+    assert gradient_figures([huge, fine], [2], exact=True).bad.tolist() == [False, False]
 
 
 def test_a_group_without_gradients_has_a_nan_norm_and_flags_nothing():

@@ -64,7 +64,39 @@ def test_logged_norms_equal_the_gradients_on_logged_steps_only(tmp_path):
         assert value == pytest.approx(recorder.total[step], rel=1e-6)
         for name, norm in recorder.norms[step].items():
             assert logged(rows, f"gradients/{name}/norm")[step] == pytest.approx(norm, rel=1e-6)
-    assert sorted(logged(rows, "anomalies/nonfinite")) == [0, 1, 2, 3, 4]  # flags at every step
+    assert logged(rows, "anomalies/nonfinite") == {0: 0.0, 2: 0.0, 4: 0.0}  # quiet flags: on logged steps
+
+
+def test_flags_are_logged_on_logged_steps_where_one_is_raised_and_at_the_step_after(tmp_path):
+    torch.manual_seed(0)
+    monitor = GradientMonitor(log_every_n_steps=4, max_norm=100.0)
+    logger = CSVLogger(tmp_path, name="", version="")
+    trainer(tmp_path, [monitor], logger=logger, max_steps=8).fit(GradNet(lr=1e-3, spike_steps=(5,)), loader())
+    rows = csv_metrics(str(tmp_path))
+    assert logged(rows, "anomalies/exploding") == {0: 0.0, 4: 0.0, 5: 1.0, 6: 0.0}
+    assert logged(rows, "anomalies/nonfinite") == {0: 0.0, 4: 0.0, 5: 0.0, 6: 0.0}
+
+
+def test_a_finite_gradient_whose_norm_overflows_is_measured_again_and_flagged_exploding_only(
+    tmp_path, monkeypatch
+):
+    torch.manual_seed(0)
+    exact_steps = []
+    original = GradientMonitor._measure
+
+    def spy(self: GradientMonitor, trainer: Any, optimizer: Any, exact: bool) -> Any:
+        if exact:
+            exact_steps.append(trainer.global_step)
+        return original(self, trainer, optimizer, exact)
+
+    monkeypatch.setattr(GradientMonitor, "_measure", spy)
+    monitor = GradientMonitor(log_every_n_steps=1, max_norm=1e3)
+    logger = CSVLogger(tmp_path, name="", version="")
+    trainer(tmp_path, [monitor], logger=logger, max_steps=7).fit(GradNet(spike_steps=(3,)), loader())
+    rows = csv_metrics(str(tmp_path))
+    assert math.isinf(logged(rows, "gradients/total_norm")[6])  # every value finite, up to 1.5e26
+    assert exact_steps == [6]  # the one step with an infinite norm
+    assert [step for step, on in logged(rows, "anomalies/exploding").items() if on] == [3, 4, 5, 6]
     assert set(logged(rows, "anomalies/nonfinite").values()) == {0.0}
 
 
@@ -105,9 +137,9 @@ def test_with_gradient_accumulation_the_check_runs_once_per_optimizer_step(tmp_p
     calls = []
     original = GradientMonitor._measure
 
-    def counting(self: GradientMonitor, trainer: Any, optimizer: Any) -> Any:
+    def counting(self: GradientMonitor, trainer: Any, optimizer: Any, exact: bool) -> Any:
         calls.append(trainer.global_step)
-        return original(self, trainer, optimizer)
+        return original(self, trainer, optimizer, exact)
 
     monkeypatch.setattr(GradientMonitor, "_measure", counting)
     recorder = GradRecorder()
@@ -256,3 +288,21 @@ def test_vanishing_sigmoid_example_flags_the_first_parameter_group(tmp_path, cap
     out = capsys.readouterr().out
     assert "anomalies/vanishing/group0     flagged on  32 of 32 steps" in out
     assert "anomalies/vanishing            flagged on   0 of 32 steps" in out
+
+
+def test_with_no_flag_and_no_provenance_only_logged_steps_are_measured(tmp_path, monkeypatch):
+    torch.manual_seed(0)
+    measured = []
+    original = GradientMonitor._measure
+
+    def spy(self: GradientMonitor, trainer: Any, optimizer: Any, exact: bool) -> Any:
+        measured.append(trainer.global_step)
+        return original(self, trainer, optimizer, exact)
+
+    monkeypatch.setattr(GradientMonitor, "_measure", spy)
+    recorder = GradRecorder()
+    logger = CSVLogger(tmp_path, name="", version="")
+    monitor = GradientMonitor(log_every_n_steps=2, check_finite=False)
+    trainer(tmp_path, [recorder, monitor], logger=logger, max_steps=5).fit(GradNet(), loader())
+    total = logged(csv_metrics(str(tmp_path)), "gradients/total_norm")
+    assert measured == [0, 2, 4] and total == pytest.approx({s: recorder.total[s] for s in (0, 2, 4)}, rel=1e-6)

@@ -313,6 +313,15 @@ def test_zero_sits_in_the_central_bin():
     assert _hist(_row(zeros, bins=5)).tolist() == [0, 0, 5, 0, 0]  # (-1e-6, 1e-6]
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_zeros_and_numbers_below_the_smallest_normal_float_are_binned_like_bucketize(dtype):
+    tiny = torch.finfo(dtype).tiny
+    x = torch.tensor([0.0, -0.0, tiny, -tiny, tiny / 4, -tiny / 4, tiny * 4, 1e-7, -1e-7], dtype=dtype)
+    binning = Binning(8, torch.device("cpu"), dtype)
+    expected = torch.bucketize(x, histogram_edges(8)[1:-1].to(dtype))
+    assert binning.index(x).tolist() == expected.tolist()
+
+
 # ---------------------------------------------------------------- reduction across rows
 
 

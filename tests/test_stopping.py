@@ -239,11 +239,39 @@ def test_with_check_finite_off_a_nan_gradient_counts_as_exploding(tmp_path):
     assert all_finite(model)
 
 
-@pytest.mark.parametrize("prog_bar", [True, False])
-def test_the_streak_shows_in_the_progress_bar_only_when_asked(tmp_path, prog_bar):
-    fit = trainer(tmp_path, [GradientAnomalyStopping(prog_bar=prog_bar)], logger=False, max_steps=2)
+def test_a_finite_gradient_whose_norm_overflows_is_not_taken_for_a_nonfinite_one(tmp_path):
+    torch.manual_seed(0)
+    stopper = GradientAnomalyStopping()  # NaN and Inf only
+    fit = trainer(tmp_path, [stopper], logger=False, max_steps=20)
+    fit.fit(GradNet(spike_steps=(3,)), loader())  # step 6: norms overflow, values up to 1.5e26; step 7: NaN
+    assert fit.global_step == 8 and stopper.last_report.step == 7
+    assert stopper.last_report.flags == ("nonfinite",) and math.isnan(stopper.last_report.total_norm)
+
+
+@pytest.mark.parametrize(("prog_bar", "bar", "shown"), [(True, True, True), (False, True, False), (True, False, False)])
+def test_the_streak_shows_in_the_progress_bar_only_when_asked_and_there_is_one(tmp_path, prog_bar, bar, shown):
+    fit = trainer(tmp_path, [GradientAnomalyStopping(prog_bar=prog_bar)], logger=False, max_steps=2,
+                  enable_progress_bar=bar)
     fit.fit(GradNet(), loader())
-    assert ("anomaly_streak" in fit.progress_bar_metrics) is prog_bar
+    assert ("anomaly_streak" in fit.progress_bar_metrics) is shown
+
+
+def test_the_progress_bar_keeps_the_streak_though_it_is_logged_only_when_it_changes(tmp_path, monkeypatch):
+    torch.manual_seed(0)
+    logged = []
+    original = L.LightningModule.log
+
+    def spy(self: L.LightningModule, name: str, value: Any, *args: Any, **kwargs: Any) -> None:
+        if name == "anomaly_streak":
+            logged.append((self.global_step, value))
+        original(self, name, value, *args, **kwargs)
+
+    monkeypatch.setattr(L.LightningModule, "log", spy)
+    stopper = GradientAnomalyStopping(action="warn", patience=10)
+    fit = trainer(tmp_path, [stopper], logger=False, max_steps=6, enable_progress_bar=True)
+    fit.fit(GradNet(nan_steps=(4,)), loader())  # the NaN poisons the weights: steps 4 and 5
+    assert logged == [(0, 0.0), (4, 1.0), (5, 2.0)]
+    assert fit.progress_bar_metrics["anomaly_streak"] == 2
 
 
 def test_with_accumulation_the_report_names_and_saves_the_micro_batch_that_went_bad(tmp_path):
@@ -362,5 +390,6 @@ def test_ddp_each_check_is_one_all_reduce_and_one_host_transfer(ddp_ranks):
     for rank in ddp_ranks:
         calls = rank["split"]["calls"]
         assert sorted(calls) == ["0", "1", "2", "3", "4", "5"]
-        for step in ("0", "1", "2", "4", "5"):  # clean steps; step 3 builds a report as well
+        for step in ("0", "1", "4", "5"):  # clean steps; step 3 builds a report as well
             assert calls[step] == {"all_reduce": 1, "cpu": 1}, (step, calls[step])
+        assert calls["2"] == {"all_reduce": 2, "cpu": 2}  # rank 1 was unsure: both measured again
