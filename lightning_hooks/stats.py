@@ -208,7 +208,8 @@ def accumulate_(row: Tensor, values: Tensor, binning: Binning, calls: int = 1) -
     dev = (x * scale.to(x.dtype)).sub_((centre * scale).to(x.dtype))
     pivot_dev = (pivot.double() - centre) * scale
     sum_dev = (dev.sum().double() - n_bad * pivot_dev) / scale
-    sum_dev_sq = (torch.dot(dev, dev).double() - n_bad * pivot_dev.square()) / scale.square()
+    # Squared in place then summed: torch's pairwise sum, more accurate than a BLAS dot.
+    sum_dev_sq = (dev.square_().sum().double() - n_bad * pivot_dev.square()) / scale.square()
     total = n_finite * centre + sum_dev
     sum_sq = sum_dev_sq + 2 * centre * sum_dev + n_finite * centre.square()
     n_nan = torch.count_nonzero(values != values)

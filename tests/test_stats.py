@@ -100,6 +100,13 @@ def test_std_stays_accurate_when_the_mean_dwarfs_it(offset):
     assert _summary(x)["std"] == pytest.approx(float(x.double().std()), rel=1e-6)
 
 
+def test_sums_of_a_million_values_stay_accurate():
+    x = torch.randn(1_000_000, generator=torch.Generator().manual_seed(4)) * 3 + 5
+    s = _summary(x)
+    assert s["sum_sq"] == pytest.approx(float(x.double().square().sum()), rel=1e-6)
+    assert s["std"] == pytest.approx(float(x.double().std()), rel=1e-6)
+
+
 def test_moments_of_several_tensors_are_those_of_their_union():
     g = torch.Generator().manual_seed(2)
     parts = [torch.randn(n, generator=g) * (i + 1) for i, n in enumerate([5, 300, 1, 64])]
