@@ -46,8 +46,18 @@ def _validate_stats(stats: Any, allowed: Sequence[str]) -> None:
 
 
 def _log_interval(log_every_n_steps: Optional[int], trainer: pl.Trainer) -> int:
-    """The steps between logged steps: the callback's own setting, else the Trainer's, else 1."""
-    return log_every_n_steps or getattr(trainer, "log_every_n_steps", None) or 1
+    """The steps between logged steps: the callback's own setting, else the Trainer's.
+
+    0 means never: ``Trainer(log_every_n_steps=0)`` turns logging off, and so it does here.
+    """
+    if log_every_n_steps is not None:
+        return log_every_n_steps
+    return getattr(trainer, "log_every_n_steps", 50)
+
+
+def _is_logged_step(step: int, every: int) -> bool:
+    """Whether optimizer step ``step`` is logged at an interval of ``every`` (0: never)."""
+    return every > 0 and step % every == 0
 
 
 class HookCallback(Callback):

@@ -9,7 +9,14 @@ import lightning.pytorch as pl
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from lightning_hooks._base import HookCallback, _log_interval, _validate_interval, _validate_stats, in_backward
+from lightning_hooks._base import (
+    HookCallback,
+    _is_logged_step,
+    _log_interval,
+    _validate_interval,
+    _validate_stats,
+    in_backward,
+)
 from lightning_hooks.aggregate import StatBlock
 from lightning_hooks.selection import ModuleSelection
 from lightning_hooks.sinks import log_histogram, log_scalars
@@ -136,7 +143,7 @@ class ActivationMonitor(HookCallback):
         step = trainer.global_step
         if self._pending_step is not None and self._pending_step != step:
             self._flush(trainer, "train")  # an earlier step ended without an optimizer step
-        if "train" in self._blocks and step % self._every == 0:
+        if "train" in self._blocks and _is_logged_step(step, self._every):
             self._block, self._collecting, self._pending_step = self._blocks["train"], True, step
 
     def on_train_batch_end(

@@ -11,7 +11,7 @@ import torch
 from lightning.pytorch.loggers import TensorBoardLogger
 from torch import Tensor
 
-from lightning_hooks._base import _log_interval, _validate_interval, _validate_stats
+from lightning_hooks._base import _is_logged_step, _log_interval, _validate_interval, _validate_stats
 from lightning_hooks._gradient_check import Check, GradientCheck, Step, _check_bool
 from lightning_hooks.aggregate import StatBlock
 from lightning_hooks.anomalies import AnomalyReport
@@ -195,14 +195,14 @@ class GradientMonitor(GradientCheck):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any
     ) -> None:
         """Check the step's gradients; with nothing to flag or trace, on logged steps only."""
-        if self._detector.enabled_flags or self.provenance or trainer.global_step % self._every == 0:
+        if self._detector.enabled_flags or self.provenance or _is_logged_step(trainer.global_step, self._every):
             super().on_before_optimizer_step(trainer, pl_module, optimizer)
         else:
             self._stepped = True
 
     def _extra(self, trainer: pl.Trainer, step: Step) -> list[Tensor]:
         """Row norms, and the rows' stats and histograms, on logged steps."""
-        self._logged = trainer.global_step % self._every == 0 and bool(step.params)
+        self._logged = _is_logged_step(trainer.global_step, self._every) and bool(step.params)
         if not self._logged or not self._rows:
             self._present = []
             return []

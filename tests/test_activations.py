@@ -168,6 +168,17 @@ def test_unlogged_steps_leave_the_buffers_untouched(tmp_path):
     assert probe.pending == [True, False, False, True, False, False]
 
 
+def test_a_trainer_that_logs_nothing_turns_the_monitor_off_unless_it_has_its_own_interval(tmp_path):
+    quiet = ActivationMonitor()
+    probe = _PendingProbe(quiet)
+    trainer(tmp_path, [probe, quiet], logger=False, log_every_n_steps=0).fit(TinyNet(), loader())
+    assert probe.pending == [False] * 6
+    own = ActivationMonitor(log_every_n_steps=3)
+    probe = _PendingProbe(own)
+    trainer(tmp_path, [probe, own], logger=False, log_every_n_steps=0).fit(TinyNet(), loader())
+    assert probe.pending == [True, False, False, True, False, False]
+
+
 class _LBFGSNet(TinyNet):
     def configure_optimizers(self):
         return torch.optim.LBFGS(self.parameters(), lr=0.1, max_iter=4)
