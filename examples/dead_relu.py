@@ -59,7 +59,7 @@ def data(n: int = 2048) -> DataLoader:
 
 def main(log_dir: str = "runs/dead_relu") -> None:
     L.seed_everything(0, verbose=False)
-    logger = TensorBoardLogger(log_dir, name="", version="")
+    logger = TensorBoardLogger(log_dir, name="")  # a new version_<n> folder per run
     monitor = ActivationMonitor(log_every_n_steps=10, modules=[nn.ReLU, nn.Linear], stats=["zero_fraction", "max"])
     trainer = L.Trainer(
         accelerator="cpu", max_epochs=3, logger=logger, callbacks=[monitor], log_every_n_steps=10,

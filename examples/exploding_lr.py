@@ -48,7 +48,7 @@ def main(log_dir: str = "runs/exploding_lr") -> None:
     L.seed_everything(0, verbose=False)
     monitor = GradientMonitor(log_every_n_steps=1, max_norm=MAX_NORM, histogram=False)
     stopper = GradientAnomalyStopping(action="stop", patience=2, max_norm=MAX_NORM, provenance=True)
-    logger = TensorBoardLogger(log_dir, name="", version="")
+    logger = TensorBoardLogger(log_dir, name="")  # a new version_<n> folder per run
     trainer = L.Trainer(
         accelerator="cpu", max_epochs=5, logger=logger, callbacks=[monitor, stopper], log_every_n_steps=1,
         enable_checkpointing=False, enable_model_summary=False, enable_progress_bar=False,

@@ -58,7 +58,7 @@ def callbacks() -> list[L.Callback]:
 
 def main(log_dir: str = "runs/quickstart") -> None:
     L.seed_everything(0, verbose=False)
-    logger = TensorBoardLogger(log_dir, name="", version="")
+    logger = TensorBoardLogger(log_dir, name="")  # a new version_<n> folder per run
     trainer = L.Trainer(
         accelerator="cpu", max_epochs=2, logger=logger, callbacks=callbacks(),
         log_every_n_steps=20, enable_checkpointing=False, enable_model_summary=False,

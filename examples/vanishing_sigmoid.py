@@ -55,7 +55,7 @@ def data(n: int = 512) -> DataLoader:
 def main(log_dir: str = "runs/vanishing_sigmoid") -> None:
     L.seed_everything(0, verbose=False)
     monitor = GradientMonitor(log_every_n_steps=8, granularity="module", modules=nn.Linear, min_norm=MIN_NORM)
-    logger = TensorBoardLogger(log_dir, name="", version="")
+    logger = TensorBoardLogger(log_dir, name="")  # a new version_<n> folder per run
     trainer = L.Trainer(
         accelerator="cpu", max_epochs=2, logger=logger, callbacks=[monitor], log_every_n_steps=8,
         enable_checkpointing=False, enable_model_summary=False, enable_progress_bar=False,

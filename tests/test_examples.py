@@ -1,0 +1,42 @@
+"""The examples run end to end and print what the README says they print."""
+
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples")
+
+
+def run_example(name: str, out_dir) -> str:
+    proc = subprocess.run(
+        [sys.executable, os.path.join(EXAMPLES, f"{name}.py"), str(out_dir / "logs")],
+        capture_output=True, text=True, timeout=240, cwd=out_dir,
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    return proc.stdout
+
+
+@pytest.mark.parametrize(
+    ("name", "expected"),
+    [
+        ("quickstart", [r"\d+ histogram series, \d+ scalar series", r"Hooks left on the model after fit: 0"]),
+        ("exploding_lr", [
+            r"Training stopped at global step 6 of 160 planned",
+            r"Parameters all finite after the stop \(the last, NaN update was dropped\): True",
+            r"first non-finite output: module 'net\.1'",
+        ]),
+        ("vanishing_sigmoid", [
+            r"anomalies/vanishing/group0\s+flagged on\s+(\d+) of \1 steps",
+            r"anomalies/vanishing\s+flagged on\s+0 of \d+ steps",
+        ]),
+        ("dead_relu", [r"net\.3\s+1\.000\s+1\.000\s+DEAD", r"Dead ReLUs: net\.3\."]),
+        ("feature_extraction", [r"saved features equal the encoder's output: True"]),
+    ],
+)
+def test_example_prints_what_the_readme_promises(tmp_path, name, expected):
+    out = run_example(name, tmp_path)
+    for pattern in expected:
+        assert re.search(pattern, out), f"{pattern!r} not in the output of {name}:\n{out[-3000:]}"
