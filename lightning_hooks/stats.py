@@ -198,18 +198,21 @@ def accumulate_(row: Tensor, values: Tensor, binning: Binning, calls: int = 1) -
     pivot = torch.where(n_finite > 0, values.gather(0, first), 0.0)
     x = torch.where(finite, values, pivot)
     low, high = torch.aminmax(x)
-    # Deviations from the mid-range, scaled by a power of two (exact) so that squares of values
-    # up to float32 max cannot overflow, while std stays accurate when the mean dwarfs it.
-    centre = (low.double() + high.double()) / 2
-    span = torch.stack([(high.double() - low.double()) / 2, high.double().abs() * 2.0**-100])
+    # Values scaled by a power of two (exact) so that squares up to float32 max cannot
+    # overflow; deviations taken from an estimate of the mean (outliers and a mean that dwarfs
+    # the spread cost no accuracy), with non-finite entries zeroed so their count neither.
+    lo, hi = low.double(), high.double()
+    span = torch.stack([hi / 2 - lo / 2, torch.maximum(hi.abs(), lo.abs()) * 2.0**-100]).amax()
     limit = 1022 if x.dtype == torch.float64 else 126  # largest exact power-of-two exponents
-    exponent = torch.frexp(span.amax()).exponent.clamp(-limit, limit)
-    scale = torch.ldexp(torch.ones((), dtype=torch.float64, device=x.device), -exponent)
-    dev = (x * scale.to(x.dtype)).sub_((centre * scale).to(x.dtype))
-    pivot_dev = (pivot.double() - centre) * scale
-    sum_dev = (dev.sum().double() - n_bad * pivot_dev) / scale
+    scale = torch.ldexp(torch.ones((), dtype=torch.float64, device=x.device),
+                        -torch.frexp(span).exponent.clamp(-limit, limit))
+    scaled = x * scale.to(x.dtype)
+    estimate = ((scaled.sum().double() - n_bad * pivot.double() * scale) / n_finite.clamp_min(1)).to(x.dtype)
+    dev = torch.where(finite, scaled.sub_(estimate), 0.0)
+    centre = estimate.double() / scale
+    sum_dev = dev.sum().double() / scale
     # Squared in place then summed: torch's pairwise sum, more accurate than a BLAS dot.
-    sum_dev_sq = (dev.square_().sum().double() - n_bad * pivot_dev.square()) / scale.square()
+    sum_dev_sq = dev.square_().sum().double() / scale.square()
     total = n_finite * centre + sum_dev
     sum_sq = sum_dev_sq + 2 * centre * sum_dev + n_finite * centre.square()
     n_nan = torch.count_nonzero(values != values)
@@ -225,8 +228,9 @@ def accumulate_(row: Tensor, values: Tensor, binning: Binning, calls: int = 1) -
     extremes = torch.where(n_finite > 0, extremes, -math.inf).to(row.device)
     row[_MAX_SLICE] = torch.maximum(row[_MAX_SLICE], extremes)
     index = binning.index(x)
-    # bincount sizes its output from the data: a host sync on CUDA, a graph break under compile.
-    if x.is_cuda or torch.compiler.is_compiling():
+    # bincount sizes its output from the data: a host sync on accelerators, a graph break
+    # under compile.
+    if x.device.type != "cpu" or torch.compiler.is_compiling():
         counts = torch.zeros(binning.n_bins, dtype=torch.float64, device=x.device)
         counts.index_put_((index.long(),), torch.ones((), dtype=torch.float64, device=x.device).expand(n), True)
     else:

@@ -107,6 +107,23 @@ def test_sums_of_a_million_values_stay_accurate():
     assert s["std"] == pytest.approx(float(x.double().std()), rel=1e-6)
 
 
+@pytest.mark.parametrize("outlier", [1e4, 1e6, -1e5])
+def test_std_stays_accurate_with_an_outlier(outlier):
+    x = torch.randn(1_000_000, generator=torch.Generator().manual_seed(5))
+    x[123] = outlier
+    assert _summary(x)["std"] == pytest.approx(float(x.double().std()), rel=1e-6)
+
+
+def test_a_few_finite_values_among_millions_of_nans_keep_exact_moments():
+    x = torch.full((4_000_000,), NAN)
+    x[1000:1007] = torch.rand(7, generator=torch.Generator().manual_seed(6))
+    finite = x[1000:1007].double()
+    s = _summary(x)
+    assert s["mean"] == pytest.approx(float(finite.mean()), rel=1e-6)
+    assert s["std"] == pytest.approx(float(finite.std()), rel=1e-6)
+    assert (s["nan_count"], s["count_finite"]) == (4_000_000 - 7, 7)
+
+
 def test_moments_of_several_tensors_are_those_of_their_union():
     g = torch.Generator().manual_seed(2)
     parts = [torch.randn(n, generator=g) * (i + 1) for i, n in enumerate([5, 300, 1, 64])]
