@@ -132,16 +132,23 @@ def test_several_parameter_groups_get_their_own_norms_and_flags(tmp_path):
         assert logged(rows, tag) == {0: 0.0}
 
 
-def test_with_gradient_accumulation_the_check_runs_once_per_optimizer_step(tmp_path, monkeypatch):
-    torch.manual_seed(0)
-    calls = []
+@pytest.fixture
+def measured_steps(monkeypatch) -> list[int]:
+    """The global steps at which GradientMonitor measured the gradients, in order."""
+    steps: list[int] = []
     original = GradientMonitor._measure
 
-    def counting(self: GradientMonitor, trainer: Any, optimizer: Any, exact: bool) -> Any:
-        calls.append(trainer.global_step)
+    def spy(self: GradientMonitor, trainer: Any, optimizer: Any, exact: bool) -> Any:
+        steps.append(trainer.global_step)
         return original(self, trainer, optimizer, exact)
 
-    monkeypatch.setattr(GradientMonitor, "_measure", counting)
+    monkeypatch.setattr(GradientMonitor, "_measure", spy)
+    return steps
+
+
+def test_with_gradient_accumulation_the_check_runs_once_per_optimizer_step(tmp_path, measured_steps):
+    torch.manual_seed(0)
+    calls = measured_steps
     recorder = GradRecorder()
     logger = CSVLogger(tmp_path, name="", version="")
     fit = trainer(tmp_path, [recorder, GradientMonitor(log_every_n_steps=1)], logger=logger,
@@ -290,16 +297,9 @@ def test_vanishing_sigmoid_example_flags_the_first_parameter_group(tmp_path, cap
     assert "anomalies/vanishing            flagged on   0 of 32 steps" in out
 
 
-def test_with_no_flag_and_no_provenance_only_logged_steps_are_measured(tmp_path, monkeypatch):
+def test_with_no_flag_and_no_provenance_only_logged_steps_are_measured(tmp_path, measured_steps):
     torch.manual_seed(0)
-    measured = []
-    original = GradientMonitor._measure
-
-    def spy(self: GradientMonitor, trainer: Any, optimizer: Any, exact: bool) -> Any:
-        measured.append(trainer.global_step)
-        return original(self, trainer, optimizer, exact)
-
-    monkeypatch.setattr(GradientMonitor, "_measure", spy)
+    measured = measured_steps
     recorder = GradRecorder()
     logger = CSVLogger(tmp_path, name="", version="")
     monitor = GradientMonitor(log_every_n_steps=2, check_finite=False)
