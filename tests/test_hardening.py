@@ -19,7 +19,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from torch import nn
 
-from lightning_hooks import ActivationMonitor
+from lightning_hooks import ActivationMonitor, GradientMonitor
 from tests.helpers import events, forward_hook_count, trainer
 from tests.zoo import (
     ZOO_SILENT,
@@ -449,10 +449,12 @@ class MemoryProbe(L.Callback):
 
 
 def test_no_memory_growth_over_many_logged_steps(tmp_path):
-    steps = int(os.environ.get("LIGHTNING_HOOKS_MEMORY_STEPS", 2000))
+    """Activations and gradients logged at every one of 5,000 steps, provenance on."""
+    steps = int(os.environ.get("LIGHTNING_HOOKS_MEMORY_STEPS", 5000))
     probe = MemoryProbe(first=200, last=steps, window=200)
     monitor = ActivationMonitor(log_every_n_steps=1)
-    run = trainer(tmp_path, [monitor, probe], logger=csv_logger(tmp_path), max_steps=steps)
+    gradients = GradientMonitor(log_every_n_steps=1, provenance=True, max_norm=1e6)
+    run = trainer(tmp_path, [monitor, gradients, probe], logger=csv_logger(tmp_path), max_steps=steps)
     run.fit(LitNet(mlp()), zoo_loader(4 * steps, 4))
     (t0, b0, o0), (t1, b1, o1) = probe.snap[200], probe.snap[steps]
     assert (t1, b1) == (t0, b0)  # not one tensor, not one byte of tensor storage more
