@@ -34,10 +34,11 @@ class ActivationMonitor(HookCallback):
     add up over the step's micro-batches (gradient accumulation) and over repeated calls of a
     module (shared layers, loops): the ``calls`` stat says how many calls a row holds (a call
     counts once however many tensors it returns; recomputation by gradient checkpointing in
-    backward is not a call, and calls that return nothing summarisable are not counted). At the
-    optimizer step the rows are reduced across ranks once, copied to the host once, and logged
-    as ``activations/<module>/<stat>`` scalars to every logger and as
-    ``activations/<module>`` histograms to TensorBoard. On other steps the hooks return at once.
+    backward is not a call, and calls that return nothing summarisable are not counted). Once
+    the step's optimizer step is done (at the end of its last training batch) the rows are
+    reduced across ranks once, copied to the host once, and logged at that step as
+    ``activations/<module>/<stat>`` scalars to every logger and as ``activations/<module>``
+    histograms to TensorBoard. On other steps the hooks return at once.
 
     Non-finite values are left out of the moments and the histogram and counted as
     ``nan_count``, ``posinf_count`` and ``neginf_count``; a diverging run keeps logging.
