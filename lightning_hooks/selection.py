@@ -22,9 +22,17 @@ ACTIVATION_TYPES: tuple[type[nn.Module], ...] = (
 )
 
 
+#: Modules taken whole by the default selection: their submodules are never called as modules
+#: (``nn.MultiheadAttention`` uses ``out_proj``'s weights directly), so hooks on them never fire.
+WHOLE_TYPES: tuple[type[nn.Module], ...] = (nn.MultiheadAttention,)
+
+
 def is_default_module(module: nn.Module) -> bool:
-    """Whether the default selection takes ``module``: a leaf with parameters, or an activation."""
-    if isinstance(module, ACTIVATION_TYPES):
+    """Whether the default selection takes ``module``.
+
+    It takes leaf modules with parameters, activation modules, and ``WHOLE_TYPES``.
+    """
+    if isinstance(module, ACTIVATION_TYPES + WHOLE_TYPES):
         return True
     is_leaf = next(module.children(), None) is None
     return is_leaf and next(module.parameters(recurse=False), None) is not None
@@ -90,7 +98,8 @@ def select_modules(
     ]
     names = list(dict.fromkeys(n for n, _ in named))
     if selection is None:
-        chosen = [(n, m) for n, m in named if is_default_module(m)]
+        wholes = tuple(f"{n}." for n, m in named if isinstance(m, WHOLE_TYPES))
+        chosen = [(n, m) for n, m in named if is_default_module(m) and not n.startswith(wholes)]
     elif callable(selection) and not isinstance(selection, type):
         chosen = [(n, m) for n, m in named if selection(n, m)]
     else:

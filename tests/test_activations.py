@@ -240,3 +240,26 @@ def test_a_model_built_in_configure_model_is_monitored(tmp_path):
     rows = csv_metrics(str(tmp_path))
     assert [float(r["activations/net.2/count"]) for r in rows] == [8, 8]
     assert monitor.module_names == ["net.0", "net.1", "net.2"]
+
+
+class _Attention(L.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = torch.nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True)
+
+    def training_step(self, batch, batch_idx):
+        return self.layer(batch[0].view(-1, 2, 4).repeat(1, 1, 2)).square().mean()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+def test_attention_is_watched_whole_by_default(tmp_path):
+    monitor = ActivationMonitor(log_every_n_steps=1, stats=["count", "calls"])
+    trainer(tmp_path, [monitor], logger=CSVLogger(tmp_path), max_steps=1).fit(_Attention(), loader())
+    # out_proj's weights are used inside MultiheadAttention's forward, never by calling out_proj.
+    assert "layer.self_attn" in monitor.module_names
+    assert not any(name.startswith("layer.self_attn.") for name in monitor.module_names)
+    row = csv_metrics(str(tmp_path))[0]
+    assert float(row["activations/layer.self_attn/calls"]) == 1
+    assert float(row["activations/layer.self_attn/count"]) == 8 * 2 * 8  # the attention output
