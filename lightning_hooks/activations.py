@@ -20,7 +20,7 @@ from lightning_hooks._base import (
 from lightning_hooks.aggregate import StatBlock
 from lightning_hooks.selection import ModuleSelection
 from lightning_hooks.sinks import log_histogram, log_scalars
-from lightning_hooks.stats import STAT_NAMES, Bins, histogram_edges, summarize
+from lightning_hooks.stats import STAT_NAMES, Bins, bin_counts, histogram_edges, summarize
 
 Stage = Literal["train", "validate"]
 
@@ -205,5 +205,5 @@ class ActivationMonitor(HookCallback):
                 continue
             scalars.update({f"{prefix}/{name}/{stat}": summary[stat] for stat in self.stats})
             if self.histogram:
-                log_histogram(trainer, f"{prefix}/{name}", summary, row[-len(edges) + 1 :], edges, step)
+                log_histogram(trainer, f"{prefix}/{name}", summary, bin_counts(row), edges, step)
         log_scalars(trainer, scalars, step)

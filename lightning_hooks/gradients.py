@@ -17,7 +17,7 @@ from lightning_hooks.aggregate import StatBlock
 from lightning_hooks.anomalies import AnomalyReport
 from lightning_hooks.selection import ModuleSelection
 from lightning_hooks.sinks import log_histogram, log_scalars
-from lightning_hooks.stats import STAT_NAMES, Bins, histogram_edges, summarize
+from lightning_hooks.stats import STAT_NAMES, Bins, bin_counts, histogram_edges, summarize
 
 Granularity = Literal["parameter", "module"]
 
@@ -272,7 +272,7 @@ class GradientMonitor(GradientCheck):
             summary = summarize(row)
             metrics.update({f"gradients/{name}/{s}": summary[s] for s in self.stats if s != "norm"})
             if self._histograms:
-                log_histogram(trainer, f"gradients/{name}", summary, row[-len(edges) + 1 :], edges,
+                log_histogram(trainer, f"gradients/{name}", summary, bin_counts(row), edges,
                               trainer.global_step)
         if block is not None:
             block.reset()

@@ -246,6 +246,11 @@ def reduce_rows(gathered: Tensor) -> Tensor:
     return out
 
 
+def bin_counts(row: Sequence[float]) -> Sequence[float]:
+    """The histogram counts of one stat row (the columns after the statistics)."""
+    return row[N_FIELDS:]
+
+
 def summarize(row: Sequence[float]) -> dict[str, float]:
     """Every statistic in ``STAT_NAMES`` from one host-side stat row (a list of floats).
 
