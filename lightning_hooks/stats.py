@@ -15,6 +15,7 @@ finite part instead of an error.
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Iterator, Sequence
 from dataclasses import fields, is_dataclass
 from typing import Any, Union
@@ -36,6 +37,15 @@ STAT_NAMES = (
 )
 
 Bins = Union[int, Sequence[float]]
+
+try:  # The fused CPU kernel, built at install time where a C compiler is available.
+    from lightning_hooks import _cstats
+except ImportError:  # pragma: no cover - depends on the build
+    _cstats = None  # type: ignore[assignment]
+
+#: Whether float32 CPU tensors go through the fused native kernel (same figures, ~10x faster).
+#: Set ``LIGHTNING_HOOKS_NATIVE=0`` to use the tensor-op kernel everywhere.
+NATIVE_KERNEL = _cstats is not None and os.environ.get("LIGHTNING_HOOKS_NATIVE", "1") != "0"
 
 
 def histogram_edges(bins: Bins = 128, low: float = 1e-6, high: float = 1e6) -> Tensor:
@@ -159,6 +169,13 @@ class Binning:
             # Even counts have an edge at 0: x > 0 goes to n_positive + j, x <= 0 to n_positive - 1 - j.
             centre, half = (n_positive - 0.5, 0.5) if self.n_bins % 2 == 0 else (n_positive - 1.0, 0.0)
             self._log = (n_positive - 1, log_low, 1.0 / step, centre, half)
+        self.native: tuple[Tensor, ...] | None = None
+        if NATIVE_KERNEL and device.type == "cpu" and dtype == torch.float32:
+            # The native kernel's first guess per cell of 1/16 octave (by the top 13 bits of a
+            # float32: sign, exponent, four mantissa bits); it then steps across edges itself.
+            cells = (torch.arange(1 << 13, dtype=torch.int32) << 19).view(torch.float32)
+            table = torch.bucketize(cells.nan_to_num(0.0, 0.0, 0.0), self.inner).to(torch.int32)
+            self.native = (table, self.left, self.right)
 
     def index(self, x: Tensor) -> Tensor:
         """The bin of each finite value in ``x``: bin ``i`` holds ``edges[i] < x <= edges[i + 1]``."""
@@ -180,15 +197,39 @@ class Binning:
 def accumulate_(row: Tensor, values: Tensor, binning: Binning, calls: int = 1) -> None:
     """Add the statistics of flat floating ``values`` into stat ``row``, in place, on device.
 
-    About a dozen light passes over the values and no host synchronisation. Non-finite values
-    are first replaced by a finite one of the tensor (the pivot), so that no later pass needs a
-    mask; the pivot's share is taken out of the sums and the histogram again at the end.
+    Contiguous float32 values on the CPU go through the fused native kernel when it is built
+    (two passes over the values); everything else through tensor ops (about thirty light
+    passes, no host synchronisation). Both give the same figures.
 
     Args:
         row: One stat row (a view into a block from :func:`new_rows`), float64.
         values: Flat float32 or float64 values, as from :func:`as_float_values`.
         binning: The histogram bins for ``values``' device and dtype.
         calls: Added to the ``calls`` column: 0 for the second and later tensors of one call.
+    """
+    native = binning.native
+    if (
+        native is not None
+        and values.dtype == torch.float32
+        and values.device.type == "cpu"
+        and row.device.type == "cpu"
+        and values.is_contiguous()
+        and row.is_contiguous()
+        and not torch.compiler.is_compiling()
+    ):
+        table, left, right = native
+        _cstats.accumulate_f32(values.data_ptr(), values.numel(), row.data_ptr(), binning.n_bins,
+                               table.data_ptr(), left.data_ptr(), right.data_ptr(), float(calls))
+    else:
+        _accumulate_tensors_(row, values, binning, calls)
+
+
+def _accumulate_tensors_(row: Tensor, values: Tensor, binning: Binning, calls: int) -> None:
+    """:func:`accumulate_` in tensor ops, for any device and under ``torch.compile``.
+
+    Non-finite values are first replaced by a finite one of the tensor (the pivot), so that no
+    later pass needs a mask; the pivot's share is taken out of the sums and the histogram again
+    at the end.
     """
     n = values.numel()
     finite = (values - values) == 0  # isfinite, cheaper on CPU: inf - inf and NaN give NaN

@@ -1,11 +1,13 @@
 """The pure statistics kernels, checked against torch and numpy computed directly."""
 
 import math
+import os
 
 import numpy as np
 import pytest
 import torch
 
+from lightning_hooks import stats
 from lightning_hooks.stats import (
     FLOAT32_MAX,
     N_FIELDS,
@@ -21,6 +23,19 @@ from lightning_hooks.stats import (
 )
 
 NAN, INF = math.nan, math.inf
+REQUIRE_NATIVE = os.environ.get("LIGHTNING_HOOKS_REQUIRE_NATIVE") == "1"
+
+
+@pytest.fixture(autouse=True, params=["native", "tensor-ops"])
+def kernel(request, monkeypatch):
+    """Every test here runs against both kernels: the fused native one and the tensor-op one."""
+    if request.param == "native":
+        if stats._cstats is None and not REQUIRE_NATIVE:
+            pytest.skip("the native kernel was not built (no C compiler at install time)")
+        monkeypatch.setattr(stats, "NATIVE_KERNEL", True)
+    else:
+        monkeypatch.setattr(stats, "NATIVE_KERNEL", False)
+    return request.param
 
 
 def _row(*tensors, bins=128, calls=1):

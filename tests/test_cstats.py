@@ -1,0 +1,81 @@
+"""The fused native kernel (``_cstats.c``): built where required, used where it applies, and in
+agreement with the tensor-op kernel on every column. The rest of test_stats.py runs against both."""
+
+import math
+import os
+
+import pytest
+import torch
+
+from lightning_hooks import stats
+from lightning_hooks.stats import N_FIELDS, Binning, accumulate_, histogram_edges, new_rows, summarize
+
+NAN, INF = math.nan, math.inf
+needs_native = pytest.mark.skipif(stats._cstats is None, reason="the native kernel was not built")
+
+
+def _row(x, bins, native):
+    binning = Binning(bins, torch.device("cpu"), torch.float32)
+    assert (binning.native is not None) == native
+    row = new_rows(1, binning.n_bins)[0]
+    accumulate_(row, x, binning)
+    return row
+
+
+def test_native_kernel_is_built_where_required():
+    # CI sets LIGHTNING_HOOKS_REQUIRE_NATIVE=1: a failed build must not pass as the slow path.
+    if os.environ.get("LIGHTNING_HOOKS_REQUIRE_NATIVE") != "1":
+        pytest.skip("set LIGHTNING_HOOKS_REQUIRE_NATIVE=1 to require the native kernel")
+    assert stats._cstats is not None
+    assert stats.NATIVE_KERNEL
+
+
+@needs_native
+def test_used_only_for_float32_on_cpu_and_can_be_switched_off(monkeypatch):
+    assert Binning(16, torch.device("cpu"), torch.float32).native is not None
+    assert Binning(16, torch.device("cpu"), torch.float64).native is None
+    monkeypatch.setattr(stats, "NATIVE_KERNEL", False)
+    assert Binning(16, torch.device("cpu"), torch.float32).native is None
+
+
+@needs_native
+@pytest.mark.parametrize("bins", [1, 2, 7, 128, 129, [-2.0, -1e-3, 0.0, 1e-20, 5.0], [0.0, 1.0]])
+def test_agrees_with_tensor_ops_at_and_around_every_edge(bins, monkeypatch):
+    edges = histogram_edges(bins).float()
+    g = torch.Generator().manual_seed(11)
+    x = torch.cat([
+        edges, edges.nextafter(torch.tensor(INF)), edges.nextafter(torch.tensor(-INF)),
+        torch.randn(3000, generator=g) * 10.0 ** torch.randint(-40, 38, (3000,), generator=g),
+        torch.tensor([0.0, -0.0, 1e-45, -1e-45, NAN, INF, -INF, 7.0]),
+    ])
+    native_row = _row(x, bins, native=True)
+    monkeypatch.setattr(stats, "NATIVE_KERNEL", False)
+    tensor_row = _row(x, bins, native=False)
+    assert native_row[N_FIELDS:].tolist() == tensor_row[N_FIELDS:].tolist()
+    sums = [stats._COL["sum"], stats._COL["sum_sq"]]
+    exact = [i for i in range(N_FIELDS) if i not in sums]
+    assert native_row[exact].tolist() == tensor_row[exact].tolist()
+    # Sums up to float32 rounding of the tensor-op kernel, relative to the sums of magnitudes.
+    finite = x[x.isfinite()].double()
+    scale = torch.stack([finite.abs().sum(), finite.square().sum()]).tolist()
+    for i, s in zip(sums, scale):
+        assert float(native_row[i]) == pytest.approx(float(tensor_row[i]), abs=1e-6 * s)
+
+
+@needs_native
+def test_non_contiguous_values_take_the_tensor_op_path_with_the_same_figures():
+    x = torch.randn(3000, generator=torch.Generator().manual_seed(13))[::3]
+    assert not x.is_contiguous()
+    binning = Binning(32, torch.device("cpu"), torch.float32)
+    strided = new_rows(1, binning.n_bins)[0]
+    accumulate_(strided, x, binning)
+    assert strided.tolist() == pytest.approx(_row(x.contiguous(), 32, native=True).tolist(), rel=1e-6)
+
+
+@needs_native
+def test_sums_are_exact_to_float64_rounding():
+    x = torch.randn(100_000, generator=torch.Generator().manual_seed(12)) * 3 + 1e3
+    values = x.double().tolist()
+    s = summarize(_row(x, 128, native=True).tolist())
+    assert s["sum"] == pytest.approx(math.fsum(values), rel=1e-13)
+    assert s["sum_sq"] == pytest.approx(math.fsum(v * v for v in values), rel=1e-13)
