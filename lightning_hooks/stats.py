@@ -38,8 +38,12 @@ STAT_NAMES = (
 
 Bins = Union[int, Sequence[float]]
 
+_NATIVE_ABI = 2  # _cstats.c's ABI_VERSION: a build left over from older sources is not used
 try:  # The fused CPU kernel, built at install time where a C compiler is available.
     from lightning_hooks import _cstats
+
+    if getattr(_cstats, "ABI_VERSION", None) != _NATIVE_ABI:
+        _cstats = None  # type: ignore[assignment]
 except ImportError:  # pragma: no cover - depends on the build
     _cstats = None  # type: ignore[assignment]
 
@@ -169,13 +173,22 @@ class Binning:
             # Even counts have an edge at 0: x > 0 goes to n_positive + j, x <= 0 to n_positive - 1 - j.
             centre, half = (n_positive - 0.5, 0.5) if self.n_bins % 2 == 0 else (n_positive - 1.0, 0.0)
             self._log = (n_positive - 1, log_low, 1.0 / step, centre, half)
-        self.native: tuple[Tensor, ...] | None = None
+        self.native: tuple[Tensor, Tensor, bool] | None = None
         if NATIVE_KERNEL and device.type == "cpu" and dtype == torch.float32:
-            # The native kernel's first guess per cell of 1/16 octave (by the top 13 bits of a
-            # float32: sign, exponent, four mantissa bits); it then steps across edges itself.
-            cells = (torch.arange(1 << 13, dtype=torch.int32) << 19).view(torch.float32)
-            table = torch.bucketize(cells.nan_to_num(0.0, 0.0, 0.0), self.inner).to(torch.int32)
-            self.native = (table, self.left, self.right)
+            self.native = self._native_table()
+
+    def _native_table(self) -> tuple[Tensor, Tensor, bool]:
+        """The native kernel's table: per cell of float32s sharing their top 13 bits (sign,
+        exponent, four mantissa bits: 1/16 octave), the cell's lowest bin and that bin's right
+        edge; and whether no cell holds more than one edge (then one comparison finds the bin)."""
+        keys = torch.arange(1 << 13, dtype=torch.int32) << 19
+        ends = torch.stack([keys, keys | ((1 << 19) - 1)]).view(torch.float32)  # the cell's two ends
+        ends = torch.where(ends.isfinite(), ends, 0.0)  # Inf/NaN cells are never looked up
+        first, last = torch.bucketize(ends, self.inner).to(torch.int32)
+        lowest = torch.minimum(first, last)
+        edge = self.right[lowest.long()]
+        table = torch.stack([lowest, edge.view(torch.int32)], 1).contiguous()
+        return table, self.right, bool(((first - last).abs() <= 1).all())
 
     def index(self, x: Tensor) -> Tensor:
         """The bin of each finite value in ``x``: bin ``i`` holds ``edges[i] < x <= edges[i + 1]``."""
@@ -217,9 +230,9 @@ def accumulate_(row: Tensor, values: Tensor, binning: Binning, calls: int = 1) -
         and row.is_contiguous()
         and not torch.compiler.is_compiling()
     ):
-        table, left, right = native
+        table, right, fine = native
         _cstats.accumulate_f32(values.data_ptr(), values.numel(), row.data_ptr(), binning.n_bins,
-                               table.data_ptr(), left.data_ptr(), right.data_ptr(), float(calls))
+                               table.data_ptr(), right.data_ptr(), fine, float(calls))
     else:
         _accumulate_tensors_(row, values, binning, calls)
 
