@@ -6,15 +6,35 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import lightning.pytorch as pl
-from lightning.pytorch.loggers import TensorBoardLogger
+from lightning.pytorch.loggers import Logger, TensorBoardLogger
+from tensorboard.compat.proto.summary_pb2 import Summary
+from torch.utils.tensorboard import SummaryWriter
 
 
 def log_scalars(trainer: pl.Trainer | Any, metrics: Mapping[str, float], step: int) -> None:
-    """Send scalars to every logger of ``trainer``, from rank zero."""
+    """Send scalars to every logger of ``trainer``, from rank zero.
+
+    A TensorBoardLogger gets all of them in one event: ``log_metrics`` writes an event per
+    scalar, and each costs about 50 µs (a hand-off to the writer thread), which with a dozen
+    figures per module was most of a logged step's cost after the statistics themselves.
+    """
     if not trainer.is_global_zero or not metrics:
         return
     for logger in trainer.loggers:
-        logger.log_metrics(dict(metrics), step=step)
+        if not _write_one_event(logger, metrics, step):
+            logger.log_metrics(dict(metrics), step=step)
+
+
+def _write_one_event(logger: Logger, metrics: Mapping[str, float], step: int) -> bool:
+    """Write ``metrics`` as one TensorBoard event, as ``add_scalar`` would each; False if we cannot."""
+    if not isinstance(logger, TensorBoardLogger) or logger._prefix:
+        return False
+    writer = logger.experiment
+    if not isinstance(writer, SummaryWriter):  # tensorboardX's writer has its own protos
+        return False
+    values = [Summary.Value(tag=tag, simple_value=float(value)) for tag, value in metrics.items()]
+    writer._get_file_writer().add_summary(Summary(value=values), step)
+    return True
 
 
 def log_histogram(

@@ -40,7 +40,7 @@ Bins = Union[int, Sequence[float]]
 
 _NATIVE_ABI = 2  # _cstats.c's ABI_VERSION: a build left over from older sources is not used
 try:  # The fused CPU kernel, built at install time where a C compiler is available.
-    from lightning_hooks import _cstats
+    from lightning_hooks import _cstats  # type: ignore[attr-defined]
 
     if getattr(_cstats, "ABI_VERSION", None) != _NATIVE_ABI:
         _cstats = None  # type: ignore[assignment]
@@ -178,9 +178,12 @@ class Binning:
             self.native = self._native_table()
 
     def _native_table(self) -> tuple[Tensor, Tensor, bool]:
-        """The native kernel's table: per cell of float32s sharing their top 13 bits (sign,
-        exponent, four mantissa bits: 1/16 octave), the cell's lowest bin and that bin's right
-        edge; and whether no cell holds more than one edge (then one comparison finds the bin)."""
+        """The native kernel's bin table, its right edges, and whether one comparison suffices.
+
+        Per cell of float32s sharing their top 13 bits (sign, exponent, four mantissa bits:
+        1/16 octave): the cell's lowest bin and that bin's right edge. Where no cell holds more
+        than one edge, one comparison with that edge gives the bin.
+        """
         keys = torch.arange(1 << 13, dtype=torch.int32) << 19
         ends = torch.stack([keys, keys | ((1 << 19) - 1)]).view(torch.float32)  # the cell's two ends
         ends = torch.where(ends.isfinite(), ends, 0.0)  # Inf/NaN cells are never looked up
