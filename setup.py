@@ -4,14 +4,19 @@ The extension is optional: where it cannot be compiled (no C compiler or Python 
 package installs without it and uses the tensor-op kernel, which gives the same figures.
 """
 
+import sys
+
 from setuptools import Extension, setup
+
+threads = [] if sys.platform == "win32" else ["-pthread"]
 
 setup(
     ext_modules=[
         Extension(
             "lightning_hooks._cstats",
             sources=["lightning_hooks/_cstats.c"],
-            extra_compile_args=["-O3"],
+            extra_compile_args=["-O3", *threads],
+            extra_link_args=threads,
             optional=True,
         )
     ]

@@ -3,7 +3,8 @@
  * The tensor-op kernel in stats.py makes about thirty passes over the values (each op reads
  * and writes the whole tensor); this one reads them from memory once: it takes them in blocks
  * that stay in the L1 cache while three passes run over each (moments, histogram, squared
- * deviations). It is called with raw addresses of contiguous CPU tensors and releases the GIL.
+ * deviations). It is called with raw addresses of contiguous CPU tensors and releases the GIL;
+ * a large tensor is split over as many threads as torch uses for its own CPU ops.
  *
  * The row layout (column indices below) is that of stats.SUM_FIELDS + stats.MAX_FIELDS, then
  * the histogram counts; tests/test_cstats.py checks both kernels agree on every column.
@@ -22,6 +23,9 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#ifndef _WIN32
+#include <pthread.h>
+#endif
 
 enum { COUNT, FINITE, SUM, SUM_SQ, ZEROS, NAN_COUNT, POSINF, NEGINF, CALLS, MAX, NEG_MIN, N_FIELDS };
 
@@ -34,6 +38,7 @@ typedef double d2 __attribute__((vector_size(16)));
 #define IS_FINITE(b) (((b) & EXPONENT) != EXPONENT) /* an exponent of all ones is Inf or NaN */
 #define BLOCK 4096
 #define COPIES 4 /* histogram copies: a run of equal values (a ReLU's zeros) need not wait on itself */
+#define MIN_PER_THREAD (1 << 17) /* values; fewer are not worth a thread's start (~20 us) */
 
 typedef struct {
     int32_t bin;  /* the lowest bin of the cell */
@@ -145,28 +150,90 @@ static void block_deviations(const float *x, int64_t n, double estimate, double 
     }
 }
 
-static void accumulate_f32(const float *x, int64_t n, double *row, int64_t n_bins, const Cell *table,
-                           const float *right, int fine, double calls, int64_t *counts) {
-    Totals t = {0, 0, 0, 0, 0, 0.0, 0.0, INFINITY, -INFINITY};
-    memset(counts, 0, (size_t)(n_bins * COPIES) * sizeof(int64_t));
-    for (int64_t start = 0; start < n; start += BLOCK) {
-        int64_t m = n - start < BLOCK ? n - start : BLOCK;
+/* Chan, Golub and LeVeque's pairwise update: fold k finite values of the given mean and sum
+ * of squared deviations into the totals. */
+static void merge_moments(Totals *t, int64_t k, double mean, double m2) {
+    if (k == 0) return;
+    double total = (double)(t->n_finite + k), delta = mean - t->mean;
+    t->mean += delta * (double)k / total;
+    t->m2 += m2 + delta * delta * (double)t->n_finite * (double)k / total;
+    t->n_finite += k;
+}
+
+typedef struct {
+    const float *x;
+    int64_t n, n_bins;
+    const Cell *table;
+    const float *right;
+    int fine;
+    Totals t;
+    int64_t *counts; /* n_bins * COPIES */
+} Job;
+
+/* The statistics of one contiguous range, block by block, into job->t and job->counts. */
+static void *run_job(void *arg) {
+    Job *job = (Job *)arg;
+    Totals *t = &job->t;
+    const float *x = job->x;
+    for (int64_t start = 0; start < job->n; start += BLOCK) {
+        int64_t m = job->n - start < BLOCK ? job->n - start : BLOCK;
         float sum;
-        int64_t k = block_moments(x + start, m, &sum, &t);
-        block_histogram(x + start, m, k < m, fine, table, right, n_bins, counts, &t);
+        int64_t k = block_moments(x + start, m, &sum, t);
+        block_histogram(x + start, m, k < m, job->fine, job->table, job->right, job->n_bins, job->counts, t);
         if (k == 0) continue;
         /* A float, so that the non-finite values, which pass 3 takes as the estimate, deviate by
          * exactly 0; and 0 where the float sum of huge values overflowed. */
         float guess = sum / (float)k;
         double estimate = isfinite(guess) ? (double)guess : 0.0, dev, dev_sq;
         block_deviations(x + start, m, estimate, &dev, &dev_sq);
-        /* The block's exact mean and sum of squared deviations, merged into the totals with
-         * the pairwise update of Chan, Golub and LeVeque. */
-        double mean = estimate + dev / (double)k, m2 = dev_sq - dev * dev / (double)k;
-        double total = (double)(t.n_finite + k), delta = mean - t.mean;
-        t.mean += delta * (double)k / total;
-        t.m2 += m2 + delta * delta * (double)t.n_finite * (double)k / total;
-        t.n_finite += k;
+        merge_moments(t, k, estimate + dev / (double)k, dev_sq - dev * dev / (double)k);
+    }
+    return NULL;
+}
+
+/* Split n values over up to `threads` threads (the caller's included), at block boundaries,
+ * then merge the ranges' totals in order. Returns 0, or -1 when out of memory. */
+static int accumulate_f32(const float *x, int64_t n, double *row, int64_t n_bins, const Cell *table,
+                          const float *right, int fine, double calls, int threads) {
+    int64_t most = n / MIN_PER_THREAD;
+    int jobs = threads < 1 ? 1 : (most < threads ? (most < 1 ? 1 : (int)most) : threads);
+#ifdef _WIN32
+    jobs = 1;
+#endif
+    int64_t chunk = ((n + jobs - 1) / jobs + BLOCK - 1) / BLOCK * BLOCK;
+    Job *job = (Job *)calloc((size_t)jobs, sizeof(Job));
+    int64_t *counts = (int64_t *)calloc((size_t)(jobs * n_bins * COPIES), sizeof(int64_t));
+    if (job == NULL || counts == NULL) {
+        free(job), free(counts);
+        return -1;
+    }
+    for (int j = 0; j < jobs; j++) {
+        int64_t start = chunk * j < n ? chunk * j : n, stop = chunk * (j + 1) < n ? chunk * (j + 1) : n;
+        Job init = {x + start, stop - start, n_bins, table, right, fine,
+                    {0, 0, 0, 0, 0, 0.0, 0.0, INFINITY, -INFINITY}, counts + j * n_bins * COPIES};
+        job[j] = init;
+    }
+#ifndef _WIN32
+    pthread_t *thread = (pthread_t *)calloc((size_t)jobs, sizeof(pthread_t));
+    int *started = (int *)calloc((size_t)jobs, sizeof(int));
+    for (int j = 1; thread != NULL && started != NULL && j < jobs; j++)
+        started[j] = pthread_create(&thread[j], NULL, run_job, &job[j]) == 0;
+    run_job(&job[0]);
+    for (int j = 1; j < jobs; j++) {
+        if (thread != NULL && started != NULL && started[j]) pthread_join(thread[j], NULL);
+        else run_job(&job[j]); /* no thread for it: do it here */
+    }
+    free(thread), free(started);
+#else
+    run_job(&job[0]);
+#endif
+    Totals t = job[0].t;
+    for (int j = 1; j < jobs; j++) {
+        const Totals *u = &job[j].t;
+        merge_moments(&t, u->n_finite, u->mean, u->m2);
+        t.zeros += u->zeros, t.nan += u->nan, t.posinf += u->posinf, t.neginf += u->neginf;
+        t.lo = u->lo < t.lo ? u->lo : t.lo;
+        t.hi = u->hi > t.hi ? u->hi : t.hi;
     }
     double nf = (double)t.n_finite;
     row[COUNT] += (double)n;
@@ -185,42 +252,43 @@ static void accumulate_f32(const float *x, int64_t n, double *row, int64_t n_bin
     double *hist = row + N_FIELDS;
     for (int64_t k = 0; k < n_bins; k++) {
         int64_t c = 0;
-        for (int copy = 0; copy < COPIES; copy++) c += counts[copy * n_bins + k];
+        for (int64_t copy = 0; copy < jobs * COPIES; copy++) c += counts[copy * n_bins + k];
         hist[k] += (double)c;
     }
+    free(job), free(counts);
+    return 0;
 }
 
 static PyObject *py_accumulate_f32(PyObject *self, PyObject *args) {
     (void)self;
     Py_ssize_t x, n, row, n_bins, table, right;
-    int fine;
+    int fine, threads, status;
     double calls;
-    if (!PyArg_ParseTuple(args, "nnnnnnpd", &x, &n, &row, &n_bins, &table, &right, &fine, &calls)) return NULL;
+    if (!PyArg_ParseTuple(args, "nnnnnnpdi", &x, &n, &row, &n_bins, &table, &right, &fine, &calls, &threads))
+        return NULL;
     if (n < 0 || n_bins < 1) {
         PyErr_SetString(PyExc_ValueError, "accumulate_f32: n must be >= 0 and n_bins >= 1");
         return NULL;
     }
-    int64_t *counts = (int64_t *)malloc((size_t)(n_bins * COPIES) * sizeof(int64_t));
-    if (counts == NULL) return PyErr_NoMemory();
     Py_BEGIN_ALLOW_THREADS
-    accumulate_f32((const float *)x, (int64_t)n, (double *)row, (int64_t)n_bins, (const Cell *)table,
-                   (const float *)right, fine, calls, counts);
+    status = accumulate_f32((const float *)x, (int64_t)n, (double *)row, (int64_t)n_bins, (const Cell *)table,
+                            (const float *)right, fine, calls, threads);
     Py_END_ALLOW_THREADS
-    free(counts);
+    if (status != 0) return PyErr_NoMemory();
     Py_RETURN_NONE;
 }
 
 static PyMethodDef methods[] = {
     {"accumulate_f32", py_accumulate_f32, METH_VARARGS,
-     "accumulate_f32(x, n, row, n_bins, table, right, fine, calls): add the statistics of n contiguous float32 "
-     "values at address x into the float64 stat row at address row."},
+     "accumulate_f32(x, n, row, n_bins, table, right, fine, calls, threads): add the statistics of n contiguous "
+     "float32 values at address x into the float64 stat row at address row, on up to `threads` threads."},
     {NULL, NULL, 0, NULL},
 };
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_cstats", NULL, -1, methods, NULL, NULL, NULL, NULL};
 
 /* Raised with every change of accumulate_f32's arguments: stats.py ignores a stale build. */
-#define ABI_VERSION 2
+#define ABI_VERSION 3
 
 PyMODINIT_FUNC PyInit__cstats(void) {
     PyObject *m = PyModule_Create(&module);

@@ -38,7 +38,7 @@ STAT_NAMES = (
 
 Bins = Union[int, Sequence[float]]
 
-_NATIVE_ABI = 2  # _cstats.c's ABI_VERSION: a build left over from older sources is not used
+_NATIVE_ABI = 3  # _cstats.c's ABI_VERSION: a build left over from older sources is not used
 try:  # The fused CPU kernel, built at install time where a C compiler is available.
     from lightning_hooks import _cstats  # type: ignore[attr-defined]
 
@@ -235,7 +235,7 @@ def accumulate_(row: Tensor, values: Tensor, binning: Binning, calls: int = 1) -
     ):
         table, right, fine = native
         _cstats.accumulate_f32(values.data_ptr(), values.numel(), row.data_ptr(), binning.n_bins,
-                               table.data_ptr(), right.data_ptr(), fine, float(calls))
+                               table.data_ptr(), right.data_ptr(), fine, float(calls), torch.get_num_threads())
     else:
         _accumulate_tensors_(row, values, binning, calls)
 

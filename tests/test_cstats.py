@@ -79,3 +79,22 @@ def test_sums_are_exact_to_float64_rounding():
     s = summarize(_row(x, 128, native=True).tolist())
     assert s["sum"] == pytest.approx(math.fsum(values), rel=1e-13)
     assert s["sum_sq"] == pytest.approx(math.fsum(v * v for v in values), rel=1e-13)
+
+
+@needs_native
+def test_a_large_tensor_split_over_threads_gives_the_same_figures():
+    g = torch.Generator().manual_seed(14)
+    x = torch.randn(1_000_003, generator=g) * 10.0 ** torch.randint(-8, 8, (1_000_003,), generator=g)
+    x[torch.randint(0, x.numel(), (300,), generator=g)] = torch.tensor([NAN, INF, -INF]).repeat(100)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = _row(x, 128, native=True)
+        torch.set_num_threads(4)
+        four = _row(x, 128, native=True)
+    finally:
+        torch.set_num_threads(before)
+    sums = [stats._COL["sum"], stats._COL["sum_sq"]]
+    exact = [i for i in range(len(one)) if i not in sums]
+    assert four[exact].tolist() == one[exact].tolist()
+    assert four[sums].tolist() == pytest.approx(one[sums].tolist(), rel=1e-12)
