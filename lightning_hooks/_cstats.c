@@ -102,6 +102,9 @@ static void block_histogram(const float *x, int64_t n, int has_bad, int fine, co
     const uint32_t *bits = (const uint32_t *)x;
     if (fine && !has_bad) { /* the common case, kept free of branches */
         for (int64_t i = 0; i < n; i++) {
+            /* The next block, one cache line per 16 values, comes from memory meanwhile (a
+             * prefetch past the end of the values is harmless: it never faults). */
+            if (i % 16 == 0) __builtin_prefetch((const void *)((uintptr_t)(x + i) + BLOCK * sizeof(float)));
             Cell c = table[bits[i] >> TABLE_SHIFT];
             counts[(i % COPIES) * n_bins + c.bin + (x[i] > c.edge)]++;
         }
