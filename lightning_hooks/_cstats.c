@@ -99,19 +99,21 @@ static int64_t block_moments(const float *x, int64_t n, float *sum, Totals *t) {
 /* Pass 2: histogram counts; with has_bad, also the kinds of the non-finite values. */
 static void block_histogram(const float *x, int64_t n, int has_bad, int fine, const Cell *table,
                             const float *right, int64_t n_bins, int64_t *counts, Totals *t) {
-    const uint32_t *bits = (const uint32_t *)x;
     if (fine && !has_bad) { /* the common case, kept free of branches */
         for (int64_t i = 0; i < n; i++) {
             /* The next block, one cache line per 16 values, comes from memory meanwhile (a
              * prefetch past the end of the values is harmless: it never faults). */
             if (i % 16 == 0) __builtin_prefetch((const void *)((uintptr_t)(x + i) + BLOCK * sizeof(float)));
-            Cell c = table[bits[i] >> TABLE_SHIFT];
+            uint32_t b;
+            memcpy(&b, x + i, sizeof b); /* the float's bits (a plain load, without aliasing) */
+            Cell c = table[b >> TABLE_SHIFT];
             counts[(i % COPIES) * n_bins + c.bin + (x[i] > c.edge)]++;
         }
         return;
     }
     for (int64_t i = 0; i < n; i++) {
-        uint32_t b = bits[i];
+        uint32_t b;
+        memcpy(&b, x + i, sizeof b);
         if (!IS_FINITE(b)) {
             if (b & 0x007fffffu) t->nan++;
             else if (b >> 31) t->neginf++;
@@ -269,8 +271,8 @@ static PyObject *py_accumulate_f32(PyObject *self, PyObject *args) {
     double calls;
     if (!PyArg_ParseTuple(args, "nnnnnnpdi", &x, &n, &row, &n_bins, &table, &right, &fine, &calls, &threads))
         return NULL;
-    if (n < 0 || n_bins < 1) {
-        PyErr_SetString(PyExc_ValueError, "accumulate_f32: n must be >= 0 and n_bins >= 1");
+    if (n < 0 || n_bins < 1 || (n > 0 && x == 0) || row == 0 || table == 0 || right == 0) {
+        PyErr_SetString(PyExc_ValueError, "accumulate_f32: n must be >= 0, n_bins >= 1 and the addresses not NULL");
         return NULL;
     }
     Py_BEGIN_ALLOW_THREADS

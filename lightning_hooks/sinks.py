@@ -26,8 +26,17 @@ def log_scalars(trainer: pl.Trainer | Any, metrics: Mapping[str, float], step: i
 
 
 def _write_one_event(logger: Logger, metrics: Mapping[str, float], step: int) -> bool:
-    """Write ``metrics`` as one TensorBoard event, as ``add_scalar`` would each; False if we cannot."""
-    if not isinstance(logger, TensorBoardLogger) or logger._prefix:
+    """Write ``metrics`` as one TensorBoard event, as ``add_scalar`` would each; False if we cannot.
+
+    Only for Lightning's own ``log_metrics`` (a subclass may filter or rename), without a
+    prefix, and for plain numbers.
+    """
+    if (
+        not isinstance(logger, TensorBoardLogger)
+        or type(logger).log_metrics is not TensorBoardLogger.log_metrics
+        or logger._prefix
+        or not all(isinstance(value, (int, float)) for value in metrics.values())
+    ):
         return False
     writer = logger.experiment
     if not isinstance(writer, SummaryWriter):  # tensorboardX's writer has its own protos

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 import os
+import warnings
 from collections.abc import Iterator, Sequence
 from dataclasses import fields, is_dataclass
 from typing import Any, Union
@@ -43,9 +44,14 @@ try:  # The fused CPU kernel, built at install time where a C compiler is availa
     from lightning_hooks import _cstats  # type: ignore[attr-defined]
 
     if getattr(_cstats, "ABI_VERSION", None) != _NATIVE_ABI:
-        _cstats = None  # type: ignore[assignment]
+        warnings.warn(
+            "lightning_hooks: the compiled statistics kernel was built from older sources and is not used"
+            " (statistics on the CPU are about 10x slower without it); rebuild it with `pip install -e .`",
+            stacklevel=2,
+        )
+        _cstats = None
 except ImportError:  # pragma: no cover - depends on the build
-    _cstats = None  # type: ignore[assignment]
+    _cstats = None
 
 #: Whether float32 CPU tensors go through the fused native kernel (same figures, ~10x faster).
 #: Set ``LIGHTNING_HOOKS_NATIVE=0`` to use the tensor-op kernel everywhere.
@@ -226,11 +232,18 @@ def accumulate_(row: Tensor, values: Tensor, binning: Binning, calls: int = 1) -
     native = binning.native
     if (
         native is not None
+        # Plain tensors only: a subclass (DTensor, a wrapper) may have no storage of its own,
+        # and a negated view's memory holds the values un-negated.
+        and type(values) is Tensor
         and values.dtype == torch.float32
         and values.device.type == "cpu"
-        and row.device.type == "cpu"
         and values.is_contiguous()
+        and not values.is_neg()
+        and type(row) is Tensor
+        and row.dtype == torch.float64
+        and row.device.type == "cpu"
         and row.is_contiguous()
+        and row.numel() == N_FIELDS + binning.n_bins
         and not torch.compiler.is_compiling()
     ):
         table, right, fine = native

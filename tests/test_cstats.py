@@ -98,3 +98,31 @@ def test_a_large_tensor_split_over_threads_gives_the_same_figures():
     exact = [i for i in range(len(one)) if i not in sums]
     assert four[exact].tolist() == one[exact].tolist()
     assert four[sums].tolist() == pytest.approx(one[sums].tolist(), rel=1e-12)
+
+
+class _Marked(torch.Tensor):
+    pass
+
+
+@needs_native
+def test_subclasses_and_negated_views_take_the_tensor_op_path_with_right_figures():
+    x = torch.randn(1000, generator=torch.Generator().manual_seed(15))
+    expected = _row(-x, 64, native=True)
+    binning = Binning(64, torch.device("cpu"), torch.float32)
+    for values in (torch._neg_view(x), (-x).as_subclass(_Marked)):
+        row = new_rows(1, binning.n_bins)[0]
+        accumulate_(row, values, binning)
+        assert row[N_FIELDS:].tolist() == expected[N_FIELDS:].tolist()
+        assert row[:N_FIELDS].tolist() == pytest.approx(expected[:N_FIELDS].tolist(), rel=1e-5)
+
+
+@needs_native
+def test_a_row_that_does_not_fit_the_bins_is_never_written_past():
+    binning = Binning(128, torch.device("cpu"), torch.float32)
+    rows = new_rows(2, 16)
+    with pytest.raises(RuntimeError):
+        accumulate_(rows[0], torch.randn(100), binning)
+    assert rows[1].tolist() == new_rows(1, 16)[0].tolist()
+    single = new_rows(1, 128).float()[0]  # float32: the tensor-op path, right figures
+    accumulate_(single, torch.ones(100), binning)
+    assert summarize(single.tolist())["count"] == 100

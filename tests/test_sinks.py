@@ -48,3 +48,15 @@ def test_nothing_is_written_off_rank_zero(tmp_path):
     logger = TensorBoardLogger(tmp_path, name="", version=0)
     log_scalars(SimpleNamespace(is_global_zero=False, loggers=[logger]), {"a": 1.0}, step=0)
     assert not glob.glob(f"{tmp_path}/**/events.out.tfevents.*", recursive=True)
+
+
+class _FilteringLogger(TensorBoardLogger):
+    def log_metrics(self, metrics, step=None):
+        super().log_metrics({k: v for k, v in metrics.items() if not k.endswith("/std")}, step)
+
+
+def test_a_logger_that_overrides_log_metrics_is_respected(tmp_path):
+    logger = _FilteringLogger(tmp_path, name="", version=0)
+    log_scalars(_trainer(logger), {"activations/fc/mean": 1.0, "activations/fc/std": 2.0}, step=0)
+    logger.experiment.flush()
+    assert _event_values(logger.log_dir) == [[("activations/fc/mean", 1.0)]]
