@@ -282,11 +282,11 @@ def build_configs(notes: list[str]) -> dict[str, Config]:
     if grad_cls is None:
         notes.append("GradientMonitor is not importable yet: the monitor rows hold ActivationMonitor only.")
 
-    def monitors(every: int) -> Callable[[str], list[Callback]]:
+    def monitors(every: int, **grad_kwargs: Any) -> Callable[[str], list[Callback]]:
         def make(tmp: str) -> list[Callback]:
             cbs: list[Callback] = [ActivationMonitor(log_every_n_steps=every)]
             if grad_cls is not None:
-                cbs.append(grad_cls(log_every_n_steps=every))
+                cbs.append(grad_cls(log_every_n_steps=every, **grad_kwargs))
             return cbs
         return make
 
@@ -297,6 +297,14 @@ def build_configs(notes: list[str]) -> dict[str, Config]:
         Config(f"monitors/{LOG_EVERY}", f"{names}, log_every_n_steps={LOG_EVERY}", monitors(LOG_EVERY),
                _every(LOG_EVERY), LOG_EVERY, partner="monitors/1"),
         Config("monitors/1", f"{names}, log_every_n_steps=1", monitors(1), _every(1), 1),
+    ]
+    if _accepts(grad_cls, "check_finite"):
+        configs.append(Config(
+            f"monitors/{LOG_EVERY} unchecked",
+            f"as monitors/{LOG_EVERY}, with GradientMonitor(check_finite=False): no per-step gradient check",
+            monitors(LOG_EVERY, check_finite=False), _every(LOG_EVERY), LOG_EVERY,
+        ))
+    configs += [
         Config("activations/1", "ActivationMonitor(log_every_n_steps=1) alone",
                lambda tmp: [ActivationMonitor(log_every_n_steps=1)], _every(1), 1),
     ]
@@ -681,6 +689,9 @@ def check_targets(timing: dict[str, Any], transfers: dict[str, Any], models: lis
         if (row := t.get(f"monitors/{LOG_EVERY}")) and row["ratio_non_logged"] is not None:
             label = f"{kind}: non-logged steps (monitors/{LOG_EVERY})"
             lines.append(_ratio_target(label, row, "ratio_non_logged", 1.03, aa))
+        if (row := t.get(f"monitors/{LOG_EVERY} unchecked")) and row["ratio_non_logged"] is not None:
+            lines.append([None, f"{kind}: non-logged steps without the per-step gradient check"
+                                f" (monitors/{LOG_EVERY} unchecked) {row['ratio_non_logged']:.3f}x none"])
         if row := t.get("monitors/1"):
             lines.append(_ratio_target(f"{kind}: logging every step (monitors/1)", row, "ratio", 1.5, aa))
         for name in ("provenance", "stopping+provenance"):
