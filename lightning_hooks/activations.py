@@ -19,7 +19,7 @@ from lightning_hooks._base import (
 )
 from lightning_hooks.aggregate import StatBlock
 from lightning_hooks.selection import ModuleSelection
-from lightning_hooks.sinks import log_histogram, log_scalars
+from lightning_hooks.sinks import Histogram, log_histograms, log_scalars
 from lightning_hooks.stats import STAT_NAMES, Bins, bin_counts, histogram_edges, summarize
 
 Stage = Literal["train", "validate"]
@@ -38,7 +38,7 @@ class ActivationMonitor(HookCallback):
     the step's optimizer step is done (at the end of its last training batch) the rows are
     reduced across ranks once, copied to the host once, and logged at that step as
     ``activations/<module>/<stat>`` scalars to every logger and as ``activations/<module>``
-    histograms to TensorBoard. On other steps the hooks return at once.
+    histograms to TensorBoard and W&B. On other steps the hooks return at once.
 
     Non-finite values are left out of the moments and the histogram and counted as
     ``nan_count``, ``posinf_count`` and ``neginf_count``; a diverging run keeps logging.
@@ -52,7 +52,7 @@ class ActivationMonitor(HookCallback):
             activation modules), a name glob, an ``nn.Module`` subclass, a predicate
             ``(name, module) -> bool``, or a list of globs and subclasses.
         stats: Which scalars to log, from ``lightning_hooks.stats.STAT_NAMES``.
-        histogram: Whether to write histograms to TensorBoard.
+        histogram: Whether to write histograms to TensorBoard and W&B.
         bins: Histogram bins: a count of symmetric log-spaced bins covering all of float32,
             or increasing bin edges.
         inputs: Also record each module's positional inputs, as ``<module>.input``, read
@@ -199,11 +199,13 @@ class ActivationMonitor(HookCallback):
             return
         edges = block.edges.tolist()
         scalars: dict[str, float] = {}
+        histograms: list[Histogram] = []
         for name, row in zip(block.names, rows):
             summary = summarize(row)
             if summary["calls"] == 0:
                 continue
             scalars.update({f"{prefix}/{name}/{stat}": summary[stat] for stat in self.stats})
             if self.histogram:
-                log_histogram(trainer, f"{prefix}/{name}", summary, bin_counts(row), edges, step)
+                histograms.append((f"{prefix}/{name}", summary, bin_counts(row)))
+        log_histograms(trainer, histograms, edges, step)
         log_scalars(trainer, scalars, step)

@@ -8,7 +8,6 @@ from typing import Any, Literal, Optional
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.loggers import TensorBoardLogger
 from torch import Tensor
 
 from lightning_hooks._base import _is_logged_step, _log_interval, _validate_interval, _validate_stats
@@ -16,7 +15,7 @@ from lightning_hooks._gradient_check import Check, GradientCheck, Step, _check_b
 from lightning_hooks.aggregate import StatBlock
 from lightning_hooks.anomalies import AnomalyReport
 from lightning_hooks.selection import ModuleSelection
-from lightning_hooks.sinks import log_histogram, log_scalars
+from lightning_hooks.sinks import HISTOGRAM_LOGGERS, Histogram, log_histograms, log_scalars
 from lightning_hooks.stats import STAT_NAMES, Bins, bin_counts, histogram_edges, summarize
 
 Granularity = Literal["parameter", "module"]
@@ -40,8 +39,8 @@ class GradientMonitor(GradientCheck):
     (``"module"``: the norm over the module's parameters), ``gradients/total_norm`` (as
     ``torch.nn.utils.get_total_norm`` gives it; per parameter group as
     ``gradients/total_norm/group<i>`` when there are several), any other ``stats``, and
-    ``gradients/<name>`` histograms to TensorBoard (only when a ``TensorBoardLogger`` is
-    attached), with non-finite values left out and counted.
+    ``gradients/<name>`` histograms to TensorBoard and W&B (only when a ``TensorBoardLogger``
+    or ``WandbLogger`` is attached), with non-finite values left out and counted.
 
     At every optimizer step it computes the anomaly flags, and logs them as 0/1 scalars on
     logged steps, on every step that raises one, and on the step after (where they come back
@@ -75,7 +74,7 @@ class GradientMonitor(GradientCheck):
             ``"module"`` every leaf module with parameters); also the modules whose outputs
             ``provenance`` watches.
         stats: Which figures to log per row, from :data:`GRADIENT_STAT_NAMES`.
-        histogram: Whether to write gradient histograms to TensorBoard.
+        histogram: Whether to write gradient histograms to TensorBoard and W&B.
         bins: Histogram bins, see :func:`lightning_hooks.stats.histogram_edges`.
         check_finite: Flag gradients that hold a NaN or an Inf.
         max_norm: Flag a group or total norm above this as exploding.
@@ -138,7 +137,7 @@ class GradientMonitor(GradientCheck):
         self._fired: frozenset[str] = frozenset()
         self._raised = False  # whether a flag was raised at the last step
         self._every = 1
-        self._histograms = False  # whether histograms are written: asked for, and a TensorBoardLogger
+        self._histograms = False  # whether histograms are written: asked for, and a logger that takes them
         self._rows: list[tuple[str, list[Tensor]]] = []
         self._logged = False  # whether this step's transfer holds the rows' figures
         self._present: list[bool] = []  # which rows had gradients this step
@@ -166,7 +165,7 @@ class GradientMonitor(GradientCheck):
         super().on_fit_start(trainer, pl_module)
         self._raised = False
         self._rows = self._select_rows(pl_module)
-        self._histograms = self.histogram and any(isinstance(lg, TensorBoardLogger) for lg in trainer.loggers)
+        self._histograms = self.histogram and any(isinstance(lg, HISTOGRAM_LOGGERS) for lg in trainer.loggers)
         needs_rows = self._histograms or any(s != "norm" for s in self.stats)
         names = [name for name, _ in self._rows]
         self._block = StatBlock(names, self.bins, pl_module.device) if needs_rows and names else None
@@ -261,6 +260,7 @@ class GradientMonitor(GradientCheck):
             metrics.update({f"gradients/total_norm/group{g}": n for g, n in enumerate(check.norms[:-1])})
         width = len(flat) // max(n_rows, 1)
         edges = block.edges.tolist() if block is not None else []
+        histograms: list[Histogram] = []
         for index, (name, _) in enumerate(self._rows):
             if not self._present[index]:
                 continue  # no gradient this step (unused or frozen for now)
@@ -272,8 +272,8 @@ class GradientMonitor(GradientCheck):
             summary = summarize(row)
             metrics.update({f"gradients/{name}/{s}": summary[s] for s in self.stats if s != "norm"})
             if self._histograms:
-                log_histogram(trainer, f"gradients/{name}", summary, bin_counts(row), edges,
-                              trainer.global_step)
+                histograms.append((f"gradients/{name}", summary, bin_counts(row)))
+        log_histograms(trainer, histograms, edges, trainer.global_step)
         if block is not None:
             block.reset()
         return metrics

@@ -1,4 +1,4 @@
-"""Writing figures to Lightning loggers: TensorBoard histograms and text, scalars anywhere."""
+"""Writing figures to Lightning loggers: scalars anywhere, histograms to TensorBoard and W&B, text to TensorBoard."""
 
 from __future__ import annotations
 
@@ -6,7 +6,8 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import lightning.pytorch as pl
-from lightning.pytorch.loggers import Logger, TensorBoardLogger
+import numpy as np
+from lightning.pytorch.loggers import Logger, TensorBoardLogger, WandbLogger
 from tensorboard.compat.proto.summary_pb2 import Summary
 from torch.utils.tensorboard import SummaryWriter
 
@@ -46,47 +47,72 @@ def _write_one_event(logger: Logger, metrics: Mapping[str, float], step: int) ->
     return True
 
 
-def log_histogram(
-    trainer: pl.Trainer | Any,
-    tag: str,
-    summary: Mapping[str, float],
-    counts: Sequence[float],
-    edges: Sequence[float],
-    step: int,
-) -> None:
-    """Write one histogram to every TensorBoardLogger of ``trainer``, from rank zero.
+#: Loggers that take histograms: TensorBoard, and W&B where wandb is installed.
+HISTOGRAM_LOGGERS: tuple[type[Logger], ...] = (TensorBoardLogger, WandbLogger)
 
-    Uses ``add_histogram_raw`` with the true min, max, sum and sum of squares of the finite
-    values; empty leading and trailing bins are trimmed. A histogram with no finite value is
-    not written (its NaN/Inf counts go out as scalars), so divergence never raises here.
+#: The most bins a ``wandb.Histogram`` takes.
+WANDB_MAX_BINS = 512
+
+Histogram = tuple[str, Mapping[str, float], Sequence[float]]
+"""One histogram: its tag, a summary with ``count_finite``, ``min``, ``max``, ``sum`` and
+``sum_sq`` of the values, and the count per bin."""
+
+
+def log_histograms(trainer: pl.Trainer | Any, histograms: Sequence[Histogram], edges: Sequence[float],
+                   step: int) -> None:
+    """Write a step's histograms to every TensorBoard and W&B logger of ``trainer``, from rank zero.
+
+    TensorBoard gets each through ``add_histogram_raw`` with the true min, max, sum and sum of
+    squares of the finite values; W&B gets them all in one ``log_metrics`` call, as
+    ``wandb.Histogram`` (adjacent bins merged where there are more than W&B's 512). Empty
+    leading and trailing bins are trimmed. A histogram with no finite value is not written
+    (its NaN/Inf counts go out as scalars), so divergence never raises here.
 
     Args:
-        trainer: The trainer whose loggers receive the histogram.
-        tag: The histogram's tag, e.g. ``"activations/encoder.0/histogram"``.
-        summary: ``count_finite``, ``min``, ``max``, ``sum``, ``sum_sq`` of the values.
-        counts: Count per bin (``len(edges) - 1`` of them).
-        edges: Increasing bin edges.
+        trainer: The trainer whose loggers receive the histograms.
+        histograms: ``(tag, summary, counts)`` per histogram, e.g. tag ``"activations/encoder.0"``.
+        edges: Increasing bin edges, shared by all of them (``len(counts) + 1``).
         step: The global step to write at.
     """
-    if not trainer.is_global_zero or summary["count_finite"] <= 0:
+    if not trainer.is_global_zero:
         return
-    writers = [lg.experiment for lg in trainer.loggers if isinstance(lg, TensorBoardLogger)]
-    if not writers:
+    shown = [(tag, summary, counts, _span(counts)) for tag, summary, counts in histograms
+             if summary["count_finite"] > 0]
+    if not shown:
         return
+    for logger in trainer.loggers:
+        if isinstance(logger, TensorBoardLogger):
+            for tag, summary, counts, (first, last) in shown:
+                logger.experiment.add_histogram_raw(
+                    tag,
+                    min=summary["min"],
+                    max=summary["max"],
+                    num=int(summary["count_finite"]),
+                    sum=summary["sum"],
+                    sum_squares=summary["sum_sq"],
+                    bucket_limits=list(edges[first + 1 : last + 1]),
+                    bucket_counts=[int(c) for c in counts[first:last]],
+                    global_step=step,
+                )
+        elif isinstance(logger, WandbLogger):
+            logger.log_metrics({tag: _wandb_histogram(counts[first:last], edges[first : last + 1])
+                                for tag, _, counts, (first, last) in shown}, step=step)
+
+
+def _span(counts: Sequence[float]) -> tuple[int, int]:
+    """The first non-empty bin and one past the last."""
     nonzero = [i for i, c in enumerate(counts) if c > 0]
-    first, last = nonzero[0], nonzero[-1] + 1
-    for writer in writers:
-        writer.add_histogram_raw(
-            tag,
-            min=summary["min"],
-            max=summary["max"],
-            num=int(summary["count_finite"]),
-            sum=summary["sum"],
-            sum_squares=summary["sum_sq"],
-            bucket_limits=list(edges[first + 1 : last + 1]),
-            bucket_counts=[int(c) for c in counts[first:last]],
-            global_step=step,
-        )
+    return nonzero[0], nonzero[-1] + 1
+
+
+def _wandb_histogram(counts: Sequence[float], edges: Sequence[float]) -> Any:
+    """A ``wandb.Histogram`` of these counts and edges, adjacent bins merged to fit W&B's limit."""
+    import wandb
+
+    group = -(-len(counts) // WANDB_MAX_BINS)  # bins per merged bin
+    merged = [sum(counts[i : i + group]) for i in range(0, len(counts), group)]
+    merged_edges = [*edges[: len(counts) : group], edges[len(counts)]]
+    return wandb.Histogram(np_histogram=(np.asarray(merged, dtype=np.int64), np.asarray(merged_edges)))
 
 
 def log_text(trainer: pl.Trainer | Any, tag: str, text: str, step: int) -> None:

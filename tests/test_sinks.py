@@ -1,15 +1,17 @@
-"""Writing to loggers: scalars in one TensorBoard event per step, read back from the event file."""
+"""Writing to loggers: scalars in one TensorBoard event per step, histograms to TensorBoard and W&B."""
 
 import glob
 import math
 from types import SimpleNamespace
 
+import pytest
+import torch
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from tensorboard.backend.event_processing.event_file_loader import RawEventFileLoader
 from tensorboard.compat.proto.event_pb2 import Event
 
-from lightning_hooks.sinks import log_scalars
-from tests.helpers import events
+from lightning_hooks.sinks import log_histograms, log_scalars
+from tests.helpers import TinyNet, events, loader, trainer
 
 
 def _trainer(*loggers):
@@ -60,3 +62,58 @@ def test_a_logger_that_overrides_log_metrics_is_respected(tmp_path):
     log_scalars(_trainer(logger), {"activations/fc/mean": 1.0, "activations/fc/std": 2.0}, step=0)
     logger.experiment.flush()
     assert _event_values(logger.log_dir) == [[("activations/fc/mean", 1.0)]]
+
+
+# ---------------------------------------------------------------- W&B (where wandb is installed)
+
+
+@pytest.fixture
+def wandb_logger(tmp_path, monkeypatch):
+    pytest.importorskip("wandb")
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    from lightning.pytorch.loggers import WandbLogger
+
+    logger = WandbLogger(save_dir=str(tmp_path), offline=True, project="lightning-hooks-tests")
+    yield logger
+    logger.experiment.finish()
+
+
+def _wandb_histogram(logger, tag):
+    """What the W&B run recorded for ``tag`` (its last value): bin counts and edges."""
+    recorded = logger.experiment.summary._as_dict()[tag]
+    assert recorded["_type"] == "histogram"
+    return recorded["values"], recorded["bins"]
+
+
+def test_histograms_go_to_wandb_trimmed_with_their_edges(wandb_logger):
+    summary = {"count_finite": 8, "min": -0.5, "max": 3.0, "sum": 4.0, "sum_sq": 12.0}
+    edges = [-2.0, -1.0, 0.0, 1.0, 2.0, 4.0]
+    log_histograms(_trainer(wandb_logger), [("activations/fc", summary, [0, 1, 5, 0, 2])], edges, step=3)
+    assert _wandb_histogram(wandb_logger, "activations/fc") == ([1, 5, 0, 2], [-1.0, 0.0, 1.0, 2.0, 4.0])
+
+
+def test_more_bins_than_wandb_takes_are_merged_with_exact_counts(wandb_logger):
+    n = 1000
+    counts = [i % 7 + 1 for i in range(n)]
+    edges = [float(i) for i in range(n + 1)]
+    summary = {"count_finite": sum(counts), "min": 0.0, "max": float(n), "sum": 1.0, "sum_sq": 1.0}
+    log_histograms(_trainer(wandb_logger), [("gradients/w", summary, counts)], edges, step=0)
+    values, bins = _wandb_histogram(wandb_logger, "gradients/w")
+    assert len(values) == 500 and sum(values) == sum(counts)
+    assert values[:2] == [counts[0] + counts[1], counts[2] + counts[3]]
+    assert bins[0] == 0.0 and bins[1] == 2.0 and bins[-1] == float(n)
+
+
+def test_monitors_send_their_histograms_to_wandb(tmp_path, wandb_logger):
+    from lightning_hooks import ActivationMonitor, GradientMonitor
+
+    torch.manual_seed(0)
+    model = TinyNet()
+    fit = trainer(tmp_path, [ActivationMonitor(), GradientMonitor()], logger=wandb_logger, max_steps=2)
+    fit.fit(model, loader())
+    values, bins = _wandb_histogram(wandb_logger, "activations/net.1")  # the ReLU, last logged step
+    assert sum(values) == 8 * 16 and len(bins) == len(values) + 1
+    values, _ = _wandb_histogram(wandb_logger, "gradients/net.0.weight")
+    assert sum(values) == 16 * 8
+    assert "activations/net.1/mean" in wandb_logger.experiment.summary._as_dict()
