@@ -232,6 +232,7 @@ def accumulate_(row: Tensor, values: Tensor, binning: Binning, calls: int = 1) -
     native = binning.native
     if (
         native is not None
+        and not torch.compiler.is_compiling()  # first: what follows would break the graph
         # Plain tensors only: a subclass (DTensor, a wrapper) may have no storage of its own,
         # and a negated view's memory holds the values un-negated.
         and type(values) is Tensor
@@ -244,7 +245,6 @@ def accumulate_(row: Tensor, values: Tensor, binning: Binning, calls: int = 1) -
         and row.device.type == "cpu"
         and row.is_contiguous()
         and row.numel() == N_FIELDS + binning.n_bins
-        and not torch.compiler.is_compiling()
     ):
         table, right, fine = native
         _cstats.accumulate_f32(values.data_ptr(), values.numel(), row.data_ptr(), binning.n_bins,
