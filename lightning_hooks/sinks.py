@@ -10,6 +10,7 @@ import numpy as np
 from lightning.pytorch.loggers import Logger, TensorBoardLogger, WandbLogger
 from tensorboard.compat.proto.summary_pb2 import Summary
 from torch.utils.tensorboard import SummaryWriter
+from torch.utils.tensorboard.summary import histogram_raw
 
 
 def log_scalars(trainer: pl.Trainer | Any, metrics: Mapping[str, float], step: int) -> None:
@@ -62,8 +63,8 @@ def log_histograms(trainer: pl.Trainer | Any, histograms: Sequence[Histogram], e
                    step: int) -> None:
     """Write a step's histograms to every TensorBoard and W&B logger of ``trainer``, from rank zero.
 
-    TensorBoard gets each through ``add_histogram_raw`` with the true min, max, sum and sum of
-    squares of the finite values; W&B gets them all in one ``log_metrics`` call, as
+    TensorBoard gets them all in one event (as ``add_histogram_raw`` would write each), with
+    the true min, max, sum and sum of squares of the finite values; W&B in one ``log_metrics`` call, as
     ``wandb.Histogram`` (adjacent bins merged where there are more than W&B's 512). Empty
     leading and trailing bins are trimmed. A histogram with no finite value is not written
     (its NaN/Inf counts go out as scalars), so divergence never raises here.
@@ -82,18 +83,19 @@ def log_histograms(trainer: pl.Trainer | Any, histograms: Sequence[Histogram], e
         return
     for logger in trainer.loggers:
         if isinstance(logger, TensorBoardLogger):
-            for tag, summary, counts, (first, last) in shown:
-                logger.experiment.add_histogram_raw(
-                    tag,
-                    min=summary["min"],
-                    max=summary["max"],
-                    num=int(summary["count_finite"]),
-                    sum=summary["sum"],
-                    sum_squares=summary["sum_sq"],
-                    bucket_limits=list(edges[first + 1 : last + 1]),
-                    bucket_counts=[int(c) for c in counts[first:last]],
-                    global_step=step,
-                )
+            raw = [(tag, {
+                "min": summary["min"], "max": summary["max"], "num": int(summary["count_finite"]),
+                "sum": summary["sum"], "sum_squares": summary["sum_sq"],
+                "bucket_limits": list(edges[first + 1 : last + 1]),
+                "bucket_counts": [int(c) for c in counts[first:last]],
+            }) for tag, summary, counts, (first, last) in shown]
+            writer = logger.experiment
+            if isinstance(writer, SummaryWriter):  # one event for all, as for scalars
+                merged = Summary(value=[value for tag, kw in raw for value in histogram_raw(tag, **kw).value])
+                writer._get_file_writer().add_summary(merged, step)
+            else:  # tensorboardX has its own protos, and its own method
+                for tag, kw in raw:
+                    writer.add_histogram_raw(tag, global_step=step, **kw)
         elif isinstance(logger, WandbLogger):
             logger.log_metrics({tag: _wandb_histogram(counts[first:last], edges[first : last + 1])
                                 for tag, _, counts, (first, last) in shown}, step=step)

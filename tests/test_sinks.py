@@ -64,6 +64,27 @@ def test_a_logger_that_overrides_log_metrics_is_respected(tmp_path):
     assert _event_values(logger.log_dir) == [[("activations/fc/mean", 1.0)]]
 
 
+def test_a_steps_histograms_go_to_tensorboard_in_one_event_read_back_exactly(tmp_path):
+    logger = TensorBoardLogger(tmp_path, name="", version=0)
+    edges = [-2.0, -1.0, 0.0, 1.0, 2.0, 4.0]
+    first = {"count_finite": 8, "min": -0.5, "max": 3.0, "sum": 4.0, "sum_sq": 12.0}
+    second = {"count_finite": 3, "min": -1.5, "max": -1.5, "sum": -4.5, "sum_sq": 6.75}
+    empty = {"count_finite": 0, "min": math.nan, "max": math.nan, "sum": 0.0, "sum_sq": 0.0}
+    histograms = [("a/fc", first, [0, 1, 5, 0, 2]), ("a/out", second, [3, 0, 0, 0, 0]), ("a/dead", empty, [0] * 5)]
+    log_histograms(_trainer(logger), histograms, edges, step=4)
+    logger.experiment.flush()
+    (path,) = glob.glob(f"{logger.log_dir}/events.out.tfevents.*")
+    loaded = [Event.FromString(record) for record in RawEventFileLoader(path).Load()]
+    assert [[v.tag for v in e.summary.value] for e in loaded if e.summary.value] == [["a/fc", "a/out"]]
+    acc = events(logger.log_dir)
+    (fc,) = acc.Histograms("a/fc")
+    assert fc.step == 4
+    assert (fc.histogram_value.min, fc.histogram_value.max, fc.histogram_value.num) == (-0.5, 3.0, 8)
+    assert list(fc.histogram_value.bucket_limit) == [0.0, 1.0, 2.0, 4.0]  # right edges, trimmed
+    assert list(fc.histogram_value.bucket) == [1, 5, 0, 2]
+    assert list(acc.Histograms("a/out")[0].histogram_value.bucket) == [3]
+
+
 # ---------------------------------------------------------------- W&B (where wandb is installed)
 
 
