@@ -15,6 +15,7 @@ setup(
         Extension(
             "lightning_hooks._cstats",
             sources=["lightning_hooks/_cstats.c"],
+            depends=["lightning_hooks/_cstats_passes.h"],
             extra_compile_args=["-O3", *threads],
             extra_link_args=threads,
             optional=True,

@@ -29,10 +29,6 @@
 
 enum { COUNT, FINITE, SUM, SUM_SQ, ZEROS, NAN_COUNT, POSINF, NEGINF, CALLS, MAX, NEG_MIN, N_FIELDS };
 
-typedef float f4 __attribute__((vector_size(16)));
-typedef int32_t i4 __attribute__((vector_size(16)));
-typedef double d2 __attribute__((vector_size(16)));
-
 #define TABLE_SHIFT 19 /* 32 - (1 sign + 8 exponent + 4 mantissa bits) */
 #define EXPONENT 0x7f800000
 #define IS_FINITE(b) (((b) & EXPONENT) != EXPONENT) /* an exponent of all ones is Inf or NaN */
@@ -51,60 +47,21 @@ typedef struct {
     float lo, hi;
 } Totals;
 
-static inline i4 finite_mask(f4 v) { /* -1 where finite, 0 where Inf or NaN */
-    const i4 e = {EXPONENT, EXPONENT, EXPONENT, EXPONENT};
-    return ((i4)v & e) != e;
-}
+#define W 4
+#define TARGET
+#include "_cstats_passes.h"
 
-static inline f4 pick(i4 mask, f4 a, f4 b) { return (f4)(((i4)a & mask) | ((i4)b & ~mask)); }
-
-/* The low and the high two floats of v as doubles: one conversion each on x86-64. */
-#ifdef __SSE2__
-#include <emmintrin.h>
-static inline d2 low_half(f4 v) { return (d2)_mm_cvtps_pd((__m128)v); }
-static inline d2 high_half(f4 v) { return (d2)_mm_cvtps_pd(_mm_movehl_ps((__m128)v, (__m128)v)); }
+/* AVX2 versions of the vectorised passes, used where the CPU has AVX2 (checked at import). */
+#if (defined(__x86_64__) || defined(_M_X64)) && (defined(__GNUC__) || defined(__clang__)) && !defined(NO_AVX2)
+#define HAVE_AVX2_PASSES 1
+#define W 8
+#define TARGET __attribute__((target("avx2")))
+#include "_cstats_passes.h"
 #else
-static inline d2 low_half(f4 v) { return (d2){v[0], v[1]}; }
-static inline d2 high_half(f4 v) { return (d2){v[2], v[3]}; }
+#define block_moments_w8 block_moments_w4
+#define block_deviations_w8 block_deviations_w4
 #endif
-
-/* Pass 1 over a block: how many finite values, their sum (a float estimate, corrected in pass
- * 3), extremes and zeros. Returns the finite count. */
-static int64_t block_moments(const float *x, int64_t n, float *sum, Totals *t) {
-    const f4 inf = {INFINITY, INFINITY, INFINITY, INFINITY}, zero = {0};
-    f4 s = zero, lo = inf, hi = -inf;
-    i4 finite = {0}, zeros = {0};
-    int64_t i = 0;
-    for (; i + 4 <= n; i += 4) {
-        f4 v;
-        memcpy(&v, x + i, sizeof v);
-        i4 ok = finite_mask(v);
-        s += pick(ok, v, zero);
-        f4 low = pick(ok, v, inf), high = pick(ok, v, -inf);
-        lo = pick(low < lo, low, lo);
-        hi = pick(high > hi, high, hi);
-        finite -= ok;
-        zeros -= (v == zero);
-    }
-    float total = 0.0f;
-    int64_t n_finite = 0;
-    for (int j = 0; j < 4; j++) {
-        total += s[j], n_finite += finite[j], t->zeros += zeros[j];
-        t->lo = lo[j] < t->lo ? lo[j] : t->lo;
-        t->hi = hi[j] > t->hi ? hi[j] : t->hi;
-    }
-    for (; i < n; i++) {
-        uint32_t b;
-        memcpy(&b, x + i, sizeof b);
-        t->zeros += (x[i] == 0.0f);
-        if (!IS_FINITE(b)) continue;
-        total += x[i], n_finite++;
-        t->lo = x[i] < t->lo ? x[i] : t->lo;
-        t->hi = x[i] > t->hi ? x[i] : t->hi;
-    }
-    *sum = total;
-    return n_finite;
-}
+static int use_avx2 = 0; /* set at import; a test can switch it to check both versions agree */
 
 /* Pass 2: histogram counts; with has_bad, also the kinds of the non-finite values. */
 static void block_histogram(const float *x, int64_t n, int has_bad, int fine, const Cell *table,
@@ -140,32 +97,6 @@ static void block_histogram(const float *x, int64_t n, int has_bad, int fine, co
     }
 }
 
-/* Pass 3: sum and sum of squares of the deviations from an estimate of the block's mean, in
- * float64: exact however far the mean is from zero. Non-finite values count as the estimate. */
-static void block_deviations(const float *x, int64_t n, double estimate, double *dev, double *dev_sq) {
-    const float e = (float)estimate; /* equal to estimate */
-    const f4 ef = {e, e, e, e};
-    const d2 ed = {estimate, estimate};
-    d2 d = {0}, q = {0};
-    int64_t i = 0;
-    for (; i + 4 <= n; i += 4) {
-        f4 v;
-        memcpy(&v, x + i, sizeof v);
-        v = pick(finite_mask(v), v, ef);
-        d2 a = low_half(v) - ed, b = high_half(v) - ed;
-        d += a + b;
-        q += a * a + b * b;
-    }
-    *dev = d[0] + d[1], *dev_sq = q[0] + q[1];
-    for (; i < n; i++) {
-        uint32_t b;
-        memcpy(&b, x + i, sizeof b);
-        if (!IS_FINITE(b)) continue;
-        double a = (double)x[i] - estimate;
-        *dev += a, *dev_sq += a * a;
-    }
-}
-
 /* Chan, Golub and LeVeque's pairwise update: fold k finite values of the given mean and sum
  * of squared deviations into the totals. */
 static void merge_moments(Totals *t, int64_t k, double mean, double m2) {
@@ -194,14 +125,14 @@ static void *run_job(void *arg) {
     for (int64_t start = 0; start < job->n; start += BLOCK) {
         int64_t m = job->n - start < BLOCK ? job->n - start : BLOCK;
         float sum;
-        int64_t k = block_moments(x + start, m, &sum, t);
+        int64_t k = use_avx2 ? block_moments_w8(x + start, m, &sum, t) : block_moments_w4(x + start, m, &sum, t);
         block_histogram(x + start, m, k < m, job->fine, job->table, job->right, job->n_bins, job->counts, t);
         if (k == 0) continue;
         /* A float, so that the non-finite values, which pass 3 takes as the estimate, deviate by
          * exactly 0; and 0 where the float sum of huge values overflowed. */
         float guess = sum / (float)k;
         double estimate = isfinite(guess) ? (double)guess : 0.0, dev, dev_sq;
-        block_deviations(x + start, m, estimate, &dev, &dev_sq);
+        (use_avx2 ? block_deviations_w8 : block_deviations_w4)(x + start, m, estimate, &dev, &dev_sq);
         merge_moments(t, k, estimate + dev / (double)k, dev_sq - dev * dev / (double)k);
     }
     return NULL;
@@ -294,19 +225,36 @@ static PyObject *py_accumulate_f32(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+static PyObject *py_set_avx2(PyObject *self, PyObject *args) {
+    (void)self;
+    int on, before = use_avx2;
+    if (!PyArg_ParseTuple(args, "p", &on)) return NULL;
+#ifdef HAVE_AVX2_PASSES
+    use_avx2 = on && __builtin_cpu_supports("avx2");
+#endif
+    return PyBool_FromLong(before);
+}
+
 static PyMethodDef methods[] = {
     {"accumulate_f32", py_accumulate_f32, METH_VARARGS,
      "accumulate_f32(x, n, row, n_bins, table, right, fine, calls, threads): add the statistics of n contiguous "
      "float32 values at address x into the float64 stat row at address row, on up to `threads` threads."},
+    {"set_avx2", py_set_avx2, METH_VARARGS,
+     "set_avx2(on): use the AVX2 passes (where the CPU has AVX2) or the baseline ones; returns the previous "
+     "setting."},
     {NULL, NULL, 0, NULL},
 };
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_cstats", NULL, -1, methods, NULL, NULL, NULL, NULL};
 
 /* Raised with every change of accumulate_f32's arguments: stats.py ignores a stale build. */
-#define ABI_VERSION 3
+#define ABI_VERSION 4
 
 PyMODINIT_FUNC PyInit__cstats(void) {
+#ifdef HAVE_AVX2_PASSES
+    __builtin_cpu_init();
+    use_avx2 = __builtin_cpu_supports("avx2") != 0;
+#endif
     PyObject *m = PyModule_Create(&module);
     if (m != NULL && PyModule_AddIntConstant(m, "ABI_VERSION", ABI_VERSION) < 0) {
         Py_DECREF(m);

@@ -39,7 +39,7 @@ STAT_NAMES = (
 
 Bins = Union[int, Sequence[float]]
 
-_NATIVE_ABI = 3  # _cstats.c's ABI_VERSION: a build left over from older sources is not used
+_NATIVE_ABI = 4  # _cstats.c's ABI_VERSION: a build left over from older sources is not used
 try:  # The fused CPU kernel, built at install time where a C compiler is available.
     from lightning_hooks import _cstats  # type: ignore[attr-defined]
 

@@ -38,9 +38,17 @@ def test_used_only_for_float32_on_cpu_and_can_be_switched_off(monkeypatch):
     assert Binning(16, torch.device("cpu"), torch.float32).native is None
 
 
+@pytest.fixture(params=["avx2", "baseline"])
+def passes(request):
+    """Each test that takes this runs with the AVX2 passes (where the CPU has AVX2) and without."""
+    before = stats._cstats.set_avx2(request.param == "avx2")
+    yield request.param
+    stats._cstats.set_avx2(before)
+
+
 @needs_native
 @pytest.mark.parametrize("bins", [1, 2, 7, 128, 129, [-2.0, -1e-3, 0.0, 1e-20, 5.0], [0.0, 1.0]])
-def test_agrees_with_tensor_ops_at_and_around_every_edge(bins, monkeypatch):
+def test_agrees_with_tensor_ops_at_and_around_every_edge(bins, passes, monkeypatch):
     edges = histogram_edges(bins).float()
     g = torch.Generator().manual_seed(11)
     x = torch.cat([
@@ -73,7 +81,7 @@ def test_non_contiguous_values_take_the_tensor_op_path_with_the_same_figures():
 
 
 @needs_native
-def test_sums_are_exact_to_float64_rounding():
+def test_sums_are_exact_to_float64_rounding(passes):
     x = torch.randn(100_000, generator=torch.Generator().manual_seed(12)) * 3 + 1e3
     values = x.double().tolist()
     s = summarize(_row(x, 128, native=True).tolist())
@@ -126,3 +134,21 @@ def test_a_row_that_does_not_fit_the_bins_is_never_written_past():
     single = new_rows(1, 128).float()[0]  # float32: the tensor-op path, right figures
     accumulate_(single, torch.ones(100), binning)
     assert summarize(single.tolist())["count"] == 100
+
+
+@needs_native
+def test_the_avx2_and_baseline_passes_give_the_same_figures():
+    g = torch.Generator().manual_seed(16)
+    x = torch.randn(100_003, generator=g) * 10.0 ** torch.randint(-30, 30, (100_003,), generator=g)
+    x[::997] = NAN
+    rows = []
+    for avx2 in (True, False):
+        before = stats._cstats.set_avx2(avx2)
+        try:
+            rows.append(_row(x, 128, native=True))
+        finally:
+            stats._cstats.set_avx2(before)
+    sums = [stats._COL["sum"], stats._COL["sum_sq"]]
+    exact = [i for i in range(len(rows[0])) if i not in sums]
+    assert rows[0][exact].tolist() == rows[1][exact].tolist()
+    assert rows[0][sums].tolist() == pytest.approx(rows[1][sums].tolist(), rel=1e-12)
