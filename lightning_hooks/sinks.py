@@ -40,12 +40,18 @@ def _write_one_event(logger: Logger, metrics: Mapping[str, float], step: int) ->
         or not all(isinstance(value, (int, float)) for value in metrics.values())
     ):
         return False
-    writer = logger.experiment
-    if not isinstance(writer, SummaryWriter):  # tensorboardX's writer has its own protos
+    events = _event_writer(logger)
+    if events is None:
         return False
-    values = [Summary.Value(tag=tag, simple_value=float(value)) for tag, value in metrics.items()]
-    writer._get_file_writer().add_summary(Summary(value=values), step)
+    events.add_summary(Summary(value=[Summary.Value(tag=tag, simple_value=float(value))
+                                      for tag, value in metrics.items()]), step)
     return True
+
+
+def _event_writer(logger: TensorBoardLogger) -> Any:
+    """The event file writer behind torch's ``SummaryWriter``; None for tensorboardX's (other protos)."""
+    writer = logger.experiment
+    return writer._get_file_writer() if isinstance(writer, SummaryWriter) else None
 
 
 #: Loggers that take histograms: TensorBoard, and W&B where wandb is installed.
@@ -89,13 +95,12 @@ def log_histograms(trainer: pl.Trainer | Any, histograms: Sequence[Histogram], e
                 "bucket_limits": list(edges[first + 1 : last + 1]),
                 "bucket_counts": [int(c) for c in counts[first:last]],
             }) for tag, summary, counts, (first, last) in shown]
-            writer = logger.experiment
-            if isinstance(writer, SummaryWriter):  # one event for all, as for scalars
-                merged = Summary(value=[value for tag, kw in raw for value in histogram_raw(tag, **kw).value])
-                writer._get_file_writer().add_summary(merged, step)
-            else:  # tensorboardX has its own protos, and its own method
+            events = _event_writer(logger)
+            if events is not None:  # one event for all, as for scalars
+                events.add_summary(Summary(value=[v for tag, kw in raw for v in histogram_raw(tag, **kw).value]), step)
+            else:  # tensorboardX: its own method
                 for tag, kw in raw:
-                    writer.add_histogram_raw(tag, global_step=step, **kw)
+                    logger.experiment.add_histogram_raw(tag, global_step=step, **kw)
         elif isinstance(logger, WandbLogger):
             logger.log_metrics({tag: _wandb_histogram(counts[first:last], edges[first : last + 1])
                                 for tag, _, counts, (first, last) in shown}, step=step)

@@ -220,8 +220,9 @@ def accumulate_(row: Tensor, values: Tensor, binning: Binning, calls: int = 1) -
     """Add the statistics of flat floating ``values`` into stat ``row``, in place, on device.
 
     Contiguous float32 values on the CPU go through the fused native kernel when it is built
-    (two passes over the values); everything else through tensor ops (about thirty light
-    passes, no host synchronisation). Both give the same figures.
+    (one read of the values from memory); everything else through tensor ops (about thirty
+    light passes, no host synchronisation). Both give the same counts, extremes and histograms;
+    the native kernel's sums are float64-exact, the tensor ops' exact to float32 rounding.
 
     Args:
         row: One stat row (a view into a block from :func:`new_rows`), float64.
