@@ -35,6 +35,7 @@ enum { COUNT, FINITE, SUM, SUM_SQ, ZEROS, NAN_COUNT, POSINF, NEGINF, CALLS, MAX,
 #define BLOCK 4096
 #define COPIES 4 /* histogram copies: a run of equal values (a ReLU's zeros) need not wait on itself */
 #define MIN_PER_THREAD (1 << 17) /* values; fewer are not worth a thread's start (~20 us) */
+#define MAX_THREADS 16 /* threads started per call: beyond this memory bandwidth, not cores, limits */
 
 typedef struct {
     int32_t bin;  /* the lowest bin of the cell */
@@ -112,7 +113,7 @@ typedef struct {
     int64_t n, n_bins;
     const Cell *table;
     const float *right;
-    int fine;
+    int fine, avx2; /* avx2: read once per call, so that set_avx2 cannot change it mid-call */
     Totals t;
     int64_t *counts; /* n_bins * COPIES */
 } Job;
@@ -125,14 +126,14 @@ static void *run_job(void *arg) {
     for (int64_t start = 0; start < job->n; start += BLOCK) {
         int64_t m = job->n - start < BLOCK ? job->n - start : BLOCK;
         float sum;
-        int64_t k = use_avx2 ? block_moments_w8(x + start, m, &sum, t) : block_moments_w4(x + start, m, &sum, t);
+        int64_t k = job->avx2 ? block_moments_w8(x + start, m, &sum, t) : block_moments_w4(x + start, m, &sum, t);
         block_histogram(x + start, m, k < m, job->fine, job->table, job->right, job->n_bins, job->counts, t);
         if (k == 0) continue;
         /* A float, so that the non-finite values, which pass 3 takes as the estimate, deviate by
          * exactly 0; and 0 where the float sum of huge values overflowed. */
         float guess = sum / (float)k;
         double estimate = isfinite(guess) ? (double)guess : 0.0, dev, dev_sq;
-        (use_avx2 ? block_deviations_w8 : block_deviations_w4)(x + start, m, estimate, &dev, &dev_sq);
+        (job->avx2 ? block_deviations_w8 : block_deviations_w4)(x + start, m, estimate, &dev, &dev_sq);
         merge_moments(t, k, estimate + dev / (double)k, dev_sq - dev * dev / (double)k);
     }
     return NULL;
@@ -143,11 +144,15 @@ static void *run_job(void *arg) {
 static int accumulate_f32(const float *x, int64_t n, double *row, int64_t n_bins, const Cell *table,
                           const float *right, int fine, double calls, int threads) {
     int64_t most = n / MIN_PER_THREAD;
+    if (threads > MAX_THREADS) threads = MAX_THREADS;
     int jobs = threads < 1 ? 1 : (most < threads ? (most < 1 ? 1 : (int)most) : threads);
 #ifdef _WIN32
     jobs = 1;
 #endif
     int64_t chunk = ((n + jobs - 1) / jobs + BLOCK - 1) / BLOCK * BLOCK;
+    if (chunk > 0) jobs = (int)((n + chunk - 1) / chunk); /* rounding up to blocks can leave the last empty */
+    if (jobs < 1) jobs = 1;
+    int avx2 = use_avx2;
     Job *job = (Job *)calloc((size_t)jobs, sizeof(Job));
     int64_t *counts = (int64_t *)calloc((size_t)(jobs * n_bins * COPIES), sizeof(int64_t));
     if (job == NULL || counts == NULL) {
@@ -156,7 +161,7 @@ static int accumulate_f32(const float *x, int64_t n, double *row, int64_t n_bins
     }
     for (int j = 0; j < jobs; j++) {
         int64_t start = chunk * j < n ? chunk * j : n, stop = chunk * (j + 1) < n ? chunk * (j + 1) : n;
-        Job init = {x + start, stop - start, n_bins, table, right, fine,
+        Job init = {x + start, stop - start, n_bins, table, right, fine, avx2,
                     {0, 0, 0, 0, 0, 0.0, 0.0, INFINITY, -INFINITY}, counts + j * n_bins * COPIES};
         job[j] = init;
     }

@@ -247,11 +247,16 @@ def accumulate_(row: Tensor, values: Tensor, binning: Binning, calls: int = 1) -
         and row.is_contiguous()
         and row.numel() == N_FIELDS + binning.n_bins
     ):
-        table, right, fine = native
-        _cstats.accumulate_f32(values.data_ptr(), values.numel(), row.data_ptr(), binning.n_bins,
-                               table.data_ptr(), right.data_ptr(), fine, float(calls), torch.get_num_threads())
-    else:
-        _accumulate_tensors_(row, values, binning, calls)
+        try:  # a functorch wrapper (under torch.func) passes the checks above but has no storage
+            address = values.data_ptr()
+        except RuntimeError:
+            address = 0
+        if address:
+            table, right, fine = native
+            _cstats.accumulate_f32(address, values.numel(), row.data_ptr(), binning.n_bins, table.data_ptr(),
+                                   right.data_ptr(), fine, float(calls), torch.get_num_threads())
+            return
+    _accumulate_tensors_(row, values, binning, calls)
 
 
 def _accumulate_tensors_(row: Tensor, values: Tensor, binning: Binning, calls: int) -> None:
@@ -279,6 +284,9 @@ def _accumulate_tensors_(row: Tensor, values: Tensor, binning: Binning, calls: i
                         -torch.frexp(span).exponent.clamp(-limit, limit))
     scaled = x * scale.to(x.dtype)
     estimate = ((scaled.sum().double() - n_bad * pivot.double() * scale) / n_finite.clamp_min(1)).to(x.dtype)
+    # Within the scaled extremes: a constant tensor scaled to ~2**100 whose rounded estimate sat an
+    # ulp away from it gave deviations of ~2**77, whose squares overflow float32.
+    estimate = estimate.clamp(low * scale.to(x.dtype), high * scale.to(x.dtype))
     dev = torch.where(finite, scaled.sub_(estimate), 0.0)
     centre = estimate.double() / scale
     sum_dev = dev.sum().double() / scale

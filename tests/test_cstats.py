@@ -152,3 +152,19 @@ def test_the_avx2_and_baseline_passes_give_the_same_figures():
     exact = [i for i in range(len(rows[0])) if i not in sums]
     assert rows[0][exact].tolist() == rows[1][exact].tolist()
     assert rows[0][sums].tolist() == pytest.approx(rows[1][sums].tolist(), rel=1e-12)
+
+
+@needs_native
+def test_values_inside_torch_func_take_the_tensor_op_path():
+    binning = Binning(32, torch.device("cpu"), torch.float32)
+    rows = []
+
+    def loss(x):
+        row = new_rows(1, binning.n_bins)[0]
+        accumulate_(row, x.detach().reshape(-1), binning)  # a functorch wrapper: no storage to read
+        rows.append(row)
+        return x.square().sum()
+
+    torch.func.grad(loss)(torch.arange(6.0))
+    summary = summarize(rows[0].tolist())
+    assert (summary["count"], summary["max"], summary["sum"]) == (6, 5.0, 15.0)

@@ -389,3 +389,12 @@ def test_reduce_rows_works_on_blocks_of_rows():
     assert (s["min"], s["max"], s["count"], s["calls"]) == (-7.0, 5.0, 3, 2)
     assert summarize(out[0].tolist())["count"] == 0
     assert math.isinf(out[0, N_FIELDS - 1]) and out[0, N_FIELDS - 1] < 0  # max columns stay -inf
+
+
+@pytest.mark.parametrize("value", [0.1, 0.02, 1 / 3, 1e-5, 1e6, 3e38, -7.5])
+@pytest.mark.parametrize("n", [10, 100_000])
+def test_a_constant_tensor_has_zero_std_and_its_own_mean(value, n):
+    s = _summary(torch.full((n,), value))
+    assert s["std"] == 0.0
+    assert s["mean"] == pytest.approx(float(torch.tensor(value)), rel=1e-6)
+
