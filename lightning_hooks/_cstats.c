@@ -4,7 +4,7 @@
  * and writes the whole tensor); this one reads them from memory once: it takes them in blocks
  * that stay in the L1 cache while three passes run over each (moments, histogram, squared
  * deviations). It is called with raw addresses of contiguous CPU tensors and releases the GIL;
- * a large tensor is split over as many threads as torch uses for its own CPU ops.
+ * a large tensor is split over as many threads as torch uses for its own CPU ops (at most 16).
  *
  * The row layout (column indices below) is that of stats.SUM_FIELDS + stats.MAX_FIELDS, then
  * the histogram counts; tests/test_cstats.py checks both kernels agree on every column.
@@ -15,7 +15,8 @@
  * finishes; otherwise the bin steps up across edges. Either way the result equals
  * torch.bucketize on the same float32 edges: bin k holds edges[k] < x <= edges[k + 1].
  *
- * Vectors are GCC/Clang vector extensions: SSE2 on x86-64, NEON on arm64, scalar elsewhere.
+ * Vectors are GCC/Clang vector extensions: SSE2 on x86-64 (and AVX2 where the CPU has it), NEON
+ * on arm64, scalar elsewhere.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
