@@ -22,6 +22,20 @@ def _row(x, bins, native):
     return row
 
 
+SUMS = [stats._COL["sum"], stats._COL["sum_sq"]]
+
+
+def _exact_columns(row):
+    """Every column but the two sums: counts, extremes and histogram bins, which kernels must match."""
+    return row[[i for i in range(len(row)) if i not in SUMS]].tolist()
+
+
+def _assert_same_figures(a, b):
+    """The same counts, extremes and bins, and sums equal to float64 rounding."""
+    assert _exact_columns(a) == _exact_columns(b)
+    assert a[SUMS].tolist() == pytest.approx(b[SUMS].tolist(), rel=1e-12)
+
+
 def test_native_kernel_is_built_where_required():
     # CI sets LIGHTNING_HOOKS_REQUIRE_NATIVE=1: a failed build must not pass as the slow path.
     if os.environ.get("LIGHTNING_HOOKS_REQUIRE_NATIVE") != "1":
@@ -60,13 +74,11 @@ def test_agrees_with_tensor_ops_at_and_around_every_edge(bins, passes, monkeypat
     monkeypatch.setattr(stats, "NATIVE_KERNEL", False)
     tensor_row = _row(x, bins, native=False)
     assert native_row[N_FIELDS:].tolist() == tensor_row[N_FIELDS:].tolist()
-    sums = [stats._COL["sum"], stats._COL["sum_sq"]]
-    exact = [i for i in range(N_FIELDS) if i not in sums]
-    assert native_row[exact].tolist() == tensor_row[exact].tolist()
+    assert _exact_columns(native_row) == _exact_columns(tensor_row)
     # Sums up to float32 rounding of the tensor-op kernel, relative to the sums of magnitudes.
     finite = x[x.isfinite()].double()
     scale = torch.stack([finite.abs().sum(), finite.square().sum()]).tolist()
-    for i, s in zip(sums, scale):
+    for i, s in zip(SUMS, scale):
         assert float(native_row[i]) == pytest.approx(float(tensor_row[i]), abs=1e-6 * s)
 
 
@@ -102,10 +114,7 @@ def test_a_large_tensor_split_over_threads_gives_the_same_figures():
         four = _row(x, 128, native=True)
     finally:
         torch.set_num_threads(before)
-    sums = [stats._COL["sum"], stats._COL["sum_sq"]]
-    exact = [i for i in range(len(one)) if i not in sums]
-    assert four[exact].tolist() == one[exact].tolist()
-    assert four[sums].tolist() == pytest.approx(one[sums].tolist(), rel=1e-12)
+    _assert_same_figures(four, one)
 
 
 class _Marked(torch.Tensor):
@@ -148,10 +157,7 @@ def test_the_avx2_and_baseline_passes_give_the_same_figures():
             rows.append(_row(x, 128, native=True))
         finally:
             stats._cstats.set_avx2(before)
-    sums = [stats._COL["sum"], stats._COL["sum_sq"]]
-    exact = [i for i in range(len(rows[0])) if i not in sums]
-    assert rows[0][exact].tolist() == rows[1][exact].tolist()
-    assert rows[0][sums].tolist() == pytest.approx(rows[1][sums].tolist(), rel=1e-12)
+    _assert_same_figures(*rows)
 
 
 @needs_native
