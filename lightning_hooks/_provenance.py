@@ -8,6 +8,7 @@ import lightning.pytorch as pl
 import torch
 from torch import Tensor, nn
 
+from lightning_hooks._sharding import local
 from lightning_hooks.stats import iter_tensors
 
 #: The position :class:`NonFiniteTrace` gives a hook that saw nothing non-finite.
@@ -66,8 +67,9 @@ class NonFiniteTrace:
 
         @torch.no_grad()
         def record(param: Tensor) -> None:
-            if param.grad is not None and _is_float(param.grad):
-                self._calls.append((index, _extremes(param.grad)))
+            grad = None if param.grad is None else local(param.grad)  # a DTensor: this rank's shard
+            if grad is not None and _is_float(grad):
+                self._calls.append((index, _extremes(grad)))
 
         return record
 

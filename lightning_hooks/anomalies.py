@@ -14,6 +14,8 @@ from typing import Any, NamedTuple, Optional
 import torch
 from torch import Tensor
 
+from lightning_hooks._sharding import ShardGroups, local
+
 #: Anomaly flags, in the order of the rows of :func:`anomaly_flags`.
 FLAG_NAMES = ("nonfinite", "exploding", "vanishing")
 
@@ -57,7 +59,7 @@ def _stacked(norms: list[Tensor], device: torch.device) -> Tensor:
 @torch.no_grad()
 def gradient_figures(
     grads: Sequence[Tensor], group_sizes: Sequence[int], device: Optional[torch.device] = None,
-    *, exact: bool = True,
+    *, exact: bool = True, shards: Optional[ShardGroups] = None,
 ) -> GradientFigures:
     """Norms of gradients, per gradient, per parameter group and in total, batched on device.
 
@@ -70,6 +72,11 @@ def gradient_figures(
     is exact whenever no norm is infinite (a NaN norm means a NaN or opposite Infs). A group
     without gradients, and the total when there is none at all, has a NaN norm.
 
+    Sharded gradients (DTensors, see :class:`~lightning_hooks._sharding.ShardGroups`) are
+    measured on their local shards, and the shards' squared norms and non-finite counts are
+    summed over the shard groups in one collective, so every figure is of the whole gradient
+    and the same on every rank.
+
     Args:
         grads: Dense gradients, grouped by parameter group, in order.
         group_sizes: How many of ``grads`` each parameter group holds (0 for a group without
@@ -77,6 +84,7 @@ def gradient_figures(
         device: Where the figures go; by default the device of ``grads[0]``. Needed when
             ``grads`` is empty.
         exact: Tell NaN and Inf gradients apart from finite ones whose norm overflows.
+        shards: How ``grads`` are split across ranks; None when every rank holds them whole.
 
     Returns:
         The figures, on ``device``.
@@ -96,9 +104,14 @@ def gradient_figures(
     ):
         raise ValueError(f"`group_sizes` {list(group_sizes)} must add up to the {len(grads)} gradients")
     device = grads[0].device if device is None else device
-    norms = _stacked(_foreach_norms(list(grads), 2.0), device)
-    largest = _stacked(_foreach_norms(list(grads), math.inf), device) if exact else norms
+    parts = [local(g) for g in grads]
+    norms = _stacked(_foreach_norms(parts, 2.0), device)
+    largest = _stacked(_foreach_norms(parts, math.inf), device) if exact else norms
     bad = ~torch.isfinite(largest)
+    if shards is not None and shards.sharded:
+        # Whole-gradient figures from the shards': squared norms and bad-shard counts add.
+        summed = shards.sum_(torch.stack([norms.square(), bad.double()], 1))
+        norms, bad = summed[:, 0].sqrt(), summed[:, 1] > 0
     nan = torch.full((), math.nan, dtype=torch.float64, device=device)
     group_norms, nonfinite, start = [], [], 0
     for size in group_sizes:

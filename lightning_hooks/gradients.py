@@ -12,6 +12,7 @@ from torch import Tensor
 
 from lightning_hooks._base import _is_logged_step, _log_interval, _validate_interval, _validate_stats
 from lightning_hooks._gradient_check import Check, GradientCheck, Step, _check_bool
+from lightning_hooks._sharding import ShardGroups, local
 from lightning_hooks.aggregate import StatBlock
 from lightning_hooks.anomalies import AnomalyReport
 from lightning_hooks.selection import ModuleSelection
@@ -142,6 +143,7 @@ class GradientMonitor(GradientCheck):
         self._logged = False  # whether this step's transfer holds the rows' figures
         self._present: list[bool] = []  # which rows had gradients this step
         self._block: Optional[StatBlock] = None
+        self._row_shards = ShardGroups([])  # how each row's gradients are split across ranks
 
     @property
     def anomalous_steps(self) -> int:
@@ -169,11 +171,12 @@ class GradientMonitor(GradientCheck):
         needs_rows = self._histograms or any(s != "norm" for s in self.stats)
         names = [name for name, _ in self._rows]
         self._block = StatBlock(names, self.bins, pl_module.device) if needs_rows and names else None
+        self._row_shards = ShardGroups([params[0] for _, params in self._rows])
 
     def detach(self) -> None:
         """Remove the hooks and drop the rows' references to parameters."""
         super().detach()
-        self._rows, self._block = [], None
+        self._rows, self._block, self._row_shards = [], None, ShardGroups([])
 
     def _select_rows(self, pl_module: pl.LightningModule) -> list[tuple[str, list[Tensor]]]:
         if self.granularity == "module":
@@ -211,7 +214,9 @@ class GradientMonitor(GradientCheck):
         if self._block is not None:
             for index, params in enumerate(present):
                 for param in params:
-                    self._block.add(index, param.grad)  # type: ignore[arg-type]
+                    calls = int(self._row_shards.leads[index])  # a sharded gradient counts once
+                    self._block.add(index, local(param.grad), calls)  # type: ignore[arg-type]
+            self._row_shards.reduce_stat_rows_(self._block.rows)  # a sharded row: whole-gradient figures
         return [self._row_norms(step.figures.norms, position, present)] + (
             [self._block.rows] if self._block is not None else []
         )

@@ -17,6 +17,8 @@ from torch.optim import Optimizer
 from torch.utils.hooks import RemovableHandle
 
 from lightning_hooks._base import HookCallback
+from lightning_hooks._sharding import ShardGroups, is_sharded, local
+from lightning_hooks.anomalies import gradient_figures
 from lightning_hooks.selection import select_modules
 
 
@@ -33,6 +35,9 @@ class GradientTransform(HookCallback):
       gradient of that parameter by the factor, before it is accumulated into ``.grad``. Only
       the parameters' own gradients change; the gradient flowing on to earlier layers does not.
       (A parameter shared with an unselected module has one gradient: it is scaled too.)
+      FSDP2 hands its sharded parameters (DTensors) their gradients directly, so no tensor hook
+      on them fires: their gradients are scaled in ``on_before_optimizer_step`` instead, after
+      accumulation (the same result, as scaling is linear).
       Tensor hooks work with in-place ops and any output structure, unlike
       ``register_full_backward_hook``, which raises on in-place ops (``ReLU(inplace=True)``,
       ``x += shortcut``) and never fires for modules returning lists or dicts.
@@ -56,7 +61,8 @@ class GradientTransform(HookCallback):
       outermost module it matches (``"blocks.*"``: one group per block). This runs before the
       LightningModule's own ``on_before_optimizer_step`` and before Lightning's
       ``gradient_clip_val``; only the parameters of the optimizer being stepped are touched.
-      With FSDP the gradients are sharded, so ``clip_norm`` would see a local norm: unsupported.
+      With sharded gradients (FSDP2's DTensors) ``clip_norm`` clips by the norm of the whole
+      gradients, summed over the shards in one collective per group, the same on every rank.
 
     Gradient accumulation and DDP: the ``scale`` and ``reverse`` hooks run on every backward,
     on each rank's local gradient, before DDP averages it. Both are linear, so the accumulated
@@ -143,7 +149,10 @@ class GradientTransform(HookCallback):
         # Not wrapped in `_guard`: a hook that changes training must fail loudly, never be
         # switched off while the run goes on with other gradients (or other ranks' gradients).
         for _, param, factor in self._plan.scaled:
-            self._handles.append(param.register_hook(partial(_multiply, factor=factor)))
+            if is_sharded(param):  # FSDP2 gives its shards their gradient directly: no tensor hook fires
+                self._plan.scaled_at_step.append((param, factor))
+            else:
+                self._handles.append(param.register_hook(partial(_multiply, factor=factor)))
 
     def _register(self, index: int, name: str, module: nn.Module) -> list[RemovableHandle]:
         factor = self._plan.reversed.get(name) if self._plan is not None else None
@@ -154,18 +163,23 @@ class GradientTransform(HookCallback):
     def on_before_optimizer_step(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Optimizer
     ) -> None:
-        """Clip the accumulated, all-reduced, unscaled gradients of the selected parameters."""
-        if self._plan is None or not (self._plan.clip_values or self._plan.clip_norms):
+        """Scale sharded gradients, then clip the accumulated, all-reduced, unscaled gradients."""
+        plan = self._plan
+        if plan is None or not (plan.clip_values or plan.clip_norms or plan.scaled_at_step):
             return
         stepped = {p for group in optimizer.param_groups for p in group["params"]}
-        for bound, params in self._plan.clip_values.items():
+        for param, factor in plan.scaled_at_step:
+            if param in stepped and param.grad is not None:
+                local(param.grad).mul_(factor)
+        for bound, params in plan.clip_values.items():
+            grads = [local(p.grad) for p in params if p in stepped and p.grad is not None]
+            if grads:  # as nn.utils.clip_grad_value_, on this rank's shards
+                torch._foreach_clamp_min_(grads, -bound)
+                torch._foreach_clamp_max_(grads, bound)
+        for _, params, max_norm in plan.clip_norms:
             with_grad = [p for p in params if p in stepped and p.grad is not None]
             if with_grad:
-                nn.utils.clip_grad_value_(with_grad, bound)
-        for _, params, max_norm in self._plan.clip_norms:
-            with_grad = [p for p in params if p in stepped and p.grad is not None]
-            if with_grad:
-                nn.utils.clip_grad_norm_(with_grad, max_norm)
+                _clip_norm_(with_grad, max_norm)
 
     def _resolve(self, root: nn.Module) -> _Plan:
         plan = _Plan()
@@ -197,6 +211,8 @@ class _Plan:
     """What a GradientTransform does to one model, resolved from its patterns."""
 
     scaled: list[tuple[str, nn.Parameter, float]] = field(default_factory=list)
+    scaled_at_step: list[tuple[nn.Parameter, float]] = field(default_factory=list)
+    """Sharded parameters: scaled in ``on_before_optimizer_step``, after accumulation (it is linear)."""
     reversed: dict[str, float] = field(default_factory=dict)
     clip_values: dict[float, list[nn.Parameter]] = field(default_factory=dict)
     clip_norms: list[tuple[str, list[nn.Parameter], float]] = field(default_factory=list)
@@ -261,6 +277,23 @@ def _norm_groups(root: nn.Module, table: Mapping[str, float]) -> list[tuple[str,
     ordered = sorted(bounds, key=lambda name: -name.count("."))
     groups = [(n, [p for p in modules[n].parameters() if p.requires_grad], bounds[n]) for n in ordered]
     return [group for group in groups if group[1]]
+
+
+def _clip_norm_(params: list[Tensor], max_norm: float) -> None:
+    """``nn.utils.clip_grad_norm_``, by the norm of the whole gradients when they are sharded.
+
+    A sharded group's norm is summed over its shards in one collective (the same on every
+    rank, so every rank scales by the same factor); the local shards are scaled.
+    """
+    shards = ShardGroups(params)
+    if not shards.sharded:
+        nn.utils.clip_grad_norm_(params, max_norm)
+        return
+    grads: list[Tensor] = [p.grad for p in params]  # type: ignore[misc]
+    total = gradient_figures(grads, [len(grads)], exact=False, shards=shards).group_norms[-1]
+    factor = (max_norm / (total + 1e-6)).clamp(max=1.0)
+    for grad in grads:
+        local(grad).mul_(factor.to(grad.dtype))
 
 
 def _multiply(grad: Tensor, factor: float) -> Tensor:

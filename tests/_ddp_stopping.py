@@ -14,7 +14,6 @@ import sys
 from collections import Counter
 from contextlib import ExitStack
 from typing import Any
-from unittest import mock
 
 import lightning as L
 import torch
@@ -24,19 +23,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from lightning_hooks._gradient_check import Step  # noqa: E402
 from lightning_hooks.stopping import GradientAnomalyStopping  # noqa: E402
 from tests.grad_helpers import GradNet  # noqa: E402
-from tests.helpers import loader  # noqa: E402
+from tests.helpers import counted, loader  # noqa: E402
 
 COUNTED = ((torch.distributed, "all_reduce"), (torch.distributed, "barrier"), (torch.Tensor, "cpu"))
-
-
-def _counted(obj: Any, name: str, calls: Counter) -> Any:
-    original = getattr(obj, name)
-
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        calls[name] += 1
-        return original(*args, **kwargs)
-
-    return mock.patch.object(obj, name, wrapper)
 
 
 class RankOneFlagsStep3(GradientAnomalyStopping):
@@ -58,7 +47,7 @@ class RankOneFlagsStep3(GradientAnomalyStopping):
         calls = self.calls.setdefault(trainer.global_step, Counter())
         with ExitStack() as stack:
             for obj, name in (*COUNTED, (trainer.strategy, "reduce_boolean_decision")):
-                stack.enter_context(_counted(obj, name, calls))
+                stack.enter_context(counted(obj, name, calls))
             super().on_before_optimizer_step(trainer, pl_module, optimizer)
 
 

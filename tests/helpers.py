@@ -5,8 +5,10 @@ from __future__ import annotations
 import csv
 import glob
 import os
+from collections import Counter
 from collections.abc import Sequence
 from typing import Any
+from unittest import mock
 
 import lightning as L
 import torch
@@ -78,3 +80,14 @@ def csv_metrics(log_dir: str) -> list[dict[str, str]]:
 def forward_hook_count(model: nn.Module) -> int:
     """All forward hooks on ``model`` and its submodules."""
     return sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules())
+
+
+def counted(obj: Any, name: str, calls: Counter) -> Any:
+    """A patch of ``obj.name`` that counts its calls in ``calls[name]`` and still makes them."""
+    original = getattr(obj, name)
+
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        calls[name] += 1
+        return original(*args, **kwargs)
+
+    return mock.patch.object(obj, name, wrapper)

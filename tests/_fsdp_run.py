@@ -1,0 +1,142 @@
+"""Run by tests/test_sharded.py: one fit, sharded with FSDP2 on 2 CPU processes (gloo), or whole on one.
+
+``python _fsdp_run.py OUT MODE [devices]``:
+
+``figures``: GradientTransform (scale, clip_norm) then GradientMonitor (every stat, histograms)
+and ActivationMonitor, every step logged to TensorBoard under OUT. With 2 devices the model is
+``fully_shard``-ed through Lightning's ``ModelParallelStrategy`` (DTensor gradients, each rank
+on its half of the batch); with 1 device it runs whole on the global batch, as the reference.
+``nan``: 2 devices; rank 1 alone feeds a NaN at step 2; GradientAnomalyStopping skips it.
+``stop``: the same, and the stop action.
+Each rank writes ``rank<r>.json``: the steps it took, its skipped steps, and the final parameters.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from collections import Counter
+from contextlib import ExitStack
+from typing import Any
+
+import lightning as L
+import torch
+from lightning.pytorch.loggers import TensorBoardLogger
+from lightning.pytorch.strategies import ModelParallelStrategy
+from torch import nn
+from torch.distributed.fsdp import fully_shard
+from torch.utils.data import DataLoader, Subset
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from lightning_hooks import (  # noqa: E402
+    GRADIENT_STAT_NAMES,
+    STAT_NAMES,
+    ActivationMonitor,
+    GradientAnomalyStopping,
+    GradientMonitor,
+    GradientTransform,
+)
+from lightning_hooks._sharding import local  # noqa: E402
+from tests.helpers import counted, loader  # noqa: E402
+
+NAN_STEP = 2
+
+
+class ShardedNet(L.LightningModule):
+    """Linear(8, 16) -> ReLU -> Linear(16, 6) -> Linear(6, 1), each Linear sharded when there is a mesh."""
+
+    def __init__(self, nan_rank: int = -1) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 6), nn.Linear(6, 1))
+        self.nan_rank = nan_rank
+
+    def configure_model(self) -> None:
+        if self.device_mesh is None:
+            return
+        for layer in self.net:
+            if isinstance(layer, nn.Linear):
+                fully_shard(layer, mesh=self.device_mesh["data_parallel"])
+        fully_shard(self.net, mesh=self.device_mesh["data_parallel"])
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        if self.global_step == NAN_STEP and self.global_rank == self.nan_rank:
+            x = x * float("nan")
+        return nn.functional.mse_loss(self.net(x), y)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    def train_dataloader(self) -> DataLoader:
+        """Rank r of 2 takes every other sample from r on, 8 a batch: step by step, the 16 one process takes."""
+        data = loader(n=64).dataset
+        if self.trainer.world_size == 1:
+            return DataLoader(data, batch_size=16)
+        return DataLoader(Subset(data, range(self.global_rank, len(data), 2)), batch_size=8)
+
+
+class CountedStopping(GradientAnomalyStopping):
+    """GradientAnomalyStopping that counts the collectives and host transfers of each step's check."""
+
+    def __init__(self, action: str) -> None:
+        super().__init__(action=action, provenance=True, prog_bar=False)
+        self.calls: dict[int, Counter] = {}
+
+    def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: Any, optimizer: Any) -> None:
+        calls = self.calls.setdefault(trainer.global_step, Counter())
+        with ExitStack() as stack:
+            for obj, name in ((torch.distributed, "all_reduce"), (torch.distributed, "all_gather"),
+                              (torch.Tensor, "cpu")):
+                stack.enter_context(counted(obj, name, calls))
+            super().on_before_optimizer_step(trainer, pl_module, optimizer)
+
+
+class Record(L.Callback):
+    """Notes the steps taken and, at the end, every parameter whole."""
+
+    def __init__(self, out: str) -> None:
+        self.out, self.steps = out, []
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: Any, *args: Any) -> None:
+        self.steps.append(trainer.global_step)
+
+    def on_fit_end(self, trainer: L.Trainer, pl_module: Any) -> None:
+        params = {
+            name: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().reshape(-1).tolist()
+            for name, p in pl_module.named_parameters()
+        }
+        stopping = [c for c in trainer.callbacks if isinstance(c, CountedStopping)]
+        record = {"steps": self.steps, "params": params, "global_step": trainer.global_step,
+                  "local_shapes": {n: list(local(p).shape) for n, p in pl_module.named_parameters()},
+                  "calls": {step: dict(c) for step, c in stopping[0].calls.items()} if stopping else {},
+                  "report": str(stopping[0].last_report) if stopping else None}
+        with open(os.path.join(self.out, f"rank{trainer.global_rank}.json"), "w") as f:
+            json.dump(record, f)
+
+
+def main(out: str, mode: str, devices: int) -> None:
+    sharded = devices > 1
+    callbacks: list[L.Callback] = [Record(out)]
+    if mode == "figures":
+        callbacks += [
+            GradientTransform(scale={"net.0": 0.5}, clip_norm={"net.2": 0.05}),
+            GradientMonitor(stats=GRADIENT_STAT_NAMES, max_norm=1e6),
+            ActivationMonitor(stats=STAT_NAMES),
+        ]
+    else:
+        callbacks.append(CountedStopping(action="skip" if mode == "nan" else "stop"))
+    strategy: Any = ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1) if sharded else "auto"
+    trainer = L.Trainer(
+        accelerator="cpu", devices=devices, strategy=strategy, max_steps=4, log_every_n_steps=1,
+        logger=TensorBoardLogger(out, name="", version=""), callbacks=callbacks,
+        enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+        use_distributed_sampler=False,
+    )
+    trainer.fit(ShardedNet(nan_rank=1 if mode != "figures" else -1))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2], int(sys.argv[3]) if len(sys.argv) > 3 else 2)

@@ -1,0 +1,99 @@
+"""Sharded training for real: FSDP2 (`fully_shard`, DTensor gradients) on 2 CPU processes with gloo.
+
+Each run goes through Lightning's ``ModelParallelStrategy(data_parallel_size=2,
+tensor_parallel_size=1)``; the reference is the same model, whole, in one process, on the same
+global batches (tests/_fsdp_run.py).
+"""
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.helpers import events
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def _run(out, mode, devices=2):
+    proc = subprocess.run(
+        [sys.executable, os.path.join(HERE, "_fsdp_run.py"), str(out), mode, str(devices)],
+        capture_output=True, text=True, timeout=240,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return [json.load(open(out / f"rank{r}.json")) for r in range(devices)]
+
+
+@pytest.fixture(scope="module")
+def figures(tmp_path_factory):
+    sharded, whole = tmp_path_factory.mktemp("sharded"), tmp_path_factory.mktemp("whole")
+    return (sharded, _run(sharded, "figures")), (whole, _run(whole, "figures", devices=1))
+
+
+def test_the_run_really_is_sharded(figures):
+    (_, ranks), _ = figures
+    assert ranks[0]["local_shapes"]["net.0.weight"] == [8, 8]  # of [16, 8]
+    assert ranks[1]["local_shapes"]["net.3.bias"] == [0]  # rank 1 holds no part of a 1-element bias
+
+
+def test_every_scalar_equals_the_whole_model_in_one_process(figures):
+    (sharded, _), (whole, _) = figures
+    a, b = events(str(sharded)), events(str(whole))
+    tags = set(b.Tags()["scalars"])
+    assert set(a.Tags()["scalars"]) == tags
+    assert {"gradients/net.0.weight/norm", "gradients/total_norm", "gradients/net.3.bias/std"} <= tags
+    for tag in tags:
+        if tag.startswith("activations/") and tag.endswith("/calls"):
+            continue  # module calls add over ranks (one per rank), as under DDP
+        got, want = [e.value for e in a.Scalars(tag)], [e.value for e in b.Scalars(tag)]
+        assert len(got) == len(want) == 4, tag
+        for g, w in zip(got, want):
+            assert (math.isnan(g) and math.isnan(w)) or g == pytest.approx(w, rel=1e-5, abs=1e-7), tag
+
+
+def test_every_histogram_bin_equals_the_whole_model_in_one_process(figures):
+    (sharded, _), (whole, _) = figures
+    a, b = events(str(sharded)), events(str(whole))
+    tags = b.Tags()["histograms"]
+    assert "gradients/net.0.weight" in tags and "activations/net.1" in tags
+    for tag in tags:
+        got = [list(e.histogram_value.bucket) for e in a.Histograms(tag)]
+        assert got == [list(e.histogram_value.bucket) for e in b.Histograms(tag)], tag
+
+
+def test_scaling_and_clipping_by_the_whole_norm_train_as_in_one_process(figures):
+    (_, ranks), (_, [whole]) = figures
+    for rank in ranks:
+        for name, values in whole["params"].items():
+            assert rank["params"][name] == pytest.approx(values, abs=1e-6), name
+
+
+@pytest.fixture(scope="module")
+def skipped(tmp_path_factory):
+    return _run(tmp_path_factory.mktemp("nan"), "nan")
+
+
+def test_a_nan_on_one_rank_is_skipped_on_both_and_traced_to_its_module(skipped):
+    assert [r["global_step"] for r in skipped] == [4, 4]
+    assert skipped[0]["params"] == skipped[1]["params"]
+    assert all(math.isfinite(v) for values in skipped[0]["params"].values() for v in values)
+    for rank in skipped:
+        assert "at step 2" in rank["report"] and "module 'net.0' on rank 1" in rank["report"]
+        assert "net.0.weight" in rank["report"]  # names are the user's, not FSDP's
+
+
+def test_each_check_is_one_sum_over_the_shards_one_agreement_and_one_transfer(skipped):
+    for rank in skipped:
+        for step, calls in rank["calls"].items():
+            if step != "2":  # the reported step also gathers the provenance
+                assert calls == {"all_reduce": 2, "cpu": 1}, step
+
+
+def test_a_nan_on_one_rank_stops_both_at_the_same_step(tmp_path):
+    ranks = _run(tmp_path, "stop")
+    assert [r["global_step"] for r in ranks] == [3, 3]
+    assert ranks[0]["params"] == ranks[1]["params"]
+    assert all(math.isfinite(v) for values in ranks[0]["params"].values() for v in values)
