@@ -126,7 +126,8 @@ def run_fit(workload: Workload, config: Config, n_steps: int, tmp: str, version:
         log_every_n_steps=LOG_EVERY, limit_val_batches=0, num_sanity_val_steps=0,
         **config.trainer_kwargs,
     )
-    loader: DataLoader = DataLoader(workload.batches(n_steps), batch_size=None)  # the prebuilt batches, as they are
+    batches: Any = workload.batches(n_steps)
+    loader: DataLoader = DataLoader(batches, batch_size=None)  # the prebuilt batches, as they are
     trainer.fit(model, train_dataloaders=loader)
 
 
