@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import random
 import statistics
+import sys
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -32,6 +33,10 @@ Runs = dict[tuple[str, int], list[tuple[str, Steps]]]  # (model, round) -> the r
 
 def _no_sync() -> None:
     """The CPU runs each op before the next: nothing is queued to wait for."""
+
+
+def _to_stderr(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
 
 
 @dataclass(frozen=True)
@@ -146,7 +151,7 @@ def round_order(names: list[str], seed: int, every: int = 2) -> list[str]:
 
 
 def timed_rounds(configs: Mapping[str, Config], workloads: Mapping[str, Workload], schedule: Schedule, tmp: str,
-                 device: Device = CPU, progress: Callable[[str], None] = print) -> Runs:
+                 device: Device = CPU, progress: Callable[[str], None] = _to_stderr) -> Runs:
     """Every configuration and workload once per round (and "none" between them), timed step by step."""
     s = schedule
     for kind, workload in workloads.items():  # first-fit costs (lazy imports, allocator growth): an untimed fit
