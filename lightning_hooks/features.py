@@ -1,11 +1,14 @@
-"""FeatureExtractor: write the outputs of chosen layers to disk, shard by shard."""
+"""FeatureExtractor: which layers' outputs to save and when: the stages, the hooks, the host buffer.
+
+How the buffered outputs become shards on disk, and how ``load_features`` reads them back, is
+in ``_feature_store``.
+"""
 
 from __future__ import annotations
 
 import os
-import re
 from pathlib import Path
-from typing import Any, Literal, Optional, Union, get_args
+from typing import Any, Optional, Union, get_args
 
 import lightning.pytorch as pl
 import torch
@@ -15,11 +18,12 @@ from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
 from lightning_hooks._base import HookCallback, in_backward
+from lightning_hooks._feature_store import EmbeddingSample, ShardWriter, Stage, layer_dir, load_features
 from lightning_hooks.selection import ModuleSelection
 
-Stage = Literal["fit", "validate", "test", "predict"]
+__all__ = ["FeatureExtractor", "Stage", "load_features"]
+
 _STAGES: tuple[str, ...] = get_args(Stage)
-_SHARD = re.compile(r"rank(\d+)-shard(\d+)\.pt")
 
 
 class FeatureExtractor(HookCallback):
@@ -106,15 +110,12 @@ class FeatureExtractor(HookCallback):
         self.flush_every_n_batches = flush_every_n_batches
         self.embedding_samples = embedding_samples
         self._stage: Optional[str] = None
-        self._rank = 0
-        self._shard = 0
+        self._writer: Optional[ShardWriter] = None
         self._buffer: dict[str, list[Tensor]] = {}
         self._shapes: dict[str, torch.Size] = {}
         self._warned: set[str] = set()
         self._async_copies = False
-        self._tensorboard: Optional[TensorBoardLogger] = None
-        self._samples: dict[str, tuple[Tensor, Tensor]] = {}
-        self._generator = torch.Generator()
+        self._embeddings: Optional[EmbeddingSample] = None
 
     @property
     def buffered_batches(self) -> int:
@@ -123,7 +124,7 @@ class FeatureExtractor(HookCallback):
 
     def layer_dir(self, stage: str, layer: str) -> Path:
         """Return the directory holding the shards of ``layer`` for ``stage``."""
-        return Path(self.dirpath) / stage / layer
+        return layer_dir(self.dirpath, stage, layer)
 
     def _register(self, index: int, name: str, module: nn.Module) -> list[RemovableHandle]:
         return [module.register_forward_hook(self._guard(name, self._make_hook(name)))]
@@ -235,30 +236,21 @@ class FeatureExtractor(HookCallback):
     def _begin(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage not in self.stages or trainer.state.fn != stage:
             return
-        self._stage, self._rank, self._shard = stage, trainer.global_rank, 0
+        self._stage = stage
         self._buffer.clear()
         self._shapes.clear()
-        self._samples.clear()
-        self._generator.manual_seed(0)
-        self._tensorboard = self._find_tensorboard(trainer)
+        self._embeddings = self._embedding_sample(trainer)
         self.attach(pl_module)
-        for layer in self.module_names:
-            folder = self.layer_dir(stage, layer)
-            folder.mkdir(parents=True, exist_ok=True)
-            for old in folder.glob("rank*-shard*.pt"):
-                # Each rank deletes its own old shards; rank 0 also those of ranks that no
-                # longer exist (an earlier run with more processes).
-                rank = int(old.name[len("rank") : old.name.index("-shard")])
-                if rank == self._rank or (self._rank == 0 and rank >= trainer.world_size):
-                    old.unlink()
+        self._writer = ShardWriter(self.dirpath, stage, self.module_names, trainer.global_rank, trainer.world_size)
 
-    def _find_tensorboard(self, trainer: pl.Trainer) -> Optional[TensorBoardLogger]:
+    def _embedding_sample(self, trainer: pl.Trainer) -> Optional[EmbeddingSample]:
         if not self.embedding_samples or not trainer.is_global_zero:
             return None
         found = next((lg for lg in trainer.loggers if isinstance(lg, TensorBoardLogger)), None)
         if found is None:
             rank_zero_warn("FeatureExtractor: `embedding_samples` is set but there is no TensorBoardLogger")
-        return found
+            return None
+        return EmbeddingSample(found, self.embedding_samples)
 
     def _batch_start(self, trainer: pl.Trainer, stage: str) -> None:
         self._collecting = self._stage == stage and not trainer.sanity_checking
@@ -268,84 +260,27 @@ class FeatureExtractor(HookCallback):
             return
         self._collecting = False
         if self.buffered_batches >= self.flush_every_n_batches:
-            self._flush(stage)
+            self._flush()
 
     def _finish(self, trainer: pl.Trainer, stage: str) -> None:
         if self._stage != stage:
             return
-        self._flush(stage)
-        if self._tensorboard is not None:
-            for layer, (_, rows) in self._samples.items():
-                tag = f"features/{stage}/{layer}"
-                self._tensorboard.experiment.add_embedding(rows, tag=tag, global_step=trainer.global_step)
+        self._flush()
+        if self._embeddings is not None:
+            self._embeddings.log(stage, trainer.global_step)
         self.detach()
         self._stage, self._collecting = None, False
 
-    def _flush(self, stage: str) -> None:
+    def _flush(self) -> None:
         if self._async_copies:  # the device-to-host copies must land before the host reads them
             torch.cuda.synchronize()
             self._async_copies = False
-        for layer, chunks in self._buffer.items():
-            if chunks:
-                features = torch.cat(chunks)
-                name = f"rank{self._rank}-shard{self._shard:05d}.pt"
-                torch.save(features, self.layer_dir(stage, layer) / name)
-                if self._tensorboard is not None:
-                    self._sample(layer, features)
+        assert self._writer is not None  # made by `_begin`, which set `self._stage` to `stage`
+        written = self._writer.write(self._buffer)
+        if self._embeddings is not None:
+            for layer, features in written.items():
+                self._embeddings.add(layer, features)
         self._buffer.clear()
-        self._shard += 1
-
-    def _sample(self, layer: str, features: Tensor) -> None:
-        """Keep a uniform random sample of rows: the ``embedding_samples`` smallest random keys."""
-        keys = torch.rand(len(features), generator=self._generator)
-        rows = features.reshape(len(features), -1).float()
-        if layer in self._samples:
-            kept_keys, kept_rows = self._samples[layer]
-            keys, rows = torch.cat([kept_keys, keys]), torch.cat([kept_rows, rows])
-        keep = keys.argsort()[: self.embedding_samples]
-        self._samples[layer] = (keys[keep], rows[keep])
-
-
-def load_features(
-    dirpath: Union[str, os.PathLike], layer: str, stage: Stage = "predict", rank: Optional[int] = None
-) -> Tensor:
-    """Load the outputs a :class:`FeatureExtractor` saved for one layer, as one tensor.
-
-    Shards are concatenated along dim 0 in order: by rank, then by shard index.
-
-    Args:
-        dirpath: The extractor's ``dirpath``.
-        layer: The layer's qualified name, as in ``FeatureExtractor.module_names``.
-        stage: The stage the features were extracted in.
-        rank: Load only this rank's shards; None (the default) loads every rank's.
-
-    Returns:
-        The features, on CPU.
-
-    Raises:
-        FileNotFoundError: If nothing was saved for this layer, stage and rank (the message
-            lists the layers that were).
-
-    Example::
-
-        features = load_features("features", "encoder.2", stage="predict")
-
-    """
-    folder = Path(dirpath) / stage / layer
-    shards = sorted(
-        (int(match[1]), int(match[2]), path)
-        for path in (folder.iterdir() if folder.is_dir() else [])
-        if (match := _SHARD.fullmatch(path.name)) and (rank is None or int(match[1]) == rank)
-    )
-    if not shards:
-        stage_dir = Path(dirpath) / stage
-        saved = sorted(p.name for p in stage_dir.iterdir()) if stage_dir.is_dir() else []
-        which = "" if rank is None else f" by rank {rank}"
-        raise FileNotFoundError(
-            f"No features saved{which} for layer {layer!r} in stage {stage!r} under {str(dirpath)!r}."
-            f" Layers saved for {stage!r}: {saved or 'none'}"
-        )
-    return torch.cat([torch.load(path, map_location="cpu", weights_only=True) for _, _, path in shards])
 
 
 def _first_tensor(output: Any) -> Optional[Tensor]:
