@@ -53,7 +53,8 @@ def _stacked(norms: list[Tensor], device: torch.device) -> Tensor:
     """``norms`` as one float64 tensor on ``device``; empty if there are none."""
     if not norms:
         return torch.zeros(0, dtype=torch.float64, device=device)
-    return torch.stack([n.to(device) for n in norms]).double()
+    # One `to` per tensor is one ATen call each, kernel or not: only for norms elsewhere.
+    return torch.stack([n if n.device == device else n.to(device) for n in norms]).double()
 
 
 @torch.no_grad()

@@ -24,6 +24,8 @@ from typing import Any, Union
 import torch
 from torch import Tensor
 
+from lightning_hooks._device_stats import DeviceTable, accumulate_device_
+
 SUM_FIELDS = ("count", "finite", "sum", "sum_sq", "zeros", "nan", "posinf", "neginf", "calls")
 MAX_FIELDS = ("max", "neg_min")
 N_FIELDS = len(SUM_FIELDS) + len(MAX_FIELDS)
@@ -164,6 +166,8 @@ class Binning:
     def __init__(
         self, bins: Bins, device: torch.device, dtype: torch.dtype, low: float = 1e-6, high: float = 1e6
     ) -> None:
+        self._args = (bins, low, high, device, dtype)
+        self._device_table: DeviceTable | None = None
         edges = histogram_edges(bins, low, high).to(device, dtype)
         self.n_bins = edges.numel() - 1
         self._tiny = torch.finfo(dtype).tiny
@@ -182,6 +186,13 @@ class Binning:
         self.native: tuple[Tensor, Tensor, bool] | None = None
         if NATIVE_KERNEL and device.type == "cpu" and dtype == torch.float32:
             self.native = self._native_table()
+
+    def device_table(self) -> DeviceTable:
+        """The tables of the accelerator kernel, made at first use."""
+        if self._device_table is None:
+            bins, low, high, device, dtype = self._args
+            self._device_table = DeviceTable(histogram_edges(bins, low, high), _COL, N_FIELDS, device, dtype)
+        return self._device_table
 
     def _native_table(self) -> tuple[Tensor, Tensor, bool]:
         """The native kernel's bin table, its right edges, and whether one comparison suffices.
@@ -220,9 +231,11 @@ def accumulate_(row: Tensor, values: Tensor, binning: Binning, calls: int = 1) -
     """Add the statistics of flat floating ``values`` into stat ``row``, in place, on device.
 
     Contiguous float32 values on the CPU go through the fused native kernel when it is built
-    (one read of the values from memory); everything else through tensor ops (about thirty
-    light passes, no host synchronisation). Both give the same counts, extremes and histograms;
-    the native kernel's sums are float64-exact, the tensor ops' exact to float32 rounding.
+    (one read of the values from memory); values on an accelerator through the twelve kernels
+    of :func:`lightning_hooks._device_stats.accumulate_device_`; everything else (the CPU
+    without the native kernel, float64 on the CPU, ``torch.compile``) through tensor ops that
+    inductor fuses. All give the same counts, extremes and histograms, and no host
+    synchronisation; the sums are float64-exact in the native kernel and to rounding in the others.
 
     Args:
         row: One stat row (a view into a block from :func:`new_rows`), float64.
@@ -256,7 +269,10 @@ def accumulate_(row: Tensor, values: Tensor, binning: Binning, calls: int = 1) -
             _cstats.accumulate_f32(address, values.numel(), row.data_ptr(), binning.n_bins, table.data_ptr(),
                                    right.data_ptr(), fine, float(calls), torch.get_num_threads())
             return
-    _accumulate_tensors_(row, values, binning, calls)
+    if values.device.type == "cpu" or torch.compiler.is_compiling() or row.device != values.device:
+        _accumulate_tensors_(row, values, binning, calls)
+    else:
+        accumulate_device_(row, values, binning.device_table(), calls)
 
 
 def _accumulate_tensors_(row: Tensor, values: Tensor, binning: Binning, calls: int) -> None:

@@ -26,15 +26,21 @@ NAN, INF = math.nan, math.inf
 REQUIRE_NATIVE = os.environ.get("LIGHTNING_HOOKS_REQUIRE_NATIVE") == "1"
 
 
-@pytest.fixture(autouse=True, params=["native", "tensor-ops"])
+@pytest.fixture(autouse=True, params=["native", "tensor-ops", "accelerator"])
 def kernel(request, monkeypatch):
-    """Every test here runs against both kernels: the fused native one and the tensor-op one."""
+    """Every test here runs against every kernel: the fused native one, the tensor-op one, and the
+    accelerator one (run on the CPU here, in place of the tensor-op one)."""
     if request.param == "native":
         if stats._cstats is None and not REQUIRE_NATIVE:
             pytest.skip("the native kernel was not built (no C compiler at install time)")
         monkeypatch.setattr(stats, "NATIVE_KERNEL", True)
     else:
         monkeypatch.setattr(stats, "NATIVE_KERNEL", False)
+    if request.param == "accelerator":
+        monkeypatch.setattr(
+            stats, "_accumulate_tensors_", lambda row, values, binning, calls: stats.accumulate_device_(
+                row, values, binning.device_table(), calls)
+        )
     return request.param
 
 

@@ -1,0 +1,135 @@
+"""Kernel launches on the CPU, as the proxy for a GPU: per summarised tensor and per gradient check.
+
+On an accelerator the cost of a small op is its launch, so what counts is how many kernels each
+summarised tensor and each optimizer step's gradient check launch. This script counts, with
+``torch.profiler``, the ATen calls made at top level (each launches one kernel on a GPU; views
+and allocations, which launch none, are left out):
+
+- per ``accumulate_`` call, for the tensor-op kernel (the CPU fallback and ``torch.compile``) and
+  for the accelerator kernel (what a GPU runs), at several tensor sizes;
+- per gradient check (``GradientAnomalyStopping`` at an optimizer step), for models of 4 to 64
+  layers, to show it does not grow with the parameter count.
+
+    python benchmarks/kernels.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections import Counter
+from functools import partial
+from typing import Any, Callable
+
+import lightning as L
+import torch
+from torch import nn
+from torch.profiler import ProfilerActivity, profile
+from torch.utils.data import DataLoader, TensorDataset
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from lightning_hooks import GradientAnomalyStopping  # noqa: E402
+from lightning_hooks._device_stats import accumulate_device_  # noqa: E402
+from lightning_hooks.stats import Binning, _accumulate_tensors_, new_rows  # noqa: E402
+
+#: ATen calls that launch no kernel: views, reshapes, allocations.
+NO_KERNEL = {
+    "aten::view", "aten::reshape", "aten::_reshape_alias", "aten::select", "aten::slice", "aten::as_strided",
+    "aten::expand", "aten::expand_as", "aten::view_as", "aten::unsqueeze", "aten::squeeze", "aten::t",
+    "aten::transpose", "aten::permute", "aten::alias", "aten::detach", "aten::lift_fresh", "aten::unbind",
+    "aten::empty", "aten::empty_like", "aten::empty_strided", "aten::result_type",
+}
+
+
+def launches(fn: Callable[[], Any]) -> Counter:
+    """The kernel-launching ATen calls ``fn`` makes at top level (not those inside other ATen calls)."""
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        fn()
+    calls: Counter = Counter()
+    for event in prof.events():
+        if not event.name.startswith("aten::") or event.name in NO_KERNEL:
+            continue
+        parent = event.cpu_parent
+        while parent is not None and not parent.name.startswith("aten::"):
+            parent = parent.cpu_parent
+        if parent is None:
+            calls[event.name] += 1
+    return calls
+
+
+def per_tensor(sizes: list[int]) -> list[tuple[str, int, int]]:
+    """(kernel, size, launches) for one ``accumulate_`` call of each kernel on a float32 tensor."""
+    rows = []
+    for size in sizes:
+        values = torch.randn(size, generator=torch.Generator().manual_seed(0))
+        values[::97] = float("nan")
+        binning = Binning(128, values.device, values.dtype)
+        kernels = (
+            ("tensor-op", partial(_accumulate_tensors_, values=values, binning=binning, calls=1)),
+            ("accelerator", partial(accumulate_device_, values=values, table=binning.device_table(), calls=1)),
+        )
+        for name, kernel in kernels:
+            row = new_rows(1, binning.n_bins)[0]
+            kernel(row)  # warm: tables are made at first use
+            rows.append((name, size, sum(launches(partial(kernel, row)).values())))
+    return rows
+
+
+class _Stack(L.LightningModule):
+    def __init__(self, layers: int) -> None:
+        super().__init__()
+        self.net = nn.Sequential(*[nn.Linear(16, 16) for _ in range(layers)])
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return self.net(batch[0]).square().mean()
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=1e-3)
+
+
+class _ProfiledCheck(GradientAnomalyStopping):
+    """Counts the launches of its own check at the third optimizer step."""
+
+    def __init__(self) -> None:
+        super().__init__(action="skip", max_norm=1e6, prog_bar=False)
+        self.counted: Counter = Counter()
+
+    def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: Any, optimizer: Any) -> None:
+        if trainer.global_step != 2:
+            super().on_before_optimizer_step(trainer, pl_module, optimizer)
+            return
+        self.counted = launches(lambda: super(_ProfiledCheck, self).on_before_optimizer_step(
+            trainer, pl_module, optimizer))
+
+
+def per_check(depths: list[int]) -> list[tuple[int, int, int]]:
+    """(layers, parameters, launches) of one gradient check."""
+    rows = []
+    for layers in depths:
+        torch.manual_seed(0)
+        check = _ProfiledCheck()
+        trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=4, logger=False, callbacks=[check],
+                            enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False)
+        data = DataLoader(TensorDataset(torch.randn(32, 16)), batch_size=8)
+        trainer.fit(_Stack(layers), data)
+        rows.append((layers, 2 * layers, sum(check.counted.values())))
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes", type=int, nargs="+", default=[1_000, 100_000, 4_000_000])
+    parser.add_argument("--depths", type=int, nargs="+", default=[4, 16, 64])
+    args = parser.parse_args()
+    print("| kernel | values | kernel launches per summarised tensor |\n| --- | ---: | ---: |")
+    for name, size, count in per_tensor(args.sizes):
+        print(f"| {name} | {size:,} | {count} |")
+    print("\n| layers | parameters | kernel launches per gradient check |\n| ---: | ---: | ---: |")
+    for layers, params, count in per_check(args.depths):
+        print(f"| {layers} | {params} | {count} |")
+
+
+if __name__ == "__main__":
+    main()
