@@ -5,6 +5,7 @@ directory given as the first argument), and prints a few figures read back from 
 
     python examples/quickstart.py
     tensorboard --logdir runs/quickstart   # Histograms tab: activations/*, gradients/*
+                                           # Custom Scalars tab: one chart per stat across layers
 """
 
 from __future__ import annotations

@@ -18,11 +18,21 @@ from lightning_hooks._base import (
     in_backward,
 )
 from lightning_hooks.aggregate import StatBlock
-from lightning_hooks.selection import ModuleSelection
-from lightning_hooks.sinks import Histogram, log_histograms, log_scalars
-from lightning_hooks.stats import STAT_NAMES, Bins, bin_counts, histogram_edges, summarize
+from lightning_hooks.selection import ModuleSelection, check_limit, validate_limit
+from lightning_hooks.sinks import Charts, Histogram, log_histograms, log_layout, log_scalars
+from lightning_hooks.stats import (
+    DEFAULT_STATS,
+    DIVERGENCE_STATS,
+    STAT_NAMES,
+    Bins,
+    bin_counts,
+    histogram_edges,
+    summarize,
+)
 
 Stage = Literal["train", "validate"]
+
+_PREFIXES = {"train": "activations", "validate": "val_activations"}
 
 
 class ActivationMonitor(HookCallback):
@@ -38,10 +48,14 @@ class ActivationMonitor(HookCallback):
     the step's optimizer step is done (at the end of its last training batch) the rows are
     reduced across ranks once, copied to the host once, and logged at that step as
     ``activations/<module>/<stat>`` scalars to every logger and as ``activations/<module>``
-    histograms to TensorBoard and W&B. On other steps the hooks return at once.
+    histograms to TensorBoard and W&B. On other steps the hooks return at once. Each
+    TensorBoardLogger also gets a Custom Scalars layout, once, with one chart per stat that
+    draws every module (``std by layer``).
 
     Non-finite values are left out of the moments and the histogram and counted as
-    ``nan_count``, ``posinf_count`` and ``neginf_count``; a diverging run keeps logging.
+    ``nan_count``, ``posinf_count`` and ``neginf_count``; a diverging run keeps logging. Those
+    counters not in ``stats`` are logged for a module only at logged steps where they are not
+    zero, and at its next logged step (where the chart comes back to 0).
     Integer and bool outputs are summarised as floats, complex outputs by their magnitude;
     sparse, quantized and empty tensors are skipped.
 
@@ -51,7 +65,9 @@ class ActivationMonitor(HookCallback):
         modules: Which modules to watch: None (every leaf module with parameters, plus
             activation modules), a name glob, an ``nn.Module`` subclass, a predicate
             ``(name, module) -> bool``, or a list of globs and subclasses.
-        stats: Which scalars to log, from ``lightning_hooks.stats.STAT_NAMES``.
+        stats: Which scalars to log every logged step, from :data:`STAT_NAMES`; the default is
+            :data:`DEFAULT_STATS` (mean, std, abs_max, zero_fraction, nonfinite_fraction), and
+            ``stats=STAT_NAMES`` logs all twelve.
         histogram: Whether to write histograms to TensorBoard and W&B.
         bins: Histogram bins: a count of symmetric log-spaced bins covering all of float32,
             or increasing bin edges.
@@ -59,10 +75,14 @@ class ActivationMonitor(HookCallback):
             before the forward runs (so an in-place module reports the input it was given).
         stages: ``"train"``, and ``"validate"`` to log validation forwards (summed over the
             validation run, under ``val_activations/``, sanity check excluded).
+        max_modules: The most modules the selection may hold (None: no limit), so that a
+            default selection on a very large model fails before training with a hint instead
+            of logging thousands of tags a step.
 
     Raises:
         ValueError: For an unknown stat, ``bins`` < 1, ``log_every_n_steps`` < 1, an unknown
-            stage, or (in ``setup``, before training) a module pattern that matches nothing.
+            stage, a bad ``max_modules``, or (before training) a module pattern that matches
+            nothing or a selection of more than ``max_modules`` modules.
 
     Example::
 
@@ -76,15 +96,17 @@ class ActivationMonitor(HookCallback):
         self,
         log_every_n_steps: Optional[int] = None,
         modules: ModuleSelection = None,
-        stats: Sequence[str] = STAT_NAMES,
+        stats: Sequence[str] = DEFAULT_STATS,
         histogram: bool = True,
         bins: Bins = 128,
         inputs: bool = False,
         stages: Sequence[Stage] = ("train",),
+        max_modules: Optional[int] = 1000,
     ) -> None:
         super().__init__(modules)
         _validate_interval(log_every_n_steps)
         _validate_stats(stats, STAT_NAMES)
+        validate_limit("max_modules", max_modules)
         if (
             isinstance(stages, str)
             or not isinstance(stages, Sequence)
@@ -102,7 +124,9 @@ class ActivationMonitor(HookCallback):
         self.bins = bins
         self.inputs = inputs
         self.stages = tuple(stages)
+        self.max_modules = max_modules
         self._every = 1
+        self._diverged: dict[str, set[str]] = {}  # by prefix: counter tags non-zero when last logged
         self._blocks: dict[str, StatBlock] = {}
         self._block: Optional[StatBlock] = None
         self._pending_step: Optional[int] = None
@@ -110,14 +134,31 @@ class ActivationMonitor(HookCallback):
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         """Resolve modules and the logging interval before training starts."""
         super().setup(trainer, pl_module, stage)
+        self._check_size()
         self._every = _log_interval(self.log_every_n_steps, trainer)
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        """Register the hooks, then size the per-step buffers to the modules they went on."""
+        """Register the hooks, size the per-step buffers to the modules they went on, write the layout."""
         super().on_fit_start(trainer, pl_module)
+        self._check_size()
         names = self.module_names + ([f"{n}.input" for n in self.module_names] if self.inputs else [])
         self._blocks = {s: StatBlock(names, self.bins, pl_module.device) for s in self.stages}
-        self._block, self._pending_step = None, None
+        self._block, self._pending_step, self._diverged = None, None, {}
+        log_layout(trainer, {_PREFIXES[s]: self._charts(_PREFIXES[s]) for s in self.stages}, trainer.global_step)
+
+    def _check_size(self) -> None:
+        """Refuse a selection of more than ``max_modules`` modules, before training."""
+        tags = (len(self.stats) + self.histogram) * (1 + self.inputs)
+        check_limit(type(self).__name__, "max_modules", self.max_modules, len(self._targets), tags,
+                    self.module_names)
+
+    def _charts(self, prefix: str) -> Charts:
+        """One Custom Scalars chart per stat, each drawing every module, and one for the counters."""
+        charts: dict[str, list[str]] = {f"{stat} by layer": [rf"{prefix}/.*/{stat}$"] for stat in self.stats}
+        counters = [s for s in DIVERGENCE_STATS if s not in self.stats]
+        if counters:
+            charts["non-finite counts by layer"] = [rf"{prefix}/.*/({'|'.join(counters)})$"]
+        return charts
 
     def _register(self, index: int, name: str, module: nn.Module) -> list[RemovableHandle]:
         input_index = index + len(self._targets)
@@ -199,13 +240,24 @@ class ActivationMonitor(HookCallback):
             return
         edges = block.edges.tolist()
         scalars: dict[str, float] = {}
+        counters: dict[str, float] = {}
         histograms: list[Histogram] = []
+        due = self._diverged.get(prefix, set())
         for name, row in zip(block.names, rows):
             summary = summarize(row)
             if summary["calls"] == 0:
                 continue
             scalars.update({f"{prefix}/{name}/{stat}": summary[stat] for stat in self.stats})
+            counters.update(self._counters(f"{prefix}/{name}", summary, due))
             if self.histogram:
                 histograms.append((f"{prefix}/{name}", summary, bin_counts(row)))
+        # Those not zero now are due at the next logged step; one due but not logged now (its
+        # module was not called) stays due.
+        self._diverged[prefix] = {tag for tag, value in counters.items() if value > 0} | (due - counters.keys())
         log_histograms(trainer, histograms, edges, step)
-        log_scalars(trainer, scalars, step)
+        log_scalars(trainer, {**scalars, **counters}, step)
+
+    def _counters(self, row_tag: str, summary: dict[str, float], due: set[str]) -> dict[str, float]:
+        """The divergence counters not in ``stats`` to log: those not zero, and those ``due``."""
+        tags = {stat: f"{row_tag}/{stat}" for stat in DIVERGENCE_STATS if stat not in self.stats}
+        return {tag: summary[stat] for stat, tag in tags.items() if summary[stat] > 0 or tag in due}

@@ -15,8 +15,8 @@ from lightning_hooks._gradient_check import Check, GradientCheck, Step, _check_b
 from lightning_hooks._sharding import ShardGroups, local
 from lightning_hooks.aggregate import StatBlock
 from lightning_hooks.anomalies import AnomalyReport
-from lightning_hooks.selection import ModuleSelection
-from lightning_hooks.sinks import HISTOGRAM_LOGGERS, Histogram, log_histograms, log_scalars
+from lightning_hooks.selection import ModuleSelection, check_limit, validate_limit
+from lightning_hooks.sinks import HISTOGRAM_LOGGERS, Charts, Histogram, log_histograms, log_layout, log_scalars
 from lightning_hooks.stats import STAT_NAMES, Bins, bin_counts, histogram_edges, summarize
 
 Granularity = Literal["parameter", "module"]
@@ -41,7 +41,9 @@ class GradientMonitor(GradientCheck):
     ``torch.nn.utils.get_total_norm`` gives it; per parameter group as
     ``gradients/total_norm/group<i>`` when there are several), any other ``stats``, and
     ``gradients/<name>`` histograms to TensorBoard and W&B (only when a ``TensorBoardLogger``
-    or ``WandbLogger`` is attached), with non-finite values left out and counted.
+    or ``WandbLogger`` is attached), with non-finite values left out and counted. Each
+    TensorBoardLogger also gets a Custom Scalars layout, once: one chart per stat drawing
+    every row (``norm by parameter``), the total norms, and the anomaly flags.
 
     At every optimizer step it computes the anomaly flags, and logs them as 0/1 scalars on
     logged steps, on every step that raises one, and on the step after (where they come back
@@ -88,10 +90,14 @@ class GradientMonitor(GradientCheck):
             non-finite in the order backward reached them.
         save_dir: Save the batch and the model state of each reported step here, for replay.
         prog_bar: Show the count of anomalous steps in the progress bar.
+        max_rows: The most rows (parameters, or modules with ``"module"``) to log (None: no
+            limit), so that a very large model fails before training with a hint instead of
+            logging thousands of tags a step.
 
     Raises:
-        ValueError: For a bad ``log_every_n_steps``, ``granularity``, stat, ``bins`` or
-            threshold, or (in ``setup``, before training) a module pattern that matches nothing.
+        ValueError: For a bad ``log_every_n_steps``, ``granularity``, stat, ``bins``,
+            threshold or ``max_rows``, or (before training) a module pattern that matches
+            nothing or more than ``max_rows`` rows.
         TypeError: If ``histogram``, ``provenance`` or ``prog_bar`` is not a bool, or
             ``save_dir`` not a path.
 
@@ -121,6 +127,7 @@ class GradientMonitor(GradientCheck):
         provenance: bool = False,
         save_dir: Optional[str] = None,
         prog_bar: bool = True,
+        max_rows: Optional[int] = 1000,
     ) -> None:
         super().__init__(modules, check_finite, max_norm, relative_threshold, min_norm, window,
                          provenance, save_dir)
@@ -131,8 +138,9 @@ class GradientMonitor(GradientCheck):
         histogram_edges(bins)  # validates `bins`
         _check_bool("histogram", histogram)
         _check_bool("prog_bar", prog_bar)
+        validate_limit("max_rows", max_rows)
         self.log_every_n_steps, self.granularity, self.stats = log_every_n_steps, granularity, tuple(stats)
-        self.histogram, self.bins, self.prog_bar = histogram, bins, prog_bar
+        self.histogram, self.bins, self.prog_bar, self.max_rows = histogram, bins, prog_bar, max_rows
         self.last_report: Optional[AnomalyReport] = None
         self._anomalies = 0
         self._fired: frozenset[str] = frozenset()
@@ -163,15 +171,24 @@ class GradientMonitor(GradientCheck):
         self._every = _log_interval(self.log_every_n_steps, trainer)
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        """Register the hooks, choose the rows and allocate their buffers on the module's device."""
+        """Register the hooks, choose the rows, allocate their buffers on the module's device, write the layout."""
         super().on_fit_start(trainer, pl_module)
         self._raised = False
         self._rows = self._select_rows(pl_module)
         self._histograms = self.histogram and any(isinstance(lg, HISTOGRAM_LOGGERS) for lg in trainer.loggers)
-        needs_rows = self._histograms or any(s != "norm" for s in self.stats)
         names = [name for name, _ in self._rows]
+        owners = names if self.granularity == "module" else [n.rpartition(".")[0] for n in names]
+        check_limit(type(self).__name__, "max_rows", self.max_rows, len(names), len(self.stats) + self._histograms,
+                    owners)
+        needs_rows = self._histograms or any(s != "norm" for s in self.stats)
         self._block = StatBlock(names, self.bins, pl_module.device) if needs_rows and names else None
         self._row_shards = ShardGroups([params[0] for _, params in self._rows])
+        log_layout(trainer, {"gradients": self._charts()}, trainer.global_step)
+
+    def _charts(self) -> Charts:
+        """One Custom Scalars chart per stat drawing every row, one of the total norms, one of the flags."""
+        charts: dict[str, list[str]] = {f"{s} by {self.granularity}": [rf"gradients/.*/{s}$"] for s in self.stats}
+        return {**charts, "total norm": [r"gradients/total_norm(/group\d+)?$"], "anomaly flags": [r"anomalies/"]}
 
     def detach(self) -> None:
         """Remove the hooks and drop the rows' references to parameters."""

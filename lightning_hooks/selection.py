@@ -5,7 +5,7 @@ from __future__ import annotations
 import difflib
 import fnmatch
 from collections.abc import Callable, Sequence
-from typing import Union
+from typing import Any, Optional, Union
 
 from torch import nn
 
@@ -115,6 +115,49 @@ def select_modules(
         )
     first_names = {id(m): n for n, m in reversed(named)}
     return list({id(m): (first_names[id(m)], m) for _, m in chosen}.values())
+
+
+def validate_limit(argument: str, value: Any) -> None:
+    """Check a ``max_modules``-style argument: a positive int (not a bool) or None for no limit."""
+    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+        raise ValueError(f"`{argument}` must be a positive int, or None for no limit, got {value!r}")
+
+
+def check_limit(owner: str, argument: str, limit: Optional[int], rows: int, tags_per_row: int,
+                module_names: list[str]) -> None:
+    """Raise, before training, when a callback would log more rows than ``limit`` allows.
+
+    Args:
+        owner: The callback, for the message (e.g. ``"ActivationMonitor"``).
+        argument: The limit's argument name (e.g. ``"max_modules"``).
+        limit: The most rows allowed, or None for no limit.
+        rows: How many rows (modules or parameters) the callback would log.
+        tags_per_row: How many tags each row logs at a logged step.
+        module_names: The modules behind the rows, to suggest a narrower glob from.
+
+    Raises:
+        ValueError: If there are more than ``limit`` rows; the message says how many tags they
+            would log and suggests a ``modules=`` glob built from the model's own names.
+    """
+    if limit is None or rows <= limit:
+        return
+    glob = _per_block_glob(module_names)
+    example = f"modules={glob!r} for one module a block, " if glob else ""
+    raise ValueError(
+        f"{owner} would log {rows} rows ({rows * tags_per_row} tags a logged step), over `{argument}`={limit}:"
+        f" too many charts to read, and slow for TensorBoard to load. Narrow `modules=` (e.g. {example}or"
+        f" modules=nn.LayerNorm), or raise `{argument}` (None: no limit)."
+    )
+
+
+def _per_block_glob(names: list[str]) -> Optional[str]:
+    """A glob taking one module a block: the first name with an index in it, that index made ``*``."""
+    for name in names:
+        parts = name.split(".")
+        index = next((i for i, part in enumerate(parts) if part.isdigit()), None)
+        if index is not None:
+            return ".".join([*parts[:index], "*", *parts[index + 1 :]])
+    return None
 
 
 def _is_compiled(module: nn.Module) -> bool:

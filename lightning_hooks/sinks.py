@@ -1,16 +1,18 @@
-"""Writing figures to Lightning loggers: scalars anywhere, histograms to TensorBoard and W&B, text to TensorBoard."""
+"""Writing to loggers: scalars anywhere, histograms to TensorBoard and W&B, text and layouts to TensorBoard."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping, Sequence
 from typing import Any
+from weakref import WeakKeyDictionary
 
 import lightning.pytorch as pl
 import numpy as np
 from lightning.pytorch.loggers import Logger, TensorBoardLogger, WandbLogger
 from tensorboard.compat.proto.summary_pb2 import Summary
 from torch.utils.tensorboard import SummaryWriter
-from torch.utils.tensorboard.summary import histogram_raw
+from torch.utils.tensorboard.summary import custom_scalars, histogram_raw
 
 
 def log_scalars(trainer: pl.Trainer | Any, metrics: Mapping[str, float], step: int) -> None:
@@ -129,3 +131,48 @@ def log_text(trainer: pl.Trainer | Any, tag: str, text: str, step: int) -> None:
     for logger in trainer.loggers:
         if isinstance(logger, TensorBoardLogger):
             logger.experiment.add_text(tag, text, global_step=step)
+
+
+Charts = Mapping[str, Sequence[str]]
+"""Custom-scalars charts: each chart's title and the tag regexes whose series it draws."""
+
+# The layout each TensorBoard writer has been given so far, by category: callbacks add to it.
+_LAYOUTS: WeakKeyDictionary[Any, dict[str, dict[str, list[str]]]] = WeakKeyDictionary()
+
+
+def log_layout(trainer: pl.Trainer | Any, categories: Mapping[str, Charts], step: int) -> None:
+    """Add charts to the TensorBoard Custom Scalars layout of every TensorBoardLogger, from rank zero.
+
+    TensorBoard serves the last layout written to a run (and merges runs' layouts by category
+    title), so each writer keeps the union of every category given to it so far, and each call
+    that adds a chart writes that whole union once: several callbacks add to one layout instead
+    of replacing each other's. A call that adds nothing writes nothing. Each chart draws every
+    scalar whose tag a regex matches from its start (``re.match``); a logger's ``prefix`` is put
+    in front of the regexes, as it is in front of the tags.
+
+    Args:
+        trainer: The trainer whose loggers receive the layout.
+        categories: Charts by category title, e.g.
+            ``{"activations": {"std by layer": [r"activations/.*/std$"]}}``.
+        step: The global step to write the layout at.
+    """
+    if not trainer.is_global_zero:
+        return
+    for logger in trainer.loggers:
+        if not isinstance(logger, TensorBoardLogger):
+            continue
+        lead = re.escape(f"{logger._prefix}{logger.LOGGER_JOIN_CHAR}") if logger._prefix else ""
+        layout = _LAYOUTS.setdefault(logger.experiment, {})
+        before = {title: dict(charts) for title, charts in layout.items()}
+        for title, charts in categories.items():
+            if charts:
+                layout.setdefault(title, {}).update({chart: [lead + r for r in tags] for chart, tags in charts.items()})
+        if layout == before:
+            continue
+        spec = {title: {chart: ["Multiline", regexes] for chart, regexes in charts.items()}
+                for title, charts in layout.items()}
+        events = _event_writer(logger)
+        if events is not None:
+            events.add_summary(custom_scalars(spec), step)
+        else:  # tensorboardX: its own method, same layout
+            logger.experiment.add_custom_scalars(spec)

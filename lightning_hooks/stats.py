@@ -39,6 +39,12 @@ STAT_NAMES = (
     "nan_count", "posinf_count", "neginf_count", "count", "calls",
 )
 
+#: The statistics ActivationMonitor logs by default: those that move on a healthy run.
+DEFAULT_STATS = ("mean", "std", "abs_max", "zero_fraction", "nonfinite_fraction")
+
+#: Counters of non-finite values: zero on a healthy run, so logged only while they are not.
+DIVERGENCE_STATS = ("nan_count", "posinf_count", "neginf_count")
+
 Bins = Union[int, Sequence[float]]
 
 _NATIVE_ABI = 4  # _cstats.c's ABI_VERSION: a build left over from older sources is not used

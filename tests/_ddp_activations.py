@@ -12,7 +12,7 @@ from lightning.pytorch.loggers import TensorBoardLogger
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from lightning_hooks import ActivationMonitor  # noqa: E402
+from lightning_hooks import STAT_NAMES, ActivationMonitor  # noqa: E402
 from tests.helpers import TinyNet, forward_hook_count, loader  # noqa: E402
 
 
@@ -36,7 +36,7 @@ def main(out_dir: str) -> None:
     record = RecordLocal(out_dir)
     trainer = L.Trainer(
         accelerator="cpu", devices=2, strategy="ddp", max_steps=3, log_every_n_steps=2,
-        logger=TensorBoardLogger(out_dir, name="", version=""), callbacks=[ActivationMonitor(), record],
+        logger=TensorBoardLogger(out_dir, name="", version=""), callbacks=[ActivationMonitor(stats=STAT_NAMES), record],
         enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
     )
     trainer.fit(model, loader(n=64, batch_size=4))

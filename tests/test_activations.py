@@ -6,7 +6,7 @@ import pytest
 import torch
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 
-from lightning_hooks import ActivationMonitor
+from lightning_hooks import STAT_NAMES, ActivationMonitor
 from tests.helpers import TinyNet, csv_metrics, events, forward_hook_count, loader, trainer
 
 
@@ -31,7 +31,8 @@ def test_stats_equal_torch_on_the_same_input(tmp_path):
     model = TinyNet()
     initial = copy.deepcopy(model)
     data = loader()
-    run = trainer(tmp_path, [ActivationMonitor(log_every_n_steps=5)], logger=CSVLogger(tmp_path), max_steps=1)
+    monitor = ActivationMonitor(log_every_n_steps=5, stats=STAT_NAMES)
+    run = trainer(tmp_path, [monitor], logger=CSVLogger(tmp_path), max_steps=1)
     run.fit(model, data)
     row = csv_metrics(str(tmp_path))[0]
     x, _ = next(iter(data))
@@ -127,6 +128,8 @@ def test_hooks_removed_after_an_exception_in_training_step(tmp_path):
         (dict(log_every_n_steps=True), "`log_every_n_steps` must be a positive int"),
         (dict(modules=[]), "empty list"),
         (dict(modules=3), "`modules` must be None"),
+        (dict(max_modules=0), r"`max_modules` must be a positive int, or None for no limit, got 0"),
+        (dict(max_modules=True), "`max_modules` must be a positive int"),
     ],
 )
 def test_bad_config_fails_in_the_constructor(kwargs, error):

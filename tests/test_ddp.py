@@ -57,3 +57,10 @@ def test_hooks_attach_on_every_rank_and_are_removed_after_fit(ddp_run):
     assert [r["hooks_during"] for r in ranks] == [3, 3]  # on the LightningModule, not the DDP wrapper
     assert [r["hooks_after"] for r in ranks] == [0, 0]
     assert [r["global_step"] for r in ranks] == [3, 3]
+
+
+def test_rank_zero_writes_the_layout_once(ddp_run):
+    out, _ = ddp_run
+    assert len(list(out.rglob("events.out.tfevents.*"))) == 1
+    (layout,) = events(str(out)).Tensors("custom_scalars__config__")
+    assert b"activations/.*/std$" in layout.tensor_proto.string_val[0]

@@ -30,6 +30,7 @@ def logged(rows: list[dict[str, str]], tag: str) -> dict[int, float]:
         ({"bins": 0}, r"`bins` must be a positive int"),
         ({"max_norm": -1}, r"`max_norm` must be a finite number > 0 or None, got -1"),
         ({"modules": []}, r"`modules` is an empty list"),
+        ({"max_rows": 0}, r"`max_rows` must be a positive int, or None for no limit, got 0"),
     ],
 )
 def test_bad_settings_fail_at_construction(kwargs, match):

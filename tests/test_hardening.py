@@ -1,6 +1,7 @@
 """ActivationMonitor under stress, through real ``Trainer.fit`` runs, with figures read back from
 the logs: odd outputs, repeated calls, divergence, in-place ops, interruptions, evaluation
-forwards, gradient accumulation, long runs, resuming, and torch.compile."""
+forwards, gradient accumulation, long runs, resuming, and torch.compile. The monitors log all of
+``STAT_NAMES``: the counts are what these tests check."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from torch import nn
 
-from lightning_hooks import ActivationMonitor, GradientMonitor
+from lightning_hooks import STAT_NAMES, ActivationMonitor, GradientMonitor
 from tests.helpers import events, forward_hook_count, trainer
 from tests.zoo import (
     ZOO_SILENT,
@@ -98,7 +99,7 @@ def test_the_zoo_trains_and_every_call_and_count_is_true(tmp_path):
     torch.manual_seed(0)
     net = Zoo()
     names = [n for n, _ in net.named_modules() if n]
-    monitor = ActivationMonitor(log_every_n_steps=1, modules=[f"net.{n}" for n in names])
+    monitor = ActivationMonitor(stats=STAT_NAMES, log_every_n_steps=1, modules=[f"net.{n}" for n in names])
     run = trainer(tmp_path, [monitor], logger=[csv_logger(tmp_path), tb_logger(tmp_path)], max_steps=2)
     run.fit(LitNet(net), zoo_loader(16, 8))
 
@@ -123,7 +124,7 @@ def test_the_zoo_trains_and_every_call_and_count_is_true(tmp_path):
 def test_the_zoo_with_inputs_and_validation_never_disables_a_hook(tmp_path):
     torch.manual_seed(0)
     net = Zoo()
-    monitor = ActivationMonitor(log_every_n_steps=1, inputs=True, stages=("train", "validate"))
+    monitor = ActivationMonitor(stats=STAT_NAMES, log_every_n_steps=1, inputs=True, stages=("train", "validate"))
     run = trainer(tmp_path, [monitor], logger=csv_logger(tmp_path), max_epochs=1, max_steps=-1,
                   num_sanity_val_steps=1)
     with warnings.catch_warnings(record=True) as caught:
@@ -164,7 +165,7 @@ def test_a_diverging_run_keeps_logging_true_counts(tmp_path):
     x = diverging_batches()
     data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x.view(-1, F), torch.zeros(20, 1)), 4)
     net = nn.Sequential(Tap(), nn.Linear(F, F), nn.Linear(F, 1))
-    monitor = ActivationMonitor(log_every_n_steps=1, modules=["net.0", "net.1"])
+    monitor = ActivationMonitor(stats=STAT_NAMES, log_every_n_steps=1, modules=["net.0", "net.1"])
     run = trainer(tmp_path, [monitor], logger=[csv_logger(tmp_path), tb_logger(tmp_path)], max_steps=5)
     run.fit(LitNet(net), data)  # never raises
 
@@ -227,7 +228,7 @@ def test_in_place_relu_and_residual_add_train_unchanged_and_are_measured_right(t
         return model, recorder
 
     plain, _ = fit([], False)
-    monitor = ActivationMonitor(log_every_n_steps=1, inputs=True)
+    monitor = ActivationMonitor(stats=STAT_NAMES, log_every_n_steps=1, inputs=True)
     watched, recorder = fit([monitor], csv_logger(tmp_path))
     for a, b in zip(plain.parameters(), watched.parameters()):
         assert torch.equal(a, b)  # watching never changes training
@@ -265,7 +266,7 @@ class Interrupted(LitNet):
 
 def test_hooks_removed_after_keyboard_interrupt(tmp_path):
     model = Interrupted(mlp())
-    spy, monitor = OnException(), ActivationMonitor(log_every_n_steps=1)
+    spy, monitor = OnException(), ActivationMonitor(stats=STAT_NAMES, log_every_n_steps=1)
     handler = signal.getsignal(signal.SIGINT)
     try:
         with pytest.raises(SystemExit):  # Lightning's graceful shutdown ends in sys.exit(1)
@@ -288,7 +289,7 @@ class StopAt(L.Callback):
 
 def test_hooks_removed_when_another_callback_stops_training(tmp_path):
     model = LitNet(mlp())
-    monitor = ActivationMonitor(log_every_n_steps=1)
+    monitor = ActivationMonitor(stats=STAT_NAMES, log_every_n_steps=1)
     trainer(tmp_path, [StopAt(2), monitor], logger=csv_logger(tmp_path), max_steps=-1,
             max_epochs=3).fit(model, zoo_loader(64, 8))
     assert model.trainer.global_step == 3
@@ -308,7 +309,7 @@ class WithHostile(nn.Module):
 
 def test_a_hook_that_raises_warns_once_and_the_others_keep_logging(tmp_path):
     model = LitNet(WithHostile())
-    monitor = ActivationMonitor(log_every_n_steps=1, modules=["net.lin", "net.hostile", "net.relu"])
+    monitor = ActivationMonitor(stats=STAT_NAMES, log_every_n_steps=1, modules=["net.lin", "net.hostile", "net.relu"])
     run = trainer(tmp_path, [monitor], logger=csv_logger(tmp_path), max_steps=6)
     with pytest.warns(UserWarning, match=r"'net.hostile' raised RuntimeError: values are not ready") as rec:
         run.fit(model, zoo_loader(48, 8))  # its output cannot be read from the third call on
@@ -323,7 +324,7 @@ def test_a_hook_that_raises_warns_once_and_the_others_keep_logging(tmp_path):
 
 def test_copy_and_save_after_fit(tmp_path):
     model = LitNet(mlp())
-    monitor = ActivationMonitor(log_every_n_steps=1, inputs=True)
+    monitor = ActivationMonitor(stats=STAT_NAMES, log_every_n_steps=1, inputs=True)
     trainer(tmp_path, [monitor], logger=False, max_steps=2).fit(model, zoo_loader(16, 8))
     x = torch.randn(3, F)
     twin = copy.deepcopy(model)
@@ -337,7 +338,7 @@ def test_second_fit_never_doubles_and_user_hooks_survive(tmp_path):
     model = LitNet(mlp())
     user = Recorder(model, model.net[0])
     user_pre = model.net[2].register_forward_pre_hook(lambda module, args: None)
-    monitor, counter = ActivationMonitor(log_every_n_steps=1, inputs=True), HookCounter()
+    monitor, counter = ActivationMonitor(stats=STAT_NAMES, log_every_n_steps=1, inputs=True), HookCounter()
     for _ in range(2):
         trainer(tmp_path, [monitor, counter], logger=False, max_steps=2, num_sanity_val_steps=1,
                 limit_val_batches=1).fit(model, zoo_loader(16, 8), zoo_loader(8, 8))
@@ -354,7 +355,7 @@ def test_second_fit_never_doubles_and_user_hooks_survive(tmp_path):
 def test_validation_sanity_check_and_predict_forwards_do_not_count(tmp_path):
     model = LitNet(mlp())
     recorder = Recorder(model, model.net[0])
-    monitor = ActivationMonitor(log_every_n_steps=1)
+    monitor = ActivationMonitor(stats=STAT_NAMES, log_every_n_steps=1)
     run = trainer(tmp_path, [monitor], logger=csv_logger(tmp_path), max_steps=-1, max_epochs=2,
                   num_sanity_val_steps=2, val_check_interval=2, limit_val_batches=3)
     run.fit(model, zoo_loader(32, 8), zoo_loader(40, 8, seed=1))
@@ -379,7 +380,7 @@ def test_validation_sanity_check_and_predict_forwards_do_not_count(tmp_path):
 def test_validation_is_logged_apart_when_asked(tmp_path):
     model = LitNet(mlp())
     recorder = Recorder(model, model.net[0])
-    monitor = ActivationMonitor(log_every_n_steps=1, stages=("train", "validate"))
+    monitor = ActivationMonitor(stats=STAT_NAMES, log_every_n_steps=1, stages=("train", "validate"))
     run = trainer(tmp_path, [monitor], logger=csv_logger(tmp_path), max_steps=-1, max_epochs=2,
                   num_sanity_val_steps=2, limit_val_batches=3)
     run.fit(model, zoo_loader(32, 8), zoo_loader(40, 8, seed=1))
@@ -398,7 +399,7 @@ def test_validation_is_logged_apart_when_asked(tmp_path):
 def test_steps_are_global_steps_under_gradient_accumulation(tmp_path):
     model = LitNet(mlp())
     recorder = Recorder(model, model.net[1])
-    monitor = ActivationMonitor(log_every_n_steps=2)
+    monitor = ActivationMonitor(stats=STAT_NAMES, log_every_n_steps=2)
     run = trainer(tmp_path, [monitor], logger=[csv_logger(tmp_path), tb_logger(tmp_path)], max_steps=-1,
                   max_epochs=2, accumulate_grad_batches=2)
     run.fit(model, zoo_loader(64, 8))  # 8 batches an epoch: 4 optimizer steps an epoch
@@ -452,7 +453,7 @@ def test_no_memory_growth_over_many_logged_steps(tmp_path):
     """Activations and gradients logged at every one of 5,000 steps, provenance on."""
     steps = int(os.environ.get("LIGHTNING_HOOKS_MEMORY_STEPS", 5000))
     probe = MemoryProbe(first=200, last=steps, window=200)
-    monitor = ActivationMonitor(log_every_n_steps=1)
+    monitor = ActivationMonitor(stats=STAT_NAMES, log_every_n_steps=1)
     gradients = GradientMonitor(log_every_n_steps=1, provenance=True, max_norm=1e6)
     run = trainer(tmp_path, [monitor, gradients, probe], logger=csv_logger(tmp_path), max_steps=steps)
     run.fit(LitNet(mlp()), zoo_loader(4 * steps, 4))
@@ -477,16 +478,16 @@ def test_resume_from_checkpoint_registers_once_and_continues_the_steps(tmp_path,
         run.fit(LitNet(mlp(seed=version)), zoo_loader(32, 8), ckpt_path=ckpt_path)  # 4 steps an epoch
         return counter
 
-    monitor = ActivationMonitor(log_every_n_steps=2)
+    monitor = ActivationMonitor(stats=STAT_NAMES, log_every_n_steps=2)
     first = fit(monitor, 1, 0)
-    second = fit(monitor if same_monitor else ActivationMonitor(log_every_n_steps=2), 2, 1,
+    second = fit(monitor if same_monitor else ActivationMonitor(stats=STAT_NAMES, log_every_n_steps=2), 2, 1,
                  ckpt_path=tmp_path / "ckpt" / "last.ckpt")
     assert first.train == [3] * 4 and second.train == [3] * 4  # one hook per module, every batch
     assert sorted(series(tmp_path, 0)["activations/net.0/count"]) == [0, 2]
     assert sorted(series(tmp_path, 1)["activations/net.0/count"]) == [4, 6]
 
     reference = tmp_path / "reference"
-    trainer(reference, [ActivationMonitor(log_every_n_steps=2)], logger=csv_logger(reference),
+    trainer(reference, [ActivationMonitor(stats=STAT_NAMES, log_every_n_steps=2)], logger=csv_logger(reference),
             max_steps=-1, max_epochs=2).fit(LitNet(mlp()), zoo_loader(32, 8))
     straight, resumed = series(reference), series(tmp_path, 1)
     for stat in ("mean", "std", "max", "zero_fraction"):
@@ -506,7 +507,7 @@ def _compiled_run(tmp_path, backend):
     counters.clear()
     net = mlp()
     compiled = torch.compile(net, backend=backend)
-    monitor = ActivationMonitor(log_every_n_steps=2)
+    monitor = ActivationMonitor(stats=STAT_NAMES, log_every_n_steps=2)
     trainer(tmp_path, [monitor], logger=csv_logger(tmp_path), max_steps=6).fit(LitNet(compiled), zoo_loader(64, 8))
     graphs, breaks = counters["stats"]["unique_graphs"], sum(counters["graph_break"].values())
     return monitor, net, compiled, series(tmp_path), graphs, breaks
@@ -524,7 +525,7 @@ def _compiled_run(tmp_path, backend):
 )
 def test_torch_compile_gives_the_eager_figures(tmp_path, backend):
     monitor, net, compiled, got, graphs, breaks = _compiled_run(tmp_path / "compiled", backend)
-    eager_monitor = ActivationMonitor(log_every_n_steps=2)
+    eager_monitor = ActivationMonitor(stats=STAT_NAMES, log_every_n_steps=2)
     trainer(tmp_path, [eager_monitor], logger=csv_logger(tmp_path), max_steps=6).fit(
         LitNet(mlp()), zoo_loader(64, 8))
     eager = series(tmp_path)

@@ -9,8 +9,9 @@ import torch
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from tensorboard.backend.event_processing.event_file_loader import RawEventFileLoader
 from tensorboard.compat.proto.event_pb2 import Event
+from tensorboard.plugins.custom_scalar import layout_pb2
 
-from lightning_hooks.sinks import log_histograms, log_scalars
+from lightning_hooks.sinks import log_histograms, log_layout, log_scalars
 from tests.helpers import TinyNet, events, loader, trainer
 
 
@@ -49,7 +50,26 @@ def test_prefixed_tensorboard_and_other_loggers_get_log_metrics(tmp_path):
 def test_nothing_is_written_off_rank_zero(tmp_path):
     logger = TensorBoardLogger(tmp_path, name="", version=0)
     log_scalars(SimpleNamespace(is_global_zero=False, loggers=[logger]), {"a": 1.0}, step=0)
+    log_layout(SimpleNamespace(is_global_zero=False, loggers=[logger]), {"a": {"a": ["a"]}}, step=0)
     assert not glob.glob(f"{tmp_path}/**/events.out.tfevents.*", recursive=True)
+
+
+def test_layouts_add_up_per_writer_and_each_addition_is_written_whole(tmp_path):
+    first, second = TensorBoardLogger(tmp_path, name="a", version=0), TensorBoardLogger(tmp_path, name="b", version=0)
+    log_layout(_trainer(first), {"activations": {"std": ["activations/.*/std$"]}}, step=3)
+    log_layout(_trainer(first, second), {"gradients": {"norm": ["gradients/.*/norm$"]}, "empty": {}}, step=3)
+    log_layout(_trainer(first), {"activations": {"std": ["activations/.*/std$"]}}, step=4)  # nothing new
+    log_layout(_trainer(first), {"activations": {"mean": ["activations/.*/mean$"]}}, step=5)
+    for logger in (first, second):
+        logger.experiment.flush()
+    got = {}
+    for name in ("a", "b"):
+        written = events(str(tmp_path / name)).Tensors("custom_scalars__config__")
+        got[name] = [(e.step, [(c.title, [ch.title for ch in c.chart]) for c in
+                               layout_pb2.Layout.FromString(e.tensor_proto.string_val[0]).category]) for e in written]
+    assert got["a"] == [(3, [("activations", ["std"])]), (3, [("activations", ["std"]), ("gradients", ["norm"])]),
+                        (5, [("activations", ["std", "mean"]), ("gradients", ["norm"])])]
+    assert got["b"] == [(3, [("gradients", ["norm"])])]
 
 
 class _FilteringLogger(TensorBoardLogger):

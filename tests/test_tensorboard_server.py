@@ -18,8 +18,8 @@ import torch
 from lightning.pytorch.loggers import TensorBoardLogger
 from torch import nn
 
-from lightning_hooks import ActivationMonitor
-from tests.helpers import trainer
+from lightning_hooks import STAT_NAMES, ActivationMonitor, GradientMonitor
+from tests.helpers import events, trainer
 from tests.zoo import F, LitNet
 
 RUN = "tb/version_0"
@@ -100,7 +100,7 @@ def test_tensorboard_serves_the_figures(tmp_path, serve):
     x = torch.randn(24, F, generator=torch.Generator().manual_seed(1))
     x[9, 2] = math.nan  # step 1 holds a NaN: one NaN row through the ReLU, then NaN weights
     data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, torch.zeros(24, 1)), batch_size=8)
-    monitor = ActivationMonitor(log_every_n_steps=1, modules=["net.1"])
+    monitor = ActivationMonitor(log_every_n_steps=1, modules=["net.1"], stats=STAT_NAMES)
     logger = TensorBoardLogger(tmp_path, name="tb", version=0)
     trainer(tmp_path, [monitor], logger=logger, max_steps=3).fit(LitNet(net), data)
     logger.experiment.flush()
@@ -136,3 +136,49 @@ def test_tensorboard_serves_the_figures(tmp_path, serve):
         assert buckets[-1][1] == pytest.approx(float(finite.max()))  # right edge of the last: true max
         zeros = [c for left, right, c in buckets if right == 0.0]
         assert zeros == [int((finite == 0).sum())]  # the (-1e-6, 0] bin holds the dead units
+
+
+class _Encoder(nn.Module):
+    """A 12-layer ``nn.TransformerEncoder`` (d_model 32) between a Linear embedding and a Linear head."""
+
+    def __init__(self, depth: int = 12, width: int = 32) -> None:
+        super().__init__()
+        self.embed = nn.Linear(F, width)
+        layer = nn.TransformerEncoderLayer(width, 4, 2 * width, dropout=0.0, batch_first=True)
+        self.encoder = nn.TransformerEncoder(layer, depth, enable_nested_tensor=False)
+        self.head = nn.Linear(width, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.encoder(self.embed(x))).mean(1)
+
+
+def test_a_12_layer_transformer_logs_a_few_hundred_tags_and_one_chart_per_stat_across_layers(tmp_path, serve):
+    torch.manual_seed(0)
+    x = torch.randn(16, 6, F, generator=torch.Generator().manual_seed(1))
+    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, torch.zeros(16, 1)), batch_size=8)
+    logger = TensorBoardLogger(tmp_path, name="tb", version=0)
+    model = LitNet(_Encoder())
+    trainer(tmp_path, [ActivationMonitor(), GradientMonitor()], logger=logger, max_steps=2).fit(model, data)
+    logger.experiment.flush()
+
+    # Per block: 5 modules (attention whole, linear1, linear2, norm1, norm2) x 5 stats and 12
+    # parameter norms; plus the embedding and head (2 x 5 + 4), the total norm and one flag.
+    tags = events(str(tmp_path)).Tags()
+    params = len(list(model.parameters()))
+    assert params == 12 * 12 + 4
+    assert len(tags["scalars"]) == (12 * 5 + 2) * 5 + params + 2 == 460
+    assert len(tags["histograms"]) == 12 * 5 + 2 + params == 210
+
+    get = serve(tmp_path)
+    _loaded(get, "activations/net.head/std")
+    layout = get("/data/plugin/custom_scalars/layout")
+    charts = {c["title"]: {ch["title"]: ch["multiline"]["tag"] for ch in c["chart"]} for c in layout["category"]}
+    assert list(charts) == ["activations", "gradients"]
+    for category, chart, rows in [("activations", "std by layer", 62), ("activations", "zero_fraction by layer", 62),
+                                  ("gradients", "norm by parameter", params)]:
+        (regex,) = charts[category][chart]
+        served = get("/data/plugin/custom_scalars/scalars", run=RUN, tag=regex)
+        assert served["regex_valid"] and len(served["tag_to_events"]) == rows, chart
+        assert all(len(points) == 2 for points in served["tag_to_events"].values())  # steps 0 and 1
+    encoder_3 = [t for t in get("/data/plugin/scalars/tags")[RUN] if re.search(r"encoder\.layers\.3\.", t)]
+    assert {t.split("/")[0] for t in encoder_3} == {"activations", "gradients"}  # one filter shows both
