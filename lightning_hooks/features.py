@@ -15,6 +15,7 @@ from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
 from lightning_hooks._base import HookCallback, in_backward
+from lightning_hooks._compat import TENSORBOARD_LOGGERS
 from lightning_hooks.selection import ModuleSelection
 
 Stage = Literal["fit", "validate", "test", "predict"]
@@ -255,7 +256,7 @@ class FeatureExtractor(HookCallback):
     def _find_tensorboard(self, trainer: pl.Trainer) -> Optional[TensorBoardLogger]:
         if not self.embedding_samples or not trainer.is_global_zero:
             return None
-        found = next((lg for lg in trainer.loggers if isinstance(lg, TensorBoardLogger)), None)
+        found = next((lg for lg in trainer.loggers if isinstance(lg, TENSORBOARD_LOGGERS)), None)
         if found is None:
             rank_zero_warn("FeatureExtractor: `embedding_samples` is set but there is no TensorBoardLogger")
         return found
