@@ -102,6 +102,12 @@ CALLBACKS = '''
 '''
 
 
+@pytest.fixture(autouse=True)
+def no_command_line(monkeypatch):
+    """LightningCLI(args=...) warns when sys.argv holds arguments as well: here, pytest's."""
+    monkeypatch.setattr(sys, "argv", sys.argv[:1])
+
+
 def write_project(tmp_path, max_steps: int = 2):
     (tmp_path / "clidemo.py").write_text(MODULE)
     config = textwrap.dedent(f"""
