@@ -13,7 +13,6 @@ from typing import Any
 
 import lightning.pytorch as lp
 import torch
-from lightning.pytorch.loggers import TensorBoardLogger, WandbLogger
 from lightning_utilities.core.overrides import is_overridden
 from torch import Tensor
 from torchmetrics import Metric
@@ -21,21 +20,21 @@ from torchmetrics import Metric
 try:
     import pytorch_lightning as ptl
 except ImportError:  # the standalone package is optional
-    ptl = None
+    ptl = None  # type: ignore[assignment]
 
 _PACKAGES: tuple[Any, ...] = (lp,) if ptl is None else (lp, ptl)
 
 #: The Callback base class of each installed package; HookCallback derives from all of them.
-CALLBACK_BASES: tuple[type, ...] = tuple(package.Callback for package in _PACKAGES)
+CALLBACK_BASES: tuple[type[lp.Callback], ...] = tuple(package.Callback for package in _PACKAGES)
 
 #: LightningModule of each installed package.
-LIGHTNING_MODULES: tuple[type, ...] = tuple(package.LightningModule for package in _PACKAGES)
+LIGHTNING_MODULES: tuple[type[lp.LightningModule], ...] = tuple(package.LightningModule for package in _PACKAGES)
 
-#: TensorBoardLogger of each installed package.
-TENSORBOARD_LOGGERS: tuple[type, ...] = (TensorBoardLogger,) + (() if ptl is None else (ptl.loggers.TensorBoardLogger,))
+#: TensorBoardLogger of each installed package (Any: the classes are unrelated, their interfaces the same).
+TENSORBOARD_LOGGERS: tuple[type[Any], ...] = tuple(package.loggers.TensorBoardLogger for package in _PACKAGES)
 
 #: WandbLogger of each installed package.
-WANDB_LOGGERS: tuple[type, ...] = (WandbLogger,) + (() if ptl is None else (ptl.loggers.WandbLogger,))
+WANDB_LOGGERS: tuple[type[Any], ...] = tuple(package.loggers.WandbLogger for package in _PACKAGES)
 
 
 def configure_model_overridden(module: Any) -> bool:

@@ -1,5 +1,9 @@
 """The same callbacks under both Lightning packages: ``lightning.pytorch`` and the standalone ``pytorch_lightning``."""
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 from torch import nn
@@ -15,6 +19,7 @@ from lightning_hooks._compat import configure_model_overridden
 from tests.compat_helpers import PACKAGES, net, package_trainer
 from tests.helpers import events, forward_hook_count, loader, run_ddp
 
+HERE = os.path.dirname(os.path.abspath(__file__))
 both = pytest.mark.parametrize("package", list(PACKAGES.values()), ids=list(PACKAGES))
 
 
@@ -98,3 +103,20 @@ def test_ddp_with_the_standalone_package_reduces_across_ranks_and_stops_both(tmp
     assert [r["hooks_after"] for r in ranks] == [0, 0]
     acc = events(str(tmp_path))
     assert acc.Histograms("activations/net.0")[0].histogram_value.num == 2 * 4 * 16  # both ranks' batches
+
+
+def test_without_the_standalone_package_the_callbacks_fit_under_lightning_alone(tmp_path):
+    script = """
+import sys
+sys.modules["pytorch_lightning"] = None  # import pytorch_lightning raises ImportError, as where it is not installed
+from lightning_hooks import ActivationMonitor
+from lightning_hooks._compat import CALLBACK_BASES, TENSORBOARD_LOGGERS
+from tests.helpers import TinyNet, loader, trainer
+monitor = ActivationMonitor(modules="net.0")
+trainer(sys.argv[1], [monitor], max_steps=1).fit(TinyNet(), loader())
+print(len(CALLBACK_BASES), len(TENSORBOARD_LOGGERS), monitor.module_names)
+"""
+    done = subprocess.run([sys.executable, "-c", script, str(tmp_path)], capture_output=True, text=True, timeout=120,
+                          cwd=os.path.dirname(HERE))
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split("\n")[-2] == "1 1 ['net.0']"
