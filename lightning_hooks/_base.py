@@ -8,11 +8,10 @@ from typing import Any, Optional
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from lightning_hooks._compat import CALLBACK_BASES, configure_model_overridden
 from lightning_hooks.selection import ModuleSelection, select_modules, validate_selection
 
 
@@ -60,7 +59,7 @@ def _is_logged_step(step: int, every: int) -> bool:
     return every > 0 and step % every == 0
 
 
-class HookCallback(Callback):
+class HookCallback(*CALLBACK_BASES):  # type: ignore[misc]  # the Callback of each Lightning package
     """Base class: resolve a module selection, register hooks on fit start, remove them on exit.
 
     The selection is resolved in :meth:`setup`, so a pattern that matches nothing fails before
@@ -109,7 +108,7 @@ class HookCallback(Callback):
         A LightningModule that builds its layers in ``configure_model`` (which Lightning runs
         after ``setup``) is resolved in ``on_fit_start`` instead, still before the first step.
         """
-        if not is_overridden("configure_model", pl_module):
+        if not configure_model_overridden(pl_module):
             self._targets = select_modules(pl_module, self.modules)
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

@@ -15,6 +15,7 @@ from torch.amp.grad_scaler import OptState
 from torch.utils.hooks import RemovableHandle
 
 from lightning_hooks._base import HookCallback
+from lightning_hooks._compat import BarCount
 from lightning_hooks._provenance import NEVER, NonFiniteTrace
 from lightning_hooks._sharding import ShardGroups
 from lightning_hooks.anomalies import (
@@ -128,6 +129,7 @@ class GradientCheck(HookCallback):
         self._param_names: dict[Tensor, str] = {}
         self._traced: list[Tensor] = []  # parameters whose gradients the trace checks
         self._shown: Optional[int] = None  # the value the progress bar shows
+        self._bar = BarCount()  # carries it as an int
         self._state_key: Optional[str] = None
         self._shards: tuple[tuple[int, ...], ShardGroups] = ((), ShardGroups([]))
 
@@ -179,7 +181,9 @@ class GradientCheck(HookCallback):
         A ``log`` call costs a good part of a millisecond, and on an accelerator a host-to-device copy.
         """
         if trainer.progress_bar_callback is not None and value != self._shown:
-            pl_module.log(name, float(value), prog_bar=True, logger=False, on_step=True, on_epoch=False)
+            self._bar(value)
+            pl_module.log(name, self._bar, prog_bar=True, logger=False, on_step=True, on_epoch=False,
+                          metric_attribute=name)
             self._shown = value
 
     def on_train_batch_start(

@@ -12,12 +12,12 @@ from typing import Any, Optional, Union, get_args
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
 from lightning_hooks._base import HookCallback, in_backward
+from lightning_hooks._compat import TENSORBOARD_LOGGERS
 from lightning_hooks._feature_store import EmbeddingSample, ShardWriter, Stage, layer_dir, load_features
 from lightning_hooks.selection import ModuleSelection
 
@@ -246,7 +246,7 @@ class FeatureExtractor(HookCallback):
     def _embedding_sample(self, trainer: pl.Trainer) -> Optional[EmbeddingSample]:
         if not self.embedding_samples or not trainer.is_global_zero:
             return None
-        found = next((lg for lg in trainer.loggers if isinstance(lg, TensorBoardLogger)), None)
+        found = next((lg for lg in trainer.loggers if isinstance(lg, TENSORBOARD_LOGGERS)), None)
         if found is None:
             rank_zero_warn("FeatureExtractor: `embedding_samples` is set but there is no TensorBoardLogger")
             return None

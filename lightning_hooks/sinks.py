@@ -9,10 +9,12 @@ from weakref import WeakKeyDictionary
 
 import lightning.pytorch as pl
 import numpy as np
-from lightning.pytorch.loggers import Logger, TensorBoardLogger, WandbLogger
+from lightning.pytorch.loggers import Logger, TensorBoardLogger
 from tensorboard.compat.proto.summary_pb2 import Summary
 from torch.utils.tensorboard import SummaryWriter
 from torch.utils.tensorboard.summary import custom_scalars, histogram_raw
+
+from lightning_hooks._compat import TENSORBOARD_LOGGERS, WANDB_LOGGERS
 
 
 def log_scalars(trainer: pl.Trainer | Any, metrics: Mapping[str, float], step: int) -> None:
@@ -36,8 +38,8 @@ def _write_one_event(logger: Logger, metrics: Mapping[str, float], step: int) ->
     prefix, and for plain numbers.
     """
     if (
-        not isinstance(logger, TensorBoardLogger)
-        or type(logger).log_metrics is not TensorBoardLogger.log_metrics
+        not isinstance(logger, TENSORBOARD_LOGGERS)
+        or type(logger).log_metrics not in _TENSORBOARD_LOG_METRICS
         or logger._prefix
         or not all(isinstance(value, (int, float)) for value in metrics.values())
     ):
@@ -50,6 +52,10 @@ def _write_one_event(logger: Logger, metrics: Mapping[str, float], step: int) ->
     return True
 
 
+#: Each package's own ``TensorBoardLogger.log_metrics``: one event per scalar is all they do.
+_TENSORBOARD_LOG_METRICS = tuple(cls.log_metrics for cls in TENSORBOARD_LOGGERS)
+
+
 def _event_writer(logger: TensorBoardLogger) -> Any:
     """The event file writer behind torch's ``SummaryWriter``; None for tensorboardX's (other protos)."""
     writer = logger.experiment
@@ -57,7 +63,7 @@ def _event_writer(logger: TensorBoardLogger) -> Any:
 
 
 #: Loggers that take histograms: TensorBoard, and W&B where wandb is installed.
-HISTOGRAM_LOGGERS: tuple[type[Logger], ...] = (TensorBoardLogger, WandbLogger)
+HISTOGRAM_LOGGERS: tuple[type[Logger], ...] = TENSORBOARD_LOGGERS + WANDB_LOGGERS
 
 #: The most bins a ``wandb.Histogram`` takes.
 WANDB_MAX_BINS = 512
@@ -90,7 +96,7 @@ def log_histograms(trainer: pl.Trainer | Any, histograms: Sequence[Histogram], e
     if not shown:
         return
     for logger in trainer.loggers:
-        if isinstance(logger, TensorBoardLogger):
+        if isinstance(logger, TENSORBOARD_LOGGERS):
             raw = [(tag, {
                 "min": summary["min"], "max": summary["max"], "num": int(summary["count_finite"]),
                 "sum": summary["sum"], "sum_squares": summary["sum_sq"],
@@ -103,7 +109,7 @@ def log_histograms(trainer: pl.Trainer | Any, histograms: Sequence[Histogram], e
             else:  # tensorboardX: its own method
                 for tag, kw in raw:
                     logger.experiment.add_histogram_raw(tag, global_step=step, **kw)
-        elif isinstance(logger, WandbLogger):
+        elif isinstance(logger, WANDB_LOGGERS):
             logger.log_metrics({tag: _wandb_histogram(counts[first:last], edges[first : last + 1])
                                 for tag, _, counts, (first, last) in shown}, step=step)
 
@@ -129,7 +135,7 @@ def log_text(trainer: pl.Trainer | Any, tag: str, text: str, step: int) -> None:
     if not trainer.is_global_zero:
         return
     for logger in trainer.loggers:
-        if isinstance(logger, TensorBoardLogger):
+        if isinstance(logger, TENSORBOARD_LOGGERS):
             logger.experiment.add_text(tag, text, global_step=step)
 
 

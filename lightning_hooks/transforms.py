@@ -10,13 +10,13 @@ from typing import Any, Optional
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor, nn
 from torch.optim import Optimizer
 from torch.utils.hooks import RemovableHandle
 
 from lightning_hooks._base import HookCallback
+from lightning_hooks._compat import configure_model_overridden
 from lightning_hooks._sharding import ShardGroups, is_sharded, local
 from lightning_hooks.anomalies import gradient_figures
 from lightning_hooks.selection import select_modules
@@ -138,7 +138,7 @@ class GradientTransform(HookCallback):
 
         As in the base class, a model built in ``configure_model`` is resolved in ``on_fit_start``.
         """
-        if not is_overridden("configure_model", pl_module):
+        if not configure_model_overridden(pl_module):
             self._plan = self._resolve(pl_module)
         super().setup(trainer, pl_module, stage)
 

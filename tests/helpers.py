@@ -4,13 +4,18 @@ from __future__ import annotations
 
 import csv
 import glob
+import json
 import os
+import signal
+import subprocess
+import sys
 from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 from unittest import mock
 
 import lightning as L
+import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from torch import nn
@@ -91,3 +96,25 @@ def counted(obj: Any, name: str, calls: Counter) -> Any:
         return original(*args, **kwargs)
 
     return mock.patch.object(obj, name, wrapper)
+
+
+def run_ddp(script: str, out_dir: Any, timeout: float) -> list[dict[str, Any]]:
+    """Run the 2-process DDP script ``tests/<script>`` writing under ``out_dir``; what each rank wrote.
+
+    A run that outlives ``timeout`` seconds is killed with all its processes, and the test fails.
+    """
+    proc = subprocess.Popen(
+        [sys.executable, os.path.join(os.path.dirname(os.path.abspath(__file__)), script), str(out_dir)],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+    )
+    try:
+        output, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        pytest.fail("DDP run hung: " + proc.communicate()[0][-3000:])
+    assert proc.returncode == 0, output[-3000:]
+    ranks = []
+    for rank in (0, 1):
+        with open(os.path.join(str(out_dir), f"rank{rank}.json")) as f:
+            ranks.append(json.load(f))
+    return ranks

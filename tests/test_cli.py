@@ -102,6 +102,12 @@ CALLBACKS = '''
 '''
 
 
+@pytest.fixture(autouse=True)
+def no_command_line(monkeypatch):
+    """LightningCLI(args=...) warns when sys.argv holds arguments as well: here, pytest's."""
+    monkeypatch.setattr(sys, "argv", sys.argv[:1])
+
+
 def write_project(tmp_path, max_steps: int = 2):
     (tmp_path / "clidemo.py").write_text(MODULE)
     config = textwrap.dedent(f"""
@@ -197,3 +203,18 @@ def test_the_command_line(tmp_path):
     assert got["activations/net.1/count"] == {0: 64, 1: 64}
     assert 0 < got["activations/net.1/zero_fraction"][0] < 1
     assert load_features(tmp_path / "features", "net.1", stage="fit").shape == (16, 8)
+
+
+def test_the_standalone_package_cli_takes_the_same_callbacks(tmp_path, monkeypatch):
+    from pytorch_lightning.cli import LightningCLI as StandaloneCLI
+
+    monkeypatch.syspath_prepend(str(tmp_path))
+    config = write_project(tmp_path)
+    text = config.read_text().replace("lightning.pytorch.loggers", "pytorch_lightning.loggers")
+    config.write_text(text.replace("clidemo.", "clidemo_standalone."))  # a module not yet imported
+    standalone = MODULE.replace("import lightning as L", "import pytorch_lightning as L")
+    (tmp_path / "clidemo_standalone.py").write_text(standalone)
+    cli = StandaloneCLI(args=["fit", "--config", str(config)])
+    assert [type(cb).__name__ for cb in callbacks_of(cli, ActivationMonitor)] == ["ActivationMonitor"] * 2
+    got = metric_series(tmp_path / "csv" / "version_0")
+    assert got["activations/net.0/count"] == {0: 64, 1: 64} and got["anomalies/exploding"] == {0: 0, 1: 0}

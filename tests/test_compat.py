@@ -1,0 +1,122 @@
+"""The same callbacks under both Lightning packages: ``lightning.pytorch`` and the standalone ``pytorch_lightning``."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_hooks import (
+    ActivationMonitor,
+    FeatureExtractor,
+    GradientAnomalyStopping,
+    GradientMonitor,
+    GradientTransform,
+)
+from lightning_hooks._compat import configure_model_overridden
+from tests.compat_helpers import PACKAGES, net, package_trainer
+from tests.helpers import events, forward_hook_count, loader, run_ddp
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+both = pytest.mark.parametrize("package", list(PACKAGES.values()), ids=list(PACKAGES))
+
+
+@both
+def test_every_callback_is_a_callback_of_either_package(package, tmp_path):
+    callbacks = [ActivationMonitor(), GradientMonitor(), GradientAnomalyStopping(),
+                 GradientTransform(scale={"net.0": 0.5}), FeatureExtractor("net.0", dirpath=str(tmp_path))]
+    assert all(isinstance(cb, package.Callback) for cb in callbacks)
+    single = ActivationMonitor()
+    assert single in package_trainer(package, tmp_path, single).callbacks  # wrapped in a list only if a Callback
+
+
+@both
+def test_a_fit_writes_the_figures_to_tensorboard_and_whole_counts_to_the_bar(package, tmp_path):
+    torch.manual_seed(0)
+    monitor, stopper = GradientMonitor(), GradientAnomalyStopping(action="warn", patience=10)
+    logger = package.loggers.TensorBoardLogger(str(tmp_path), name="", version="")
+    fit = package_trainer(package, tmp_path, [ActivationMonitor(), monitor, stopper], logger=logger,
+                          enable_progress_bar=True)
+    model = net(package, nan_steps=(3,))  # the NaN poisons the weights: steps 3, 4, 5
+    fit.fit(model, loader())
+    assert forward_hook_count(model) == 0
+    acc = events(str(tmp_path))
+    assert [e.step for e in acc.Histograms("activations/net.0")] == [0, 1, 2, 3]  # then all NaN: no histogram
+    assert any(tag.startswith("gradients/net.0") for tag in acc.Tags()["histograms"])
+    assert [e.value for e in acc.Scalars("anomalies/nonfinite")] == [0, 0, 0, 1, 1, 1]
+    assert acc.Scalars("activations/net.0/count")[0].value == 8 * 16
+    shown = fit.progress_bar_callback.get_metrics(fit, model)
+    assert (shown["anomalies"], shown["anomaly_streak"]) == (3, 3)
+    assert all(isinstance(shown[name], int) for name in ("anomalies", "anomaly_streak"))
+    assert "anomalies=3" in fit.progress_bar_callback.train_progress_bar.postfix  # not 3.000
+
+
+def gradient_callbacks():
+    stopper = GradientAnomalyStopping(action="skip", relative_threshold=50.0, window=2)
+    return GradientMonitor(log_every_n_steps=2), stopper
+
+
+@both
+def test_the_gradient_callbacks_state_survives_a_checkpoint_resume(package, tmp_path):
+    torch.manual_seed(0)
+    monitor, stopper = gradient_callbacks()
+    checkpoint = package.callbacks.ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=4, save_top_k=-1)
+    fit = package_trainer(package, tmp_path, [monitor, stopper, checkpoint], max_steps=4, enable_checkpointing=True)
+    fit.fit(net(package, nan_steps=(1,)), loader())
+    assert (monitor.state_dict()["anomalies"], stopper.state_dict()["dropped_steps"]) == (1, 1)
+    monitor, stopper = gradient_callbacks()
+    fit = package_trainer(package, tmp_path, [monitor, stopper], max_steps=5, enable_checkpointing=True)
+    fit.fit(net(package), loader(), ckpt_path=checkpoint.last_model_path or checkpoint.best_model_path)
+    assert monitor.state_dict()["anomalies"] == 1
+    state = stopper.state_dict()
+    assert (state["anomalous_steps"], state["dropped_steps"], state["detector"]["seen"]) == (1, 1, {0: 4})
+
+
+@both
+def test_a_model_built_in_configure_model_is_hooked_at_fit_start(package, tmp_path):
+    class Lazy(type(net(package))):
+        def configure_model(self) -> None:
+            self.net = nn.Sequential(nn.Linear(8, 4), nn.ReLU(), nn.Linear(4, 1))
+
+    assert configure_model_overridden(Lazy()) and not configure_model_overridden(net(package))
+    assert not configure_model_overridden(nn.Linear(2, 2))
+    monitor = ActivationMonitor(modules="net.0")
+    package_trainer(package, tmp_path, [monitor], max_steps=1).fit(Lazy(), loader())
+    assert monitor.module_names == ["net.0"]
+
+
+@both
+def test_two_monitors_of_one_class_share_a_trainer(package, tmp_path):
+    # The stateless callbacks stay stateless to either Trainer, so two of a class never clash in a checkpoint.
+    first, second = ActivationMonitor(modules="net.0"), ActivationMonitor(modules="net.4")
+    package_trainer(package, tmp_path, [first, second, package.callbacks.ModelCheckpoint(dirpath=tmp_path)],
+                    max_steps=2, enable_checkpointing=True).fit(net(package), loader())
+    assert (first.module_names, second.module_names) == (["net.0"], ["net.4"])
+
+
+def test_ddp_with_the_standalone_package_reduces_across_ranks_and_stops_both(tmp_path):
+    ranks = run_ddp("_ddp_standalone.py", tmp_path, timeout=120)
+    assert [r["global_step"] for r in ranks] == [4, 4]  # the NaN on rank 1 at step 3 stopped both
+    assert [r["report"] for r in ranks] == [[3, "net.2", 1]] * 2
+    assert [r["hooks_after"] for r in ranks] == [0, 0]
+    acc = events(str(tmp_path))
+    assert acc.Histograms("activations/net.0")[0].histogram_value.num == 2 * 4 * 16  # both ranks' batches
+
+
+def test_without_the_standalone_package_the_callbacks_fit_under_lightning_alone(tmp_path):
+    script = """
+import sys
+sys.modules["pytorch_lightning"] = None  # import pytorch_lightning raises ImportError, as where it is not installed
+from lightning_hooks import ActivationMonitor
+from lightning_hooks._compat import CALLBACK_BASES, TENSORBOARD_LOGGERS
+from tests.helpers import TinyNet, loader, trainer
+monitor = ActivationMonitor(modules="net.0")
+trainer(sys.argv[1], [monitor], max_steps=1).fit(TinyNet(), loader())
+print(len(CALLBACK_BASES), len(TENSORBOARD_LOGGERS), monitor.module_names)
+"""
+    done = subprocess.run([sys.executable, "-c", script, str(tmp_path)], capture_output=True, text=True, timeout=120,
+                          cwd=os.path.dirname(HERE))
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split("\n")[-2] == "1 1 ['net.0']"
