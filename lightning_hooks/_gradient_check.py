@@ -17,7 +17,7 @@ from torch.utils.hooks import RemovableHandle
 from lightning_hooks._base import HookCallback
 from lightning_hooks._compat import BarCount
 from lightning_hooks._provenance import NEVER, NonFiniteTrace
-from lightning_hooks._sharding import ShardGroups
+from lightning_hooks._sharding import ShardGroups, warn_if_flat_sharded
 from lightning_hooks.anomalies import (
     FLAG_NAMES,
     AnomalyDetector,
@@ -163,6 +163,7 @@ class GradientCheck(HookCallback):
         else:
             self.detach()
         self._param_names = {p: name for name, p in model.named_parameters()}
+        warn_if_flat_sharded(model, type(self).__name__)
         if not self.provenance:
             return
         self._traced = [p for p in self._param_names if p.requires_grad]

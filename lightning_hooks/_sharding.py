@@ -15,7 +15,8 @@ from collections.abc import Sequence
 from typing import Any, Optional
 
 import torch
-from torch import Tensor
+from lightning.fabric.utilities.rank_zero import rank_zero_warn
+from torch import Tensor, nn
 
 from lightning_hooks.stats import reduce_rows
 
@@ -23,6 +24,25 @@ try:
     from torch.distributed.tensor import DTensor
 except ImportError:  # pragma: no cover - torch built without distributed
     DTensor = None  # type: ignore[assignment,misc]
+
+
+def warn_if_flat_sharded(model: nn.Module, who: str) -> None:
+    """Warn (once, on rank zero) that FSDP1's flat shards give per-rank gradient figures.
+
+    ``FullyShardedDataParallel`` keeps each rank's part of many parameters in one flat shard
+    whose layout is private to it, so norms there are of a rank's shard, not the whole gradient.
+    """
+    try:
+        from torch.distributed.fsdp import FullyShardedDataParallel
+    except ImportError:  # pragma: no cover - torch built without distributed
+        return
+    if any(isinstance(m, FullyShardedDataParallel) for m in model.modules()):
+        rank_zero_warn(
+            f"{who}: this model is wrapped in FSDP1 (`FullyShardedDataParallel`, strategy='fsdp'), whose flat"
+            " shards are not understood: gradient norms, norm thresholds and clipping see each rank's shard,"
+            " not the whole gradient (NaN/Inf detection still works across ranks). Use"
+            " `ModelParallelStrategy` with `fully_shard` (FSDP2) for whole-gradient figures."
+        )
 
 
 def is_sharded(tensor: Any) -> bool:

@@ -192,6 +192,8 @@ class Binning:
         self.native: tuple[Tensor, Tensor, bool] | None = None
         if NATIVE_KERNEL and device.type == "cpu" and dtype == torch.float32:
             self.native = self._native_table()
+        if device.type != "cpu":  # now, not in a hook: copying the tables to the device syncs
+            self.device_table()
 
     def device_table(self) -> DeviceTable:
         """The tables of the accelerator kernel, made at first use."""

@@ -17,7 +17,7 @@ from torch.utils.hooks import RemovableHandle
 
 from lightning_hooks._base import HookCallback
 from lightning_hooks._compat import configure_model_overridden
-from lightning_hooks._sharding import ShardGroups, is_sharded, local
+from lightning_hooks._sharding import ShardGroups, is_sharded, local, warn_if_flat_sharded
 from lightning_hooks.anomalies import gradient_figures
 from lightning_hooks.selection import select_modules
 
@@ -145,6 +145,8 @@ class GradientTransform(HookCallback):
     def attach(self, model: nn.Module) -> None:
         """Register the reversal hooks on modules and the scaling hooks on parameters."""
         self._plan = self._resolve(model)
+        if self._plan.clip_norms:
+            warn_if_flat_sharded(model, "GradientTransform(clip_norm=...)")
         super().attach(model)
         # Not wrapped in `_guard`: a hook that changes training must fail loudly, never be
         # switched off while the run goes on with other gradients (or other ranks' gradients).

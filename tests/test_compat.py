@@ -16,6 +16,7 @@ from lightning_hooks import (
     GradientTransform,
 )
 from lightning_hooks._compat import configure_model_overridden
+from lightning_hooks.stats import STAT_NAMES
 from tests.compat_helpers import PACKAGES, net, package_trainer
 from tests.helpers import events, forward_hook_count, loader, run_ddp
 
@@ -37,7 +38,8 @@ def test_a_fit_writes_the_figures_to_tensorboard_and_whole_counts_to_the_bar(pac
     torch.manual_seed(0)
     monitor, stopper = GradientMonitor(), GradientAnomalyStopping(action="warn", patience=10)
     logger = package.loggers.TensorBoardLogger(str(tmp_path), name="", version="")
-    fit = package_trainer(package, tmp_path, [ActivationMonitor(), monitor, stopper], logger=logger,
+    fit = package_trainer(package, tmp_path, [ActivationMonitor(stats=STAT_NAMES), monitor, stopper],
+                          logger=logger,
                           enable_progress_bar=True)
     model = net(package, nan_steps=(3,))  # the NaN poisons the weights: steps 3, 4, 5
     fit.fit(model, loader())

@@ -97,3 +97,28 @@ def test_a_nan_on_one_rank_stops_both_at_the_same_step(tmp_path):
     assert [r["global_step"] for r in ranks] == [3, 3]
     assert ranks[0]["params"] == ranks[1]["params"]
     assert all(math.isfinite(v) for values in ranks[0]["params"].values() for v in values)
+
+
+FSDP1_MODEL = """
+import os, sys, warnings, torch, torch.distributed as dist
+from torch import nn
+from torch.distributed.fsdp import FullyShardedDataParallel
+sys.path.insert(0, {root!r})
+from lightning_hooks import GradientMonitor
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="29541")
+dist.init_process_group("gloo", rank=0, world_size=1)
+model = nn.Sequential(FullyShardedDataParallel(nn.Linear(4, 4), device_id=torch.device("cpu")), nn.Linear(4, 1))
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    GradientMonitor().attach(model)
+print("WARNED:" + " | ".join(str(w.message) for w in caught if "FSDP1" in str(w.message)))
+dist.destroy_process_group()
+"""
+
+
+def test_an_fsdp1_model_gets_a_warning_that_its_gradient_figures_are_per_shard():
+    code = FSDP1_MODEL.format(root=os.path.dirname(HERE))
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    warned = proc.stdout.split("WARNED:")[1]
+    assert "each rank's shard" in warned and "fully_shard" in warned

@@ -1,0 +1,79 @@
+"""On a CUDA device: the accelerator kernel's figures, and no hidden host sync. Skipped without CUDA.
+
+`torch.cuda.set_sync_debug_mode("error")` makes any synchronizing CUDA call raise, so a hook or
+kernel that reads a value on the host, sizes an output from the data, or sorts with a sync, fails
+these tests. The sync audit of a real bf16 fit is benchmarks/gpu.py's, on a small model.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from lightning_hooks.anomalies import gradient_figures
+from lightning_hooks.stats import Binning, accumulate_, new_rows, summarize
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+
+
+@pytest.fixture
+def no_sync():
+    torch.cuda.set_sync_debug_mode("error")
+    yield
+    torch.cuda.set_sync_debug_mode("default")
+
+
+def _summariser(device, dtype):
+    """A function adding a tensor's figures to a fresh row, its tables made beforehand (as a StatBlock does)."""
+    binning = Binning(128, torch.device(device), torch.float64 if dtype == torch.float64 else torch.float32)
+    row = new_rows(1, binning.n_bins, device)[0]
+
+    def summarise(values):
+        accumulate_(row, values.reshape(-1) if dtype == torch.float64 else values.reshape(-1).float(), binning, 1)
+        return row
+
+    return summarise
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_the_gpu_kernel_gives_the_cpu_figures_without_a_sync(dtype, no_sync):
+    values = torch.randn(1_000_003, generator=torch.Generator().manual_seed(0)).to(dtype)
+    values[::101] = float("nan")
+    values[5], values[6], values[7] = float("inf"), -float("inf"), 0.0
+    torch.cuda.set_sync_debug_mode("default")
+    summarise, on_gpu = _summariser("cuda", dtype), values.cuda()
+    torch.cuda.set_sync_debug_mode("error")
+    row = summarise(on_gpu)
+    torch.cuda.set_sync_debug_mode("default")
+    gpu, cpu = row.cpu(), _summariser("cpu", dtype)(values)
+    assert gpu[:2].tolist() == cpu[:2].tolist() and gpu[4:].tolist() == cpu[4:].tolist()  # counts, extremes, bins
+    got, want = summarize(gpu.tolist()), summarize(cpu.tolist())
+    assert got["mean"] == pytest.approx(want["mean"], rel=1e-9) and got["std"] == pytest.approx(want["std"], rel=1e-9)
+
+
+def test_gradient_figures_on_the_gpu_need_no_sync(no_sync):
+    torch.cuda.set_sync_debug_mode("default")
+    grads = [torch.randn(n, device="cuda") for n in (10, 1000, 100_000)]
+    torch.cuda.set_sync_debug_mode("error")
+    figures = gradient_figures(grads, [1, 2], exact=True)
+    torch.cuda.set_sync_debug_mode("default")
+    want = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
+    assert figures.group_norms[-1].item() == pytest.approx(want.item(), rel=1e-6)
+
+
+def test_a_bf16_fit_syncs_only_where_the_design_says():
+    from gpu import audit_syncs, gpt_workload
+
+    small = gpt_workload(batch=2, seq=64, layers=2, width=64, heads=4, vocab=512, context=64)
+    with_monitors = audit_syncs(small, every=2, steps=5)
+    without = audit_syncs(small, every=2, steps=5, monitors=False)
+    for step in range(5):
+        counts = with_monitors[step]
+        assert counts.get("model", 0) == without[step].get("model", 0), step  # the hooks add none
+        assert counts.get("ActivationMonitor", 0) == (1 if step % 2 == 0 else 0), step
+        assert counts.get("GradientMonitor", 0) == 1, step  # the anomaly flags, every optimizer step
