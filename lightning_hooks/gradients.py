@@ -12,6 +12,7 @@ from torch import Tensor
 
 from lightning_hooks._base import _is_logged_step, _log_interval, _validate_interval, _validate_stats
 from lightning_hooks._gradient_check import Check, GradientCheck, Step, _check_bool
+from lightning_hooks._update_ratio import UpdateRatio
 from lightning_hooks.aggregate import StatBlock
 from lightning_hooks.anomalies import AnomalyReport
 from lightning_hooks.selection import ModuleSelection
@@ -41,6 +42,15 @@ class GradientMonitor(GradientCheck):
     ``gradients/total_norm/group<i>`` when there are several), any other ``stats``, and
     ``gradients/<name>`` histograms to TensorBoard and W&B (only when a ``TensorBoardLogger``
     or ``WandbLogger`` is attached), with non-finite values left out and counted.
+
+    With ``update_ratio=True`` it also logs, per row, ``updates/<name>/ratio``, the
+    update-to-weight ratio ``||w_after - w_before|| / ||w_before||`` of the logged step's
+    update (healthy is around 1e-3), and ``updates/<name>/log10_ratio``: the row's parameters
+    are cloned on their device just before the update (on logged steps only: other steps hold
+    no copy and do no work) and compared in an optimizer step post-hook, in one host transfer
+    of their own. A step the AMP GradScaler skips, and an update ``GradientAnomalyStopping``
+    drops, give no ratio; with gradient accumulation only the real optimizer step is measured.
+    A parameter that was all zeros gives an infinite ratio.
 
     At every optimizer step it computes the anomaly flags, and logs them as 0/1 scalars on
     logged steps, on every step that raises one, and on the step after (where they come back
@@ -87,11 +97,13 @@ class GradientMonitor(GradientCheck):
             non-finite in the order backward reached them.
         save_dir: Save the batch and the model state of each reported step here, for replay.
         prog_bar: Show the count of anomalous steps in the progress bar.
+        update_ratio: Log each row's update-to-weight ratio on logged steps (costs, on those
+            steps, a copy of the rows' parameters on their device until the update is made).
 
     Raises:
         ValueError: For a bad ``log_every_n_steps``, ``granularity``, stat, ``bins`` or
             threshold, or (in ``setup``, before training) a module pattern that matches nothing.
-        TypeError: If ``histogram``, ``provenance`` or ``prog_bar`` is not a bool, or
+        TypeError: If ``histogram``, ``provenance``, ``prog_bar`` or ``update_ratio`` is not a bool, or
             ``save_dir`` not a path.
 
     Example::
@@ -120,6 +132,7 @@ class GradientMonitor(GradientCheck):
         provenance: bool = False,
         save_dir: Optional[str] = None,
         prog_bar: bool = True,
+        update_ratio: bool = False,
     ) -> None:
         super().__init__(modules, check_finite, max_norm, relative_threshold, min_norm, window,
                          provenance, save_dir)
@@ -130,6 +143,9 @@ class GradientMonitor(GradientCheck):
         histogram_edges(bins)  # validates `bins`
         _check_bool("histogram", histogram)
         _check_bool("prog_bar", prog_bar)
+        _check_bool("update_ratio", update_ratio)
+        self.update_ratio = update_ratio
+        self._updates = UpdateRatio()
         self.log_every_n_steps, self.granularity, self.stats = log_every_n_steps, granularity, tuple(stats)
         self.histogram, self.bins, self.prog_bar = histogram, bins, prog_bar
         self.last_report: Optional[AnomalyReport] = None
@@ -170,10 +186,30 @@ class GradientMonitor(GradientCheck):
         names = [name for name, _ in self._rows]
         self._block = StatBlock(names, self.bins, pl_module.device) if needs_rows and names else None
 
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Register the step post-hooks that measure update ratios (after tuners may have replaced optimizers)."""
+        if self.update_ratio:
+            self._handles.extend(opt.register_step_post_hook(self._after_step(trainer)) for opt in trainer.optimizers)
+
+    def _after_step(self, trainer: pl.Trainer) -> Any:
+        def hook(optimizer: Any, args: Any, kwargs: Any) -> None:
+            step = trainer.global_step  # Lightning counts the step once the hooks are done
+            log_scalars(trainer, self._updates.finish(optimizer, trainer.is_global_zero), step)
+
+        return hook
+
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        """Drop an update-ratio snapshot whose step never ran (a GradScaler skipped it)."""
+        super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+        self._updates.discard()
+
     def detach(self) -> None:
         """Remove the hooks and drop the rows' references to parameters."""
         super().detach()
         self._rows, self._block = [], None
+        self._updates.discard()
 
     def _select_rows(self, pl_module: pl.LightningModule) -> list[tuple[str, list[Tensor]]]:
         if self.granularity == "module":
@@ -242,6 +278,8 @@ class GradientMonitor(GradientCheck):
                 metrics.update(self._gradient_metrics(trainer, check))
             log_scalars(trainer, metrics, trainer.global_step)
         self._raised = raised
+        if self.update_ratio and self._logged and not check.amp_overflow:
+            self._updates.take(self._rows, optimizer)
         if check.anomalous:
             fired = frozenset(name for name, on in check.flags.items() if on)
             if fired - self._fired:  # the flags are agreed: every rank reports (and gathers), or none
