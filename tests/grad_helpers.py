@@ -3,11 +3,16 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
+import signal
+import subprocess
+import sys
 from collections.abc import Sequence
 from typing import Any, Optional
 
 import lightning as L
+import pytest
 import torch
 from torch import nn
 
@@ -105,3 +110,23 @@ def run_example(name: str, log_dir: str) -> None:
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     module.main(log_dir)
+
+
+def run_ddp_script(name: str, out_dir: Any, timeout: float = 90) -> list[dict[str, Any]]:
+    """Run ``tests/<name>.py out_dir`` (a 2-process DDP script) and return what each rank wrote to ``rank<r>.json``."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    proc = subprocess.Popen(
+        [sys.executable, os.path.join(here, f"{name}.py"), str(out_dir)],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+    )
+    try:
+        output, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        pytest.fail("DDP run hung: " + proc.communicate()[0][-3000:])
+    assert proc.returncode == 0, output[-3000:]
+    ranks = []
+    for rank in (0, 1):
+        with open(os.path.join(str(out_dir), f"rank{rank}.json")) as f:
+            ranks.append(json.load(f))
+    return ranks

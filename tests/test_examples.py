@@ -36,6 +36,10 @@ def run_example(name: str, out_dir) -> str:
         ]),
         ("dead_relu", [r"net\.3\s+1\.000\s+1\.000\s+DEAD", r"Dead ReLUs: net\.3\."]),
         ("feature_extraction", [r"saved features equal the encoder's output: True"]),
+        ("loss_spike_rollback", [
+            r"unprotected: .* parameters finite: False", r"rollback: .* parameters finite: True",
+            r"step 45 went back to the state before step 40; updates dropped: 4",
+        ]),
         ("update_ratio", [r"net\.0\.weight .* too fast", r"net\.2\.weight .* ok", r"net\.4\.weight .* too slow"]),
     ],
 )

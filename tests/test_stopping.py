@@ -1,12 +1,8 @@
 """GradientAnomalyStopping: stop at the step, skip without a trace, raise, warn, resume, DDP."""
 
 import copy
-import json
 import math
 import os
-import signal
-import subprocess
-import sys
 from typing import Any
 
 import lightning as L
@@ -18,10 +14,8 @@ from torch import nn
 
 from lightning_hooks.gradients import GradientMonitor
 from lightning_hooks.stopping import GradientAnomalyError, GradientAnomalyStopping
-from tests.grad_helpers import GradNet, GradRecorder, run_example
+from tests.grad_helpers import GradNet, GradRecorder, run_ddp_script, run_example
 from tests.helpers import forward_hook_count, loader, trainer
-
-HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 class Snapshots(L.Callback):
@@ -44,7 +38,7 @@ def all_finite(model: nn.Module) -> bool:
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
-        ({"action": "halt"}, r"`action` must be one of \['stop', 'skip', 'raise', 'warn'\], got 'halt'"),
+        ({"action": "halt"}, r"`action` must be one of \['stop', 'skip', 'rollback', 'raise', 'warn'\], got 'halt'"),
         ({"patience": -1}, r"`patience` must be a non-negative int, got -1"),
         ({"patience": 1.5}, r"`patience` must be a non-negative int, got 1.5"),
         ({"check_finite": False}, r"nothing to check: set `check_finite=True`, or one of `max_norm`"),
@@ -356,18 +350,7 @@ def test_exploding_lr_example_stops_the_run_early(tmp_path, capsys):
 @pytest.fixture(scope="module")
 def ddp_ranks(tmp_path_factory):
     """One 2-process run of tests/_ddp_stopping.py (two fits); what each rank wrote."""
-    out = tmp_path_factory.mktemp("ddp_stopping")
-    proc = subprocess.Popen(
-        [sys.executable, os.path.join(HERE, "_ddp_stopping.py"), str(out)],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
-    )
-    try:
-        output, _ = proc.communicate(timeout=90)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        pytest.fail("DDP run hung: " + proc.communicate()[0][-3000:])
-    assert proc.returncode == 0, output[-3000:]
-    return [json.load(open(out / f"rank{r}.json")) for r in (0, 1)]
+    return run_ddp_script("_ddp_stopping", tmp_path_factory.mktemp("ddp_stopping"))
 
 
 def test_ddp_a_nan_on_one_rank_stops_both_ranks_at_the_same_step(ddp_ranks):
