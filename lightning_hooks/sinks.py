@@ -12,6 +12,8 @@ from tensorboard.compat.proto.summary_pb2 import Summary
 from torch.utils.tensorboard import SummaryWriter
 from torch.utils.tensorboard.summary import histogram_raw
 
+from lightning_hooks._listeners import listeners
+
 
 def log_scalars(trainer: pl.Trainer | Any, metrics: Mapping[str, float], step: int) -> None:
     """Send scalars to every logger of ``trainer``, from rank zero.
@@ -22,6 +24,8 @@ def log_scalars(trainer: pl.Trainer | Any, metrics: Mapping[str, float], step: i
     """
     if not trainer.is_global_zero or not metrics:
         return
+    for listener in listeners(trainer):
+        listener.record_scalars(metrics, step)
     for logger in trainer.loggers:
         if not _write_one_event(logger, metrics, step):
             logger.log_metrics(dict(metrics), step=step)
@@ -83,6 +87,8 @@ def log_histograms(trainer: pl.Trainer | Any, histograms: Sequence[Histogram], e
     """
     if not trainer.is_global_zero:
         return
+    for listener in listeners(trainer):
+        listener.record_histograms(histograms, edges, step)
     shown = [(tag, summary, counts, _span(counts)) for tag, summary, counts in histograms
              if summary["count_finite"] > 0]
     if not shown:
