@@ -66,16 +66,16 @@ class GradientAnomalyStopping(GradientCheck):
       optimization a batch), and trains on, as large-model pretraining does by hand after a
       loss spike. The snapshot is taken at the start of training and refreshed after every
       ``rollback_every_n_steps`` clean steps in a row (a tolerated anomalous step starts the
-      count again); it lives in host RAM, one per rank: about the size of the model's state
-      dict plus the optimizer state (with Adam, 3x the parameters), and each refresh is a
-      device-to-host copy of that size. ``trainer.global_step`` (and with it ``max_steps``
-      and the loggers' step axis) keeps counting every step, the rolled-back and skipped ones
-      included, while the LR schedules go back with the snapshot and are held still over the
-      skipped steps: they count the updates the model kept, so a rolled-back run ends where a
-      run that never saw the discarded batches would. With gradient accumulation
-      ``skip_batches`` counts optimizer steps (``accumulate_grad_batches`` batches each). One
-      device or DDP (every rank holds the whole state), one optimizer; the GradScaler's
-      state is not rolled back.
+      count again, a step the GradScaler skips leaves it); it lives in host RAM, one per
+      rank: about the size of the model's state dict plus the optimizer state (with Adam, 3x
+      the parameters), and each refresh is a device-to-host copy of that size.
+      ``trainer.global_step`` (and with it ``max_steps`` and the loggers' step axis) keeps
+      counting every step, the rolled-back and skipped ones included, while the LR schedules
+      go back with the snapshot and are held still over the skipped steps: they count the
+      updates the model kept, so a rolled-back run ends where a run that never saw the
+      discarded batches would. With gradient accumulation ``skip_batches`` counts optimizer
+      steps (``accumulate_grad_batches`` batches each). One device or DDP (every rank holds
+      the whole state), one optimizer; the GradScaler's state is not rolled back.
     - ``"raise"``: raises :class:`GradientAnomalyError` carrying the report, before the update.
     - ``"warn"``: warns with the report, on rank zero, and applies the update.
 
@@ -253,8 +253,8 @@ class GradientAnomalyStopping(GradientCheck):
         if self.prog_bar:
             self._show(trainer, pl_module, "anomaly_streak", self.streak)
         act = check.anomalous and self.streak > self.patience
-        if self._rollback is not None:
-            self._rollback.decide(act, clean=not check.anomalous and not check.skipped)
+        if self._rollback is not None and not check.skipped:  # a step the scaler skipped leaves the count
+            self._rollback.decide(act, clean=not check.anomalous)
         if not act:
             return
         if self.streak == self.patience + 1:  # report once per run of anomalous steps

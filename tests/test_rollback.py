@@ -42,10 +42,10 @@ class TwoOptimizers(AdamNet):
         return [torch.optim.SGD(self.net[0].parameters(), lr=0.1), torch.optim.SGD(self.net[2].parameters(), lr=0.1)]
 
 
-def dataset(bad: str, bad_batches: tuple[int, ...] = (BAD_BATCH,)) -> TensorDataset:
+def dataset(bad: str, bad_batches: tuple[int, ...] = (BAD_BATCH,), n_batches: int = STEPS) -> TensorDataset:
     """Regression data whose ``bad_batches`` are scaled by 1e6 (``"spike"``) or NaN (``"nan"``)."""
     gen = torch.Generator().manual_seed(0)
-    x = torch.randn(STEPS * BATCH, 8, generator=gen)
+    x = torch.randn(n_batches * BATCH, 8, generator=gen)
     for b in bad_batches:
         x[b * BATCH : (b + 1) * BATCH] *= 1e6 if bad == "spike" else float("nan")
     return TensorDataset(x, x.sum(1, keepdim=True))
@@ -55,10 +55,10 @@ def samples(batches: list[int]) -> list[int]:
     return [i for b in batches for i in range(b * BATCH, (b + 1) * BATCH)]
 
 
-def run(tmp_path: Any, callbacks: list[L.Callback], data: Any, steps: int) -> tuple[AdamNet, L.Trainer]:
+def run(tmp_path: Any, callbacks: list[L.Callback], data: Any, steps: int, **kwargs: Any) -> tuple[AdamNet, L.Trainer]:
     torch.manual_seed(0)
     model = AdamNet()
-    fit = trainer(tmp_path, callbacks, logger=False, max_steps=steps)
+    fit = trainer(tmp_path, callbacks, logger=False, max_steps=steps, **kwargs)
     fit.fit(model, DataLoader(data, batch_size=BATCH))
     return model, fit
 
@@ -82,14 +82,14 @@ def test_bad_rollback_settings_fail_at_construction(kwargs, match):
         GradientAnomalyStopping(**kwargs)
 
 
-@pytest.mark.parametrize("bad", ["spike", "nan"])
-def test_a_rolled_back_run_ends_where_a_run_that_never_saw_the_bad_batches_does(tmp_path, bad):
+@pytest.mark.parametrize(("bad", "precision"), [("spike", "32-true"), ("nan", "32-true"), ("spike", "bf16-mixed")])
+def test_a_rolled_back_run_ends_where_a_run_that_never_saw_the_bad_batches_does(tmp_path, bad, precision):
     stopper = GradientAnomalyStopping(action="rollback", max_norm=1e3, rollback_every_n_steps=EVERY,
                                       skip_batches=SKIP, prog_bar=False)
-    rolled, fit = run(tmp_path, [stopper], dataset(bad), STEPS)
+    rolled, fit = run(tmp_path, [stopper], dataset(bad), STEPS, precision=precision)
     # Discarded: batch 6 (after the snapshot), the bad batch 7, and the SKIP batches after it.
     kept = samples([*range(6), *range(BAD_BATCH + SKIP + 1, STEPS)])
-    control, control_fit = run(tmp_path, [], Subset(dataset(bad), kept), len(kept) // BATCH)
+    control, control_fit = run(tmp_path, [], Subset(dataset(bad), kept), len(kept) // BATCH, precision=precision)
     assert (fit.global_step, stopper.rollbacks, stopper.dropped_steps, stopper.skipping) == (STEPS, 1, 1 + SKIP, 0)
     assert stopper.last_rollback == (BAD_BATCH, 6) and all(torch.isfinite(p).all() for p in rolled.parameters())
     for (name, p), q in zip(rolled.named_parameters(), control.parameters()):
@@ -107,6 +107,16 @@ def test_a_second_rollback_to_the_same_snapshot_finds_it_untouched(tmp_path):
     kept = [0, 1, 2, *range(9, STEPS)]
     control, _ = run(tmp_path, [], Subset(data, samples(kept)), len(kept))
     assert stopper.rollbacks == 2 and stopper.last_rollback == (8, 3)
+    assert all(torch.equal(p, q) for p, q in zip(rolled.parameters(), control.parameters()))
+
+
+def test_with_accumulation_whole_optimizer_steps_are_rolled_back_and_skipped(tmp_path):
+    stopper = GradientAnomalyStopping(action="rollback", max_norm=1e3, rollback_every_n_steps=EVERY, skip_batches=SKIP)
+    data = dataset("spike", bad_batches=(2 * BAD_BATCH + 1,), n_batches=2 * STEPS)  # step 7's second micro-batch
+    rolled, fit = run(tmp_path, [stopper], data, STEPS, accumulate_grad_batches=2)
+    kept = [*range(12), *range(2 * (BAD_BATCH + SKIP + 1), 2 * STEPS)]  # steps 0-5 and 10-13, two batches each
+    control, _ = run(tmp_path, [], Subset(data, samples(kept)), len(kept) // 2, accumulate_grad_batches=2)
+    assert (fit.global_step, stopper.last_rollback, stopper.dropped_steps) == (STEPS, (BAD_BATCH, 6), 1 + SKIP)
     assert all(torch.equal(p, q) for p, q in zip(rolled.parameters(), control.parameters()))
 
 
