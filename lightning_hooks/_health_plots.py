@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 from matplotlib.backends.backend_agg import FigureCanvasAgg
@@ -30,11 +30,11 @@ def heatmap_size(panels: int) -> tuple[int, int]:
     return round(PANEL[0] * DPI) * cols, round(PANEL[1] * DPI) * math.ceil(panels / cols)
 
 
-def heatmap_figure(series: dict[str, list[Column]], edges: Sequence[float]) -> Figure:
+def heatmap_figure(series: Mapping[str, list[Column]], edges: Mapping[str, Sequence[float]]) -> Figure:
     """Histograms over steps, one panel per module: steps across, bins up, ``log1p(count)`` as colour.
 
     Each panel shows the bins its module ever filled (as fastai's "colorful dimension" plot),
-    labelled with their lower edges.
+    labelled with their lower edges (``edges`` per module).
     """
     cols = min(COLUMNS, len(series))
     rows = math.ceil(len(series) / cols)
@@ -46,7 +46,7 @@ def heatmap_figure(series: dict[str, list[Column]], edges: Sequence[float]) -> F
         lo, hi = (used[0], used[-1] + 1) if used.size else (0, counts.shape[0])
         ax.imshow(np.log1p(counts[lo:hi]), aspect="auto", origin="lower", cmap="viridis", interpolation="nearest")
         yticks = np.linspace(0, hi - lo - 1, num=min(4, hi - lo)).round().astype(int)
-        ax.set_yticks(yticks, [f"{edges[lo + t]:.0e}" for t in yticks], fontsize=6)
+        ax.set_yticks(yticks, [f"{edges[name][lo + t]:.0e}" for t in yticks], fontsize=6)
         xticks = np.linspace(0, len(columns) - 1, num=min(4, len(columns))).round().astype(int)
         ax.set_xticks(xticks, [str(columns[t][0]) for t in xticks], fontsize=6)
         ax.set_title(name, fontsize=8)

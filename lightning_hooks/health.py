@@ -76,6 +76,8 @@ class LayerHealth(FigureListener, Callback):
     - ``health/depth_profile``: the latest activation ``std`` and ``zero_fraction``, gradient
       ``norm`` and update ``ratio`` (those that are logged) against layer index.
 
+    Drawing both takes about half a second on rank zero (matplotlib), hence the bounds.
+
     At the end of training it writes ``health/summary`` (TensorBoard text) and prints it on
     rank zero: per figure the ``top_k`` worst layers, with the step each was worst at: dead
     units (highest zero fraction), vanishing and exploding gradients (lowest and highest norm),
@@ -118,7 +120,7 @@ class LayerHealth(FigureListener, Callback):
         self._columns: dict[str, list[Column]] = {}
         self._seen: dict[str, int] = {}  # histograms received per module, and the spacing of those kept
         self._stride: dict[str, int] = {}
-        self._edges: list[float] = []
+        self._edges: dict[str, list[float]] = {}  # per module: monitors may bin differently
         self._images, self._next_image = 0, 0
         self._last: Optional[int] = None  # the last logged step
         self._fresh = False  # whether figures came in since the last pictures
@@ -148,23 +150,26 @@ class LayerHealth(FigureListener, Callback):
 
     def record_histograms(self, histograms: Sequence[Histogram], edges: Sequence[float], step: int) -> None:
         """Keep the activation histograms' counts, one column per logged step (bounded)."""
+        shared = list(edges)
         for tag, _, counts in histograms:
             prefix, _, name = tag.partition("/")
-            if prefix == "activations" and "/" not in name:
-                self._add_column(name, step, counts)
-        self._edges, self._last, self._fresh = list(edges), step, True
+            if prefix == "activations" and "/" not in name and self._add_column(name, step, counts):
+                self._edges[name] = shared
+        self._last, self._fresh = step, True
 
-    def _add_column(self, name: str, step: int, counts: Sequence[float]) -> None:
+    def _add_column(self, name: str, step: int, counts: Sequence[float]) -> bool:
+        """Keep one step's counts for ``name`` if there is room; return whether they were kept."""
         if name not in self._columns and len(self._columns) >= self.max_panels:
-            return
+            return False
         seen, stride = self._seen.get(name, 0), self._stride.get(name, 1)
         self._seen[name] = seen + 1
         if seen % stride:
-            return
+            return False
         columns = self._columns.setdefault(name, [])
         columns.append((step, np.asarray(counts, dtype=np.float64)))
         if len(columns) > self.max_columns:
             self._columns[name], self._stride[name] = columns[::2], stride * 2
+        return True
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
                              batch_idx: int) -> None:

@@ -102,9 +102,10 @@ def test_it_adds_no_host_transfer_and_no_device_work(tmp_path, monkeypatch):
 def test_a_heatmap_panel_keeps_at_most_max_columns_steps_spread_over_the_run():
     health = LayerHealth(max_columns=4, max_panels=1)
     for step in range(10):
-        health.record_histograms([("activations/a", {}, [step, 1.0]), ("activations/b", {}, [1.0, 1.0]),
-                                  ("gradients/a", {}, [1.0, 1.0])], [-1.0, 0.0, 1.0], step)
-    assert list(health._columns) == ["a"]
+        health.record_histograms([("activations/a", {}, [step, 1.0]), ("activations/b", {}, [1.0, 1.0])],
+                                 [-1.0, 0.0, 1.0], step)
+        health.record_histograms([("gradients/a", {}, [1.0] * 4)], [-2.0, -1.0, 0.0, 1.0, 2.0], step)  # other bins
+    assert list(health._columns) == ["a"] and health._edges == {"a": [-1.0, 0.0, 1.0]}
     assert [step for step, _ in health._columns["a"]] == [0, 4, 8]
 
 
