@@ -1,7 +1,8 @@
 """Run by tests/test_rollback.py: 2-process CPU DDP (gloo), a NaN on rank 1 at step 4, action="rollback".
 
 Snapshots before steps 0 and 3 (``rollback_every_n_steps=3``); step 4 is rolled back and step
-5 skipped (``skip_batches=1``). A GradientMonitor with ``update_ratio=True`` runs beside it.
+5 skipped (``skip_batches=1``). A GradientMonitor with ``update_ratio=True`` and a LayerHealth
+run beside it.
 Each rank writes what it saw to ``rank<r>.json``.
 """
 
@@ -14,11 +15,11 @@ from typing import Any
 
 import lightning as L
 import torch
-from lightning.pytorch.loggers import CSVLogger
+from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from lightning_hooks import GradientAnomalyStopping, GradientMonitor  # noqa: E402
+from lightning_hooks import GradientAnomalyStopping, GradientMonitor, LayerHealth  # noqa: E402
 from tests.grad_helpers import GradNet  # noqa: E402
 from tests.helpers import csv_metrics, loader  # noqa: E402
 
@@ -44,11 +45,11 @@ def flat_params(model: torch.nn.Module) -> list[float]:
 def main(out_dir: str) -> None:
     L.seed_everything(0, verbose=False)
     stopper = GradientAnomalyStopping(action="rollback", rollback_every_n_steps=3, skip_batches=1, prog_bar=False)
-    probe, model = Probe(stopper), GradNet(nan_steps=(4,), nan_rank=1)
+    probe, model, health = Probe(stopper), GradNet(nan_steps=(4,), nan_rank=1), LayerHealth()
     trainer = L.Trainer(
         accelerator="cpu", devices=2, strategy="ddp", max_steps=8, log_every_n_steps=1,
-        logger=CSVLogger(out_dir, name="", version=""),
-        callbacks=[GradientMonitor(update_ratio=True, prog_bar=False), stopper, probe],
+        logger=[CSVLogger(out_dir, name="", version=""), TensorBoardLogger(out_dir, name="tb")],
+        callbacks=[GradientMonitor(update_ratio=True, prog_bar=False), stopper, probe, health],
         enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
     )
     trainer.fit(model, loader(n=128, batch_size=4))
@@ -59,7 +60,7 @@ def main(out_dir: str) -> None:
         "rolled_back_at": probe.rolled_back_at, "restored": probe.params[5] == probe.params[3],
         "global_step": trainer.global_step, "dropped_steps": stopper.dropped_steps,
         "finite": bool(torch.isfinite(torch.tensor(params)).all()), "params": params,
-        "ratio_steps": sorted(ratios),
+        "ratio_steps": sorted(ratios), "health_images": health._images,
     }
     with open(os.path.join(out_dir, f"rank{trainer.global_rank}.json"), "w") as f:
         json.dump(result, f)

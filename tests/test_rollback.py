@@ -155,3 +155,4 @@ def test_ddp_both_ranks_roll_back_at_the_same_step(tmp_path):
         assert (rank["global_step"], rank["dropped_steps"]) == (8, 2)
     assert ranks[0]["params"] == ranks[1]["params"]
     assert ranks[0]["ratio_steps"] == [0, 1, 2, 3, 6, 7]  # no update ratio for dropped updates
+    assert [rank["health_images"] for rank in ranks] == [2, 0]  # LayerHealth draws on rank zero only
