@@ -8,6 +8,7 @@ import pytest
 import torch
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.plugins import MixedPrecision
+from torch import nn
 
 from lightning_hooks import GradientAnomalyStopping, GradientMonitor
 from lightning_hooks._update_ratio import UpdateRatio
@@ -101,3 +102,23 @@ def test_an_update_dropped_by_the_anomaly_stopper_gives_no_ratio(tmp_path):
     stopper = GradientAnomalyStopping(action="skip", prog_bar=False)
     fit(tmp_path, monitor, GradNet(nan_steps=(1,)), stopper, max_steps=3)
     assert sorted(ratios(tmp_path, "updates/net.0.weight/ratio")) == [0, 2]
+
+
+def test_dtensor_parameters_are_measured_on_their_local_shards(tmp_path):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    torch.distributed.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        before = torch.randn(4, 4, generator=torch.Generator().manual_seed(0))
+        weight = nn.Parameter(distribute_tensor(before.clone(), mesh, [Shard(0)]))
+        weight.grad = distribute_tensor(torch.ones(4, 4), mesh, [Shard(0)])
+        optimizer = torch.optim.SGD([weight], lr=0.1)
+        updates = UpdateRatio()
+        updates.take([("w", [weight])], optimizer)
+        optimizer.step()
+        ratio = updates.finish(optimizer, to_host=True)["updates/w/ratio"]
+    finally:
+        torch.distributed.destroy_process_group()
+    assert ratio == pytest.approx(0.1 * 4 / before.norm().item(), rel=1e-6)  # ||0.1 * ones(4, 4)|| = 0.4
