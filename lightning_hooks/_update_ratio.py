@@ -5,8 +5,12 @@ from __future__ import annotations
 import math
 from typing import Any, Optional
 
+import lightning.pytorch as pl
 import torch
 from torch import Tensor
+from torch.utils.hooks import RemovableHandle
+
+from lightning_hooks.sinks import log_scalars
 
 try:
     from torch.distributed.tensor import DTensor
@@ -52,6 +56,15 @@ class UpdateRatio:
         with torch.no_grad():
             self._before = [_local(p).detach().clone() for _, params in self._rows for p in params]
         self._optimizer = optimizer
+
+    def register(self, trainer: pl.Trainer) -> list[RemovableHandle]:
+        """Put a step post-hook on each of ``trainer``'s optimizers that finishes the measure and logs it."""
+
+        def hook(optimizer: Any, args: Any, kwargs: Any) -> None:
+            step = trainer.global_step  # Lightning counts the step once the optimizer's hooks are done
+            log_scalars(trainer, self.finish(optimizer, trainer.is_global_zero), step)
+
+        return [optimizer.register_step_post_hook(hook) for optimizer in trainer.optimizers]
 
     def discard(self) -> None:
         """Drop the snapshot and the references to the parameters."""

@@ -189,14 +189,7 @@ class GradientMonitor(GradientCheck):
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Register the step post-hooks that measure update ratios (after tuners may have replaced optimizers)."""
         if self.update_ratio:
-            self._handles.extend(opt.register_step_post_hook(self._after_step(trainer)) for opt in trainer.optimizers)
-
-    def _after_step(self, trainer: pl.Trainer) -> Any:
-        def hook(optimizer: Any, args: Any, kwargs: Any) -> None:
-            step = trainer.global_step  # Lightning counts the step once the hooks are done
-            log_scalars(trainer, self._updates.finish(optimizer, trainer.is_global_zero), step)
-
-        return hook
+            self._handles.extend(self._updates.register(trainer))
 
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
