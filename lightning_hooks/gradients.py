@@ -13,6 +13,7 @@ from torch import Tensor
 from lightning_hooks._base import _is_logged_step, _log_interval, _validate_interval, _validate_stats
 from lightning_hooks._gradient_check import Check, GradientCheck, Step, _check_bool
 from lightning_hooks._sharding import ShardGroups, local
+from lightning_hooks._update_ratio import UpdateRatio
 from lightning_hooks.aggregate import StatBlock
 from lightning_hooks.anomalies import AnomalyReport
 from lightning_hooks.selection import ModuleSelection, check_limit, validate_limit
@@ -44,6 +45,15 @@ class GradientMonitor(GradientCheck):
     or ``WandbLogger`` is attached), with non-finite values left out and counted. Each
     TensorBoardLogger also gets a Custom Scalars layout, once: one chart per stat drawing
     every row (``norm by parameter``), the total norms, and the anomaly flags.
+
+    With ``update_ratio=True`` it also logs, per row, ``updates/<name>/ratio``, the
+    update-to-weight ratio ``||w_after - w_before|| / ||w_before||`` of the logged step's
+    update (healthy is around 1e-3), and ``updates/<name>/log10_ratio``: the row's parameters
+    are cloned on their device just before the update (on logged steps only: other steps hold
+    no copy and do no work) and compared in an optimizer step post-hook, in one host transfer
+    of their own. A step the AMP GradScaler skips, and an update ``GradientAnomalyStopping``
+    drops, give no ratio; with gradient accumulation only the real optimizer step is measured.
+    A parameter that was all zeros gives an infinite ratio.
 
     At every optimizer step it computes the anomaly flags, and logs them as 0/1 scalars on
     logged steps, on every step that raises one, and on the step after (where they come back
@@ -93,12 +103,14 @@ class GradientMonitor(GradientCheck):
         max_rows: The most rows (parameters, or modules with ``"module"``) to log (None: no
             limit), so that a very large model fails before training with a hint instead of
             logging thousands of tags a step.
+        update_ratio: Log each row's update-to-weight ratio on logged steps (costs, on those
+            steps, a copy of the rows' parameters on their device until the update is made).
 
     Raises:
         ValueError: For a bad ``log_every_n_steps``, ``granularity``, stat, ``bins``,
             threshold or ``max_rows``, or (before training) a module pattern that matches
             nothing or more than ``max_rows`` rows.
-        TypeError: If ``histogram``, ``provenance`` or ``prog_bar`` is not a bool, or
+        TypeError: If ``histogram``, ``provenance``, ``prog_bar`` or ``update_ratio`` is not a bool, or
             ``save_dir`` not a path.
 
     Example::
@@ -128,6 +140,7 @@ class GradientMonitor(GradientCheck):
         save_dir: Optional[str] = None,
         prog_bar: bool = True,
         max_rows: Optional[int] = 1000,
+        update_ratio: bool = False,
     ) -> None:
         super().__init__(modules, check_finite, max_norm, relative_threshold, min_norm, window,
                          provenance, save_dir)
@@ -139,6 +152,9 @@ class GradientMonitor(GradientCheck):
         _check_bool("histogram", histogram)
         _check_bool("prog_bar", prog_bar)
         validate_limit("max_rows", max_rows)
+        _check_bool("update_ratio", update_ratio)
+        self.update_ratio = update_ratio
+        self._updates = UpdateRatio()
         self.log_every_n_steps, self.granularity, self.stats = log_every_n_steps, granularity, tuple(stats)
         self.histogram, self.bins, self.prog_bar, self.max_rows = histogram, bins, prog_bar, max_rows
         self.last_report: Optional[AnomalyReport] = None
@@ -190,10 +206,23 @@ class GradientMonitor(GradientCheck):
         charts: dict[str, list[str]] = {f"{s} by {self.granularity}": [rf"gradients/.*/{s}$"] for s in self.stats}
         return {**charts, "total norm": [r"gradients/total_norm(/group\d+)?$"], "anomaly flags": [r"anomalies/"]}
 
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Register the step post-hooks that measure update ratios (after tuners may have replaced optimizers)."""
+        if self.update_ratio:
+            self._handles.extend(self._updates.register(trainer))
+
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        """Drop an update-ratio snapshot whose step never ran (a GradScaler skipped it)."""
+        super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+        self._updates.discard()
+
     def detach(self) -> None:
         """Remove the hooks and drop the rows' references to parameters."""
         super().detach()
         self._rows, self._block, self._row_shards = [], None, ShardGroups([])
+        self._updates.discard()
 
     def _select_rows(self, pl_module: pl.LightningModule) -> list[tuple[str, list[Tensor]]]:
         if self.granularity == "module":
@@ -264,6 +293,8 @@ class GradientMonitor(GradientCheck):
                 metrics.update(self._gradient_metrics(trainer, check))
             log_scalars(trainer, metrics, trainer.global_step)
         self._raised = raised
+        if self.update_ratio and self._logged and not check.amp_overflow:
+            self._updates.take(self._rows, optimizer)
         if check.anomalous:
             fired = frozenset(name for name, on in check.flags.items() if on)
             if fired - self._fired:  # the flags are agreed: every rank reports (and gathers), or none

@@ -15,6 +15,7 @@ from torch.utils.tensorboard import SummaryWriter
 from torch.utils.tensorboard.summary import custom_scalars, histogram_raw
 
 from lightning_hooks._compat import TENSORBOARD_LOGGERS, WANDB_LOGGERS
+from lightning_hooks._listeners import listeners
 
 
 def log_scalars(trainer: pl.Trainer | Any, metrics: Mapping[str, float], step: int) -> None:
@@ -26,6 +27,8 @@ def log_scalars(trainer: pl.Trainer | Any, metrics: Mapping[str, float], step: i
     """
     if not trainer.is_global_zero or not metrics:
         return
+    for listener in listeners(trainer):
+        listener.record_scalars(metrics, step)
     for logger in trainer.loggers:
         if not _write_one_event(logger, metrics, step):
             logger.log_metrics(dict(metrics), step=step)
@@ -91,6 +94,8 @@ def log_histograms(trainer: pl.Trainer | Any, histograms: Sequence[Histogram], e
     """
     if not trainer.is_global_zero:
         return
+    for listener in listeners(trainer):
+        listener.record_histograms(histograms, edges, step)
     shown = [(tag, summary, counts, _span(counts)) for tag, summary, counts in histograms
              if summary["count_finite"] > 0]
     if not shown:

@@ -8,12 +8,14 @@ import lightning.pytorch as pl
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from lightning_hooks._gradient_check import Check, GradientCheck, Step, _check_bool
+from lightning_hooks._rollback import Rollback, check_strategy, validate_rollback
 from lightning_hooks.anomalies import AnomalyReport
 from lightning_hooks.selection import ModuleSelection
 
-Action = Literal["stop", "skip", "raise", "warn"]
-_ACTIONS = ("stop", "skip", "raise", "warn")
+Action = Literal["stop", "skip", "rollback", "raise", "warn"]
+_ACTIONS = ("stop", "skip", "rollback", "raise", "warn")
 _COUNTERS = ("streak", "anomalous_steps", "dropped_steps", "amp_overflows")
+_ROLLBACK_COUNTERS = ("rollbacks", "skipping")  # absent from checkpoints written before rollback existed
 
 
 class GradientAnomalyError(RuntimeError):
@@ -32,7 +34,7 @@ def _drop_update(optimizer: Any) -> None:
 
 
 class GradientAnomalyStopping(GradientCheck):
-    """Act when gradients are non-finite, explode or vanish: stop, skip the update, raise or warn.
+    """Act when gradients are non-finite, explode or vanish: stop, skip the update, roll back, raise or warn.
 
     The check runs at every optimizer step in ``on_before_optimizer_step`` (after gradient
     accumulation and AMP unscaling). A step is anomalous when any enabled flag fires for all
@@ -58,6 +60,22 @@ class GradientAnomalyStopping(GradientCheck):
     - ``"skip"``: drops the update of this and every following anomalous step of the run
       (gradients set to None, so the optimizer leaves parameters and its state alone) and
       trains on. The global step and learning-rate schedules still advance.
+    - ``"rollback"``: drops the update, restores the last known-good model, optimizer and LR
+      scheduler state, drops the updates of the next ``skip_batches`` optimizer steps (their
+      batches still run forward and backward: a callback cannot spare Lightning's automatic
+      optimization a batch), and trains on, as large-model pretraining does by hand after a
+      loss spike. The snapshot is taken at the start of training and refreshed after every
+      ``rollback_every_n_steps`` clean steps in a row (a tolerated anomalous step starts the
+      count again, a step the GradScaler skips leaves it); it lives in host RAM, one per
+      rank: about the size of the model's state dict plus the optimizer state (with Adam, 3x
+      the parameters), and each refresh is a device-to-host copy of that size.
+      ``trainer.global_step`` (and with it ``max_steps`` and the loggers' step axis) keeps
+      counting every step, the rolled-back and skipped ones included, while the LR schedules
+      go back with the snapshot and are held still over the skipped steps: they count the
+      updates the model kept, so a rolled-back run ends where a run that never saw the
+      discarded batches would. With gradient accumulation ``skip_batches`` counts optimizer
+      steps (``accumulate_grad_batches`` batches each). One device or DDP (every rank holds
+      the whole state), one optimizer; the GradScaler's state is not rolled back.
     - ``"raise"``: raises :class:`GradientAnomalyError` carrying the report, before the update.
     - ``"warn"``: warns with the report, on rank zero, and applies the update.
 
@@ -77,7 +95,7 @@ class GradientAnomalyStopping(GradientCheck):
     differ. Works beside Lightning's ``EarlyStopping``.
 
     Args:
-        action: What to do: ``"stop"``, ``"skip"``, ``"raise"`` or ``"warn"``.
+        action: What to do: ``"stop"``, ``"skip"``, ``"rollback"``, ``"raise"`` or ``"warn"``.
         patience: How many anomalous optimizer steps in a row to tolerate before acting.
         check_finite: Flag gradients that hold a NaN or an Inf.
         max_norm: Flag a group or total norm above this as exploding.
@@ -90,10 +108,15 @@ class GradientAnomalyStopping(GradientCheck):
             activation modules).
         save_dir: Save the offending batch and the model state here when acting, for replay.
         prog_bar: Show the streak of anomalous steps in the progress bar as ``anomaly_streak``.
+        rollback_every_n_steps: With ``"rollback"``: refresh the snapshot after this many clean
+            steps in a row (None: 100).
+        skip_batches: With ``"rollback"``: after a restore, drop the updates of this many steps.
 
     Raises:
-        ValueError: For an unknown ``action``, a negative ``patience``, a bad threshold, or
-            when no check is enabled.
+        ValueError: For an unknown ``action``, a negative ``patience``, a bad threshold, when
+            no check is enabled, for a bad ``rollback_every_n_steps`` or ``skip_batches`` or
+            either without ``action="rollback"``, and (before the first step) for a rollback
+            under a sharding strategy or with several optimizers.
         TypeError: If ``provenance`` or ``prog_bar`` is not a bool, or ``save_dir`` not a path.
 
     Example::
@@ -119,6 +142,8 @@ class GradientAnomalyStopping(GradientCheck):
         modules: ModuleSelection = None,
         save_dir: Optional[str] = None,
         prog_bar: bool = True,
+        rollback_every_n_steps: Optional[int] = None,
+        skip_batches: int = 0,
     ) -> None:
         super().__init__(modules, check_finite, max_norm, relative_threshold, min_norm, window,
                          provenance, save_dir)
@@ -132,7 +157,13 @@ class GradientAnomalyStopping(GradientCheck):
                 " `relative_threshold`, `min_norm`"
             )
         _check_bool("prog_bar", prog_bar)
+        validate_rollback(action, rollback_every_n_steps, skip_batches)
         self.action, self.patience, self.prog_bar = action, patience, prog_bar
+        self.rollback_every_n_steps, self.skip_batches = rollback_every_n_steps, skip_batches
+        self._rollback = Rollback(rollback_every_n_steps or 100, skip_batches) if action == "rollback" else None
+        self.rollbacks = 0
+        #: With ``"rollback"``: (the step rolled back, the step whose starting state it went back to).
+        self.last_rollback: Optional[tuple[int, int]] = None
         self.last_report: Optional[AnomalyReport] = None
         self.streak = 0
         self.anomalous_steps = 0
@@ -143,10 +174,39 @@ class GradientAnomalyStopping(GradientCheck):
     def _key(self) -> dict[str, Any]:
         return {"action": self.action, **super()._key()}
 
+    @property
+    def skipping(self) -> int:
+        """How many more optimizer steps' updates a rollback drops."""
+        return self._rollback.skipping if self._rollback is not None else 0
+
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        """Register the step pre-hooks that drop updates (after tuners may have replaced the optimizers)."""
-        if self.action in ("stop", "skip"):
+        """Register the step pre-hooks that drop updates (after tuners may have replaced the optimizers).
+
+        With ``"rollback"``, take the first snapshot: the state training (or a resume) starts from.
+        """
+        if self._rollback is not None:
+            check_strategy(trainer)
+            self._rollback.take(trainer, pl_module)
+        if self.action in ("stop", "skip", "rollback"):
             self._handles.extend(opt.register_step_pre_hook(self._before_step) for opt in trainer.optimizers)
+
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        """After the step and the LR schedulers': refresh the snapshot, or roll back to it."""
+        super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+        if self._rollback is not None and self._rollback.end_of_batch(trainer, pl_module):
+            self.rollbacks, self.streak = self.rollbacks + 1, 0
+            step, to = trainer.global_step - 1, self._rollback.snapshot_step or 0
+            self.last_rollback = (step, to)
+            rank_zero_info(f"GradientAnomalyStopping: step {step} rolled back to the state before step {to};"
+                           f" dropping the next {self.skip_batches} updates.")
+
+    def detach(self) -> None:
+        """Remove the hooks; free the rollback snapshot."""
+        super().detach()
+        if self._rollback is not None:
+            self._rollback.release()
 
     def on_before_optimizer_step(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any
@@ -184,11 +244,18 @@ class GradientAnomalyStopping(GradientCheck):
                 check: Check) -> None:
         self.amp_overflows += bool(check.amp_overflow)
         self.anomalous_steps += check.anomalous
+        if self._rollback is not None and self._rollback.skipping:  # passing over batches after a rollback
+            self._rollback.decide(act=False, clean=False)
+            self._drop, self.dropped_steps = optimizer, self.dropped_steps + 1
+            return
         if not check.skipped:  # a step the scaler skipped says nothing: the streak stays
             self.streak = self.streak + 1 if check.anomalous else 0
         if self.prog_bar:
             self._show(trainer, pl_module, "anomaly_streak", self.streak)
-        if not check.anomalous or self.streak <= self.patience:
+        act = check.anomalous and self.streak > self.patience
+        if self._rollback is not None and not check.skipped:  # a step the scaler skipped leaves the count
+            self._rollback.decide(act, clean=not check.anomalous)
+        if not act:
             return
         if self.streak == self.patience + 1:  # report once per run of anomalous steps
             self.last_report = report = self._report(trainer, pl_module, step, check)
@@ -198,19 +265,27 @@ class GradientAnomalyStopping(GradientCheck):
                 rank_zero_warn(str(report))
             elif self.action == "stop":
                 rank_zero_info(f"GradientAnomalyStopping: stopping.\n{report}")
-        if self.action in ("stop", "skip"):
+        if self.action in ("stop", "skip", "rollback"):
             self._drop = optimizer
             self.dropped_steps += 1
         if self.action == "stop":
             trainer.should_stop = True
 
     def state_dict(self) -> dict[str, Any]:
-        """Return the counters and the running median windows."""
-        counters = {name: getattr(self, name) for name in _COUNTERS}
+        """Return the counters, the running median windows, and how many updates a rollback still drops.
+
+        The rollback snapshot is not saved (it would double the checkpoint): on resume, the
+        resumed state is the first snapshot.
+        """
+        counters = {name: getattr(self, name) for name in (*_COUNTERS, *_ROLLBACK_COUNTERS)}
         return {**counters, **self._state()}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore what :meth:`state_dict` returned."""
         for name in _COUNTERS:
             setattr(self, name, int(state_dict[name]))
+        self.rollbacks = int(state_dict.get("rollbacks", 0))
+        if self._rollback is not None:
+            self._rollback.skipping = int(state_dict.get("skipping", 0))
         self._load_state(state_dict)
+

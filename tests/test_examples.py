@@ -7,13 +7,15 @@ import sys
 
 import pytest
 
-EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+EXAMPLES = os.path.join(ROOT, "examples")
 
 
 def run_example(name: str, out_dir) -> str:
     proc = subprocess.run(
         [sys.executable, os.path.join(EXAMPLES, f"{name}.py"), str(out_dir / "logs")],
         capture_output=True, text=True, timeout=240, cwd=out_dir,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])},  # this checkout
     )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     return proc.stdout
@@ -34,6 +36,16 @@ def run_example(name: str, out_dir) -> str:
         ]),
         ("dead_relu", [r"net\.3\s+1\.000\s+1\.000\s+DEAD", r"Dead ReLUs: net\.3\."]),
         ("feature_extraction", [r"saved features equal the encoder's output: True"]),
+        ("loss_spike_rollback", [
+            r"unprotected: .* parameters finite: False", r"rollback: .* parameters finite: True",
+            r"step 45 went back to the state before step 40; updates dropped: 4",
+        ]),
+        ("layer_health", [
+            r"dead units: zero fraction of outputs, highest\n(\s+net\.[35] .*\n){2}",
+            r"update ratio: farthest from 0\.001\n\s+net\.6 ",
+            r"health/activation_histograms\s+4 images of 1280x480 px, at steps \[0, 20, 40, 60\]",
+        ]),
+        ("update_ratio", [r"net\.0\.weight .* too fast", r"net\.2\.weight .* ok", r"net\.4\.weight .* too slow"]),
     ],
 )
 def test_example_prints_what_the_readme_promises(tmp_path, name, expected):

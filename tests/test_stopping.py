@@ -38,7 +38,7 @@ def all_finite(model: nn.Module) -> bool:
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
-        ({"action": "halt"}, r"`action` must be one of \['stop', 'skip', 'raise', 'warn'\], got 'halt'"),
+        ({"action": "halt"}, r"`action` must be one of \['stop', 'skip', 'rollback', 'raise', 'warn'\], got 'halt'"),
         ({"patience": -1}, r"`patience` must be a non-negative int, got -1"),
         ({"patience": 1.5}, r"`patience` must be a non-negative int, got 1.5"),
         ({"check_finite": False}, r"nothing to check: set `check_finite=True`, or one of `max_norm`"),

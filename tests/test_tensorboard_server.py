@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import struct
 import subprocess
 import sys
 import time
@@ -18,7 +19,8 @@ import torch
 from lightning.pytorch.loggers import TensorBoardLogger
 from torch import nn
 
-from lightning_hooks import STAT_NAMES, ActivationMonitor, GradientMonitor
+from lightning_hooks import STAT_NAMES, ActivationMonitor, GradientMonitor, LayerHealth
+from lightning_hooks._health_plots import heatmap_size
 from tests.helpers import events, trainer
 from tests.zoo import F, LitNet
 
@@ -60,10 +62,12 @@ def serve(tmp_path):
 
         base = _wait_for(url, 60, "address")
 
-        def get(route: str, **params: str):
+        def get(route: str, raw: bool = False, **params: str):
+            """The JSON at ``route`` (or with ``raw`` its bytes)."""
             query = f"?{urllib.parse.urlencode(params)}" if params else ""
             with urllib.request.urlopen(f"{base}{route}{query}", timeout=10) as response:
-                return json.loads(response.read())
+                body = response.read()
+                return body if raw else json.loads(body)
 
         return get
 
@@ -182,3 +186,25 @@ def test_a_12_layer_transformer_logs_a_few_hundred_tags_and_one_chart_per_stat_a
         assert all(len(points) == 2 for points in served["tag_to_events"].values())  # steps 0 and 1
     encoder_3 = [t for t in get("/data/plugin/scalars/tags")[RUN] if re.search(r"encoder\.layers\.3\.", t)]
     assert {t.split("/")[0] for t in encoder_3} == {"activations", "gradients"}  # one filter shows both
+
+
+def test_tensorboard_serves_the_layer_health_pictures(tmp_path, serve):
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(F, 8), nn.ReLU(), nn.Linear(8, 1))
+    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(24, F), torch.zeros(24, 1)),
+                                       batch_size=8)
+    logger = TensorBoardLogger(tmp_path, name="tb", version=0)
+    callbacks = [ActivationMonitor(log_every_n_steps=1), GradientMonitor(log_every_n_steps=1), LayerHealth()]
+    trainer(tmp_path, callbacks, logger=logger, max_steps=3).fit(LitNet(net), data)
+    logger.experiment.flush()
+
+    get = serve(tmp_path)
+    _loaded(get, "gradients/total_norm")
+    tag = "health/activation_histograms"
+    assert tag in get("/data/plugin/images/tags")[RUN]
+    entries = get("/data/plugin/images/images", run=RUN, tag=tag)
+    assert [e["step"] for e in entries] == [0, 2]  # the first logged step, and the end of training
+    png = get(f"/data/plugin/images/individualImage?{entries[-1]['query']}", raw=True)
+    assert png[:8] == b"\x89PNG\r\n\x1a\n"
+    width, height = struct.unpack(">II", png[16:24])  # the IHDR chunk
+    assert (width, height) == heatmap_size(3)

@@ -1,0 +1,122 @@
+"""Rollback for GradientAnomalyStopping: the last known-good training state on the host, and its restore."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any, Literal, Optional
+
+import lightning.pytorch as pl
+from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, SingleDeviceStrategy
+from lightning_utilities.core.apply_func import apply_to_collection
+from torch import Tensor
+
+Outcome = Literal["clean", "kept", "rollback", "skipped"]
+
+
+def _host_copy(state: Any) -> Any:
+    """``state`` with every tensor copied to the host: no tensor shared with the original."""
+    return apply_to_collection(state, Tensor, lambda t: t.detach().to("cpu", copy=True))
+
+
+def check_strategy(trainer: pl.Trainer) -> None:
+    """Raise unless every rank holds the whole model and optimizer state (one device, or DDP).
+
+    Raises:
+        ValueError: Under FSDP, DeepSpeed or another sharding strategy, or with several optimizers.
+    """
+    strategy = trainer.strategy
+    if not isinstance(strategy, (SingleDeviceStrategy, DDPStrategy)) or isinstance(strategy, DeepSpeedStrategy):
+        raise ValueError(
+            f"`action='rollback'` needs the whole model and optimizer state on every rank (one device or"
+            f" DDP), got the {type(strategy).__name__}; use `action='skip'` or 'stop' with it"
+        )
+    if len(trainer.optimizers) != 1:
+        raise ValueError(f"`action='rollback'` supports one optimizer, got {len(trainer.optimizers)}")
+
+
+def validate_rollback(action: str, every_n_steps: Any, skip_batches: Any) -> None:
+    """Check the rollback arguments of GradientAnomalyStopping.
+
+    Raises:
+        ValueError: For a bad value, or either set without ``action="rollback"``.
+    """
+    if every_n_steps is not None and (
+        not isinstance(every_n_steps, int) or isinstance(every_n_steps, bool) or every_n_steps < 1
+    ):
+        raise ValueError(f"`rollback_every_n_steps` must be a positive int or None, got {every_n_steps!r}")
+    if not isinstance(skip_batches, int) or isinstance(skip_batches, bool) or skip_batches < 0:
+        raise ValueError(f"`skip_batches` must be a non-negative int, got {skip_batches!r}")
+    if action != "rollback" and (every_n_steps is not None or skip_batches):
+        raise ValueError(
+            f"`rollback_every_n_steps` and `skip_batches` work with `action='rollback'` only, got"
+            f" action={action!r}: set action='rollback' or leave them out"
+        )
+
+
+class Rollback:
+    """One snapshot of model, optimizer and LR scheduler state on the host, refreshed every N clean steps.
+
+    :meth:`decide` is called at each optimizer step (the flags agreed across ranks) and says
+    whether to drop its update; :meth:`end_of_batch`, once the step and the LR schedulers' step
+    are done, refreshes the snapshot, restores it, or holds the schedules still while batches
+    are passed over.
+
+    Args:
+        every_n_steps: Refresh the snapshot after this many clean optimizer steps in a row.
+        skip_batches: After a restore, drop the updates of this many optimizer steps.
+    """
+
+    def __init__(self, every_n_steps: int, skip_batches: int) -> None:
+        self.every_n_steps, self.skip_batches = every_n_steps, skip_batches
+        self.skipping = 0  # optimizer steps still to pass over
+        self.snapshot_step: Optional[int] = None  # the global step the snapshot was taken before
+        self._state: dict[str, Any] = {}
+        self._clean = 0  # clean steps in a row since the snapshot
+        self._outcome: Optional[Outcome] = None
+
+    def take(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Copy the model, the optimizer and the LR schedulers' states to the host."""
+        self._state = {
+            "model": _host_copy(pl_module.state_dict()),
+            "optimizer": _host_copy(trainer.optimizers[0].state_dict()),
+            "schedulers": [copy.deepcopy(config.scheduler.state_dict()) for config in trainer.lr_scheduler_configs],
+        }
+        self.snapshot_step, self._clean = trainer.global_step, 0
+
+    def release(self) -> None:
+        """Free the snapshot (at the end of ``fit``)."""
+        self._state, self._outcome = {}, None
+
+    def decide(self, act: bool, clean: bool) -> bool:
+        """Note an optimizer step: whether it is acted on, or clean; return whether to drop its update."""
+        if self.skipping:
+            self.skipping -= 1
+            self._outcome = "skipped"
+        else:
+            self._outcome = "rollback" if act else "clean" if clean else "kept"
+        return self._outcome in ("rollback", "skipped")
+
+    def end_of_batch(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> bool:
+        """Act on the step noted by :meth:`decide`, if any; return whether the state was rolled back."""
+        outcome, self._outcome = self._outcome, None
+        if outcome == "rollback":
+            pl_module.load_state_dict(self._state["model"])  # copies into the parameters, in place
+            trainer.optimizers[0].load_state_dict(_host_copy(self._state["optimizer"]))  # no alias of ours
+            self._restore_schedules(trainer)
+            self.skipping, self._clean = self.skip_batches, 0
+        elif outcome == "skipped":  # nothing moved but the LR schedules, stepped by Lightning: back they go
+            self._restore_schedules(trainer)
+            groups = self._state["optimizer"]["param_groups"]
+            for group, saved in zip(trainer.optimizers[0].param_groups, groups):
+                group.update({key: value for key, value in saved.items() if key != "params"})
+        elif outcome == "clean":
+            self._clean += 1
+            if self._clean >= self.every_n_steps:
+                self.take(trainer, pl_module)
+        elif outcome == "kept":  # an anomalous step tolerated (patience): the count starts again
+            self._clean = 0
+        return outcome == "rollback"
+
+    def _restore_schedules(self, trainer: pl.Trainer) -> None:
+        for config, state in zip(trainer.lr_scheduler_configs, self._state["schedulers"]):
+            config.scheduler.load_state_dict(copy.deepcopy(state))

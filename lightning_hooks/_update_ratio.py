@@ -1,0 +1,113 @@
+"""The update-to-weight ratio ``||Δw|| / ||w||`` of one optimizer step, per row of parameters."""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Optional
+
+import lightning.pytorch as pl
+import torch
+from torch import Tensor
+from torch.utils.hooks import RemovableHandle
+
+from lightning_hooks.sinks import log_scalars
+
+try:
+    from torch.distributed.tensor import DTensor
+except ImportError:  # torch < 2.4
+    from torch.distributed._tensor import DTensor  # type: ignore[no-redef]
+
+Rows = list[tuple[str, list[Tensor]]]
+
+
+def _local(tensor: Tensor) -> Tensor:
+    """This rank's shard of a DTensor (FSDP2), else the tensor itself."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+class UpdateRatio:
+    """A snapshot of some parameters just before an optimizer step, and their update ratio after it.
+
+    :meth:`take` clones the parameters on their device (only on the steps asked for, so other
+    steps cost nothing and hold no copy); :meth:`finish`, run once the optimizer has stepped,
+    measures ``||w_after - w_before|| / ||w_before||`` per row with multi-tensor ops, brings
+    the figures to the host in one transfer, and drops the snapshot. A row whose parameters
+    lost their gradients before the step (an update dropped by ``GradientAnomalyStopping``)
+    gives no ratio, and a step that never ran (a GradScaler skipping it) never finishes:
+    :meth:`discard` drops its snapshot.
+    """
+
+    def __init__(self) -> None:
+        self._rows: Rows = []
+        self._before: Optional[list[Tensor]] = None
+        self._optimizer: Any = None
+
+    @property
+    def pending(self) -> bool:
+        """Whether a snapshot is held (between :meth:`take` and :meth:`finish` or :meth:`discard`)."""
+        return self._before is not None
+
+    def take(self, rows: Rows, optimizer: Any) -> None:
+        """Clone ``rows``' parameters (those with a gradient) before ``optimizer`` steps."""
+        stepped = [(name, [p for p in params if p.grad is not None]) for name, params in rows]
+        self._rows = [(name, params) for name, params in stepped if params]
+        if not self._rows:
+            return
+        with torch.no_grad():
+            self._before = [_local(p).detach().clone() for _, params in self._rows for p in params]
+        self._optimizer = optimizer
+
+    def register(self, trainer: pl.Trainer) -> list[RemovableHandle]:
+        """Put a step post-hook on each of ``trainer``'s optimizers that finishes the measure and logs it."""
+
+        def hook(optimizer: Any, args: Any, kwargs: Any) -> None:
+            step = trainer.global_step  # Lightning counts the step once the optimizer's hooks are done
+            log_scalars(trainer, self.finish(optimizer, trainer.is_global_zero), step)
+
+        return [optimizer.register_step_post_hook(hook) for optimizer in trainer.optimizers]
+
+    def discard(self) -> None:
+        """Drop the snapshot and the references to the parameters."""
+        self._rows, self._before, self._optimizer = [], None, None
+
+    def finish(self, optimizer: Any, to_host: bool) -> dict[str, float]:
+        """``updates/<row>/ratio`` and ``log10_ratio`` after ``optimizer``'s step; empty for another one.
+
+        Args:
+            optimizer: The optimizer that just stepped.
+            to_host: Whether to measure and bring the figures to the host (rank zero), or only
+                drop the snapshot.
+        """
+        if self._before is None or optimizer is not self._optimizer:
+            return {}
+        rows, before = self._rows, self._before
+        self.discard()
+        if not to_host:
+            return {}
+        squares = _row_squares(rows, before)  # under FSDP2 an all_reduce (sum) of these goes here
+        ratios = (squares[0] / squares[1]).sqrt().cpu().tolist()  # the one transfer
+        metrics: dict[str, float] = {}
+        for (name, params), ratio in zip(rows, ratios):
+            if all(p.grad is not None for p in params):  # else the update was dropped
+                metrics[f"updates/{name}/ratio"] = ratio
+                metrics[f"updates/{name}/log10_ratio"] = math.log10(ratio) if ratio > 0 else -math.inf
+        return metrics
+
+
+def _row_squares(rows: Rows, before: list[Tensor]) -> Tensor:
+    """Per row, the squared norms of the update and of the weights before it: a ``(2, rows)`` tensor.
+
+    The rows' parameters lie one after another in ``before``, so each row is a slice (views,
+    no index goes to the device).
+    """
+    with torch.no_grad():
+        after = [_local(p).detach() for _, params in rows for p in params]
+        deltas = torch._foreach_sub(after, before)
+        norms = torch.stack([torch.stack(torch._foreach_norm(tensors, 2, dtype=torch.float32))
+                             for tensors in (deltas, before)])
+        squares = norms.double().square()
+        bounds, start = [], 0
+        for _, params in rows:
+            bounds.append((start, start + len(params)))
+            start += len(params)
+        return torch.stack([squares[:, lo:hi].sum(1) for lo, hi in bounds], dim=1)

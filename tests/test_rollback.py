@@ -1,0 +1,157 @@
+"""GradientAnomalyStopping(action="rollback"): back to the last good state, skip batches, train on; DDP."""
+
+from typing import Any
+
+import lightning as L
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, Subset, TensorDataset
+
+from lightning_hooks import GradientAnomalyStopping
+from tests.helpers import run_ddp, trainer
+
+BATCH = 8
+BAD_BATCH, EVERY, SKIP, STEPS = 7, 3, 2, 14  # snapshots before steps 0, 3, 6: step 7 goes back to 6
+
+
+class AdamNet(L.LightningModule):
+    """Linear -> Tanh -> Linear with Adam and a per-step StepLR, so optimizer and scheduler state matter."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return nn.functional.mse_loss(self.net(x), y)
+
+    def configure_optimizers(self) -> Any:
+        optimizer = torch.optim.Adam(self.parameters(), lr=0.01)
+        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=4, gamma=0.5)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+class TwoOptimizers(AdamNet):
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+
+    def configure_optimizers(self) -> Any:
+        return [torch.optim.SGD(self.net[0].parameters(), lr=0.1), torch.optim.SGD(self.net[2].parameters(), lr=0.1)]
+
+
+def dataset(bad: str, bad_batches: tuple[int, ...] = (BAD_BATCH,), n_batches: int = STEPS) -> TensorDataset:
+    """Regression data whose ``bad_batches`` are scaled by 1e6 (``"spike"``) or NaN (``"nan"``)."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(n_batches * BATCH, 8, generator=gen)
+    for b in bad_batches:
+        x[b * BATCH : (b + 1) * BATCH] *= 1e6 if bad == "spike" else float("nan")
+    return TensorDataset(x, x.sum(1, keepdim=True))
+
+
+def samples(batches: list[int]) -> list[int]:
+    return [i for b in batches for i in range(b * BATCH, (b + 1) * BATCH)]
+
+
+def run(tmp_path: Any, callbacks: list[L.Callback], data: Any, steps: int, **kwargs: Any) -> tuple[AdamNet, L.Trainer]:
+    torch.manual_seed(0)
+    model = AdamNet()
+    fit = trainer(tmp_path, callbacks, logger=False, max_steps=steps, **kwargs)
+    fit.fit(model, DataLoader(data, batch_size=BATCH))
+    return model, fit
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"action": "rollback", "rollback_every_n_steps": 0},
+         r"`rollback_every_n_steps` must be a positive int or None, got 0"),
+        ({"action": "rollback", "rollback_every_n_steps": True},
+         r"`rollback_every_n_steps` must be a positive int or None, got True"),
+        ({"action": "rollback", "skip_batches": -1}, r"`skip_batches` must be a non-negative int, got -1"),
+        ({"action": "rollback", "skip_batches": 1.0}, r"`skip_batches` must be a non-negative int, got 1.0"),
+        ({"action": "skip", "rollback_every_n_steps": 5},
+         r"`rollback_every_n_steps` and `skip_batches` work with `action='rollback'` only, got action='skip'"),
+        ({"action": "stop", "skip_batches": 2}, r"work with `action='rollback'` only, got action='stop'"),
+    ],
+)
+def test_bad_rollback_settings_fail_at_construction(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        GradientAnomalyStopping(**kwargs)
+
+
+@pytest.mark.parametrize(("bad", "precision"), [("spike", "32-true"), ("nan", "32-true"), ("spike", "bf16-mixed")])
+def test_a_rolled_back_run_ends_where_a_run_that_never_saw_the_bad_batches_does(tmp_path, bad, precision):
+    stopper = GradientAnomalyStopping(action="rollback", max_norm=1e3, rollback_every_n_steps=EVERY,
+                                      skip_batches=SKIP, prog_bar=False)
+    rolled, fit = run(tmp_path, [stopper], dataset(bad), STEPS, precision=precision)
+    # Discarded: batch 6 (after the snapshot), the bad batch 7, and the SKIP batches after it.
+    kept = samples([*range(6), *range(BAD_BATCH + SKIP + 1, STEPS)])
+    control, control_fit = run(tmp_path, [], Subset(dataset(bad), kept), len(kept) // BATCH, precision=precision)
+    assert (fit.global_step, stopper.rollbacks, stopper.dropped_steps, stopper.skipping) == (STEPS, 1, 1 + SKIP, 0)
+    assert stopper.last_rollback == (BAD_BATCH, 6) and all(torch.isfinite(p).all() for p in rolled.parameters())
+    for (name, p), q in zip(rolled.named_parameters(), control.parameters()):
+        assert torch.equal(p, q), name
+    schedulers = [f.lr_scheduler_configs[0].scheduler for f in (fit, control_fit)]
+    assert schedulers[0].last_epoch == schedulers[1].last_epoch == len(kept) // BATCH
+    assert fit.optimizers[0].param_groups[0]["lr"] == control_fit.optimizers[0].param_groups[0]["lr"]
+    assert stopper._rollback._state == {}  # the host snapshot is freed at the end of fit
+
+
+def test_a_second_rollback_to_the_same_snapshot_finds_it_untouched(tmp_path):
+    stopper = GradientAnomalyStopping(action="rollback", max_norm=1e3, rollback_every_n_steps=3)
+    data = dataset("spike", bad_batches=(5, 8))  # snapshot before step 3; steps 6 and 7 too few for another
+    rolled, _ = run(tmp_path, [stopper], data, STEPS)
+    kept = [0, 1, 2, *range(9, STEPS)]
+    control, _ = run(tmp_path, [], Subset(data, samples(kept)), len(kept))
+    assert stopper.rollbacks == 2 and stopper.last_rollback == (8, 3)
+    assert all(torch.equal(p, q) for p, q in zip(rolled.parameters(), control.parameters()))
+
+
+def test_with_accumulation_whole_optimizer_steps_are_rolled_back_and_skipped(tmp_path):
+    stopper = GradientAnomalyStopping(action="rollback", max_norm=1e3, rollback_every_n_steps=EVERY, skip_batches=SKIP)
+    data = dataset("spike", bad_batches=(2 * BAD_BATCH + 1,), n_batches=2 * STEPS)  # step 7's second micro-batch
+    rolled, fit = run(tmp_path, [stopper], data, STEPS, accumulate_grad_batches=2)
+    kept = [*range(12), *range(2 * (BAD_BATCH + SKIP + 1), 2 * STEPS)]  # steps 0-5 and 10-13, two batches each
+    control, _ = run(tmp_path, [], Subset(data, samples(kept)), len(kept) // 2, accumulate_grad_batches=2)
+    assert (fit.global_step, stopper.last_rollback, stopper.dropped_steps) == (STEPS, (BAD_BATCH, 6), 1 + SKIP)
+    assert all(torch.equal(p, q) for p, q in zip(rolled.parameters(), control.parameters()))
+
+
+def test_patience_tolerates_and_the_snapshot_waits_for_clean_steps(tmp_path):
+    stopper = GradientAnomalyStopping(action="rollback", max_norm=1e3, patience=1, rollback_every_n_steps=2)
+    run(tmp_path, [stopper], dataset("spike"), 9)
+    assert (stopper.anomalous_steps, stopper.rollbacks, stopper.dropped_steps) == (1, 0, 0)
+    # Snapshots before steps 0, 2, 4, 6; step 7 was tolerated, so step 8 alone is not enough for another.
+    assert stopper._rollback.snapshot_step == 6 and stopper.last_report is None
+
+
+def test_state_dict_keeps_the_rollback_counters_and_reads_older_checkpoints():
+    stopper = GradientAnomalyStopping(action="rollback", skip_batches=3)
+    stopper.rollbacks, stopper._rollback.skipping = 2, 1
+    state = stopper.state_dict()
+    assert (state["rollbacks"], state["skipping"]) == (2, 1)
+    resumed = GradientAnomalyStopping(action="rollback", skip_batches=3)
+    resumed.load_state_dict(state)
+    assert (resumed.rollbacks, resumed.skipping) == (2, 1)
+    older = {k: v for k, v in state.items() if k not in ("rollbacks", "skipping")}
+    resumed.load_state_dict(older)
+    assert (resumed.rollbacks, resumed.skipping) == (0, 0)
+
+
+def test_rollback_with_several_optimizers_fails_before_the_first_step(tmp_path):
+    stopper = GradientAnomalyStopping(action="rollback")
+    with pytest.raises(ValueError, match=r"`action='rollback'` supports one optimizer, got 2"):
+        trainer(tmp_path, [stopper], logger=False).fit(TwoOptimizers(), DataLoader(dataset("spike"), batch_size=8))
+
+
+def test_ddp_both_ranks_roll_back_at_the_same_step(tmp_path):
+    ranks = run_ddp("_ddp_rollback.py", tmp_path, timeout=90)
+    for rank in ranks:  # the NaN was on rank 1 only; rank 0 rolled back with it
+        assert rank["rolled_back_at"] == [4] and rank["finite"]
+        assert rank["restored"]  # after step 4 the parameters were those from before step 3
+        assert (rank["global_step"], rank["dropped_steps"]) == (8, 2)
+    assert ranks[0]["params"] == ranks[1]["params"]
+    assert ranks[0]["ratio_steps"] == [0, 1, 2, 3, 6, 7]  # no update ratio for dropped updates
+    assert [rank["health_images"] for rank in ranks] == [2, 0]  # LayerHealth draws on rank zero only
