@@ -10,19 +10,10 @@ import torch
 from torch import Tensor
 from torch.utils.hooks import RemovableHandle
 
+from lightning_hooks._sharding import ShardGroups, local
 from lightning_hooks.sinks import log_scalars
 
-try:
-    from torch.distributed.tensor import DTensor
-except ImportError:  # torch < 2.4
-    from torch.distributed._tensor import DTensor  # type: ignore[no-redef]
-
 Rows = list[tuple[str, list[Tensor]]]
-
-
-def _local(tensor: Tensor) -> Tensor:
-    """This rank's shard of a DTensor (FSDP2), else the tensor itself."""
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
 class UpdateRatio:
@@ -54,7 +45,7 @@ class UpdateRatio:
         if not self._rows:
             return
         with torch.no_grad():
-            self._before = [_local(p).detach().clone() for _, params in self._rows for p in params]
+            self._before = [local(p).detach().clone() for _, params in self._rows for p in params]
         self._optimizer = optimizer
 
     def register(self, trainer: pl.Trainer) -> list[RemovableHandle]:
@@ -82,9 +73,12 @@ class UpdateRatio:
             return {}
         rows, before = self._rows, self._before
         self.discard()
+        shards = ShardGroups([p for _, params in rows for p in params])
+        if not to_host and not shards.sharded:
+            return {}
+        squares = _row_squares(rows, before, shards)  # sharded: every rank takes part in the sum
         if not to_host:
             return {}
-        squares = _row_squares(rows, before)  # under FSDP2 an all_reduce (sum) of these goes here
         ratios = (squares[0] / squares[1]).sqrt().cpu().tolist()  # the one transfer
         metrics: dict[str, float] = {}
         for (name, params), ratio in zip(rows, ratios):
@@ -94,18 +88,19 @@ class UpdateRatio:
         return metrics
 
 
-def _row_squares(rows: Rows, before: list[Tensor]) -> Tensor:
+def _row_squares(rows: Rows, before: list[Tensor], shards: ShardGroups) -> Tensor:
     """Per row, the squared norms of the update and of the weights before it: a ``(2, rows)`` tensor.
 
     The rows' parameters lie one after another in ``before``, so each row is a slice (views,
-    no index goes to the device).
+    no index goes to the device). Sharded parameters' squares are summed over their shards
+    first, in one collective.
     """
     with torch.no_grad():
-        after = [_local(p).detach() for _, params in rows for p in params]
+        after = [local(p).detach() for _, params in rows for p in params]
         deltas = torch._foreach_sub(after, before)
         norms = torch.stack([torch.stack(torch._foreach_norm(tensors, 2, dtype=torch.float32))
                              for tensors in (deltas, before)])
-        squares = norms.double().square()
+        squares = shards.sum_(norms.double().square().T.contiguous()).T
         bounds, start = [], 0
         for _, params in rows:
             bounds.append((start, start + len(params)))

@@ -123,7 +123,7 @@ def main(out: str, mode: str, devices: int) -> None:
     if mode == "figures":
         callbacks += [
             GradientTransform(scale={"net.0": 0.5}, clip_norm={"net.2": 0.05}),
-            GradientMonitor(stats=GRADIENT_STAT_NAMES, max_norm=1e6),
+            GradientMonitor(stats=GRADIENT_STAT_NAMES, max_norm=1e6, update_ratio=True),
             ActivationMonitor(stats=STAT_NAMES),
         ]
     else:

@@ -44,7 +44,8 @@ def test_every_scalar_equals_the_whole_model_in_one_process(figures):
     a, b = events(str(sharded)), events(str(whole))
     tags = set(b.Tags()["scalars"])
     assert set(a.Tags()["scalars"]) == tags
-    assert {"gradients/net.0.weight/norm", "gradients/total_norm", "gradients/net.3.bias/std"} <= tags
+    assert {"gradients/net.0.weight/norm", "gradients/total_norm", "gradients/net.3.bias/std",
+            "updates/net.0.weight/ratio"} <= tags
     for tag in tags:
         if tag.startswith("activations/") and tag.endswith("/calls"):
             continue  # module calls add over ranks (one per rank), as under DDP
