@@ -438,7 +438,14 @@ class MemoryProbe(L.Callback):
             objects = gc.get_objects()
             # type(), not isinstance(): that reads `__class__`, which warns on torch.distributed.reduce_op
             tensors = [o for o in objects if issubclass(type(o), torch.Tensor)]
-            self.snap[step] = (len(tensors), sum(t.untyped_storage().nbytes() for t in tensors), len(objects))
+            nbytes = sum(t.untyped_storage().nbytes() for t in tensors)
+            del objects, tensors
+            # Counted after reading the storages: torch keeps the Python storage object (and a weak
+            # reference) that `untyped_storage()` made for as long as the storage lives, so counting
+            # before would charge the first reading's objects to the steps in between.
+            gc.collect()
+            tensors_now = sum(issubclass(type(o), torch.Tensor) for o in gc.get_objects())
+            self.snap[step] = (tensors_now, nbytes, len(gc.get_objects()))
         if step == self.last - self.window:
             gc.collect()
             tracemalloc.start()
