@@ -17,7 +17,7 @@ from torch.utils.hooks import RemovableHandle
 from lightning_hooks._base import HookCallback
 from lightning_hooks._compat import BarCount
 from lightning_hooks._provenance import NEVER, NonFiniteTrace
-from lightning_hooks._sharding import ShardGroups, warn_if_flat_sharded
+from lightning_hooks._sharding import ShardGroupCache, warn_if_flat_sharded
 from lightning_hooks.anomalies import (
     FLAG_NAMES,
     AnomalyDetector,
@@ -131,7 +131,7 @@ class GradientCheck(HookCallback):
         self._shown: Optional[int] = None  # the value the progress bar shows
         self._bar = BarCount()  # carries it as an int
         self._state_key: Optional[str] = None
-        self._shards: tuple[tuple[int, ...], ShardGroups] = ((), ShardGroups([]))
+        self._shard_groups = ShardGroupCache()  # how the optimizer's gradients are split across ranks
 
     def _uses_modules(self) -> bool:
         return self.provenance
@@ -218,7 +218,7 @@ class GradientCheck(HookCallback):
         super().detach()
         self._new_step()
         self._collecting, self._param_names, self._traced, self._shown = False, {}, [], None
-        self._shards = ((), ShardGroups([]))
+        self._shard_groups.clear()
 
     def on_before_optimizer_step(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any
@@ -252,20 +252,13 @@ class GradientCheck(HookCallback):
         device = params[0].device if params else trainer.strategy.root_device
         overflow = _amp_overflow(trainer, optimizer, device) if params else None  # may unscale: first
         grads: list[Tensor] = [p.grad for p in params]  # type: ignore[misc]
-        figures = gradient_figures(grads, sizes, device=device, exact=exact, shards=self.shard_groups(params))
+        figures = gradient_figures(grads, sizes, device=device, exact=exact, shards=self._shard_groups(params))
         key = next((i for i, opt in enumerate(trainer.optimizers) if opt is optimizer), 0)
         flags = self._detector.flags(figures, key)
         if overflow is not None:  # the scaler skips this step itself
             flags = flags & ~overflow
         unsure = torch.zeros((), device=device) if exact else torch.isinf(figures.norms).sum()
         return Step(key, params, figures, flags, overflow, unsure)
-
-    def shard_groups(self, params: list[Tensor]) -> ShardGroups:
-        """How ``params`` are split across ranks; worked out again only when the parameters change."""
-        key = tuple(map(id, params))
-        if key != self._shards[0]:
-            self._shards = (key, ShardGroups(params))
-        return self._shards[1]
 
     def _conclude(self, trainer: pl.Trainer, step: Step, extra: list[Tensor]) -> Check:
         """Agree on the flags across ranks on device, then read everything in one transfer.

@@ -136,3 +136,22 @@ class ShardGroups:
                 index = self._index[id(rows)] = torch.tensor(rows, device=device)
             parts.append((group, index))
         return parts
+
+
+class ShardGroupCache:
+    """:class:`ShardGroups` per list of tensors, worked out once per list (the optimizer's lists are stable)."""
+
+    def __init__(self) -> None:
+        self._found: dict[tuple[int, ...], ShardGroups] = {}
+
+    def __call__(self, tensors: Sequence[Tensor]) -> ShardGroups:
+        """The shard groups of ``tensors``, from the cache when these same tensors were seen before."""
+        key = tuple(map(id, tensors))
+        found = self._found.get(key)
+        if found is None:
+            found = self._found[key] = ShardGroups(tensors)
+        return found
+
+    def clear(self) -> None:
+        """Forget every list (at the end of a fit: the ids may be reused)."""
+        self._found.clear()

@@ -17,7 +17,7 @@ from torch.utils.hooks import RemovableHandle
 
 from lightning_hooks._base import HookCallback
 from lightning_hooks._compat import configure_model_overridden
-from lightning_hooks._sharding import ShardGroups, is_sharded, local, warn_if_flat_sharded
+from lightning_hooks._sharding import ShardGroupCache, ShardGroups, is_sharded, local, warn_if_flat_sharded
 from lightning_hooks.anomalies import gradient_figures
 from lightning_hooks.selection import select_modules
 
@@ -132,6 +132,7 @@ class GradientTransform(HookCallback):
         patterns = {p for table in tables.values() if table is not None for p in table}
         super().__init__(modules=sorted(patterns))
         self._plan: Optional[_Plan] = None
+        self._shard_groups = ShardGroupCache()  # of each clip_norm group's gradients
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         """Resolve every pattern, so a typo or an ambiguous reversal fails before training.
@@ -145,6 +146,7 @@ class GradientTransform(HookCallback):
     def attach(self, model: nn.Module) -> None:
         """Register the reversal hooks on modules and the scaling hooks on parameters."""
         self._plan = self._resolve(model)
+        self._shard_groups.clear()
         if self._plan.clip_norms:
             warn_if_flat_sharded(model, "GradientTransform(clip_norm=...)")
         super().attach(model)
@@ -181,7 +183,7 @@ class GradientTransform(HookCallback):
         for _, params, max_norm in plan.clip_norms:
             with_grad = [p for p in params if p in stepped and p.grad is not None]
             if with_grad:
-                _clip_norm_(with_grad, max_norm)
+                _clip_norm_(with_grad, max_norm, self._shard_groups(with_grad))
 
     def _resolve(self, root: nn.Module) -> _Plan:
         plan = _Plan()
@@ -281,13 +283,12 @@ def _norm_groups(root: nn.Module, table: Mapping[str, float]) -> list[tuple[str,
     return [group for group in groups if group[1]]
 
 
-def _clip_norm_(params: list[Tensor], max_norm: float) -> None:
+def _clip_norm_(params: list[Tensor], max_norm: float, shards: ShardGroups) -> None:
     """``nn.utils.clip_grad_norm_``, by the norm of the whole gradients when they are sharded.
 
     A sharded group's norm is summed over its shards in one collective (the same on every
     rank, so every rank scales by the same factor); the local shards are scaled.
     """
-    shards = ShardGroups(params)
     if not shards.sharded:
         nn.utils.clip_grad_norm_(params, max_norm)
         return
