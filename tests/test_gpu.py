@@ -7,6 +7,7 @@ these tests. The sync audit of a real bf16 fit is benchmarks/gpu.py's, on a smal
 
 from __future__ import annotations
 
+import contextlib
 import sys
 from pathlib import Path
 
@@ -21,11 +22,14 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 
 
-@pytest.fixture
+@contextlib.contextmanager
 def no_sync():
+    """Any synchronizing CUDA call inside raises."""
     torch.cuda.set_sync_debug_mode("error")
-    yield
-    torch.cuda.set_sync_debug_mode("default")
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
 
 
 def _summariser(device, dtype):
@@ -41,27 +45,23 @@ def _summariser(device, dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
-def test_the_gpu_kernel_gives_the_cpu_figures_without_a_sync(dtype, no_sync):
+def test_the_gpu_kernel_gives_the_cpu_figures_without_a_sync(dtype):
     values = torch.randn(1_000_003, generator=torch.Generator().manual_seed(0)).to(dtype)
     values[::101] = float("nan")
     values[5], values[6], values[7] = float("inf"), -float("inf"), 0.0
-    torch.cuda.set_sync_debug_mode("default")
     summarise, on_gpu = _summariser("cuda", dtype), values.cuda()
-    torch.cuda.set_sync_debug_mode("error")
-    row = summarise(on_gpu)
-    torch.cuda.set_sync_debug_mode("default")
+    with no_sync():
+        row = summarise(on_gpu)
     gpu, cpu = row.cpu(), _summariser("cpu", dtype)(values)
     assert gpu[:2].tolist() == cpu[:2].tolist() and gpu[4:].tolist() == cpu[4:].tolist()  # counts, extremes, bins
     got, want = summarize(gpu.tolist()), summarize(cpu.tolist())
     assert got["mean"] == pytest.approx(want["mean"], rel=1e-9) and got["std"] == pytest.approx(want["std"], rel=1e-9)
 
 
-def test_gradient_figures_on_the_gpu_need_no_sync(no_sync):
-    torch.cuda.set_sync_debug_mode("default")
+def test_gradient_figures_on_the_gpu_need_no_sync():
     grads = [torch.randn(n, device="cuda") for n in (10, 1000, 100_000)]
-    torch.cuda.set_sync_debug_mode("error")
-    figures = gradient_figures(grads, [1, 2], exact=True)
-    torch.cuda.set_sync_debug_mode("default")
+    with no_sync():
+        figures = gradient_figures(grads, [1, 2], exact=True)
     want = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
     assert figures.group_norms[-1].item() == pytest.approx(want.item(), rel=1e-6)
 
