@@ -12,6 +12,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from lightning_hooks._compat import CALLBACK_BASES, configure_model_overridden
+from lightning_hooks._sharding import note_flat_shards
 from lightning_hooks.selection import ModuleSelection, select_modules, validate_selection
 
 
@@ -112,7 +113,8 @@ class HookCallback(*CALLBACK_BASES):  # type: ignore[misc]  # the Callback of ea
             self._targets = select_modules(pl_module, self.modules)
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        """Register the hooks."""
+        """Register the hooks (after noting FSDP1's shards: its root unit wraps ``pl_module``)."""
+        note_flat_shards(trainer.model if trainer.model is not None else pl_module)
         self.attach(pl_module)
 
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

@@ -17,7 +17,7 @@ from torch.utils.hooks import RemovableHandle
 from lightning_hooks._base import HookCallback
 from lightning_hooks._compat import BarCount
 from lightning_hooks._provenance import NEVER, NonFiniteTrace
-from lightning_hooks._sharding import ShardGroupCache, warn_if_flat_sharded
+from lightning_hooks._sharding import ShardGroupCache, grad_of, note_flat_shards
 from lightning_hooks.anomalies import (
     FLAG_NAMES,
     AnomalyDetector,
@@ -25,7 +25,7 @@ from lightning_hooks.anomalies import (
     GradientFigures,
     gradient_figures,
 )
-from lightning_hooks.selection import ModuleSelection
+from lightning_hooks.selection import ModuleSelection, named_parameters
 from lightning_hooks.sinks import log_text
 
 
@@ -38,7 +38,8 @@ def _params_with_grads(optimizer: Any) -> tuple[list[Tensor], list[int]]:
     """Return the parameters of ``optimizer`` that have a dense gradient, and how many per group."""
     params, sizes = [], []
     for group in optimizer.param_groups:
-        present = [p for p in group["params"] if p.grad is not None and p.grad.layout == torch.strided]
+        present = [p for p in group["params"] if (p.grad is not None and p.grad.layout == torch.strided)
+                   or (p.grad is None and grad_of(p) is not None)]  # an FSDP1 rank's empty part: an empty gradient
         params.extend(present)
         sizes.append(len(present))
     return params, sizes
@@ -162,8 +163,8 @@ class GradientCheck(HookCallback):
             super().attach(model)
         else:
             self.detach()
-        self._param_names = {p: name for name, p in model.named_parameters()}
-        warn_if_flat_sharded(model, type(self).__name__)
+        self._param_names = {p: name for name, p in named_parameters(model)}
+        note_flat_shards(model, type(self).__name__)
         if not self.provenance:
             return
         self._traced = [p for p in self._param_names if p.requires_grad]
@@ -251,7 +252,7 @@ class GradientCheck(HookCallback):
         params, sizes = _params_with_grads(optimizer)
         device = params[0].device if params else trainer.strategy.root_device
         overflow = _amp_overflow(trainer, optimizer, device) if params else None  # may unscale: first
-        grads: list[Tensor] = [p.grad for p in params]  # type: ignore[misc]
+        grads: list[Tensor] = [p.grad if p.grad is not None else grad_of(p) for p in params]  # type: ignore[misc]
         figures = gradient_figures(grads, sizes, device=device, exact=exact, shards=self._shard_groups(params))
         key = next((i for i, opt in enumerate(trainer.optimizers) if opt is optimizer), 0)
         flags = self._detector.flags(figures, key)

@@ -1,12 +1,15 @@
-"""Gradients split across ranks (FSDP2's DTensors): local shards, and sums over the shard groups.
+"""Gradients split across ranks (FSDP2's DTensors, FSDP1's flat shards): local shards, and sums over the shard groups.
 
 Under ``fully_shard`` (and Lightning's ``ModelParallelStrategy``) each parameter and its
 gradient is a ``DTensor``: every rank holds one shard (``Shard`` placement) of the whole
-tensor, or a copy (``Replicate``). A figure of the whole gradient is a sum of per-shard
-figures over the mesh dimensions that shard it, and only those (a sum over a replicated
-dimension would count each value once per copy). Working on ``to_local()`` and summing once
-per step keeps every figure a plain tensor: a DTensor reduction would run one collective per
-parameter, and a collective on a DTensor raises.
+tensor, or a copy (``Replicate``). Under FSDP1 (``FullyShardedDataParallel``, Lightning's
+``FSDPStrategy``, ``use_orig_params=True``) each parameter is a flat (1-D) view of this rank's
+part of its unit's flat shard: the parts of all ranks make the whole parameter once, and a
+part may be empty (its gradient is then None on that rank alone). Either way a figure of the
+whole gradient is a sum of per-shard figures over the ranks that share the tensor out, and
+only those (a sum over a replicated dimension would count each value once per copy). Working
+on this rank's part and summing once per step keeps every figure a plain tensor: a DTensor
+reduction would run one collective per parameter, and a collective on a DTensor raises.
 """
 
 from __future__ import annotations
@@ -25,23 +28,40 @@ try:
 except ImportError:  # pragma: no cover - torch built without distributed
     DTensor = None  # type: ignore[assignment,misc]
 
+#: The attribute :func:`note_flat_shards` sets on each parameter FSDP1 splits: its process group.
+SHARD_GROUP_ATTRIBUTE = "_lightning_hooks_shard_group"
 
-def warn_if_flat_sharded(model: nn.Module, who: str) -> None:
-    """Warn (once, on rank zero) that FSDP1's flat shards give per-rank gradient figures.
 
-    ``FullyShardedDataParallel`` keeps each rank's part of many parameters in one flat shard
-    whose layout is private to it, so norms there are of a rank's shard, not the whole gradient.
+def note_flat_shards(model: nn.Module, who: Optional[str] = None) -> None:
+    """Mark each parameter that FSDP1 splits across ranks with the process group it is split over.
+
+    A parameter belongs to the innermost ``FullyShardedDataParallel`` unit that holds it; a
+    unit that does not shard (``NO_SHARD``, or one rank) marks nothing. Call it on the
+    outermost model (FSDP1's root unit wraps the LightningModule); calling it again is harmless.
+
+    Args:
+        model: The model, or the FSDP1 root unit wrapping it.
+        who: The callback, to warn (once, on rank zero) when FSDP1 runs with
+            ``use_orig_params=False``: its flat parameters are figured whole, under FSDP's own
+            names, padding included. None warns of nothing.
     """
     try:
-        from torch.distributed.fsdp import FullyShardedDataParallel
+        from torch.distributed.fsdp import FullyShardedDataParallel, ShardingStrategy
     except ImportError:  # pragma: no cover - torch built without distributed
         return
-    if any(isinstance(m, FullyShardedDataParallel) for m in model.modules()):
+    units = [m for m in model.modules() if isinstance(m, FullyShardedDataParallel)]
+    for unit in units:  # parents first: an inner unit's mark replaces its parent's
+        group = unit.process_group
+        splits = unit.sharding_strategy != ShardingStrategy.NO_SHARD and torch.distributed.get_world_size(group) > 1
+        for param in unit.parameters():
+            setattr(param, SHARD_GROUP_ATTRIBUTE, group if splits else None)
+    flat = (name.rpartition(".")[2] == "_flat_param" for unit in units for name, _ in unit.named_parameters())
+    if who is not None and any(flat):
         rank_zero_warn(
-            f"{who}: this model is wrapped in FSDP1 (`FullyShardedDataParallel`, strategy='fsdp'), whose flat"
-            " shards are not understood: gradient norms, norm thresholds and clipping see each rank's shard,"
-            " not the whole gradient (NaN/Inf detection still works across ranks). Use"
-            " `ModelParallelStrategy` with `fully_shard` (FSDP2) for whole-gradient figures."
+            f"{who}: this model is wrapped in FSDP1 with `use_orig_params=False`, so its optimizer holds one flat"
+            " parameter per FSDP unit: gradient figures are of each unit's flat parameter (whole, across ranks,"
+            " its padding included), named `..._flat_param`. Keep Lightning's default `use_orig_params=True`"
+            " for per-parameter figures under your own names."
         )
 
 
@@ -50,28 +70,64 @@ def is_sharded(tensor: Any) -> bool:
     return DTensor is not None and isinstance(tensor, DTensor)
 
 
+def takes_gradient_directly(param: Tensor) -> bool:
+    """Whether FSDP (2's DTensors, or 1's parameters) sets ``param``'s gradient, so no tensor hook on it fires."""
+    return is_sharded(param) or hasattr(param, SHARD_GROUP_ATTRIBUTE)
+
+
 def local(tensor: Tensor) -> Tensor:
     """This rank's part of ``tensor``: the local shard of a DTensor, else the tensor itself."""
     return tensor.to_local() if is_sharded(tensor) else tensor
 
 
-def _sum_dims(tensor: Tensor) -> Optional[tuple[Any, tuple[int, ...]]]:
-    """The mesh and the mesh dimensions over which ``tensor``'s shards add up; None if none do."""
+def grad_of(param: Tensor) -> Optional[Tensor]:
+    """``param``'s gradient on this rank; an empty one where FSDP1 split ``param`` and left it None.
+
+    FSDP1 leaves ``.grad`` None where a rank's part of a parameter is empty, while the ranks
+    holding the rest have a gradient (and on every rank for a parameter the step did not
+    use). The figures' rows must be the same on every rank, so every trainable parameter
+    FSDP1 splits has a row, empty where this rank has no gradient for it.
+    """
+    grad = param.grad
+    if grad is None and param.requires_grad and _flat_group(param) is not None:
+        return param.detach()[:0]
+    return grad
+
+
+def _flat_group(tensor: Tensor) -> Any:
+    """The process group FSDP1 splits ``tensor`` over (see :func:`note_flat_shards`), or None."""
+    return getattr(tensor, SHARD_GROUP_ATTRIBUTE, None)
+
+
+def _sum_groups(tensor: Tensor) -> Optional[tuple[tuple[Any, ...], bool]]:
+    """The process groups over which ``tensor``'s figures add up, and whether this rank leads.
+
+    The leading rank holds the first part (to count a split tensor once). None if nothing adds up.
+    """
+    group = _flat_group(tensor)
+    if group is not None:
+        return (group,), torch.distributed.get_rank(group) == 0
     if not is_sharded(tensor):
         return None
+    mesh = tensor.device_mesh
     dims = tuple(d for d, p in enumerate(tensor.placements) if p.is_shard() or p.is_partial())
-    return (tensor.device_mesh, dims) if dims and tensor.device_mesh.size() > 1 else None
+    if not dims or mesh.size() == 1:
+        return None
+    coordinate = mesh.get_coordinate() or []
+    # By process group, not mesh: each `mesh["dp"]` is a new mesh over the same group.
+    return tuple(mesh.get_group(d) for d in dims), all(coordinate[d] == 0 for d in dims)
 
 
 class ShardGroups:
     """Which tensors' figures add up over which process groups, worked out once per layout.
 
     Figures come in rows, one per tensor. Rows of plain tensors, and of DTensors that are only
-    replicated, are left alone. Every
-    rank must build it from the same tensors in the same order (as every rank's optimizer has).
+    replicated, are left alone. Every rank must build it from the same tensors in the same
+    order (as every rank's optimizer has).
 
     Args:
-        tensors: The gradients (or parameters), one row each.
+        tensors: The parameters (or, for DTensors, their gradients), one row each; FSDP1's
+            parameters are known by the mark :func:`note_flat_shards` leaves on them.
     """
 
     def __init__(self, tensors: Sequence[Tensor]) -> None:
@@ -79,13 +135,10 @@ class ShardGroups:
         self.leads = [True] * len(tensors)
         """Per row: whether this rank holds the first shard (to count a sharded tensor once)."""
         for row, tensor in enumerate(tensors):
-            found = _sum_dims(tensor)
+            found = _sum_groups(tensor)
             if found is not None:
-                mesh, dims = found
-                # By process group, not mesh: each `mesh["dp"]` is a new mesh over the same group.
-                keys.setdefault(tuple(mesh.get_group(d) for d in dims), []).append(row)
-                coordinate = mesh.get_coordinate() or []
-                self.leads[row] = all(coordinate[d] == 0 for d in dims)
+                groups, self.leads[row] = found
+                keys.setdefault(groups, []).append(row)
         self.n_rows = len(tensors)
         self._groups = [(group, rows) for groups, rows in keys.items() for group in groups]
         self._index: dict[int, Tensor] = {}

@@ -10,7 +10,7 @@ import torch
 from torch import Tensor
 from torch.utils.hooks import RemovableHandle
 
-from lightning_hooks._sharding import ShardGroups, local
+from lightning_hooks._sharding import ShardGroups, grad_of, local
 from lightning_hooks.sinks import log_scalars
 
 Rows = list[tuple[str, list[Tensor]]]
@@ -40,7 +40,7 @@ class UpdateRatio:
 
     def take(self, rows: Rows, optimizer: Any) -> None:
         """Clone ``rows``' parameters (those with a gradient) before ``optimizer`` steps."""
-        stepped = [(name, [p for p in params if p.grad is not None]) for name, params in rows]
+        stepped = [(name, [p for p in params if grad_of(p) is not None]) for name, params in rows]
         self._rows = [(name, params) for name, params in stepped if params]
         if not self._rows:
             return
@@ -82,7 +82,7 @@ class UpdateRatio:
         ratios = (squares[0] / squares[1]).sqrt().cpu().tolist()  # the one transfer
         metrics: dict[str, float] = {}
         for (name, params), ratio in zip(rows, ratios):
-            if all(p.grad is not None for p in params):  # else the update was dropped
+            if all(grad_of(p) is not None for p in params):  # else the update was dropped
                 metrics[f"updates/{name}/ratio"] = ratio
                 metrics[f"updates/{name}/log10_ratio"] = math.log10(ratio) if ratio > 0 else -math.inf
         return metrics

@@ -9,6 +9,7 @@ import torch
 from torch import Tensor
 
 from lightning_hooks.stats import (
+    SUM_FIELDS,
     Binning,
     Bins,
     accumulate_,
@@ -19,6 +20,8 @@ from lightning_hooks.stats import (
     reduce_rows,
     reset_rows_,
 )
+
+_CALLS = SUM_FIELDS.index("calls")
 
 
 class StatBlock:
@@ -62,6 +65,10 @@ class StatBlock:
         accumulate_(self.rows[index], values, self._binning(values.device, values.dtype), calls)
         self.pending = True
         return True
+
+    def count(self, index: int, calls: int) -> None:
+        """Add ``calls`` calls to row ``index`` and no values (a rank's empty part of a split gradient)."""
+        self.rows[index, _CALLS] += calls
 
     def add_all(self, index: int, value: Any) -> None:
         """Add every tensor inside ``value`` (one module call's output) to row ``index``.

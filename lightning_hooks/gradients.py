@@ -12,11 +12,11 @@ from torch import Tensor
 
 from lightning_hooks._base import _is_logged_step, _log_interval, _validate_interval, _validate_stats
 from lightning_hooks._gradient_check import Check, GradientCheck, Step, _check_bool
-from lightning_hooks._sharding import ShardGroups, local
+from lightning_hooks._sharding import ShardGroups, grad_of, local
 from lightning_hooks._update_ratio import UpdateRatio
 from lightning_hooks.aggregate import StatBlock
 from lightning_hooks.anomalies import AnomalyReport
-from lightning_hooks.selection import ModuleSelection, check_limit, validate_limit
+from lightning_hooks.selection import ModuleSelection, check_limit, named_parameters, validate_limit
 from lightning_hooks.sinks import HISTOGRAM_LOGGERS, Charts, Histogram, log_histograms, log_layout, log_scalars
 from lightning_hooks.stats import STAT_NAMES, Bins, bin_counts, histogram_edges, summarize
 
@@ -230,8 +230,8 @@ class GradientMonitor(GradientCheck):
                 (name, [p for p in m.parameters() if p.requires_grad]) for name, m in self._targets
             ]
             return [(name, params) for name, params in rows if params]
-        named = pl_module.named_parameters() if self.modules is None else (
-            (f"{mname}.{pname}", p) for mname, m in self._targets for pname, p in m.named_parameters()
+        named = named_parameters(pl_module) if self.modules is None else (
+            (f"{mname}.{pname}", p) for mname, m in self._targets for pname, p in named_parameters(m)
         )
         first_name: dict[Tensor, str] = {}
         for name, param in named:
@@ -261,7 +261,8 @@ class GradientMonitor(GradientCheck):
             for index, params in enumerate(present):
                 for param in params:
                     calls = int(self._row_shards.leads[index])  # a sharded gradient counts once
-                    self._block.add(index, local(param.grad), calls)  # type: ignore[arg-type]
+                    if not self._block.add(index, local(grad_of(param)), calls) and calls:  # type: ignore[arg-type]
+                        self._block.count(index, calls)  # FSDP1 may leave the leading rank no part of it
             self._row_shards.reduce_stat_rows_(self._block.rows)  # a sharded row: whole-gradient figures
         return [self._row_norms(step.figures.norms, position, present)] + (
             [self._block.rows] if self._block is not None else []

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import difflib
 import fnmatch
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Optional, Union
 
 from torch import nn
@@ -76,8 +76,9 @@ def select_modules(
 
     The root module itself is never selected. Each module appears once, under its first name in
     registration order, even when several patterns match it; a module registered under several
-    names (a shared layer) is matched by any of them. A submodule compiled with ``torch.compile`` keeps its
-    own name: the wrapper is skipped and ``_orig_mod`` is left out of the names below it.
+    names (a shared layer) is matched by any of them. A submodule wrapped by ``torch.compile``, FSDP1
+    (``FullyShardedDataParallel``) or activation checkpointing keeps its own name: the wrapper
+    is skipped and its ``_orig_mod``-style part is left out of the names below it.
 
     Args:
         root: The model, normally the LightningModule itself (never a DDP or FSDP wrapper).
@@ -92,9 +93,9 @@ def select_modules(
     """
     validate_selection(selection)
     named = [
-        (_clean_name(name), m)
+        (clean_name(name), m)
         for name, m in root.named_modules(remove_duplicate=False)
-        if name and not _is_compiled(m)
+        if name and not _is_wrapper(m)
     ]
     names = list(dict.fromkeys(n for n, _ in named))
     if selection is None:
@@ -160,14 +161,26 @@ def _per_block_glob(names: list[str]) -> Optional[str]:
     return None
 
 
-def _is_compiled(module: nn.Module) -> bool:
-    """Whether ``module`` is the wrapper ``torch.compile`` returns (its model is ``_orig_mod``)."""
-    return isinstance(getattr(module, "_orig_mod", None), nn.Module)
+#: The attribute under which a wrapper keeps the module it wraps: ``torch.compile``'s, FSDP1's
+#: and activation checkpointing's. The wrapper is not a module of its own, and the attribute is
+#: left out of names, so that tags are those of the model as written.
+WRAPPED_ATTRIBUTES = ("_orig_mod", "_fsdp_wrapped_module", "_checkpoint_wrapped_module")
 
 
-def _clean_name(name: str) -> str:
-    """``name`` without the ``_orig_mod`` parts that ``torch.compile`` adds, so tags do not change."""
-    return ".".join(part for part in name.split(".") if part != "_orig_mod")
+def _is_wrapper(module: nn.Module) -> bool:
+    """Whether ``module`` is only a wrapper around another (see ``WRAPPED_ATTRIBUTES``)."""
+    return any(isinstance(getattr(module, attr, None), nn.Module) for attr in WRAPPED_ATTRIBUTES)
+
+
+def clean_name(name: str) -> str:
+    """``name`` (of a module or a parameter) without the parts wrappers add, so tags do not change."""
+    return ".".join(part for part in name.split(".") if part not in WRAPPED_ATTRIBUTES)
+
+
+def named_parameters(module: nn.Module) -> Iterator[tuple[str, nn.Parameter]]:
+    """``module.named_parameters()`` under the names of the model as written (see :func:`clean_name`)."""
+    for name, param in module.named_parameters():
+        yield clean_name(name), param
 
 
 def _matches(item: str | type, name: str, module: nn.Module) -> bool:

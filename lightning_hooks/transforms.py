@@ -17,9 +17,16 @@ from torch.utils.hooks import RemovableHandle
 
 from lightning_hooks._base import HookCallback
 from lightning_hooks._compat import configure_model_overridden
-from lightning_hooks._sharding import ShardGroupCache, ShardGroups, is_sharded, local, warn_if_flat_sharded
+from lightning_hooks._sharding import (
+    ShardGroupCache,
+    ShardGroups,
+    grad_of,
+    local,
+    note_flat_shards,
+    takes_gradient_directly,
+)
 from lightning_hooks.anomalies import gradient_figures
-from lightning_hooks.selection import select_modules
+from lightning_hooks.selection import clean_name, select_modules
 
 
 class GradientTransform(HookCallback):
@@ -35,9 +42,9 @@ class GradientTransform(HookCallback):
       gradient of that parameter by the factor, before it is accumulated into ``.grad``. Only
       the parameters' own gradients change; the gradient flowing on to earlier layers does not.
       (A parameter shared with an unselected module has one gradient: it is scaled too.)
-      FSDP2 hands its sharded parameters (DTensors) their gradients directly, so no tensor hook
-      on them fires: their gradients are scaled in ``on_before_optimizer_step`` instead, after
-      accumulation (the same result, as scaling is linear).
+      FSDP (FSDP2's DTensors, FSDP1's flat views) hands its parameters their gradients
+      directly, so no tensor hook on them fires: their gradients are scaled in
+      ``on_before_optimizer_step`` instead, after accumulation (the same result, as scaling is linear).
       Tensor hooks work with in-place ops and any output structure, unlike
       ``register_full_backward_hook``, which raises on in-place ops (``ReLU(inplace=True)``,
       ``x += shortcut``) and never fires for modules returning lists or dicts.
@@ -61,8 +68,8 @@ class GradientTransform(HookCallback):
       outermost module it matches (``"blocks.*"``: one group per block). This runs before the
       LightningModule's own ``on_before_optimizer_step`` and before Lightning's
       ``gradient_clip_val``; only the parameters of the optimizer being stepped are touched.
-      With sharded gradients (FSDP2's DTensors) ``clip_norm`` clips by the norm of the whole
-      gradients, summed over the shards in one collective per group, the same on every rank.
+      With sharded gradients (FSDP2's DTensors, FSDP1's flat shards) ``clip_norm`` clips by the
+      norm of the whole gradients, summed over the shards in one collective per group, the same on every rank.
 
     Gradient accumulation and DDP: the ``scale`` and ``reverse`` hooks run on every backward,
     on each rank's local gradient, before DDP averages it. Both are linear, so the accumulated
@@ -147,13 +154,12 @@ class GradientTransform(HookCallback):
         """Register the reversal hooks on modules and the scaling hooks on parameters."""
         self._plan = self._resolve(model)
         self._shard_groups.clear()
-        if self._plan.clip_norms:
-            warn_if_flat_sharded(model, "GradientTransform(clip_norm=...)")
+        note_flat_shards(model, type(self).__name__ if self._plan.clip_norms else None)
         super().attach(model)
         # Not wrapped in `_guard`: a hook that changes training must fail loudly, never be
         # switched off while the run goes on with other gradients (or other ranks' gradients).
         for _, param, factor in self._plan.scaled:
-            if is_sharded(param):  # FSDP2 gives its shards their gradient directly: no tensor hook fires
+            if takes_gradient_directly(param):  # under FSDP no tensor hook on the parameter fires
                 self._plan.scaled_at_step.append((param, factor))
             else:
                 self._handles.append(param.register_hook(partial(_multiply, factor=factor)))
@@ -181,7 +187,7 @@ class GradientTransform(HookCallback):
                 torch._foreach_clamp_min_(grads, -bound)
                 torch._foreach_clamp_max_(grads, bound)
         for _, params, max_norm in plan.clip_norms:
-            with_grad = [p for p in params if p in stepped and p.grad is not None]
+            with_grad = [p for p in params if p in stepped and grad_of(p) is not None]
             if with_grad:
                 _clip_norm_(with_grad, max_norm, self._shard_groups(with_grad))
 
@@ -255,7 +261,7 @@ def _trainable(root: nn.Module, arg: str, pattern: str) -> dict[nn.Parameter, st
     for module_name, module in _outermost(root, arg, pattern):
         for param_name, param in module.named_parameters():
             if param.requires_grad:
-                found.setdefault(param, f"{module_name}.{param_name}")
+                found.setdefault(param, f"{module_name}.{clean_name(param_name)}")
     return found
 
 
@@ -292,7 +298,7 @@ def _clip_norm_(params: list[Tensor], max_norm: float, shards: ShardGroups) -> N
     if not shards.sharded:
         nn.utils.clip_grad_norm_(params, max_norm)
         return
-    grads: list[Tensor] = [p.grad for p in params]  # type: ignore[misc]
+    grads: list[Tensor] = [grad_of(p) for p in params]  # type: ignore[misc]
     total = gradient_figures(grads, [len(grads)], exact=False, shards=shards).group_norms[-1]
     factor = (max_norm / (total + 1e-6)).clamp(max=1.0)
     for grad in grads:

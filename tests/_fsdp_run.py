@@ -1,13 +1,20 @@
-"""Run by tests/test_sharded.py: one fit, sharded with FSDP2 on 2 CPU processes (gloo), or whole on one.
+"""Run by tests/test_sharded.py: one fit, sharded on 2 CPU processes (gloo), or whole on one.
 
-``python _fsdp_run.py OUT MODE [devices]``:
+``python _fsdp_run.py OUT MODE [devices] [kind]``, where ``kind`` is how 2 devices shard:
+
+``fsdp2`` (the default): ``fully_shard`` through Lightning's ``ModelParallelStrategy``
+(DTensor gradients). ``fsdp1``: Lightning's ``FSDPStrategy`` (``FullyShardedDataParallel``
+around each Linear and the whole model, ``use_orig_params=True``: flat 1-D shards), let onto
+the CPU by :class:`CPUFSDPStrategy`.
 
 ``figures``: GradientTransform (scale, clip_norm) then GradientMonitor (every stat, histograms)
-and ActivationMonitor, every step logged to TensorBoard under OUT. With 2 devices the model is
-``fully_shard``-ed through Lightning's ``ModelParallelStrategy`` (DTensor gradients, each rank
-on its half of the batch); with 1 device it runs whole on the global batch, as the reference.
+and ActivationMonitor, every step logged to TensorBoard under OUT. With 2 devices each rank
+trains on its half of the batch; with 1 device the model runs whole on the global batch, as
+the reference.
 ``nan``: 2 devices; rank 1 alone feeds a NaN at step 2; GradientAnomalyStopping skips it.
 ``stop``: the same, and the stop action.
+``unused``: no NaN, and a ``spare`` Linear the forward never calls; GradientMonitor and
+GradientAnomalyStopping (skip) check every step.
 Each rank writes ``rank<r>.json``: the steps it took, its skipped steps, and the final parameters.
 """
 
@@ -23,9 +30,9 @@ from typing import Any
 import lightning as L
 import torch
 from lightning.pytorch.loggers import TensorBoardLogger
-from lightning.pytorch.strategies import ModelParallelStrategy
+from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
 from torch import nn
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import FullyShardedDataParallel, fully_shard
 from torch.utils.data import DataLoader, Subset
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -47,11 +54,13 @@ NAN_STEP = 2
 class ShardedNet(L.LightningModule):
     """Linear(8, 16) -> ReLU -> Linear(16, 6) -> Linear(6, 1), each Linear sharded when there is a mesh."""
 
-    def __init__(self, nan_rank: int = -1) -> None:
+    def __init__(self, nan_rank: int = -1, spare: bool = False) -> None:
         super().__init__()
         torch.manual_seed(0)
         self.net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 6), nn.Linear(6, 1))
         self.nan_rank = nan_rank
+        if spare:
+            self.spare = nn.Linear(3, 1)  # never called: no gradient
 
     def configure_model(self) -> None:
         if self.device_mesh is None:
@@ -76,6 +85,20 @@ class ShardedNet(L.LightningModule):
         if self.trainer.world_size == 1:
             return DataLoader(data, batch_size=16)
         return DataLoader(Subset(data, range(self.global_rank, len(data), 2)), batch_size=8)
+
+
+class CPUFSDPStrategy(FSDPStrategy):
+    """Lightning's FSDPStrategy on CPU processes, for tests (gloo).
+
+    Lightning refuses the CPU for ``FSDPStrategy`` itself (not for a subclass), and hands FSDP1
+    no device there, which it needs: this wraps the model with ``device_id=cpu`` and leaves
+    the rest of the setup to Lightning, which takes a wrapped model as it is.
+    """
+
+    def _setup_model(self, model: nn.Module) -> nn.Module:
+        policy = self.kwargs.pop("auto_wrap_policy")
+        model = FullyShardedDataParallel(model, device_id=torch.device("cpu"), auto_wrap_policy=policy, **self.kwargs)
+        return super()._setup_model(model)
 
 
 class CountedStopping(GradientAnomalyStopping):
@@ -104,20 +127,28 @@ class Record(L.Callback):
         self.steps.append(trainer.global_step)
 
     def on_fit_end(self, trainer: L.Trainer, pl_module: Any) -> None:
-        params = {
-            name: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().reshape(-1).tolist()
-            for name, p in pl_module.named_parameters()
-        }
+        with ExitStack() as stack:
+            if isinstance(trainer.model, FullyShardedDataParallel):  # FSDP1: gather the whole parameters
+                stack.enter_context(FullyShardedDataParallel.summon_full_params(trainer.model, writeback=False))
+            params = {
+                _name(name): (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().reshape(-1).tolist()
+                for name, p in pl_module.named_parameters()
+            }
         stopping = [c for c in trainer.callbacks if isinstance(c, CountedStopping)]
         record = {"steps": self.steps, "params": params, "global_step": trainer.global_step,
-                  "local_shapes": {n: list(local(p).shape) for n, p in pl_module.named_parameters()},
+                  "local_shapes": {_name(n): list(local(p).shape) for n, p in pl_module.named_parameters()},
                   "calls": {step: dict(c) for step, c in stopping[0].calls.items()} if stopping else {},
                   "report": str(stopping[0].last_report) if stopping else None}
         with open(os.path.join(self.out, f"rank{trainer.global_rank}.json"), "w") as f:
             json.dump(record, f)
 
 
-def main(out: str, mode: str, devices: int) -> None:
+def _name(name: str) -> str:
+    """A parameter's name in the model as written (FSDP1 puts its wrappers into the names)."""
+    return name.replace("._fsdp_wrapped_module", "")
+
+
+def main(out: str, mode: str, devices: int, kind: str) -> None:
     sharded = devices > 1
     callbacks: list[L.Callback] = [Record(out)]
     if mode == "figures":
@@ -127,16 +158,22 @@ def main(out: str, mode: str, devices: int) -> None:
             ActivationMonitor(stats=STAT_NAMES),
         ]
     else:
-        callbacks.append(CountedStopping(action="skip" if mode == "nan" else "stop"))
-    strategy: Any = ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1) if sharded else "auto"
+        callbacks.append(CountedStopping(action="stop" if mode == "stop" else "skip"))
+    if mode == "unused":
+        callbacks.append(GradientMonitor(max_norm=1e6))
+    strategy: Any = "auto"
+    if sharded:
+        strategy = (ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1) if kind == "fsdp2"
+                    else CPUFSDPStrategy(auto_wrap_policy={nn.Linear}))
     trainer = L.Trainer(
         accelerator="cpu", devices=devices, strategy=strategy, max_steps=4, log_every_n_steps=1,
         logger=TensorBoardLogger(out, name="", version=""), callbacks=callbacks,
         enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
         use_distributed_sampler=False,
     )
-    trainer.fit(ShardedNet(nan_rank=1 if mode != "figures" else -1))
+    trainer.fit(ShardedNet(nan_rank=1 if mode in ("nan", "stop") else -1, spare=mode == "unused"))
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2], int(sys.argv[3]) if len(sys.argv) > 3 else 2)
+    main(sys.argv[1], sys.argv[2], int(sys.argv[3]) if len(sys.argv) > 3 else 2,
+         sys.argv[4] if len(sys.argv) > 4 else "fsdp2")

@@ -4,7 +4,13 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_hooks.selection import ACTIVATION_TYPES, is_default_module, select_modules, validate_selection
+from lightning_hooks.selection import (
+    ACTIVATION_TYPES,
+    is_default_module,
+    named_parameters,
+    select_modules,
+    validate_selection,
+)
 
 
 class Block(nn.Module):
@@ -140,6 +146,18 @@ def test_a_compiled_submodule_keeps_its_name():
     assert chosen[0][1] is model.net._orig_mod[0]
     assert names("net", model) == ["net"]  # the compiled model, not torch's wrapper around it
     assert select_modules(model, "net")[0][1] is model.net._orig_mod
+
+
+def test_a_checkpoint_wrapped_submodule_keeps_its_name_and_so_do_its_parameters():
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    model = nn.Sequential(checkpoint_wrapper(nn.Linear(2, 2)), nn.ReLU())
+    chosen = select_modules(model, None)
+    assert [n for n, _ in chosen] == ["0", "1"]
+    assert chosen[0][1] is model[0]._checkpoint_wrapped_module  # the layer, not the wrapper
+    assert [n for n, _ in named_parameters(model)] == ["0.weight", "0.bias"]
+    assert [n for n, _ in model.named_parameters()] == ["0._checkpoint_wrapped_module.weight",
+                                                       "0._checkpoint_wrapped_module.bias"]
 
 
 # ---------------------------------------------------------------- errors

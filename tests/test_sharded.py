@@ -1,8 +1,10 @@
-"""Sharded training for real: FSDP2 (`fully_shard`, DTensor gradients) on 2 CPU processes with gloo.
+"""Sharded training for real, on 2 CPU processes with gloo: FSDP2 and FSDP1.
 
-Each run goes through Lightning's ``ModelParallelStrategy(data_parallel_size=2,
-tensor_parallel_size=1)``; the reference is the same model, whole, in one process, on the same
-global batches (tests/_fsdp_run.py).
+FSDP2 (``fully_shard``, DTensor gradients) goes through Lightning's
+``ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1)``; FSDP1 (flat shards,
+``use_orig_params=True``) through Lightning's ``FSDPStrategy``, let onto the CPU. The
+reference is the same model, whole, in one process, on the same global batches
+(tests/_fsdp_run.py).
 """
 
 import json
@@ -18,9 +20,12 @@ from tests.helpers import events
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-def _run(out, mode, devices=2):
+KINDS = ["fsdp2", "fsdp1"]
+
+
+def _run(out, mode, devices=2, kind="fsdp2"):
     proc = subprocess.run(
-        [sys.executable, os.path.join(HERE, "_fsdp_run.py"), str(out), mode, str(devices)],
+        [sys.executable, os.path.join(HERE, "_fsdp_run.py"), str(out), mode, str(devices), kind],
         capture_output=True, text=True, timeout=240,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -28,15 +33,28 @@ def _run(out, mode, devices=2):
 
 
 @pytest.fixture(scope="module")
-def figures(tmp_path_factory):
-    sharded, whole = tmp_path_factory.mktemp("sharded"), tmp_path_factory.mktemp("whole")
-    return (sharded, _run(sharded, "figures")), (whole, _run(whole, "figures", devices=1))
+def whole(tmp_path_factory):
+    out = tmp_path_factory.mktemp("whole")
+    return out, _run(out, "figures", devices=1)
 
 
-def test_the_run_really_is_sharded(figures):
+@pytest.fixture(scope="module", params=KINDS)
+def figures(request, tmp_path_factory, whole):
+    sharded = tmp_path_factory.mktemp(request.param)
+    return (sharded, _run(sharded, "figures", kind=request.param)), whole
+
+
+#: Some of each rank's local shapes: FSDP2 splits each tensor on dim 0, FSDP1 each Linear's
+#: weight and bias as one flat vector (144 values of Linear(8, 16): 72 a rank, all of the bias on rank 1).
+LOCAL_SHAPES = {"fsdp2": [{"net.0.weight": [8, 8]}, {"net.0.weight": [8, 8], "net.3.bias": [0]}],
+                "fsdp1": [{"net.0.weight": [72], "net.0.bias": [0]}, {"net.0.weight": [56], "net.0.bias": [16]}]}
+
+
+def test_the_run_really_is_sharded(figures, request):
     (_, ranks), _ = figures
-    assert ranks[0]["local_shapes"]["net.0.weight"] == [8, 8]  # of [16, 8]
-    assert ranks[1]["local_shapes"]["net.3.bias"] == [0]  # rank 1 holds no part of a 1-element bias
+    kind = request.node.callspec.params["figures"]
+    for rank, shapes in zip(ranks, LOCAL_SHAPES[kind]):
+        assert {name: rank["local_shapes"][name] for name in shapes} == shapes
 
 
 def test_every_scalar_equals_the_whole_model_in_one_process(figures):
@@ -72,9 +90,9 @@ def test_scaling_and_clipping_by_the_whole_norm_train_as_in_one_process(figures)
             assert rank["params"][name] == pytest.approx(values, abs=1e-6), name
 
 
-@pytest.fixture(scope="module")
-def skipped(tmp_path_factory):
-    return _run(tmp_path_factory.mktemp("nan"), "nan")
+@pytest.fixture(scope="module", params=KINDS)
+def skipped(request, tmp_path_factory):
+    return _run(tmp_path_factory.mktemp("nan"), "nan", kind=request.param)
 
 
 def test_a_nan_on_one_rank_is_skipped_on_both_and_traced_to_its_module(skipped):
@@ -93,11 +111,19 @@ def test_each_check_is_one_sum_over_the_shards_one_agreement_and_one_transfer(sk
                 assert calls == {"all_reduce": 2, "cpu": 1}, step
 
 
-def test_a_nan_on_one_rank_stops_both_at_the_same_step(tmp_path):
-    ranks = _run(tmp_path, "stop")
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_nan_on_one_rank_stops_both_at_the_same_step(tmp_path, kind):
+    ranks = _run(tmp_path, "stop", kind=kind)
     assert [r["global_step"] for r in ranks] == [3, 3]
     assert ranks[0]["params"] == ranks[1]["params"]
     assert all(math.isfinite(v) for values in ranks[0]["params"].values() for v in values)
+
+
+def test_an_fsdp1_parameter_the_step_did_not_use_has_an_empty_row_on_every_rank(tmp_path):
+    ranks = _run(tmp_path, "unused", kind="fsdp1")
+    assert [r["global_step"] for r in ranks] == [4, 4]
+    assert [r["local_shapes"]["spare.weight"] for r in ranks] == [[3], [0]]  # rank 1 holds none of it
+    assert [e.value for e in events(str(tmp_path)).Scalars("gradients/spare.weight/norm")] == [0.0] * 4
 
 
 FSDP1_MODEL = """
@@ -108,18 +134,20 @@ sys.path.insert(0, {root!r})
 from lightning_hooks import GradientMonitor
 os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="29541")
 dist.init_process_group("gloo", rank=0, world_size=1)
-model = nn.Sequential(FullyShardedDataParallel(nn.Linear(4, 4), device_id=torch.device("cpu")), nn.Linear(4, 1))
-with warnings.catch_warnings(record=True) as caught:
-    warnings.simplefilter("always")
-    GradientMonitor().attach(model)
-print("WARNED:" + " | ".join(str(w.message) for w in caught if "FSDP1" in str(w.message)))
+for orig in (False, True):
+    unit = FullyShardedDataParallel(nn.Linear(4, 4), device_id=torch.device("cpu"), use_orig_params=orig)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        GradientMonitor().attach(nn.Sequential(unit, nn.Linear(4, 1)))
+    print(f"WARNED{{orig}}:" + " | ".join(str(w.message) for w in caught if "FSDP1" in str(w.message)))
 dist.destroy_process_group()
 """
 
 
-def test_an_fsdp1_model_gets_a_warning_that_its_gradient_figures_are_per_shard():
+def test_fsdp1_without_use_orig_params_gets_a_warning_that_figures_are_of_flat_parameters():
     code = FSDP1_MODEL.format(root=os.path.dirname(HERE))
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    warned = proc.stdout.split("WARNED:")[1]
-    assert "each rank's shard" in warned and "fully_shard" in warned
+    flat, orig = (line.partition(":")[2] for line in proc.stdout.splitlines() if line.startswith("WARNED"))
+    assert "flat parameter" in flat and "use_orig_params=True" in flat
+    assert orig == ""  # Lightning's default: per-parameter figures, nothing to warn of
