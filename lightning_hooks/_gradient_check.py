@@ -1,103 +1,35 @@
-"""The gradient check GradientMonitor and GradientAnomalyStopping share: flags, agreement, reports."""
+"""The gradient check GradientMonitor and GradientAnomalyStopping share: its lifecycle and its step.
+
+:class:`GradientCheck` holds what lives across steps (the detector, the NaN trace and its
+hooks, the step's micro-batches, the parameter names) and runs the check in
+``on_before_optimizer_step``. The parts of a checked step are each in a module of their own:
+what is measured on device (``_step_measure``), how the ranks agree on it in one collective and
+one host transfer (``_rank_agreement``), and the report of an anomalous step (``_anomaly_report``).
+"""
 
 from __future__ import annotations
 
-import math
 import os
-from dataclasses import asdict, dataclass, replace
 from typing import Any, Optional
 
 import lightning.pytorch as pl
-import torch
-from lightning.fabric.utilities.apply_func import move_data_to_device
 from torch import Tensor, nn
-from torch.amp.grad_scaler import OptState
 from torch.utils.hooks import RemovableHandle
 
+from lightning_hooks._anomaly_report import report_step
 from lightning_hooks._base import HookCallback
 from lightning_hooks._compat import BarCount
-from lightning_hooks._provenance import NEVER, NonFiniteTrace
-from lightning_hooks._sharding import ShardGroupCache, grad_of, note_flat_shards
-from lightning_hooks.anomalies import (
-    FLAG_NAMES,
-    AnomalyDetector,
-    AnomalyReport,
-    GradientFigures,
-    gradient_figures,
-)
+from lightning_hooks._provenance import NonFiniteTrace
+from lightning_hooks._rank_agreement import Check, conclude
+from lightning_hooks._sharding import ShardGroupCache, note_flat_shards
+from lightning_hooks._step_measure import Step, measure_step
+from lightning_hooks.anomalies import AnomalyDetector, AnomalyReport
 from lightning_hooks.selection import ModuleSelection, named_parameters
-from lightning_hooks.sinks import log_text
 
 
 def _check_bool(name: str, value: Any) -> None:
     if not isinstance(value, bool):
         raise TypeError(f"`{name}` must be a bool, got {value!r}")
-
-
-def _params_with_grads(optimizer: Any) -> tuple[list[Tensor], list[int]]:
-    """Return the parameters of ``optimizer`` that have a dense gradient, and how many per group."""
-    params, sizes = [], []
-    for group in optimizer.param_groups:
-        present = [p for p in group["params"] if (p.grad is not None and p.grad.layout == torch.strided)
-                   or (p.grad is None and grad_of(p) is not None)]  # an FSDP1 rank's empty part: an empty gradient
-        params.extend(present)
-        sizes.append(len(present))
-    return params, sizes
-
-
-def _amp_overflow(trainer: pl.Trainer, optimizer: Any, device: torch.device) -> Optional[Tensor]:
-    """Whether the AMP grad scaler found an Inf or a NaN, and so skips this step; None without one.
-
-    Lightning unscales before ``on_before_optimizer_step``, and ``GradScaler.unscale_`` leaves
-    its finding in the optimizer's ``found_inf_per_device``. An optimizer that would unscale in
-    its own ``step`` (``fused=True``) is unscaled here, as for gradient clipping, so that the
-    figures are of the true gradients and a dropped update still leaves the scaler consistent.
-    """
-    scaler = getattr(trainer.precision_plugin, "scaler", None)
-    if scaler is None or not scaler.is_enabled():
-        return None
-    if scaler._per_optimizer_states[id(optimizer)]["stage"] is OptState.READY:
-        scaler.unscale_(optimizer)
-    found = list(scaler._per_optimizer_states[id(optimizer)]["found_inf_per_device"].values())
-    return torch.stack([f.to(device) for f in found]).sum() > 0 if found else None
-
-
-def _agree(trainer: pl.Trainer, votes: Tensor) -> Tensor:
-    """Sum ``votes`` over ranks, on device: no collective under one process, and no host sync."""
-    if trainer.world_size == 1:
-        return votes
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        torch.distributed.all_reduce(votes)  # not strategy.reduce, whose barrier blocks the host
-        return votes
-    return trainer.strategy.reduce(votes, reduce_op="sum")
-
-
-@dataclass
-class Step:
-    """One optimizer step's figures, still on device."""
-
-    key: int
-    params: list[Tensor]
-    figures: GradientFigures
-    flags: Tensor
-    overflow: Optional[Tensor]
-    unsure: Tensor
-    """How many gradients have an infinite norm but were not checked for NaN and Inf values."""
-
-
-@dataclass
-class Check:
-    """One optimizer step's figures, on the host; flags and the rest agreed across ranks."""
-
-    flags: dict[str, bool]
-    amp_overflow: Optional[bool]
-    norms: list[float]
-    anomalous: bool
-    extra: list[float]
-    skipped: bool
-    """The scaler skipped the step, or a rank had no gradient: it says nothing about the gradients."""
-    unsure: bool
-    """A rank had an infinite norm that a finite gradient may have: measure exactly, agree again."""
 
 
 class GradientCheck(HookCallback):
@@ -232,10 +164,10 @@ class GradientCheck(HookCallback):
         """
         step = self._measure(trainer, optimizer, exact=False)
         extra = self._extra(trainer, step)
-        check = self._conclude(trainer, step, extra)
+        check = conclude(trainer, self._detector, step, extra)
         if check.unsure:
             step = self._measure(trainer, optimizer, exact=True)
-            check = self._conclude(trainer, step, extra)
+            check = conclude(trainer, self._detector, step, extra)
         self._handle(trainer, pl_module, optimizer, step, check)
         self._trace.clear()
         self._stepped = True
@@ -249,87 +181,17 @@ class GradientCheck(HookCallback):
         raise NotImplementedError
 
     def _measure(self, trainer: pl.Trainer, optimizer: Any, exact: bool) -> Step:
-        params, sizes = _params_with_grads(optimizer)
-        device = params[0].device if params else trainer.strategy.root_device
-        overflow = _amp_overflow(trainer, optimizer, device) if params else None  # may unscale: first
-        grads: list[Tensor] = [p.grad if p.grad is not None else grad_of(p) for p in params]  # type: ignore[misc]
-        figures = gradient_figures(grads, sizes, device=device, exact=exact, shards=self._shard_groups(params))
-        key = next((i for i, opt in enumerate(trainer.optimizers) if opt is optimizer), 0)
-        flags = self._detector.flags(figures, key)
-        if overflow is not None:  # the scaler skips this step itself
-            flags = flags & ~overflow
-        unsure = torch.zeros((), device=device) if exact else torch.isinf(figures.norms).sum()
-        return Step(key, params, figures, flags, overflow, unsure)
-
-    def _conclude(self, trainer: pl.Trainer, step: Step, extra: list[Tensor]) -> Check:
-        """Agree on the flags across ranks on device, then read everything in one transfer.
-
-        Every rank reaches the one collective at every optimizer step, a rank without
-        gradients too, so a decision one rank alone made is everyone's and no rank waits alone.
-        """
-        norms = step.figures.group_norms
-        overflow = step.overflow if step.overflow is not None else torch.zeros((), device=norms.device)
-        empty = torch.full((), float(not step.params), device=norms.device)
-        votes = torch.cat([t.reshape(-1).double() for t in (step.flags, overflow, empty, step.unsure)])
-        parts = [_agree(trainer, votes), norms, *extra]
-        host = torch.cat([p.reshape(-1).to(norms.device, torch.float64) for p in parts]).cpu().tolist()
-        n_flags, n_cols = step.flags.numel(), norms.numel()
-        # All gradients first, as "<flag>"; then per group, as "<flag>/group<i>", if several.
-        columns = [(n_cols - 1, "")] + ([(g, f"/group{g}") for g in range(n_cols - 1)] if n_cols > 2 else [])
-        flags = {
-            name + suffix: host[row * n_cols + col] > 0
-            for row, name in enumerate(FLAG_NAMES) if name in self._detector.enabled_flags
-            for col, suffix in columns
-        }
-        overflowed, skipped = host[n_flags] > 0, host[n_flags] > 0 or host[n_flags + 1] > 0
-        # Settled without an exact measure when no flag could hinge on it, or the scaler skips the step.
-        unsure = host[n_flags + 2] > 0 and bool(self._detector.enabled_flags) and not overflowed
-        anomalous = any(flags.values())
-        if not anomalous and not skipped and not unsure:
-            self._detector.remember(norms, step.key)
-        amp = overflowed if step.overflow is not None else None
-        start = n_flags + 3
-        return Check(flags, amp, host[start : start + n_cols], anomalous, host[start + n_cols :], skipped, unsure)
+        return measure_step(trainer, optimizer, self._detector, self._shard_groups, exact)
 
     def _report(self, trainer: pl.Trainer, pl_module: pl.LightningModule, step: Step,
                 check: Check) -> AnomalyReport:
         """Build, save and log the report; under several ranks every rank must call this."""
         n_outputs = len(self._targets)
         located = self._trace.locate(trainer, n_outputs, n_outputs + len(self._traced)) if self.provenance else None
-        norms, bad_grads = torch.stack([step.figures.norms, step.figures.bad.double()]).cpu().tolist()
         names = [self._param_names.get(p, f"param{i}") for i, p in enumerate(step.params)]
-        largest = sorted(((n, v) for n, v in zip(names, norms) if math.isfinite(v)), key=lambda item: -item[1])
-        # First bad first: in the order backward made them non-finite; the rest in optimizer order.
-        went_bad = {p: located.first[i] for i, p in enumerate(self._traced, n_outputs)} if located else {}
-        bad = sorted((i for i, is_bad in enumerate(bad_grads) if is_bad),
-                     key=lambda i: went_bad.get(step.params[i], NEVER))
-        module = located.earliest(range(n_outputs)) if located else None
-        micro = located.micro_batch if located and located.micro_batch is not None else -1
-        batch_idx, batch = self._micro_batches[micro] if self._micro_batches else (None, None)
-        report = AnomalyReport(
-            step=trainer.global_step, epoch=trainer.current_epoch, batch_idx=batch_idx,
-            flags=tuple(name for name, fired in check.flags.items() if fired),
-            total_norm=check.norms[-1], group_norms=tuple(check.norms[:-1]),
-            first_nonfinite_module=None if module is None else self.module_names[module],
-            nonfinite_rank=located.rank if located else None,
-            nonfinite_params=tuple(names[i] for i in bad),
-            largest_norms=tuple(largest[:5]),
-        )
-        if self.save_dir is not None:
-            report = replace(report, saved_path=self._save(trainer, pl_module, report, batch))
-        text = "\n".join("    " + line for line in str(report).splitlines())  # markdown code block
-        log_text(trainer, "anomalies/report", text, trainer.global_step)
-        return report
-
-    def _save(self, trainer: pl.Trainer, pl_module: pl.LightningModule, report: AnomalyReport,
-              batch: Any) -> str:
-        assert self.save_dir is not None
-        os.makedirs(self.save_dir, exist_ok=True)
-        path = os.path.join(self.save_dir, f"anomaly-step{report.step}-rank{trainer.global_rank}.pt")
-        payload = {"report": asdict(report), "batch": batch, "batches": [b for _, b in self._micro_batches],
-                   "state_dict": pl_module.state_dict()}
-        torch.save(move_data_to_device(payload, "cpu"), path)
-        return path
+        return report_step(trainer, pl_module, step, check, names=names, located=located, traced=self._traced,
+                           module_names=self.module_names, micro_batches=self._micro_batches,
+                           save_dir=self.save_dir)
 
     def _state(self) -> dict[str, Any]:
         return {"detector": self._detector.state_dict()}

@@ -1,7 +1,8 @@
-"""Gradient anomaly kernels and state: norms, flags, the running median, the report.
+"""Gradient anomaly kernels and state: norms, flags, the running median.
 
 The kernels are pure tensor functions that never leave the device; :class:`AnomalyDetector`
-holds the thresholds and the running median window that the callbacks share.
+holds the thresholds and the running median window that the callbacks share. The report of an
+anomalous step, :class:`AnomalyReport`, is in ``_anomaly_report`` (and importable from here).
 """
 
 from __future__ import annotations
@@ -14,7 +15,12 @@ from typing import Any, NamedTuple, Optional
 import torch
 from torch import Tensor
 
+from lightning_hooks._anomaly_report import AnomalyReport
 from lightning_hooks._sharding import ShardGroups, local
+
+__all__ = [
+    "FLAG_NAMES", "AnomalyDetector", "AnomalyReport", "GradientFigures", "anomaly_flags", "gradient_figures",
+]
 
 #: Anomaly flags, in the order of the rows of :func:`anomaly_flags`.
 FLAG_NAMES = ("nonfinite", "exploding", "vanishing")
@@ -268,68 +274,3 @@ class AnomalyDetector:
         """Restore the running windows; they move to the gradients' device at the next step."""
         self._history = {int(k): h.clone() for k, h in state_dict["history"].items()}
         self._seen = {int(k): int(n) for k, n in state_dict["seen"].items()}
-
-
-@dataclass(frozen=True)
-class AnomalyReport:
-    """What went wrong at one optimizer step, and where it began.
-
-    Attributes:
-        step: ``trainer.global_step`` of the optimizer step (steps completed before it).
-        epoch: The epoch.
-        batch_idx: Index in the epoch of the step's batch: with gradient accumulation and
-            provenance, the micro-batch in which non-finite values showed first, else the
-            step's last one.
-        flags: The flags that fired: ``"nonfinite"`` for all gradients together, and with
-            several parameter groups ``"nonfinite/group1"`` for group 1, and so on.
-        total_norm: L2 norm of all gradients.
-        group_norms: L2 norm per parameter group.
-        first_nonfinite_module: The first watched module, in forward execution order, whose
-            output held a NaN or an Inf this step; None if none did or provenance was off.
-        nonfinite_rank: Under several processes, the rank where non-finite values showed
-            first (in a module output, else in a gradient); the report's provenance is that
-            rank's.
-        nonfinite_params: Parameters whose gradients hold a NaN or an Inf. With provenance,
-            in the order backward made them non-finite, first bad first (those that were
-            finite on that rank, so only went bad in the all-reduce, come last); else in the
-            optimizer's order.
-        largest_norms: The parameters with the largest gradient norms, largest first.
-        saved_path: Where the step's batch and model state were saved for replay, if they were:
-            a ``torch.save`` of ``{"report", "batch", "batches", "state_dict"}``, where ``batch``
-            is the micro-batch of ``batch_idx`` and ``batches`` all of the step's micro-batches.
-
-    """
-
-    step: int
-    epoch: int
-    batch_idx: Optional[int]
-    flags: tuple[str, ...]
-    total_norm: float
-    group_norms: tuple[float, ...]
-    first_nonfinite_module: Optional[str] = None
-    nonfinite_rank: Optional[int] = None
-    nonfinite_params: tuple[str, ...] = ()
-    largest_norms: tuple[tuple[str, float], ...] = ()
-    saved_path: Optional[str] = None
-
-    def __str__(self) -> str:
-        groups = ", ".join(f"{n:.4g}" for n in self.group_norms)
-        lines = [
-            f"Gradient anomaly at step {self.step} (epoch {self.epoch}, batch {self.batch_idx}):"
-            f" {', '.join(self.flags)}",
-            f"  total gradient norm {self.total_norm:.4g}"
-            + (f" (per parameter group: {groups})" if len(self.group_norms) > 1 else ""),
-        ]
-        if self.first_nonfinite_module is not None:
-            rank = f" on rank {self.nonfinite_rank}" if self.nonfinite_rank is not None else ""
-            lines.append(f"  first non-finite output: module {self.first_nonfinite_module!r}{rank}")
-        if self.nonfinite_params:
-            bad = self.nonfinite_params
-            more = f", ... ({len(bad) - 8} more)" if len(bad) > 8 else ""
-            lines.append(f"  non-finite gradients in {len(bad)} parameter(s): {', '.join(bad[:8])}{more}")
-        if self.largest_norms:
-            largest = ", ".join(f"{name} {norm:.4g}" for name, norm in self.largest_norms)
-            lines.append(f"  largest gradient norms: {largest}")
-        if self.saved_path is not None:
-            lines.append(f"  batch and model state saved to {self.saved_path}")
-        return "\n".join(lines)

@@ -1,24 +1,28 @@
-"""GradientMonitor: gradient norms and histograms, and anomaly flags at every optimizer step."""
+"""GradientMonitor: gradient norms and histograms, and anomaly flags at every optimizer step.
+
+Here is what the monitor decides: its settings, when a step is logged, which flags and reports
+go out. The check it shares with GradientAnomalyStopping is in ``_gradient_check``; the rows it
+logs (which gradients each covers, their figures and metrics) are in ``_gradient_rows``.
+"""
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from typing import Any, Literal, Optional
 
 import lightning.pytorch as pl
-import torch
 from torch import Tensor
 
 from lightning_hooks._base import _is_logged_step, _log_interval, _validate_interval, _validate_stats
 from lightning_hooks._gradient_check import Check, GradientCheck, Step, _check_bool
-from lightning_hooks._sharding import ShardGroups, grad_of, local
-from lightning_hooks._update_ratio import UpdateRatio
+from lightning_hooks._gradient_rows import row_figures, row_metrics, select_rows
+from lightning_hooks._sharding import ShardGroups
+from lightning_hooks._update_ratio import Rows, UpdateRatio
 from lightning_hooks.aggregate import StatBlock
 from lightning_hooks.anomalies import AnomalyReport
-from lightning_hooks.selection import ModuleSelection, check_limit, named_parameters, validate_limit
-from lightning_hooks.sinks import HISTOGRAM_LOGGERS, Charts, Histogram, log_histograms, log_layout, log_scalars
-from lightning_hooks.stats import STAT_NAMES, Bins, bin_counts, histogram_edges, summarize
+from lightning_hooks.selection import ModuleSelection, check_limit, validate_limit
+from lightning_hooks.sinks import HISTOGRAM_LOGGERS, Charts, log_layout, log_scalars
+from lightning_hooks.stats import STAT_NAMES, Bins, histogram_edges
 
 Granularity = Literal["parameter", "module"]
 
@@ -163,7 +167,7 @@ class GradientMonitor(GradientCheck):
         self._raised = False  # whether a flag was raised at the last step
         self._every = 1
         self._histograms = False  # whether histograms are written: asked for, and a logger that takes them
-        self._rows: list[tuple[str, list[Tensor]]] = []
+        self._rows: Rows = []
         self._logged = False  # whether this step's transfer holds the rows' figures
         self._present: list[bool] = []  # which rows had gradients this step
         self._block: Optional[StatBlock] = None
@@ -190,7 +194,7 @@ class GradientMonitor(GradientCheck):
         """Register the hooks, choose the rows, allocate their buffers on the module's device, write the layout."""
         super().on_fit_start(trainer, pl_module)
         self._raised = False
-        self._rows = self._select_rows(pl_module)
+        self._rows = select_rows(pl_module, self.granularity, self.modules, self._targets)
         self._histograms = self.histogram and any(isinstance(lg, HISTOGRAM_LOGGERS) for lg in trainer.loggers)
         names = [name for name, _ in self._rows]
         owners = names if self.granularity == "module" else [n.rpartition(".")[0] for n in names]
@@ -224,21 +228,6 @@ class GradientMonitor(GradientCheck):
         self._rows, self._block, self._row_shards = [], None, ShardGroups([])
         self._updates.discard()
 
-    def _select_rows(self, pl_module: pl.LightningModule) -> list[tuple[str, list[Tensor]]]:
-        if self.granularity == "module":
-            rows: list[tuple[str, list[Tensor]]] = [
-                (name, [p for p in m.parameters() if p.requires_grad]) for name, m in self._targets
-            ]
-            return [(name, params) for name, params in rows if params]
-        named = named_parameters(pl_module) if self.modules is None else (
-            (f"{mname}.{pname}", p) for mname, m in self._targets for pname, p in named_parameters(m)
-        )
-        first_name: dict[Tensor, str] = {}
-        for name, param in named:
-            if param.requires_grad:
-                first_name.setdefault(param, name)
-        return [(name, [param]) for param, name in first_name.items()]
-
     def on_before_optimizer_step(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any
     ) -> None:
@@ -254,32 +243,9 @@ class GradientMonitor(GradientCheck):
         if not self._logged or not self._rows:
             self._present = []
             return []
-        position = {p: i for i, p in enumerate(step.params)}
-        present = [[p for p in params if p in position] for _, params in self._rows]
-        self._present = [bool(params) for params in present]
-        if self._block is not None:
-            for index, params in enumerate(present):
-                for param in params:
-                    calls = int(self._row_shards.leads[index])  # a sharded gradient counts once
-                    if not self._block.add(index, local(grad_of(param)), calls) and calls:  # type: ignore[arg-type]
-                        self._block.count(index, calls)  # FSDP1 may leave the leading rank no part of it
-            self._row_shards.reduce_stat_rows_(self._block.rows)  # a sharded row: whole-gradient figures
-        return [self._row_norms(step.figures.norms, position, present)] + (
-            [self._block.rows] if self._block is not None else []
-        )
-
-    def _row_norms(self, norms: Tensor, position: dict[Tensor, int], present: list[list[Tensor]]) -> Tensor:
-        """Each row's gradient norm from the per-gradient ``norms``; NaN for a row without gradients.
-
-        Indexing with Python ints makes views, so no index goes to the device (a blocking copy).
-        """
-        nan = norms.new_full((), math.nan)
-        if self.granularity == "parameter":  # one parameter a row: its norm, in one stack
-            return torch.stack([norms[position[params[0]]] if params else nan for params in present])
-        return torch.stack([
-            torch.linalg.vector_norm(torch.stack([norms[position[p]] for p in params])) if params else nan
-            for params in present
-        ])
+        self._present, figures = row_figures(step.params, step.figures.norms, self._rows, self._block,
+                                             self._row_shards, self.granularity)
+        return figures
 
     def _handle(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any, step: Step,
                 check: Check) -> None:
@@ -291,7 +257,8 @@ class GradientMonitor(GradientCheck):
         # the plot comes back down where it did): no logger call on a quiet step.
         if self._logged or raised or self._raised:
             if self._logged:
-                metrics.update(self._gradient_metrics(trainer, check))
+                metrics.update(row_metrics(trainer, check, self._rows, self._present, self._block, self.stats,
+                                               self._histograms))
             log_scalars(trainer, metrics, trainer.global_step)
         self._raised = raised
         if self.update_ratio and self._logged and not check.amp_overflow:
@@ -305,32 +272,6 @@ class GradientMonitor(GradientCheck):
             self._fired = frozenset()
         if self.prog_bar:
             self._show(trainer, pl_module, "anomalies", self._anomalies)
-
-    def _gradient_metrics(self, trainer: pl.Trainer, check: Check) -> dict[str, float]:
-        n_rows, block = len(self._rows), self._block
-        row_norms, flat = check.extra[:n_rows], check.extra[n_rows:]
-        metrics = {"gradients/total_norm": check.norms[-1]}
-        if len(check.norms) > 2:
-            metrics.update({f"gradients/total_norm/group{g}": n for g, n in enumerate(check.norms[:-1])})
-        width = len(flat) // max(n_rows, 1)
-        edges = block.edges.tolist() if block is not None else []
-        histograms: list[Histogram] = []
-        for index, (name, _) in enumerate(self._rows):
-            if not self._present[index]:
-                continue  # no gradient this step (unused or frozen for now)
-            if "norm" in self.stats:
-                metrics[f"gradients/{name}/norm"] = row_norms[index]
-            if block is None:
-                continue
-            row = flat[index * width : (index + 1) * width]
-            summary = summarize(row)
-            metrics.update({f"gradients/{name}/{s}": summary[s] for s in self.stats if s != "norm"})
-            if self._histograms:
-                histograms.append((f"gradients/{name}", summary, bin_counts(row)))
-        log_histograms(trainer, histograms, edges, trainer.global_step)
-        if block is not None:
-            block.reset()
-        return metrics
 
     def state_dict(self) -> dict[str, Any]:
         """Return the anomaly count and the running median windows."""

@@ -1,15 +1,12 @@
 """On-device statistics and histogram kernels: pure tensor functions, no host sync.
 
-A *stat row* is a float64 vector that summarises any number of tensors and can be added up
-across tensors, steps and ranks:
-
-- columns ``SUM_FIELDS`` add (element counts, sums, histogram counts),
-- columns ``MAX_FIELDS`` take the maximum (the maximum and the negated minimum),
-- the last ``bins`` columns are histogram counts over fixed bin edges.
-
+:func:`accumulate_` adds the statistics of a tensor's values into a stat row (see
+``_stat_rows`` for its columns), through the fused native CPU kernel, the accelerator kernel of
+``_device_stats`` or tensor ops; :func:`histogram_edges` and :class:`Binning` give the fixed bins.
 Non-finite values are masked out of the moments, the extremes and the histogram and are
 counted on their own (NaN, +Inf, -Inf), so that a diverging run still gets a histogram of its
-finite part instead of an error.
+finite part instead of an error. The names of ``_stat_rows`` and ``_tensor_values`` are
+importable from here.
 """
 
 from __future__ import annotations
@@ -17,33 +14,37 @@ from __future__ import annotations
 import math
 import os
 import warnings
-from collections.abc import Iterator, Sequence
-from dataclasses import fields, is_dataclass
-from typing import Any, Union
+from collections.abc import Sequence
+from typing import Union
 
 import torch
 from torch import Tensor
 
 from lightning_hooks._device_stats import DeviceTable, accumulate_device_
-
-SUM_FIELDS = ("count", "finite", "sum", "sum_sq", "zeros", "nan", "posinf", "neginf", "calls")
-MAX_FIELDS = ("max", "neg_min")
-N_FIELDS = len(SUM_FIELDS) + len(MAX_FIELDS)
-_COL = {name: i for i, name in enumerate(SUM_FIELDS + MAX_FIELDS)}
-_MAX_SLICE = slice(len(SUM_FIELDS), N_FIELDS)
-FLOAT32_MAX = float(torch.finfo(torch.float32).max)
-
-#: Statistics a stat row can report, by name.
-STAT_NAMES = (
-    "mean", "std", "min", "max", "abs_max", "zero_fraction", "nonfinite_fraction",
-    "nan_count", "posinf_count", "neginf_count", "count", "calls",
+from lightning_hooks._stat_rows import (
+    _COL,
+    _MAX_SLICE,
+    DEFAULT_STATS,
+    DIVERGENCE_STATS,
+    MAX_FIELDS,
+    N_FIELDS,
+    STAT_NAMES,
+    SUM_FIELDS,
+    bin_counts,
+    new_rows,
+    reduce_rows,
+    reset_rows_,
+    summarize,
 )
+from lightning_hooks._tensor_values import as_float_values, iter_tensors
 
-#: The statistics ActivationMonitor logs by default: those that move on a healthy run.
-DEFAULT_STATS = ("mean", "std", "abs_max", "zero_fraction", "nonfinite_fraction")
+__all__ = [
+    "DEFAULT_STATS", "DIVERGENCE_STATS", "FLOAT32_MAX", "MAX_FIELDS", "NATIVE_KERNEL", "N_FIELDS", "STAT_NAMES",
+    "SUM_FIELDS", "Binning", "Bins", "accumulate_", "as_float_values", "bin_counts", "histogram_edges",
+    "iter_tensors", "new_rows", "reduce_rows", "reset_rows_", "summarize",
+]
 
-#: Counters of non-finite values: zero on a healthy run, so logged only while they are not.
-DIVERGENCE_STATS = ("nan_count", "posinf_count", "neginf_count")
+FLOAT32_MAX = float(torch.finfo(torch.float32).max)
 
 Bins = Union[int, Sequence[float]]
 
@@ -105,51 +106,6 @@ def histogram_edges(bins: Bins = 128, low: float = 1e-6, high: float = 1e6) -> T
     positive = torch.cat([inner, torch.tensor([FLOAT32_MAX], dtype=torch.float64)])
     middle = [torch.zeros(1, dtype=torch.float64)] if bins % 2 == 0 else []
     return torch.cat([-positive.flip(0), *middle, positive])
-
-
-def new_rows(n_rows: int, n_bins: int, device: torch.device | str | None = None) -> Tensor:
-    """An empty block of stat rows: zeros, with the max columns at -inf."""
-    return reset_rows_(torch.empty(n_rows, N_FIELDS + n_bins, dtype=torch.float64, device=device))
-
-
-def reset_rows_(rows: Tensor) -> Tensor:
-    """Empty a block of stat rows in place (zeros, the max columns at -inf) and return it."""
-    rows.zero_()
-    rows[:, _MAX_SLICE] = -math.inf
-    return rows
-
-
-def iter_tensors(value: Any, _depth: int = 0) -> Iterator[Tensor]:
-    """Every tensor inside a module's output: tuples, lists, dicts, dataclasses; others skipped."""
-    if isinstance(value, Tensor):
-        yield value
-    elif _depth > 8:
-        return
-    elif isinstance(value, (tuple, list)):
-        for item in value:
-            yield from iter_tensors(item, _depth + 1)
-    elif isinstance(value, dict):
-        for item in value.values():
-            yield from iter_tensors(item, _depth + 1)
-    elif is_dataclass(value) and not isinstance(value, type):
-        for field in fields(value):
-            yield from iter_tensors(getattr(value, field.name, None), _depth + 1)
-
-
-def as_float_values(tensor: Tensor) -> Tensor | None:
-    """The flat floating values that stats are taken over, or None for a tensor we skip.
-
-    float64 tensors keep float64 (a finite 1e300 stays finite); other floating, integer and
-    bool tensors give float32; complex tensors their magnitude. Sparse, quantized, meta and
-    empty tensors are skipped.
-    """
-    if tensor.layout != torch.strided or tensor.is_quantized or tensor.is_meta or tensor.numel() == 0:
-        return None
-    values = tensor.detach()
-    if values.is_complex():
-        values = values.abs()
-    values = values.reshape(-1)
-    return values if values.dtype == torch.float64 else values.float()
 
 
 class Binning:
@@ -340,45 +296,3 @@ def _accumulate_tensors_(row: Tensor, values: Tensor, binning: Binning, calls: i
         counts = torch.bincount(index, minlength=binning.n_bins).double()
     counts.index_put_((index.gather(0, first.to(index.dtype)).long(),), -n_bad.double().view(1), accumulate=True)
     row[N_FIELDS:] += counts.to(row.device)
-
-
-def reduce_rows(gathered: Tensor) -> Tensor:
-    """Combine stat rows stacked along dim 0 (e.g. one block per rank) into one block."""
-    out = gathered.sum(0)
-    out[..., _MAX_SLICE] = gathered[..., _MAX_SLICE].amax(0)
-    return out
-
-
-def bin_counts(row: Sequence[float]) -> Sequence[float]:
-    """The histogram counts of one stat row (the columns after the statistics)."""
-    return row[N_FIELDS:]
-
-
-def summarize(row: Sequence[float]) -> dict[str, float]:
-    """Every statistic in ``STAT_NAMES`` from one host-side stat row (a list of floats).
-
-    ``std`` uses Bessel's correction, like ``torch.std``. Figures over no finite value are NaN.
-    Also returns the raw ``count_finite``, ``sum`` and ``sum_sq`` that histograms need.
-    """
-    c = {name: row[i] for name, i in _COL.items()}
-    n, count = c["finite"], c["count"]
-    mean = c["sum"] / n if n > 0 else math.nan
-    var = (c["sum_sq"] - n * mean * mean) / (n - 1) if n > 1 else math.nan
-    high, low = (c["max"], -c["neg_min"]) if n > 0 else (math.nan, math.nan)
-    return {
-        "mean": mean,
-        "std": math.sqrt(max(var, 0.0)) if not math.isnan(var) else math.nan,
-        "min": low,
-        "max": high,
-        "abs_max": max(abs(high), abs(low)) if n > 0 else math.nan,
-        "zero_fraction": c["zeros"] / count if count > 0 else math.nan,
-        "nonfinite_fraction": (count - n) / count if count > 0 else math.nan,
-        "nan_count": c["nan"],
-        "posinf_count": c["posinf"],
-        "neginf_count": c["neginf"],
-        "count": count,
-        "calls": c["calls"],
-        "count_finite": n,
-        "sum": c["sum"],
-        "sum_sq": c["sum_sq"],
-    }

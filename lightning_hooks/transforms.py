@@ -1,10 +1,13 @@
-"""GradientTransform: per-module gradient scaling, reversal and clipping through hooks."""
+"""GradientTransform: per-module gradient scaling, reversal and clipping through hooks.
+
+Here is the callback's lifecycle and what carries its plan out: the tensor hooks that scale,
+the forward hooks that place a reversal, the clipping at the optimizer step. How the patterns
+become that plan for one model (and how they are validated) is in ``_transform_plan``.
+"""
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, Optional
 
@@ -25,8 +28,8 @@ from lightning_hooks._sharding import (
     note_flat_shards,
     takes_gradient_directly,
 )
+from lightning_hooks._transform_plan import Plan, resolve_plan, validate_table
 from lightning_hooks.anomalies import gradient_figures
-from lightning_hooks.selection import clean_name, select_modules
 
 
 class GradientTransform(HookCallback):
@@ -131,14 +134,14 @@ class GradientTransform(HookCallback):
             )
         for arg, table in tables.items():
             if table is not None:
-                _validate_table(arg, table, positive=arg != "scale")
+                validate_table(arg, table, positive=arg != "scale")
         self.scale = dict(scale) if scale is not None else None
         self.reverse = dict(reverse) if reverse is not None else None
         self.clip_value = dict(clip_value) if clip_value is not None else None
         self.clip_norm = dict(clip_norm) if clip_norm is not None else None
         patterns = {p for table in tables.values() if table is not None for p in table}
         super().__init__(modules=sorted(patterns))
-        self._plan: Optional[_Plan] = None
+        self._plan: Optional[Plan] = None
         self._shard_groups = ShardGroupCache()  # of each clip_norm group's gradients
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -191,102 +194,8 @@ class GradientTransform(HookCallback):
             if with_grad:
                 _clip_norm_(with_grad, max_norm, self._shard_groups(with_grad))
 
-    def _resolve(self, root: nn.Module) -> _Plan:
-        plan = _Plan()
-        if self.scale:
-            factors = _combine(root, "scale", self.scale, lambda a, b: a * b)
-            plan.scaled = [(name, p, f) for p, (name, f) in factors.items()]
-        for pattern, value in (self.reverse or {}).items():
-            selected = _outermost(root, "reverse", pattern)
-            if len(selected) != 1:
-                raise ValueError(
-                    f"`reverse` pattern {pattern!r} selects {len(selected)} modules"
-                    f" ({', '.join(repr(n) for n, _ in selected[:5])}); a reversal flips everything"
-                    " upstream, so a chain of them cancels out. Name the single module whose output"
-                    " the gradient should be reversed at, e.g. the whole block or an nn.Identity."
-                )
-            name = selected[0][0]
-            plan.reversed[name] = plan.reversed.get(name, 1.0) * -value
-        if self.clip_value:
-            bounds = _combine(root, "clip_value", self.clip_value, min)
-            for p, (_, bound) in bounds.items():
-                plan.clip_values.setdefault(bound, []).append(p)
-        if self.clip_norm:
-            plan.clip_norms = _norm_groups(root, self.clip_norm)
-        return plan
-
-
-@dataclass
-class _Plan:
-    """What a GradientTransform does to one model, resolved from its patterns."""
-
-    scaled: list[tuple[str, nn.Parameter, float]] = field(default_factory=list)
-    scaled_at_step: list[tuple[nn.Parameter, float]] = field(default_factory=list)
-    """Sharded parameters: scaled in ``on_before_optimizer_step``, after accumulation (it is linear)."""
-    reversed: dict[str, float] = field(default_factory=dict)
-    clip_values: dict[float, list[nn.Parameter]] = field(default_factory=dict)
-    clip_norms: list[tuple[str, list[nn.Parameter], float]] = field(default_factory=list)
-
-
-def _validate_table(arg: str, table: Any, positive: bool) -> None:
-    if not isinstance(table, Mapping):
-        raise TypeError(f"`{arg}` must be a dict of name patterns to numbers, got {table!r}")
-    if not table:
-        raise ValueError(f"`{arg}` is empty: pass None, or a dict like {{'backbone.*': 0.1}}")
-    for pattern, value in table.items():
-        if not isinstance(pattern, str) or not pattern:
-            raise TypeError(f"`{arg}` keys must be non-empty name globs like 'backbone.*', got {pattern!r}")
-        is_number = isinstance(value, (int, float)) and not isinstance(value, bool)
-        if not is_number or not math.isfinite(value):
-            raise ValueError(f"`{arg}` values must be finite numbers, got {value!r} for {pattern!r}")
-        if positive and value <= 0:
-            raise ValueError(f"`{arg}` values must be positive, got {value!r} for {pattern!r}")
-
-
-def _outermost(root: nn.Module, arg: str, pattern: str) -> list[tuple[str, nn.Module]]:
-    """Return the modules ``pattern`` matches that are not inside another module it matches."""
-    matched = select_modules(root, pattern, argument=arg)
-    names = {name for name, _ in matched}
-    return [(name, m) for name, m in matched if not any(a in names for a in _ancestors(name))]
-
-
-def _ancestors(name: str) -> list[str]:
-    parts = name.split(".")
-    return [".".join(parts[:i]) for i in range(1, len(parts))]
-
-
-def _trainable(root: nn.Module, arg: str, pattern: str) -> dict[nn.Parameter, str]:
-    """Parameters under the modules ``pattern`` selects, once each, with a qualified name."""
-    found: dict[nn.Parameter, str] = {}
-    for module_name, module in _outermost(root, arg, pattern):
-        for param_name, param in module.named_parameters():
-            if param.requires_grad:
-                found.setdefault(param, f"{module_name}.{clean_name(param_name)}")
-    return found
-
-
-def _combine(
-    root: nn.Module, arg: str, table: Mapping[str, float], merge: Any
-) -> dict[nn.Parameter, tuple[str, float]]:
-    """Each parameter's value, merging the values of every pattern that reaches it."""
-    combined: dict[nn.Parameter, tuple[str, float]] = {}
-    for pattern, value in table.items():
-        for param, name in _trainable(root, arg, pattern).items():
-            combined[param] = (name, merge(combined[param][1], value)) if param in combined else (name, value)
-    return combined
-
-
-def _norm_groups(root: nn.Module, table: Mapping[str, float]) -> list[tuple[str, list[nn.Parameter], float]]:
-    """One group per outermost module each pattern matches, the innermost groups first."""
-    bounds: dict[str, float] = {}
-    modules: dict[str, nn.Module] = {}
-    for pattern, value in table.items():
-        for name, module in _outermost(root, "clip_norm", pattern):
-            bounds[name] = min(value, bounds.get(name, value))
-            modules[name] = module
-    ordered = sorted(bounds, key=lambda name: -name.count("."))
-    groups = [(n, [p for p in modules[n].parameters() if p.requires_grad], bounds[n]) for n in ordered]
-    return [group for group in groups if group[1]]
+    def _resolve(self, root: nn.Module) -> Plan:
+        return resolve_plan(root, self.scale, self.reverse, self.clip_value, self.clip_norm)
 
 
 def _clip_norm_(params: list[Tensor], max_norm: float, shards: ShardGroups) -> None:

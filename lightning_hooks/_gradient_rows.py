@@ -1,0 +1,136 @@
+"""GradientMonitor's rows: which gradients each row covers, their figures on device, their metrics on the host.
+
+A row is one parameter (``granularity="parameter"``) or a selected module's parameters
+(``"module"``). :func:`select_rows` chooses them when fit starts; on a logged step
+:func:`row_figures` gives the rows' norms and stat rows on device, for the step's one host
+transfer, and :func:`row_metrics` turns what came back into the ``gradients/<row>/<stat>``
+scalars and the histograms.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Optional
+
+import lightning.pytorch as pl
+import torch
+from torch import Tensor, nn
+
+from lightning_hooks._rank_agreement import Check
+from lightning_hooks._sharding import ShardGroups, grad_of, local
+from lightning_hooks._update_ratio import Rows
+from lightning_hooks.aggregate import StatBlock
+from lightning_hooks.selection import ModuleSelection, named_parameters
+from lightning_hooks.sinks import Histogram, log_histograms
+from lightning_hooks.stats import bin_counts, summarize
+
+
+def select_rows(pl_module: pl.LightningModule, granularity: str, modules: ModuleSelection,
+                targets: list[tuple[str, nn.Module]]) -> Rows:
+    """The rows: each trainable parameter once, under its first name, or each target module with parameters.
+
+    Args:
+        pl_module: The model.
+        granularity: ``"parameter"`` or ``"module"``.
+        modules: The module selection; None for every parameter.
+        targets: The modules it selected, with their names.
+
+    Returns:
+        ``(name, parameters)`` per row.
+    """
+    if granularity == "module":
+        rows: Rows = [(name, [p for p in m.parameters() if p.requires_grad]) for name, m in targets]
+        return [(name, params) for name, params in rows if params]
+    named = named_parameters(pl_module) if modules is None else (
+        (f"{mname}.{pname}", p) for mname, m in targets for pname, p in named_parameters(m)
+    )
+    first_name: dict[Tensor, str] = {}
+    for name, param in named:
+        if param.requires_grad:
+            first_name.setdefault(param, name)
+    return [(name, [param]) for param, name in first_name.items()]
+
+
+def row_figures(params: list[Tensor], norms: Tensor, rows: Rows, block: Optional[StatBlock],
+                row_shards: ShardGroups, granularity: str) -> tuple[list[bool], list[Tensor]]:
+    """Which rows have gradients this step, and the rows' norms and stat rows, on device.
+
+    Args:
+        params: The step's parameters with gradients.
+        norms: Their gradient norms, in the same order.
+        rows: The rows, as :func:`select_rows` gives them.
+        block: The rows' stat block, filled here; None when no stat but the norm is logged.
+        row_shards: How each row's gradients are split across ranks.
+        granularity: ``"parameter"`` or ``"module"``.
+
+    Returns:
+        Per row whether it had gradients, and the figures to bring to the host.
+    """
+    position = {p: i for i, p in enumerate(params)}
+    present = [[p for p in row_params if p in position] for _, row_params in rows]
+    if block is not None:
+        for index, row_params in enumerate(present):
+            for param in row_params:
+                calls = int(row_shards.leads[index])  # a sharded gradient counts once
+                if not block.add(index, local(grad_of(param)), calls) and calls:  # type: ignore[arg-type]
+                    block.count(index, calls)  # FSDP1 may leave the leading rank no part of it
+        row_shards.reduce_stat_rows_(block.rows)  # a sharded row: whole-gradient figures
+    figures = [_row_norms(norms, position, present, granularity)] + ([block.rows] if block is not None else [])
+    return [bool(row_params) for row_params in present], figures
+
+
+def _row_norms(norms: Tensor, position: dict[Tensor, int], present: list[list[Tensor]], granularity: str) -> Tensor:
+    """Each row's gradient norm from the per-gradient ``norms``; NaN for a row without gradients.
+
+    Indexing with Python ints makes views, so no index goes to the device (a blocking copy).
+    """
+    nan = norms.new_full((), math.nan)
+    if granularity == "parameter":  # one parameter a row: its norm, in one stack
+        return torch.stack([norms[position[params[0]]] if params else nan for params in present])
+    return torch.stack([
+        torch.linalg.vector_norm(torch.stack([norms[position[p]] for p in params])) if params else nan
+        for params in present
+    ])
+
+
+def row_metrics(trainer: pl.Trainer, check: Check, rows: Rows, present: list[bool], block: Optional[StatBlock],
+                stats: Sequence[str], histograms: bool) -> dict[str, float]:
+    """The total norms and each present row's stats as scalars; the rows' histograms written to the loggers.
+
+    Args:
+        trainer: The trainer, for its loggers and step.
+        check: The step's figures on the host: ``check.extra`` holds what :func:`row_figures` gave.
+        rows: The rows.
+        present: Per row whether it had gradients this step.
+        block: The rows' stat block, emptied here; None when no stat but the norm is logged.
+        stats: Which stats to log per row.
+        histograms: Whether to write histograms.
+
+    Returns:
+        The scalars, by tag.
+    """
+    n_rows = len(rows)
+    row_norms, flat = check.extra[:n_rows], check.extra[n_rows:]
+    metrics = {"gradients/total_norm": check.norms[-1]}
+    if len(check.norms) > 2:
+        metrics.update({f"gradients/total_norm/group{g}": n for g, n in enumerate(check.norms[:-1])})
+    width = len(flat) // max(n_rows, 1)
+    edges = block.edges.tolist() if block is not None else []
+    written: list[Histogram] = []
+    for index, (name, _) in enumerate(rows):
+        if not present[index]:
+            continue  # no gradient this step (unused or frozen for now)
+        if "norm" in stats:
+            metrics[f"gradients/{name}/norm"] = row_norms[index]
+        if block is None:
+            continue
+        row = flat[index * width : (index + 1) * width]
+        summary = summarize(row)
+        metrics.update({f"gradients/{name}/{s}": summary[s] for s in stats if s != "norm"})
+        if histograms:
+            written.append((f"gradients/{name}", summary, bin_counts(row)))
+    log_histograms(trainer, written, edges, trainer.global_step)
+    if block is not None:
+        block.reset()
+    return metrics

@@ -1,0 +1,93 @@
+"""The stat row: what its columns hold, and what is done with rows once the kernels filled them.
+
+A *stat row* is a float64 vector that summarises any number of tensors and can be added up
+across tensors, steps and ranks:
+
+- columns ``SUM_FIELDS`` add (element counts, sums, histogram counts),
+- columns ``MAX_FIELDS`` take the maximum (the maximum and the negated minimum),
+- the last ``bins`` columns are histogram counts over fixed bin edges.
+
+Blocks of rows are made and emptied on device (:func:`new_rows`, :func:`reset_rows_`), combined
+across ranks (:func:`reduce_rows`) and, once on the host, read as named statistics
+(:func:`summarize`, :func:`bin_counts`). The kernels that fill them are in ``stats``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+SUM_FIELDS = ("count", "finite", "sum", "sum_sq", "zeros", "nan", "posinf", "neginf", "calls")
+MAX_FIELDS = ("max", "neg_min")
+N_FIELDS = len(SUM_FIELDS) + len(MAX_FIELDS)
+_COL = {name: i for i, name in enumerate(SUM_FIELDS + MAX_FIELDS)}
+_MAX_SLICE = slice(len(SUM_FIELDS), N_FIELDS)
+
+#: Statistics a stat row can report, by name.
+STAT_NAMES = (
+    "mean", "std", "min", "max", "abs_max", "zero_fraction", "nonfinite_fraction",
+    "nan_count", "posinf_count", "neginf_count", "count", "calls",
+)
+
+#: The statistics ActivationMonitor logs by default: those that move on a healthy run.
+DEFAULT_STATS = ("mean", "std", "abs_max", "zero_fraction", "nonfinite_fraction")
+
+#: Counters of non-finite values: zero on a healthy run, so logged only while they are not.
+DIVERGENCE_STATS = ("nan_count", "posinf_count", "neginf_count")
+
+
+def new_rows(n_rows: int, n_bins: int, device: torch.device | str | None = None) -> Tensor:
+    """An empty block of stat rows: zeros, with the max columns at -inf."""
+    return reset_rows_(torch.empty(n_rows, N_FIELDS + n_bins, dtype=torch.float64, device=device))
+
+
+def reset_rows_(rows: Tensor) -> Tensor:
+    """Empty a block of stat rows in place (zeros, the max columns at -inf) and return it."""
+    rows.zero_()
+    rows[:, _MAX_SLICE] = -math.inf
+    return rows
+
+
+def reduce_rows(gathered: Tensor) -> Tensor:
+    """Combine stat rows stacked along dim 0 (e.g. one block per rank) into one block."""
+    out = gathered.sum(0)
+    out[..., _MAX_SLICE] = gathered[..., _MAX_SLICE].amax(0)
+    return out
+
+
+def bin_counts(row: Sequence[float]) -> Sequence[float]:
+    """The histogram counts of one stat row (the columns after the statistics)."""
+    return row[N_FIELDS:]
+
+
+def summarize(row: Sequence[float]) -> dict[str, float]:
+    """Every statistic in ``STAT_NAMES`` from one host-side stat row (a list of floats).
+
+    ``std`` uses Bessel's correction, like ``torch.std``. Figures over no finite value are NaN.
+    Also returns the raw ``count_finite``, ``sum`` and ``sum_sq`` that histograms need.
+    """
+    c = {name: row[i] for name, i in _COL.items()}
+    n, count = c["finite"], c["count"]
+    mean = c["sum"] / n if n > 0 else math.nan
+    var = (c["sum_sq"] - n * mean * mean) / (n - 1) if n > 1 else math.nan
+    high, low = (c["max"], -c["neg_min"]) if n > 0 else (math.nan, math.nan)
+    return {
+        "mean": mean,
+        "std": math.sqrt(max(var, 0.0)) if not math.isnan(var) else math.nan,
+        "min": low,
+        "max": high,
+        "abs_max": max(abs(high), abs(low)) if n > 0 else math.nan,
+        "zero_fraction": c["zeros"] / count if count > 0 else math.nan,
+        "nonfinite_fraction": (count - n) / count if count > 0 else math.nan,
+        "nan_count": c["nan"],
+        "posinf_count": c["posinf"],
+        "neginf_count": c["neginf"],
+        "count": count,
+        "calls": c["calls"],
+        "count_finite": n,
+        "sum": c["sum"],
+        "sum_sq": c["sum_sq"],
+    }

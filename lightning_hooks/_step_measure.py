@@ -1,0 +1,88 @@
+"""What the gradient check reads from one optimizer step's gradients, all of it on device.
+
+:func:`measure_step` finds the parameters the optimizer holds dense gradients for, asks the
+AMP grad scaler whether it skips the step, measures the gradients' norms (per gradient, per
+parameter group and in total) and computes the anomaly flags: a :class:`Step`, with nothing
+read back to the host. Agreeing on it across ranks is :mod:`lightning_hooks._rank_agreement`'s job.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import lightning.pytorch as pl
+import torch
+from torch import Tensor
+from torch.amp.grad_scaler import OptState
+
+from lightning_hooks._sharding import ShardGroupCache, grad_of
+from lightning_hooks.anomalies import AnomalyDetector, GradientFigures, gradient_figures
+
+
+def _params_with_grads(optimizer: Any) -> tuple[list[Tensor], list[int]]:
+    """Return the parameters of ``optimizer`` that have a dense gradient, and how many per group."""
+    params, sizes = [], []
+    for group in optimizer.param_groups:
+        present = [p for p in group["params"] if (p.grad is not None and p.grad.layout == torch.strided)
+                   or (p.grad is None and grad_of(p) is not None)]  # an FSDP1 rank's empty part: an empty gradient
+        params.extend(present)
+        sizes.append(len(present))
+    return params, sizes
+
+
+def _amp_overflow(trainer: pl.Trainer, optimizer: Any, device: torch.device) -> Optional[Tensor]:
+    """Whether the AMP grad scaler found an Inf or a NaN, and so skips this step; None without one.
+
+    Lightning unscales before ``on_before_optimizer_step``, and ``GradScaler.unscale_`` leaves
+    its finding in the optimizer's ``found_inf_per_device``. An optimizer that would unscale in
+    its own ``step`` (``fused=True``) is unscaled here, as for gradient clipping, so that the
+    figures are of the true gradients and a dropped update still leaves the scaler consistent.
+    """
+    scaler = getattr(trainer.precision_plugin, "scaler", None)
+    if scaler is None or not scaler.is_enabled():
+        return None
+    if scaler._per_optimizer_states[id(optimizer)]["stage"] is OptState.READY:
+        scaler.unscale_(optimizer)
+    found = list(scaler._per_optimizer_states[id(optimizer)]["found_inf_per_device"].values())
+    return torch.stack([f.to(device) for f in found]).sum() > 0 if found else None
+
+
+@dataclass
+class Step:
+    """One optimizer step's figures, still on device."""
+
+    key: int
+    params: list[Tensor]
+    figures: GradientFigures
+    flags: Tensor
+    overflow: Optional[Tensor]
+    unsure: Tensor
+    """How many gradients have an infinite norm but were not checked for NaN and Inf values."""
+
+
+def measure_step(trainer: pl.Trainer, optimizer: Any, detector: AnomalyDetector, shard_groups: ShardGroupCache,
+                 exact: bool) -> Step:
+    """Measure ``optimizer``'s gradients and flag them with ``detector``, on device.
+
+    Args:
+        trainer: The trainer, for the precision plugin's scaler, the optimizers and the device.
+        optimizer: The optimizer about to step.
+        detector: The thresholds and running medians that give the flags.
+        shard_groups: How the gradients are split across ranks.
+        exact: Tell NaN and Inf gradients apart from finite ones whose norm overflows.
+
+    Returns:
+        The step's figures and flags, on the gradients' device.
+    """
+    params, sizes = _params_with_grads(optimizer)
+    device = params[0].device if params else trainer.strategy.root_device
+    overflow = _amp_overflow(trainer, optimizer, device) if params else None  # may unscale: first
+    grads: list[Tensor] = [p.grad if p.grad is not None else grad_of(p) for p in params]  # type: ignore[misc]
+    figures = gradient_figures(grads, sizes, device=device, exact=exact, shards=shard_groups(params))
+    key = next((i for i, opt in enumerate(trainer.optimizers) if opt is optimizer), 0)
+    flags = detector.flags(figures, key)
+    if overflow is not None:  # the scaler skips this step itself
+        flags = flags & ~overflow
+    unsure = torch.zeros((), device=device) if exact else torch.isinf(figures.norms).sum()
+    return Step(key, params, figures, flags, overflow, unsure)

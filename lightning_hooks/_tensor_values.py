@@ -1,0 +1,48 @@
+"""Which values statistics are taken over: the tensors inside a module's output, as flat floats.
+
+:func:`iter_tensors` finds every tensor in an output (tuples, lists, dicts, dataclasses);
+:func:`as_float_values` turns one into the flat float32 or float64 values the kernels of
+``stats`` read, or skips it (sparse, quantized, meta, empty).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import fields, is_dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+
+def iter_tensors(value: Any, _depth: int = 0) -> Iterator[Tensor]:
+    """Every tensor inside a module's output: tuples, lists, dicts, dataclasses; others skipped."""
+    if isinstance(value, Tensor):
+        yield value
+    elif _depth > 8:
+        return
+    elif isinstance(value, (tuple, list)):
+        for item in value:
+            yield from iter_tensors(item, _depth + 1)
+    elif isinstance(value, dict):
+        for item in value.values():
+            yield from iter_tensors(item, _depth + 1)
+    elif is_dataclass(value) and not isinstance(value, type):
+        for field in fields(value):
+            yield from iter_tensors(getattr(value, field.name, None), _depth + 1)
+
+
+def as_float_values(tensor: Tensor) -> Tensor | None:
+    """The flat floating values that stats are taken over, or None for a tensor we skip.
+
+    float64 tensors keep float64 (a finite 1e300 stays finite); other floating, integer and
+    bool tensors give float32; complex tensors their magnitude. Sparse, quantized, meta and
+    empty tensors are skipped.
+    """
+    if tensor.layout != torch.strided or tensor.is_quantized or tensor.is_meta or tensor.numel() == 0:
+        return None
+    values = tensor.detach()
+    if values.is_complex():
+        values = values.abs()
+    values = values.reshape(-1)
+    return values if values.dtype == torch.float64 else values.float()
