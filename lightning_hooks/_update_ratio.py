@@ -10,7 +10,7 @@ import torch
 from torch import Tensor
 from torch.utils.hooks import RemovableHandle
 
-from lightning_hooks._sharding import ShardGroups, grad_of, local
+from lightning_hooks._sharding import ShardGroupCache, ShardGroups, grad_of, local
 from lightning_hooks.sinks import log_scalars
 
 Rows = list[tuple[str, list[Tensor]]]
@@ -32,6 +32,7 @@ class UpdateRatio:
         self._rows: Rows = []
         self._before: Optional[list[Tensor]] = None
         self._optimizer: Any = None
+        self._shard_groups = ShardGroupCache()  # how the rows' parameters are split across ranks
 
     @property
     def pending(self) -> bool:
@@ -61,6 +62,11 @@ class UpdateRatio:
         """Drop the snapshot and the references to the parameters."""
         self._rows, self._before, self._optimizer = [], None, None
 
+    def forget(self) -> None:
+        """Drop the snapshot and what was learnt of the parameters' layout (at the end of a fit)."""
+        self.discard()
+        self._shard_groups.clear()
+
     def finish(self, optimizer: Any, to_host: bool) -> dict[str, float]:
         """``updates/<row>/ratio`` and ``log10_ratio`` after ``optimizer``'s step; empty for another one.
 
@@ -73,7 +79,7 @@ class UpdateRatio:
             return {}
         rows, before = self._rows, self._before
         self.discard()
-        shards = ShardGroups([p for _, params in rows for p in params])
+        shards = self._shard_groups([p for _, params in rows for p in params])
         if not to_host and not shards.sharded:
             return {}
         squares = _row_squares(rows, before, shards)  # sharded: every rank takes part in the sum

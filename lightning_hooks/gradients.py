@@ -226,7 +226,7 @@ class GradientMonitor(GradientCheck):
         """Remove the hooks and drop the rows' references to parameters."""
         super().detach()
         self._rows, self._block, self._row_shards = [], None, ShardGroups([])
-        self._updates.discard()
+        self._updates.forget()
 
     def on_before_optimizer_step(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any
