@@ -70,11 +70,14 @@ def row_figures(params: list[Tensor], norms: Tensor, rows: Rows, block: Optional
     position = {p: i for i, p in enumerate(params)}
     present = [[p for p in row_params if p in position] for _, row_params in rows]
     if block is not None:
+        uncounted: list[int] = []  # FSDP1 may leave the leading rank no part of a gradient: count it still
         for index, row_params in enumerate(present):
             for param in row_params:
                 calls = int(row_shards.leads[index])  # a sharded gradient counts once
                 if not block.add(index, local(grad_of(param)), calls) and calls:  # type: ignore[arg-type]
-                    block.count(index, calls)  # FSDP1 may leave the leading rank no part of it
+                    uncounted.append(index)
+        if uncounted:
+            block.count(uncounted)
         row_shards.reduce_stat_rows_(block.rows)  # a sharded row: whole-gradient figures
     figures = [_row_norms(norms, position, present, granularity)] + ([block.rows] if block is not None else [])
     return [bool(row_params) for row_params in present], figures

@@ -36,8 +36,11 @@ def note_flat_shards(model: nn.Module, who: Optional[str] = None) -> None:
     """Mark each parameter that FSDP1 splits across ranks with the process group it is split over.
 
     A parameter belongs to the innermost ``FullyShardedDataParallel`` unit that holds it; a
-    unit that does not shard (``NO_SHARD``, or one rank) marks nothing. Call it on the
-    outermost model (FSDP1's root unit wraps the LightningModule); calling it again is harmless.
+    unit that does not shard (``NO_SHARD``, or one rank) marks its parameters with None, and
+    the parameters FSDP leaves alone (``ignored_modules``, ``ignored_states``: whole on every
+    rank) are not marked. Call it on the outermost model (FSDP1's root unit wraps the
+    LightningModule); calling it again is harmless. The mark is an attribute of the parameter
+    (as FSDP marks its own), so it lives and dies with the parameter.
 
     Args:
         model: The model, or the FSDP1 root unit wrapping it.
@@ -53,15 +56,18 @@ def note_flat_shards(model: nn.Module, who: Optional[str] = None) -> None:
     for unit in units:  # parents first: an inner unit's mark replaces its parent's
         group = unit.process_group
         splits = unit.sharding_strategy != ShardingStrategy.NO_SHARD and torch.distributed.get_world_size(group) > 1
+        ignored = {id(p) for p in getattr(unit, "_ignored_params", ())}
         for param in unit.parameters():
-            setattr(param, SHARD_GROUP_ATTRIBUTE, group if splits else None)
-    flat = (name.rpartition(".")[2] == "_flat_param" for unit in units for name, _ in unit.named_parameters())
-    if who is not None and any(flat):
+            if id(param) not in ignored:
+                setattr(param, SHARD_GROUP_ATTRIBUTE, group if splits else None)
+    # The root unit's flat parameter sits on the module it wraps: look at the model's own names.
+    if who is not None and any(name.rpartition(".")[2] == "_flat_param" for name, _ in model.named_parameters()):
         rank_zero_warn(
             f"{who}: this model is wrapped in FSDP1 with `use_orig_params=False`, so its optimizer holds one flat"
-            " parameter per FSDP unit: gradient figures are of each unit's flat parameter (whole, across ranks,"
-            " its padding included), named `..._flat_param`. Keep Lightning's default `use_orig_params=True`"
-            " for per-parameter figures under your own names."
+            " parameter per FSDP unit: gradient figures and transforms are of each unit's flat parameter (whole,"
+            " across ranks, its padding included), named `..._flat_param`, and patterns naming modules inside"
+            " a unit find no parameters there. Keep Lightning's default `use_orig_params=True` for"
+            " per-parameter figures under your own names."
         )
 
 
@@ -90,8 +96,25 @@ def grad_of(param: Tensor) -> Optional[Tensor]:
     """
     grad = param.grad
     if grad is None and param.requires_grad and _flat_group(param) is not None:
-        return param.detach()[:0]
+        return _empty(param)
     return grad
+
+
+def has_grad(param: Tensor) -> bool:
+    """``grad_of(param) is not None``, without making the empty gradient."""
+    return param.grad is not None or (param.requires_grad and _flat_group(param) is not None)
+
+
+_EMPTY: dict[tuple[torch.dtype, torch.device], Tensor] = {}
+
+
+def _empty(param: Tensor) -> Tensor:
+    """An empty tensor of ``param``'s dtype and device, made once (it holds nothing, and is never written)."""
+    key = (param.dtype, param.device)
+    found = _EMPTY.get(key)
+    if found is None:
+        found = _EMPTY[key] = torch.empty(0, dtype=param.dtype, device=param.device)
+    return found
 
 
 def _flat_group(tensor: Tensor) -> Any:

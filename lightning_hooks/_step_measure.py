@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 from torch.amp.grad_scaler import OptState
 
-from lightning_hooks._sharding import ShardGroupCache, grad_of
+from lightning_hooks._sharding import ShardGroupCache, grad_of, has_grad
 from lightning_hooks.anomalies import AnomalyDetector, GradientFigures, gradient_figures
 
 
@@ -25,7 +25,7 @@ def _params_with_grads(optimizer: Any) -> tuple[list[Tensor], list[int]]:
     params, sizes = [], []
     for group in optimizer.param_groups:
         present = [p for p in group["params"] if (p.grad is not None and p.grad.layout == torch.strided)
-                   or (p.grad is None and grad_of(p) is not None)]  # an FSDP1 rank's empty part: an empty gradient
+                   or (p.grad is None and has_grad(p))]  # an FSDP1 rank's empty part: an empty gradient
         params.extend(present)
         sizes.append(len(present))
     return params, sizes

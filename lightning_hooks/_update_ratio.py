@@ -10,7 +10,7 @@ import torch
 from torch import Tensor
 from torch.utils.hooks import RemovableHandle
 
-from lightning_hooks._sharding import ShardGroupCache, ShardGroups, grad_of, local
+from lightning_hooks._sharding import ShardGroupCache, ShardGroups, has_grad, local
 from lightning_hooks.sinks import log_scalars
 
 Rows = list[tuple[str, list[Tensor]]]
@@ -41,7 +41,7 @@ class UpdateRatio:
 
     def take(self, rows: Rows, optimizer: Any) -> None:
         """Clone ``rows``' parameters (those with a gradient) before ``optimizer`` steps."""
-        stepped = [(name, [p for p in params if grad_of(p) is not None]) for name, params in rows]
+        stepped = [(name, [p for p in params if has_grad(p)]) for name, params in rows]
         self._rows = [(name, params) for name, params in stepped if params]
         if not self._rows:
             return
@@ -87,8 +87,10 @@ class UpdateRatio:
             return {}
         ratios = (squares[0] / squares[1]).sqrt().cpu().tolist()  # the one transfer
         metrics: dict[str, float] = {}
+        # A dropped update leaves no gradient at all; FSDP1 leaves none where this rank's part is empty.
+        kept = any(p.grad is not None for _, params in rows for p in params)
         for (name, params), ratio in zip(rows, ratios):
-            if all(grad_of(p) is not None for p in params):  # else the update was dropped
+            if kept and all(p.grad is not None or p.numel() == 0 for p in params):  # else the update was dropped
                 metrics[f"updates/{name}/ratio"] = ratio
                 metrics[f"updates/{name}/log10_ratio"] = math.log10(ratio) if ratio > 0 else -math.inf
         return metrics

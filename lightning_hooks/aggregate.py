@@ -46,6 +46,7 @@ class StatBlock:
         # Filled for the rows' device up front: under torch.compile a first miss costs a recompile.
         self._binning(self.rows.device, torch.float32)
         self.pending = False
+        self._counted: dict[tuple[int, ...], tuple[Tensor, Tensor]] = {}  # for count: indices -> (index, ones)
 
     def _binning(self, device: torch.device, dtype: torch.dtype) -> Binning:
         """The histogram bins for values of ``dtype`` on ``device``."""
@@ -66,9 +67,19 @@ class StatBlock:
         self.pending = True
         return True
 
-    def count(self, index: int, calls: int) -> None:
-        """Add ``calls`` calls to row ``index`` and no values (a rank's empty part of a split gradient)."""
-        self.rows[index, _CALLS] += calls
+    def count(self, indices: list[int]) -> None:
+        """Add a call and no values to each row in ``indices`` (a rank's empty parts of split gradients).
+
+        One kernel; the index goes to the device once for each list (the lists repeat, step by step).
+        """
+        key = tuple(indices)
+        found = self._counted.get(key)
+        if found is None:
+            index = torch.tensor(key, device=self.rows.device)
+            one_call = torch.zeros(len(key), self.rows.shape[1], dtype=self.rows.dtype, device=self.rows.device)
+            one_call[:, _CALLS] = 1
+            found = self._counted[key] = (index, one_call)
+        self.rows.index_add_(0, *found)
 
     def add_all(self, index: int, value: Any) -> None:
         """Add every tensor inside ``value`` (one module call's output) to row ``index``.

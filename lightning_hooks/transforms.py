@@ -24,6 +24,7 @@ from lightning_hooks._sharding import (
     ShardGroupCache,
     ShardGroups,
     grad_of,
+    has_grad,
     local,
     note_flat_shards,
     takes_gradient_directly,
@@ -157,7 +158,7 @@ class GradientTransform(HookCallback):
         """Register the reversal hooks on modules and the scaling hooks on parameters."""
         self._plan = self._resolve(model)
         self._shard_groups.clear()
-        note_flat_shards(model, type(self).__name__ if self._plan.clip_norms else None)
+        note_flat_shards(model, type(self).__name__)
         super().attach(model)
         # Not wrapped in `_guard`: a hook that changes training must fail loudly, never be
         # switched off while the run goes on with other gradients (or other ranks' gradients).
@@ -190,7 +191,7 @@ class GradientTransform(HookCallback):
                 torch._foreach_clamp_min_(grads, -bound)
                 torch._foreach_clamp_max_(grads, bound)
         for _, params, max_norm in plan.clip_norms:
-            with_grad = [p for p in params if p in stepped and grad_of(p) is not None]
+            with_grad = [p for p in params if p in stepped and has_grad(p)]
             if with_grad:
                 _clip_norm_(with_grad, max_norm, self._shard_groups(with_grad))
 

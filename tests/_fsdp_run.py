@@ -11,7 +11,8 @@ the CPU by :class:`CPUFSDPStrategy`.
 and ActivationMonitor, every step logged to TensorBoard under OUT. With 2 devices each rank
 trains on its half of the batch; with 1 device the model runs whole on the global batch, as
 the reference.
-``nan``: 2 devices; rank 1 alone feeds a NaN at step 2; GradientAnomalyStopping skips it.
+``nan``: 2 devices; rank 1 alone feeds a NaN at step 2; GradientAnomalyStopping skips it;
+GradientMonitor logs update ratios.
 ``stop``: the same, and the stop action.
 ``unused``: no NaN, and a ``spare`` Linear the forward never calls; GradientMonitor and
 GradientAnomalyStopping (skip) check every step.
@@ -52,12 +53,16 @@ NAN_STEP = 2
 
 
 class ShardedNet(L.LightningModule):
-    """Linear(8, 16) -> ReLU -> Linear(16, 6) -> Linear(6, 1), each Linear sharded when there is a mesh."""
+    """Linear(8, 16) -> PReLU(16) -> Linear(16, 6) -> Linear(6, 1), each Linear sharded when there is a mesh.
+
+    The PReLU's weight is sharded with the whole model: under FSDP1 it belongs to the root unit,
+    which wraps the LightningModule.
+    """
 
     def __init__(self, nan_rank: int = -1, spare: bool = False) -> None:
         super().__init__()
         torch.manual_seed(0)
-        self.net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 6), nn.Linear(6, 1))
+        self.net = nn.Sequential(nn.Linear(8, 16), nn.PReLU(16), nn.Linear(16, 6), nn.Linear(6, 1))
         self.nan_rank = nan_rank
         if spare:
             self.spare = nn.Linear(3, 1)  # never called: no gradient
@@ -153,7 +158,7 @@ def main(out: str, mode: str, devices: int, kind: str) -> None:
     callbacks: list[L.Callback] = [Record(out)]
     if mode == "figures":
         callbacks += [
-            GradientTransform(scale={"net.0": 0.5}, clip_norm={"net.2": 0.05}),
+            GradientTransform(scale={"net.0": 0.5, "net.1": 2.0}, clip_norm={"net.2": 0.05}),
             GradientMonitor(stats=GRADIENT_STAT_NAMES, max_norm=1e6, update_ratio=True),
             ActivationMonitor(stats=STAT_NAMES),
         ]
@@ -161,6 +166,8 @@ def main(out: str, mode: str, devices: int, kind: str) -> None:
         callbacks.append(CountedStopping(action="stop" if mode == "stop" else "skip"))
     if mode == "unused":
         callbacks.append(GradientMonitor(max_norm=1e6))
+    if mode == "nan":
+        callbacks.append(GradientMonitor(stats=(), update_ratio=True))
     strategy: Any = "auto"
     if sharded:
         strategy = (ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1) if kind == "fsdp2"

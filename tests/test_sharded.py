@@ -45,9 +45,11 @@ def figures(request, tmp_path_factory, whole):
 
 
 #: Some of each rank's local shapes: FSDP2 splits each tensor on dim 0, FSDP1 each Linear's
-#: weight and bias as one flat vector (144 values of Linear(8, 16): 72 a rank, all of the bias on rank 1).
+#: weight and bias as one flat vector (144 values of Linear(8, 16): 72 a rank, all of the bias on
+#: rank 1), and the PReLU's weight in the root unit's.
 LOCAL_SHAPES = {"fsdp2": [{"net.0.weight": [8, 8]}, {"net.0.weight": [8, 8], "net.3.bias": [0]}],
-                "fsdp1": [{"net.0.weight": [72], "net.0.bias": [0]}, {"net.0.weight": [56], "net.0.bias": [16]}]}
+                "fsdp1": [{"net.0.weight": [72], "net.0.bias": [0], "net.1.weight": [8]},
+                          {"net.0.weight": [56], "net.0.bias": [16], "net.1.weight": [8]}]}
 
 
 def test_the_run_really_is_sharded(figures, request):
@@ -91,8 +93,20 @@ def test_scaling_and_clipping_by_the_whole_norm_train_as_in_one_process(figures)
 
 
 @pytest.fixture(scope="module", params=KINDS)
-def skipped(request, tmp_path_factory):
-    return _run(tmp_path_factory.mktemp("nan"), "nan", kind=request.param)
+def skipped_run(request, tmp_path_factory):
+    out = tmp_path_factory.mktemp("nan")
+    return out, _run(out, "nan", kind=request.param)
+
+
+@pytest.fixture(scope="module")
+def skipped(skipped_run):
+    return skipped_run[1]
+
+
+def test_a_skipped_update_has_no_update_ratio(skipped_run):
+    out, _ = skipped_run
+    for tag in ("updates/net.0.weight/ratio", "updates/net.3.bias/ratio"):  # FSDP1 gives rank 0 none of net.3.bias
+        assert [e.step for e in events(str(out)).Scalars(tag)] == [0, 1, 3], tag
 
 
 def test_a_nan_on_one_rank_is_skipped_on_both_and_traced_to_its_module(skipped):
@@ -129,25 +143,49 @@ def test_an_fsdp1_parameter_the_step_did_not_use_has_an_empty_row_on_every_rank(
 FSDP1_MODEL = """
 import os, sys, warnings, torch, torch.distributed as dist
 from torch import nn
-from torch.distributed.fsdp import FullyShardedDataParallel
+from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 sys.path.insert(0, {root!r})
 from lightning_hooks import GradientMonitor
+from lightning_hooks._sharding import SHARD_GROUP_ATTRIBUTE, note_flat_shards
 os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="29541")
 dist.init_process_group("gloo", rank=0, world_size=1)
-for orig in (False, True):
-    unit = FullyShardedDataParallel(nn.Linear(4, 4), device_id=torch.device("cpu"), use_orig_params=orig)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        GradientMonitor().attach(nn.Sequential(unit, nn.Linear(4, 1)))
-    print(f"WARNED{{orig}}:" + " | ".join(str(w.message) for w in caught if "FSDP1" in str(w.message)))
+cpu = torch.device("cpu")
+
+
+def model(where, orig):
+    if where == "nested":  # one unit inside the model
+        return nn.Sequential(FSDP(nn.Linear(4, 4), device_id=cpu, use_orig_params=orig), nn.Linear(4, 1))
+    return FSDP(nn.Sequential(nn.Linear(4, 1)), device_id=cpu, use_orig_params=orig).module  # the root unit's
+
+
+for where in ("nested", "root"):
+    for orig in (False, True):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            GradientMonitor().attach(model(where, orig))
+        found = " | ".join(str(w.message) for w in caught if "FSDP1" in str(w.message))
+        print(f"WARNED {{where}}-{{'orig' if orig else 'flat'}}:" + found)
+kept, ignored = nn.Linear(4, 4), nn.Linear(4, 1)
+note_flat_shards(FSDP(nn.Sequential(kept, ignored), device_id=cpu, use_orig_params=True, ignored_states=[ignored]))
+print("MARKED", [hasattr(p, SHARD_GROUP_ATTRIBUTE) for p in (*kept.parameters(), *ignored.parameters())])
 dist.destroy_process_group()
 """
 
 
-def test_fsdp1_without_use_orig_params_gets_a_warning_that_figures_are_of_flat_parameters():
+def _fsdp1_one_process():
     code = FSDP1_MODEL.format(root=os.path.dirname(HERE))
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    flat, orig = (line.partition(":")[2] for line in proc.stdout.splitlines() if line.startswith("WARNED"))
-    assert "flat parameter" in flat and "use_orig_params=True" in flat
-    assert orig == ""  # Lightning's default: per-parameter figures, nothing to warn of
+    return proc.stdout.splitlines()
+
+
+def test_fsdp1_without_use_orig_params_gets_a_warning_that_figures_are_of_flat_parameters():
+    warned = dict(line[len("WARNED "):].split(":", 1) for line in _fsdp1_one_process() if line.startswith("WARNED"))
+    for case in ("nested-flat", "root-flat"):  # the root unit's flat parameter sits on the model itself
+        assert "flat parameter" in warned[case] and "use_orig_params=True" in warned[case], case
+    assert warned["nested-orig"] == warned["root-orig"] == ""  # Lightning's default: nothing to warn of
+
+
+def test_fsdp1_parameters_it_ignores_are_not_marked_as_split():
+    marked = next(line for line in _fsdp1_one_process() if line.startswith("MARKED"))
+    assert marked == "MARKED [True, True, False, False]"  # whole on every rank: never summed
