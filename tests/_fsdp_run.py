@@ -5,7 +5,9 @@
 ``fsdp2`` (the default): ``fully_shard`` through Lightning's ``ModelParallelStrategy``
 (DTensor gradients). ``fsdp1``: Lightning's ``FSDPStrategy`` (``FullyShardedDataParallel``
 around each Linear and the whole model, ``use_orig_params=True``: flat 1-D shards), let onto
-the CPU by :class:`CPUFSDPStrategy`.
+the CPU by :class:`CPUFSDPStrategy`. ``tp``: tensor parallelism through ``ModelParallelStrategy``
+(``parallelize_module``: the Linears split by columns or rows over 2 ranks, every rank on the
+whole batch; DTensor gradients sharded on dim 0 or 1, or replicated, and the PReLU plain).
 
 ``figures``: GradientTransform (scale, clip_norm) then GradientMonitor (every stat, histograms)
 and ActivationMonitor, every step logged to TensorBoard under OUT. With 2 devices each rank
@@ -34,6 +36,8 @@ from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
 from torch import nn
 from torch.distributed.fsdp import FullyShardedDataParallel, fully_shard
+from torch.distributed.tensor import Replicate
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 from torch.utils.data import DataLoader, Subset
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -70,6 +74,10 @@ class ShardedNet(L.LightningModule):
     def configure_model(self) -> None:
         if self.device_mesh is None:
             return
+        if self.device_mesh["tensor_parallel"].size() > 1:
+            plan = {"0": ColwiseParallel(output_layouts=Replicate()), "2": ColwiseParallel(), "3": RowwiseParallel()}
+            parallelize_module(self.net, self.device_mesh["tensor_parallel"], plan)
+            return
         for layer in self.net:
             if isinstance(layer, nn.Linear):
                 fully_shard(layer, mesh=self.device_mesh["data_parallel"])
@@ -85,9 +93,13 @@ class ShardedNet(L.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.1)
 
     def train_dataloader(self) -> DataLoader:
-        """Rank r of 2 takes every other sample from r on, 8 a batch: step by step, the 16 one process takes."""
+        """Rank r of 2 takes every other sample from r on, 8 a batch: step by step, the 16 one process takes.
+
+        Under tensor parallelism (no data parallelism) every rank takes the 16.
+        """
         data = loader(n=64).dataset
-        if self.trainer.world_size == 1:
+        mesh = self.device_mesh
+        if self.trainer.world_size == 1 or (mesh is not None and mesh["data_parallel"].size() == 1):
             return DataLoader(data, batch_size=16)
         return DataLoader(Subset(data, range(self.global_rank, len(data), 2)), batch_size=8)
 
@@ -170,8 +182,9 @@ def main(out: str, mode: str, devices: int, kind: str) -> None:
         callbacks.append(GradientMonitor(stats=(), update_ratio=True))
     strategy: Any = "auto"
     if sharded:
-        strategy = (ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1) if kind == "fsdp2"
-                    else CPUFSDPStrategy(auto_wrap_policy={nn.Linear}))
+        strategy = {"fsdp2": lambda: ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1),
+                    "tp": lambda: ModelParallelStrategy(data_parallel_size=1, tensor_parallel_size=2),
+                    "fsdp1": lambda: CPUFSDPStrategy(auto_wrap_policy={nn.Linear})}[kind]()
     trainer = L.Trainer(
         accelerator="cpu", devices=devices, strategy=strategy, max_steps=4, log_every_n_steps=1,
         logger=TensorBoardLogger(out, name="", version=""), callbacks=callbacks,

@@ -1,10 +1,10 @@
-"""Sharded training for real, on 2 CPU processes with gloo: FSDP2 and FSDP1.
+"""Sharded training for real, on 2 CPU processes with gloo: FSDP2, FSDP1 and tensor parallelism.
 
 FSDP2 (``fully_shard``, DTensor gradients) goes through Lightning's
 ``ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1)``; FSDP1 (flat shards,
-``use_orig_params=True``) through Lightning's ``FSDPStrategy``, let onto the CPU. The
-reference is the same model, whole, in one process, on the same global batches
-(tests/_fsdp_run.py).
+``use_orig_params=True``) through Lightning's ``FSDPStrategy``, let onto the CPU; tensor
+parallelism (``parallelize_module``) through ``ModelParallelStrategy`` too. The reference is the
+same model, whole, in one process, on the same global batches (tests/_fsdp_run.py).
 """
 
 import json
@@ -38,10 +38,33 @@ def whole(tmp_path_factory):
     return out, _run(out, "figures", devices=1)
 
 
-@pytest.fixture(scope="module", params=KINDS)
-def figures(request, tmp_path_factory, whole):
-    sharded = tmp_path_factory.mktemp(request.param)
-    return (sharded, _run(sharded, "figures", kind=request.param)), whole
+@pytest.fixture(scope="module")
+def sharded_figures(tmp_path_factory):
+    """The ``figures`` run of a kind of sharding, made once for the module."""
+    made = {}
+
+    def run(kind):
+        if kind not in made:
+            out = tmp_path_factory.mktemp(kind)
+            made[kind] = out, _run(out, "figures", kind=kind)
+        return made[kind]
+
+    return run
+
+
+@pytest.fixture(scope="module", params=[*KINDS, "tp"])
+def figures(request, sharded_figures, whole):
+    return sharded_figures(request.param), whole
+
+
+def _compared(tag, figures):
+    """Whether ``tag`` should equal the one-process run's: under tensor parallelism, gradients only.
+
+    Each tensor-parallel rank's activations are its local output, and a replicated output
+    counts once per rank (see test_tensor_parallel_activations_count_a_replicated_output_per_rank).
+    """
+    (sharded, _), _ = figures
+    return not (sharded.name.startswith("tp") and tag.startswith("activations/"))
 
 
 #: Some of each rank's local shapes: FSDP2 splits each tensor on dim 0, FSDP1 each Linear's
@@ -49,7 +72,8 @@ def figures(request, tmp_path_factory, whole):
 #: rank 1), and the PReLU's weight in the root unit's.
 LOCAL_SHAPES = {"fsdp2": [{"net.0.weight": [8, 8]}, {"net.0.weight": [8, 8], "net.3.bias": [0]}],
                 "fsdp1": [{"net.0.weight": [72], "net.0.bias": [0], "net.1.weight": [8]},
-                          {"net.0.weight": [56], "net.0.bias": [16], "net.1.weight": [8]}]}
+                          {"net.0.weight": [56], "net.0.bias": [16], "net.1.weight": [8]}],
+                "tp": [{"net.0.weight": [8, 8], "net.1.weight": [16], "net.3.weight": [1, 3], "net.3.bias": [1]}] * 2}
 
 
 def test_the_run_really_is_sharded(figures, request):
@@ -66,7 +90,7 @@ def test_every_scalar_equals_the_whole_model_in_one_process(figures):
     assert set(a.Tags()["scalars"]) == tags
     assert {"gradients/net.0.weight/norm", "gradients/total_norm", "gradients/net.3.bias/std",
             "updates/net.0.weight/ratio"} <= tags
-    for tag in tags:
+    for tag in filter(lambda tag: _compared(tag, figures), tags):
         if tag.startswith("activations/") and tag.endswith("/calls"):
             continue  # module calls add over ranks (one per rank), as under DDP
         got, want = [e.value for e in a.Scalars(tag)], [e.value for e in b.Scalars(tag)]
@@ -80,7 +104,7 @@ def test_every_histogram_bin_equals_the_whole_model_in_one_process(figures):
     a, b = events(str(sharded)), events(str(whole))
     tags = b.Tags()["histograms"]
     assert "gradients/net.0.weight" in tags and "activations/net.1" in tags
-    for tag in tags:
+    for tag in filter(lambda tag: _compared(tag, figures), tags):
         got = [list(e.histogram_value.bucket) for e in a.Histograms(tag)]
         assert got == [list(e.histogram_value.bucket) for e in b.Histograms(tag)], tag
 
@@ -90,6 +114,16 @@ def test_scaling_and_clipping_by_the_whole_norm_train_as_in_one_process(figures)
     for rank in ranks:
         for name, values in whole["params"].items():
             assert rank["params"][name] == pytest.approx(values, abs=1e-6), name
+
+
+def test_tensor_parallel_activations_count_a_replicated_output_per_rank(sharded_figures, whole):
+    a, b = events(str(sharded_figures("tp")[0])), events(str(whole[0]))
+
+    def counts(run, module):
+        return [e.value for e in run.Scalars(f"activations/{module}/count")]
+
+    assert counts(a, "net.2") == counts(b, "net.2")  # split by columns: each rank's part, once
+    assert counts(a, "net.0") == [2 * c for c in counts(b, "net.0")]  # replicated: once per rank
 
 
 @pytest.fixture(scope="module", params=KINDS)
