@@ -21,7 +21,7 @@ from torch import Tensor
 from lightning_hooks._provenance import NEVER, Located
 from lightning_hooks.sinks import log_text
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # for types only: both import anomalies, which imports this module
     from lightning_hooks._rank_agreement import Check
     from lightning_hooks._step_measure import Step
 

@@ -6,7 +6,7 @@
  * deviations). It is called with raw addresses of contiguous CPU tensors and releases the GIL;
  * a large tensor is split over as many threads as torch uses for its own CPU ops (at most 16).
  *
- * The row layout (column indices below) is that of stats.SUM_FIELDS + stats.MAX_FIELDS, then
+ * The row layout (column indices below) is that of _stat_rows.SUM_FIELDS + MAX_FIELDS, then
  * the histogram counts; tests/test_cstats.py checks both kernels agree on every column.
  *
  * Bins: a table indexed by a value's sign, exponent and top four mantissa bits (cells of 1/16

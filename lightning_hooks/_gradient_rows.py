@@ -19,11 +19,13 @@ from torch import Tensor, nn
 
 from lightning_hooks._rank_agreement import Check
 from lightning_hooks._sharding import ShardGroups, grad_of, local
-from lightning_hooks._update_ratio import Rows
+from lightning_hooks._stat_rows import bin_counts, summarize
 from lightning_hooks.aggregate import StatBlock
 from lightning_hooks.selection import ModuleSelection, named_parameters
 from lightning_hooks.sinks import Histogram, log_histograms
-from lightning_hooks.stats import bin_counts, summarize
+
+Rows = list[tuple[str, list[Tensor]]]
+"""GradientMonitor's rows: each a name and the parameters whose gradients it covers."""
 
 
 def select_rows(pl_module: pl.LightningModule, granularity: str, modules: ModuleSelection,

@@ -9,7 +9,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_hooks._sharding import local
-from lightning_hooks.stats import iter_tensors
+from lightning_hooks._tensor_values import iter_tensors
 
 #: The position :class:`NonFiniteTrace` gives a hook that saw nothing non-finite.
 NEVER = torch.iinfo(torch.int64).max

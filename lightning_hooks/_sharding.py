@@ -21,7 +21,7 @@ import torch
 from lightning.fabric.utilities.rank_zero import rank_zero_warn
 from torch import Tensor, nn
 
-from lightning_hooks.stats import reduce_rows
+from lightning_hooks._stat_rows import reduce_rows
 
 try:
     from torch.distributed.tensor import DTensor

@@ -3,7 +3,8 @@
 :func:`measure_step` finds the parameters the optimizer holds dense gradients for, asks the
 AMP grad scaler whether it skips the step, measures the gradients' norms (per gradient, per
 parameter group and in total) and computes the anomaly flags: a :class:`Step`, with nothing
-read back to the host. Agreeing on it across ranks is :mod:`lightning_hooks._rank_agreement`'s job.
+read back to the host. Asking the scaler may unscale the gradients (a fused optimizer's), so it
+comes before anything else reads them. Agreeing on it across ranks is :mod:`lightning_hooks._rank_agreement`'s job.
 """
 
 from __future__ import annotations
@@ -64,6 +65,9 @@ class Step:
 def measure_step(trainer: pl.Trainer, optimizer: Any, detector: AnomalyDetector, shard_groups: ShardGroupCache,
                  exact: bool) -> Step:
     """Measure ``optimizer``'s gradients and flag them with ``detector``, on device.
+
+    May unscale the gradients first (an optimizer that unscales in its own ``step``), so that
+    the figures are of the true gradients; call it before anything else reads them.
 
     Args:
         trainer: The trainer, for the precision plugin's scaler, the optimizers and the device.

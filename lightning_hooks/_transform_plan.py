@@ -26,7 +26,9 @@ class Plan:
 
     scaled: list[tuple[str, nn.Parameter, float]] = field(default_factory=list)
     scaled_at_step: list[tuple[nn.Parameter, float]] = field(default_factory=list)
-    """Sharded parameters: scaled in ``on_before_optimizer_step``, after accumulation (it is linear)."""
+    """Parameters FSDP hands their gradients (no tensor hook fires): scaled in
+    ``on_before_optimizer_step``, after accumulation (it is linear). Filled by
+    ``GradientTransform.attach``, which sees the model as it trains (sharded or not)."""
     reversed: dict[str, float] = field(default_factory=dict)
     clip_values: dict[float, list[nn.Parameter]] = field(default_factory=dict)
     clip_norms: list[tuple[str, list[nn.Parameter], float]] = field(default_factory=list)
@@ -78,6 +80,11 @@ def resolve_plan(
 
 def validate_table(arg: str, table: Any, positive: bool) -> None:
     """Check one of GradientTransform's arguments: a non-empty mapping of globs to finite numbers.
+
+    Args:
+        arg: The argument's name, for the messages (``"scale"``).
+        table: Its value.
+        positive: Whether the numbers must also be positive.
 
     Raises:
         TypeError: If ``table`` is not a mapping, or a key not a non-empty string.

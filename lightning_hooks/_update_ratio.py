@@ -10,10 +10,9 @@ import torch
 from torch import Tensor
 from torch.utils.hooks import RemovableHandle
 
+from lightning_hooks._gradient_rows import Rows
 from lightning_hooks._sharding import ShardGroupCache, ShardGroups, has_grad, local
 from lightning_hooks.sinks import log_scalars
-
-Rows = list[tuple[str, list[Tensor]]]
 
 
 class UpdateRatio:

@@ -17,18 +17,11 @@ from lightning_hooks._base import (
     _validate_stats,
     in_backward,
 )
+from lightning_hooks._stat_rows import DEFAULT_STATS, DIVERGENCE_STATS, STAT_NAMES, bin_counts, summarize
 from lightning_hooks.aggregate import StatBlock
 from lightning_hooks.selection import ModuleSelection, check_limit, validate_limit
 from lightning_hooks.sinks import Charts, Histogram, log_histograms, log_layout, log_scalars
-from lightning_hooks.stats import (
-    DEFAULT_STATS,
-    DIVERGENCE_STATS,
-    STAT_NAMES,
-    Bins,
-    bin_counts,
-    histogram_edges,
-    summarize,
-)
+from lightning_hooks.stats import Bins, histogram_edges
 
 Stage = Literal["train", "validate"]
 

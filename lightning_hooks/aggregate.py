@@ -8,18 +8,9 @@ import lightning.pytorch as pl
 import torch
 from torch import Tensor
 
-from lightning_hooks.stats import (
-    SUM_FIELDS,
-    Binning,
-    Bins,
-    accumulate_,
-    as_float_values,
-    histogram_edges,
-    iter_tensors,
-    new_rows,
-    reduce_rows,
-    reset_rows_,
-)
+from lightning_hooks._stat_rows import SUM_FIELDS, new_rows, reduce_rows, reset_rows_
+from lightning_hooks._tensor_values import as_float_values, iter_tensors
+from lightning_hooks.stats import Binning, Bins, accumulate_, histogram_edges
 
 _CALLS = SUM_FIELDS.index("calls")
 

@@ -14,10 +14,12 @@ import lightning.pytorch as pl
 from torch import Tensor
 
 from lightning_hooks._base import _is_logged_step, _log_interval, _validate_interval, _validate_stats
-from lightning_hooks._gradient_check import Check, GradientCheck, Step, _check_bool
-from lightning_hooks._gradient_rows import row_figures, row_metrics, select_rows
+from lightning_hooks._gradient_check import GradientCheck, _check_bool
+from lightning_hooks._gradient_rows import Rows, row_figures, row_metrics, select_rows
+from lightning_hooks._rank_agreement import Check
 from lightning_hooks._sharding import ShardGroups
-from lightning_hooks._update_ratio import Rows, UpdateRatio
+from lightning_hooks._step_measure import Step
+from lightning_hooks._update_ratio import UpdateRatio
 from lightning_hooks.aggregate import StatBlock
 from lightning_hooks.anomalies import AnomalyReport
 from lightning_hooks.selection import ModuleSelection, check_limit, validate_limit

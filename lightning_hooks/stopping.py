@@ -7,8 +7,10 @@ from typing import Any, Callable, Literal, Optional
 import lightning.pytorch as pl
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
-from lightning_hooks._gradient_check import Check, GradientCheck, Step, _check_bool
+from lightning_hooks._gradient_check import GradientCheck, _check_bool
+from lightning_hooks._rank_agreement import Check
 from lightning_hooks._rollback import Rollback, check_strategy, validate_rollback
+from lightning_hooks._step_measure import Step
 from lightning_hooks.anomalies import AnomalyReport
 from lightning_hooks.selection import ModuleSelection
 
