@@ -100,11 +100,6 @@ def grad_of(param: Tensor) -> Optional[Tensor]:
     return grad
 
 
-def has_grad(param: Tensor) -> bool:
-    """``grad_of(param) is not None``, without making the empty gradient."""
-    return param.grad is not None or (param.requires_grad and _flat_group(param) is not None)
-
-
 _EMPTY: dict[tuple[torch.dtype, torch.device], Tensor] = {}
 
 

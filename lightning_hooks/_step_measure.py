@@ -17,19 +17,27 @@ import torch
 from torch import Tensor
 from torch.amp.grad_scaler import OptState
 
-from lightning_hooks._sharding import ShardGroupCache, grad_of, has_grad
+from lightning_hooks._sharding import ShardGroupCache, grad_of
 from lightning_hooks.anomalies import AnomalyDetector, GradientFigures, gradient_figures
 
 
-def _params_with_grads(optimizer: Any) -> tuple[list[Tensor], list[int]]:
-    """Return the parameters of ``optimizer`` that have a dense gradient, and how many per group."""
-    params, sizes = [], []
+def _params_with_grads(optimizer: Any) -> tuple[list[Tensor], list[Tensor], list[int]]:
+    """The parameters of ``optimizer`` that have a dense gradient, those gradients, and how many per group.
+
+    The gradients are :func:`~lightning_hooks._sharding.grad_of`'s: an FSDP1 rank's empty part has an empty one.
+    """
+    params: list[Tensor] = []
+    grads: list[Tensor] = []
+    sizes: list[int] = []
     for group in optimizer.param_groups:
-        present = [p for p in group["params"] if (p.grad is not None and p.grad.layout == torch.strided)
-                   or (p.grad is None and has_grad(p))]  # an FSDP1 rank's empty part: an empty gradient
-        params.extend(present)
-        sizes.append(len(present))
-    return params, sizes
+        start = len(params)
+        for param in group["params"]:
+            grad = grad_of(param)
+            if grad is not None and grad.layout == torch.strided:
+                params.append(param)
+                grads.append(grad)
+        sizes.append(len(params) - start)
+    return params, grads, sizes
 
 
 def _amp_overflow(trainer: pl.Trainer, optimizer: Any, device: torch.device) -> Optional[Tensor]:
@@ -79,10 +87,9 @@ def measure_step(trainer: pl.Trainer, optimizer: Any, detector: AnomalyDetector,
     Returns:
         The step's figures and flags, on the gradients' device.
     """
-    params, sizes = _params_with_grads(optimizer)
+    params, grads, sizes = _params_with_grads(optimizer)
     device = params[0].device if params else trainer.strategy.root_device
-    overflow = _amp_overflow(trainer, optimizer, device) if params else None  # may unscale: first
-    grads: list[Tensor] = [p.grad if p.grad is not None else grad_of(p) for p in params]  # type: ignore[misc]
+    overflow = _amp_overflow(trainer, optimizer, device) if params else None  # may unscale (in place): first
     figures = gradient_figures(grads, sizes, device=device, exact=exact, shards=shard_groups(params))
     key = next((i for i, opt in enumerate(trainer.optimizers) if opt is optimizer), 0)
     flags = detector.flags(figures, key)

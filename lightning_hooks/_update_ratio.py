@@ -11,7 +11,7 @@ from torch import Tensor
 from torch.utils.hooks import RemovableHandle
 
 from lightning_hooks._gradient_rows import Rows
-from lightning_hooks._sharding import ShardGroupCache, ShardGroups, has_grad, local
+from lightning_hooks._sharding import ShardGroupCache, ShardGroups, grad_of, local
 from lightning_hooks.sinks import log_scalars
 
 
@@ -40,7 +40,7 @@ class UpdateRatio:
 
     def take(self, rows: Rows, optimizer: Any) -> None:
         """Clone ``rows``' parameters (those with a gradient) before ``optimizer`` steps."""
-        stepped = [(name, [p for p in params if has_grad(p)]) for name, params in rows]
+        stepped = [(name, [p for p in params if grad_of(p) is not None]) for name, params in rows]
         self._rows = [(name, params) for name, params in stepped if params]
         if not self._rows:
             return

@@ -24,7 +24,6 @@ from lightning_hooks._sharding import (
     ShardGroupCache,
     ShardGroups,
     grad_of,
-    has_grad,
     local,
     note_flat_shards,
     takes_gradient_directly,
@@ -191,7 +190,7 @@ class GradientTransform(HookCallback):
                 torch._foreach_clamp_min_(grads, -bound)
                 torch._foreach_clamp_max_(grads, bound)
         for _, params, max_norm in plan.clip_norms:
-            with_grad = [p for p in params if p in stepped and has_grad(p)]
+            with_grad = [p for p in params if p in stepped and grad_of(p) is not None]
             if with_grad:
                 _clip_norm_(with_grad, max_norm, self._shard_groups(with_grad))
 
