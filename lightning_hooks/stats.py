@@ -242,16 +242,17 @@ def accumulate_(row: Tensor, values: Tensor, binning: Binning, calls: int = 1) -
 def _accumulate_tensors_(row: Tensor, values: Tensor, binning: Binning, calls: int) -> None:
     """:func:`accumulate_` in tensor ops, for any device and under ``torch.compile``.
 
-    Non-finite values are first replaced by a finite one of the tensor (the pivot), so that no
-    later pass needs a mask; the pivot's share is taken out of the sums and the histogram again
-    at the end.
+    Non-finite values are first replaced by a finite one of the tensor (the pivot: its largest
+    finite value), so that no later pass needs a mask; the pivot's share is taken out of the sums
+    and the histogram again at the end. The pivot is a reduction, never a read at a
+    data-dependent index: inductor's CPU code for ``argmax`` over a bool mask viewed as uint8
+    gave indices out of bounds, and ``fit`` crashed under ``torch.compile``.
     """
     n = values.numel()
     finite = (values - values) == 0  # isfinite, cheaper on CPU: inf - inf and NaN give NaN
     n_finite = torch.count_nonzero(finite)
     n_bad = n - n_finite
-    first = finite.view(torch.uint8).argmax().view(1)
-    pivot = torch.where(n_finite > 0, values.gather(0, first), 0.0)
+    pivot = torch.where(n_finite > 0, torch.where(finite, values, -math.inf).amax(), 0.0).to(values.dtype)
     x = torch.where(finite, values, pivot)
     low, high = torch.aminmax(x)
     # Values scaled by a power of two (exact) so that squares up to float32 max cannot
@@ -294,5 +295,5 @@ def _accumulate_tensors_(row: Tensor, values: Tensor, binning: Binning, calls: i
         counts.index_put_((index.long(),), torch.ones((), dtype=torch.float64, device=x.device).expand(n), True)
     else:
         counts = torch.bincount(index, minlength=binning.n_bins).double()
-    counts.index_put_((index.gather(0, first.to(index.dtype)).long(),), -n_bad.double().view(1), accumulate=True)
+    counts.index_put_((binning.index(pivot.view(1)).long(),), -n_bad.double().view(1), accumulate=True)
     row[N_FIELDS:] += counts.to(row.device)

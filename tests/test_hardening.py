@@ -523,16 +523,7 @@ def _compiled_run(tmp_path, backend):
     return monitor, net, compiled, series(tmp_path), graphs, breaks
 
 
-@pytest.mark.parametrize(
-    "backend",
-    [
-        "aot_eager",
-        pytest.param("inductor", marks=pytest.mark.skipif(
-            not os.environ.get("LIGHTNING_HOOKS_INDUCTOR"),
-            reason="about 40 s of C++ compiling on 2 cores; set LIGHTNING_HOOKS_INDUCTOR=1",
-        )),
-    ],
-)
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])  # inductor: tests/test_compile.py has more
 def test_torch_compile_gives_the_eager_figures(tmp_path, backend):
     monitor, net, compiled, got, graphs, breaks = _compiled_run(tmp_path / "compiled", backend)
     eager_monitor = ActivationMonitor(stats=STAT_NAMES, log_every_n_steps=2)
