@@ -20,9 +20,10 @@ from lightning_hooks._anomaly_report import report_step
 from lightning_hooks._base import HookCallback
 from lightning_hooks._compat import BarCount
 from lightning_hooks._provenance import NonFiniteTrace
-from lightning_hooks._rank_agreement import Check, conclude
-from lightning_hooks._sharding import ShardGroupCache, note_flat_shards
-from lightning_hooks._step_measure import Step, measure_step
+from lightning_hooks._rank_agreement import Check
+from lightning_hooks._sharding import note_flat_shards
+from lightning_hooks._shared_measurement import SharedMeasurement
+from lightning_hooks._step_measure import Step
 from lightning_hooks.anomalies import AnomalyDetector, AnomalyReport
 from lightning_hooks.selection import ModuleSelection, named_parameters
 
@@ -64,7 +65,7 @@ class GradientCheck(HookCallback):
         self._shown: Optional[int] = None  # the value the progress bar shows
         self._bar = BarCount()  # carries it as an int
         self._state_key: Optional[str] = None
-        self._shard_groups = ShardGroupCache()  # how the optimizer's gradients are split across ranks
+        self._shared: Optional[SharedMeasurement] = None  # the Trainer's one measurement per step
 
     def _uses_modules(self) -> bool:
         return self.provenance
@@ -88,6 +89,12 @@ class GradientCheck(HookCallback):
         """Resolve the module selection when it is used."""
         if self._uses_modules():
             super().setup(trainer, pl_module, stage)
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Register the hooks; read the Trainer's shared measurement of each step from now on."""
+        super().on_fit_start(trainer, pl_module)
+        self._shared = SharedMeasurement.of(trainer)
+        self._shared.join(self)
 
     def attach(self, model: nn.Module) -> None:
         """Learn the parameter names; register the provenance hooks when asked for."""
@@ -151,37 +158,35 @@ class GradientCheck(HookCallback):
         super().detach()
         self._new_step()
         self._collecting, self._param_names, self._traced, self._shown = False, {}, [], None
-        self._shard_groups.clear()
+        if self._shared is not None:
+            self._shared.leave(self)
+            self._shared = None
 
     def on_before_optimizer_step(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any
     ) -> None:
         """Check the step's gradients: after accumulation, after AMP unscaling.
 
-        The L2 norms alone tell whether gradients are finite unless a norm is infinite, which a
-        finite gradient whose float32 norm overflows also gives; only then (agreed across
-        ranks) are the gradients measured again exactly, in a second collective and transfer.
+        The step is measured once for every gradient callback of the Trainer (see
+        :class:`~lightning_hooks._shared_measurement.SharedMeasurement`); this one acts on its part.
         """
-        step = self._measure(trainer, optimizer, exact=False)
-        extra = self._extra(trainer, step)
-        check = conclude(trainer, self._detector, step, extra)
-        if check.unsure:
-            step = self._measure(trainer, optimizer, exact=True)
-            check = conclude(trainer, self._detector, step, extra)
+        shared = self._shared if self._shared is not None else SharedMeasurement.of(trainer)
+        step, check = shared.read(trainer, optimizer, self)
         self._handle(trainer, pl_module, optimizer, step, check)
         self._trace.clear()
         self._stepped = True
 
-    def _extra(self, trainer: pl.Trainer, step: Step) -> list[Tensor]:
-        """More device figures to bring to the host in the step's one transfer."""
-        return []
+    def _reads_step(self, trainer: pl.Trainer) -> bool:
+        """Whether this callback reads the current optimizer step: the check runs at every step."""
+        return True
+
+    def _extra(self, trainer: pl.Trainer, step: Step) -> dict[str, Tensor]:
+        """More device figures to bring to the host in the step's one transfer, by name."""
+        return {}
 
     def _handle(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any, step: Step,
                 check: Check) -> None:
         raise NotImplementedError
-
-    def _measure(self, trainer: pl.Trainer, optimizer: Any, exact: bool) -> Step:
-        return measure_step(trainer, optimizer, self._detector, self._shard_groups, exact)
 
     def _report(self, trainer: pl.Trainer, pl_module: pl.LightningModule, step: Step,
                 check: Check) -> AnomalyReport:

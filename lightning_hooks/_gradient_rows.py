@@ -55,7 +55,7 @@ def select_rows(pl_module: pl.LightningModule, granularity: str, modules: Module
 
 
 def row_figures(params: list[Tensor], norms: Tensor, rows: Rows, block: Optional[StatBlock],
-                row_shards: ShardGroups, granularity: str) -> tuple[list[bool], list[Tensor]]:
+                row_shards: ShardGroups, granularity: str) -> tuple[list[bool], dict[str, Tensor]]:
     """Which rows have gradients this step, and the rows' norms and stat rows, on device.
 
     Args:
@@ -81,7 +81,9 @@ def row_figures(params: list[Tensor], norms: Tensor, rows: Rows, block: Optional
         if uncounted:
             block.count(uncounted)
         row_shards.reduce_stat_rows_(block.rows)  # a sharded row: whole-gradient figures
-    figures = [_row_norms(norms, position, present, granularity)] + ([block.rows] if block is not None else [])
+    figures = {"row_norms": _row_norms(norms, position, present, granularity)}
+    if block is not None:
+        figures["row_stats"] = block.rows
     return [bool(row_params) for row_params in present], figures
 
 
@@ -115,12 +117,11 @@ def row_metrics(trainer: pl.Trainer, check: Check, rows: Rows, present: list[boo
     Returns:
         The scalars, by tag.
     """
-    n_rows = len(rows)
-    row_norms, flat = check.extra[:n_rows], check.extra[n_rows:]
+    row_norms, flat = check.extra["row_norms"], check.extra.get("row_stats", [])
     metrics = {"gradients/total_norm": check.norms[-1]}
     if len(check.norms) > 2:
         metrics.update({f"gradients/total_norm/group{g}": n for g, n in enumerate(check.norms[:-1])})
-    width = len(flat) // max(n_rows, 1)
+    width = block.rows.shape[1] if block is not None else 0
     edges = block.edges.tolist() if block is not None else []
     written: list[Histogram] = []
     for index, (name, _) in enumerate(rows):

@@ -1,13 +1,15 @@
 """How the ranks agree on a checked step, and the step's one host transfer.
 
-:func:`conclude` sums every rank's flags and votes (the scaler skipped the step, a rank had no
-gradient, a norm was infinite) in one collective on device, then brings them to the host in
-one transfer together with the norms and whatever figures the callback adds: a
-:class:`Check`, the same on every rank, so that no rank decides alone and no rank waits alone.
+:func:`conclude` sums every rank's flags (those of each callback reading the step) and votes
+(the scaler skipped the step, a rank had no gradient, a norm was infinite) in one collective on
+device, then brings them to the host in one transfer (:func:`to_host`, named parts) together
+with the norms and whatever figures each callback adds: a :class:`Check` per callback, the same
+on every rank, so that no rank decides alone and no rank waits alone.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Optional
 
@@ -29,57 +31,94 @@ def _agree(trainer: pl.Trainer, votes: Tensor) -> Tensor:
     return trainer.strategy.reduce(votes, reduce_op="sum")
 
 
+def to_host(parts: Mapping[str, Tensor], device: torch.device) -> dict[str, list[float]]:
+    """Bring named device tensors to the host in one transfer, as float64; each comes back flat, by name.
+
+    The one place where the step's transfer is packed and unpacked, so that no reader counts
+    positions in a flat list.
+    """
+    names = list(parts)
+    flat = [parts[name].reshape(-1).to(device, torch.float64) for name in names]
+    host = torch.cat(flat).cpu().tolist() if flat else []
+    out, start = {}, 0
+    for name, part in zip(names, flat):
+        out[name] = host[start : start + part.numel()]
+        start += part.numel()
+    return out
+
+
 @dataclass
 class Check:
-    """One optimizer step's figures, on the host; flags and the rest agreed across ranks."""
+    """One optimizer step's figures, on the host, for one callback; flags and the rest agreed across ranks."""
 
     flags: dict[str, bool]
     amp_overflow: Optional[bool]
     norms: list[float]
     anomalous: bool
-    extra: list[float]
+    extra: dict[str, list[float]]
+    """The callback's own figures of the step, by the names it gave them."""
     skipped: bool
     """The scaler skipped the step, or a rank had no gradient: it says nothing about the gradients."""
     unsure: bool
     """A rank had an infinite norm that a finite gradient may have: measure exactly, agree again."""
 
 
-def conclude(trainer: pl.Trainer, detector: AnomalyDetector, step: Step, extra: list[Tensor]) -> Check:
-    """Agree on the flags across ranks on device, then read everything in one transfer.
+def conclude(trainer: pl.Trainer, detectors: Sequence[AnomalyDetector], steps: Sequence[Step],
+             extras: Sequence[Mapping[str, Tensor]]) -> list[Check]:
+    """Agree on every callback's flags across ranks on device, then read everything in one transfer.
 
     Every rank reaches the one collective at every optimizer step, a rank without
     gradients too, so a decision one rank alone made is everyone's and no rank waits alone.
-    A clean, settled step's norms join ``detector``'s running median.
+    However many callbacks read the step, there is one collective and one host transfer. A
+    clean, settled step's norms join each detector's running median.
 
     Args:
         trainer: The trainer, for the world size and the strategy.
-        detector: The thresholds that gave ``step``'s flags, and the running medians.
-        step: The step's figures, as :func:`~lightning_hooks._step_measure.measure_step` gives them.
-        extra: More device figures to bring to the host in the same transfer.
+        detectors: Per callback, the thresholds that gave its step's flags, and the running medians.
+        steps: Per callback, the step as :func:`~lightning_hooks._step_measure.measure_step` gives
+            it (the same figures, each with its own flags).
+        extras: Per callback, more device figures to bring to the host in the same transfer, by name.
 
     Returns:
-        The step's figures on the host, agreed across ranks.
+        Per callback, the step's figures on the host, agreed across ranks.
     """
-    norms = step.figures.group_norms
-    overflow = step.overflow if step.overflow is not None else torch.zeros((), device=norms.device)
-    empty = torch.full((), float(not step.params), device=norms.device)
-    votes = torch.cat([t.reshape(-1).double() for t in (step.flags, overflow, empty, step.unsure)])
-    parts = [_agree(trainer, votes), norms, *extra]
-    host = torch.cat([p.reshape(-1).to(norms.device, torch.float64) for p in parts]).cpu().tolist()
-    n_flags, n_cols = step.flags.numel(), norms.numel()
-    # All gradients first, as "<flag>"; then per group, as "<flag>/group<i>", if several.
+    shared = steps[0]
+    norms = shared.figures.group_norms
+    device = norms.device
+    overflow = shared.overflow if shared.overflow is not None else torch.zeros((), device=device)
+    votes = {f"flags{i}": step.flags for i, step in enumerate(steps)}
+    votes.update(overflow=overflow, empty=torch.full((), float(not shared.params), device=device),
+                 unsure=shared.unsure)
+    agreed = _agree(trainer, torch.cat([v.reshape(-1).double() for v in votes.values()]))
+    parts = {"votes": agreed, "norms": norms}
+    parts.update({f"{i}/{name}": t for i, extra in enumerate(extras) for name, t in extra.items()})
+    host = to_host(parts, device)
+    offsets, start = {}, 0
+    for name, vote in votes.items():
+        offsets[name], start = start, start + vote.numel()
+    voted = host["votes"]
+    overflowed = voted[offsets["overflow"]] > 0
+    skipped = overflowed or voted[offsets["empty"]] > 0
+    checks = []
+    for i, (detector, step) in enumerate(zip(detectors, steps)):
+        flags = _flags(detector, voted[offsets[f"flags{i}"] : offsets[f"flags{i}"] + step.flags.numel()],
+                       len(host["norms"]))
+        # Settled without an exact measure when no flag could hinge on it, or the scaler skips the step.
+        unsure = voted[offsets["unsure"]] > 0 and bool(detector.enabled_flags) and not overflowed
+        anomalous = any(flags.values())
+        if not anomalous and not skipped and not unsure:
+            detector.remember(norms, step.key)
+        amp = overflowed if step.overflow is not None else None
+        extra = {name: host[f"{i}/{name}"] for name in extras[i]}
+        checks.append(Check(flags, amp, host["norms"], anomalous, extra, skipped, unsure))
+    return checks
+
+
+def _flags(detector: AnomalyDetector, votes: list[float], n_cols: int) -> dict[str, bool]:
+    """The agreed flags by name: all gradients first, as "<flag>"; then per group, as "<flag>/group<i>", if several."""
     columns = [(n_cols - 1, "")] + ([(g, f"/group{g}") for g in range(n_cols - 1)] if n_cols > 2 else [])
-    flags = {
-        name + suffix: host[row * n_cols + col] > 0
+    return {
+        name + suffix: votes[row * n_cols + col] > 0
         for row, name in enumerate(FLAG_NAMES) if name in detector.enabled_flags
         for col, suffix in columns
     }
-    overflowed, skipped = host[n_flags] > 0, host[n_flags] > 0 or host[n_flags + 1] > 0
-    # Settled without an exact measure when no flag could hinge on it, or the scaler skips the step.
-    unsure = host[n_flags + 2] > 0 and bool(detector.enabled_flags) and not overflowed
-    anomalous = any(flags.values())
-    if not anomalous and not skipped and not unsure:
-        detector.remember(norms, step.key)
-    amp = overflowed if step.overflow is not None else None
-    start = n_flags + 3
-    return Check(flags, amp, host[start : start + n_cols], anomalous, host[start + n_cols :], skipped, unsure)

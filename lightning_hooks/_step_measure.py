@@ -2,13 +2,15 @@
 
 :func:`measure_step` finds the parameters the optimizer holds dense gradients for, asks the
 AMP grad scaler whether it skips the step, measures the gradients' norms (per gradient, per
-parameter group and in total) and computes the anomaly flags: a :class:`Step`, with nothing
-read back to the host. Asking the scaler may unscale the gradients (a fused optimizer's), so it
-comes before anything else reads them. Agreeing on it across ranks is :mod:`lightning_hooks._rank_agreement`'s job.
+parameter group and in total) once, and computes each reading callback's anomaly flags: a
+:class:`Step` per callback, with nothing read back to the host. Asking the scaler may unscale
+the gradients (a fused optimizer's), so it comes before anything else reads them. Agreeing on
+it across ranks is :mod:`lightning_hooks._rank_agreement`'s job.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -70,9 +72,9 @@ class Step:
     """How many gradients have an infinite norm but were not checked for NaN and Inf values."""
 
 
-def measure_step(trainer: pl.Trainer, optimizer: Any, detector: AnomalyDetector, shard_groups: ShardGroupCache,
-                 exact: bool) -> Step:
-    """Measure ``optimizer``'s gradients and flag them with ``detector``, on device.
+def measure_step(trainer: pl.Trainer, optimizer: Any, detectors: Sequence[AnomalyDetector],
+                 shard_groups: ShardGroupCache, exact: bool) -> list[Step]:
+    """Measure ``optimizer``'s gradients once and flag them with each of ``detectors``, on device.
 
     May unscale the gradients first (an optimizer that unscales in its own ``step``), so that
     the figures are of the true gradients; call it before anything else reads them.
@@ -80,20 +82,25 @@ def measure_step(trainer: pl.Trainer, optimizer: Any, detector: AnomalyDetector,
     Args:
         trainer: The trainer, for the precision plugin's scaler, the optimizers and the device.
         optimizer: The optimizer about to step.
-        detector: The thresholds and running medians that give the flags.
+        detectors: The thresholds and running medians that give the flags, one per callback
+            that reads the step.
         shard_groups: How the gradients are split across ranks.
         exact: Tell NaN and Inf gradients apart from finite ones whose norm overflows.
 
     Returns:
-        The step's figures and flags, on the gradients' device.
+        Per detector, the step's figures (the same tensors for every detector) and its flags, on
+        the gradients' device.
     """
     params, grads, sizes = _params_with_grads(optimizer)
     device = params[0].device if params else trainer.strategy.root_device
     overflow = _amp_overflow(trainer, optimizer, device) if params else None  # may unscale (in place): first
     figures = gradient_figures(grads, sizes, device=device, exact=exact, shards=shard_groups(params))
     key = next((i for i, opt in enumerate(trainer.optimizers) if opt is optimizer), 0)
-    flags = detector.flags(figures, key)
-    if overflow is not None:  # the scaler skips this step itself
-        flags = flags & ~overflow
     unsure = torch.zeros((), device=device) if exact else torch.isinf(figures.norms).sum()
-    return Step(key, params, figures, flags, overflow, unsure)
+    steps = []
+    for detector in detectors:
+        flags = detector.flags(figures, key)
+        if overflow is not None:  # the scaler skips this step itself
+            flags = flags & ~overflow
+        steps.append(Step(key, params, figures, flags, overflow, unsure))
+    return steps

@@ -234,17 +234,21 @@ class GradientMonitor(GradientCheck):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any
     ) -> None:
         """Check the step's gradients; with nothing to flag or trace, on logged steps only."""
-        if self._detector.enabled_flags or self.provenance or _is_logged_step(trainer.global_step, self._every):
+        if self._reads_step(trainer):
             super().on_before_optimizer_step(trainer, pl_module, optimizer)
         else:
             self._stepped = True
 
-    def _extra(self, trainer: pl.Trainer, step: Step) -> list[Tensor]:
+    def _reads_step(self, trainer: pl.Trainer) -> bool:
+        return bool(self._detector.enabled_flags) or self.provenance or _is_logged_step(trainer.global_step,
+                                                                                         self._every)
+
+    def _extra(self, trainer: pl.Trainer, step: Step) -> dict[str, Tensor]:
         """Row norms, and the rows' stats and histograms, on logged steps."""
         self._logged = _is_logged_step(trainer.global_step, self._every) and bool(step.params)
         if not self._logged or not self._rows:
             self._present = []
-            return []
+            return {}
         self._present, figures = row_figures(step.params, step.figures.norms, self._rows, self._block,
                                              self._row_shards, self.granularity)
         return figures

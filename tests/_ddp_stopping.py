@@ -3,7 +3,8 @@
 ``nan``: a NaN injected on rank 1 only, ``action="stop"`` with provenance.
 ``split``: rank 1 alone flags step 3 (a test-only subclass; its gradients are the same as rank
 0's), ``action="skip"``, and alone is unsure at step 2 whether its gradients are finite (as
-when a norm overflows); what each check asks of the host and of the other rank is counted.
+when a norm overflows); what each check asks of the host and of the other rank is counted, for
+the stopper and for a GradientMonitor beside it, which reads the same measurement.
 """
 
 from __future__ import annotations
@@ -14,13 +15,16 @@ import sys
 from collections import Counter
 from contextlib import ExitStack
 from typing import Any
+from unittest import mock
 
 import lightning as L
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from lightning_hooks._gradient_check import Step  # noqa: E402
+from lightning_hooks import _shared_measurement  # noqa: E402
+from lightning_hooks._step_measure import Step, measure_step  # noqa: E402
+from lightning_hooks.gradients import GradientMonitor  # noqa: E402
 from lightning_hooks.stopping import GradientAnomalyStopping  # noqa: E402
 from tests.grad_helpers import GradNet  # noqa: E402
 from tests.helpers import counted, loader  # noqa: E402
@@ -35,18 +39,36 @@ class RankOneFlagsStep3(GradientAnomalyStopping):
         super().__init__(action="skip", prog_bar=False)
         self.calls: dict[int, Counter] = {}
 
-    def _measure(self, trainer: L.Trainer, optimizer: Any, exact: bool) -> Step:
-        step = super()._measure(trainer, optimizer, exact)
-        if trainer.global_rank == 1 and trainer.global_step == 3:
-            step.flags = torch.ones_like(step.flags)
-        if trainer.global_rank == 1 and trainer.global_step == 2 and not exact:
-            step.unsure = torch.ones_like(step.unsure)
-        return step
+    @staticmethod
+    def _measure_step(trainer: L.Trainer, optimizer: Any, detectors: Any, shard_groups: Any, exact: bool) -> list[Step]:
+        steps = measure_step(trainer, optimizer, detectors, shard_groups, exact)
+        for step in steps:
+            if trainer.global_rank == 1 and trainer.global_step == 3:
+                step.flags = torch.ones_like(step.flags)
+            if trainer.global_rank == 1 and trainer.global_step == 2 and not exact:
+                step.unsure = torch.ones_like(step.unsure)
+        return steps
 
     def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: Any, optimizer: Any) -> None:
         calls = self.calls.setdefault(trainer.global_step, Counter())
         with ExitStack() as stack:
             for obj, name in (*COUNTED, (trainer.strategy, "reduce_boolean_decision")):
+                stack.enter_context(counted(obj, name, calls))
+            stack.enter_context(mock.patch.object(_shared_measurement, "measure_step", self._measure_step))
+            super().on_before_optimizer_step(trainer, pl_module, optimizer)
+
+
+class CountedMonitor(GradientMonitor):
+    """A GradientMonitor beside the stopper, counting what its own step hook asks of the host and the other rank."""
+
+    def __init__(self) -> None:
+        super().__init__(log_every_n_steps=2, prog_bar=False)
+        self.calls: dict[int, Counter] = {}
+
+    def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: Any, optimizer: Any) -> None:
+        calls = self.calls.setdefault(trainer.global_step, Counter())
+        with ExitStack() as stack:
+            for obj, name in COUNTED:
                 stack.enter_context(counted(obj, name, calls))
             super().on_before_optimizer_step(trainer, pl_module, optimizer)
 
@@ -84,8 +106,8 @@ def main(out_dir: str) -> None:
         "nonfinite_rank": report.nonfinite_rank if report else None,
         "first_bad_param": report.nonfinite_params[0] if report else None,
     }
-    split, snapshots, model = RankOneFlagsStep3(), Snapshots(), GradNet()
-    trainer = fit([snapshots, split], model)
+    split, snapshots, model, monitor = RankOneFlagsStep3(), Snapshots(), GradNet(), CountedMonitor()
+    trainer = fit([snapshots, split, monitor], model)
     result = {
         "nan": nan,
         "split": {
@@ -96,6 +118,7 @@ def main(out_dir: str) -> None:
             "step4_applied": snapshots.params[4] != snapshots.params[5],
             "params": flat_params(model),
             "calls": {step: dict(calls) for step, calls in split.calls.items()},
+            "monitor_calls": {step: dict(calls) for step, calls in monitor.calls.items()},
         },
     }
     with open(os.path.join(out_dir, f"rank{trainer.global_rank}.json"), "w") as f:

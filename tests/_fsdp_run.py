@@ -118,12 +118,10 @@ class CPUFSDPStrategy(FSDPStrategy):
         return super()._setup_model(model)
 
 
-class CountedStopping(GradientAnomalyStopping):
-    """GradientAnomalyStopping that counts the collectives and host transfers of each step's check."""
+class Counting:
+    """Counts the collectives and host transfers of each step's check, made in this callback's hook."""
 
-    def __init__(self, action: str) -> None:
-        super().__init__(action=action, provenance=True, prog_bar=False)
-        self.calls: dict[int, Counter] = {}
+    calls: dict[int, Counter]
 
     def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: Any, optimizer: Any) -> None:
         calls = self.calls.setdefault(trainer.global_step, Counter())
@@ -131,7 +129,19 @@ class CountedStopping(GradientAnomalyStopping):
             for obj, name in ((torch.distributed, "all_reduce"), (torch.distributed, "all_gather"),
                               (torch.Tensor, "cpu")):
                 stack.enter_context(counted(obj, name, calls))
-            super().on_before_optimizer_step(trainer, pl_module, optimizer)
+            super().on_before_optimizer_step(trainer, pl_module, optimizer)  # type: ignore[misc]
+
+
+class CountedStopping(Counting, GradientAnomalyStopping):
+    def __init__(self, action: str) -> None:
+        super().__init__(action=action, provenance=True, prog_bar=False)
+        self.calls = {}
+
+
+class CountedMonitor(Counting, GradientMonitor):
+    def __init__(self) -> None:
+        super().__init__(stats=(), update_ratio=True)
+        self.calls = {}
 
 
 class Record(L.Callback):
@@ -152,9 +162,11 @@ class Record(L.Callback):
                 for name, p in pl_module.named_parameters()
             }
         stopping = [c for c in trainer.callbacks if isinstance(c, CountedStopping)]
+        monitor = [c for c in trainer.callbacks if isinstance(c, CountedMonitor)]
         record = {"steps": self.steps, "params": params, "global_step": trainer.global_step,
                   "local_shapes": {_name(n): list(local(p).shape) for n, p in pl_module.named_parameters()},
                   "calls": {step: dict(c) for step, c in stopping[0].calls.items()} if stopping else {},
+                  "monitor_calls": {step: dict(c) for step, c in monitor[0].calls.items()} if monitor else {},
                   "report": str(stopping[0].last_report) if stopping else None}
         with open(os.path.join(self.out, f"rank{trainer.global_rank}.json"), "w") as f:
             json.dump(record, f)
@@ -179,7 +191,7 @@ def main(out: str, mode: str, devices: int, kind: str) -> None:
     if mode == "unused":
         callbacks.append(GradientMonitor(max_norm=1e6))
     if mode == "nan":
-        callbacks.append(GradientMonitor(stats=(), update_ratio=True))
+        callbacks.append(CountedMonitor())
     strategy: Any = "auto"
     if sharded:
         strategy = {"fsdp2": lambda: ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1),

@@ -377,3 +377,7 @@ def test_ddp_each_check_is_one_all_reduce_and_one_host_transfer(ddp_ranks):
         for step in ("0", "1", "4", "5"):  # clean steps; step 3 builds a report as well
             assert calls[step] == {"all_reduce": 1, "cpu": 1}, (step, calls[step])
         assert calls["2"] == {"all_reduce": 2, "cpu": 2}  # rank 1 was unsure: both measured again
+        # A GradientMonitor beside the stopper reads the same measurement: nothing more per step.
+        monitor = rank["split"]["monitor_calls"]
+        assert sorted(monitor) == sorted(calls)
+        assert all(monitor[step] == {} for step in ("0", "1", "2", "4", "5")), monitor

@@ -1,0 +1,93 @@
+"""One gradient measurement per optimizer step, however many gradient callbacks read it.
+
+The Quick start attaches ActivationMonitor, GradientMonitor and GradientAnomalyStopping: the
+step's gradients are measured once for both gradient callbacks, with one host transfer, and each
+still gets its own flags (its own thresholds) and acts on them as it would alone.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from lightning.pytorch.loggers import CSVLogger
+
+from lightning_hooks import ActivationMonitor, GradientAnomalyStopping, GradientMonitor, _shared_measurement
+from lightning_hooks._shared_measurement import SharedMeasurement
+from tests.grad_helpers import GradNet
+from tests.helpers import csv_metrics, loader, trainer
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+
+from harness import Config, Workload  # noqa: E402
+from transfers import count_transfers  # noqa: E402
+
+
+def quick_start(every: int) -> list[Any]:
+    return [ActivationMonitor(log_every_n_steps=every), GradientMonitor(log_every_n_steps=every),
+            GradientAnomalyStopping(action="skip")]
+
+
+@pytest.mark.parametrize("names", [("GradientMonitor",), ("GradientMonitor", "GradientAnomalyStopping")])
+def test_the_step_is_read_once_with_one_host_transfer(tmp_path: Path, names: tuple[str, ...]) -> None:
+    """Non-logged steps: one transfer in all, whichever callback it is charged to."""
+    def callbacks(tmp: str) -> list[Any]:
+        return [c for c in quick_start(4) if type(c).__name__ in (*names, "ActivationMonitor")]
+
+    workload = Workload(lambda: GradNet(), lambda n: list(loader(n=8 * n, batch_size=8)))
+    config = Config("quick", "quick start", callbacks, logged=lambda step: step % 4 == 0)
+    counts = count_transfers(workload, config, 8, str(tmp_path), "v", owners={"lightning_hooks": None})
+    per_step = {when: sum(c[when] or 0 for c in counts["per_callback"].values()) for when in ("non_logged", "logged")}
+    assert per_step["non_logged"] == 1
+    # A logged step adds ActivationMonitor's one transfer, and GradientMonitor's rows join the check's.
+    assert per_step["logged"] == 2
+
+
+def _run(tmp_path: Path, callbacks: list[Any]) -> tuple[Any, dict[int, dict[str, str]]]:
+    torch.manual_seed(0)
+    fit = trainer(tmp_path, callbacks, logger=CSVLogger(tmp_path, name="", version=""), max_steps=6)
+    fit.fit(GradNet(spike_steps=(3,), nan_steps=(5,)), loader())
+    if not list(tmp_path.glob("metrics.csv")):  # nothing was logged
+        return fit, {}
+    return fit, {int(r["step"]): {k: v for k, v in r.items() if v != ""} for r in csv_metrics(str(tmp_path))}
+
+
+def test_both_callbacks_read_one_measurement_and_act_as_they_would_alone(tmp_path: Path, monkeypatch) -> None:
+    def make() -> tuple[GradientMonitor, GradientAnomalyStopping]:
+        # Their own thresholds: the spike at step 3 is above the monitor's and below the stopper's.
+        return GradientMonitor(log_every_n_steps=2, max_norm=1e3), GradientAnomalyStopping(action="skip", max_norm=1e6)
+
+    alone_monitor, alone_stopper = make()
+    _, alone = _run(tmp_path / "monitor", [alone_monitor])
+    _run(tmp_path / "stopper", [alone_stopper])
+
+    measured: list[int] = []
+    original = _shared_measurement.measure_step
+
+    def spy(trainer: Any, optimizer: Any, detectors: Any, shard_groups: Any, exact: bool) -> Any:
+        measured.append(trainer.global_step)
+        return original(trainer, optimizer, detectors, shard_groups, exact)
+
+    monkeypatch.setattr(_shared_measurement, "measure_step", spy)
+    monitor, stopper = make()
+    fit, together = _run(tmp_path / "both", [monitor, stopper])
+    assert measured == [0, 1, 2, 3, 4, 5]  # once per step for both
+    assert together == alone  # the monitor logs what it logs alone (the stopper drops the last update only)
+    assert together[3]["anomalies/exploding"] == "1.0" and together[5]["anomalies/nonfinite"] == "1.0"
+    assert (monitor.anomalous_steps, stopper.anomalous_steps) == (alone_monitor.anomalous_steps, 1)
+    assert (stopper.dropped_steps, alone_stopper.dropped_steps) == (1, 1)
+    assert SharedMeasurement.of(fit).readers == []  # both left when fit ended
+
+
+def test_a_second_fit_measures_for_the_callbacks_of_that_fit_only(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    monitor, stopper = GradientMonitor(log_every_n_steps=1), GradientAnomalyStopping()
+    first = trainer(tmp_path, [monitor, stopper], max_steps=2, logger=False)
+    first.fit(GradNet(), loader())
+    assert SharedMeasurement.of(first).rounds == 2 and SharedMeasurement.of(first).readers == []
+    second = trainer(tmp_path, [monitor], max_steps=3, logger=False)  # the stopper is not in this one
+    second.fit(GradNet(), loader())
+    assert SharedMeasurement.of(second).rounds == 3 and SharedMeasurement.of(first).rounds == 2
