@@ -59,6 +59,8 @@ class GradientCheck(HookCallback):
         self._trace = NonFiniteTrace()
         self._micro_batches: list[tuple[int, Any]] = []  # (batch_idx, batch if saved) of this step
         self._stepped = False  # whether an optimizer step ran in the current batch
+        self._step_key: Optional[tuple[int, int]] = None  # (optimizer id, global step) of the last check
+        self._evaluation = 0  # which evaluation of the step's closure this is, from 1 (LBFGS runs several)
         self._param_names: dict[Tensor, str] = {}
         self._traced: list[Tensor] = []  # parameters whose gradients the trace checks
         self._shown: Optional[int] = None  # the value the progress bar shows
@@ -151,6 +153,7 @@ class GradientCheck(HookCallback):
         super().detach()
         self._new_step()
         self._collecting, self._param_names, self._traced, self._shown = False, {}, [], None
+        self._step_key, self._evaluation = None, 0
         self._shard_groups.clear()
 
     def on_before_optimizer_step(
@@ -161,16 +164,33 @@ class GradientCheck(HookCallback):
         The L2 norms alone tell whether gradients are finite unless a norm is infinite, which a
         finite gradient whose float32 norm overflows also gives; only then (agreed across
         ranks) are the gradients measured again exactly, in a second collective and transfer.
+
+        An optimizer that evaluates its closure several times in one step (LBFGS) brings
+        Lightning here at every evaluation, at the same global step: :attr:`_evaluation` counts
+        them, and only the first (the gradient at the step's starting parameters) joins the
+        running median; :meth:`_checks` says which evaluations are checked at all.
         """
-        step = self._measure(trainer, optimizer, exact=False)
-        extra = self._extra(trainer, step)
-        check = conclude(trainer, self._detector, step, extra)
-        if check.unsure:
-            step = self._measure(trainer, optimizer, exact=True)
-            check = conclude(trainer, self._detector, step, extra)
-        self._handle(trainer, pl_module, optimizer, step, check)
+        key = (id(optimizer), trainer.global_step)
+        self._evaluation = self._evaluation + 1 if key == self._step_key else 1
+        self._step_key = key
+        if self._checks(trainer):
+            self._check(trainer, pl_module, optimizer)
         self._trace.clear()
         self._stepped = True
+
+    def _checks(self, trainer: pl.Trainer) -> bool:
+        """Whether this evaluation of the step's closure is checked."""
+        return True
+
+    def _check(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
+        remember = self._evaluation == 1
+        step = self._measure(trainer, optimizer, exact=False)
+        extra = self._extra(trainer, step)
+        check = conclude(trainer, self._detector, step, extra, remember)
+        if check.unsure:
+            step = self._measure(trainer, optimizer, exact=True)
+            check = conclude(trainer, self._detector, step, extra, remember)
+        self._handle(trainer, pl_module, optimizer, step, check)
 
     def _extra(self, trainer: pl.Trainer, step: Step) -> list[Tensor]:
         """More device figures to bring to the host in the step's one transfer."""

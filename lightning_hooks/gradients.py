@@ -230,14 +230,12 @@ class GradientMonitor(GradientCheck):
         self._rows, self._block, self._row_shards = [], None, ShardGroups([])
         self._updates.forget()
 
-    def on_before_optimizer_step(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any
-    ) -> None:
-        """Check the step's gradients; with nothing to flag or trace, on logged steps only."""
-        if self._detector.enabled_flags or self.provenance or _is_logged_step(trainer.global_step, self._every):
-            super().on_before_optimizer_step(trainer, pl_module, optimizer)
-        else:
-            self._stepped = True
+    def _checks(self, trainer: pl.Trainer) -> bool:
+        """Check the first evaluation of a step's closure only; with nothing to flag or trace, on logged steps only."""
+        if self._evaluation != 1:  # one figure per optimizer step: LBFGS's later evaluations are not logged
+            return False
+        flags = bool(self._detector.enabled_flags)
+        return flags or self.provenance or _is_logged_step(trainer.global_step, self._every)
 
     def _extra(self, trainer: pl.Trainer, step: Step) -> list[Tensor]:
         """Row norms, and the rows' stats and histograms, on logged steps."""
