@@ -18,7 +18,7 @@ from torch.utils.hooks import RemovableHandle
 
 from lightning_hooks._anomaly_report import report_step
 from lightning_hooks._base import HookCallback
-from lightning_hooks._compat import BarCount
+from lightning_hooks._compat import BarCount, show_whole, unshow_whole
 from lightning_hooks._provenance import NonFiniteTrace
 from lightning_hooks._rank_agreement import Check, conclude
 from lightning_hooks._sharding import ShardGroupCache, note_flat_shards
@@ -64,6 +64,7 @@ class GradientCheck(HookCallback):
         self._param_names: dict[Tensor, str] = {}
         self._traced: list[Tensor] = []  # parameters whose gradients the trace checks
         self._shown: Optional[int] = None  # the value the progress bar shows
+        self._shown_in: Optional[tuple[Any, str]] = None  # (the progress bar, the name) it shows under
         self._bar = BarCount()  # carries it as an int
         self._state_key: Optional[str] = None
         self._shard_groups = ShardGroupCache()  # how the optimizer's gradients are split across ranks
@@ -112,11 +113,15 @@ class GradientCheck(HookCallback):
         return [module.register_forward_hook(self._guard(name, self._trace.output_hook(index)))]
 
     def _show(self, trainer: pl.Trainer, pl_module: pl.LightningModule, name: str, value: int) -> None:
-        """Show ``value`` in the progress bar if there is one and it changed (the bar keeps it).
+        """Show ``value`` in the progress bar if there is one and it changed (the bar keeps it), as an int.
 
         A ``log`` call costs a good part of a millisecond, and on an accelerator a host-to-device copy.
         """
-        if trainer.progress_bar_callback is not None and value != self._shown:
+        bar = trainer.progress_bar_callback
+        if bar is not None and value != self._shown:
+            if self._shown_in is None:
+                show_whole(bar, name)
+                self._shown_in = (bar, name)
             self._bar(value)
             pl_module.log(name, self._bar, prog_bar=True, logger=False, on_step=True, on_epoch=False,
                           metric_attribute=name)
@@ -152,6 +157,9 @@ class GradientCheck(HookCallback):
         """
         super().detach()
         self._new_step()
+        if self._shown_in is not None:
+            unshow_whole(*self._shown_in)
+            self._shown_in = None
         self._collecting, self._param_names, self._traced, self._shown = False, {}, [], None
         self._step_key, self._evaluation = None, 0
         self._shard_groups.clear()

@@ -18,7 +18,7 @@ from lightning_hooks import (
 from lightning_hooks._compat import configure_model_overridden
 from lightning_hooks.stats import STAT_NAMES
 from tests.compat_helpers import PACKAGES, net, package_trainer
-from tests.helpers import events, forward_hook_count, loader, run_ddp
+from tests.helpers import BARS, bar_text, events, forward_hook_count, loader, progress_bar, run_ddp
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 both = pytest.mark.parametrize("package", list(PACKAGES.values()), ids=list(PACKAGES))
@@ -34,13 +34,14 @@ def test_every_callback_is_a_callback_of_either_package(package, tmp_path):
 
 
 @both
-def test_a_fit_writes_the_figures_to_tensorboard_and_whole_counts_to_the_bar(package, tmp_path):
+@pytest.mark.parametrize("kind", BARS)
+def test_a_fit_writes_the_figures_to_tensorboard_and_whole_counts_to_the_bar(package, tmp_path, kind):
     torch.manual_seed(0)
     monitor, stopper = GradientMonitor(), GradientAnomalyStopping(action="warn", patience=10)
     logger = package.loggers.TensorBoardLogger(str(tmp_path), name="", version="")
-    fit = package_trainer(package, tmp_path, [ActivationMonitor(stats=STAT_NAMES), monitor, stopper],
-                          logger=logger,
-                          enable_progress_bar=True)
+    bar = progress_bar(kind, package)
+    fit = package_trainer(package, tmp_path, [ActivationMonitor(stats=STAT_NAMES), monitor, stopper, bar],
+                          logger=logger, enable_progress_bar=True)
     model = net(package, nan_steps=(3,))  # the NaN poisons the weights: steps 3, 4, 5
     fit.fit(model, loader())
     assert forward_hook_count(model) == 0
@@ -49,10 +50,13 @@ def test_a_fit_writes_the_figures_to_tensorboard_and_whole_counts_to_the_bar(pac
     assert any(tag.startswith("gradients/net.0") for tag in acc.Tags()["histograms"])
     assert [e.value for e in acc.Scalars("anomalies/nonfinite")] == [0, 0, 0, 1, 1, 1]
     assert acc.Scalars("activations/net.0/count")[0].value == 8 * 16
-    shown = fit.progress_bar_callback.get_metrics(fit, model)
-    assert (shown["anomalies"], shown["anomaly_streak"]) == (3, 3)
-    assert all(isinstance(shown[name], int) for name in ("anomalies", "anomaly_streak"))
-    assert "anomalies=3" in fit.progress_bar_callback.train_progress_bar.postfix  # not 3.000
+    assert fit.progress_bar_callback is bar
+    assert (fit.progress_bar_metrics["anomalies"], fit.progress_bar_metrics["anomaly_streak"]) == (3, 3)
+    assert all(type(fit.progress_bar_metrics[name]) is int for name in ("anomalies", "anomaly_streak"))
+    written = bar_text(bar)  # TQDM: "anomalies=3"; Rich: "anomalies: 3", not 3.000
+    assert {name: written.split(name)[1][1:].split(",")[0].split()[0] for name in ("anomalies", "anomaly_streak")} \
+        == {"anomalies": "3", "anomaly_streak": "3"}, written
+    assert "get_metrics" not in vars(bar)  # after fit, the bar is as it was
 
 
 def gradient_callbacks():
