@@ -102,6 +102,7 @@ def test_two_monitors_of_one_class_share_a_trainer(package, tmp_path):
     assert (first.module_names, second.module_names) == (["net.0"], ["net.4"])
 
 
+@pytest.mark.slow
 def test_ddp_with_the_standalone_package_reduces_across_ranks_and_stops_both(tmp_path):
     ranks = run_ddp("_ddp_standalone.py", tmp_path, timeout=120)
     assert [r["global_step"] for r in ranks] == [4, 4]  # the NaN on rank 1 at step 3 stopped both
@@ -111,6 +112,7 @@ def test_ddp_with_the_standalone_package_reduces_across_ranks_and_stops_both(tmp
     assert acc.Histograms("activations/net.0")[0].histogram_value.num == 2 * 4 * 16  # both ranks' batches
 
 
+@pytest.mark.slow
 def test_without_the_standalone_package_the_callbacks_fit_under_lightning_alone(tmp_path):
     script = """
 import sys

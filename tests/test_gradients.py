@@ -291,6 +291,7 @@ def test_two_monitors_work_together_and_each_resumes_its_own_state(tmp_path):
     assert (relative.anomalous_steps, relative.state_dict()["detector"]["seen"]) == (0, {0: 5})
 
 
+@pytest.mark.slow
 def test_vanishing_sigmoid_example_flags_the_first_parameter_group(tmp_path, capsys):
     run_example("vanishing_sigmoid", str(tmp_path))
     out = capsys.readouterr().out

@@ -356,6 +356,7 @@ def ddp_ranks(tmp_path_factory):
     return run_ddp("_ddp_stopping.py", tmp_path_factory.mktemp("ddp_stopping"), timeout=90)
 
 
+@pytest.mark.slow
 def test_ddp_a_nan_on_one_rank_stops_both_ranks_at_the_same_step(ddp_ranks):
     nan = [rank["nan"] for rank in ddp_ranks]
     assert nan[0] == nan[1]
@@ -364,6 +365,7 @@ def test_ddp_a_nan_on_one_rank_stops_both_ranks_at_the_same_step(ddp_ranks):
                       "first_bad_param": "net.4.bias"}
 
 
+@pytest.mark.slow
 def test_ddp_a_decision_one_rank_alone_makes_is_acted_on_by_both(ddp_ranks):
     split = [rank["split"] for rank in ddp_ranks]
     for rank in split:
@@ -372,6 +374,7 @@ def test_ddp_a_decision_one_rank_alone_makes_is_acted_on_by_both(ddp_ranks):
     assert split[0]["params"] == split[1]["params"]  # so the ranks never diverged
 
 
+@pytest.mark.slow
 def test_ddp_each_check_is_one_all_reduce_and_one_host_transfer(ddp_ranks):
     for rank in ddp_ranks:
         calls = rank["split"]["calls"]
