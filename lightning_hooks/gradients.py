@@ -80,6 +80,8 @@ class GradientMonitor(GradientCheck):
     check reads every gradient once (an L2 norm); only a step with an infinite norm, which a
     finite gradient whose float32 norm overflows also gives, is measured again to tell the
     two apart (a second transfer). With several optimizers each is checked at its own step.
+    An optimizer that evaluates its closure several times per step (LBFGS) gets one figure per
+    step: its first evaluation's.
     It sees every step's gradients wherever it is in ``callbacks``, a
     ``GradientAnomalyStopping`` before it included (that one drops updates only after every
     callback has seen them). Several instances can be used together (and resumed) when their
