@@ -15,7 +15,7 @@ from lightning_hooks import (
     GradientMonitor,
     GradientTransform,
 )
-from lightning_hooks._compat import configure_model_overridden
+from lightning_hooks._compat import configure_model_overridden, show_whole, unshow_whole
 from lightning_hooks.stats import STAT_NAMES
 from tests.compat_helpers import PACKAGES, net, package_trainer
 from tests.helpers import BARS, bar_text, events, forward_hook_count, loader, progress_bar, run_ddp
@@ -128,3 +128,22 @@ print(len(CALLBACK_BASES), len(TENSORBOARD_LOGGERS), monitor.module_names)
                           cwd=os.path.dirname(HERE))
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.split("\n")[-2] == "1 1 ['net.0']"
+
+
+def test_a_count_is_written_whole_by_either_bar_and_the_bar_is_given_back_as_it_was():
+    bar = PACKAGES["lightning.pytorch"].callbacks.TQDMProgressBar()
+
+    def own(trainer, pl_module):  # a user's own get_metrics on the instance
+        return {"anomalies": 3, "loss": 0.25, "flag": True}
+
+    bar.get_metrics = own
+    show_whole(bar, "anomalies")
+    show_whole(bar, "flag")
+    shown = bar.get_metrics(None, None)
+    assert shown == {"anomalies": 3, "loss": 0.25, "flag": True} and type(shown["flag"]) is bool
+    count = shown["anomalies"]
+    assert [f"{count:.3f}", f"{count:>4.3g}", f"{shown['loss']:.3f}"] == ["3", "   3", "0.250"]
+    unshow_whole(bar, "anomalies")
+    assert f"{bar.get_metrics(None, None)['anomalies']:.3f}" == "3.000"  # "flag" is still shown: still wrapped
+    unshow_whole(bar, "flag")
+    assert bar.get_metrics is own
