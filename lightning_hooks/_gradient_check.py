@@ -18,7 +18,7 @@ from torch.utils.hooks import RemovableHandle
 
 from lightning_hooks._anomaly_report import report_step
 from lightning_hooks._base import HookCallback
-from lightning_hooks._compat import BarCount
+from lightning_hooks._compat import BarCount, show_whole, unshow_whole
 from lightning_hooks._provenance import NonFiniteTrace
 from lightning_hooks._rank_agreement import Check, conclude
 from lightning_hooks._sharding import ShardGroupCache, note_flat_shards
@@ -59,9 +59,12 @@ class GradientCheck(HookCallback):
         self._trace = NonFiniteTrace()
         self._micro_batches: list[tuple[int, Any]] = []  # (batch_idx, batch if saved) of this step
         self._stepped = False  # whether an optimizer step ran in the current batch
+        self._step_key: Optional[tuple[int, int]] = None  # (optimizer id, global step) of the last check
+        self._evaluation = 0  # which evaluation of the step's closure this is, from 1 (LBFGS runs several)
         self._param_names: dict[Tensor, str] = {}
         self._traced: list[Tensor] = []  # parameters whose gradients the trace checks
         self._shown: Optional[int] = None  # the value the progress bar shows
+        self._shown_in: Optional[tuple[Any, str]] = None  # (the progress bar, the name) it shows under
         self._bar = BarCount()  # carries it as an int
         self._state_key: Optional[str] = None
         self._shard_groups = ShardGroupCache()  # how the optimizer's gradients are split across ranks
@@ -110,11 +113,15 @@ class GradientCheck(HookCallback):
         return [module.register_forward_hook(self._guard(name, self._trace.output_hook(index)))]
 
     def _show(self, trainer: pl.Trainer, pl_module: pl.LightningModule, name: str, value: int) -> None:
-        """Show ``value`` in the progress bar if there is one and it changed (the bar keeps it).
+        """Show ``value`` in the progress bar if there is one and it changed (the bar keeps it), as an int.
 
         A ``log`` call costs a good part of a millisecond, and on an accelerator a host-to-device copy.
         """
-        if trainer.progress_bar_callback is not None and value != self._shown:
+        bar = trainer.progress_bar_callback
+        if bar is not None and value != self._shown:
+            if self._shown_in is None:
+                show_whole(bar, name)
+                self._shown_in = (bar, name)
             self._bar(value)
             pl_module.log(name, self._bar, prog_bar=True, logger=False, on_step=True, on_epoch=False,
                           metric_attribute=name)
@@ -150,7 +157,11 @@ class GradientCheck(HookCallback):
         """
         super().detach()
         self._new_step()
+        if self._shown_in is not None:
+            unshow_whole(*self._shown_in)
+            self._shown_in = None
         self._collecting, self._param_names, self._traced, self._shown = False, {}, [], None
+        self._step_key, self._evaluation = None, 0
         self._shard_groups.clear()
 
     def on_before_optimizer_step(
@@ -161,16 +172,33 @@ class GradientCheck(HookCallback):
         The L2 norms alone tell whether gradients are finite unless a norm is infinite, which a
         finite gradient whose float32 norm overflows also gives; only then (agreed across
         ranks) are the gradients measured again exactly, in a second collective and transfer.
+
+        An optimizer that evaluates its closure several times in one step (LBFGS) brings
+        Lightning here at every evaluation, at the same global step: :attr:`_evaluation` counts
+        them, and only the first (the gradient at the step's starting parameters) joins the
+        running median; :meth:`_checks` says which evaluations are checked at all.
         """
-        step = self._measure(trainer, optimizer, exact=False)
-        extra = self._extra(trainer, step)
-        check = conclude(trainer, self._detector, step, extra)
-        if check.unsure:
-            step = self._measure(trainer, optimizer, exact=True)
-            check = conclude(trainer, self._detector, step, extra)
-        self._handle(trainer, pl_module, optimizer, step, check)
+        key = (id(optimizer), trainer.global_step)
+        self._evaluation = self._evaluation + 1 if key == self._step_key else 1
+        self._step_key = key
+        if self._checks(trainer):
+            self._check(trainer, pl_module, optimizer)
         self._trace.clear()
         self._stepped = True
+
+    def _checks(self, trainer: pl.Trainer) -> bool:
+        """Whether this evaluation of the step's closure is checked."""
+        return True
+
+    def _check(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
+        remember = self._evaluation == 1
+        step = self._measure(trainer, optimizer, exact=False)
+        extra = self._extra(trainer, step)
+        check = conclude(trainer, self._detector, step, extra, remember)
+        if check.unsure:
+            step = self._measure(trainer, optimizer, exact=True)
+            check = conclude(trainer, self._detector, step, extra, remember)
+        self._handle(trainer, pl_module, optimizer, step, check)
 
     def _extra(self, trainer: pl.Trainer, step: Step) -> list[Tensor]:
         """More device figures to bring to the host in the step's one transfer."""

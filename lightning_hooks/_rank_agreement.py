@@ -44,18 +44,21 @@ class Check:
     """A rank had an infinite norm that a finite gradient may have: measure exactly, agree again."""
 
 
-def conclude(trainer: pl.Trainer, detector: AnomalyDetector, step: Step, extra: list[Tensor]) -> Check:
+def conclude(trainer: pl.Trainer, detector: AnomalyDetector, step: Step, extra: list[Tensor],
+             remember: bool = True) -> Check:
     """Agree on the flags across ranks on device, then read everything in one transfer.
 
     Every rank reaches the one collective at every optimizer step, a rank without
     gradients too, so a decision one rank alone made is everyone's and no rank waits alone.
-    A clean, settled step's norms join ``detector``'s running median.
+    A clean, settled step's norms join ``detector``'s running median (with ``remember``).
 
     Args:
         trainer: The trainer, for the world size and the strategy.
         detector: The thresholds that gave ``step``'s flags, and the running medians.
         step: The step's figures, as :func:`~lightning_hooks._step_measure.measure_step` gives them.
         extra: More device figures to bring to the host in the same transfer.
+        remember: Whether a clean step's norms join the running median: not for a closure's
+            later evaluations within one optimizer step (LBFGS), so that the median counts steps.
 
     Returns:
         The step's figures on the host, agreed across ranks.
@@ -78,7 +81,7 @@ def conclude(trainer: pl.Trainer, detector: AnomalyDetector, step: Step, extra: 
     # Settled without an exact measure when no flag could hinge on it, or the scaler skips the step.
     unsure = host[n_flags + 2] > 0 and bool(detector.enabled_flags) and not overflowed
     anomalous = any(flags.values())
-    if not anomalous and not skipped and not unsure:
+    if remember and not anomalous and not skipped and not unsure:
         detector.remember(norms, step.key)
     amp = overflowed if step.overflow is not None else None
     start = n_flags + 3
