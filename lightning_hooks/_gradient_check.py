@@ -18,7 +18,7 @@ from torch.utils.hooks import RemovableHandle
 
 from lightning_hooks._anomaly_report import report_step
 from lightning_hooks._base import HookCallback
-from lightning_hooks._compat import BarCount
+from lightning_hooks._compat import BarCount, show_whole, unshow_whole
 from lightning_hooks._provenance import NonFiniteTrace
 from lightning_hooks._rank_agreement import Check
 from lightning_hooks._sharding import note_flat_shards
@@ -60,9 +60,11 @@ class GradientCheck(HookCallback):
         self._trace = NonFiniteTrace()
         self._micro_batches: list[tuple[int, Any]] = []  # (batch_idx, batch if saved) of this step
         self._stepped = False  # whether an optimizer step ran in the current batch
+        self._evaluation = 0  # which evaluation of the step's closure this is, from 1 (LBFGS runs several)
         self._param_names: dict[Tensor, str] = {}
         self._traced: list[Tensor] = []  # parameters whose gradients the trace checks
         self._shown: Optional[int] = None  # the value the progress bar shows
+        self._shown_in: Optional[tuple[Any, str]] = None  # (the progress bar, the name) it shows under
         self._bar = BarCount()  # carries it as an int
         self._state_key: Optional[str] = None
         self._shared: Optional[SharedMeasurement] = None  # the Trainer's one measurement per step
@@ -117,11 +119,15 @@ class GradientCheck(HookCallback):
         return [module.register_forward_hook(self._guard(name, self._trace.output_hook(index)))]
 
     def _show(self, trainer: pl.Trainer, pl_module: pl.LightningModule, name: str, value: int) -> None:
-        """Show ``value`` in the progress bar if there is one and it changed (the bar keeps it).
+        """Show ``value`` in the progress bar if there is one and it changed (the bar keeps it), as an int.
 
         A ``log`` call costs a good part of a millisecond, and on an accelerator a host-to-device copy.
         """
-        if trainer.progress_bar_callback is not None and value != self._shown:
+        bar = trainer.progress_bar_callback
+        if bar is not None and value != self._shown:
+            if self._shown_in is None:
+                show_whole(bar, name)
+                self._shown_in = (bar, name)
             self._bar(value)
             pl_module.log(name, self._bar, prog_bar=True, logger=False, on_step=True, on_epoch=False,
                           metric_attribute=name)
@@ -157,7 +163,11 @@ class GradientCheck(HookCallback):
         """
         super().detach()
         self._new_step()
+        if self._shown_in is not None:
+            unshow_whole(*self._shown_in)
+            self._shown_in = None
         self._collecting, self._param_names, self._traced, self._shown = False, {}, [], None
+        self._evaluation = 0
         if self._shared is not None:
             self._shared.leave(self)
             self._shared = None
@@ -169,15 +179,22 @@ class GradientCheck(HookCallback):
 
         The step is measured once for every gradient callback of the Trainer (see
         :class:`~lightning_hooks._shared_measurement.SharedMeasurement`); this one acts on its part.
+
+        An optimizer that evaluates its closure several times in one step (LBFGS) brings
+        Lightning here at every evaluation, at the same global step: :attr:`_evaluation` counts
+        them, and only the first (the gradient at the step's starting parameters) joins the
+        running median; :meth:`_checks` says which evaluations are checked at all.
         """
         shared = self._shared if self._shared is not None else SharedMeasurement.of(trainer)
-        step, check = shared.read(trainer, optimizer, self)
-        self._handle(trainer, pl_module, optimizer, step, check)
+        read = shared.read(trainer, optimizer, self)
+        self._evaluation = shared.evaluation
+        if read is not None:
+            self._handle(trainer, pl_module, optimizer, *read)
         self._trace.clear()
         self._stepped = True
 
-    def _reads_step(self, trainer: pl.Trainer) -> bool:
-        """Whether this callback reads the current optimizer step: the check runs at every step."""
+    def _checks(self, trainer: pl.Trainer, evaluation: int) -> bool:
+        """Whether this callback checks evaluation ``evaluation`` (from 1) of the current step's closure."""
         return True
 
     def _extra(self, trainer: pl.Trainer, step: Step) -> dict[str, Tensor]:

@@ -64,13 +64,13 @@ class Check:
 
 
 def conclude(trainer: pl.Trainer, detectors: Sequence[AnomalyDetector], steps: Sequence[Step],
-             extras: Sequence[Mapping[str, Tensor]]) -> list[Check]:
+             extras: Sequence[Mapping[str, Tensor]], remember: bool = True) -> list[Check]:
     """Agree on every callback's flags across ranks on device, then read everything in one transfer.
 
     Every rank reaches the one collective at every optimizer step, a rank without
     gradients too, so a decision one rank alone made is everyone's and no rank waits alone.
     However many callbacks read the step, there is one collective and one host transfer. A
-    clean, settled step's norms join each detector's running median.
+    clean, settled step's norms join each detector's running median (with ``remember``).
 
     Args:
         trainer: The trainer, for the world size and the strategy.
@@ -78,6 +78,8 @@ def conclude(trainer: pl.Trainer, detectors: Sequence[AnomalyDetector], steps: S
         steps: Per callback, the step as :func:`~lightning_hooks._step_measure.measure_step` gives
             it (the same figures, each with its own flags).
         extras: Per callback, more device figures to bring to the host in the same transfer, by name.
+        remember: Whether a clean step's norms join the running medians: not for a closure's
+            later evaluations within one optimizer step (LBFGS), so that the medians count steps.
 
     Returns:
         Per callback, the step's figures on the host, agreed across ranks.
@@ -106,7 +108,7 @@ def conclude(trainer: pl.Trainer, detectors: Sequence[AnomalyDetector], steps: S
         # Settled without an exact measure when no flag could hinge on it, or the scaler skips the step.
         unsure = voted[offsets["unsure"]] > 0 and bool(detector.enabled_flags) and not overflowed
         anomalous = any(flags.values())
-        if not anomalous and not skipped and not unsure:
+        if remember and not anomalous and not skipped and not unsure:
             detector.remember(norms, step.key)
         amp = overflowed if step.overflow is not None else None
         extra = {name: host[f"{i}/{name}"] for name in extras[i]}

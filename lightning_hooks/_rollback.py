@@ -120,3 +120,4 @@ class Rollback:
     def _restore_schedules(self, trainer: pl.Trainer) -> None:
         for config, state in zip(trainer.lr_scheduler_configs, self._state["schedulers"]):
             config.scheduler.load_state_dict(copy.deepcopy(state))
+

@@ -10,7 +10,7 @@ start's three callbacks read every gradient once per step, however many of them 
 from __future__ import annotations
 
 import weakref
-from typing import Any, Protocol
+from typing import Any, Optional, Protocol
 
 import lightning.pytorch as pl
 from torch import Tensor
@@ -26,14 +26,17 @@ class StepReader(Protocol):
 
     _detector: AnomalyDetector
 
-    def _reads_step(self, trainer: pl.Trainer) -> bool:
-        """Whether it reads this optimizer step (a monitor with no flag reads logged steps only)."""
+    def _checks(self, trainer: pl.Trainer, evaluation: int) -> bool:
+        """Whether it reads evaluation ``evaluation`` (from 1) of the step's closure."""
 
     def _extra(self, trainer: pl.Trainer, step: Step) -> dict[str, Tensor]:
         """Its own device figures of the step, by name, to bring to the host in the step's one transfer."""
 
 
 _BY_TRAINER: weakref.WeakKeyDictionary[Any, SharedMeasurement] = weakref.WeakKeyDictionary()
+
+Token = tuple[int, int]  # (the optimizer's id, the global step)
+Result = Optional[tuple[Step, Check]]
 
 
 class SharedMeasurement:
@@ -43,8 +46,11 @@ class SharedMeasurement:
         self.readers: list[StepReader] = []
         self.rounds = 0
         """How many times a step was measured (a test counts them)."""
+        self.evaluation = 0
+        """Which evaluation of the current step's closure was measured last, from 1 (LBFGS runs several)."""
+        self._token: Optional[Token] = None
         self._shard_groups = ShardGroupCache()  # how the optimizer's gradients are split across ranks
-        self._results: dict[int, tuple[tuple[int, int], Step, Check]] = {}
+        self._results: dict[int, tuple[Token, Result]] = {}
 
     @staticmethod
     def of(trainer: pl.Trainer) -> SharedMeasurement:
@@ -65,36 +71,46 @@ class SharedMeasurement:
         self._results.pop(id(reader), None)
         if not self.readers:
             self._shard_groups.clear()
+            self._token, self.evaluation = None, 0
 
-    def read(self, trainer: pl.Trainer, optimizer: Any, reader: StepReader) -> tuple[Step, Check]:
-        """``reader``'s part of this optimizer step's measurement: measured now if it is the first to ask.
+    def read(self, trainer: pl.Trainer, optimizer: Any, reader: StepReader) -> Result:
+        """``reader``'s part of this evaluation's measurement, measured now if it is the first to ask.
 
-        A closure that an optimizer evaluates several times calls the hooks once per evaluation:
-        each round of calls gets a measurement of its own.
+        None when ``reader`` does not check this evaluation. An optimizer that evaluates its
+        closure several times per step brings every reader here once per evaluation: each round
+        of calls is an evaluation, with a measurement of its own.
         """
         token = (id(optimizer), trainer.global_step)
-        held = self._results.pop(id(reader), None)
+        held = self._results.get(id(reader))
         if held is None or held[0] != token:
-            self._measure(trainer, optimizer, reader, token)
-            held = self._results.pop(id(reader))
-        return held[1], held[2]
+            self.join(reader)
+            self._evaluate(trainer, optimizer, token)
+        return self._results.pop(id(reader))[1]
 
-    def _measure(self, trainer: pl.Trainer, optimizer: Any, asking: StepReader, token: tuple[int, int]) -> None:
-        """Measure the step for every reader that reads it, in one collective and one host transfer.
+    def _evaluate(self, trainer: pl.Trainer, optimizer: Any, token: Token) -> None:
+        """Start the next evaluation: measure it for the readers that check it."""
+        self.evaluation = self.evaluation + 1 if token == self._token else 1
+        self._token = token
+        readers = [r for r in self.readers if r._checks(trainer, self.evaluation)]
+        self._results = {id(r): (token, None) for r in self.readers}
+        if readers:
+            self._measure(trainer, optimizer, readers, token)
+
+    def _measure(self, trainer: pl.Trainer, optimizer: Any, readers: list[StepReader], token: Token) -> None:
+        """Measure the step for ``readers``, in one collective and one host transfer.
 
         The L2 norms alone tell whether gradients are finite unless a norm is infinite, which a
         finite gradient whose float32 norm overflows also gives; only then (agreed across
         ranks) are the gradients measured again exactly, in a second collective and transfer.
+        Only the first evaluation of a step joins the running medians.
         """
-        readers = [r for r in self.readers if r is asking or r._reads_step(trainer)]
-        if all(r is not asking for r in readers):
-            readers.append(asking)
         detectors = [r._detector for r in readers]
+        remember = self.evaluation == 1
         steps = measure_step(trainer, optimizer, detectors, self._shard_groups, exact=False)
         extras = [r._extra(trainer, step) for r, step in zip(readers, steps)]
-        checks = conclude(trainer, detectors, steps, extras)
+        checks = conclude(trainer, detectors, steps, extras, remember)
         if any(check.unsure for check in checks):
             steps = measure_step(trainer, optimizer, detectors, self._shard_groups, exact=True)
-            checks = conclude(trainer, detectors, steps, extras)
+            checks = conclude(trainer, detectors, steps, extras, remember)
         self.rounds += 1
-        self._results = {id(r): (token, step, check) for r, step, check in zip(readers, steps, checks)}
+        self._results.update({id(r): (token, (step, check)) for r, step, check in zip(readers, steps, checks)})

@@ -80,6 +80,8 @@ class GradientMonitor(GradientCheck):
     check reads every gradient once (an L2 norm); only a step with an infinite norm, which a
     finite gradient whose float32 norm overflows also gives, is measured again to tell the
     two apart (a second transfer). With several optimizers each is checked at its own step.
+    An optimizer that evaluates its closure several times per step (LBFGS) gets one figure per
+    step: its first evaluation's.
     It sees every step's gradients wherever it is in ``callbacks``, a
     ``GradientAnomalyStopping`` before it included (that one drops updates only after every
     callback has seen them). Several instances can be used together (and resumed) when their
@@ -230,18 +232,12 @@ class GradientMonitor(GradientCheck):
         self._rows, self._block, self._row_shards = [], None, ShardGroups([])
         self._updates.forget()
 
-    def on_before_optimizer_step(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any
-    ) -> None:
-        """Check the step's gradients; with nothing to flag or trace, on logged steps only."""
-        if self._reads_step(trainer):
-            super().on_before_optimizer_step(trainer, pl_module, optimizer)
-        else:
-            self._stepped = True
-
-    def _reads_step(self, trainer: pl.Trainer) -> bool:
-        return bool(self._detector.enabled_flags) or self.provenance or _is_logged_step(trainer.global_step,
-                                                                                         self._every)
+    def _checks(self, trainer: pl.Trainer, evaluation: int) -> bool:
+        """Check the first evaluation of a step's closure only; with nothing to flag or trace, on logged steps only."""
+        if evaluation != 1:  # one figure per optimizer step: LBFGS's later evaluations are not logged
+            return False
+        flags = bool(self._detector.enabled_flags)
+        return flags or self.provenance or _is_logged_step(trainer.global_step, self._every)
 
     def _extra(self, trainer: pl.Trainer, step: Step) -> dict[str, Tensor]:
         """Row norms, and the rows' stats and histograms, on logged steps."""

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable, Literal, Optional
+from typing import Any, Literal, Optional
 
 import lightning.pytorch as pl
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
@@ -11,6 +11,7 @@ from lightning_hooks._gradient_check import GradientCheck, _check_bool
 from lightning_hooks._rank_agreement import Check
 from lightning_hooks._rollback import Rollback, check_strategy, validate_rollback
 from lightning_hooks._step_measure import Step
+from lightning_hooks._update_drop import UpdateDrop
 from lightning_hooks.anomalies import AnomalyReport
 from lightning_hooks.selection import ModuleSelection
 
@@ -26,13 +27,6 @@ class GradientAnomalyError(RuntimeError):
     def __init__(self, report: AnomalyReport) -> None:
         super().__init__(str(report))
         self.report = report
-
-
-def _drop_update(optimizer: Any) -> None:
-    """Set every gradient of ``optimizer`` to None, so that its step leaves parameters and state alone."""
-    for group in optimizer.param_groups:
-        for param in group["params"]:
-            param.grad = None
 
 
 class GradientAnomalyStopping(GradientCheck):
@@ -82,6 +76,12 @@ class GradientAnomalyStopping(GradientCheck):
     - ``"warn"``: warns with the report, on rank zero, and applies the update.
 
     The report is built once per run of anomalous steps, when the action starts.
+
+    An optimizer that evaluates its closure several times per step (LBFGS) is checked at every
+    evaluation, and counted per step: the step is anomalous if any evaluation is, and only the
+    first evaluation's norms join the running median. A dropped step of such an optimizer is
+    undone whole: its parameters and state are put back as they were before it (a copy of
+    them is taken before each of its steps, with ``"stop"``, ``"skip"`` and ``"rollback"``).
 
     An update is dropped in an optimizer step pre-hook, once every callback's
     ``on_before_optimizer_step`` (and the LightningModule's, and gradient clipping) has run, so
@@ -171,7 +171,9 @@ class GradientAnomalyStopping(GradientCheck):
         self.anomalous_steps = 0
         self.dropped_steps = 0
         self.amp_overflows = 0
-        self._drop: Any = None  # the optimizer whose coming update is to be dropped
+        self._dropper = UpdateDrop()
+        self._streak_before = 0  # the streak before the current step
+        self._settled = False  # the current step is counted anomalous: its later evaluations change nothing
 
     def _key(self) -> dict[str, Any]:
         return {"action": self.action, **super()._key()}
@@ -190,7 +192,7 @@ class GradientAnomalyStopping(GradientCheck):
             check_strategy(trainer)
             self._rollback.take(trainer, pl_module)
         if self.action in ("stop", "skip", "rollback"):
-            self._handles.extend(opt.register_step_pre_hook(self._before_step) for opt in trainer.optimizers)
+            self._handles.extend(self._dropper.register(trainer.optimizers))
 
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
@@ -207,48 +209,33 @@ class GradientAnomalyStopping(GradientCheck):
     def detach(self) -> None:
         """Remove the hooks; free the rollback snapshot."""
         super().detach()
+        self._dropper.release()
         if self._rollback is not None:
             self._rollback.release()
 
-    def on_before_optimizer_step(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any
-    ) -> None:
-        """Check the step's gradients, and decide whether to drop its update."""
-        self._drop = None
-        super().on_before_optimizer_step(trainer, pl_module, optimizer)
-
-    def _before_step(self, optimizer: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Optional[Any]:
-        """Step pre-hook: drop the update decided on, once every hook has seen the gradients.
-
-        Lightning's default and bf16 precision pass ``step`` a closure that runs backward and
-        then the ``on_before_optimizer_step`` hooks, so the drop follows the closure. Under a
-        GradScaler the closure has run before ``step``, which the scaler calls only when the
-        gradients are finite.
-        """
-        closure: Optional[Callable[[], Any]] = kwargs.get("closure")
-        if closure is None:
-            self._drop_if_decided(optimizer)
-            return None
-
-        def closure_then_drop() -> Any:
-            loss = closure()
-            self._drop_if_decided(optimizer)
-            return loss
-
-        return args, {**kwargs, "closure": closure_then_drop}
-
-    def _drop_if_decided(self, optimizer: Any) -> None:
-        if self._drop is optimizer:
-            _drop_update(optimizer)
-        self._drop = None
-
     def _handle(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any, step: Step,
+                check: Check) -> None:
+        """Count the step at its first evaluation, or at a later one that finds it anomalous (LBFGS)."""
+        self._dropper.new_evaluation(first=self._evaluation == 1)
+        if self._evaluation == 1:
+            self._streak_before, self._settled = self.streak, False
+        else:
+            self._dropper.snapshot.reevaluating.add(id(optimizer))
+            if self._settled or not check.anomalous or check.skipped:
+                return
+            self.streak = self._streak_before  # the step's first evaluations were clean: count it again
+        self._settled = check.anomalous
+        self._act_on(trainer, pl_module, optimizer, step, check)
+
+    def _act_on(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any, step: Step,
                 check: Check) -> None:
         self.amp_overflows += bool(check.amp_overflow)
         self.anomalous_steps += check.anomalous
         if self._rollback is not None and self._rollback.skipping:  # passing over batches after a rollback
             self._rollback.decide(act=False, clean=False)
-            self._drop, self.dropped_steps = optimizer, self.dropped_steps + 1
+            self._settled = True
+            self._dropper.drop(optimizer, self._evaluation)
+            self.dropped_steps += 1
             return
         if not check.skipped:  # a step the scaler skipped says nothing: the streak stays
             self.streak = self.streak + 1 if check.anomalous else 0
@@ -268,7 +255,7 @@ class GradientAnomalyStopping(GradientCheck):
             elif self.action == "stop":
                 rank_zero_info(f"GradientAnomalyStopping: stopping.\n{report}")
         if self.action in ("stop", "skip", "rollback"):
-            self._drop = optimizer
+            self._dropper.drop(optimizer, self._evaluation)
             self.dropped_steps += 1
         if self.action == "stop":
             trainer.should_stop = True

@@ -66,6 +66,25 @@ def trainer(tmp_path: Any, callbacks: Sequence[L.Callback], **kwargs: Any) -> L.
     return L.Trainer(callbacks=list(callbacks), **defaults)
 
 
+#: The progress bars a bar test runs with, whichever Lightning would pick by default (Rich where it is installed).
+BARS = ("tqdm", "rich")
+
+
+def progress_bar(kind: str, package: Any = L.pytorch) -> Any:
+    """``package``'s TQDMProgressBar or RichProgressBar; a ``"rich"`` test is skipped where rich is not installed."""
+    if kind == "rich":
+        pytest.importorskip("rich")
+        return package.callbacks.RichProgressBar()
+    return package.callbacks.TQDMProgressBar()
+
+
+def bar_text(bar: Any) -> str:
+    """The metrics the training bar writes last: TQDM's postfix, or the text of Rich's metrics column."""
+    if hasattr(bar, "_metric_component"):
+        return " ".join(bar._metric_component._generate_metrics_texts())
+    return bar.train_progress_bar.postfix
+
+
 def events(log_dir: str) -> EventAccumulator:
     """The TensorBoard events under ``log_dir``, read back with nothing dropped."""
     files = glob.glob(os.path.join(log_dir, "**", "events.out.tfevents.*"), recursive=True)

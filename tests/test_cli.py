@@ -193,6 +193,7 @@ def test_a_bad_value_in_yaml_fails_before_training(tmp_path, monkeypatch):
     assert not (tmp_path / "csv" / "version_0" / "metrics.csv").exists()
 
 
+@pytest.mark.slow
 def test_the_command_line(tmp_path):
     config = write_project(tmp_path)
     (tmp_path / "main.py").write_text("from lightning.pytorch.cli import LightningCLI\n\nLightningCLI()\n")

@@ -15,10 +15,10 @@ from lightning_hooks import (
     GradientMonitor,
     GradientTransform,
 )
-from lightning_hooks._compat import configure_model_overridden
+from lightning_hooks._compat import configure_model_overridden, show_whole, unshow_whole
 from lightning_hooks.stats import STAT_NAMES
 from tests.compat_helpers import PACKAGES, net, package_trainer
-from tests.helpers import events, forward_hook_count, loader, run_ddp
+from tests.helpers import BARS, bar_text, events, forward_hook_count, loader, progress_bar, run_ddp
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 both = pytest.mark.parametrize("package", list(PACKAGES.values()), ids=list(PACKAGES))
@@ -34,13 +34,14 @@ def test_every_callback_is_a_callback_of_either_package(package, tmp_path):
 
 
 @both
-def test_a_fit_writes_the_figures_to_tensorboard_and_whole_counts_to_the_bar(package, tmp_path):
+@pytest.mark.parametrize("kind", BARS)
+def test_a_fit_writes_the_figures_to_tensorboard_and_whole_counts_to_the_bar(package, tmp_path, kind):
     torch.manual_seed(0)
     monitor, stopper = GradientMonitor(), GradientAnomalyStopping(action="warn", patience=10)
     logger = package.loggers.TensorBoardLogger(str(tmp_path), name="", version="")
-    fit = package_trainer(package, tmp_path, [ActivationMonitor(stats=STAT_NAMES), monitor, stopper],
-                          logger=logger,
-                          enable_progress_bar=True)
+    bar = progress_bar(kind, package)
+    fit = package_trainer(package, tmp_path, [ActivationMonitor(stats=STAT_NAMES), monitor, stopper, bar],
+                          logger=logger, enable_progress_bar=True)
     model = net(package, nan_steps=(3,))  # the NaN poisons the weights: steps 3, 4, 5
     fit.fit(model, loader())
     assert forward_hook_count(model) == 0
@@ -49,10 +50,13 @@ def test_a_fit_writes_the_figures_to_tensorboard_and_whole_counts_to_the_bar(pac
     assert any(tag.startswith("gradients/net.0") for tag in acc.Tags()["histograms"])
     assert [e.value for e in acc.Scalars("anomalies/nonfinite")] == [0, 0, 0, 1, 1, 1]
     assert acc.Scalars("activations/net.0/count")[0].value == 8 * 16
-    shown = fit.progress_bar_callback.get_metrics(fit, model)
-    assert (shown["anomalies"], shown["anomaly_streak"]) == (3, 3)
-    assert all(isinstance(shown[name], int) for name in ("anomalies", "anomaly_streak"))
-    assert "anomalies=3" in fit.progress_bar_callback.train_progress_bar.postfix  # not 3.000
+    assert fit.progress_bar_callback is bar
+    assert (fit.progress_bar_metrics["anomalies"], fit.progress_bar_metrics["anomaly_streak"]) == (3, 3)
+    assert all(type(fit.progress_bar_metrics[name]) is int for name in ("anomalies", "anomaly_streak"))
+    written = bar_text(bar)  # TQDM: "anomalies=3"; Rich: "anomalies: 3", not 3.000
+    assert {name: written.split(name)[1][1:].split(",")[0].split()[0] for name in ("anomalies", "anomaly_streak")} \
+        == {"anomalies": "3", "anomaly_streak": "3"}, written
+    assert "get_metrics" not in vars(bar)  # after fit, the bar is as it was
 
 
 def gradient_callbacks():
@@ -98,6 +102,7 @@ def test_two_monitors_of_one_class_share_a_trainer(package, tmp_path):
     assert (first.module_names, second.module_names) == (["net.0"], ["net.4"])
 
 
+@pytest.mark.slow
 def test_ddp_with_the_standalone_package_reduces_across_ranks_and_stops_both(tmp_path):
     ranks = run_ddp("_ddp_standalone.py", tmp_path, timeout=120)
     assert [r["global_step"] for r in ranks] == [4, 4]  # the NaN on rank 1 at step 3 stopped both
@@ -107,6 +112,7 @@ def test_ddp_with_the_standalone_package_reduces_across_ranks_and_stops_both(tmp
     assert acc.Histograms("activations/net.0")[0].histogram_value.num == 2 * 4 * 16  # both ranks' batches
 
 
+@pytest.mark.slow
 def test_without_the_standalone_package_the_callbacks_fit_under_lightning_alone(tmp_path):
     script = """
 import sys
@@ -122,3 +128,22 @@ print(len(CALLBACK_BASES), len(TENSORBOARD_LOGGERS), monitor.module_names)
                           cwd=os.path.dirname(HERE))
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.split("\n")[-2] == "1 1 ['net.0']"
+
+
+def test_a_count_is_written_whole_by_either_bar_and_the_bar_is_given_back_as_it_was():
+    bar = PACKAGES["lightning.pytorch"].callbacks.TQDMProgressBar()
+
+    def own(trainer, pl_module):  # a user's own get_metrics on the instance
+        return {"anomalies": 3, "loss": 0.25, "flag": True}
+
+    bar.get_metrics = own
+    show_whole(bar, "anomalies")
+    show_whole(bar, "flag")
+    shown = bar.get_metrics(None, None)
+    assert shown == {"anomalies": 3, "loss": 0.25, "flag": True} and type(shown["flag"]) is bool
+    count = shown["anomalies"]
+    assert [f"{count:.3f}", f"{count:>4.3g}", f"{shown['loss']:.3f}"] == ["3", "   3", "0.250"]
+    unshow_whole(bar, "anomalies")
+    assert f"{bar.get_metrics(None, None)['anomalies']:.3f}" == "3.000"  # "flag" is still shown: still wrapped
+    unshow_whole(bar, "flag")
+    assert bar.get_metrics is own

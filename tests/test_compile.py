@@ -32,7 +32,7 @@ from lightning_hooks import (
 from lightning_hooks.stats import Binning, _accumulate_tensors_, as_float_values, new_rows
 from tests.zoo import metric_series
 
-pytestmark = pytest.mark.filterwarnings("ignore:.*TensorFloat32.*")
+pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore:.*TensorFloat32.*")]
 
 STEPS = 6
 NAN_BATCH = 2  # the stopper's case: this batch's inputs are NaN

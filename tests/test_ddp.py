@@ -10,6 +10,8 @@ import torch
 
 from tests.helpers import TinyNet, events
 
+pytestmark = pytest.mark.slow  # 2-process DDP runs
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 

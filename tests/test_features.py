@@ -262,6 +262,7 @@ def test_load_features_names_the_layers_that_were_saved(tmp_path: Path) -> None:
         load_features(tmp_path, "encoder.0", rank=1)
 
 
+@pytest.mark.slow
 def test_each_ddp_rank_writes_its_own_shards(tmp_path: Path) -> None:
     proc = subprocess.run(
         [sys.executable, str(HERE / "_ddp_features.py"), str(tmp_path)],

@@ -13,7 +13,7 @@ from lightning.pytorch.plugins import MixedPrecision
 from lightning_hooks import _shared_measurement
 from lightning_hooks.gradients import GradientMonitor
 from tests.grad_helpers import GradNet, GradRecorder, run_example
-from tests.helpers import csv_metrics, events, forward_hook_count, loader, trainer
+from tests.helpers import csv_metrics, events, forward_hook_count, loader, progress_bar, trainer
 
 
 def logged(rows: list[dict[str, str]], tag: str) -> dict[int, float]:
@@ -177,7 +177,7 @@ def test_a_nan_in_a_named_layer_is_traced_to_it_saved_for_replay_and_counted(tmp
     monitor = GradientMonitor(log_every_n_steps=100, provenance=True, save_dir=str(tmp_path / "bad"))
     model = GradNet(nan_steps=(3,))
     logger = TensorBoardLogger(tmp_path, name="", version="")
-    fit = trainer(tmp_path, [monitor], logger=logger, max_steps=6, enable_progress_bar=True)
+    fit = trainer(tmp_path, [monitor, progress_bar("tqdm")], logger=logger, max_steps=6, enable_progress_bar=True)
     fit.fit(model, loader())
     report = monitor.last_report
     assert report is not None and (report.step, report.epoch, report.batch_idx) == (3, 0, 3)
@@ -292,6 +292,7 @@ def test_two_monitors_work_together_and_each_resumes_its_own_state(tmp_path):
     assert (relative.anomalous_steps, relative.state_dict()["detector"]["seen"]) == (0, {0: 5})
 
 
+@pytest.mark.slow
 def test_vanishing_sigmoid_example_flags_the_first_parameter_group(tmp_path, capsys):
     run_example("vanishing_sigmoid", str(tmp_path))
     out = capsys.readouterr().out

@@ -457,6 +457,7 @@ class MemoryProbe(L.Callback):
             self.traced = sum(d.size_diff for d in diff if d.traceback[0].filename != __file__)
 
 
+@pytest.mark.slow
 def test_no_memory_growth_over_many_logged_steps(tmp_path):
     """Activations and gradients logged at every one of 5,000 steps, provenance on."""
     steps = int(os.environ.get("LIGHTNING_HOOKS_MEMORY_STEPS", 5000))

@@ -59,6 +59,7 @@ def test_pictures_are_in_the_event_file_bounded_in_count_and_of_the_promised_siz
         assert {(e.width, e.height) for e in images} == {size} == {pixels(e).shape[1::-1] for e in images}
 
 
+@pytest.mark.slow
 def test_the_pictures_change_when_the_data_do_and_only_then(tmp_path):
     final = [pixels(fit(tmp_path / name, LayerHealth(), scale=scale).Images(HEATMAP)[-1])
              for name, scale in (("a", 1.0), ("b", 1.0), ("c", 100.0))]

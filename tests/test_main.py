@@ -14,6 +14,7 @@ import lightning_hooks
 
 PACKAGE = os.path.dirname(os.path.abspath(lightning_hooks.__file__))
 REQUIRE_NATIVE = os.environ.get("LIGHTNING_HOOKS_REQUIRE_NATIVE") == "1"
+pytestmark = pytest.mark.slow  # each test runs the report in a new interpreter (about 10 s apiece)
 
 
 def rows(text: str) -> dict[str, str]:

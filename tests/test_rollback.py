@@ -146,6 +146,7 @@ def test_rollback_with_several_optimizers_fails_before_the_first_step(tmp_path):
         trainer(tmp_path, [stopper], logger=False).fit(TwoOptimizers(), DataLoader(dataset("spike"), batch_size=8))
 
 
+@pytest.mark.slow
 def test_ddp_both_ranks_roll_back_at_the_same_step(tmp_path):
     ranks = run_ddp("_ddp_rollback.py", tmp_path, timeout=90)
     for rank in ranks:  # the NaN was on rank 1 only; rank 0 rolled back with it

@@ -17,6 +17,8 @@ import pytest
 
 from tests.helpers import events
 
+pytestmark = pytest.mark.slow  # 2-process FSDP/TP runs and FSDP set-ups in new interpreters
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 

@@ -24,6 +24,8 @@ from lightning_hooks._health_plots import heatmap_size
 from tests.helpers import events, trainer
 from tests.zoo import F, LitNet
 
+pytestmark = pytest.mark.slow  # each starts a real TensorBoard server
+
 RUN = "tb/version_0"
 
 
