@@ -19,6 +19,7 @@ from lightning_hooks import ActivationMonitor, GradientAnomalyStopping, Gradient
 from lightning_hooks._shared_measurement import SharedMeasurement
 from tests.grad_helpers import GradNet
 from tests.helpers import csv_metrics, loader, trainer
+from tests.test_lbfgs import MAX_ITER, LBFGSNet
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 
@@ -91,3 +92,32 @@ def test_a_second_fit_measures_for_the_callbacks_of_that_fit_only(tmp_path: Path
     second = trainer(tmp_path, [monitor], max_steps=3, logger=False)  # the stopper is not in this one
     second.fit(GradNet(), loader())
     assert SharedMeasurement.of(second).rounds == 3 and SharedMeasurement.of(first).rounds == 2
+
+
+def test_under_lbfgs_each_evaluation_is_measured_once_for_both(tmp_path: Path) -> None:
+    """Both callbacks read each closure evaluation's one measurement; the monitor logs the first of each step."""
+    def run(folder: Path, callbacks: list[Any]) -> dict[str, Any]:
+        torch.manual_seed(0)
+        model = LBFGSNet(nan_at=((1, 2),))  # a NaN at the second evaluation of step 1 only
+        fit = trainer(folder, callbacks, logger=CSVLogger(folder, name="", version=""), max_steps=3)
+        fit.fit(model, loader())
+        return {"calls": dict(model.calls), "rounds": SharedMeasurement.of(fit).rounds,
+                "rows": csv_metrics(str(folder)) if list(folder.glob("metrics.csv")) else [],
+                "params": [p.detach().clone() for p in model.parameters()]}
+
+    def make() -> tuple[GradientMonitor, GradientAnomalyStopping]:
+        return GradientMonitor(log_every_n_steps=1), GradientAnomalyStopping(action="skip")
+
+    alone_monitor, alone_stopper = make()
+    monitor_alone, stopper_alone = run(tmp_path / "m", [alone_monitor]), run(tmp_path / "s", [alone_stopper])
+    monitor, stopper = make()
+    both = run(tmp_path / "both", [monitor, stopper])
+    evaluations = sum(both["calls"].values())
+    assert evaluations > 3 and max(both["calls"].values()) <= MAX_ITER + 1
+    assert both["rounds"] == evaluations == stopper_alone["rounds"]  # once per evaluation, for both
+    assert monitor_alone["rounds"] == 3  # alone, the monitor reads the first evaluation of each step only
+    totals = [r["gradients/total_norm"] for r in both["rows"] if r.get("gradients/total_norm")]
+    assert len(totals) == 3  # one figure per step
+    assert (stopper.anomalous_steps, stopper.dropped_steps) == (alone_stopper.anomalous_steps, 1) == (1, 1)
+    for a, b in zip(both["params"], stopper_alone["params"]):
+        assert torch.equal(a, b)
