@@ -10,6 +10,7 @@ import torch
 from torch import Tensor
 from torch.utils.hooks import RemovableHandle
 
+from lightning_hooks._base import log_step
 from lightning_hooks._gradient_rows import Rows
 from lightning_hooks._sharding import ShardGroupCache, ShardGroups, grad_of, local
 from lightning_hooks.sinks import log_scalars
@@ -52,8 +53,7 @@ class UpdateRatio:
         """Put a step post-hook on each of ``trainer``'s optimizers that finishes the measure and logs it."""
 
         def hook(optimizer: Any, args: Any, kwargs: Any) -> None:
-            step = trainer.global_step  # Lightning counts the step once the optimizer's hooks are done
-            log_scalars(trainer, self.finish(optimizer, trainer.is_global_zero), step)
+            log_scalars(trainer, self.finish(optimizer, trainer.is_global_zero), log_step(trainer))
 
         return [optimizer.register_step_post_hook(hook) for optimizer in trainer.optimizers]
 

@@ -29,7 +29,7 @@ def test_histogram_counts_add_across_ranks_and_moments_match_the_global_batch(dd
     out, _ = ddp_run
     acc = events(str(out))
     series = acc.Histograms("activations/net.0")
-    assert [e.step for e in series] == [0, 2]
+    assert [e.step for e in series] == [0, 1]  # step 0, then Lightning's (n + 1) % 2 == 0
     # Step 0's global batch is the union of the batches each rank saw (4 samples each).
     x = torch.cat([torch.load(out / f"batch0-rank{r}.pt") for r in (0, 1)])
     assert series[0].histogram_value.num == 2 * 4 * 16
