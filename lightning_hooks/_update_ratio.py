@@ -24,7 +24,9 @@ class UpdateRatio:
     measures ``||w_after - w_before|| / ||w_before||`` per row with multi-tensor ops, brings
     the figures to the host in one transfer, and drops the snapshot. A row whose parameters
     lost their gradients before the step (an update dropped by ``GradientAnomalyStopping``)
-    gives no ratio, and a step that never ran (a GradScaler skipping it) never finishes:
+    gives no ratio, nor does a row whose parameters were all zeros before the step (a bias or a
+    LayerNorm shift at initialisation: ``||w_before|| = 0``, the ratio is undefined), and a step
+    that never ran (a GradScaler skipping it) never finishes:
     :meth:`discard` drops its snapshot.
     """
 
@@ -84,12 +86,14 @@ class UpdateRatio:
         squares = _row_squares(rows, before, shards)  # sharded: every rank takes part in the sum
         if not to_host:
             return {}
-        ratios = (squares[0] / squares[1]).sqrt().cpu().tolist()  # the one transfer
+        deltas, weights = squares.cpu().tolist()  # the one transfer
         metrics: dict[str, float] = {}
         # A dropped update leaves no gradient at all; FSDP1 leaves none where this rank's part is empty.
         kept = any(p.grad is not None for _, params in rows for p in params)
-        for (name, params), ratio in zip(rows, ratios):
-            if kept and all(p.grad is not None or p.numel() == 0 for p in params):  # else the update was dropped
+        for (name, params), delta, weight in zip(rows, deltas, weights):
+            # All zeros before the step (a bias at initialisation): no ratio is defined (it would be inf).
+            if weight > 0 and kept and all(p.grad is not None or p.numel() == 0 for p in params):
+                ratio = math.sqrt(delta / weight)
                 metrics[f"updates/{name}/ratio"] = ratio
                 metrics[f"updates/{name}/log10_ratio"] = math.log10(ratio) if ratio > 0 else -math.inf
         return metrics

@@ -60,7 +60,9 @@ class GradientMonitor(GradientCheck):
     no copy and do no work) and compared in an optimizer step post-hook, in one host transfer
     of their own. A step the AMP GradScaler skips, and an update ``GradientAnomalyStopping``
     drops, give no ratio; with gradient accumulation only the real optimizer step is measured.
-    A parameter that was all zeros gives an infinite ratio.
+    A row that was all zeros before the step (a bias or LayerNorm shift at initialisation) has
+    no ratio at that step (``||w_before|| = 0``: it would be infinite), so none is logged for it
+    there; it gets one from its next logged step on.
 
     At every optimizer step it computes the anomaly flags, and logs them as 0/1 scalars on
     logged steps, on every step that raises one, and on the step after (where they come back
