@@ -21,18 +21,44 @@ ACTIVATION_TYPES: tuple[type[nn.Module], ...] = (
     nn.Softsign, nn.Softmax, nn.LogSoftmax, nn.GLU,
 )
 
+#: Class names of activation modules from libraries we do not import, whose classes are plain
+#: ``nn.Module`` subclasses rather than torch's (the default selection takes a leaf module of one
+#: of these names, or whose class name ends in ``Activation``: Hugging Face transformers'
+#: ``NewGELUActivation``, ``GELUActivation``, ``SiLUActivation``, ``QuickGELUActivation`` ...):
+#: transformers' ``GELUTanh`` and ``PytorchGELUTanh``, and timm's ``timm.layers.activations``
+#: and ``activations_me`` modules.
+ACTIVATION_NAMES: frozenset[str] = frozenset({
+    "GELUTanh", "PytorchGELUTanh",
+    "GELU", "QuickGELU", "Swish", "Mish", "Sigmoid", "Tanh", "HardSwish", "HardSigmoid", "HardMish",
+    "SwishMe", "MishMe", "HardSwishMe", "HardSigmoidMe", "HardMishMe",
+})
+
 
 #: Modules taken whole by the default selection: their submodules are never called as modules
 #: (``nn.MultiheadAttention`` uses ``out_proj``'s weights directly), so hooks on them never fire.
 WHOLE_TYPES: tuple[type[nn.Module], ...] = (nn.MultiheadAttention,)
 
 
+def is_activation(module: nn.Module) -> bool:
+    """Whether ``module`` is an activation module.
+
+    One of ``ACTIVATION_TYPES`` (or a subclass), or a leaf module whose class name ends in
+    ``Activation`` (Hugging Face's) or is one of ``ACTIVATION_NAMES`` (timm's): recognised by
+    name, so that neither library is imported.
+    """
+    if isinstance(module, ACTIVATION_TYPES):
+        return True
+    name = type(module).__name__
+    return (name.endswith("Activation") or name in ACTIVATION_NAMES) and next(module.children(), None) is None
+
+
 def is_default_module(module: nn.Module) -> bool:
     """Whether the default selection takes ``module``.
 
-    It takes leaf modules with parameters, activation modules, and ``WHOLE_TYPES``.
+    It takes leaf modules with parameters, activation modules (:func:`is_activation`), and
+    ``WHOLE_TYPES``.
     """
-    if isinstance(module, ACTIVATION_TYPES + WHOLE_TYPES):
+    if isinstance(module, WHOLE_TYPES) or is_activation(module):
         return True
     is_leaf = next(module.children(), None) is None
     return is_leaf and next(module.parameters(recurse=False), None) is not None
