@@ -221,13 +221,34 @@ def _no_match_message(argument: str, item: str | type, names: list[str]) -> str:
             f"`{argument}` names type {item.__name__}, but the model holds no {item.__name__}."
             f" Available modules: {_short_list(names)}"
         )
-    close = difflib.get_close_matches(item, names, n=5, cutoff=0.5)
+    close = close_matches(item, names)
     hint = f" Did you mean: {', '.join(repr(c) for c in close)}?" if close else ""
     return (
         f"`{argument}` pattern {item!r} matched no module.{hint}"
         f" Available modules: {_short_list(names)}. Patterns are fnmatch globs over"
         " qualified names, e.g. 'encoder.*' or '*.relu'."
     )
+
+
+#: Characters a name typed by hand confuses with digits: 'net.O' means 'net.0'.
+_LOOKALIKES = str.maketrans({"O": "0", "o": "0", "I": "1", "l": "1"})
+
+
+def close_matches(name: str, names: list[str], n: int = 5, cutoff: float = 0.5) -> list[str]:
+    """The ``n`` of ``names`` most like ``name`` (difflib's ratio at least ``cutoff``), the closest first.
+
+    Ties go to the name that is closer once look-alike characters are read as digits (``O`` as
+    ``0``, ``l`` as ``1``), then to the one that comes first in ``names`` (the model's order),
+    where ``difflib.get_close_matches`` puts the last first.
+    """
+    plain = name.translate(_LOOKALIKES)
+
+    def ratio(a: str, b: str) -> float:
+        return difflib.SequenceMatcher(None, a, b).ratio()
+
+    scored = [(ratio(name, other), ratio(plain, other.translate(_LOOKALIKES)), other) for other in names]
+    ranked = sorted((s for s in scored if s[0] >= cutoff), key=lambda s: (-s[0], -s[1]))
+    return [other for _, _, other in ranked[:n]]
 
 
 def _short_list(names: list[str], limit: int = 30) -> str:

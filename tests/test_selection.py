@@ -85,6 +85,13 @@ class FeedForwardActivation(nn.Module):  # named like one, but a container
         self.lin = nn.Linear(2, 2)
 
 
+def test_did_you_mean_puts_the_closest_name_first():
+    root = nn.Module()
+    root.net = nn.Sequential(nn.Linear(2, 2), nn.ReLU(), nn.Linear(2, 1))
+    with pytest.raises(ValueError, match=r"'net.O' matched no .* Did you mean: 'net.0', 'net.1', 'net.2', 'net'\?"):
+        names("net.O", root)  # difflib ties them; the look-alike O for 0 and the model's order break the tie
+
+
 def test_library_activations_are_recognised_by_class_name_without_importing_the_library():
     assert is_default_module(NewGELUActivation()) and is_default_module(HardSwishMe())
     assert {"NewGELUActivation", "HardSwishMe"} - ACTIVATION_NAMES == {"NewGELUActivation"}  # by its suffix
