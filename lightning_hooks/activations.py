@@ -37,11 +37,12 @@ class ActivationMonitor(HookCallback):
     tensor it returns (inside tuples, lists, dicts and dataclasses; other values are skipped) to
     that module's row of on-device statistics. Rows add up over the step's micro-batches
     (gradient accumulation) and over repeated calls of a module (shared layers, loops): the
-    ``calls`` stat says how many calls a row holds (a call counts once however many tensors it
-    returns; recomputation by gradient checkpointing in backward is not a call, and calls that
-    return nothing summarisable are not counted). Once the step's optimizer step is done (at the
-    end of its last training batch) the rows are reduced across ranks once, copied to the host
-    once, and logged at that step (where ``self.log`` writes the batch's figures) as
+    ``calls`` stat says how many calls a row holds on one rank (across ranks the most of any
+    rank, as one process would count them; a call counts once however many tensors it returns;
+    recomputation by gradient checkpointing in backward is not a call, and calls that return
+    nothing summarisable are not counted). Once the step's optimizer step is done (at the end of
+    its last training batch) the rows are reduced across ranks once, copied to the host once,
+    and logged at that step (where ``self.log`` writes the batch's figures) as
     ``activations/<module>/<stat>`` scalars to every logger and as ``activations/<module>``
     histograms to TensorBoard and W&B. On other steps the hooks return at once. Each
     TensorBoardLogger also gets a Custom Scalars layout, once, with one chart per stat that

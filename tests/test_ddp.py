@@ -39,6 +39,8 @@ def test_histogram_counts_add_across_ranks_and_moments_match_the_global_batch(dd
         hidden = model.net[0](x)
     scalars = {tag: acc.Scalars(tag)[0].value for tag in acc.Tags()["scalars"] if tag.startswith("activations/net.0/")}
     assert scalars["activations/net.0/count"] == hidden.numel()
+    for module in ("net.0", "net.1", "net.2"):  # one call a rank: as one process over the global batch
+        assert [e.value for e in acc.Scalars(f"activations/{module}/calls")] == [1, 1], module
     assert scalars["activations/net.0/mean"] == pytest.approx(hidden.mean().item(), rel=1e-5)
     assert scalars["activations/net.0/std"] == pytest.approx(hidden.std().item(), rel=1e-5)
     assert scalars["activations/net.0/min"] == pytest.approx(hidden.min().item(), rel=1e-6)
