@@ -66,8 +66,8 @@ class LayerHealth(FigureListener, Callback):
     :class:`~lightning_hooks.GradientMonitor` (in the same ``callbacks``) log anyway, and keeps
     a bounded record of them on the host. From it, at the first logged step, every
     ``image_every_n_steps`` (as Lightning logs: at step ``n`` once ``n + 1`` reaches a multiple,
-    19, 39 … for 20, or the first logged step after) and at the end of training, at most ``max_images`` times
-    per picture in all, it writes to each ``TensorBoardLogger``:
+    19, 39 … for 20, or the first logged step after) and at the end of training, at most
+    ``max_images`` times per picture in all, it writes to each ``TensorBoardLogger``:
 
     - ``health/activation_histograms``: one panel per module (at most ``max_panels``) of its
       activation histograms over the logged steps, steps across, bins up, ``log1p(count)`` as
