@@ -106,7 +106,7 @@ def _accepts(cls: Any, argument: str) -> bool:
 
 
 def _every(n: int) -> Callable[[int], bool]:
-    return lambda step: step % n == 0
+    return lambda step: step == 0 or (step + 1) % n == 0  # our callbacks log as Lightning does, and at step 0
 
 
 def _wandb_every(n: int) -> Callable[[int], bool]:

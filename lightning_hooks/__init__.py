@@ -13,12 +13,13 @@ from lightning_hooks.anomalies import (
 from lightning_hooks.features import FeatureExtractor, load_features
 from lightning_hooks.gradients import GRADIENT_STAT_NAMES, GradientMonitor
 from lightning_hooks.health import LayerHealth
-from lightning_hooks.selection import ACTIVATION_TYPES, ModuleSelection, select_modules
+from lightning_hooks.selection import ACTIVATION_NAMES, ACTIVATION_TYPES, ModuleSelection, select_modules
 from lightning_hooks.stats import DEFAULT_STATS, DIVERGENCE_STATS, STAT_NAMES, histogram_edges
 from lightning_hooks.stopping import GradientAnomalyError, GradientAnomalyStopping
 from lightning_hooks.transforms import GradientTransform
 
 __all__ = [
+    "ACTIVATION_NAMES",
     "ACTIVATION_TYPES",
     "DEFAULT_STATS",
     "DIVERGENCE_STATS",

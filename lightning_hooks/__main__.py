@@ -7,6 +7,7 @@ that kernel uses AVX2, and how many threads torch uses.
 
 from __future__ import annotations
 
+import argparse
 import importlib
 import platform
 import sys
@@ -76,8 +77,16 @@ def report() -> str:
     return "\n".join(f"{name:<{width}}{value}" for name, value in rows)
 
 
-def main() -> int:
-    """Print the report."""
+def main(argv: Optional[list[str]] = None) -> int:
+    """Print the report; ``--help`` says what it is, and an unknown argument fails with a usage line."""
+    parser = argparse.ArgumentParser(
+        prog="python -m lightning_hooks",
+        description="Print a report of this environment: the versions of lightning_hooks, Python, torch and"
+                    " the Lightning packages, whether the native statistics kernel is on (and if not, why),"
+                    " whether it uses AVX2, and how many threads torch uses. Paste it into an issue, or read"
+                    " it when statistics are slow.",
+    )
+    parser.parse_args(argv)
     print(report())
     return 0
 

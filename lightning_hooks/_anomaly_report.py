@@ -18,6 +18,7 @@ import torch
 from lightning.fabric.utilities.apply_func import move_data_to_device
 from torch import Tensor
 
+from lightning_hooks._base import log_step
 from lightning_hooks._provenance import NEVER, Located
 from lightning_hooks.sinks import log_text
 
@@ -135,7 +136,7 @@ def report_step(
     if save_dir is not None:
         report = replace(report, saved_path=_save(save_dir, trainer, pl_module, report, batch, micro_batches))
     text = "\n".join("    " + line for line in str(report).splitlines())  # markdown code block
-    log_text(trainer, "anomalies/report", text, trainer.global_step)
+    log_text(trainer, "anomalies/report", text, log_step(trainer))
     return report
 
 

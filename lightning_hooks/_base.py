@@ -55,9 +55,26 @@ def _log_interval(log_every_n_steps: Optional[int], trainer: pl.Trainer) -> int:
     return getattr(trainer, "log_every_n_steps", 50)
 
 
+def log_step(trainer: pl.Trainer) -> int:
+    """The step Lightning's loggers record for the training batch running now.
+
+    That is the fit loop's count of batches that stepped (``_batches_that_stepped``, what
+    ``self.log``, ``LearningRateMonitor`` and ``DeviceStatsMonitor`` write at): it counts each
+    batch that ends an optimizer step once (``accumulate_grad_batches`` batches count once,
+    several optimizers in one batch count once) and goes up only after ``on_train_batch_end``.
+    ``trainer.global_step`` where the loop has no such count.
+    """
+    loop = getattr(getattr(trainer, "fit_loop", None), "epoch_loop", None)
+    return int(getattr(loop, "_batches_that_stepped", trainer.global_step))
+
+
 def _is_logged_step(step: int, every: int) -> bool:
-    """Whether optimizer step ``step`` is logged at an interval of ``every`` (0: never)."""
-    return every > 0 and step % every == 0
+    """Whether log step ``step`` (see :func:`log_step`) is logged at an interval of ``every`` (0: never).
+
+    Lightning's own timing (``(step + 1) % every == 0``: steps 4, 9, 14 … for 5), so our points
+    share steps with the user's ``self.log``, and step 0, the start of training.
+    """
+    return every > 0 and (step == 0 or (step + 1) % every == 0)
 
 
 class HookCallback(*CALLBACK_BASES):  # type: ignore[misc]  # the Callback of each Lightning package

@@ -16,6 +16,8 @@ import torch
 from lightning.pytorch.loggers import TensorBoardLogger
 from torch import Tensor
 
+from lightning_hooks.selection import close_matches
+
 Stage = Literal["fit", "validate", "test", "predict"]
 _SHARD = re.compile(r"rank(\d+)-shard(\d+)\.pt")
 
@@ -111,8 +113,9 @@ def load_features(
         The features, on CPU.
 
     Raises:
-        FileNotFoundError: If nothing was saved for this layer, stage and rank (the message
-            lists the layers that were).
+        FileNotFoundError: If nothing was saved for this layer, stage and rank: the message
+            says whether the layer was watched but never called, suggests close names, and
+            lists the layers that have features.
 
     Example::
 
@@ -126,11 +129,25 @@ def load_features(
         if (match := _SHARD.fullmatch(path.name)) and (rank is None or int(match[1]) == rank)
     )
     if not shards:
-        stage_dir = Path(dirpath) / stage
-        saved = sorted(p.name for p in stage_dir.iterdir()) if stage_dir.is_dir() else []
-        which = "" if rank is None else f" by rank {rank}"
-        raise FileNotFoundError(
-            f"No features saved{which} for layer {layer!r} in stage {stage!r} under {str(dirpath)!r}."
-            f" Layers saved for {stage!r}: {saved or 'none'}"
-        )
+        raise FileNotFoundError(_not_saved_message(dirpath, stage, layer, rank))
     return torch.cat([torch.load(path, map_location="cpu", weights_only=True) for _, _, path in shards])
+
+
+def _not_saved_message(dirpath: Union[str, os.PathLike], stage: str, layer: str, rank: Optional[int]) -> str:
+    """Why nothing can be loaded for ``layer``: watched but never called, or never watched; what was saved."""
+    which = "" if rank is None else f" by rank {rank}"
+    stage_dir = Path(dirpath) / stage
+    saved = sorted(p.name for p in stage_dir.iterdir() if _has_shards(p, rank)) if stage_dir.is_dir() else []
+    head = f"No features saved{which} for layer {layer!r} in stage {stage!r} under {str(dirpath)!r}"
+    if layer_dir(dirpath, stage, layer).is_dir():  # a FeatureExtractor watched it
+        reason = f": it was watched, but no output of it was saved{which} (the module was never called)."
+    else:
+        close = close_matches(layer, saved)
+        reason = "." + (f" Did you mean: {', '.join(repr(c) for c in close)}?" if close else "")
+    return f"{head}{reason} Layers saved{which} for {stage!r}: {saved or 'none'}"
+
+
+def _has_shards(folder: Path, rank: Optional[int]) -> bool:
+    """Whether ``folder`` holds a shard (of ``rank``, unless it is None)."""
+    return folder.is_dir() and any((match := _SHARD.fullmatch(path.name)) and (rank is None or int(match[1]) == rank)
+                                   for path in folder.iterdir())

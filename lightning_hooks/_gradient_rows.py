@@ -17,6 +17,7 @@ import lightning.pytorch as pl
 import torch
 from torch import Tensor, nn
 
+from lightning_hooks._base import log_step
 from lightning_hooks._rank_agreement import Check
 from lightning_hooks._sharding import ShardGroups, grad_of, local
 from lightning_hooks._stat_rows import bin_counts, summarize
@@ -136,7 +137,7 @@ def row_metrics(trainer: pl.Trainer, check: Check, rows: Rows, present: list[boo
         metrics.update({f"gradients/{name}/{s}": summary[s] for s in stats if s != "norm"})
         if histograms:
             written.append((f"gradients/{name}", summary, bin_counts(row)))
-    log_histograms(trainer, written, edges, trainer.global_step)
+    log_histograms(trainer, written, edges, log_step(trainer))
     if block is not None:
         block.reset()
     return metrics

@@ -3,7 +3,8 @@
 A *stat row* is a float64 vector that summarises any number of tensors and can be added up
 across tensors, steps and ranks:
 
-- columns ``SUM_FIELDS`` add (element counts, sums, histogram counts),
+- columns ``SUM_FIELDS`` add (element counts, sums, histogram counts; ``calls`` adds within a
+  rank and takes the maximum across ranks),
 - columns ``MAX_FIELDS`` take the maximum (the maximum and the negated minimum),
 - the last ``bins`` columns are histogram counts over fixed bin edges.
 
@@ -52,9 +53,15 @@ def reset_rows_(rows: Tensor) -> Tensor:
 
 
 def reduce_rows(gathered: Tensor) -> Tensor:
-    """Combine stat rows stacked along dim 0 (e.g. one block per rank) into one block."""
+    """Combine the stat rows of several ranks, stacked along dim 0, into one block.
+
+    Sums add and extremes take the max: the figures of the global batch. ``calls`` takes the
+    max as well: it counts a module's calls on one rank (the most of any rank), as each rank
+    runs the module once on its part of the batch, so that it reads as one process's would.
+    """
     out = gathered.sum(0)
     out[..., _MAX_SLICE] = gathered[..., _MAX_SLICE].amax(0)
+    out[..., _COL["calls"]] = gathered[..., _COL["calls"]].amax(0)
     return out
 
 

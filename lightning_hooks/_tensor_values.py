@@ -1,8 +1,8 @@
 """Which values statistics are taken over: the tensors inside a module's output, as flat floats.
 
-:func:`iter_tensors` finds every tensor in an output (tuples, lists, dicts, dataclasses);
-:func:`as_float_values` turns one into the flat float32 or float64 values the kernels of
-``stats`` read, or skips it (sparse, quantized, meta, empty).
+:func:`iter_tensors` finds every tensor in an output (tuples, lists, dicts, dataclasses, a
+``PackedSequence``'s data); :func:`as_float_values` turns one into the flat float32 or float64
+values the kernels of ``stats`` read, or skips it (sparse, quantized, meta, empty).
 """
 
 from __future__ import annotations
@@ -13,12 +13,19 @@ from typing import Any
 
 import torch
 from torch import Tensor
+from torch.nn.utils.rnn import PackedSequence
 
 
 def iter_tensors(value: Any, _depth: int = 0) -> Iterator[Tensor]:
-    """Every tensor inside a module's output: tuples, lists, dicts, dataclasses; others skipped."""
+    """Every tensor inside a module's output: tuples, lists, dicts, dataclasses; others skipped.
+
+    A ``PackedSequence`` (what an RNN fed ``pack_padded_sequence`` returns) gives its ``data``
+    alone: its ``batch_sizes`` and sort indices are bookkeeping, not values.
+    """
     if isinstance(value, Tensor):
         yield value
+    elif isinstance(value, PackedSequence):
+        yield value.data
     elif _depth > 8:
         return
     elif isinstance(value, (tuple, list)):

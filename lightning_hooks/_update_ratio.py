@@ -10,6 +10,7 @@ import torch
 from torch import Tensor
 from torch.utils.hooks import RemovableHandle
 
+from lightning_hooks._base import log_step
 from lightning_hooks._gradient_rows import Rows
 from lightning_hooks._sharding import ShardGroupCache, ShardGroups, grad_of, local
 from lightning_hooks.sinks import log_scalars
@@ -23,7 +24,9 @@ class UpdateRatio:
     measures ``||w_after - w_before|| / ||w_before||`` per row with multi-tensor ops, brings
     the figures to the host in one transfer, and drops the snapshot. A row whose parameters
     lost their gradients before the step (an update dropped by ``GradientAnomalyStopping``)
-    gives no ratio, and a step that never ran (a GradScaler skipping it) never finishes:
+    gives no ratio, nor does a row whose parameters were all zeros before the step (a bias or a
+    LayerNorm shift at initialisation: ``||w_before|| = 0``, the ratio is undefined), and a step
+    that never ran (a GradScaler skipping it) never finishes:
     :meth:`discard` drops its snapshot.
     """
 
@@ -52,8 +55,7 @@ class UpdateRatio:
         """Put a step post-hook on each of ``trainer``'s optimizers that finishes the measure and logs it."""
 
         def hook(optimizer: Any, args: Any, kwargs: Any) -> None:
-            step = trainer.global_step  # Lightning counts the step once the optimizer's hooks are done
-            log_scalars(trainer, self.finish(optimizer, trainer.is_global_zero), step)
+            log_scalars(trainer, self.finish(optimizer, trainer.is_global_zero), log_step(trainer))
 
         return [optimizer.register_step_post_hook(hook) for optimizer in trainer.optimizers]
 
@@ -84,12 +86,14 @@ class UpdateRatio:
         squares = _row_squares(rows, before, shards)  # sharded: every rank takes part in the sum
         if not to_host:
             return {}
-        ratios = (squares[0] / squares[1]).sqrt().cpu().tolist()  # the one transfer
+        deltas, weights = squares.cpu().tolist()  # the one transfer
         metrics: dict[str, float] = {}
         # A dropped update leaves no gradient at all; FSDP1 leaves none where this rank's part is empty.
         kept = any(p.grad is not None for _, params in rows for p in params)
-        for (name, params), ratio in zip(rows, ratios):
-            if kept and all(p.grad is not None or p.numel() == 0 for p in params):  # else the update was dropped
+        for (name, params), delta, weight in zip(rows, deltas, weights):
+            # All zeros before the step (a bias at initialisation): no ratio is defined (it would be inf).
+            if weight > 0 and kept and all(p.grad is not None or p.numel() == 0 for p in params):
+                ratio = math.sqrt(delta / weight)
                 metrics[f"updates/{name}/ratio"] = ratio
                 metrics[f"updates/{name}/log10_ratio"] = math.log10(ratio) if ratio > 0 else -math.inf
         return metrics

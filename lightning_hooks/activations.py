@@ -16,6 +16,7 @@ from lightning_hooks._base import (
     _validate_interval,
     _validate_stats,
     in_backward,
+    log_step,
 )
 from lightning_hooks._stat_rows import DEFAULT_STATS, DIVERGENCE_STATS, STAT_NAMES, bin_counts, summarize
 from lightning_hooks.aggregate import StatBlock
@@ -31,15 +32,17 @@ _PREFIXES = {"train": "activations", "validate": "val_activations"}
 class ActivationMonitor(HookCallback):
     """Log statistics and histograms of what the selected modules output during training.
 
-    On a logged training step (``trainer.global_step % log_every_n_steps == 0``) a forward
-    hook on each selected module adds every tensor it returns (inside tuples, lists, dicts and
-    dataclasses; other values are skipped) to that module's row of on-device statistics. Rows
-    add up over the step's micro-batches (gradient accumulation) and over repeated calls of a
-    module (shared layers, loops): the ``calls`` stat says how many calls a row holds (a call
-    counts once however many tensors it returns; recomputation by gradient checkpointing in
-    backward is not a call, and calls that return nothing summarisable are not counted). Once
-    the step's optimizer step is done (at the end of its last training batch) the rows are
-    reduced across ranks once, copied to the host once, and logged at that step as
+    On a logged training step (as Lightning logs: the loop's step ``n`` with ``(n + 1) %
+    log_every_n_steps == 0``, and step 0) a forward hook on each selected module adds every
+    tensor it returns (inside tuples, lists, dicts and dataclasses; other values are skipped) to
+    that module's row of on-device statistics. Rows add up over the step's micro-batches
+    (gradient accumulation) and over repeated calls of a module (shared layers, loops): the
+    ``calls`` stat says how many calls a row holds on one rank (across ranks the most of any
+    rank, as one process would count them; a call counts once however many tensors it returns;
+    recomputation by gradient checkpointing in backward is not a call, and calls that return
+    nothing summarisable are not counted). Once the step's optimizer step is done (at the end of
+    its last training batch) the rows are reduced across ranks once, copied to the host once,
+    and logged at that step (where ``self.log`` writes the batch's figures) as
     ``activations/<module>/<stat>`` scalars to every logger and as ``activations/<module>``
     histograms to TensorBoard and W&B. On other steps the hooks return at once. Each
     TensorBoardLogger also gets a Custom Scalars layout, once, with one chart per stat that
@@ -122,7 +125,8 @@ class ActivationMonitor(HookCallback):
         self._diverged: dict[str, set[str]] = {}  # by prefix: counter tags non-zero when last logged
         self._blocks: dict[str, StatBlock] = {}
         self._block: Optional[StatBlock] = None
-        self._pending_step: Optional[int] = None
+        self._pending_step: Optional[int] = None  # the log step being collected
+        self._pending_global = 0  # ``trainer.global_step`` when it began: its optimizer step is done once this moves
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         """Resolve modules and the logging interval before training starts."""
@@ -175,10 +179,12 @@ class ActivationMonitor(HookCallback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
         """Open the gate on logged steps."""
-        step = trainer.global_step
+        step = log_step(trainer)
         if self._pending_step is not None and self._pending_step != step:
             self._flush(trainer, "train")  # an earlier step ended without an optimizer step
         if "train" in self._blocks and _is_logged_step(step, self._every):
+            if self._pending_step is None:
+                self._pending_global = trainer.global_step
             self._block, self._collecting, self._pending_step = self._blocks["train"], True, step
 
     def on_train_batch_end(
@@ -190,7 +196,7 @@ class ActivationMonitor(HookCallback):
         step: closures re-run by LBFGS, several optimizers under manual optimization.
         """
         self._collecting = False
-        if self._pending_step is not None and self._pending_step != trainer.global_step:
+        if self._pending_step is not None and self._pending_global != trainer.global_step:
             self._flush(trainer, "train")
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -219,7 +225,7 @@ class ActivationMonitor(HookCallback):
         """Log the validation run's figures under ``val_activations/``."""
         block = self._blocks.get("validate")
         if block is not None and not trainer.sanity_checking and self.is_attached:
-            self._log(trainer, block, "val_activations", trainer.global_step)
+            self._log(trainer, block, "val_activations", log_step(trainer))
 
     def _flush(self, trainer: pl.Trainer, stage: str) -> None:
         step, self._pending_step = self._pending_step, None

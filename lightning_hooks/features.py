@@ -16,7 +16,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
-from lightning_hooks._base import HookCallback, in_backward
+from lightning_hooks._base import HookCallback, in_backward, log_step
 from lightning_hooks._compat import TENSORBOARD_LOGGERS
 from lightning_hooks._feature_store import EmbeddingSample, ShardWriter, Stage, layer_dir, load_features
 from lightning_hooks.selection import ModuleSelection
@@ -267,7 +267,7 @@ class FeatureExtractor(HookCallback):
             return
         self._flush()
         if self._embeddings is not None:
-            self._embeddings.log(stage, trainer.global_step)
+            self._embeddings.log(stage, log_step(trainer))
         self.detach()
         self._stage, self._collecting = None, False
 

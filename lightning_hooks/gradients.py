@@ -13,7 +13,7 @@ from typing import Any, Literal, Optional
 import lightning.pytorch as pl
 from torch import Tensor
 
-from lightning_hooks._base import _is_logged_step, _log_interval, _validate_interval, _validate_stats
+from lightning_hooks._base import _is_logged_step, _log_interval, _validate_interval, _validate_stats, log_step
 from lightning_hooks._gradient_check import GradientCheck, _check_bool
 from lightning_hooks._gradient_rows import Rows, row_figures, row_metrics, select_rows
 from lightning_hooks._rank_agreement import Check
@@ -42,7 +42,8 @@ class GradientMonitor(GradientCheck):
     are the same on every rank, so they are not reduced again; rank zero writes, and one small
     all-reduce per step agrees on whether the step was anomalous.
 
-    On logged steps (``trainer.global_step % log_every_n_steps == 0``) it logs
+    On logged steps (as Lightning logs: the loop's step ``n`` with ``(n + 1) % log_every_n_steps
+    == 0``, and step 0; every figure goes out at the step ``self.log`` writes at) it logs
     ``gradients/<name>/norm`` per parameter (``granularity="parameter"``) or per module
     (``"module"``: the norm over the module's parameters), ``gradients/total_norm`` (as
     ``torch.nn.utils.get_total_norm`` gives it; per parameter group as
@@ -59,7 +60,9 @@ class GradientMonitor(GradientCheck):
     no copy and do no work) and compared in an optimizer step post-hook, in one host transfer
     of their own. A step the AMP GradScaler skips, and an update ``GradientAnomalyStopping``
     drops, give no ratio; with gradient accumulation only the real optimizer step is measured.
-    A parameter that was all zeros gives an infinite ratio.
+    A row that was all zeros before the step (a bias or LayerNorm shift at initialisation) has
+    no ratio at that step (``||w_before|| = 0``: it would be infinite), so none is logged for it
+    there; it gets one from its next logged step on.
 
     At every optimizer step it computes the anomaly flags, and logs them as 0/1 scalars on
     logged steps, on every step that raises one, and on the step after (where they come back
@@ -237,11 +240,11 @@ class GradientMonitor(GradientCheck):
         if evaluation != 1:  # one figure per optimizer step: LBFGS's later evaluations are not logged
             return False
         flags = bool(self._detector.enabled_flags)
-        return flags or self.provenance or _is_logged_step(trainer.global_step, self._every)
+        return flags or self.provenance or _is_logged_step(log_step(trainer), self._every)
 
     def _extra(self, trainer: pl.Trainer, step: Step) -> dict[str, Tensor]:
         """Row norms, and the rows' stats and histograms, on logged steps."""
-        self._logged = _is_logged_step(trainer.global_step, self._every) and bool(step.params)
+        self._logged = _is_logged_step(log_step(trainer), self._every) and bool(step.params)
         if not self._logged or not self._rows:
             self._present = []
             return {}
@@ -261,7 +264,7 @@ class GradientMonitor(GradientCheck):
             if self._logged:
                 metrics.update(row_metrics(trainer, check, self._rows, self._present, self._block, self.stats,
                                                self._histograms))
-            log_scalars(trainer, metrics, trainer.global_step)
+            log_scalars(trainer, metrics, log_step(trainer))
         self._raised = raised
         if self.update_ratio and self._logged and not check.amp_overflow:
             self._updates.take(self._rows, optimizer)

@@ -64,9 +64,10 @@ class LayerHealth(FigureListener, Callback):
     It computes nothing on the device and brings nothing to the host: it is handed, on rank
     zero, the figures an :class:`~lightning_hooks.ActivationMonitor` and a
     :class:`~lightning_hooks.GradientMonitor` (in the same ``callbacks``) log anyway, and keeps
-    a bounded record of them on the host. From it, every ``image_every_n_steps`` (at the first
-    logged step from each multiple on) and at the end of training, at most ``max_images`` times
-    per picture in all, it writes to each ``TensorBoardLogger``:
+    a bounded record of them on the host. From it, at the first logged step, every
+    ``image_every_n_steps`` (as Lightning logs: at step ``n`` once ``n + 1`` reaches a multiple,
+    19, 39 … for 20, or the first logged step after) and at the end of training, at most
+    ``max_images`` times per picture in all, it writes to each ``TensorBoardLogger``:
 
     - ``health/activation_histograms``: one panel per module (at most ``max_panels``) of its
       activation histograms over the logged steps, steps across, bins up, ``log1p(count)`` as
@@ -175,9 +176,10 @@ class LayerHealth(FigureListener, Callback):
                              batch_idx: int) -> None:
         """Draw when due, once every monitor has logged the last logged step."""
         step = self._last
-        if self._fresh and step is not None and step >= self._next_image and self._images < self.max_images - 1:
+        # Due as Lightning logs: at step n once n + 1 reaches a multiple (19, 39 … for 20), and at the first.
+        if self._fresh and step is not None and step + 1 >= self._next_image and self._images < self.max_images - 1:
             self._draw(trainer, step)
-            self._next_image = (step // self.image_every_n_steps + 1) * self.image_every_n_steps
+            self._next_image = ((step + 1) // self.image_every_n_steps + 1) * self.image_every_n_steps
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Draw the last pictures, and write and print the summary (rank zero)."""

@@ -21,18 +21,44 @@ ACTIVATION_TYPES: tuple[type[nn.Module], ...] = (
     nn.Softsign, nn.Softmax, nn.LogSoftmax, nn.GLU,
 )
 
+#: Class names of activation modules from libraries we do not import, whose classes are plain
+#: ``nn.Module`` subclasses rather than torch's (the default selection takes a leaf module of one
+#: of these names, or whose class name ends in ``Activation``: Hugging Face transformers'
+#: ``NewGELUActivation``, ``GELUActivation``, ``SiLUActivation``, ``QuickGELUActivation`` ...):
+#: transformers' ``GELUTanh`` and ``PytorchGELUTanh``, and timm's ``timm.layers.activations``
+#: and ``activations_me`` modules.
+ACTIVATION_NAMES: frozenset[str] = frozenset({
+    "GELUTanh", "PytorchGELUTanh",
+    "GELU", "QuickGELU", "Swish", "Mish", "Sigmoid", "Tanh", "HardSwish", "HardSigmoid", "HardMish",
+    "SwishMe", "MishMe", "HardSwishMe", "HardSigmoidMe", "HardMishMe",
+})
+
 
 #: Modules taken whole by the default selection: their submodules are never called as modules
 #: (``nn.MultiheadAttention`` uses ``out_proj``'s weights directly), so hooks on them never fire.
 WHOLE_TYPES: tuple[type[nn.Module], ...] = (nn.MultiheadAttention,)
 
 
+def is_activation(module: nn.Module) -> bool:
+    """Whether ``module`` is an activation module.
+
+    One of ``ACTIVATION_TYPES`` (or a subclass), or a leaf module whose class name ends in
+    ``Activation`` (Hugging Face's) or is one of ``ACTIVATION_NAMES`` (timm's): recognised by
+    name, so that neither library is imported.
+    """
+    if isinstance(module, ACTIVATION_TYPES):
+        return True
+    name = type(module).__name__
+    return (name.endswith("Activation") or name in ACTIVATION_NAMES) and next(module.children(), None) is None
+
+
 def is_default_module(module: nn.Module) -> bool:
     """Whether the default selection takes ``module``.
 
-    It takes leaf modules with parameters, activation modules, and ``WHOLE_TYPES``.
+    It takes leaf modules with parameters, activation modules (:func:`is_activation`), and
+    ``WHOLE_TYPES``.
     """
-    if isinstance(module, ACTIVATION_TYPES + WHOLE_TYPES):
+    if isinstance(module, WHOLE_TYPES) or is_activation(module):
         return True
     is_leaf = next(module.children(), None) is None
     return is_leaf and next(module.parameters(recurse=False), None) is not None
@@ -195,13 +221,34 @@ def _no_match_message(argument: str, item: str | type, names: list[str]) -> str:
             f"`{argument}` names type {item.__name__}, but the model holds no {item.__name__}."
             f" Available modules: {_short_list(names)}"
         )
-    close = difflib.get_close_matches(item, names, n=5, cutoff=0.5)
+    close = close_matches(item, names)
     hint = f" Did you mean: {', '.join(repr(c) for c in close)}?" if close else ""
     return (
         f"`{argument}` pattern {item!r} matched no module.{hint}"
         f" Available modules: {_short_list(names)}. Patterns are fnmatch globs over"
         " qualified names, e.g. 'encoder.*' or '*.relu'."
     )
+
+
+#: Characters a name typed by hand confuses with digits: 'net.O' means 'net.0'.
+_LOOKALIKES = str.maketrans({"O": "0", "o": "0", "I": "1", "l": "1"})
+
+
+def close_matches(name: str, names: list[str], n: int = 5, cutoff: float = 0.5) -> list[str]:
+    """The ``n`` of ``names`` most like ``name`` (difflib's ratio at least ``cutoff``), the closest first.
+
+    Ties go to the name that is closer once look-alike characters are read as digits (``O`` as
+    ``0``, ``l`` as ``1``), then to the one that comes first in ``names`` (the model's order),
+    where ``difflib.get_close_matches`` puts the last first.
+    """
+    plain = name.translate(_LOOKALIKES)
+
+    def ratio(a: str, b: str) -> float:
+        return difflib.SequenceMatcher(None, a, b).ratio()
+
+    scored = [(ratio(name, other), ratio(plain, other.translate(_LOOKALIKES)), other) for other in names]
+    ranked = sorted((s for s in scored if s[0] >= cutoff), key=lambda s: (-s[0], -s[1]))
+    return [other for _, _, other in ranked[:n]]
 
 
 def _short_list(names: list[str], limit: int = 30) -> str:

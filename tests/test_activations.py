@@ -4,9 +4,10 @@ import warnings
 import lightning as L
 import pytest
 import torch
+from lightning.pytorch.callbacks import LearningRateMonitor
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 
-from lightning_hooks import STAT_NAMES, ActivationMonitor
+from lightning_hooks import STAT_NAMES, ActivationMonitor, GradientMonitor
 from tests.helpers import TinyNet, csv_metrics, events, forward_hook_count, loader, trainer
 
 
@@ -19,11 +20,11 @@ def test_histograms_one_series_per_module_at_logged_steps(tmp_path):
     assert sorted(acc.Tags()["histograms"]) == ["activations/net.0", "activations/net.1", "activations/net.2"]
     for tag, width in [("activations/net.0", 16), ("activations/net.1", 16), ("activations/net.2", 1)]:
         series = acc.Histograms(tag)
-        assert [e.step for e in series] == [0, 2, 4]
+        assert [e.step for e in series] == [0, 1, 3, 5]  # step 0, then Lightning's (n + 1) % 2 == 0
         assert all(e.histogram_value.num == 8 * width for e in series)
         assert all(sum(e.histogram_value.bucket) == 8 * width for e in series)
     steps = [e.step for e in acc.Scalars("activations/net.0/mean")]
-    assert steps == [0, 2, 4]
+    assert steps == [0, 1, 3, 5]
 
 
 def test_stats_equal_torch_on_the_same_input(tmp_path):
@@ -55,7 +56,32 @@ def test_default_interval_is_the_trainers(tmp_path):
     run = trainer(tmp_path, [ActivationMonitor()], logger=CSVLogger(tmp_path), log_every_n_steps=3)
     run.fit(TinyNet(), loader())
     steps = [int(r["step"]) for r in csv_metrics(str(tmp_path)) if r.get("activations/net.0/mean")]
-    assert steps == [0, 3]
+    assert steps == [0, 2, 5]
+
+
+class _LoggingNet(TinyNet):
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        self.log("loss", loss)
+        return loss
+
+
+def test_our_points_share_steps_with_self_log_and_lightnings_own_callbacks(tmp_path):
+    callbacks = [ActivationMonitor(modules="net.0", stats=["mean", "calls"]),
+                 GradientMonitor(modules="net.0", update_ratio=True), LearningRateMonitor("step")]
+    run = trainer(tmp_path, callbacks, logger=CSVLogger(tmp_path), max_steps=10, log_every_n_steps=5,
+                  accumulate_grad_batches=2)
+    run.fit(_LoggingNet(), loader(n=160))  # 20 batches, 10 optimizer steps
+    rows = csv_metrics(str(tmp_path))
+
+    def steps(tag):
+        return sorted({int(r["step"]) for r in rows if r.get(tag)})
+
+    assert steps("loss") == steps("lr-SGD") == [4, 9]  # Lightning logs step n when (n + 1) % 5 == 0
+    for tag in ("activations/net.0/mean", "gradients/net.0.weight/norm", "updates/net.0.weight/ratio"):
+        assert steps(tag) == [0, 4, 9], tag  # the same steps, and the start of training
+    calls = {int(r["step"]): float(r["activations/net.0/calls"]) for r in rows if r.get("activations/net.0/calls")}
+    assert calls == {0: 2, 4: 2, 9: 2}  # each holds its step's two micro-batches
 
 
 def test_csv_only_and_several_loggers_get_the_scalars(tmp_path):
@@ -63,7 +89,7 @@ def test_csv_only_and_several_loggers_get_the_scalars(tmp_path):
     monitor = ActivationMonitor(log_every_n_steps=2, stats=["mean", "max"], modules="net.0")
     trainer(tmp_path, [monitor], logger=loggers).fit(TinyNet(), loader())
     rows = [r for r in csv_metrics(str(tmp_path / "csv")) if r.get("activations/net.0/mean")]
-    assert [int(r["step"]) for r in rows] == [0, 2, 4]
+    assert [int(r["step"]) for r in rows] == [0, 1, 3, 5]
     assert not any(k.endswith("/std") for k in rows[0])
     acc = events(str(tmp_path / "tb"))
     assert sorted(acc.Tags()["scalars"]) == ["activations/net.0/max", "activations/net.0/mean"]
@@ -168,7 +194,7 @@ def test_unlogged_steps_leave_the_buffers_untouched(tmp_path):
     monitor = ActivationMonitor(log_every_n_steps=3)
     probe = _PendingProbe(monitor)
     trainer(tmp_path, [probe, monitor], logger=False).fit(TinyNet(), loader())
-    assert probe.pending == [True, False, False, True, False, False]
+    assert probe.pending == [True, False, True, False, False, True]  # steps 0, 2 and 5
 
 
 def test_a_trainer_that_logs_nothing_turns_the_monitor_off_unless_it_has_its_own_interval(tmp_path):
@@ -179,7 +205,7 @@ def test_a_trainer_that_logs_nothing_turns_the_monitor_off_unless_it_has_its_own
     own = ActivationMonitor(log_every_n_steps=3)
     probe = _PendingProbe(own)
     trainer(tmp_path, [probe, own], logger=False, log_every_n_steps=0).fit(TinyNet(), loader())
-    assert probe.pending == [True, False, False, True, False, False]
+    assert probe.pending == [True, False, True, False, False, True]
 
 
 class _LBFGSNet(TinyNet):
@@ -191,7 +217,7 @@ def test_every_closure_evaluation_of_a_step_is_logged_at_that_step(tmp_path):
     monitor = ActivationMonitor(log_every_n_steps=2, modules="net.0", stats=["calls", "count"])
     trainer(tmp_path, [monitor], logger=CSVLogger(tmp_path), max_steps=4).fit(_LBFGSNet(), loader())
     rows = [r for r in csv_metrics(str(tmp_path)) if r.get("activations/net.0/calls")]
-    assert [int(r["step"]) for r in rows] == [0, 2]
+    assert [int(r["step"]) for r in rows] == [0, 1, 3]
     calls = [float(r["activations/net.0/calls"]) for r in rows]
     assert all(2 <= c <= 5 for c in calls), calls  # LBFGS evaluates the closure up to max_iter + 1 times
     assert [float(r["activations/net.0/count"]) for r in rows] == [c * 8 * 16 for c in calls]
@@ -215,13 +241,14 @@ class _TwoOptimizers(TinyNet):
         return [torch.optim.SGD(self.net[0].parameters(), lr=0.01), torch.optim.SGD(self.net[2].parameters(), lr=0.01)]
 
 
-def test_manual_optimization_with_two_optimizers_logs_each_batch_at_its_first_step(tmp_path):
+def test_manual_optimization_with_two_optimizers_logs_each_batch_once_at_its_step(tmp_path):
     monitor = ActivationMonitor(log_every_n_steps=2, modules="net.2", stats=["calls"])
     run = trainer(tmp_path, [monitor], logger=CSVLogger(tmp_path), max_steps=8)
     run.fit(_TwoOptimizers(), loader())
     rows = [r for r in csv_metrics(str(tmp_path)) if r.get("activations/net.2/calls")]
-    # Each batch makes two optimizer steps: batches start at global steps 0, 2, 4, 6.
-    assert [(int(r["step"]), float(r["activations/net.2/calls"])) for r in rows] == [(0, 2), (2, 2), (4, 2), (6, 2)]
+    # Each batch makes two optimizer steps (global steps 0-7), but Lightning's loggers count
+    # a batch once: steps 0-3, logged at 0, 1 and 3, each holding the batch's two calls.
+    assert [(int(r["step"]), float(r["activations/net.2/calls"])) for r in rows] == [(0, 2), (1, 2), (3, 2)]
 
 
 class _BuiltInConfigureModel(TinyNet):

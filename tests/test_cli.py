@@ -162,7 +162,7 @@ def test_every_callback_is_configured_from_yaml_and_fits(tmp_path, monkeypatch):
     assert got["activations/net.0/count"] == {0: 64, 1: 64}
     assert got["activations/net.0.input/count"] == {0: 32, 1: 32}
     assert got["activations/net.2/count"] == {0: 8}  # the Trainer's log_every_n_steps (50)
-    assert got["val_activations/net.1/count"] == {2: 2 * 64}
+    assert got["val_activations/net.1/count"] == {1: 2 * 64}  # where Lightning logs val figures
     assert set(got["gradients/net.0/norm"]) == {0, 1} and got["anomalies/exploding"] == {0: 0, 1: 0}
     assert cli.trainer.global_step == 2
     assert load_features(tmp_path / "features", "net.1", stage="fit").shape == (16, 8)

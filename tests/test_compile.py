@@ -142,7 +142,7 @@ def test_inductor_gives_the_eager_figures(tmp_path, case, precision):
             want_saved = load_features(want_dir / "features", layer, stage="fit")
             torch.testing.assert_close(saved.float(), want_saved.float(), rtol=tol["rel"], atol=tol["abs"])
     if case == "ActivationMonitor":
-        assert got["activations/net.0/count"] == {0: 512, 2: 512, 4: 512}  # (8, 64) per step, logged steps only
+        assert got["activations/net.0/count"] == {0: 512, 1: 512, 3: 512, 5: 512}  # (8, 64) per step, logged steps only
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])

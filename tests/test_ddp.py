@@ -31,7 +31,7 @@ def test_histogram_counts_add_across_ranks_and_moments_match_the_global_batch(dd
     out, _ = ddp_run
     acc = events(str(out))
     series = acc.Histograms("activations/net.0")
-    assert [e.step for e in series] == [0, 2]
+    assert [e.step for e in series] == [0, 1]  # step 0, then Lightning's (n + 1) % 2 == 0
     # Step 0's global batch is the union of the batches each rank saw (4 samples each).
     x = torch.cat([torch.load(out / f"batch0-rank{r}.pt") for r in (0, 1)])
     assert series[0].histogram_value.num == 2 * 4 * 16
@@ -41,6 +41,8 @@ def test_histogram_counts_add_across_ranks_and_moments_match_the_global_batch(dd
         hidden = model.net[0](x)
     scalars = {tag: acc.Scalars(tag)[0].value for tag in acc.Tags()["scalars"] if tag.startswith("activations/net.0/")}
     assert scalars["activations/net.0/count"] == hidden.numel()
+    for module in ("net.0", "net.1", "net.2"):  # one call a rank: as one process over the global batch
+        assert [e.value for e in acc.Scalars(f"activations/{module}/calls")] == [1, 1], module
     assert scalars["activations/net.0/mean"] == pytest.approx(hidden.mean().item(), rel=1e-5)
     assert scalars["activations/net.0/std"] == pytest.approx(hidden.std().item(), rel=1e-5)
     assert scalars["activations/net.0/min"] == pytest.approx(hidden.min().item(), rel=1e-6)

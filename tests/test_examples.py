@@ -45,7 +45,7 @@ def run_example(name: str, out_dir) -> str:
         ("layer_health", [
             r"dead units: zero fraction of outputs, highest\n(\s+net\.[35] .*\n){2}",
             r"update ratio: farthest from 0\.001\n\s+net\.6 ",
-            r"health/activation_histograms\s+4 images of 1280x480 px, at steps \[0, 20, 40, 60\]",
+            r"health/activation_histograms\s+4 images of 1280x480 px, at steps \[0, 19, 39, 59\]",
         ]),
         ("update_ratio", [r"net\.0\.weight .* too fast", r"net\.2\.weight .* ok", r"net\.4\.weight .* too slow"]),
     ],

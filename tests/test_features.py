@@ -262,6 +262,23 @@ def test_load_features_names_the_layers_that_were_saved(tmp_path: Path) -> None:
         load_features(tmp_path, "encoder.0", rank=1)
 
 
+class WithUnused(Encoder):
+    def __init__(self) -> None:
+        super().__init__()
+        self.unused = nn.Linear(3, 1)  # never called
+
+
+def test_load_features_tells_a_layer_never_called_from_one_never_watched(tmp_path: Path) -> None:
+    extractor = FeatureExtractor(["encoder.0", "encoder.2", "unused"], tmp_path)
+    Trainer(callbacks=[extractor], **TRAINER).predict(WithUnused(), loader(inputs(8)))
+    saved = r"Layers saved for 'predict': \['encoder.0', 'encoder.2'\]$"  # not 'unused': nothing is in it
+    with pytest.raises(FileNotFoundError, match=r"layer 'unused' .*: it was watched, but no output of it was saved"
+                                                 r" \(the module was never called\). " + saved):
+        load_features(tmp_path, "unused")
+    with pytest.raises(FileNotFoundError, match=r"Did you mean: 'encoder.0', 'encoder.2'\? " + saved):
+        load_features(tmp_path, "encoder.O")  # the closest first
+
+
 @pytest.mark.slow
 def test_each_ddp_rank_writes_its_own_shards(tmp_path: Path) -> None:
     proc = subprocess.run(

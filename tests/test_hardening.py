@@ -136,7 +136,7 @@ def test_the_zoo_with_inputs_and_validation_never_disables_a_hook(tmp_path):
     # The in-place ReLU overwrites its input: inputs are read before the forward, outputs after.
     assert got["activations/net.res.relu.input/min"][0] < 0 <= got["activations/net.res.relu/min"][0]
     assert got["activations/net.shared.lin.input/count"][0] == 2 * 8 * F
-    assert got["val_activations/net.loop.cell/calls"] == {2: 3}  # at the global step validation ran
+    assert got["val_activations/net.loop.cell/calls"] == {1: 3}  # where Lightning logs the run's val figures
     assert forward_hook_count(net) == 0
 
 
@@ -385,11 +385,12 @@ def test_validation_is_logged_apart_when_asked(tmp_path):
                   num_sanity_val_steps=2, limit_val_batches=3)
     run.fit(model, zoo_loader(32, 8), zoo_loader(40, 8, seed=1))
     got = series(tmp_path)
-    # One validation run per epoch, after 4 and 8 optimizer steps; 3 batches, never the sanity check.
-    assert got["val_activations/net.0/calls"] == {4: 3, 8: 3}
-    assert got["val_activations/net.0/count"] == {4: 3 * 8 * 8, 8: 3 * 8 * 8}
+    # One validation run per epoch, after 4 and 8 optimizer steps, logged where Lightning logs
+    # val figures (the last training batch's step: 3 and 7); 3 batches, never the sanity check.
+    assert got["val_activations/net.0/calls"] == {3: 3, 7: 3}
+    assert got["val_activations/net.0/count"] == {3: 3 * 8 * 8, 7: 3 * 8 * 8}
     val = torch.cat([o.flatten() for s, st, o in recorder.seen if s == "validate" and st == 4]).double()
-    assert got["val_activations/net.0/mean"][4] == pytest.approx(float(val.mean()), abs=1e-6)
+    assert got["val_activations/net.0/mean"][3] == pytest.approx(float(val.mean()), abs=1e-6)
     assert got["activations/net.0/count"] == {s: 64 for s in range(8)}  # training unaffected
 
 
@@ -406,11 +407,11 @@ def test_steps_are_global_steps_under_gradient_accumulation(tmp_path):
     assert run.global_step == 8
     acc = events(str(tmp_path / "tb"))
     for name in MLP_MODULES:
-        assert sorted(histograms(acc, f"activations/{name}")) == [0, 2, 4, 6], name
-        assert sorted(e.step for e in acc.Scalars(f"activations/{name}/count")) == [0, 2, 4, 6]
+        assert sorted(histograms(acc, f"activations/{name}")) == [0, 1, 3, 5, 7], name
+        assert sorted(e.step for e in acc.Scalars(f"activations/{name}/count")) == [0, 1, 3, 5, 7]
     got = series(tmp_path)
     hist = histograms(acc, "activations/net.1")
-    for step in (0, 2, 4, 6):
+    for step in (0, 1, 3, 5, 7):
         both = recorder.values("train", step).double()  # the step's two micro-batches
         assert both.numel() == 2 * 8 * 8
         assert got["activations/net.1/calls"][step] == 2
@@ -494,15 +495,15 @@ def test_resume_from_checkpoint_registers_once_and_continues_the_steps(tmp_path,
     second = fit(monitor if same_monitor else ActivationMonitor(stats=STAT_NAMES, log_every_n_steps=2), 2, 1,
                  ckpt_path=tmp_path / "ckpt" / "last.ckpt")
     assert first.train == [3] * 4 and second.train == [3] * 4  # one hook per module, every batch
-    assert sorted(series(tmp_path, 0)["activations/net.0/count"]) == [0, 2]
-    assert sorted(series(tmp_path, 1)["activations/net.0/count"]) == [4, 6]
+    assert sorted(series(tmp_path, 0)["activations/net.0/count"]) == [0, 1, 3]
+    assert sorted(series(tmp_path, 1)["activations/net.0/count"]) == [5, 7]  # no step-0 point on resume
 
     reference = tmp_path / "reference"
     trainer(reference, [ActivationMonitor(stats=STAT_NAMES, log_every_n_steps=2)], logger=csv_logger(reference),
             max_steps=-1, max_epochs=2).fit(LitNet(mlp()), zoo_loader(32, 8))
     straight, resumed = series(reference), series(tmp_path, 1)
     for stat in ("mean", "std", "max", "zero_fraction"):
-        for step in (4, 6):
+        for step in (5, 7):
             assert resumed[f"activations/net.1/{stat}"][step] == pytest.approx(
                 straight[f"activations/net.1/{stat}"][step], rel=1e-6), (stat, step)
 
@@ -533,8 +534,8 @@ def test_torch_compile_gives_the_eager_figures(tmp_path, backend):
     eager = series(tmp_path)
 
     assert monitor.module_names == eager_monitor.module_names == MLP_MODULES  # no '_orig_mod' in tags
-    assert got["activations/net.0/count"] == {0: 64, 2: 64, 4: 64}  # unlogged steps were not collected
-    assert got["activations/net.0/calls"] == {0: 1, 2: 1, 4: 1}
+    assert got["activations/net.0/count"] == {0: 64, 1: 64, 3: 64, 5: 64}  # unlogged steps were not collected
+    assert got["activations/net.0/calls"] == {0: 1, 1: 1, 3: 1, 5: 1}
     for key, values in eager.items():
         if key.startswith("activations/"):
             for step, value in values.items():

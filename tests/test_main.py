@@ -74,3 +74,13 @@ def test_the_report_says_why_the_kernel_is_off(tmp_path):
     assert got["AVX2"] == "n/a (no native kernel)"
     stale = copy_with_kernel(tmp_path / "stale", "ABI_VERSION = 1\n")  # what an old build reports
     assert report(cwd=stale)["native C kernel"].startswith("off: stale build (ABI 1, this version needs ")
+
+
+def test_help_says_what_the_command_does_and_a_wrong_argument_fails():
+    run = [sys.executable, "-m", "lightning_hooks"]
+    cwd = os.path.dirname(PACKAGE)
+    done = subprocess.run([*run, "--help"], capture_output=True, text=True, timeout=120, cwd=cwd)
+    assert done.returncode == 0 and done.stdout.startswith("usage: python -m lightning_hooks [-h]")
+    assert "Print a report of this environment" in done.stdout and "native C kernel" not in done.stdout
+    done = subprocess.run([*run, "--verbose"], capture_output=True, text=True, timeout=120, cwd=cwd)
+    assert done.returncode == 2 and "unrecognized arguments: --verbose" in done.stderr and not done.stdout

@@ -5,6 +5,7 @@ import torch
 from torch import nn
 
 from lightning_hooks.selection import (
+    ACTIVATION_NAMES,
     ACTIVATION_TYPES,
     is_default_module,
     named_parameters,
@@ -66,6 +67,37 @@ def test_default_rule_module_by_module():
     assert not is_default_module(nn.Sequential(nn.Linear(2, 2)))  # a container
     assert not is_default_module(WithOwnParam())  # own parameter, but not a leaf
     assert all(issubclass(t, nn.Module) for t in ACTIVATION_TYPES)
+
+
+class NewGELUActivation(nn.Module):  # Hugging Face's name: a plain nn.Module
+    def forward(self, x):
+        return nn.functional.gelu(x, approximate="tanh")
+
+
+class HardSwishMe(nn.Module):  # timm's name (timm.layers.activations_me)
+    def forward(self, x):
+        return nn.functional.hardswish(x)
+
+
+class FeedForwardActivation(nn.Module):  # named like one, but a container
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(2, 2)
+
+
+def test_did_you_mean_puts_the_closest_name_first():
+    root = nn.Module()
+    root.net = nn.Sequential(nn.Linear(2, 2), nn.ReLU(), nn.Linear(2, 1))
+    with pytest.raises(ValueError, match=r"'net.O' matched no .* Did you mean: 'net.0', 'net.1', 'net.2', 'net'\?"):
+        names("net.O", root)  # difflib ties them; the look-alike O for 0 and the model's order break the tie
+
+
+def test_library_activations_are_recognised_by_class_name_without_importing_the_library():
+    assert is_default_module(NewGELUActivation()) and is_default_module(HardSwishMe())
+    assert {"NewGELUActivation", "HardSwishMe"} - ACTIVATION_NAMES == {"NewGELUActivation"}  # by its suffix
+    assert not is_default_module(FeedForwardActivation())  # its Linear is taken instead
+    assert names(None, nn.Sequential(nn.Linear(2, 2), NewGELUActivation(), FeedForwardActivation())) == [
+        "0", "1", "2.lin"]
 
 
 @pytest.mark.parametrize(

@@ -6,11 +6,11 @@ from typing import Any
 import lightning as L
 import pytest
 import torch
-from lightning.pytorch.loggers import CSVLogger
+from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from lightning.pytorch.plugins import MixedPrecision
 from torch import nn
 
-from lightning_hooks import GradientAnomalyStopping, GradientMonitor
+from lightning_hooks import GradientAnomalyStopping, GradientMonitor, LayerHealth
 from lightning_hooks._update_ratio import UpdateRatio
 from tests.grad_helpers import GradNet
 from tests.helpers import csv_metrics, loader, trainer
@@ -60,12 +60,12 @@ def test_ratio_is_the_update_norm_over_the_weight_norm_on_logged_steps_only(tmp_
     monitor = GradientMonitor(log_every_n_steps=2, update_ratio=True, max_norm=1e6)  # a check every step
     probe = fit(tmp_path, monitor, GradNet(optimizer="adam"), max_steps=5)
     got = ratios(tmp_path, "updates/net.0.weight/ratio")
-    assert sorted(got) == [0, 2, 4] and len(taken) == 3  # snapshots on logged steps only
+    assert sorted(got) == [0, 1, 3] and len(taken) == 3  # snapshots on logged steps only
     assert not any(probe.pending)  # and none is held from one step to the next
     for step, ratio in got.items():
         assert ratio == pytest.approx(probe.ratio(step, ["net.0.weight"]), rel=1e-5)
     log10 = ratios(tmp_path, "updates/net.4.bias/log10_ratio")
-    assert log10[2] == pytest.approx(math.log10(probe.ratio(2, ["net.4.bias"])), rel=1e-5)
+    assert log10[3] == pytest.approx(math.log10(probe.ratio(3, ["net.4.bias"])), rel=1e-5)
 
 
 def test_module_rows_take_the_norm_over_the_module_parameters(tmp_path):
@@ -74,6 +74,25 @@ def test_module_rows_take_the_norm_over_the_module_parameters(tmp_path):
     probe = fit(tmp_path, monitor, GradNet(), max_steps=2)
     got = ratios(tmp_path, "updates/net.2/ratio")
     assert got[1] == pytest.approx(probe.ratio(1, ["net.2.weight", "net.2.bias"]), rel=1e-5)
+
+
+def test_a_row_of_zeros_before_the_step_has_no_ratio_there_and_no_inf_reaches_the_logs(tmp_path):
+    torch.manual_seed(0)
+    model = GradNet()
+    with torch.no_grad():
+        model.net[0].bias.zero_()  # as every bias and LayerNorm shift of GPT-2 at initialisation
+    monitor, health = GradientMonitor(update_ratio=True), LayerHealth()
+    probe = ParamsAtStepStart(monitor)
+    loggers = [CSVLogger(tmp_path, name="", version=""), TensorBoardLogger(tmp_path, name="tb")]
+    trainer(tmp_path, [monitor, probe, health], logger=loggers, max_steps=3).fit(model, loader())
+    got = ratios(tmp_path, "updates/net.0.bias/ratio")
+    assert sorted(got) == [1, 2]  # ||w_before|| = 0 at step 0: no ratio is defined there
+    assert got[1] == pytest.approx(probe.ratio(1, ["net.0.bias"]), rel=1e-5)
+    assert sorted(ratios(tmp_path, "updates/net.0.weight/ratio")) == [0, 1, 2]  # the other rows as ever
+    logged = [float(v) for r in csv_metrics(str(tmp_path)) for k, v in r.items() if k.startswith("updates/") and v]
+    assert logged and all(math.isfinite(v) for v in logged)
+    summary = health.summary().split("update ratio: farthest from 0.001")[1]
+    assert "inf" not in summary and len(summary.strip().splitlines()) == 3  # the real outliers, top 3
 
 
 def test_with_accumulation_only_the_real_optimizer_step_is_measured(tmp_path):
