@@ -11,7 +11,7 @@ from tensorboard.backend.event_processing.event_file_loader import RawEventFileL
 from tensorboard.compat.proto.event_pb2 import Event
 from tensorboard.plugins.custom_scalar import layout_pb2
 
-from lightning_hooks.sinks import log_histograms, log_layout, log_scalars
+from lightning_hooks.sinks import category_title, log_histograms, log_layout, log_scalars
 from tests.helpers import TinyNet, events, loader, trainer
 
 
@@ -67,9 +67,33 @@ def test_layouts_add_up_per_writer_and_each_addition_is_written_whole(tmp_path):
         written = events(str(tmp_path / name)).Tensors("custom_scalars__config__")
         got[name] = [(e.step, [(c.title, [ch.title for ch in c.chart]) for c in
                                layout_pb2.Layout.FromString(e.tensor_proto.string_val[0]).category]) for e in written]
-    assert got["a"] == [(3, [("activations", ["std"])]), (3, [("activations", ["std"]), ("gradients", ["norm"])]),
-                        (5, [("activations", ["std", "mean"]), ("gradients", ["norm"])])]
-    assert got["b"] == [(3, [("gradients", ["norm"])])]
+    assert got["a"] == [(3, [("activations: std", ["std"])]),
+                        (3, [("activations: std", ["std"]), ("gradients: norm", ["norm"])]),
+                        (5, [("activations: std, mean", ["std", "mean"]), ("gradients: norm", ["norm"])])]
+    assert got["b"] == [(3, [("gradients: norm", ["norm"])])]
+
+
+@pytest.mark.parametrize(
+    ("charts", "title"),
+    [
+        (["mean by layer", "std by layer"], "activations: mean, std by layer"),
+        (["norm by parameter", "total norm", "anomaly flags"], "grads: norm by parameter, total norm, anomaly flags"),
+        (["std by layer", "norm by module", "max by layer"], "gradients: std by layer, norm by module, max by layer"),
+    ],
+)
+def test_a_category_title_names_its_charts(charts, title):
+    assert category_title(title.partition(":")[0], charts) == title
+
+
+def test_pytorch_lightnings_tensorboard_logger_gets_the_layout_too(tmp_path):
+    ptl_loggers = pytest.importorskip("pytorch_lightning.loggers")
+    logger = ptl_loggers.TensorBoardLogger(tmp_path, name="", version=0, prefix="p")
+    log_layout(_trainer(logger), {"activations": {"std by layer": ["activations/.*/std$"]}}, step=0)
+    logger.experiment.flush()
+    (event,) = events(logger.log_dir).Tensors("custom_scalars__config__")
+    (category,) = layout_pb2.Layout.FromString(event.tensor_proto.string_val[0]).category
+    assert category.title == "p-activations: std by layer"
+    assert list(category.chart[0].multiline.tag) == ["p\\-activations/.*/std$"]
 
 
 class _FilteringLogger(TensorBoardLogger):
