@@ -56,7 +56,7 @@ def main(log_dir: str = "runs/layer_health") -> None:
     L.seed_everything(0, verbose=False)
     logger = TensorBoardLogger(log_dir, name="")
     health = LayerHealth(image_every_n_steps=20, max_images=4)
-    callbacks = [ActivationMonitor(log_every_n_steps=5, modules=[nn.Linear, nn.ReLU], stats=["std", "zero_fraction"]),
+    callbacks = [ActivationMonitor(log_every_n_steps=5, modules=[nn.Linear, nn.ReLU]),
                  GradientMonitor(log_every_n_steps=5, granularity="module", update_ratio=True), health]
     trainer = L.Trainer(
         accelerator="cpu", max_epochs=2, logger=logger, callbacks=callbacks, log_every_n_steps=5,

@@ -21,7 +21,7 @@ from tensorboard.plugins.custom_scalar import layout_pb2
 from torch import nn
 
 from lightning_hooks import STAT_NAMES, ActivationMonitor, GradientMonitor, LayerHealth
-from lightning_hooks._health_plots import heatmap_size
+from lightning_hooks._health_plots import image_size
 from tests.helpers import events, trainer
 from tests.zoo import F, LitNet
 
@@ -212,14 +212,14 @@ def test_tensorboard_serves_the_layer_health_pictures(tmp_path, serve):
 
     get = serve(tmp_path)
     _loaded(get, "gradients/total_norm")
-    tag = "health/activation_histograms"
-    assert tag in get("/data/plugin/images/tags")[RUN]
+    tag = "health/activation_histograms/net.1"
+    assert {tag, "health/depth_profile/zero_fraction"} <= set(get("/data/plugin/images/tags")[RUN])
     entries = get("/data/plugin/images/images", run=RUN, tag=tag)
     assert [e["step"] for e in entries] == [0, 2]  # the first logged step, and the end of training
     png = get(f"/data/plugin/images/individualImage?{entries[-1]['query']}", raw=True)
     assert png[:8] == b"\x89PNG\r\n\x1a\n"
     width, height = struct.unpack(">II", png[16:24])  # the IHDR chunk
-    assert (width, height) == heatmap_size(3)
+    assert (width, height) == image_size() == (480, 320)
 
 
 def test_every_runs_charts_survive_tensorboards_layout_merge(tmp_path, serve):
