@@ -20,7 +20,7 @@ from lightning_hooks._base import (
 from lightning_hooks._stat_rows import DEFAULT_STATS, DIVERGENCE_STATS, STAT_NAMES, bin_counts, summarize
 from lightning_hooks.aggregate import StatBlock
 from lightning_hooks.selection import ModuleSelection, check_limit, validate_limit
-from lightning_hooks.sinks import Charts, Histogram, log_histograms, log_layout, log_scalars
+from lightning_hooks.sinks import Charts, Histogram, destinations, log_histograms, log_layout, log_scalars
 from lightning_hooks.stats import Bins, histogram_edges
 
 Stage = Literal["train", "validate"]
@@ -156,7 +156,9 @@ class ActivationMonitor(HookCallback):
         super().on_fit_start(trainer, pl_module)
         self._check_size()
         names = self.module_names + ([f"{n}.input" for n in self.module_names] if self.inputs else [])
-        self._blocks = {s: StatBlock(names, self.bins, pl_module.device) for s in self.stages}
+        written, _ = destinations(trainer, type(self).__name__, self.histogram, listened_histograms=True,
+                                  skipped="it computes nothing")
+        self._blocks = {s: StatBlock(names, self.bins, pl_module.device) for s in self.stages} if written else {}
         self._block, self._pending_step, self._diverged, self._zeroed = None, None, {}, {}
         self._nonfinite_seen = set()
         for stage in self.stages:

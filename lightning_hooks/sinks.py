@@ -10,6 +10,7 @@ from weakref import WeakKeyDictionary
 import lightning.pytorch as pl
 import numpy as np
 from lightning.pytorch.loggers import Logger, TensorBoardLogger
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from tensorboard.compat.proto.summary_pb2 import Summary
 from torch.utils.tensorboard import SummaryWriter
 from torch.utils.tensorboard.summary import custom_scalars, histogram_raw
@@ -117,6 +118,33 @@ def log_histograms(trainer: pl.Trainer | Any, histograms: Sequence[Histogram], e
         elif isinstance(logger, WANDB_LOGGERS):
             logger.log_metrics({tag: _wandb_histogram(counts[first:last], edges[first : last + 1])
                                 for tag, _, counts, (first, last) in shown}, step=step)
+
+
+def destinations(trainer: pl.Trainer | Any, owner: str, histogram: bool, listened_histograms: bool,
+                 skipped: str) -> tuple[bool, bool]:
+    """Whether ``owner``'s figures, and its histograms, are written anywhere; warn (rank zero) where not.
+
+    Figures go to the Trainer's loggers and to the callbacks that listen to them (LayerHealth);
+    histograms to TensorBoard and W&B loggers, and to listeners where ``listened_histograms``.
+    What a user asked for and would silently lose gets a warning, once per ``fit``: every
+    figure, with no logger (``logger=False``) and no listener, saying what ``owner`` then
+    leaves out (``skipped``); or the histograms, with loggers that take none (a CSVLogger only).
+
+    Returns:
+        ``(figures, histograms)``: whether each is written anywhere.
+    """
+    listening = bool(listeners(trainer))
+    figures = bool(trainer.loggers) or listening
+    histograms = histogram and ((listening and listened_histograms)
+                                or any(isinstance(lg, HISTOGRAM_LOGGERS) for lg in trainer.loggers))
+    if not figures:
+        rank_zero_warn(f"{owner}: the Trainer has no logger (logger=False), so its figures would be written"
+                       f" nowhere: {skipped}. Give the Trainer a logger (e.g. TensorBoardLogger) to see them.")
+    elif histogram and not histograms:
+        kinds = ", ".join(sorted({type(lg).__name__ for lg in trainer.loggers})) or "no logger"
+        rank_zero_warn(f"{owner}: `histogram=True` but no logger takes histograms (the Trainer has {kinds}):"
+                       " they are not written. Add a TensorBoardLogger or WandbLogger, or pass histogram=False.")
+    return figures, histograms
 
 
 def _span(counts: Sequence[float]) -> tuple[int, int]:
