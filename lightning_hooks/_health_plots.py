@@ -14,6 +14,7 @@ import numpy as np
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.colors import LogNorm
 from matplotlib.figure import Figure
+from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
 #: Every picture, in inches at :data:`DPI`: 480 x 320 pixels.
 SIZE = (4.8, 3.2)
@@ -116,8 +117,15 @@ def profile_figure(profile: Profile, band: tuple[float, float] | None = None, li
         ax.axhspan(*band, color="#2ca02c", alpha=0.12, label="healthy")
     if limit is not None:
         ax.axhline(limit, color=_WARN, linestyle="--", linewidth=1, label="unhealthy above")
-    if log and any(v > 0 for v in values if math.isfinite(v)):
+    positive = [v for v in values if math.isfinite(v) and v > 0]
+    if log and positive:
         ax.set_yscale("log")
+        # Ticks written short ("20", "5e-4"), at 1, 2 and 5 where the range spans under two
+        # decades: matplotlib's own labels minor ticks as "2 x 10^0" there, and they overlap.
+        few = math.log10(max(positive) / min(positive)) < 2
+        ax.yaxis.set_major_locator(LogLocator(subs=(1.0, 2.0, 5.0) if few else (1.0,), numticks=8))
+        ax.yaxis.set_major_formatter(FuncFormatter(lambda value, _: _short(value)))
+        ax.yaxis.set_minor_formatter(NullFormatter())
     if limit is not None and limit <= 1:  # a share: all of 0..1, so 0.5 and 0.9 look as far apart as they are
         ax.set_ylim(0, 1.02)
     step = max(1, math.ceil(len(names) / 12))
