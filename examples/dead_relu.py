@@ -15,6 +15,7 @@ import sys
 
 import lightning as L
 import torch
+from _quiet import quiet_lightning  # Lightning's own noise, silenced by message (see _quiet.py)
 from lightning.pytorch.loggers import TensorBoardLogger
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from torch import nn
@@ -58,6 +59,7 @@ def data(n: int = 2048) -> DataLoader:
 
 
 def main(log_dir: str = "runs/dead_relu") -> None:
+    quiet_lightning()
     L.seed_everything(0, verbose=False)
     logger = TensorBoardLogger(log_dir, name="")  # a new version_<n> folder per run
     monitor = ActivationMonitor(log_every_n_steps=10, modules=[nn.ReLU, nn.Linear], stats=["zero_fraction", "max"])

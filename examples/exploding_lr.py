@@ -14,6 +14,7 @@ import sys
 
 import lightning as L
 import torch
+from _quiet import quiet_lightning  # Lightning's own noise, silenced by message (see _quiet.py)
 from lightning.pytorch.loggers import TensorBoardLogger
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from torch import nn
@@ -45,6 +46,7 @@ def data(n: int = 1024) -> DataLoader:
 
 
 def main(log_dir: str = "runs/exploding_lr") -> None:
+    quiet_lightning()
     L.seed_everything(0, verbose=False)
     monitor = GradientMonitor(log_every_n_steps=1, max_norm=MAX_NORM, histogram=False)
     stopper = GradientAnomalyStopping(action="stop", patience=2, max_norm=MAX_NORM, provenance=True)
@@ -66,11 +68,12 @@ def main(log_dir: str = "runs/exploding_lr") -> None:
     for step in sorted(norms):
         fired = [name for name, values in flags.items() if values[step]]
         print(f"{step:4d}  {norms[step]:19.4g}  {', '.join(fired)}")
-    print(f"\nTraining stopped at global step {trainer.global_step} of {5 * len(data())} planned"
-          " (patience=2: it acted on the third anomalous step in a row).")
+    report = stopper.last_report
+    print(f"\nSteps count from 0. The anomaly at step {report.step} (the report above, printed by the callback"
+          f" as it acted) was the third in a row (patience=2), so training stopped after it: steps 0-{report.step}"
+          f" ran, so trainer.global_step (steps counted) is {trainer.global_step}, of {5 * len(data())} planned.")
     finite = all(bool(torch.isfinite(p).all()) for p in model.parameters())
     print(f"Parameters all finite after the stop (the last, NaN update was dropped): {finite}")
-    print(f"\nThe report:\n{stopper.last_report}")
 
 if __name__ == "__main__":
     main(*sys.argv[1:])

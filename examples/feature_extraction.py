@@ -13,6 +13,7 @@ from pathlib import Path
 
 import lightning as L
 import torch
+from _quiet import quiet_lightning  # Lightning's own noise, silenced by message (see _quiet.py)
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -48,6 +49,7 @@ def clusters(n: int, seed: int) -> TensorDataset:
 
 
 def main(out_dir: str = "runs/feature_extraction") -> None:
+    quiet_lightning()
     L.seed_everything(0)
     model = Classifier()
     quiet = dict(

@@ -1,12 +1,15 @@
-"""Layer health at a glance: pictures of every layer over training, and the worst layers in a summary.
+"""Layer health at a glance: pictures of every layer over training, and a verdict at the end.
 
 A seven-module MLP with two faults: three quarters of the third Linear's biases are far below
-its outputs (those ReLUs die) and the last Linear learns 1000x too fast (its own parameter
-group). ActivationMonitor
-and GradientMonitor(update_ratio=True) log as usual; LayerHealth draws, from what they log,
-a heatmap of each module's activation histogram over the steps and a depth profile (std, zero
-fraction, gradient norm and update ratio per layer) to TensorBoard, and at the end prints the
-worst layers. The script prints the summary and which pictures were written.
+its outputs (the ReLUs after it, net.3, die) and the last Linear learns 1000x too fast (its own
+parameter group). ActivationMonitor and GradientMonitor(update_ratio=True) log as usual;
+LayerHealth draws, from what they log, each module's outputs over the steps and depth profiles
+(std, zero fraction, gradient norm and update ratio per layer) to TensorBoard, and at the end
+prints its verdict (once): the layers outside the healthy bands, since which step. The script
+then lists the pictures written.
+
+LayerHealth draws with matplotlib, an optional extra (the Quick start's ``pip install -e .``
+leaves it out): ``pip install -e '.[health]'`` first; without it the script says so and stops.
 
     python examples/layer_health.py [log_dir]          # default: runs/layer_health
     tensorboard --logdir runs/layer_health
@@ -14,10 +17,12 @@ worst layers. The script prints the summary and which pictures were written.
 
 from __future__ import annotations
 
+import importlib.util
 import sys
 
 import lightning as L
 import torch
+from _quiet import quiet_lightning  # Lightning's own noise, silenced by message (see _quiet.py)
 from lightning.pytorch.loggers import TensorBoardLogger
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from torch import nn
@@ -53,10 +58,15 @@ def data(n: int = 1024) -> DataLoader:
 
 
 def main(log_dir: str = "runs/layer_health") -> None:
+    if importlib.util.find_spec("matplotlib") is None:
+        sys.exit("examples/layer_health.py: LayerHealth draws its pictures with matplotlib, an optional extra the"
+                 " Quick start leaves out. Install it with:  pip install -e '.[health]'  (from the repository root;"
+                 " or pip install 'lightning-hooks[health]'), then run this again.")
+    quiet_lightning()
     L.seed_everything(0, verbose=False)
     logger = TensorBoardLogger(log_dir, name="")
     health = LayerHealth(image_every_n_steps=20, max_images=4)
-    callbacks = [ActivationMonitor(log_every_n_steps=5, modules=[nn.Linear, nn.ReLU], stats=["std", "zero_fraction"]),
+    callbacks = [ActivationMonitor(log_every_n_steps=5, modules=[nn.Linear, nn.ReLU]),
                  GradientMonitor(log_every_n_steps=5, granularity="module", update_ratio=True), health]
     trainer = L.Trainer(
         accelerator="cpu", max_epochs=2, logger=logger, callbacks=callbacks, log_every_n_steps=5,
@@ -65,19 +75,19 @@ def main(log_dir: str = "runs/layer_health") -> None:
     trainer.fit(MLP(), data())
     logger.experiment.flush()
 
-    print("\n" + health.summary())
     events = EventAccumulator(logger.log_dir, size_guidance={"images": 0})
     events.Reload()
-    print(f"\nPictures in {logger.log_dir}:")
+    print(f"\n(The verdict above is LayerHealth's, printed once at the end of fit.) Pictures in {logger.log_dir}:")
     for tag in events.Tags()["images"]:
         images = events.Images(tag)
-        print(f"  {tag:30} {len(images)} images of {images[0].width}x{images[0].height} px,"
+        print(f"  {tag:36} {len(images)} images of {images[0].width}x{images[0].height} px,"
               f" at steps {[e.step for e in images]}")
-    print(f"\nWhere to look:  tensorboard --logdir {log_dir}")
-    print("  Images tab, health/activation_histograms: net.3's and net.5's panels have a bright band at 0")
-    print("  (dead units); net.6's output jumps between about -20 and +10 (its learning rate is far too high).")
-    print("  health/depth_profile: zero fraction highest at net.3 and net.5, the update ratio ~1 at net.6.")
-    print("  Text tab, health/summary: this summary.")
+    print(f"\nWhere to look:  tensorboard --logdir {log_dir}  (Images, or Time Series, under 'health')")
+    print("  health/activation_histograms/net.3: about 90% of its outputs exactly 0 from step 0, the strip")
+    print("  red (dead units); net.1, a healthy ReLU, has half. net.5 dies later, after net.6's oversized")
+    print("  updates; net.6's output jumps between about -20 and +10 (its learning rate is far too high).")
+    print("  health/depth_profile/*: zero fraction above the dashed line at net.3 and net.5; update ratio")
+    print("  ~1 at net.6, far above the green healthy band. Text tab, health/summary: the verdict.")
 
 
 if __name__ == "__main__":

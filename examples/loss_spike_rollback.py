@@ -19,6 +19,7 @@ from typing import Optional
 
 import lightning as L
 import torch
+from _quiet import quiet_lightning  # Lightning's own noise, silenced by message (see _quiet.py)
 from lightning.pytorch.loggers import TensorBoardLogger
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
@@ -69,6 +70,7 @@ def train(log_dir: str, name: str, stopper: Optional[GradientAnomalyStopping]) -
 
 
 def main(log_dir: str = "runs/loss_spike_rollback") -> None:
+    quiet_lightning()
     plain, plain_loss = train(log_dir, "unprotected", None)
     stopper = GradientAnomalyStopping(action="rollback", max_norm=1e3, rollback_every_n_steps=10, skip_batches=3)
     guarded, guarded_loss = train(log_dir, "rollback", stopper)

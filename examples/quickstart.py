@@ -14,6 +14,7 @@ import sys
 
 import lightning as L
 import torch
+from _quiet import quiet_lightning  # Lightning's own noise, silenced by message (see _quiet.py)
 from lightning.pytorch.loggers import TensorBoardLogger
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from torch import nn
@@ -58,6 +59,7 @@ def callbacks() -> list[L.Callback]:
 
 
 def main(log_dir: str = "runs/quickstart") -> None:
+    quiet_lightning()
     L.seed_everything(0, verbose=False)
     logger = TensorBoardLogger(log_dir, name="")  # a new version_<n> folder per run
     trainer = L.Trainer(

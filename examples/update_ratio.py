@@ -18,6 +18,7 @@ import sys
 
 import lightning as L
 import torch
+from _quiet import quiet_lightning  # Lightning's own noise, silenced by message (see _quiet.py)
 from lightning.pytorch.loggers import TensorBoardLogger
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from torch import nn
@@ -59,6 +60,7 @@ def verdict(log10_ratio: float) -> str:
 
 
 def main(log_dir: str = "runs/update_ratio") -> None:
+    quiet_lightning()
     L.seed_everything(0, verbose=False)
     logger = TensorBoardLogger(log_dir, name="")
     monitor = GradientMonitor(log_every_n_steps=5, update_ratio=True, histogram=False)

@@ -17,6 +17,7 @@ import sys
 
 import lightning as L
 import torch
+from _quiet import quiet_lightning  # Lightning's own noise, silenced by message (see _quiet.py)
 from lightning.pytorch.loggers import TensorBoardLogger
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from torch import nn
@@ -53,6 +54,7 @@ def data(n: int = 512) -> DataLoader:
 
 
 def main(log_dir: str = "runs/vanishing_sigmoid") -> None:
+    quiet_lightning()
     L.seed_everything(0, verbose=False)
     monitor = GradientMonitor(log_every_n_steps=8, granularity="module", modules=nn.Linear, min_norm=MIN_NORM)
     logger = TensorBoardLogger(log_dir, name="")  # a new version_<n> folder per run

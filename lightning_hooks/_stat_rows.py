@@ -33,7 +33,9 @@ STAT_NAMES = (
     "nan_count", "posinf_count", "neginf_count", "count", "calls",
 )
 
-#: The statistics ActivationMonitor logs by default: those that move on a healthy run.
+#: The statistics ActivationMonitor logs by default: those that move on a healthy run (with
+#: ``stats=None``, ``zero_fraction`` and ``nonfinite_fraction`` only where they are not 0 by
+#: construction: see ActivationMonitor).
 DEFAULT_STATS = ("mean", "std", "abs_max", "zero_fraction", "nonfinite_fraction")
 
 #: Counters of non-finite values: zero on a healthy run, so logged only while they are not.

@@ -21,10 +21,14 @@ from lightning_hooks._base import (
 from lightning_hooks._stat_rows import DEFAULT_STATS, DIVERGENCE_STATS, STAT_NAMES, bin_counts, summarize
 from lightning_hooks.aggregate import StatBlock
 from lightning_hooks.selection import ModuleSelection, check_limit, validate_limit
-from lightning_hooks.sinks import Charts, Histogram, log_histograms, log_layout, log_scalars
+from lightning_hooks.sinks import Charts, Histogram, destinations, log_histograms, log_layout, log_scalars
 from lightning_hooks.stats import Bins, histogram_edges
 
 Stage = Literal["train", "validate"]
+
+#: Default stats logged only where they say something: ``zero_fraction`` from a module's first
+#: exact zero on, ``nonfinite_fraction`` while it is not zero (and once more at 0).
+_SPARSE = ("zero_fraction", "nonfinite_fraction")
 
 _PREFIXES = {"train": "activations", "validate": "val_activations"}
 
@@ -45,13 +49,21 @@ class ActivationMonitor(HookCallback):
     and logged at that step (where ``self.log`` writes the batch's figures) as
     ``activations/<module>/<stat>`` scalars to every logger and as ``activations/<module>``
     histograms to TensorBoard and W&B. On other steps the hooks return at once. Each
-    TensorBoardLogger also gets a Custom Scalars layout, once, with one chart per stat that
-    draws every module (``std by layer``).
+    TensorBoardLogger also gets a Custom Scalars layout with one chart per stat that draws
+    every module (``std by layer``); a chart is added (the layout rewritten) when its first
+    figure is logged, so that no chart is empty.
 
     Non-finite values are left out of the moments and the histogram and counted as
     ``nan_count``, ``posinf_count`` and ``neginf_count``; a diverging run keeps logging. Those
     counters not in ``stats`` are logged for a module only at logged steps where they are not
     zero, and at its next logged step (where the chart comes back to 0).
+
+    With the default ``stats`` (None), no chart is flat by construction: ``mean``, ``std`` and
+    ``abs_max`` are logged at every logged step; ``nonfinite_fraction`` like the counters (where
+    it is not zero, and at the next logged step); and ``zero_fraction`` for a module from its
+    first logged step with an exact zero in its output on, at every logged step (a ReLU's from
+    the start; a Linear's or a GELU's, almost never exactly 0, only once they are). A stat named
+    in ``stats`` is logged at every logged step.
     Integer and bool outputs are summarised as floats, complex outputs by their magnitude;
     sparse, quantized and empty tensors are skipped.
 
@@ -61,9 +73,11 @@ class ActivationMonitor(HookCallback):
         modules: Which modules to watch: None (every leaf module with parameters, plus
             activation modules), a name glob, an ``nn.Module`` subclass, a predicate
             ``(name, module) -> bool``, or a list of globs and subclasses.
-        stats: Which scalars to log every logged step, from :data:`STAT_NAMES`; the default is
-            :data:`DEFAULT_STATS` (mean, std, abs_max, zero_fraction, nonfinite_fraction), and
-            ``stats=STAT_NAMES`` logs all twelve.
+        stats: Which scalars to log every logged step, from :data:`STAT_NAMES`. None (the
+            default): :data:`DEFAULT_STATS` (mean, std, abs_max, zero_fraction,
+            nonfinite_fraction), the last two only where they say something (above);
+            ``stats=DEFAULT_STATS`` logs all five at every logged step, ``stats=STAT_NAMES``
+            all twelve.
         histogram: Whether to write histograms to TensorBoard and W&B.
         bins: Histogram bins: a count of symmetric log-spaced bins covering all of float32,
             or increasing bin edges.
@@ -92,7 +106,7 @@ class ActivationMonitor(HookCallback):
         self,
         log_every_n_steps: Optional[int] = None,
         modules: ModuleSelection = None,
-        stats: Sequence[str] = DEFAULT_STATS,
+        stats: Optional[Sequence[str]] = None,
         histogram: bool = True,
         bins: Bins = 128,
         inputs: bool = False,
@@ -101,7 +115,7 @@ class ActivationMonitor(HookCallback):
     ) -> None:
         super().__init__(modules)
         _validate_interval(log_every_n_steps)
-        _validate_stats(stats, STAT_NAMES)
+        _validate_stats(DEFAULT_STATS if stats is None else stats, STAT_NAMES)
         validate_limit("max_modules", max_modules)
         if (
             isinstance(stages, str)
@@ -115,7 +129,14 @@ class ActivationMonitor(HookCallback):
                 raise TypeError(f"`{name}` must be True or False, got {flag!r}")
         histogram_edges(bins)  # validates `bins`
         self.log_every_n_steps = log_every_n_steps
-        self.stats = tuple(stats)
+        self.stats = None if stats is None else tuple(stats)
+        # Stats logged at every logged step, from a module's first zero on, and while not zero.
+        self._always = tuple(s for s in DEFAULT_STATS if s not in _SPARSE) if stats is None else tuple(stats)
+        self._from_first_zero = ("zero_fraction",) if stats is None else ()
+        self._while_nonzero = tuple(s for s in (*_SPARSE[1:], *DIVERGENCE_STATS)
+                                    if s not in self._always and (stats is None or s in DIVERGENCE_STATS))
+        self._zeroed: dict[str, set[str]] = {}  # by prefix: modules that have output an exact zero
+        self._nonfinite_seen: set[str] = set()  # prefixes under which a non-finite value was logged
         self.histogram = histogram
         self.bins = bins
         self.inputs = inputs
@@ -139,23 +160,37 @@ class ActivationMonitor(HookCallback):
         super().on_fit_start(trainer, pl_module)
         self._check_size()
         names = self.module_names + ([f"{n}.input" for n in self.module_names] if self.inputs else [])
-        self._blocks = {s: StatBlock(names, self.bins, pl_module.device) for s in self.stages}
-        self._block, self._pending_step, self._diverged = None, None, {}
-        log_layout(trainer, {_PREFIXES[s]: self._charts(_PREFIXES[s]) for s in self.stages}, trainer.global_step)
+        written, _ = destinations(trainer, type(self).__name__, self.histogram, listened_histograms=True,
+                                  skipped="it computes nothing")
+        self._blocks = {s: StatBlock(names, self.bins, pl_module.device) for s in self.stages} if written else {}
+        self._block, self._pending_step, self._diverged, self._zeroed = None, None, {}, {}
+        self._nonfinite_seen = set()
+        for stage in self.stages:
+            log_layout(trainer, self._charts(_PREFIXES[stage]), trainer.global_step)
 
     def _check_size(self) -> None:
         """Refuse a selection of more than ``max_modules`` modules, before training."""
-        tags = (len(self.stats) + self.histogram) * (1 + self.inputs)
+        stats = len(self._always + self._from_first_zero) + ("nonfinite_fraction" in self._while_nonzero)
+        tags = (stats + self.histogram) * (1 + self.inputs)
         check_limit(type(self).__name__, "max_modules", self.max_modules, len(self._targets), tags,
                     self.module_names)
 
-    def _charts(self, prefix: str) -> Charts:
-        """One Custom Scalars chart per stat, each drawing every module, and one for the counters."""
-        charts: dict[str, list[str]] = {f"{stat} by layer": [rf"{prefix}/.*/{stat}$"] for stat in self.stats}
-        counters = [s for s in DIVERGENCE_STATS if s not in self.stats]
-        if counters:
-            charts["non-finite counts by layer"] = [rf"{prefix}/.*/({'|'.join(counters)})$"]
-        return charts
+    def _charts(self, prefix: str) -> dict[str, Charts]:
+        """The Custom Scalars charts under ``prefix`` that have data: one per stat, each drawing every module.
+
+        Those logged at every step from the start; ``zero_fraction`` once a module had a zero;
+        those logged only while not zero, in a category of their own, once one was.
+        """
+        stats = self._always + (self._from_first_zero if self._zeroed.get(prefix) else ())
+        charts = {f"{stat} by layer": [rf"{prefix}/.*/{stat}$"] for stat in stats}
+        nonfinite: dict[str, list[str]] = {}
+        if prefix in self._nonfinite_seen:
+            nonfinite = {f"{stat} by layer": [rf"{prefix}/.*/{stat}$"]
+                         for stat in self._while_nonzero if stat not in DIVERGENCE_STATS}
+            counters = [s for s in self._while_nonzero if s in DIVERGENCE_STATS]
+            if counters:
+                nonfinite["non-finite counts by layer"] = [rf"{prefix}/.*/({'|'.join(counters)})$"]
+        return {prefix: charts, f"{prefix}, non-finite": nonfinite}
 
     def _register(self, index: int, name: str, module: nn.Module) -> list[RemovableHandle]:
         input_index = index + len(self._targets)
@@ -246,17 +281,29 @@ class ActivationMonitor(HookCallback):
             summary = summarize(row)
             if summary["calls"] == 0:
                 continue
-            scalars.update({f"{prefix}/{name}/{stat}": summary[stat] for stat in self.stats})
+            scalars.update({f"{prefix}/{name}/{stat}": summary[stat] for stat in self._always})
+            scalars.update(self._zero_fraction(prefix, name, summary))
             counters.update(self._counters(f"{prefix}/{name}", summary, due))
             if self.histogram:
                 histograms.append((f"{prefix}/{name}", summary, bin_counts(row)))
         # Those not zero now are due at the next logged step; one due but not logged now (its
         # module was not called) stays due.
         self._diverged[prefix] = {tag for tag, value in counters.items() if value > 0} | (due - counters.keys())
+        if self._diverged[prefix]:
+            self._nonfinite_seen.add(prefix)
+        log_layout(trainer, self._charts(prefix), step)  # writes only when a chart has its first figure
         log_histograms(trainer, histograms, edges, step)
         log_scalars(trainer, {**scalars, **counters}, step)
 
+    def _zero_fraction(self, prefix: str, name: str, summary: dict[str, float]) -> dict[str, float]:
+        """``zero_fraction`` to log when it is not in ``stats``: from the module's first exact zero on."""
+        zeroed = self._zeroed.setdefault(prefix, set())
+        if not self._from_first_zero or (name not in zeroed and not summary["zero_fraction"] > 0):
+            return {}
+        zeroed.add(name)
+        return {f"{prefix}/{name}/zero_fraction": summary["zero_fraction"]}
+
     def _counters(self, row_tag: str, summary: dict[str, float], due: set[str]) -> dict[str, float]:
-        """The divergence counters not in ``stats`` to log: those not zero, and those ``due``."""
-        tags = {stat: f"{row_tag}/{stat}" for stat in DIVERGENCE_STATS if stat not in self.stats}
+        """The stats logged only while not zero (the counters not in ``stats``): those not zero, and those ``due``."""
+        tags = {stat: f"{row_tag}/{stat}" for stat in self._while_nonzero}
         return {tag: summary[stat] for stat, tag in tags.items() if summary[stat] > 0 or tag in due}

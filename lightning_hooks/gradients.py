@@ -23,7 +23,7 @@ from lightning_hooks._update_ratio import UpdateRatio
 from lightning_hooks.aggregate import StatBlock
 from lightning_hooks.anomalies import AnomalyReport
 from lightning_hooks.selection import ModuleSelection, check_limit, validate_limit
-from lightning_hooks.sinks import HISTOGRAM_LOGGERS, Charts, log_layout, log_scalars
+from lightning_hooks.sinks import Charts, destinations, log_layout, log_scalars
 from lightning_hooks.stats import STAT_NAMES, Bins, histogram_edges
 
 Granularity = Literal["parameter", "module"]
@@ -174,6 +174,7 @@ class GradientMonitor(GradientCheck):
         self._raised = False  # whether a flag was raised at the last step
         self._every = 1
         self._histograms = False  # whether histograms are written: asked for, and a logger that takes them
+        self._written = True  # whether the figures are written anywhere: a logger, or a listener
         self._rows: Rows = []
         self._logged = False  # whether this step's transfer holds the rows' figures
         self._present: list[bool] = []  # which rows had gradients this step
@@ -202,7 +203,9 @@ class GradientMonitor(GradientCheck):
         super().on_fit_start(trainer, pl_module)
         self._raised = False
         self._rows = select_rows(pl_module, self.granularity, self.modules, self._targets)
-        self._histograms = self.histogram and any(isinstance(lg, HISTOGRAM_LOGGERS) for lg in trainer.loggers)
+        self._written, self._histograms = destinations(
+            trainer, type(self).__name__, self.histogram, listened_histograms=False,
+            skipped="it computes no norm, histogram or update ratio (the anomaly flags, reports and count still run)")
         names = [name for name, _ in self._rows]
         owners = names if self.granularity == "module" else [n.rpartition(".")[0] for n in names]
         check_limit(type(self).__name__, "max_rows", self.max_rows, len(names), len(self.stats) + self._histograms,
@@ -240,11 +243,11 @@ class GradientMonitor(GradientCheck):
         if evaluation != 1:  # one figure per optimizer step: LBFGS's later evaluations are not logged
             return False
         flags = bool(self._detector.enabled_flags)
-        return flags or self.provenance or _is_logged_step(log_step(trainer), self._every)
+        return flags or self.provenance or (self._written and _is_logged_step(log_step(trainer), self._every))
 
     def _extra(self, trainer: pl.Trainer, step: Step) -> dict[str, Tensor]:
         """Row norms, and the rows' stats and histograms, on logged steps."""
-        self._logged = _is_logged_step(log_step(trainer), self._every) and bool(step.params)
+        self._logged = _is_logged_step(log_step(trainer), self._every) and bool(step.params) and self._written
         if not self._logged or not self._rows:
             self._present = []
             return {}

@@ -5,52 +5,35 @@ from __future__ import annotations
 import importlib.util
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Optional
 
 import lightning.pytorch as pl
 import numpy as np
-from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
+from lightning_hooks._compat import CALLBACK_BASES, TENSORBOARD_LOGGERS
+from lightning_hooks._health_verdicts import Bands, Verdicts
 from lightning_hooks._listeners import FigureListener
 from lightning_hooks.activations import ActivationMonitor
 from lightning_hooks.gradients import GradientMonitor
 from lightning_hooks.sinks import log_text
 
 if TYPE_CHECKING:
-    from lightning_hooks._health_plots import Column, Profile
+    from lightning_hooks._health_plots import Column
     from lightning_hooks.sinks import Histogram
 
-#: The figures kept per layer, as (tag prefix, stat), e.g. ``activations/<module>/zero_fraction``.
-WATCHED = (("activations", "std"), ("activations", "zero_fraction"), ("gradients", "norm"), ("updates", "ratio"))
-#: The update-to-weight ratio a healthy layer has; the summary ranks ratios by their distance from it.
-HEALTHY_RATIO = 1e-3
-_PROFILES = (
-    ("activation std", ("activations", "std"), True), ("zero fraction", ("activations", "zero_fraction"), False),
-    ("gradient norm", ("gradients", "norm"), True), ("update ratio", ("updates", "ratio"), True),
-)
-
-
-@dataclass
-class _Extremes:
-    """One layer's figure: its latest value, and its lowest and highest with their steps (NaN left out)."""
-
-    latest: float
-    low: tuple[float, int]
-    high: tuple[float, int]
-
-    def add(self, value: float, step: int) -> None:
-        self.latest = value
-        if value < self.low[0]:
-            self.low = (value, step)
-        if value > self.high[0]:
-            self.high = (value, step)
-
-
-def _ratio_badness(value: float) -> float:
-    return abs(math.log10(value / HEALTHY_RATIO)) if value > 0 else math.inf
+#: The figures drawn against depth, as (tag prefix, stat), with each picture's name and y axis.
+PROFILES = {
+    ("activations", "std"): ("activation_std", "activation std", True),
+    ("activations", "zero_fraction"): ("zero_fraction", "zero fraction", False),
+    ("gradients", "norm"): ("gradient_norm", "gradient norm", True),
+    ("updates", "ratio"): ("update_ratio", "update ratio", True),
+}
+#: The logged stats that say whether a layer's outputs held a non-finite value.
+_NONFINITE = ("nonfinite_fraction", "nan_count", "posinf_count", "neginf_count")
+#: Which verdict each watched (tag prefix, stat) feeds.
+_JUDGED = {("activations", "zero_fraction"): "zero_fraction", ("gradients", "norm"): "norm",
+           ("updates", "ratio"): "ratio", **{("activations", stat): "nonfinite" for stat in _NONFINITE}}
 
 
 def _positive_int(name: str, value: Any) -> None:
@@ -58,8 +41,8 @@ def _positive_int(name: str, value: Any) -> None:
         raise ValueError(f"`{name}` must be a positive int, got {value!r}")
 
 
-class LayerHealth(FigureListener, Callback):
-    """Draw each layer's health to TensorBoard as pictures, and sum it up in text at the end of ``fit``.
+class LayerHealth(FigureListener, *CALLBACK_BASES):  # type: ignore[misc]  # the Callback of each Lightning package
+    """Judge each layer's health against documented bands, draw it to TensorBoard, and give a verdict at the end.
 
     It computes nothing on the device and brings nothing to the host: it is handed, on rank
     zero, the figures an :class:`~lightning_hooks.ActivationMonitor` and a
@@ -67,33 +50,47 @@ class LayerHealth(FigureListener, Callback):
     a bounded record of them on the host. From it, at the first logged step, every
     ``image_every_n_steps`` (as Lightning logs: at step ``n`` once ``n + 1`` reaches a multiple,
     19, 39 … for 20, or the first logged step after) and at the end of training, at most
-    ``max_images`` times per picture in all, it writes to each ``TensorBoardLogger``:
+    ``max_images`` times per picture in all, it writes to each ``TensorBoardLogger`` pictures of
+    480 x 320 pixels, readable at the size TensorBoard's image cards show them:
 
-    - ``health/activation_histograms``: one panel per module (at most ``max_panels``) of its
-      activation histograms over the logged steps, steps across, bins up, ``log1p(count)`` as
-      colour (as fastai's colourful-dimension plot; needs the monitor's ``histogram=True``). At
-      most ``max_columns`` steps per panel: past that every other one is dropped, and later
-      steps are kept at the wider spacing.
-    - ``health/depth_profile``: the latest activation ``std`` and ``zero_fraction``, gradient
-      ``norm`` and update ``ratio`` (those that are logged) against layer index.
+    - ``health/activation_histograms/<module>`` (at most ``max_panels`` modules): the module's
+      outputs over the logged steps, steps across, values up, colour the share of the step's
+      values in each bin (one log scale with a colour bar, so modules compare), and below it
+      the share of exact zeros, red above ``max_zero_fraction`` (needs the monitor's
+      ``histogram=True``). At most ``max_columns`` steps: past that every other one is dropped,
+      and later steps are kept at the wider spacing.
+    - ``health/depth_profile/<figure>``: the latest activation ``std`` and ``zero_fraction``,
+      gradient ``norm`` and update ``ratio`` (those that are logged) against the layer's place
+      in forward order, one line per kind of module (Linear, ReLU...), with the healthy band.
 
-    Drawing both takes about half a second on rank zero (matplotlib), hence the bounds.
-
-    At the end of training it writes ``health/summary`` (TensorBoard text) and prints it on
-    rank zero: per figure the ``top_k`` worst layers, with the step each was worst at: dead
-    units (highest zero fraction), vanishing and exploding gradients (lowest and highest norm),
-    and update ratios farthest from 1e-3 (:meth:`summary` returns it). The record covers one
-    ``fit`` and is not checkpointed. Needs matplotlib (``pip install 'lightning-hooks[health]'``).
+    A layer is unhealthy while a logged figure is outside its band (see
+    ``lightning_hooks._health_verdicts`` for where each comes from): more than
+    ``max_zero_fraction`` of its outputs exactly 0 (dead units); a gradient norm above
+    ``spike_factor`` times the median of its own last 20 logged norms (exploding) or below the
+    largest layer's divided by ``spread_factor`` (vanishing); an update ratio outside
+    ``update_ratio_band`` (not judged for a 1-D parameter row, a bias or a norm's scale, whose
+    few small entries give large, noisy ratios on healthy runs; a module row holds its weights
+    too); a NaN or Inf in its outputs or gradients. At the end of training it
+    writes ``health/summary`` (TensorBoard text) and prints once, on rank zero, the verdict
+    (:meth:`summary` returns it): ``healthy``, or per problem the layers unhealthy now, the
+    earliest first, with their worst value and the step since which they are, and those that
+    were and recovered. The record covers one ``fit`` and is not checkpointed. Needs matplotlib
+    (``pip install 'lightning-hooks[health]'``).
 
     Args:
         image_every_n_steps: Draw the pictures every this many optimizer steps.
         max_images: The most pictures of each kind to write in a ``fit``, the final one included.
-        max_panels: The most modules the heatmap shows (the first ones logged).
-        max_columns: The most steps one heatmap panel keeps.
-        top_k: How many layers the summary lists per figure.
+        max_panels: The most modules whose histograms are drawn (the first ones logged).
+        max_columns: The most steps one histogram picture keeps.
+        top_k: The most layers the summary lists per problem (the rest are counted).
+        max_zero_fraction: Dead units above this share of exact zeros in a layer's outputs.
+        spike_factor: Exploding above this multiple of the layer's own median norm.
+        spread_factor: Vanishing below the largest layer's norm divided by this.
+        update_ratio_band: The healthy ``(low, high)`` update-to-weight ratio.
 
     Raises:
-        ValueError: If an argument is not a positive int.
+        ValueError: If an image or ``top_k`` argument is not a positive int, or a band is not
+            as documented on :class:`~lightning_hooks._health_verdicts.Bands`.
         ModuleNotFoundError: If matplotlib is not installed.
 
     Example::
@@ -102,22 +99,30 @@ class LayerHealth(FigureListener, Callback):
         from lightning_hooks import ActivationMonitor, GradientMonitor, LayerHealth
 
         trainer = Trainer(callbacks=[ActivationMonitor(), GradientMonitor(update_ratio=True),
-                                     LayerHealth(image_every_n_steps=500)])
+                                     LayerHealth(image_every_n_steps=500, max_zero_fraction=0.9)])
     """
 
     def __init__(self, image_every_n_steps: int = 500, max_images: int = 10, max_panels: int = 16,
-                 max_columns: int = 100, top_k: int = 3) -> None:
+                 max_columns: int = 100, top_k: int = 5, max_zero_fraction: float = 0.8,
+                 spike_factor: float = 10.0, spread_factor: float = 1e5,
+                 update_ratio_band: tuple[float, float] = (1e-4, 1e-2)) -> None:
         for name, value in (("image_every_n_steps", image_every_n_steps), ("max_images", max_images),
                             ("max_panels", max_panels), ("max_columns", max_columns), ("top_k", top_k)):
             _positive_int(name, value)
+        self._bands = Bands(max_zero_fraction, spike_factor, spread_factor, update_ratio_band)
         if importlib.util.find_spec("matplotlib") is None:
             raise ModuleNotFoundError("LayerHealth draws with matplotlib: pip install 'lightning-hooks[health]'")
         self.image_every_n_steps, self.max_images, self.max_panels = image_every_n_steps, max_images, max_panels
         self.max_columns, self.top_k = max_columns, top_k
+        self.max_zero_fraction, self.spike_factor, self.spread_factor = max_zero_fraction, spike_factor, spread_factor
+        self.update_ratio_band = update_ratio_band
+        self._kinds: dict[str, str] = {}
+        self._vectors: set[str] = set()  # 1-D parameters (biases, norm scales): ratios not judged
         self._reset()
 
     def _reset(self) -> None:
-        self._figures: dict[tuple[str, str], dict[str, _Extremes]] = {}
+        self._latest: dict[tuple[str, str], dict[str, float]] = {}  # each profile's latest value per layer
+        self._verdicts = Verdicts(self._bands)
         self._columns: dict[str, list[Column]] = {}
         self._seen: dict[str, int] = {}  # histograms received per module, and the spacing of those kept
         self._stride: dict[str, int] = {}
@@ -131,34 +136,49 @@ class LayerHealth(FigureListener, Callback):
         if stage != "fit":
             return
         self._reset()
+        self._kinds = {name: type(module).__name__ for name, module in pl_module.named_modules()}
+        self._vectors = {name for name, param in pl_module.named_parameters() if param.ndim < 2}
         if not any(isinstance(cb, (ActivationMonitor, GradientMonitor)) for cb in getattr(trainer, "callbacks", ())):
             rank_zero_warn("LayerHealth: no ActivationMonitor or GradientMonitor in `callbacks`: nothing to show")
-        if not any(isinstance(lg, TensorBoardLogger) for lg in trainer.loggers):
+        if not any(isinstance(lg, TENSORBOARD_LOGGERS) for lg in trainer.loggers):
             rank_zero_warn("LayerHealth: no TensorBoardLogger, so no pictures; the summary is still printed")
 
     def record_scalars(self, metrics: Mapping[str, float], step: int) -> None:
-        """Keep the watched figures: each layer's latest, lowest and highest value."""
+        """Judge the watched figures, and keep each layer's latest value for the depth profiles."""
+        judged: dict[str, dict[str, float]] = {}
         for tag, value in metrics.items():
             prefix, _, rest = tag.partition("/")
             name, _, stat = rest.rpartition("/")
-            if name and (prefix, stat) in WATCHED and not math.isnan(value):
-                layers = self._figures.setdefault((prefix, stat), {})
-                if name in layers:
-                    layers[name].add(value, step)
-                else:
-                    layers[name] = _Extremes(value, (value, step), (value, step))
+            if not name:
+                continue
+            if (prefix, stat) in PROFILES and not math.isnan(value):
+                self._latest.setdefault((prefix, stat), {})[name] = value
+            figure = _JUDGED.get((prefix, stat))
+            if figure is not None and not (figure == "ratio" and name in self._vectors):
+                values = judged.setdefault(figure, {})
+                values[name] = max(values.get(name, 0.0), value) if figure == "nonfinite" else value
+        for figure, values in judged.items():
+            self._verdicts.add(figure, step, values)
         self._last, self._fresh = step, True
 
     def record_histograms(self, histograms: Sequence[Histogram], edges: Sequence[float], step: int) -> None:
-        """Keep the activation histograms' counts, one column per logged step (bounded)."""
-        shared = list(edges)
-        for tag, _, counts in histograms:
+        """Keep the activation histograms' counts, exact zeros apart, one column per logged step (bounded)."""
+        from lightning_hooks._health_plots import zero_bin
+
+        shared, at = list(edges), zero_bin(edges)
+        for tag, summary, counts in histograms:
             prefix, _, name = tag.partition("/")
-            if prefix == "activations" and "/" not in name and self._add_column(name, step, counts):
+            if prefix != "activations" or "/" in name:
+                continue
+            column = np.asarray(counts, dtype=np.float64)
+            zeros = summary.get("zero_fraction", 0.0) * summary.get("count", 0.0) if at is not None else 0.0
+            if at is not None and math.isfinite(zeros):
+                column[at] = max(column[at] - zeros, 0.0)
+            if self._add_column(name, step, column, zeros if math.isfinite(zeros) else 0.0):
                 self._edges[name] = shared
         self._last, self._fresh = step, True
 
-    def _add_column(self, name: str, step: int, counts: Sequence[float]) -> bool:
+    def _add_column(self, name: str, step: int, counts: np.ndarray, zeros: float) -> bool:
         """Keep one step's counts for ``name`` if there is room; return whether they were kept."""
         if name not in self._columns and len(self._columns) >= self.max_panels:
             return False
@@ -167,7 +187,7 @@ class LayerHealth(FigureListener, Callback):
         if seen % stride:
             return False
         columns = self._columns.setdefault(name, [])
-        columns.append((step, np.asarray(counts, dtype=np.float64)))
+        columns.append((step, counts, zeros))
         if len(columns) > self.max_columns:
             self._columns[name], self._stride[name] = columns[::2], stride * 2
         return True
@@ -182,7 +202,7 @@ class LayerHealth(FigureListener, Callback):
             self._next_image = ((step + 1) // self.image_every_n_steps + 1) * self.image_every_n_steps
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        """Draw the last pictures, and write and print the summary (rank zero)."""
+        """Draw the last pictures, and write and print the summary (rank zero, once)."""
         if not trainer.is_global_zero or self._last is None:
             return
         if self._fresh:  # else the last logged step is drawn already
@@ -194,40 +214,28 @@ class LayerHealth(FigureListener, Callback):
     def _draw(self, trainer: pl.Trainer, step: int) -> None:
         from lightning_hooks._health_plots import heatmap_figure, profile_figure, to_rgb
 
-        images = []
-        if self._columns:
-            images.append(("health/activation_histograms", heatmap_figure(self._columns, self._edges)))
-        profiles = self._profiles()
-        if profiles:
-            images.append(("health/depth_profile", profile_figure(profiles)))
-        pixels = [(tag, to_rgb(fig)) for tag, fig in images]
+        figures = [(f"health/activation_histograms/{name}",
+                    heatmap_figure(name, columns, self._edges[name], self._bands.max_zero_fraction))
+                   for name, columns in self._columns.items()]
+        for key, (tag, title, log) in PROFILES.items():
+            layers = self._latest.get(key)
+            if layers:
+                kinds = [self._kind(name) for name in layers]
+                band = self._bands.update_ratio_band if tag == "update_ratio" else None
+                limit = self._bands.max_zero_fraction if tag == "zero_fraction" else None
+                profile = (title, list(layers), kinds, list(layers.values()), log)
+                figures.append((f"health/depth_profile/{tag}", profile_figure(profile, band, limit)))
+        pixels = [(tag, to_rgb(fig)) for tag, fig in figures]
         for logger in trainer.loggers:
-            if isinstance(logger, TensorBoardLogger):
+            if isinstance(logger, TENSORBOARD_LOGGERS):
                 for tag, rgb in pixels:
                     logger.experiment.add_image(tag, rgb, global_step=step, dataformats="HWC")
         self._images, self._fresh = self._images + 1, False
 
-    def _profiles(self) -> list[Profile]:
-        return [(title, list(layers), [e.latest for e in layers.values()], log)
-                for title, key, log in _PROFILES if (layers := self._figures.get(key))]
+    def _kind(self, name: str) -> str:
+        """The class name of the module a row belongs to (a parameter's: its owner's)."""
+        return self._kinds.get(name) or self._kinds.get(name.rpartition(".")[0], "other")
 
     def summary(self) -> str:
-        """The worst layers per figure so far, with the step each was worst at."""
-        get = self._figures.get
-        ratios = [(name, *min(e.low, e.high, key=lambda v: -_ratio_badness(v[0])))
-                  for name, e in get(("updates", "ratio"), {}).items()]
-        sections = [
-            ("dead units: zero fraction of outputs, highest",
-             sorted(((n, *e.high) for n, e in get(("activations", "zero_fraction"), {}).items()), key=lambda r: -r[1])),
-            ("vanishing gradients: norm, lowest",
-             sorted(((n, *e.low) for n, e in get(("gradients", "norm"), {}).items()), key=lambda r: r[1])),
-            ("exploding gradients: norm, highest",
-             sorted(((n, *e.high) for n, e in get(("gradients", "norm"), {}).items()), key=lambda r: -r[1])),
-            (f"update ratio: farthest from {HEALTHY_RATIO:g}", sorted(ratios, key=lambda r: -_ratio_badness(r[1]))),
-        ]
-        lines = [f"Layer health (the worst {self.top_k} layers per figure, and the step each was worst at):"]
-        for title, rows in sections:
-            if rows:
-                lines.append(f"  {title}")
-                lines.extend(f"    {name:30} {value:10.4g}   at step {step}" for name, value, step in rows[:self.top_k])
-        return "\n".join(lines)
+        """The verdict so far: ``healthy``, or the layers outside a band, per problem, since which step."""
+        return self._verdicts.summary(self.top_k)

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 from weakref import WeakKeyDictionary
 
 import lightning.pytorch as pl
 import numpy as np
 from lightning.pytorch.loggers import Logger, TensorBoardLogger
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from tensorboard.compat.proto.summary_pb2 import Summary
 from torch.utils.tensorboard import SummaryWriter
 from torch.utils.tensorboard.summary import custom_scalars, histogram_raw
@@ -119,6 +120,33 @@ def log_histograms(trainer: pl.Trainer | Any, histograms: Sequence[Histogram], e
                                 for tag, _, counts, (first, last) in shown}, step=step)
 
 
+def destinations(trainer: pl.Trainer | Any, owner: str, histogram: bool, listened_histograms: bool,
+                 skipped: str) -> tuple[bool, bool]:
+    """Whether ``owner``'s figures, and its histograms, are written anywhere; warn (rank zero) where not.
+
+    Figures go to the Trainer's loggers and to the callbacks that listen to them (LayerHealth);
+    histograms to TensorBoard and W&B loggers, and to listeners where ``listened_histograms``.
+    What a user asked for and would silently lose gets a warning, once per ``fit``: every
+    figure, with no logger (``logger=False``) and no listener, saying what ``owner`` then
+    leaves out (``skipped``); or the histograms, with loggers that take none (a CSVLogger only).
+
+    Returns:
+        ``(figures, histograms)``: whether each is written anywhere.
+    """
+    listening = bool(listeners(trainer))
+    figures = bool(trainer.loggers) or listening
+    histograms = histogram and ((listening and listened_histograms)
+                                or any(isinstance(lg, HISTOGRAM_LOGGERS) for lg in trainer.loggers))
+    if not figures:
+        rank_zero_warn(f"{owner}: the Trainer has no logger (logger=False), so its figures would be written"
+                       f" nowhere: {skipped}. Give the Trainer a logger (e.g. TensorBoardLogger) to see them.")
+    elif histogram and not histograms:
+        kinds = ", ".join(sorted({type(lg).__name__ for lg in trainer.loggers})) or "no logger"
+        rank_zero_warn(f"{owner}: `histogram=True` but no logger takes histograms (the Trainer has {kinds}):"
+                       " they are not written. Add a TensorBoardLogger or WandbLogger, or pass histogram=False.")
+    return figures, histograms
+
+
 def _span(counts: Sequence[float]) -> tuple[int, int]:
     """The first non-empty bin and one past the last."""
     nonzero = [i for i, c in enumerate(counts) if c > 0]
@@ -154,36 +182,64 @@ _LAYOUTS: WeakKeyDictionary[Any, dict[str, dict[str, list[str]]]] = WeakKeyDicti
 def log_layout(trainer: pl.Trainer | Any, categories: Mapping[str, Charts], step: int) -> None:
     """Add charts to the TensorBoard Custom Scalars layout of every TensorBoardLogger, from rank zero.
 
-    TensorBoard serves the last layout written to a run (and merges runs' layouts by category
-    title), so each writer keeps the union of every category given to it so far, and each call
-    that adds a chart writes that whole union once: several callbacks add to one layout instead
-    of replacing each other's. A call that adds nothing writes nothing. Each chart draws every
-    scalar whose tag a regex matches from its start (``re.match``); a logger's ``prefix`` is put
-    in front of the regexes, as it is in front of the tags.
+    TensorBoard serves the last layout written to a run, so each writer keeps the union of
+    every category given to it so far, and each call that adds a chart writes that whole union
+    once: several callbacks add to one layout instead of replacing each other's, and a chart
+    added mid-run (one that has data only from then on) comes with a rewrite. A call that adds
+    nothing writes nothing. Each chart draws every scalar whose tag a regex matches from its
+    start (``re.match``); a logger's ``prefix`` is put in front of the regexes, as it is in
+    front of the tags, and of the category title.
+
+    With several runs in one log dir TensorBoard merges their layouts by category title, run
+    by run in name order, and drops the charts a run adds to a category that first came from
+    a run other than the first (TensorBoard 2.21's ``layout_impl`` files them under the source
+    run's copy, not the merged one). So the written title names the category's charts
+    (:func:`category_title`): runs whose layouts share a title have the same charts, a run with
+    other charts gets a category of its own, and every chart survives the merge.
 
     Args:
         trainer: The trainer whose loggers receive the layout.
-        categories: Charts by category title, e.g.
+        categories: Charts by category, e.g.
             ``{"activations": {"std by layer": [r"activations/.*/std$"]}}``.
         step: The global step to write the layout at.
     """
     if not trainer.is_global_zero:
         return
     for logger in trainer.loggers:
-        if not isinstance(logger, TensorBoardLogger):
+        if not isinstance(logger, TENSORBOARD_LOGGERS):
             continue
-        lead = re.escape(f"{logger._prefix}{logger.LOGGER_JOIN_CHAR}") if logger._prefix else ""
+        lead = f"{logger._prefix}{logger.LOGGER_JOIN_CHAR}" if logger._prefix else ""
         layout = _LAYOUTS.setdefault(logger.experiment, {})
-        before = {title: dict(charts) for title, charts in layout.items()}
-        for title, charts in categories.items():
+        before = {name: dict(charts) for name, charts in layout.items()}
+        for name, charts in categories.items():
             if charts:
-                layout.setdefault(title, {}).update({chart: [lead + r for r in tags] for chart, tags in charts.items()})
+                layout.setdefault(name, {}).update(
+                    {chart: [re.escape(lead) + r for r in tags] for chart, tags in charts.items()})
         if layout == before:
             continue
-        spec = {title: {chart: ["Multiline", regexes] for chart, regexes in charts.items()}
-                for title, charts in layout.items()}
+        spec = {category_title(lead + name, charts): {chart: ["Multiline", tags] for chart, tags in charts.items()}
+                for name, charts in layout.items()}
         events = _event_writer(logger)
         if events is not None:
             events.add_summary(custom_scalars(spec), step)
         else:  # tensorboardX: its own method, same layout
             logger.experiment.add_custom_scalars(spec)
+
+
+def category_title(name: str, charts: Iterable[str]) -> str:
+    """A Custom Scalars category title that names its charts, runs of ``"<x> by <y>"`` shortened.
+
+    Example::
+
+        category_title("activations", ["mean by layer", "std by layer"])  # 'activations: mean, std by layer'
+        category_title("gradients", ["norm by parameter", "total norm"])  # 'gradients: norm by parameter, total norm'
+    """
+    parts: list[tuple[str, str]] = []  # (what, by what) per chart; consecutive charts by the same share it
+    for chart in charts:
+        what, by, per = chart.rpartition(" by ")
+        what, per = (what, per) if by else (per, "")
+        if parts and per and parts[-1][1] == per:
+            parts[-1] = (f"{parts[-1][0]}, {what}", per)
+        else:
+            parts.append((what, per))
+    return f"{name}: " + ", ".join(f"{what} by {per}" if per else what for what, per in parts)

@@ -193,18 +193,18 @@ class _PendingProbe(L.Callback):
 def test_unlogged_steps_leave_the_buffers_untouched(tmp_path):
     monitor = ActivationMonitor(log_every_n_steps=3)
     probe = _PendingProbe(monitor)
-    trainer(tmp_path, [probe, monitor], logger=False).fit(TinyNet(), loader())
+    trainer(tmp_path, [probe, monitor], logger=CSVLogger(tmp_path)).fit(TinyNet(), loader())
     assert probe.pending == [True, False, True, False, False, True]  # steps 0, 2 and 5
 
 
 def test_a_trainer_that_logs_nothing_turns_the_monitor_off_unless_it_has_its_own_interval(tmp_path):
     quiet = ActivationMonitor()
     probe = _PendingProbe(quiet)
-    trainer(tmp_path, [probe, quiet], logger=False, log_every_n_steps=0).fit(TinyNet(), loader())
+    trainer(tmp_path, [probe, quiet], logger=CSVLogger(tmp_path), log_every_n_steps=0).fit(TinyNet(), loader())
     assert probe.pending == [False] * 6
     own = ActivationMonitor(log_every_n_steps=3)
     probe = _PendingProbe(own)
-    trainer(tmp_path, [probe, own], logger=False, log_every_n_steps=0).fit(TinyNet(), loader())
+    trainer(tmp_path, [probe, own], logger=CSVLogger(tmp_path), log_every_n_steps=0).fit(TinyNet(), loader())
     assert probe.pending == [True, False, True, False, False, True]
 
 

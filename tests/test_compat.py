@@ -14,6 +14,7 @@ from lightning_hooks import (
     GradientAnomalyStopping,
     GradientMonitor,
     GradientTransform,
+    LayerHealth,
 )
 from lightning_hooks._compat import configure_model_overridden, show_whole, unshow_whole
 from lightning_hooks.stats import STAT_NAMES
@@ -27,7 +28,8 @@ both = pytest.mark.parametrize("package", list(PACKAGES.values()), ids=list(PACK
 @both
 def test_every_callback_is_a_callback_of_either_package(package, tmp_path):
     callbacks = [ActivationMonitor(), GradientMonitor(), GradientAnomalyStopping(),
-                 GradientTransform(scale={"net.0": 0.5}), FeatureExtractor("net.0", dirpath=str(tmp_path))]
+                 GradientTransform(scale={"net.0": 0.5}), FeatureExtractor("net.0", dirpath=str(tmp_path)),
+                 LayerHealth()]
     assert all(isinstance(cb, package.Callback) for cb in callbacks)
     single = ActivationMonitor()
     assert single in package_trainer(package, tmp_path, single).callbacks  # wrapped in a list only if a Callback
@@ -57,6 +59,21 @@ def test_a_fit_writes_the_figures_to_tensorboard_and_whole_counts_to_the_bar(pac
     assert {name: written.split(name)[1][1:].split(",")[0].split()[0] for name in ("anomalies", "anomaly_streak")} \
         == {"anomalies": "3", "anomaly_streak": "3"}, written
     assert "get_metrics" not in vars(bar)  # after fit, the bar is as it was
+
+
+@both
+def test_layer_health_draws_and_the_layout_is_written_with_either_packages_tensorboard_logger(package, tmp_path):
+    torch.manual_seed(0)
+    health = LayerHealth()
+    logger = package.loggers.TensorBoardLogger(str(tmp_path), name="", version="")
+    callbacks = [ActivationMonitor(), GradientMonitor(update_ratio=True), health]
+    package_trainer(package, tmp_path, callbacks, logger=logger, max_steps=3).fit(net(package), loader())
+    acc = events(str(tmp_path))
+    assert "health/activation_histograms/net.3" in acc.Tags()["images"]
+    assert "health/depth_profile/zero_fraction" in acc.Tags()["images"]
+    assert health.summary().startswith("Layer health at step 2")
+    (layout, *_) = acc.Tensors("custom_scalars__config__")
+    assert b"activations/.*/std$" in layout.tensor_proto.string_val[0]
 
 
 def gradient_callbacks():

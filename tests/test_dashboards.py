@@ -1,5 +1,6 @@
-"""What a big model's dashboard holds: the default stats, divergence counters only while they say
-something, one Custom Scalars layout per run shared by every callback, and a guard on size."""
+"""What a big model's dashboard holds: the default stats, figures that are zero by construction only
+where they say something, one Custom Scalars layout per run shared by every callback, charts only
+once they have data, and a guard on size."""
 
 from __future__ import annotations
 
@@ -21,30 +22,40 @@ from tests.zoo import tb_scalars
 LAYOUT_TAG = "custom_scalars__config__"
 
 
-def layouts(log_dir: Any) -> list[dict[str, dict[str, list[str]]]]:
-    """Every Custom Scalars layout written under ``log_dir``, in order, as {category: {chart: regexes}}."""
+def layouts(log_dir: Any) -> list[tuple[int, dict[str, dict[str, list[str]]]]]:
+    """Every Custom Scalars layout written under ``log_dir``, in order, as (step, {category: {chart: regexes}})."""
     acc = events(str(log_dir))
     if LAYOUT_TAG not in acc.Tags()["tensors"]:
         return []
     out = []
     for event in acc.Tensors(LAYOUT_TAG):
         layout = layout_pb2.Layout.FromString(event.tensor_proto.string_val[0])
-        out.append({c.title: {ch.title: list(ch.multiline.tag) for ch in c.chart} for c in layout.category})
+        out.append((event.step, {c.title: {ch.title: list(ch.multiline.tag) for ch in c.chart}
+                                 for c in layout.category}))
     return out
 
 
-def test_the_default_stats_are_the_five_that_move_and_the_old_set_is_one_argument_away(tmp_path):
+def test_the_default_logs_no_chart_flat_by_construction_and_stats_asked_for_are_logged_every_step(tmp_path):
     assert DEFAULT_STATS == ("mean", "std", "abs_max", "zero_fraction", "nonfinite_fraction")
     assert set(DEFAULT_STATS) | set(DIVERGENCE_STATS) <= set(STAT_NAMES)
-    for name, monitor in (("default", ActivationMonitor()), ("all", ActivationMonitor(stats=STAT_NAMES))):
+    moments = {f"activations/net.{i}/{s}" for i in range(3) for s in ("mean", "std", "abs_max")}
+    for name, monitor, expected in (
+        # Linear outputs are never exactly 0 and a healthy run has no NaN: only the ReLU's zero_fraction.
+        ("default", ActivationMonitor(), moments | {"activations/net.1/zero_fraction"}),
+        ("five", ActivationMonitor(stats=DEFAULT_STATS),
+         {f"activations/net.{i}/{s}" for i in range(3) for s in DEFAULT_STATS}),
+        ("all", ActivationMonitor(stats=STAT_NAMES),
+         {f"activations/net.{i}/{s}" for i in range(3) for s in STAT_NAMES}),
+    ):
         logger = TensorBoardLogger(tmp_path, name=name, version=0)
         trainer(tmp_path, [monitor], logger=logger, max_steps=2).fit(TinyNet(), loader())
-        tags = set(events(str(tmp_path / name)).Tags()["scalars"])
-        assert tags == {f"activations/net.{i}/{s}" for i in range(3) for s in monitor.stats}
+        acc = events(str(tmp_path / name))
+        assert set(acc.Tags()["scalars"]) == expected, name
+        assert all(len(acc.Scalars(tag)) == 2 for tag in expected), name  # at every logged step
 
 
 class _Probed(TinyNet):
-    """TinyNet with a probe the loss never sees: it gets 2 NaNs at step 1 and one +Inf at step 2."""
+    """TinyNet with a probe the loss never sees: it gets 2 NaNs at step 1, one +Inf and one 0 at step 2."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -56,6 +67,7 @@ class _Probed(TinyNet):
             seen[0, :2] = math.nan
         if self.global_step == 2:
             seen[3, 5] = math.inf
+            seen[4, 4] = 0.0
         self.probe(seen)
         return super().training_step(batch, batch_idx)
 
@@ -69,7 +81,24 @@ def test_divergence_counters_are_logged_while_not_zero_and_once_more_at_zero(tmp
     assert counters == ["activations/probe/nan_count", "activations/probe/posinf_count"]
     assert tb_scalars(acc, "activations/probe/nan_count") == {1: 2, 2: 0}
     assert tb_scalars(acc, "activations/probe/posinf_count") == {2: 1, 3: 0}
-    assert tb_scalars(acc, "activations/probe/nonfinite_fraction") == {0: 0, 1: 2 / 64, 2: 1 / 64, 3: 0, 4: 0}
+    # nonfinite_fraction like the counters; zero_fraction from the first zero on, at every logged step.
+    assert tb_scalars(acc, "activations/probe/nonfinite_fraction") == {1: 2 / 64, 2: 1 / 64, 3: 0}
+    assert tb_scalars(acc, "activations/probe/zero_fraction") == {2: 1 / 64, 3: 0, 4: 0}
+    assert "activations/net.0/nonfinite_fraction" not in acc.Tags()["scalars"]
+    assert "activations/net.0/zero_fraction" not in acc.Tags()["scalars"]
+    # The layout: zero_fraction's chart once the ReLU's zeros are logged (step 0), the non-finite
+    # charts once a non-finite value is (step 1); each addition rewrites the layout.
+    written = [(step, {title: list(charts) for title, charts in layout.items()}) for step, layout in layouts(tmp_path)]
+    assert written == [
+        (0, {"activations: mean, std, abs_max by layer": ["mean by layer", "std by layer", "abs_max by layer"]}),
+        (1, {"activations: mean, std, abs_max by layer": ["mean by layer", "std by layer", "abs_max by layer"],
+             "activations, non-finite: nonfinite_fraction, non-finite counts by layer":
+                 ["nonfinite_fraction by layer", "non-finite counts by layer"]}),
+        (2, {"activations: mean, std, abs_max, zero_fraction by layer":
+                 ["mean by layer", "std by layer", "abs_max by layer", "zero_fraction by layer"],
+             "activations, non-finite: nonfinite_fraction, non-finite counts by layer":
+                 ["nonfinite_fraction by layer", "non-finite counts by layer"]}),
+    ]
 
 
 def test_counters_asked_for_are_logged_at_every_logged_step(tmp_path):
@@ -87,12 +116,19 @@ def test_one_layout_per_run_draws_every_scalar_and_holds_every_callbacks_charts(
                  ActivationMonitor(log_every_n_steps=1, modules="net.0", stats=["max"])]
     trainer(tmp_path, callbacks, logger=logger, max_steps=2).fit(TinyNet(), loader())
     trainer(tmp_path, callbacks, logger=logger, max_steps=3).fit(TinyNet(), loader())  # adds nothing
-    written = layouts(tmp_path)  # one per callback that added a chart; the second fit added none
-    assert [list(layout) for layout in written] == [["activations"], *[["activations", "gradients"]] * 2]
-    assert "max by layer" in written[2]["activations"] and "max by layer" not in written[1]["activations"]
-    last = written[-1]
-    assert list(last["activations"]) == [*(f"{s} by layer" for s in DEFAULT_STATS), "non-finite counts by layer",
-                                         "max by layer"]
+    # One write per callback that added a chart at fit start, one when the ReLU's zero_fraction came
+    # (step 0); the second fit added none. Each title names its charts.
+    written = [layout for _, layout in layouts(tmp_path)]
+    assert [list(layout) for layout in written] == [
+        ["activations: mean, std, abs_max by layer"],
+        ["activations: mean, std, abs_max by layer", "gradients: norm by parameter, total norm, anomaly flags"],
+        ["activations: mean, std, abs_max, max by layer", "gradients: norm by parameter, total norm, anomaly flags"],
+        ["activations: mean, std, abs_max, max, zero_fraction by layer",
+         "gradients: norm by parameter, total norm, anomaly flags"],
+    ]
+    last = dict(zip(("activations", "gradients"), written[-1].values()))
+    assert list(last["activations"]) == ["mean by layer", "std by layer", "abs_max by layer", "max by layer",
+                                         "zero_fraction by layer"]
     assert list(last["gradients"]) == ["norm by parameter", "total norm", "anomaly flags"]
     tags = events(str(tmp_path)).Tags()["scalars"]
     drawn = {chart: [t for t in tags if any(re.match(r, t) for r in regexes)]
@@ -107,7 +143,9 @@ def test_one_layout_per_run_draws_every_scalar_and_holds_every_callbacks_charts(
 def test_a_logger_prefix_leads_the_layouts_regexes_as_it_leads_the_tags(tmp_path):
     logger = TensorBoardLogger(tmp_path, name="tb", version=0, prefix="exp")
     trainer(tmp_path, [ActivationMonitor(log_every_n_steps=1)], logger=logger, max_steps=1).fit(TinyNet(), loader())
-    (regex,) = layouts(tmp_path)[-1]["activations"]["std by layer"]
+    (title,) = layouts(tmp_path)[-1][1]
+    assert title == "exp-activations: mean, std, abs_max, zero_fraction by layer"
+    (regex,) = layouts(tmp_path)[-1][1][title]["std by layer"]
     tags = events(str(tmp_path)).Tags()["scalars"]
     assert [t for t in tags if re.match(regex, t)] == [f"exp-activations/net.{i}/std" for i in range(3)]
 

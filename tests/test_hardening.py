@@ -124,7 +124,9 @@ def test_the_zoo_trains_and_every_call_and_count_is_true(tmp_path):
 def test_the_zoo_with_inputs_and_validation_never_disables_a_hook(tmp_path):
     torch.manual_seed(0)
     net = Zoo()
-    monitor = ActivationMonitor(stats=STAT_NAMES, log_every_n_steps=1, inputs=True, stages=("train", "validate"))
+    # histogram=False: a CSVLogger takes none, and asking for them would (rightly) warn.
+    monitor = ActivationMonitor(stats=STAT_NAMES, log_every_n_steps=1, inputs=True, stages=("train", "validate"),
+                                histogram=False)
     run = trainer(tmp_path, [monitor], logger=csv_logger(tmp_path), max_epochs=1, max_steps=-1,
                   num_sanity_val_steps=1)
     with warnings.catch_warnings(record=True) as caught:

@@ -2,6 +2,7 @@
 
 import io
 import logging
+import math
 from collections import Counter
 from typing import Any
 
@@ -13,27 +14,29 @@ from matplotlib.image import imread
 from torch import nn
 
 from lightning_hooks import ActivationMonitor, GradientMonitor, LayerHealth
-from lightning_hooks._health_plots import heatmap_size, profile_size
+from lightning_hooks._health_plots import heatmap_figure, image_size, to_rgb
 from tests.helpers import TinyNet, events, loader, trainer
 
 HEATMAP, PROFILE = "health/activation_histograms", "health/depth_profile"
+PROFILES = [f"{PROFILE}/{name}" for name in ("activation_std", "zero_fraction", "gradient_norm", "update_ratio")]
 
 
 class DeadNet(TinyNet):
     """TinyNet whose first Linear has a bias far below its outputs: the ReLU after it never fires."""
 
-    def __init__(self) -> None:
-        super().__init__()
+    def __init__(self, lr: float = 0.05) -> None:
+        super().__init__(lr=lr)
         with torch.no_grad():
             self.net[0].bias.fill_(-20.0)
 
 
-def fit(tmp_path: Any, health: LayerHealth, model: Any = None, scale: float = 1.0, steps: int = 10) -> Any:
+def fit(tmp_path: Any, health: LayerHealth, model: Any = None, scale: float = 1.0, steps: int = 10,
+        stats: Any = ("std", "zero_fraction")) -> Any:
     torch.manual_seed(0)
     logger = TensorBoardLogger(tmp_path, name="tb", version=0)
     data = loader()
     data.dataset.tensors = (data.dataset.tensors[0] * scale, data.dataset.tensors[1])
-    callbacks = [ActivationMonitor(stats=["std", "zero_fraction"]), GradientMonitor(update_ratio=True), health]
+    callbacks = [ActivationMonitor(stats=stats), GradientMonitor(update_ratio=True), health]
     trainer(tmp_path, callbacks, logger=logger, max_steps=steps).fit(model or TinyNet(), data)
     logger.experiment.flush()
     return events(str(tmp_path / "tb"))
@@ -50,35 +53,87 @@ def test_bad_settings_fail_at_construction(name, value):
         LayerHealth(**{name: value})
 
 
+@pytest.mark.parametrize(
+    ("name", "value", "match"),
+    [
+        ("max_zero_fraction", 0, r"`max_zero_fraction` must be a number in \(0, 1\], got 0"),
+        ("max_zero_fraction", 1.5, r"`max_zero_fraction` must be a number in \(0, 1\], got 1\.5"),
+        ("max_zero_fraction", "0.8", r"`max_zero_fraction` must be a number in \(0, 1\], got '0\.8'"),
+        ("spike_factor", 1, r"`spike_factor` must be a number above 1, got 1"),
+        ("spread_factor", math.inf, r"`spread_factor` must be a number above 1, got inf"),
+        ("update_ratio_band", (1e-2, 1e-4), r"`update_ratio_band` must be \(low, high\) with 0 < low < high"),
+        ("update_ratio_band", 1e-3, r"`update_ratio_band` must be \(low, high\) with 0 < low < high, got 0\.001"),
+    ],
+)
+def test_bad_bands_fail_at_construction(name, value, match):
+    with pytest.raises(ValueError, match=match):
+        LayerHealth(**{name: value})
+
+
 def test_pictures_are_in_the_event_file_bounded_in_count_and_of_the_promised_size(tmp_path):
     acc = fit(tmp_path, LayerHealth(image_every_n_steps=3, max_images=3))
-    assert set(acc.Tags()["images"]) == {HEATMAP, PROFILE}
-    for tag, size in ((HEATMAP, heatmap_size(3)), (PROFILE, profile_size(4))):  # 3 modules; std, zeros, norm, ratio
+    heatmaps = [f"{HEATMAP}/net.{i}" for i in range(3)]
+    assert set(acc.Tags()["images"]) == {*heatmaps, *PROFILES}  # one picture per module, one per figure
+    for tag in (*heatmaps, *PROFILES):
         images = acc.Images(tag)
         # At step 0, then every 3 steps as Lightning logs (2, 5 …), capped at 3 with the last at the end.
         assert [e.step for e in images] == [0, 2, 9]
-        assert {(e.width, e.height) for e in images} == {size} == {pixels(e).shape[1::-1] for e in images}
+        assert {(e.width, e.height) for e in images} == {image_size()} == {pixels(e).shape[1::-1] for e in images}
+    assert image_size() == (480, 320)  # shown at 70-100 % in TensorBoard's cards, not as a thumbnail
 
 
 @pytest.mark.slow
 def test_the_pictures_change_when_the_data_do_and_only_then(tmp_path):
-    final = [pixels(fit(tmp_path / name, LayerHealth(), scale=scale).Images(HEATMAP)[-1])
+    final = [pixels(fit(tmp_path / name, LayerHealth(), scale=scale).Images(f"{HEATMAP}/net.0")[-1])
              for name, scale in (("a", 1.0), ("b", 1.0), ("c", 100.0))]
     assert np.array_equal(final[0], final[1])  # drawn deterministically
     assert not np.array_equal(final[0], final[2])
-    profiles = fit(tmp_path / "d", LayerHealth(image_every_n_steps=1)).Images(PROFILE)
+    profiles = fit(tmp_path / "d", LayerHealth(image_every_n_steps=1)).Images(f"{PROFILE}/activation_std")
     assert not np.array_equal(pixels(profiles[0]), pixels(profiles[-1]))  # training moves the figures
+
+
+def _red(image: np.ndarray) -> int:
+    """Pixels in the warning red (the dead strip, a dead module's title)."""
+    rgb = image[..., :3] * 255 if image.dtype != np.uint8 else image[..., :3]
+    return int(((rgb[..., 0] > 180) & (rgb[..., 1] < 120) & (rgb[..., 2] < 120)).sum())
+
+
+def test_exact_zeros_are_drawn_apart_and_a_dead_module_stands_out_from_a_half_zero_one():
+    edges = [-2.0, -1.0, 0.0, 1.0, 2.0]  # exact zeros land in the (-1, 0] bin, with the small negatives
+    health = LayerHealth()
+    for step in range(4):
+        health.record_histograms([
+            ("activations/dead", {"zero_fraction": 0.95, "count": 100}, [0, 95, 5, 0]),
+            ("activations/half", {"zero_fraction": 0.5, "count": 100}, [0, 60, 30, 10]),
+        ], edges, step)
+    assert [(s, list(c), z) for s, c, z in health._columns["half"]][0] == (0, [0, 10, 30, 10], 50)
+    figures = {name: to_rgb(heatmap_figure(name, health._columns[name], edges, 0.8)) for name in ("dead", "half")}
+    assert _red(figures["dead"]) > 20 * _red(figures["half"]) > 0  # the half-zero one: only the threshold line
+    assert figures["dead"].shape[1::-1] == image_size()
+
+
+def test_a_healthy_run_is_called_healthy_and_the_summary_is_printed_once(tmp_path, caplog):
+    health = LayerHealth()
+    with caplog.at_level(logging.INFO):
+        fit(tmp_path, health, model=TinyNet(lr=5e-4), stats=None)
+    assert health.summary() == "Layer health at step 9: healthy (every layer inside the bands; see LayerHealth's" \
+                               " docstring)."
+    assert caplog.text.count("Layer health at step") == 1
 
 
 def test_the_summary_names_the_dead_layer_first_in_tensorboard_and_on_the_console(tmp_path, caplog):
     health = LayerHealth()
     with caplog.at_level(logging.INFO):
-        acc = fit(tmp_path, health, model=DeadNet())
+        acc = fit(tmp_path, health, model=DeadNet(lr=5e-4))
     lines = health.summary().splitlines()
-    dead = lines.index("  dead units: zero fraction of outputs, highest")
-    assert lines[dead + 1].split() == ["net.1", "1", "at", "step", "0"]
-    assert lines[-4] == "  update ratio: farthest from 0.001" and len(lines) == 1 + 4 * 4  # top 3 of each
-    assert health.summary() in caplog.text
+    # The dead ReLU first; the gradients it cuts off (exactly 0 behind it) follow as vanishing.
+    assert lines == ["Layer health at step 9: 4 layers unhealthy now",
+                     "  dead units: zero fraction of outputs above 0.8",
+                     "    net.1                    worst 1          since step 0",
+                     "  vanishing gradients: norm below the largest layer's / 100000",
+                     *(f"    {name:24} worst 0          since step 0"
+                       for name in ("net.0.weight", "net.0.bias", "net.2.weight"))]
+    assert caplog.text.count(health.summary()) == 1
     (text,) = acc.Tensors("health/summary/text_summary")
     assert "net.1" in text.tensor_proto.string_val[0].decode()
 
@@ -108,7 +163,7 @@ def test_a_heatmap_panel_keeps_at_most_max_columns_steps_spread_over_the_run():
                                  [-1.0, 0.0, 1.0], step)
         health.record_histograms([("gradients/a", {}, [1.0] * 4)], [-2.0, -1.0, 0.0, 1.0, 2.0], step)  # other bins
     assert list(health._columns) == ["a"] and health._edges == {"a": [-1.0, 0.0, 1.0]}
-    assert [step for step, _ in health._columns["a"]] == [0, 4, 8]
+    assert [step for step, _, _ in health._columns["a"]] == [0, 4, 8]
 
 
 def test_it_warns_when_there_is_nothing_to_draw_from_or_to(tmp_path):
@@ -132,4 +187,4 @@ def test_only_what_the_monitors_log_is_drawn(tmp_path):
     logger = TensorBoardLogger(tmp_path, name="tb", version=0)
     trainer(tmp_path, [ActivationMonitor(modules="net.0"), health], logger=logger, max_steps=2).fit(model, loader())
     assert list(health._columns) == ["net.0"]
-    assert [p[0] for p in health._profiles()] == ["activation std", "zero fraction"]
+    assert set(events(str(tmp_path)).Tags()["images"]) == {f"{HEATMAP}/net.0", f"{PROFILE}/activation_std"}

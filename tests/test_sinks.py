@@ -2,6 +2,8 @@
 
 import glob
 import math
+import warnings
+from collections import Counter
 from types import SimpleNamespace
 
 import pytest
@@ -11,7 +13,9 @@ from tensorboard.backend.event_processing.event_file_loader import RawEventFileL
 from tensorboard.compat.proto.event_pb2 import Event
 from tensorboard.plugins.custom_scalar import layout_pb2
 
-from lightning_hooks.sinks import log_histograms, log_layout, log_scalars
+from lightning_hooks import ActivationMonitor, GradientMonitor, gradients
+from lightning_hooks.aggregate import StatBlock
+from lightning_hooks.sinks import category_title, log_histograms, log_layout, log_scalars
 from tests.helpers import TinyNet, events, loader, trainer
 
 
@@ -67,9 +71,33 @@ def test_layouts_add_up_per_writer_and_each_addition_is_written_whole(tmp_path):
         written = events(str(tmp_path / name)).Tensors("custom_scalars__config__")
         got[name] = [(e.step, [(c.title, [ch.title for ch in c.chart]) for c in
                                layout_pb2.Layout.FromString(e.tensor_proto.string_val[0]).category]) for e in written]
-    assert got["a"] == [(3, [("activations", ["std"])]), (3, [("activations", ["std"]), ("gradients", ["norm"])]),
-                        (5, [("activations", ["std", "mean"]), ("gradients", ["norm"])])]
-    assert got["b"] == [(3, [("gradients", ["norm"])])]
+    assert got["a"] == [(3, [("activations: std", ["std"])]),
+                        (3, [("activations: std", ["std"]), ("gradients: norm", ["norm"])]),
+                        (5, [("activations: std, mean", ["std", "mean"]), ("gradients: norm", ["norm"])])]
+    assert got["b"] == [(3, [("gradients: norm", ["norm"])])]
+
+
+@pytest.mark.parametrize(
+    ("charts", "title"),
+    [
+        (["mean by layer", "std by layer"], "activations: mean, std by layer"),
+        (["norm by parameter", "total norm", "anomaly flags"], "grads: norm by parameter, total norm, anomaly flags"),
+        (["std by layer", "norm by module", "max by layer"], "gradients: std by layer, norm by module, max by layer"),
+    ],
+)
+def test_a_category_title_names_its_charts(charts, title):
+    assert category_title(title.partition(":")[0], charts) == title
+
+
+def test_pytorch_lightnings_tensorboard_logger_gets_the_layout_too(tmp_path):
+    ptl_loggers = pytest.importorskip("pytorch_lightning.loggers")
+    logger = ptl_loggers.TensorBoardLogger(tmp_path, name="", version=0, prefix="p")
+    log_layout(_trainer(logger), {"activations": {"std by layer": ["activations/.*/std$"]}}, step=0)
+    logger.experiment.flush()
+    (event,) = events(logger.log_dir).Tensors("custom_scalars__config__")
+    (category,) = layout_pb2.Layout.FromString(event.tensor_proto.string_val[0]).category
+    assert category.title == "p-activations: std by layer"
+    assert list(category.chart[0].multiline.tag) == ["p\\-activations/.*/std$"]
 
 
 class _FilteringLogger(TensorBoardLogger):
@@ -158,3 +186,44 @@ def test_monitors_send_their_histograms_to_wandb(tmp_path, wandb_logger):
     values, _ = _wandb_histogram(wandb_logger, "gradients/net.0.weight")
     assert sum(values) == 16 * 8
     assert "activations/net.1/mean" in wandb_logger.experiment.summary._as_dict()
+
+
+def _messages(record) -> list[str]:
+    return [str(w.message) for w in record]
+
+
+def test_histograms_no_logger_takes_are_announced_once_not_dropped_in_silence(tmp_path):
+    csv = CSVLogger(tmp_path, name="csv")
+    callbacks = [ActivationMonitor(log_every_n_steps=1), GradientMonitor(log_every_n_steps=1)]
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        trainer(tmp_path, callbacks, logger=csv, max_steps=3).fit(TinyNet(), loader())
+    for owner in ("ActivationMonitor", "GradientMonitor"):
+        assert _messages(record).count(
+            f"{owner}: `histogram=True` but no logger takes histograms (the Trainer has CSVLogger): they are not"
+            " written. Add a TensorBoardLogger or WandbLogger, or pass histogram=False.") == 1
+    quiet = [ActivationMonitor(histogram=False), GradientMonitor(histogram=False)]
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        trainer(tmp_path, quiet, logger=CSVLogger(tmp_path, name="quiet"), max_steps=1).fit(TinyNet(), loader())
+    assert not [m for m in _messages(record) if "histogram" in m]
+
+
+def test_with_no_logger_the_monitors_say_so_once_and_compute_nothing_that_would_go_nowhere(tmp_path, monkeypatch):
+    added, rows = Counter(), Counter()
+    monkeypatch.setattr(StatBlock, "add_all", lambda self, *a, _f=StatBlock.add_all: (added.update([1]), _f(self, *a)))
+    monkeypatch.setattr(gradients, "row_figures", lambda *a, _f=gradients.row_figures: (rows.update([1]), _f(*a))[1])
+    activations, monitor = ActivationMonitor(log_every_n_steps=1), GradientMonitor(log_every_n_steps=1, max_norm=1e-9)
+    with pytest.warns(UserWarning) as record:
+        trainer(tmp_path, [activations, monitor], logger=False, max_steps=3).fit(TinyNet(), loader())
+    messages = _messages(record)
+    assert messages.count("ActivationMonitor: the Trainer has no logger (logger=False), so its figures would be"
+                          " written nowhere: it computes nothing. Give the Trainer a logger (e.g. TensorBoardLogger)"
+                          " to see them.") == 1
+    assert sum("GradientMonitor: the Trainer has no logger" in m and "the anomaly flags, reports and count still run"
+               in m for m in messages) == 1
+    assert not added and not rows
+    assert monitor.anomalous_steps == 3  # what does not need a logger still works
+    trainer(tmp_path, [ActivationMonitor(log_every_n_steps=1), GradientMonitor(log_every_n_steps=1)],
+            logger=CSVLogger(tmp_path), max_steps=1).fit(TinyNet(), loader())
+    assert added and rows  # the counters see work where there is a logger

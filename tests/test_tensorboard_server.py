@@ -17,16 +17,23 @@ from pathlib import Path
 import pytest
 import torch
 from lightning.pytorch.loggers import TensorBoardLogger
+from tensorboard.plugins.custom_scalar import layout_pb2
 from torch import nn
 
 from lightning_hooks import STAT_NAMES, ActivationMonitor, GradientMonitor, LayerHealth
-from lightning_hooks._health_plots import heatmap_size
+from lightning_hooks._health_plots import image_size
 from tests.helpers import events, trainer
 from tests.zoo import F, LitNet
 
 pytestmark = pytest.mark.slow  # each starts a real TensorBoard server
 
 RUN = "tb/version_0"
+
+
+def loader_of(features: int, n: int = 24) -> torch.utils.data.DataLoader:
+    """A regression loader over ``n`` random samples of ``features`` features, batches of 8."""
+    x = torch.randn(n, features, generator=torch.Generator().manual_seed(1))
+    return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, torch.zeros(n, 1)), batch_size=8)
 
 
 def _tensorboard_command() -> list[str]:
@@ -167,20 +174,25 @@ def test_a_12_layer_transformer_logs_a_few_hundred_tags_and_one_chart_per_stat_a
     trainer(tmp_path, [ActivationMonitor(), GradientMonitor()], logger=logger, max_steps=2).fit(model, data)
     logger.experiment.flush()
 
-    # Per block: 5 modules (attention whole, linear1, linear2, norm1, norm2) x 5 stats and 12
-    # parameter norms; plus the embedding and head (2 x 5 + 4), the total norm and one flag.
+    # Per block: 5 modules (attention whole, linear1, linear2, norm1, norm2) x 3 stats (mean,
+    # std, abs_max) and 12 parameter norms; plus the embedding and head (2 x 3 + 4), the total
+    # norm and one flag. No module here outputs an exact zero (the block's ReLU is a function,
+    # not a module) and the run stays finite, so the default zero_fraction and
+    # nonfinite_fraction, flat at 0 by construction, are not logged: 460 tags before that rule.
     tags = events(str(tmp_path)).Tags()
     params = len(list(model.parameters()))
     assert params == 12 * 12 + 4
-    assert len(tags["scalars"]) == (12 * 5 + 2) * 5 + params + 2 == 460
+    assert len(tags["scalars"]) == (12 * 5 + 2) * 3 + params + 2 == 336
     assert len(tags["histograms"]) == 12 * 5 + 2 + params == 210
 
     get = serve(tmp_path)
     _loaded(get, "activations/net.head/std")
     layout = get("/data/plugin/custom_scalars/layout")
     charts = {c["title"]: {ch["title"]: ch["multiline"]["tag"] for ch in c["chart"]} for c in layout["category"]}
-    assert list(charts) == ["activations", "gradients"]
-    for category, chart, rows in [("activations", "std by layer", 62), ("activations", "zero_fraction by layer", 62),
+    assert list(charts) == ["activations: mean, std, abs_max by layer",
+                            "gradients: norm by parameter, total norm, anomaly flags"]
+    charts = dict(zip(("activations", "gradients"), charts.values()))
+    for category, chart, rows in [("activations", "std by layer", 62), ("activations", "abs_max by layer", 62),
                                   ("gradients", "norm by parameter", params)]:
         (regex,) = charts[category][chart]
         served = get("/data/plugin/custom_scalars/scalars", run=RUN, tag=regex)
@@ -202,11 +214,54 @@ def test_tensorboard_serves_the_layer_health_pictures(tmp_path, serve):
 
     get = serve(tmp_path)
     _loaded(get, "gradients/total_norm")
-    tag = "health/activation_histograms"
-    assert tag in get("/data/plugin/images/tags")[RUN]
+    tag = "health/activation_histograms/net.1"
+    assert {tag, "health/depth_profile/zero_fraction"} <= set(get("/data/plugin/images/tags")[RUN])
     entries = get("/data/plugin/images/images", run=RUN, tag=tag)
     assert [e["step"] for e in entries] == [0, 2]  # the first logged step, and the end of training
     png = get(f"/data/plugin/images/individualImage?{entries[-1]['query']}", raw=True)
     assert png[:8] == b"\x89PNG\r\n\x1a\n"
     width, height = struct.unpack(">II", png[16:24])  # the IHDR chunk
-    assert (width, height) == heatmap_size(3)
+    assert (width, height) == image_size() == (480, 320)
+
+
+def test_every_runs_charts_survive_tensorboards_layout_merge(tmp_path, serve):
+    # TensorBoard merges runs' layouts by category title in run-name order and drops what a third
+    # run adds to a category first seen in the second: with one title per kind, run_c's
+    # "norm by module" was lost. Titles that name their charts keep every run's charts.
+    runs = {
+        "run_a": [ActivationMonitor(log_every_n_steps=1, stats=["std", "abs_max"])],
+        "run_b": [ActivationMonitor(log_every_n_steps=1), GradientMonitor(log_every_n_steps=1)],
+        "run_c": [ActivationMonitor(log_every_n_steps=1, stats=["mean", "std"]),
+                  GradientMonitor(log_every_n_steps=1, granularity="module")],
+    }
+    written = {}
+    for run, callbacks in runs.items():
+        torch.manual_seed(0)
+        logger = TensorBoardLogger(tmp_path, name=run, version=0)
+        net = nn.Sequential(nn.Linear(F, 8), nn.ReLU(), nn.Linear(8, 1))
+        trainer(tmp_path, callbacks, logger=logger, max_steps=2).fit(LitNet(net), loader_of(F))
+        logger.experiment.flush()
+        layout = events(logger.log_dir).Tensors("custom_scalars__config__")[-1]
+        written[run] = {(c.title, ch.title, tuple(ch.multiline.tag))
+                        for c in layout_pb2.Layout.FromString(layout.tensor_proto.string_val[0]).category
+                        for ch in c.chart}
+
+    get = serve(tmp_path)
+
+    def loaded():  # each run's event file read to its end: its last layout came before its last scalars
+        try:
+            tags = get("/data/plugin/scalars/tags")
+        except (urllib.error.URLError, ConnectionError):
+            return False
+        return all("activations/net.2/std" in tags.get(f"{run}/version_0", {}) for run in runs)
+
+    _wait_for(loaded, 60, "scalars of the three runs")
+    served = {(c["title"], ch["title"], tuple(ch["multiline"]["tag"]))
+              for c in get("/data/plugin/custom_scalars/layout")["category"] for ch in c["chart"]}
+    assert served == set().union(*written.values())
+    charts = {chart for _, chart, _ in served}
+    assert charts == {"std by layer", "mean by layer", "abs_max by layer", "zero_fraction by layer",
+                      "norm by parameter", "norm by module", "total norm", "anomaly flags"}
+    # run_b's layout was written again at step 0, once the ReLU's first zeros were logged: that one is served.
+    assert ("activations: mean, std, abs_max, zero_fraction by layer", "zero_fraction by layer",
+            ("activations/.*/zero_fraction$",)) in served

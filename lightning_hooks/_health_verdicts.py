@@ -1,0 +1,199 @@
+"""LayerHealth's verdicts: which layers are outside a healthy band, and since which step (host-side, pure).
+
+The bands, and where each comes from:
+
+- dead units: a ReLU-like layer whose inputs are centred outputs about half zeros; above
+  ``max_zero_fraction`` (0.8) of its outputs exactly 0, most of its units never fire.
+- exploding gradients: a row's gradient norm above ``spike_factor`` (10) times the median of
+  its own last ``window`` logged norms (at least 3): a jump against the layer's own history,
+  not a large norm, which a wide layer has by its size.
+- vanishing gradients: a row's norm below the largest row norm at that step divided by
+  ``spread_factor`` (1e5): five decades below its neighbours, far beyond the spread of a
+  healthy network's weights and biases.
+- update ratio: ``||Δw|| / ||w||`` outside ``update_ratio_band`` (1e-4 to 1e-2, two decades
+  around the usual 1e-3): the layer learns too fast or too slowly. An undefined ratio (a
+  parameter that was all zeros) is not judged.
+- non-finite: any NaN or Inf in a layer's outputs, or in its gradient norm.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections import deque
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Optional
+
+#: The problems, in the order the summary lists them, with how each is written.
+PROBLEMS = {
+    "nonfinite": "non-finite outputs",
+    "nonfinite_grad": "non-finite gradients",
+    "dead": "dead units: zero fraction of outputs above {max_zero_fraction:g}",
+    "exploding": "exploding gradients: norm above {spike_factor:g}x its own median",
+    "vanishing": "vanishing gradients: norm below the largest layer's / {spread_factor:g}",
+    "too_fast": "learning too fast: update ratio above {high:g}",
+    "too_slow": "learning too slowly: update ratio below {low:g}",
+}
+
+
+@dataclass(frozen=True)
+class Bands:
+    """The healthy bands LayerHealth judges by (see the module docstring for where each comes from).
+
+    Raises:
+        ValueError: If ``max_zero_fraction`` is not in (0, 1], a factor is not a number above 1,
+            ``window`` is not an int of at least 3, or ``update_ratio_band`` is not ``(low, high)``
+            with ``0 < low < high``.
+    """
+
+    max_zero_fraction: float = 0.8
+    spike_factor: float = 10.0
+    spread_factor: float = 1e5
+    update_ratio_band: tuple[float, float] = (1e-4, 1e-2)
+    window: int = 20
+
+    def __post_init__(self) -> None:
+        if not _number(self.max_zero_fraction) or not 0 < self.max_zero_fraction <= 1:
+            raise ValueError(f"`max_zero_fraction` must be a number in (0, 1], got {self.max_zero_fraction!r}")
+        for name in ("spike_factor", "spread_factor"):
+            value = getattr(self, name)
+            if not _number(value) or not value > 1:
+                raise ValueError(f"`{name}` must be a number above 1, got {value!r}")
+        band = self.update_ratio_band
+        if (not isinstance(band, Sequence) or len(band) != 2 or not all(_number(v) for v in band)
+                or not 0 < band[0] < band[1]):
+            raise ValueError(f"`update_ratio_band` must be (low, high) with 0 < low < high, got {band!r}")
+        if not isinstance(self.window, int) or isinstance(self.window, bool) or self.window < 3:
+            raise ValueError(f"`window` must be an int of at least 3, got {self.window!r}")
+
+    def titles(self) -> dict[str, str]:
+        """Each problem's heading, with its threshold."""
+        low, high = self.update_ratio_band
+        return {key: text.format(low=low, high=high, **vars(self)) for key, text in PROBLEMS.items()}
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+@dataclass
+class Episode:
+    """One layer outside one band: from ``first`` to ``last`` logged step, and its worst value there."""
+
+    first: int
+    last: int
+    worst: float
+    ongoing: bool = True
+
+
+class Verdicts:
+    """Judge each logged figure of each layer against :class:`Bands`, and keep each layer's latest episode."""
+
+    def __init__(self, bands: Bands) -> None:
+        self.bands = bands
+        self.episodes: dict[tuple[str, str], Episode] = {}
+        self._norms: dict[str, deque[float]] = {}  # each row's last logged gradient norms
+        self._depth: dict[str, int] = {}  # layers in the order their figures first came
+        self.last_step: Optional[int] = None
+
+    def add(self, figure: str, step: int, values: Mapping[str, float]) -> None:
+        """Judge one logged step's ``values`` (by layer) of ``figure``.
+
+        ``figure`` is ``"zero_fraction"``, ``"nonfinite"`` (any non-finite share or count),
+        ``"norm"`` (gradient norms) or ``"ratio"`` (update ratios).
+        """
+        self.last_step = step if self.last_step is None else max(step, self.last_step)
+        for layer in values:
+            self._depth.setdefault(layer, len(self._depth))
+        judged = getattr(self, f"_judge_{figure}")(values)
+        for layer, value in values.items():
+            for problem in _FIGURE_PROBLEMS[figure]:
+                self._note(problem, layer, step, value, judged.get(layer) == problem)
+
+    def _judge_zero_fraction(self, values: Mapping[str, float]) -> dict[str, str]:
+        return {layer: "dead" for layer, v in values.items() if v > self.bands.max_zero_fraction}
+
+    def _judge_nonfinite(self, values: Mapping[str, float]) -> dict[str, str]:
+        return {layer: "nonfinite" for layer, v in values.items() if v != 0}
+
+    def _judge_ratio(self, values: Mapping[str, float]) -> dict[str, str]:
+        low, high = self.bands.update_ratio_band
+        return {layer: "too_fast" if v > high else "too_slow" for layer, v in values.items()
+                if math.isfinite(v) and v > 0 and not low <= v <= high}
+
+    def _judge_norm(self, values: Mapping[str, float]) -> dict[str, str]:
+        finite = [v for v in values.values() if math.isfinite(v)]
+        largest = max(finite, default=0.0)
+        judged = {}
+        for layer, value in values.items():
+            history = self._norms.setdefault(layer, deque(maxlen=self.bands.window))
+            if not math.isfinite(value):
+                judged[layer] = "nonfinite_grad"
+                continue
+            if len(history) >= 3 and value > self.bands.spike_factor * statistics.median(history):
+                judged[layer] = "exploding"
+            elif value < largest / self.bands.spread_factor:
+                judged[layer] = "vanishing"
+            history.append(value)
+        return judged
+
+    def _note(self, problem: str, layer: str, step: int, value: float, flagged: bool) -> None:
+        episode = self.episodes.get((problem, layer))
+        if not flagged:
+            if episode is not None:
+                episode.ongoing = False
+            return
+        if episode is None or not episode.ongoing:
+            self.episodes[(problem, layer)] = Episode(step, step, value)
+            return
+        episode.last = step
+        if _worse(problem, value, episode.worst):
+            episode.worst = value
+
+    def summary(self, top_k: int) -> str:
+        """The verdict: ``healthy``, or each problem with its layers, the planted-first (earliest) first."""
+        head = f"Layer health at step {self.last_step}"
+        if not self.episodes:
+            return f"{head}: healthy (every layer inside the bands; see LayerHealth's docstring)."
+        titles = self.bands.titles()
+        now = sorted(((p, layer, e) for (p, layer), e in self.episodes.items() if e.ongoing), key=self._order)
+        before = sorted(((p, layer, e) for (p, layer), e in self.episodes.items() if not e.ongoing), key=self._order)
+        layers = {layer for _, layer, _ in now}
+        count = f"{len(layers)} layer{'s' if len(layers) > 1 else ''}"
+        lines = [f"{head}: {count} unhealthy now" if now else f"{head}: healthy now"]
+        for problem in PROBLEMS:
+            rows = [(layer, e) for p, layer, e in now if p == problem]
+            if rows:
+                lines.append(f"  {titles[problem]}")
+                lines.extend(f"    {layer:24} worst {e.worst:<10.4g} since step {e.first}" for layer, e in rows[:top_k])
+                if len(rows) > top_k:
+                    lines.append(f"    ... and {len(rows) - top_k} more")
+        if before:
+            lines.append("  earlier, healthy since:")
+            lines.extend(f"    {layer:24} {titles[p].partition(':')[0]}, steps {e.first}-{e.last} (worst {e.worst:.4g})"
+                         for p, layer, e in before[:top_k])
+            if len(before) > top_k:
+                lines.append(f"    ... and {len(before) - top_k} more")
+        return "\n".join(lines)
+
+    def _order(self, item: tuple[str, str, Episode]) -> tuple[int, int, int]:
+        """Problem kind first, then the earliest episode (where it began), then depth."""
+        problem, layer, episode = item
+        return list(PROBLEMS).index(problem), episode.first, self._depth.get(layer, 0)
+
+
+#: The problems each figure can show.
+_FIGURE_PROBLEMS = {
+    "zero_fraction": ("dead",), "nonfinite": ("nonfinite",), "ratio": ("too_fast", "too_slow"),
+    "norm": ("nonfinite_grad", "exploding", "vanishing"),
+}
+
+
+def _worse(problem: str, value: float, than: float) -> bool:
+    """Whether ``value`` is further outside the band of ``problem`` than ``than``."""
+    if problem in ("vanishing", "too_slow"):
+        return value < than
+    if problem.startswith("nonfinite"):
+        return False
+    return value > than
