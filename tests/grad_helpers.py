@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import sys
 from collections.abc import Sequence
 from typing import Any, Optional
 
@@ -99,9 +100,13 @@ class GradRecorder(L.Callback):
 
 def run_example(name: str, log_dir: str) -> None:
     """Run ``examples/<name>.py``'s ``main`` with its logs under ``log_dir``."""
-    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", f"{name}.py")
-    spec = importlib.util.spec_from_file_location(f"example_{name}", path)
+    examples = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples")
+    spec = importlib.util.spec_from_file_location(f"example_{name}", os.path.join(examples, f"{name}.py"))
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    module.main(log_dir)
+    sys.path.insert(0, examples)  # as `python examples/<name>.py` has it: the examples import their helpers
+    try:
+        spec.loader.exec_module(module)
+        module.main(log_dir)
+    finally:
+        sys.path.remove(examples)

@@ -346,7 +346,7 @@ def test_state_survives_a_checkpoint_resume(tmp_path):
 def test_exploding_lr_example_stops_the_run_early(tmp_path, capsys):
     run_example("exploding_lr", str(tmp_path))
     out = capsys.readouterr().out
-    assert "Training stopped at global step 6 of 160 planned" in out
+    assert "steps 0-5 ran, so trainer.global_step (steps counted) is 6, of 160 planned" in out
     assert "Parameters all finite after the stop (the last, NaN update was dropped): True" in out
 
 
