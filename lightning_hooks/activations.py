@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from typing import Any, Literal, Optional
 
@@ -20,7 +21,7 @@ from lightning_hooks._base import (
 from lightning_hooks._stat_rows import DEFAULT_STATS, DIVERGENCE_STATS, STAT_NAMES, bin_counts, summarize
 from lightning_hooks.aggregate import StatBlock
 from lightning_hooks.selection import ModuleSelection, check_limit, validate_limit
-from lightning_hooks.sinks import Charts, Histogram, log_histograms, log_layout, log_scalars
+from lightning_hooks.sinks import Charts, Histogram, log_histograms, log_layout, log_scalars, log_text
 from lightning_hooks.stats import Bins, histogram_edges
 
 Stage = Literal["train", "validate"]
@@ -123,6 +124,7 @@ class ActivationMonitor(HookCallback):
         self._blocks: dict[str, StatBlock] = {}
         self._block: Optional[StatBlock] = None
         self._pending_step: Optional[int] = None
+        self._forward_order: Optional[dict[str, None]] = None  # modules as their hooks first fire, once per fit
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         """Resolve modules and the logging interval before training starts."""
@@ -136,7 +138,7 @@ class ActivationMonitor(HookCallback):
         self._check_size()
         names = self.module_names + ([f"{n}.input" for n in self.module_names] if self.inputs else [])
         self._blocks = {s: StatBlock(names, self.bins, pl_module.device) for s in self.stages}
-        self._block, self._pending_step, self._diverged = None, None, {}
+        self._block, self._pending_step, self._diverged, self._forward_order = None, None, {}, {}
         log_layout(trainer, {_PREFIXES[s]: self._charts(_PREFIXES[s]) for s in self.stages}, trainer.global_step)
 
     def _check_size(self) -> None:
@@ -159,6 +161,8 @@ class ActivationMonitor(HookCallback):
         def record(mod: nn.Module, args: tuple[Any, ...], output: Any) -> None:
             if self._block is not None and not in_backward():
                 self._block.add_all(index, output)
+                if self._forward_order is not None:
+                    self._forward_order.setdefault(name)
 
         # A pre-hook, as an in-place module (ReLU(inplace=True)) has overwritten its input by
         # the time a forward hook runs.
@@ -226,6 +230,9 @@ class ActivationMonitor(HookCallback):
         self._collecting, self._block = False, None
         assert step is not None
         self._log(trainer, self._blocks[stage], "activations", step)
+        if self._forward_order:  # once per fit, for the Layers tab's row order (JSON: a list of names)
+            log_text(trainer, "layers/forward_order", json.dumps(list(self._forward_order)), step)
+            self._forward_order = None
 
     def _log(self, trainer: pl.Trainer, block: StatBlock, prefix: str, step: int) -> None:
         rows = block.drain(trainer)
