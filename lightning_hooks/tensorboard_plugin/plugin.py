@@ -15,6 +15,7 @@ which fetches the routes below by relative URL:
 from __future__ import annotations
 
 import time
+from collections import OrderedDict
 from importlib import resources
 from typing import Any, Callable
 
@@ -24,8 +25,8 @@ from tensorboard.context import RequestContext
 from tensorboard.plugins import base_plugin
 from werkzeug import wrappers
 
-from lightning_hooks.tensorboard_plugin.run_data import Figure, RunReader
-from lightning_hooks.tensorboard_plugin.verdicts import PROBLEMS, Thresholds, banner, judge
+from lightning_hooks.tensorboard_plugin.run_data import Figure, FigureCache, RunReader
+from lightning_hooks.tensorboard_plugin.verdicts import PROBLEMS, Marks, Thresholds, banner, judge
 
 PLUGIN_NAME = "lightning_hooks_layers"
 TAB_NAME = "Layers"
@@ -39,6 +40,7 @@ class LayersPlugin(base_plugin.TBPlugin):
 
     def __init__(self, context: base_plugin.TBContext) -> None:
         self._data = context.data_provider
+        self._cache: FigureCache = OrderedDict()
 
     def get_plugin_apps(self) -> dict[str, Callable[..., Any]]:
         """The routes, under ``/data/plugin/lightning_hooks_layers/``."""
@@ -57,7 +59,8 @@ class LayersPlugin(base_plugin.TBPlugin):
         return base_plugin.FrontendMetadata(es_module_path="/index.js", tab_name=TAB_NAME)
 
     def _reader(self, request: wrappers.Request) -> RunReader:
-        return RunReader(self._data, plugin_util.context(request.environ), plugin_util.experiment_id(request.environ))
+        return RunReader(self._data, plugin_util.context(request.environ), plugin_util.experiment_id(request.environ),
+                         self._cache)
 
     def _static(self, path: str) -> Callable[..., Any]:
         body = resources.files(__package__).joinpath("static", path.lstrip("/")).read_bytes()
@@ -86,12 +89,11 @@ class LayersPlugin(base_plugin.TBPlugin):
         figures = reader.figures(run)
         if not figures:
             raise errors.NotFoundError(f"run {run!r} has no layer figures (activations/, gradients/ or updates/ tags)")
-        for figure in figures:
-            judge(figure, limits)
+        judged = [(figure, judge(figure, limits)) for figure in figures]
         body = {
             "run": run,
-            "figures": [_figure_json(figure) for figure in figures],
-            "banner": banner(figures),
+            "figures": [_figure_json(figure, marks) for figure, marks in judged],
+            "banner": banner(judged),
             "anomalies": [vars(anomaly) for anomaly in reader.anomalies(run)],
             "forward_order": bool(reader.forward_order(run)),
             "thresholds": limits.as_dict(),
@@ -118,9 +120,9 @@ def _required(request: wrappers.Request, name: str) -> str:
     return value
 
 
-def _figure_json(figure: Figure) -> dict[str, Any]:
+def _figure_json(figure: Figure, marks: Marks) -> dict[str, Any]:
     return {
         "key": figure.key, "prefix": figure.prefix, "kind": figure.kind, "stat": figure.stat,
         "rows": figure.rows, "steps": figure.steps, "values": figure.values,
-        "marks": figure.marks, "histograms": [figure.histogram_tag(row) for row in range(len(figure.rows))],
+        "marks": marks, "histograms": [figure.histogram_tag(row) for row in range(len(figure.rows))],
     }

@@ -12,13 +12,15 @@ from __future__ import annotations
 import json
 import math
 import re
-from dataclasses import dataclass, field
+from collections import OrderedDict
+from dataclasses import dataclass
 from typing import Any, Optional
 
 from tensorboard.data import provider
 
 #: Scalar tags the tab draws: an optional logger prefix, the kind, the layer, the statistic.
-TAG = re.compile(r"^(?:(?P<prefix>.+)-)?(?P<kind>activations|val_activations|gradients|updates)/(?P<name>.+)/(?P<stat>[^/]+)$")
+TAG = re.compile(r"^(?:(?P<prefix>.+)-)?(?P<kind>activations|val_activations|gradients|updates)"
+                 r"/(?P<name>.+)/(?P<stat>[^/]+)$")
 #: Anomaly flags GradientMonitor logs (1 on a step where the flag fired).
 ANOMALY_TAG = re.compile(r"^(?:(?P<prefix>.+)-)?anomalies/(?P<flag>[^/]+)$")
 #: The text tags (TensorBoard's text plugin adds ``/text_summary``) of anomaly reports and the forward order.
@@ -33,6 +35,11 @@ FIRST = ("activations/std", "activations/zero_fraction", "activations/nonfinite_
          "gradients/norm", "updates/log10_ratio")
 #: How many points per tag to ask the provider for (TensorBoard keeps 1000 scalars per tag by default).
 MAX_POINTS = 100_000
+#: How many runs' figures a plugin keeps, to answer a reload of an unchanged run without reading it again.
+CACHED_RUNS = 16
+
+#: Figures by (experiment, run), with the listing they were read from: (tag, last step, last wall time)s.
+FigureCache = OrderedDict[tuple[str, str], tuple[tuple[tuple[str, int, float], ...], list["Figure"]]]
 
 
 @dataclass
@@ -46,7 +53,6 @@ class Figure:
     rows: list[str]
     steps: list[int]
     values: list[list[Optional[float]]]
-    marks: list[tuple[int, int, str]] = field(default_factory=list)  # (row, column, verdict)
 
     def histogram_tag(self, row: int) -> Optional[str]:
         """The histogram tag a cell's click opens, or None for a figure without histograms."""
@@ -98,8 +104,10 @@ def _cell(value: float) -> float:
 class RunReader:
     """Reads one run's figures and anomalies from a TensorBoard data provider."""
 
-    def __init__(self, data: provider.DataProvider, ctx: Any, experiment: str) -> None:
+    def __init__(self, data: provider.DataProvider, ctx: Any, experiment: str,
+                 cache: Optional[FigureCache] = None) -> None:
         self._data, self._ctx, self._experiment = data, ctx, experiment
+        self._cache: FigureCache = OrderedDict() if cache is None else cache
 
     def runs(self) -> dict[str, int]:
         """Each run with layer figures, and how many scalar tags of ours it has."""
@@ -108,12 +116,28 @@ class RunReader:
         return {run: n for run, n in sorted(counts.items()) if n}
 
     def figures(self, run: str) -> list[Figure]:
-        """The run's figures, each a grid of layers (forward order) by the steps it was logged at."""
+        """The run's figures, each a grid of layers (forward order) by the steps it was logged at.
+
+        Read again only when the run has new points: a reload of an unchanged run is answered
+        from the cache (callers must not change the figures).
+        """
         listing = self._data.list_scalars(self._ctx, experiment_id=self._experiment, plugin_name="scalars",
                                           run_tag_filter=provider.RunTagFilter(runs=[run]))
-        tags = [tag for tag in listing.get(run, {}) if _is_layer_tag(tag)]
+        series_meta = listing.get(run, {})
+        tags = [tag for tag in series_meta if _is_layer_tag(tag)]
         if not tags:
             return []
+        signature = tuple(sorted((tag, series_meta[tag].max_step, series_meta[tag].max_wall_time) for tag in tags))
+        cached = self._cache.get((self._experiment, run))
+        if cached is not None and cached[0] == signature:
+            return cached[1]
+        figures = self._read_figures(run, tags)
+        self._cache[(self._experiment, run)] = (signature, figures)
+        while len(self._cache) > CACHED_RUNS:
+            self._cache.popitem(last=False)
+        return figures
+
+    def _read_figures(self, run: str, tags: list[str]) -> list[Figure]:
         series = self._scalars(run, tags)
         forward = self.forward_order(run)
         grouped: dict[tuple[str, str, str], dict[str, dict[int, float]]] = {}

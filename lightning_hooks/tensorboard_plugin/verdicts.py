@@ -90,9 +90,13 @@ class Thresholds:
         return asdict(self)
 
 
-def judge(figure: Figure, limits: Thresholds) -> None:
-    """Mark the cells of ``figure`` outside the healthy band (fills ``figure.marks``)."""
-    figure.marks = []
+Marks = list[tuple[int, int, str]]
+"""A figure's marked cells: (row, column, verdict)."""
+
+
+def judge(figure: Figure, limits: Thresholds) -> Marks:
+    """The cells of ``figure`` outside the healthy band."""
+    marks: Marks = []
     for row, values in enumerate(figure.values):
         history: list[float] = []  # the row's earlier finite values, sorted: its running median
         for col, value in enumerate(values):
@@ -100,9 +104,10 @@ def judge(figure: Figure, limits: Thresholds) -> None:
                 continue
             verdict = _verdict(figure, row, col, value, limits, history)
             if verdict:
-                figure.marks.append((row, col, verdict))
+                marks.append((row, col, verdict))
             if math.isfinite(value):
                 bisect.insort(history, value)
+    return marks
 
 
 def _verdict(
@@ -145,15 +150,15 @@ def _finite(values: list[Optional[float]]) -> list[float]:
     return [v for v in values if v is not None and math.isfinite(v)]
 
 
-def banner(figures: list[Figure]) -> list[dict[str, Any]]:
+def banner(judged: list[tuple[Figure, Marks]]) -> list[dict[str, Any]]:
     """The layers unhealthy at their last logged step: each problem, its figure, and since which step.
 
     "Since" is the first step of the unbroken stretch of marked cells that reaches the layer's
     last logged point. An empty list means the run looks healthy now.
     """
     found = []
-    for figure in figures:
-        marked = {(row, col): verdict for row, col, verdict in figure.marks}
+    for figure, marks in judged:
+        marked = {(row, col): verdict for row, col, verdict in marks}
         for row, name in enumerate(figure.rows):
             logged = [col for col, v in enumerate(figure.values[row]) if v is not None]
             if not logged or (row, logged[-1]) not in marked:

@@ -11,12 +11,12 @@ const TITLES = {std: "activation std", zero_fraction: "zero fraction (dead units
                 nonfinite_fraction: "non-finite fraction", norm: "gradient norm",
                 log10_ratio: "log10 update / parameter ratio"};
 const MAX_VISIBLE_ROWS = 48;  // beyond this, rows start collapsed by module prefix
-const ROW_H = 14, LABEL_W = 170, BAR_W = 70, TOP = 6, AXIS_H = 30;
+const ROW_H = 14, BAR_W = 76, TOP = 6, AXIS_H = 30, MAX_LABEL = 36;
 // Viridis, nine stops: perceptually uniform, readable in grey.
 const VIRIDIS = [[68, 1, 84], [71, 44, 122], [59, 81, 139], [44, 113, 142], [33, 144, 141],
                  [39, 173, 129], [92, 200, 99], [170, 220, 50], [253, 231, 37]];
 
-const state = {runs: [], data: {}, expanded: {}, depth: {}, thresholds: {}, defaults: {}, problems: {}};
+const state = {runs: [], data: {}, views: {}, expanded: {}, depth: {}, thresholds: {}, defaults: {}, problems: {}};
 let tip = null;
 
 export async function render() {
@@ -35,6 +35,7 @@ export async function render() {
   bar.append(reload, thresholdToggle(), timing);
   document.body.append(bar, el("div", {id: "lh-thresholds"}), el("div", {id: "lh-runs"}));
   await load(started);
+  await openLinkedCell(new URLSearchParams(window.location.search));
   setInterval(() => { if (document.visibilityState === "visible") load(); }, 60000);
 }
 
@@ -213,6 +214,7 @@ function figureView(data, figure) {
   box.append(canvas, hist);
   const scale = colourScale(values, stat);
   const view = {data, figure, values, marks, scale, canvas, hist, rows: []};
+  (state.views[data.run] || (state.views[data.run] = {}))[figure.key] = view;
   draw(view);
   canvas.onmousemove = (event) => hover(view, event);
   canvas.onmouseleave = () => { tip.style.display = "none"; };
@@ -242,11 +244,15 @@ function draw(view) {
   const steps = figure.steps.length;
   const cell = Math.max(2, Math.min(18, Math.floor(560 / Math.max(1, steps))));
   view.cell = cell;
+  const g = canvas.getContext("2d");
+  g.font = "11px Roboto, Arial, sans-serif";
+  const markedRows = new Set(figure.marks.map(([r]) => r));
+  const labels = view.rows.map((row) => label(row, markedRows));
+  const LABEL_W = view.labelWidth = 12 + Math.max(40, ...labels.map((text) => g.measureText(text).width));
   const width = LABEL_W + steps * cell + BAR_W, height = TOP + view.rows.length * ROW_H + AXIS_H;
   const ratio = window.devicePixelRatio || 1;
   canvas.width = width * ratio; canvas.height = height * ratio;
   canvas.style.width = `${width}px`; canvas.style.height = `${height}px`;
-  const g = canvas.getContext("2d");
   g.scale(ratio, ratio);
   g.font = "11px Roboto, Arial, sans-serif";
   g.textBaseline = "middle";
@@ -269,14 +275,18 @@ function draw(view) {
       }
     }
     g.fillStyle = worst ? MARK_COLOURS[worst] === "#ff1744" ? "#d32f2f" : "#0277bd" : "#424242";
-    const text = (worst ? "● " : "") + row.label;
-    g.fillText(text.length > 28 ? "…" + text.slice(-27) : text, 4, y + ROW_H / 2);
+    g.fillText(labels[r], 4, y + ROW_H / 2);
   });
-  axis(g, view, steps, cell);
-  colourBar(g, view, steps * cell);
+  axis(g, view, steps, cell, LABEL_W);
+  colourBar(g, view, LABEL_W + steps * cell);
 }
 
-function axis(g, view, steps, cell) {
+function label(row, markedRows) {  // a row's label: a dot when some cell of it is marked, long names cut at the front
+  const text = (row.members.some((m) => markedRows.has(m)) ? "● " : "") + row.label;
+  return text.length > MAX_LABEL ? "…" + text.slice(-(MAX_LABEL - 1)) : text;
+}
+
+function axis(g, view, steps, cell, LABEL_W) {
   const y = TOP + view.rows.length * ROW_H + 4, every = Math.max(1, Math.ceil(steps / 6));
   g.fillStyle = "#616161"; g.textAlign = "center"; g.textBaseline = "top";
   for (let c = 0; c < steps; c += every) g.fillText(String(view.figure.steps[c]), LABEL_W + (c + 0.5) * cell, y);
@@ -284,9 +294,9 @@ function axis(g, view, steps, cell) {
   g.textAlign = "left";
 }
 
-function colourBar(g, view, plotWidth) {
+function colourBar(g, view, plotRight) {
   const {scale} = view;
-  const x = LABEL_W + plotWidth + 10, h = Math.max(40, view.rows.length * ROW_H);
+  const x = plotRight + 10, h = Math.max(40, view.rows.length * ROW_H);
   for (let i = 0; i < h; i++) { g.fillStyle = viridis(1 - i / h); g.fillRect(x, TOP + i, 10, 1); }
   g.fillStyle = "#424242"; g.textBaseline = "middle";
   const label = (t) => fmt(scale.log ? 10 ** t : t);
@@ -299,8 +309,8 @@ function colourBar(g, view, plotWidth) {
 function at(view, event) {
   const box = view.canvas.getBoundingClientRect();
   const x = event.clientX - box.left, y = event.clientY - box.top;
-  const r = Math.floor((y - TOP) / ROW_H), c = Math.floor((x - LABEL_W) / view.cell);
-  return {row: view.rows[r], c, inLabel: x < LABEL_W, valid: r >= 0 && r < view.rows.length};
+  const r = Math.floor((y - TOP) / ROW_H), c = Math.floor((x - view.labelWidth) / view.cell);
+  return {row: view.rows[r], c, inLabel: x < view.labelWidth, valid: r >= 0 && r < view.rows.length};
 }
 
 function hover(view, event) {
@@ -330,9 +340,25 @@ async function click(view, event) {
     redrawRun(view.data.run);
     return;
   }
-  const tag = view.figure.histograms[row.members[0]];
   if (inLabel || c < 0 || c >= view.figure.steps.length) return;
-  const step = view.figure.steps[c], name = view.figure.rows[row.members[0]];
+  await openCell(view, row.members[0], c);
+}
+
+// A deep link: ?layer=<name>&step=<step>[&run=<run>][&figure=<key>] opens that cell's histogram.
+async function openLinkedCell(params) {
+  const layer = params.get("layer"), step = Number(params.get("step"));
+  if (!layer || !params.has("step")) return;
+  const run = params.get("run") || state.runs[0];
+  const views = Object.values(state.views[run] || {}).filter((v) => !params.get("figure") || v.figure.key === params.get("figure"));
+  const view = views.find((v) => v.figure.rows.includes(layer) && v.figure.histograms[v.figure.rows.indexOf(layer)]);
+  if (!view) return;
+  const col = view.figure.steps.reduce((best, s, i) => (Math.abs(s - step) < Math.abs(view.figure.steps[best] - step) ? i : best), 0);
+  await openCell(view, view.figure.rows.indexOf(layer), col);
+}
+
+async function openCell(view, member, c) {
+  const tag = view.figure.histograms[member];
+  const step = view.figure.steps[c], name = view.figure.rows[member];
   if (!tag) { view.hist.textContent = `${name} at step ${step}: this figure has no histograms.`; return; }
   try {
     const found = await getJSON(`histogram?run=${encodeURIComponent(view.data.run)}&tag=${encodeURIComponent(tag)}&step=${step}`);
