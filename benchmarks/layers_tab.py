@@ -89,15 +89,15 @@ def get(base: str, route: str, **params: Any) -> Any:
         return json.loads(response.read())
 
 
-def wait_for_run(base: str, run: str, steps: int, timeout: float = 300) -> dict[str, Any]:
-    """The ``run`` route's answer once each figure of ``run`` has ``steps`` steps (loaded in the background)."""
+def wait_for_run(base: str, run: str, steps: int, timeout: float = 120) -> dict[str, Any]:
+    """The ``run`` route's answer once a figure of ``run`` has ``steps`` steps (loaded in the background)."""
 
     def check() -> Optional[dict[str, Any]]:
         try:
             found = get(base, "run", run=run)
         except (urllib.error.URLError, ConnectionError):
             return None
-        return found if found["figures"] and all(len(f["steps"]) >= steps for f in found["figures"]) else None
+        return found if max((len(f["steps"]) for f in found["figures"]), default=0) >= steps else None
 
     return wait_for(check, timeout, f"run {run!r} with {steps} steps")
 

@@ -1,0 +1,190 @@
+"""The Layers tab for real: the installed ``tensorboard`` (the entry point finds the plugin) and headless Chromium."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as lp
+import pytest
+import pytorch_lightning as ptl
+import torch
+from torch import nn
+
+from lightning_hooks import ActivationMonitor, GradientMonitor
+from tests.compat_helpers import net, package_trainer
+from tests.helpers import loader
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+
+from layers_tab import (  # noqa: E402
+    DEAD,
+    PLUGIN,
+    browse,
+    chromium,
+    get,
+    page_timings,
+    tab_url,
+    tensorboard,
+    wait_for,
+    wait_for_run,
+    write_synthetic_run,
+)
+
+ROOT = Path(__file__).resolve().parent.parent
+needs_chromium = pytest.mark.skipif(chromium() is None, reason="chromium is not installed (apt-get install chromium)")
+
+
+class DeadMLP(lp.LightningModule):
+    """Linear -> ReLU -> Linear -> ReLU -> Linear; 28 of ``net.3``'s 32 ReLUs never fire."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 1))
+        with torch.no_grad():
+            self.net[2].bias[:28] = -10.0
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return nn.functional.mse_loss(self.net(x), y)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+def monitors(**gradients: Any) -> list[Any]:
+    return [ActivationMonitor(log_every_n_steps=1, modules=[nn.Linear, nn.ReLU],
+                              stats=["std", "zero_fraction", "nonfinite_fraction"]),
+            GradientMonitor(log_every_n_steps=1, granularity="module", update_ratio=True, **gradients)]
+
+
+def write_runs(logdir: Path) -> None:
+    """Three runs: plain, with a logger prefix, and a standalone ``pytorch_lightning`` run with a NaN at step 3."""
+    for name, prefix in (("plain", ""), ("prefixed", "train")):
+        torch.manual_seed(0)
+        logger = lp.loggers.TensorBoardLogger(str(logdir), name=name, version=0, prefix=prefix)
+        package_trainer(lp, logdir, monitors(), logger=logger).fit(DeadMLP(), loader())
+        logger.experiment.flush()
+    torch.manual_seed(0)
+    logger = ptl.loggers.TensorBoardLogger(str(logdir), name="standalone", version=0)
+    package_trainer(ptl, logdir, monitors(provenance=True), logger=logger).fit(net(ptl, nan_steps=(3,)), loader())
+    logger.experiment.flush()
+
+
+def status(base: str, route: str) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(f"{base}/data/plugin/{PLUGIN}/{route}", timeout=30) as response:
+            return response.status, response.read().decode()
+    except urllib.error.HTTPError as error:
+        return error.code, error.read().decode()
+
+
+def test_the_routes_through_a_real_tensorboard(tmp_path):
+    write_runs(tmp_path)
+    with tensorboard(tmp_path, tmp_path / "tensorboard.log") as base:
+        plain = wait_for_run(base, "plain/version_0", 6)
+        listing = json.loads(urllib.request.urlopen(f"{base}/data/plugins_listing").read())[PLUGIN]
+        assert (listing["enabled"], listing["tab_name"], listing["loading_mechanism"]["type"]) == (True, "Layers",
+                                                                                                 "IFRAME")
+        wait_for_run(base, "standalone/version_0", 4)
+        assert get(base, "runs")["runs"] == ["plain/version_0", "prefixed/version_0", "standalone/version_0"]
+
+        figures = {f["key"]: f for f in plain["figures"]}
+        assert list(figures)[:5] == ["activations/std", "activations/zero_fraction", "activations/nonfinite_fraction",
+                                     "gradients/norm", "updates/log10_ratio"]
+        zeros = figures["activations/zero_fraction"]
+        assert zeros["rows"] == ["net.0", "net.1", "net.2", "net.3", "net.4"] and plain["forward_order"]
+        assert zeros["steps"] == [0, 1, 2, 3, 4, 5]
+        assert {(zeros["rows"][r], v) for r, _, v in zeros["marks"]} == {("net.3", "dead")}
+        assert {(b["layer"], b["verdict"], b["since"]) for b in plain["banner"]} >= {("net.3", "dead", 0)}
+        assert "net.1" not in {b["layer"] for b in plain["banner"] if b["verdict"] == "dead"}
+
+        # A click on net.3 at step 2 opens its activation histogram there: all 8 x 32 outputs.
+        assert zeros["histograms"][3] == "activations/net.3"
+        found = get(base, "histogram", run="plain/version_0", tag="activations/net.3", step=2)
+        assert found["step"] == 2 and sum(count for _, _, count in found["bins"]) == 8 * 32
+        assert get(base, "histogram", run="plain/version_0", tag="activations/net.3", step=99)["step"] == 5
+
+        # Thresholds from the query; errors that say what was wrong.
+        relaxed = get(base, "run", run="plain/version_0", dead_fraction=0.99)
+        assert "dead" not in {b["verdict"] for b in relaxed["banner"]} and relaxed["thresholds"]["dead_fraction"] == 0.99
+        assert status(base, "run?run=plain/version_0&dead_fraction=lots") == (
+            400, "Invalid argument: `dead_fraction` must be a float, got 'lots'")
+        assert status(base, "run?run=nothing")[0] == 404
+        assert status(base, "histogram?run=plain/version_0&tag=activations/net.3")[0] == 400
+
+        # A logger prefix: the same figures under the prefix; histograms keep their plain tags.
+        prefixed = get(base, "run", run="prefixed/version_0")
+        keys = [f["key"] for f in prefixed["figures"]]
+        assert "train-activations/zero_fraction" in keys and "train-updates/log10_ratio" in keys
+        assert ("net.3", "dead") in {(b["layer"], b["verdict"]) for b in prefixed["banner"]}
+        assert prefixed["figures"][keys.index("train-activations/zero_fraction")]["histograms"][3] == "activations/net.3"
+
+        # The standalone package's run: the NaN at step 3 is on the timeline, with where it began.
+        standalone = get(base, "run", run="standalone/version_0")
+        first = standalone["anomalies"][0]
+        assert first["step"] == 3 and "nonfinite" in first["flags"]
+        assert re.search(r"first non-finite output.*net\.2", first["report"])
+        assert "nonfinite" in {b["verdict"] for b in standalone["banner"]}
+
+        # Live: a point written after the server started shows on the next request (net.3 healed).
+        from torch.utils.tensorboard import SummaryWriter
+
+        with SummaryWriter(str(tmp_path / "plain" / "version_0")) as writer:
+            writer.add_scalar("activations/net.3/zero_fraction", 0.1, 50)
+
+        def healed() -> Any:
+            found = get(base, "run", run="plain/version_0")
+            return found if 50 in {s for f in found["figures"] for s in f["steps"]} else None
+
+        later = wait_for(healed, 60, "step 50")
+        assert ("net.3", "dead") not in {(b["layer"], b["verdict"]) for b in later["banner"]}
+
+
+def layer_health_run(logdir: Path) -> None:
+    """Run examples/layer_health.py (its planted dead layer is ``net.3``) into ``logdir``."""
+    done = subprocess.run([sys.executable, str(ROOT / "examples" / "layer_health.py"), str(logdir)],
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
+@needs_chromium
+def test_the_tab_in_a_browser_marks_the_dead_layer(tmp_path):
+    layer_health_run(tmp_path / "runs")
+    with tensorboard(tmp_path / "runs", tmp_path / "tensorboard.log", load_fast="true") as base:
+        wait_for_run(base, "version_0", 13)
+        shot = tmp_path / "layers.png"
+        dom = browse(tab_url(base), screenshot=shot, size=(1100, 820))
+        linked = browse(tab_url(base, layer="net.3", step=20))
+
+    assert 'data-ready="true"' in dom
+    assert re.search(r'<li data-layer="net\.3" data-verdict="dead" data-since="\d+"', dom)
+    marked = re.search(r'data-figure="activations/zero_fraction" data-marked-rows="([^"]*)"', dom)[1].split(",")
+    assert "net.3" in marked and "net.1" not in marked
+    # The deep link opens net.3's activation histogram at step 20, as a click on that cell does.
+    assert re.search(r'data-histogram="activations/net\.3" data-step="20"', linked)
+    # The screenshot shows the marks: the marked cells' red outlines are there in pixels.
+    import matplotlib.image
+
+    pixels = matplotlib.image.imread(shot)[..., :3]
+    red = (abs(pixels[..., 0] - 1.0) < 0.06) & (abs(pixels[..., 1] - 0.09) < 0.06) & (abs(pixels[..., 2] - 0.27) < 0.06)
+    assert red.sum() > 200
+
+
+@needs_chromium
+def test_a_200_module_run_loads_and_draws_quickly(tmp_path):
+    names = write_synthetic_run(tmp_path / "big", modules=200, steps=100)
+    with tensorboard(tmp_path, tmp_path / "tensorboard.log", load_fast="true") as base:
+        answer = wait_for_run(base, "big", 100)
+        assert [f["rows"] for f in answer["figures"]][0] == names
+        timings = page_timings(tab_url(base))
+        dom = browse(tab_url(base))
+    assert timings["ready"] == "true" and int(timings["renderMs"]) < 5000, timings
+    marked = re.search(r'data-figure="activations/zero_fraction" data-marked-rows="([^"]*)"', dom)[1].split(",")
+    assert marked == [DEAD]
