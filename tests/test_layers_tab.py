@@ -113,7 +113,8 @@ def test_the_routes_through_a_real_tensorboard(tmp_path):
 
         # Thresholds from the query; errors that say what was wrong.
         relaxed = get(base, "run", run="plain/version_0", dead_fraction=0.99)
-        assert "dead" not in {b["verdict"] for b in relaxed["banner"]} and relaxed["thresholds"]["dead_fraction"] == 0.99
+        assert "dead" not in {b["verdict"] for b in relaxed["banner"]}
+        assert relaxed["thresholds"]["dead_fraction"] == 0.99
         assert status(base, "run?run=plain/version_0&dead_fraction=lots") == (
             400, "Invalid argument: `dead_fraction` must be a float, got 'lots'")
         assert status(base, "run?run=nothing")[0] == 404
@@ -124,7 +125,8 @@ def test_the_routes_through_a_real_tensorboard(tmp_path):
         keys = [f["key"] for f in prefixed["figures"]]
         assert "train-activations/zero_fraction" in keys and "train-updates/log10_ratio" in keys
         assert ("net.3", "dead") in {(b["layer"], b["verdict"]) for b in prefixed["banner"]}
-        assert prefixed["figures"][keys.index("train-activations/zero_fraction")]["histograms"][3] == "activations/net.3"
+        prefixed_zeros = prefixed["figures"][keys.index("train-activations/zero_fraction")]
+        assert prefixed_zeros["histograms"][3] == "activations/net.3"
 
         # The standalone package's run: the NaN at step 3 is on the timeline, with where it began.
         standalone = get(base, "run", run="standalone/version_0")

@@ -25,7 +25,7 @@ from tensorboard.context import RequestContext
 from tensorboard.plugins import base_plugin
 from werkzeug import wrappers
 
-from lightning_hooks.tensorboard_plugin.run_data import Figure, FigureCache, RunReader
+from lightning_hooks.tensorboard_plugin.run_data import CACHED_RUNS, Figure, FigureCache, RunReader
 from lightning_hooks.tensorboard_plugin.verdicts import PROBLEMS, Marks, Thresholds, banner, judge
 
 PLUGIN_NAME = "lightning_hooks_layers"
@@ -41,6 +41,8 @@ class LayersPlugin(base_plugin.TBPlugin):
     def __init__(self, context: base_plugin.TBContext) -> None:
         self._data = context.data_provider
         self._cache: FigureCache = OrderedDict()
+        # The last answer per run and thresholds, with the figures it was judged from.
+        self._answers: OrderedDict[tuple[str, str, Thresholds], tuple[list[Figure], dict[str, Any]]] = OrderedDict()
 
     def get_plugin_apps(self) -> dict[str, Callable[..., Any]]:
         """The routes, under ``/data/plugin/lightning_hooks_layers/``."""
@@ -89,8 +91,22 @@ class LayersPlugin(base_plugin.TBPlugin):
         figures = reader.figures(run)
         if not figures:
             raise errors.NotFoundError(f"run {run!r} has no layer figures (activations/, gradients/ or updates/ tags)")
+        key = (plugin_util.experiment_id(request.environ), run, limits)
+        answered = self._answers.get(key)  # judged again only when the run has new points
+        if answered is not None and answered[0] is figures:
+            body = answered[1]
+        else:
+            body = self._answer(reader, run, figures, limits)
+        self._answers[key] = (figures, body)
+        while len(self._answers) > CACHED_RUNS:
+            self._answers.popitem(last=False)
+        return http_util.Respond(request, {**body, "server_ms": round(1000 * (time.perf_counter() - started), 1)},
+                                 "application/json")
+
+    def _answer(self, reader: RunReader, run: str, figures: list[Figure], limits: Thresholds) -> dict[str, Any]:
+        """The run route's answer: the figures with their marks, the banner, the anomalies."""
         judged = [(figure, judge(figure, limits)) for figure in figures]
-        body = {
+        return {
             "run": run,
             "figures": [_figure_json(figure, marks) for figure, marks in judged],
             "banner": banner(judged),
@@ -99,8 +115,6 @@ class LayersPlugin(base_plugin.TBPlugin):
             "thresholds": limits.as_dict(),
             "problems": PROBLEMS,
         }
-        body["server_ms"] = round(1000 * (time.perf_counter() - started), 1)
-        return http_util.Respond(request, body, "application/json")
 
     @wrappers.Request.application
     def _histogram_route(self, request: wrappers.Request) -> wrappers.Response:
