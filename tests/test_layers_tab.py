@@ -190,3 +190,42 @@ def test_a_200_module_run_loads_and_draws_quickly(tmp_path):
     assert timings["ready"] == "true" and int(timings["renderMs"]) < 5000, timings
     marked = re.search(r'data-figure="activations/zero_fraction" data-marked-rows="([^"]*)"', dom)[1].split(",")
     assert marked == [DEAD]
+
+
+class HeadFirst(lp.LightningModule):
+    """``head`` is registered (and sorts) before ``trunk`` but runs after it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.head = nn.Linear(16, 1)
+        self.trunk = nn.Sequential(nn.Linear(8, 16), nn.ReLU())
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return nn.functional.mse_loss(self.head(self.trunk(x)), y)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+def test_rows_follow_the_forward_order_activation_monitor_records(tmp_path):
+    from tensorboard.backend.event_processing import data_provider, plugin_event_multiplexer
+    from tensorboard.context import RequestContext
+
+    from lightning_hooks.tensorboard_plugin.run_data import RunReader
+    from tests.helpers import events
+
+    torch.manual_seed(0)
+    logger = lp.loggers.TensorBoardLogger(str(tmp_path), name="run", version=0)
+    package_trainer(lp, tmp_path, monitors(), logger=logger, max_steps=3).fit(HeadFirst(), loader())
+    logger.experiment.flush()
+    (order,) = events(logger.log_dir).Tensors("layers/forward_order/text_summary")  # once per fit
+    assert (order.step, json.loads(order.tensor_proto.string_val[0])) == (0, ["trunk.0", "trunk.1", "head"])
+
+    multiplexer = plugin_event_multiplexer.EventMultiplexer()
+    multiplexer.AddRunsFromDirectory(str(tmp_path))
+    multiplexer.Reload()
+    reader = RunReader(data_provider.MultiplexerDataProvider(multiplexer, str(tmp_path)), RequestContext(), "")
+    figures = {figure.key: figure for figure in reader.figures("run/version_0")}
+    assert figures["activations/std"].rows == ["trunk.0", "trunk.1", "head"]  # neither registration's nor name order
+    assert figures["gradients/norm"].rows == ["trunk.0", "head"]

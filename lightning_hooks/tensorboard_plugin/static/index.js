@@ -6,6 +6,7 @@
 
 const MARK_COLOURS = {dead: "#ff1744", nonfinite: "#ff1744", exploding: "#ff1744", too_fast: "#ff1744",
                       vanishing: "#00b0ff", too_slow: "#00b0ff"};
+const NONFINITE = "#212121";  // the fill of a NaN or infinite value
 const LOG_STATS = new Set(["std", "norm", "abs_max"]);
 const TITLES = {std: "activation std", zero_fraction: "zero fraction (dead units)",
                 nonfinite_fraction: "non-finite fraction", norm: "gradient norm",
@@ -117,6 +118,7 @@ function runCard(data) {
   const legend = el("div", {class: "lh-legend"}, ["Marked cells:"]);
   legend.append(el("span", {style: `border-color:${MARK_COLOURS.dead}`}), "too high / dead / non-finite",
                 el("span", {style: `border-color:${MARK_COLOURS.vanishing}`}), "too low",
+                el("span", {style: `border-color:${NONFINITE};background:${NONFINITE}`}), "NaN / Inf",
                 ` · rows in ${data.forward_order ? "forward (recorded) order" : "module name order"};`
                 + " click a group's label to expand it, a cell to see its histogram");
   card.append(legend);
@@ -135,10 +137,17 @@ function bannerOf(data) {
   const box = el("div", {class: "lh-banner unhealthy", "data-healthy": "false", "data-layers": layers.join(",")},
                  `${layers.length} layer${layers.length > 1 ? "s" : ""} unhealthy now:`);
   const list = el("ul");
+  const byProblem = new Map();  // one line per layer and problem, however many figures show it
   for (const item of data.banner) {
+    const key = `${item.layer}\u0000${item.verdict}`;
+    if (!byProblem.has(key)) byProblem.set(key, {...item, seen: []});
+    const line = byProblem.get(key);
+    line.since = Math.min(line.since, item.since);
+    line.seen.push(`${item.figure} = ${fmt(num(item.value))}`);
+  }
+  for (const item of byProblem.values()) {
     list.append(el("li", {"data-layer": item.layer, "data-verdict": item.verdict, "data-since": String(item.since)},
-                   [el("code", {}, item.layer), ` — ${item.problem} (${item.figure} = ${fmt(num(item.value))})`
-                    + ` since step ${item.since}`]));
+                   [el("code", {}, item.layer), ` — ${item.problem} since step ${item.since} (${item.seen.join(", ")})`]));
   }
   box.append(list);
   return box;
@@ -227,7 +236,7 @@ function colourScale(values, stat) {
   const t = (v) => (log ? Math.log10(v) : v);
   let lo = Infinity, hi = -Infinity;
   for (const row of values) for (const v of row) if (v !== null && Number.isFinite(v)) { lo = Math.min(lo, t(v)); hi = Math.max(hi, t(v)); }
-  if (stat.endsWith("_fraction")) { lo = 0; hi = Math.max(hi, 1e-9); }
+  if (stat.endsWith("_fraction")) { lo = 0; hi = hi > 0 ? hi : 1; }
   if (!(hi > lo)) { hi = lo + 1; }
   return {log, lo, hi, t, at: (v) => Math.min(1, Math.max(0, (t(v) - lo) / (hi - lo)))};
 }
@@ -266,7 +275,7 @@ function draw(view) {
       if (!cellValues.length) continue;
       const bad = cellValues.find((v) => !Number.isFinite(v));
       const v = bad !== undefined ? bad : cellValues.reduce((a, b) => a + b, 0) / cellValues.length;
-      g.fillStyle = Number.isFinite(v) ? viridis(scale.at(v)) : "#e91e63";
+      g.fillStyle = Number.isFinite(v) ? viridis(scale.at(v)) : NONFINITE;
       g.fillRect(LABEL_W + c * cell, y, cell, ROW_H - 1);
       if (mark) {
         g.strokeStyle = MARK_COLOURS[mark];
