@@ -57,6 +57,7 @@ def tensorboard(logdir: Path, log: Path, load_fast: str = "false") -> Iterator[s
     ``load_fast="false"`` reads the event files in Python (TensorBoard's multiplexer);
     ``"true"`` uses TensorBoard's Rust data server, the default where it is installed.
     """
+    _check_registered()
     script = Path(sys.executable).with_name("tensorboard")
     if not script.exists():
         raise FileNotFoundError(f"no `tensorboard` script next to {sys.executable}: install the package's venv")
@@ -80,6 +81,18 @@ def tensorboard(logdir: Path, log: Path, load_fast: str = "false") -> Iterator[s
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+
+
+def _check_registered() -> None:
+    """Fail at once, saying how to fix it, when the installed package does not declare the plugin's entry point."""
+    from importlib import metadata
+
+    found = metadata.entry_points()
+    group = (found.select(group="tensorboard_plugins") if hasattr(found, "select")
+             else found.get("tensorboard_plugins", []))  # Python 3.9: a dict by group
+    if PLUGIN not in {entry.name for entry in group}:
+        raise RuntimeError(f"TensorBoard cannot find the {PLUGIN!r} plugin: its entry point is declared at install"
+                           " time; run `pip install -e .` (again) in this environment")
 
 
 def get(base: str, route: str, **params: Any) -> Any:
