@@ -84,13 +84,17 @@ def tensorboard(logdir: Path, log: Path, load_fast: str = "false") -> Iterator[s
 
 
 def _check_registered() -> None:
-    """Fail at once, saying how to fix it, when the installed package does not declare the plugin's entry point."""
-    from importlib import metadata
+    """Fail at once, saying how to fix it, when the installed package does not declare the plugin's entry point.
 
-    found = metadata.entry_points()
-    group = (found.select(group="tensorboard_plugins") if hasattr(found, "select")
-             else found.get("tensorboard_plugins", []))  # Python 3.9: a dict by group
-    if PLUGIN not in {entry.name for entry in group}:
+    Asked of an isolated interpreter (``-I``: no current directory on the path), as the
+    ``tensorboard`` script sees it: a source tree's stale ``*.egg-info`` must not answer.
+    """
+    check = ("from importlib import metadata; found = metadata.entry_points(); "
+             "group = found.select(group='tensorboard_plugins') if hasattr(found, 'select') "
+             "else found.get('tensorboard_plugins', []); print(' '.join(entry.name for entry in group))")
+    names = subprocess.run([sys.executable, "-I", "-c", check], capture_output=True, text=True, check=True,
+                           cwd=tempfile.gettempdir()).stdout.split()
+    if PLUGIN not in names:
         raise RuntimeError(f"TensorBoard cannot find the {PLUGIN!r} plugin: its entry point is declared at install"
                            " time; run `pip install -e .` (again) in this environment")
 
