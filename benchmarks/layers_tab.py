@@ -154,8 +154,9 @@ def page_timings(url: str, timeout: float = 120) -> dict[str, str]:
         proc = subprocess.Popen([browser, *CHROMIUM_FLAGS, f"--user-data-dir={profile}", "--remote-debugging-port=0",
                                  "--remote-allow-origins=*", url], stderr=subprocess.PIPE, text=True)
         try:
-            assert proc.stderr is not None
-            port = wait_for(lambda: re.search(r"ws://127\.0\.0\.1:(\d+)/", proc.stderr.readline()), 30, "port")[1]
+            stderr = proc.stderr
+            assert stderr is not None
+            port = wait_for(lambda: re.search(r"ws://127\.0\.0\.1:(\d+)/", stderr.readline()), 30, "port")[1]
             pages = wait_for(lambda: [t for t in json.loads(urllib.request.urlopen(
                 f"http://127.0.0.1:{port}/json/list").read()) if t["type"] == "page"], 30, "page")
             with _DevTools(pages[0]["webSocketDebuggerUrl"]) as tools:
@@ -280,4 +281,5 @@ def main(modules: int = 200, steps: int = 300, load_fast: str = "true") -> None:
 
 
 if __name__ == "__main__":
-    main(*map(int, sys.argv[1:3]), *sys.argv[3:])
+    args = sys.argv[1:]
+    main(int(args[0]) if args else 200, int(args[1]) if args[1:] else 300, args[2] if args[2:] else "true")

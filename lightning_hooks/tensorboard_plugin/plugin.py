@@ -47,7 +47,8 @@ class LayersPlugin(base_plugin.TBPlugin):
     def get_plugin_apps(self) -> dict[str, Callable[..., Any]]:
         """The routes, under ``/data/plugin/lightning_hooks_layers/``."""
         apps: dict[str, Callable[..., Any]] = {path: self._static(path) for path in _STATIC}
-        apps.update({"/runs": self._runs_route, "/run": self._run_route, "/histogram": self._histogram_route})
+        apps.update({"/runs": _wsgi(self._runs_route), "/run": _wsgi(self._run_route),
+                     "/histogram": _wsgi(self._histogram_route)})
         return apps
 
     def is_active(self) -> bool:
@@ -67,19 +68,13 @@ class LayersPlugin(base_plugin.TBPlugin):
     def _static(self, path: str) -> Callable[..., Any]:
         body = resources.files(__package__).joinpath("static", path.lstrip("/")).read_bytes()
 
-        @wrappers.Request.application
-        def serve(request: wrappers.Request) -> wrappers.Response:
-            return http_util.Respond(request, body, _STATIC[path])
+        return _wsgi(lambda request: http_util.Respond(request, body, _STATIC[path]))
 
-        return serve
-
-    @wrappers.Request.application
     def _runs_route(self, request: wrappers.Request) -> wrappers.Response:
         runs = self._reader(request).runs()
         body = {"runs": list(runs), "thresholds": Thresholds().as_dict(), "problems": PROBLEMS}
         return http_util.Respond(request, body, "application/json")
 
-    @wrappers.Request.application
     def _run_route(self, request: wrappers.Request) -> wrappers.Response:
         started = time.perf_counter()
         run = _required(request, "run")
@@ -116,7 +111,6 @@ class LayersPlugin(base_plugin.TBPlugin):
             "problems": PROBLEMS,
         }
 
-    @wrappers.Request.application
     def _histogram_route(self, request: wrappers.Request) -> wrappers.Response:
         run, tag, step = _required(request, "run"), _required(request, "tag"), _required(request, "step")
         if not step.lstrip("-").isdigit():
@@ -125,6 +119,15 @@ class LayersPlugin(base_plugin.TBPlugin):
         if found is None:
             raise errors.NotFoundError(f"run {run!r} has no histogram {tag!r}")
         return http_util.Respond(request, found, "application/json")
+
+
+def _wsgi(handler: Callable[[wrappers.Request], wrappers.Response]) -> Callable[..., Any]:
+    """A WSGI app answering each request with ``handler``'s response (TensorBoard turns its errors into statuses)."""
+
+    def app(environ: dict[str, Any], start_response: Callable[..., Any]) -> Any:
+        return handler(wrappers.Request(environ))(environ, start_response)
+
+    return app
 
 
 def _required(request: wrappers.Request, name: str) -> str:
