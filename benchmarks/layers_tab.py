@@ -144,32 +144,39 @@ def page_timings(url: str, timeout: float = 120) -> dict[str, str]:
     """Open ``url`` in headless Chromium in real time and read the tab's timings from its ``<body>``.
 
     Chromium's ``--dump-dom`` needs virtual time, which stops the page's clock; this drives the
-    browser over the DevTools protocol instead (a bare WebSocket, no client library) and polls
-    ``document.body.dataset`` until the page says it is ready.
+    browser over the DevTools protocol instead and polls ``document.body.dataset`` until the
+    page says it is ready.
     """
+    with devtools(url, timeout) as tools:
+        return json.loads(tools.evaluate("JSON.stringify(document.body.dataset)"))
+
+
+@contextmanager
+def devtools(url: str, timeout: float = 120) -> Iterator[DevTools]:
+    """Open ``url`` in headless Chromium (real time); yield its DevTools once the tab says it is ready."""
     browser = chromium()
     if browser is None:
         raise FileNotFoundError("chromium is not installed (apt-get install chromium)")
     with tempfile.TemporaryDirectory() as profile:
-        proc = subprocess.Popen([browser, *CHROMIUM_FLAGS, f"--user-data-dir={profile}", "--remote-debugging-port=0",
-                                 "--remote-allow-origins=*", url], stderr=subprocess.PIPE, text=True)
+        command = [browser, *CHROMIUM_FLAGS, f"--user-data-dir={profile}", "--remote-debugging-port=0",
+                   "--remote-allow-origins=*", "--window-size=1400,1000", url]
+        proc = subprocess.Popen(command, stderr=subprocess.PIPE, text=True)
         try:
             stderr = proc.stderr
             assert stderr is not None
             port = wait_for(lambda: re.search(r"ws://127\.0\.0\.1:(\d+)/", stderr.readline()), 30, "port")[1]
             pages = wait_for(lambda: [t for t in json.loads(urllib.request.urlopen(
                 f"http://127.0.0.1:{port}/json/list").read()) if t["type"] == "page"], 30, "page")
-            with _DevTools(pages[0]["webSocketDebuggerUrl"]) as tools:
-                ready = "document.body && document.body.dataset.ready && JSON.stringify(document.body.dataset)"
-                found = wait_for(lambda: tools.evaluate(ready), timeout, "ready page")
-            return json.loads(found)
+            with DevTools(pages[0]["webSocketDebuggerUrl"]) as tools:
+                wait_for(lambda: tools.evaluate("document.body && document.body.dataset.ready"), timeout, "ready page")
+                yield tools
         finally:
             proc.terminate()
             proc.wait(timeout=30)
 
 
-class _DevTools:
-    """The least of a WebSocket client that the DevTools protocol's ``Runtime.evaluate`` needs."""
+class DevTools:
+    """The least of a WebSocket client that the DevTools protocol needs (no client library)."""
 
     def __init__(self, address: str) -> None:
         parts = urllib.parse.urlparse(address)
@@ -183,23 +190,29 @@ class _DevTools:
             pass
         self._id = 0
 
-    def __enter__(self) -> _DevTools:
+    def __enter__(self) -> DevTools:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self._sock.close()
 
     def evaluate(self, expression: str) -> Any:
+        """The value of a JavaScript expression in the page."""
+        return self.call("Runtime.evaluate", expression=expression, returnByValue=True)["result"].get("value")
+
+    def call(self, method: str, **params: Any) -> dict[str, Any]:
+        """Call a DevTools protocol method; its result."""
         self._id += 1
-        payload = json.dumps({"id": self._id, "method": "Runtime.evaluate",
-                              "params": {"expression": expression, "returnByValue": True}}).encode()
+        payload = json.dumps({"id": self._id, "method": method, "params": params}).encode()
         mask = os.urandom(4)
         size = bytes([0x80 | len(payload)]) if len(payload) < 126 else bytes([0xFE]) + struct.pack(">H", len(payload))
         self._sock.sendall(bytes([0x81]) + size + mask + bytes(b ^ mask[i % 4] for i, b in enumerate(payload)))
         while True:
             answer = json.loads(self._frame())
             if answer.get("id") == self._id:
-                return answer["result"]["result"].get("value")
+                if "error" in answer:
+                    raise RuntimeError(f"DevTools {method}: {answer['error']}")
+                return answer["result"]
 
     def _frame(self) -> bytes:
         head = self._file.read(2)

@@ -28,6 +28,7 @@ from layers_tab import (  # noqa: E402
     PLUGIN,
     browse,
     chromium,
+    devtools,
     get,
     page_timings,
     tab_url,
@@ -164,12 +165,17 @@ def test_the_tab_in_a_browser_marks_the_dead_layer(tmp_path):
         shot = tmp_path / "layers.png"
         dom = browse(tab_url(base), screenshot=shot, size=(1100, 820))
         linked = browse(tab_url(base, layer="net.3", step=20))
+        with devtools(tab_url(base)) as tools:
+            tip, shown = hover_and_click(tools, "activations/zero_fraction", "net.3", column=4)
 
     assert 'data-ready="true"' in dom
     assert re.search(r'<li data-layer="net\.3" data-verdict="dead" data-since="\d+"', dom)
     marked = re.search(r'data-figure="activations/zero_fraction" data-marked-rows="([^"]*)"', dom)[1].split(",")
     assert "net.3" in marked and "net.1" not in marked
-    # The deep link opens net.3's activation histogram at step 20, as a click on that cell does.
+    # Hovering over net.3's cell at step 20 names it and its verdict; a click opens its histogram there.
+    assert tip.startswith("net.3\nstep 20\nvalue 0.8") and tip.endswith("dead units"), tip
+    assert shown.startswith("net.3 · histogram activations/net.3 at step 20 · 2048 values"), shown
+    # So does the deep link.
     assert re.search(r'data-histogram="activations/net\.3" data-step="20"', linked)
     # The screenshot shows the marks: the marked cells' red outlines are there in pixels.
     import matplotlib.image
@@ -177,6 +183,21 @@ def test_the_tab_in_a_browser_marks_the_dead_layer(tmp_path):
     pixels = matplotlib.image.imread(shot)[..., :3]
     red = (abs(pixels[..., 0] - 1.0) < 0.06) & (abs(pixels[..., 1] - 0.09) < 0.06) & (abs(pixels[..., 2] - 0.27) < 0.06)
     assert red.sum() > 200
+
+
+def hover_and_click(tools: Any, figure: str, layer: str, column: int) -> tuple[str, str]:
+    """Move the mouse over a heatmap's cell, then click it: the tooltip's text, then the histogram panel's."""
+    box = tools.evaluate(f"""(() => {{ const canvas = document.querySelector('[data-figure="{figure}"] canvas');
+        const box = canvas.getBoundingClientRect(); return {{x: box.left, y: box.top, ...canvas.dataset}}; }})()""")
+    row = box["rows"].split(",").index(layer)
+    x = box["x"] + float(box["labelWidth"]) + (column + 0.5) * float(box["cell"])
+    y = box["y"] + float(box["top"]) + (row + 0.5) * float(box["rowHeight"])
+    tools.call("Input.dispatchMouseEvent", type="mouseMoved", x=x, y=y)
+    tip = tools.evaluate("document.querySelector('.lh-tip').textContent")
+    for kind in ("mousePressed", "mouseReleased"):
+        tools.call("Input.dispatchMouseEvent", type=kind, x=x, y=y, button="left", clickCount=1)
+    panel = f"(p => p && p.textContent)(document.querySelector('[data-figure=\"{figure}\"] [data-histogram]'))"
+    return tip, wait_for(lambda: tools.evaluate(panel), 30, "histogram panel")
 
 
 @needs_chromium

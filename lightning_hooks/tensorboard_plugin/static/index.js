@@ -262,6 +262,9 @@ function draw(view) {
   const ratio = window.devicePixelRatio || 1;
   canvas.width = width * ratio; canvas.height = height * ratio;
   canvas.style.width = `${width}px`; canvas.style.height = `${height}px`;
+  // The geometry, for whoever needs to find a cell (the browser tests do).
+  Object.assign(canvas.dataset, {labelWidth: LABEL_W, cell, rowHeight: ROW_H, top: TOP,
+                                 rows: view.rows.map((row) => row.group && row.members.length > 1 ? row.group + ".*" : view.figure.rows[row.members[0]]).join(",")});
   g.scale(ratio, ratio);
   g.font = "11px Roboto, Arial, sans-serif";
   g.textBaseline = "middle";
