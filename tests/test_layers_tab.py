@@ -30,7 +30,6 @@ from layers_tab import (  # noqa: E402
     chromium,
     devtools,
     get,
-    page_timings,
     tab_url,
     tensorboard,
     wait_for,
@@ -187,8 +186,7 @@ def test_the_tab_in_a_browser_marks_the_dead_layer(tmp_path):
 
 def hover_and_click(tools: Any, figure: str, layer: str, column: int) -> tuple[str, str]:
     """Move the mouse over a heatmap's cell, then click it: the tooltip's text, then the histogram panel's."""
-    box = tools.evaluate(f"""(() => {{ const canvas = document.querySelector('[data-figure="{figure}"] canvas');
-        const box = canvas.getBoundingClientRect(); return {{x: box.left, y: box.top, ...canvas.dataset}}; }})()""")
+    box = canvas_box(tools, figure)
     row = box["rows"].split(",").index(layer)
     x = box["x"] + float(box["labelWidth"]) + (column + 0.5) * float(box["cell"])
     y = box["y"] + float(box["top"]) + (row + 0.5) * float(box["rowHeight"])
@@ -206,11 +204,35 @@ def test_a_200_module_run_loads_and_draws_quickly(tmp_path):
     with tensorboard(tmp_path, tmp_path / "tensorboard.log", load_fast="true") as base:
         answer = wait_for_run(base, "big", 100)
         assert [f["rows"] for f in answer["figures"]][0] == names
-        timings = page_timings(tab_url(base))
         dom = browse(tab_url(base))
+        with devtools(tab_url(base)) as tools:
+            timings = json.loads(tools.evaluate("JSON.stringify(document.body.dataset)"))
+            collapsed = canvas_rows(tools, "activations/zero_fraction")
+            click_label(tools, "activations/zero_fraction", "encoder.layers.7.*")
+            expanded = canvas_rows(tools, "activations/zero_fraction")
     assert timings["ready"] == "true" and int(timings["renderMs"]) < 5000, timings
     marked = re.search(r'data-figure="activations/zero_fraction" data-marked-rows="([^"]*)"', dom)[1].split(",")
     assert marked == [DEAD]
+    # 200 rows start as 19: embed, 17 blocks, head; a click on a block's label opens it in place.
+    assert len(collapsed) == 19 and collapsed[8] == "encoder.layers.7.*" and DEAD not in collapsed
+    assert expanded[8:20] == [name for name in names if name.startswith("encoder.layers.7.")] and DEAD in expanded
+
+
+def canvas_box(tools: Any, figure: str) -> dict[str, Any]:
+    """Where a heatmap's canvas is on the page, and its geometry (label width, cell size, rows)."""
+    return tools.evaluate(f"""(() => {{ const canvas = document.querySelector('[data-figure="{figure}"] canvas');
+        const box = canvas.getBoundingClientRect(); return {{x: box.left, y: box.top, ...canvas.dataset}}; }})()""")
+
+
+def canvas_rows(tools: Any, figure: str) -> list[str]:
+    return canvas_box(tools, figure)["rows"].split(",")
+
+
+def click_label(tools: Any, figure: str, row: str) -> None:
+    box = canvas_box(tools, figure)
+    y = box["y"] + float(box["top"]) + (box["rows"].split(",").index(row) + 0.5) * float(box["rowHeight"])
+    for kind in ("mousePressed", "mouseReleased"):
+        tools.call("Input.dispatchMouseEvent", type=kind, x=box["x"] + 20, y=y, button="left", clickCount=1)
 
 
 class HeadFirst(lp.LightningModule):

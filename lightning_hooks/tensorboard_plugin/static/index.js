@@ -17,7 +17,7 @@ const ROW_H = 14, BAR_W = 76, TOP = 6, AXIS_H = 30, MAX_LABEL = 36;
 const VIRIDIS = [[68, 1, 84], [71, 44, 122], [59, 81, 139], [44, 113, 142], [33, 144, 141],
                  [39, 173, 129], [92, 200, 99], [170, 220, 50], [253, 231, 37]];
 
-const state = {runs: [], data: {}, views: {}, expanded: {}, depth: {}, thresholds: {}, defaults: {}, problems: {}};
+const state = {runs: [], data: {}, views: {}, expanded: {}, thresholds: {}, defaults: {}, problems: {}};
 let tip = null;
 
 export async function render() {
@@ -49,11 +49,18 @@ async function load(started = performance.now()) {
     state.problems = listing.problems;
     if (!Object.keys(state.thresholds).length) state.thresholds = {...listing.thresholds};
     const query = new URLSearchParams(state.thresholds);
-    const runs = await Promise.all(state.runs.map((run) => getJSON(`run?run=${encodeURIComponent(run)}&${query}`)));
+    // One run that cannot be read (a bad threshold, a run just deleted) says so in its own card.
+    const answers = await Promise.all(state.runs.map((run) => getJSON(`run?run=${encodeURIComponent(run)}&${query}`)
+      .catch((error) => ({run, error: error.message}))));
+    const runs = answers.filter((data) => !data.error);
     const loaded = performance.now();
     root.innerHTML = "";
-    if (!runs.length) root.append(el("div", {class: "lh-card"}, "No run has layer figures yet."));
-    runs.forEach((data) => { state.data[data.run] = data; root.append(runCard(data)); });
+    if (!answers.length) root.append(el("div", {class: "lh-card"}, "No run has layer figures yet."));
+    for (const data of answers) {
+      if (data.error) { root.append(el("div", {class: "lh-card lh-error", "data-run": data.run}, `${data.run}: ${data.error}`)); continue; }
+      state.data[data.run] = data;
+      root.append(runCard(data));
+    }
     const drawn = performance.now();
     const server = runs.reduce((sum, r) => sum + r.server_ms, 0);
     Object.assign(document.body.dataset, {loadMs: (loaded - started).toFixed(0), renderMs: (drawn - loaded).toFixed(0),
@@ -177,7 +184,7 @@ function timeline(data) {
 // Rows: each visible row is a layer, or a collapsed group of layers sharing a module prefix.
 function visibleRows(run, figure) {
   const names = figure.rows;
-  const depth = groupDepth(run, names);
+  const depth = groupDepth(names);
   const expanded = state.expanded[run] || (state.expanded[run] = new Set());
   const rows = [];
   let i = 0;
@@ -200,8 +207,7 @@ function visibleRows(run, figure) {
 function within(name, prefix) { return name === prefix || name.startsWith(prefix + "."); }
 function range(a, b) { return Array.from({length: b - a}, (_, k) => a + k); }
 
-function groupDepth(run, names) {  // the finest module-prefix depth that fits MAX_VISIBLE_ROWS rows
-  if (state.depth[run] !== undefined) return state.depth[run];
+function groupDepth(names) {  // the finest module-prefix depth that fits MAX_VISIBLE_ROWS rows
   if (names.length <= MAX_VISIBLE_ROWS) return 0;
   const deepest = Math.max(...names.map((n) => n.split(".").length));
   for (let depth = deepest - 1; depth >= 1; depth--) {
