@@ -36,6 +36,15 @@ cd "$work"
     || { tail -40 "$work/quickstart.log"; exit 1; }
 tail -n 7 "$work/quickstart.out"  # its figures (the progress bar, on stdout too, comes before)
 grep -q "Hooks left on the model after fit: 0" "$work/quickstart.out"
+# The Layers tab: TensorBoard finds the plugin by its entry point, and its ES module and CSS are in the wheel.
+"$work/venv/bin/python" -c "
+from importlib.metadata import entry_points
+from importlib.resources import files
+(found,) = [e for e in entry_points(group='tensorboard_plugins') if e.name == 'lightning_hooks_layers']
+plugin = found.load()
+static = files(plugin.__module__.rpartition('.')[0]) / 'static'
+assert (static / 'index.js').is_file() and (static / 'style.css').is_file(), 'the Layers tab has no static files'
+"
 
 # The unpacked sdist's own tests import their helpers: one file of them, against the installed wheel.
 tar -xzf "${sdist[0]}" -C "$work"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from typing import Any, Literal, Optional
 
@@ -21,7 +22,7 @@ from lightning_hooks._base import (
 from lightning_hooks._stat_rows import DEFAULT_STATS, DIVERGENCE_STATS, STAT_NAMES, bin_counts, summarize
 from lightning_hooks.aggregate import StatBlock
 from lightning_hooks.selection import ModuleSelection, check_limit, validate_limit
-from lightning_hooks.sinks import Charts, Histogram, destinations, log_histograms, log_layout, log_scalars
+from lightning_hooks.sinks import Charts, Histogram, destinations, log_histograms, log_layout, log_scalars, log_text
 from lightning_hooks.stats import Bins, histogram_edges
 
 Stage = Literal["train", "validate"]
@@ -148,6 +149,7 @@ class ActivationMonitor(HookCallback):
         self._block: Optional[StatBlock] = None
         self._pending_step: Optional[int] = None  # the log step being collected
         self._pending_global = 0  # ``trainer.global_step`` when it began: its optimizer step is done once this moves
+        self._forward_order: Optional[dict[str, None]] = None  # modules as their hooks first fire, once per fit
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         """Resolve modules and the logging interval before training starts."""
@@ -164,6 +166,7 @@ class ActivationMonitor(HookCallback):
                                   skipped="it computes nothing")
         self._blocks = {s: StatBlock(names, self.bins, pl_module.device) for s in self.stages} if written else {}
         self._block, self._pending_step, self._diverged, self._zeroed = None, None, {}, {}
+        self._forward_order = {}
         self._nonfinite_seen = set()
         for stage in self.stages:
             log_layout(trainer, self._charts(_PREFIXES[stage]), trainer.global_step)
@@ -198,6 +201,8 @@ class ActivationMonitor(HookCallback):
         def record(mod: nn.Module, args: tuple[Any, ...], output: Any) -> None:
             if self._block is not None and not in_backward():
                 self._block.add_all(index, output)
+                if self._forward_order is not None:
+                    self._forward_order.setdefault(name)
 
         # A pre-hook, as an in-place module (ReLU(inplace=True)) has overwritten its input by
         # the time a forward hook runs.
@@ -267,6 +272,9 @@ class ActivationMonitor(HookCallback):
         self._collecting, self._block = False, None
         assert step is not None
         self._log(trainer, self._blocks[stage], "activations", step)
+        if self._forward_order:  # once per fit, for the Layers tab's row order (JSON: a list of names)
+            log_text(trainer, "layers/forward_order", json.dumps(list(self._forward_order)), step)
+            self._forward_order = None
 
     def _log(self, trainer: pl.Trainer, block: StatBlock, prefix: str, step: int) -> None:
         rows = block.drain(trainer)
