@@ -37,6 +37,8 @@ from layers_tab import (  # noqa: E402
     write_synthetic_run,
 )
 
+pytestmark = pytest.mark.slow  # a tensorboard server and headless Chromium
+
 ROOT = Path(__file__).resolve().parent.parent
 needs_chromium = pytest.mark.skipif(chromium() is None, reason="chromium is not installed (apt-get install chromium)")
 
