@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from typing import Any, Literal, Optional
 
 import lightning.pytorch as pl
+import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
@@ -201,7 +202,8 @@ class ActivationMonitor(HookCallback):
         def record(mod: nn.Module, args: tuple[Any, ...], output: Any) -> None:
             if self._block is not None and not in_backward():
                 self._block.add_all(index, output)
-                if self._forward_order is not None:
+                # Not while torch.compile traces: a dict that changes, then goes, would cost a third graph.
+                if not torch.compiler.is_compiling() and self._forward_order is not None:
                     self._forward_order.setdefault(name)
 
         # A pre-hook, as an in-place module (ReLU(inplace=True)) has overwritten its input by
