@@ -19,9 +19,8 @@ import torch
 from torch import Tensor
 
 from lightning_hooks._device_stats import DeviceTable, accumulate_device_
-from lightning_hooks._native import NATIVE_ABI, accumulate_native_, native_table
 from lightning_hooks._native import NATIVE_KERNEL as _NATIVE_KERNEL
-from lightning_hooks._native import cstats as _cstats
+from lightning_hooks._native import accumulate_native_, native_table
 from lightning_hooks._stat_rows import (
     _COL,
     _MAX_SLICE,
@@ -49,8 +48,6 @@ FLOAT32_MAX = float(torch.finfo(torch.float32).max)
 
 Bins = Union[int, Sequence[float]]
 
-#: The ABI the compiled kernel must report; see :mod:`lightning_hooks._native`.
-_NATIVE_ABI = NATIVE_ABI
 #: Whether float32 CPU tensors go through the fused native kernel (same figures, ~10x faster).
 #: Set ``LIGHTNING_HOOKS_NATIVE=0`` to use the tensor-op kernel everywhere.
 NATIVE_KERNEL = _NATIVE_KERNEL
