@@ -10,8 +10,10 @@ and allocations, which launch none, are left out):
 - per gradient check (``GradientAnomalyStopping`` at an optimizer step), for models of 4 to 64
   layers, to show it does not grow with the parameter count.
 
-With ``--cpu-time`` it times instead the two CPU kernels (the C kernel, through ``accumulate_``
-as a hook calls it, and the tensor-op kernel) in nanoseconds per value, at 1 and 2 torch threads:
+With ``--cpu-time`` it times instead the kernels on the CPU (the C kernel, through ``accumulate_``
+as a hook calls it, the tensor-op kernel, eager and compiled by inductor, and for comparison the
+accelerator kernel) in
+nanoseconds per value, at 1 and 2 torch threads:
 the best wall time of several repeats (the machine is shared) and the process's CPU time.
 
     python benchmarks/kernels.py
@@ -141,8 +143,14 @@ def time_per_value(fn: Callable[[], Any], size: int, repeats: int) -> tuple[floa
 
 
 def cpu_times(sizes: list[int], threads: list[int], repeats: int) -> list[tuple[str, int, int, float, float]]:
-    """(kernel, values, threads, wall ns per value, CPU ns per value) of the two CPU kernels."""
+    """(kernel, values, threads, wall ns per value, CPU ns per value) of the CPU kernels.
+
+    The accelerator kernel is timed on the CPU too, for comparison only: on a GPU its cost is
+    its 12 launches (see :func:`per_tensor`), which the CPU cannot show.
+    """
     before, rows = torch.get_num_threads(), []
+    # What torch.compile ran on the CPU before the C kernel became a custom op it can call.
+    compiled = torch.compile(_accumulate_tensors_, backend="inductor", dynamic=False)
     try:
         for size, count in ((s, t) for s in sizes for t in threads):
             torch.set_num_threads(count)
@@ -153,7 +161,10 @@ def cpu_times(sizes: list[int], threads: list[int], repeats: int) -> list[tuple[
                 raise SystemExit("the C kernel is not built or is switched off: nothing to compare")
             row = new_rows(1, binning.n_bins)[0]
             for name, kernel in (("C kernel", partial(accumulate_, row, values, binning)),
-                                 ("tensor-op", partial(_accumulate_tensors_, row, values, binning, 1))):
+                                 ("tensor-op", partial(_accumulate_tensors_, row, values, binning, 1)),
+                                 ("tensor-op, inductor", partial(compiled, row, values, binning, 1)),
+                                 ("accelerator (on the CPU)",
+                                  partial(accumulate_device_, row, values, binning.device_table(), 1))):
                 rows.append((name, size, count, *time_per_value(kernel, size, repeats)))
     finally:
         torch.set_num_threads(before)
@@ -164,7 +175,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", type=int, nargs="+", default=[1_000, 100_000, 4_000_000])
     parser.add_argument("--depths", type=int, nargs="+", default=[4, 16, 64])
-    parser.add_argument("--cpu-time", action="store_true", help="time the two CPU kernels instead")
+    parser.add_argument("--cpu-time", action="store_true", help="time the kernels on the CPU instead")
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 2], help="torch threads, for --cpu-time")
     parser.add_argument("--repeats", type=int, default=7, help="timed repeats per figure, for --cpu-time")
     args = parser.parse_args()
