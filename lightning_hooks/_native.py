@@ -34,7 +34,7 @@ except ImportError:  # pragma: no cover - depends on the build
 
 #: Whether float32 CPU tensors go through the fused native kernel (same figures, ~10x faster).
 #: Set ``LIGHTNING_HOOKS_NATIVE=0`` to use the tensor-op kernel everywhere.
-NATIVE_KERNEL = cstats is not None and os.environ.get("LIGHTNING_HOOKS_NATIVE", "1") != "0"
+NATIVE_KERNEL: bool = cstats is not None and os.environ.get("LIGHTNING_HOOKS_NATIVE", "1") != "0"
 
 _SCHEMA = "accumulate_f32(Tensor values, Tensor(a!) row, Tensor table, Tensor right, bool fine, float calls) -> ()"
 

@@ -50,7 +50,7 @@ Bins = Union[int, Sequence[float]]
 
 #: Whether float32 CPU tensors go through the fused native kernel (same figures, ~10x faster).
 #: Set ``LIGHTNING_HOOKS_NATIVE=0`` to use the tensor-op kernel everywhere.
-NATIVE_KERNEL = _NATIVE_KERNEL
+NATIVE_KERNEL: bool = _NATIVE_KERNEL
 
 
 def histogram_edges(bins: Bins = 128, low: float = 1e-6, high: float = 1e6) -> Tensor:
@@ -166,10 +166,11 @@ def accumulate_(row: Tensor, values: Tensor, binning: Binning, calls: int = 1) -
     """Add the statistics of flat floating ``values`` into stat ``row``, in place, on device.
 
     Contiguous float32 values on the CPU go through the fused native kernel when it is built
-    (one read of the values from memory); values on an accelerator through the twelve kernels
+    (one read of the values from memory; the custom op ``lightning_hooks::accumulate_f32``, in
+    eager mode and under ``torch.compile``); values on an accelerator through the twelve kernels
     of :func:`lightning_hooks._device_stats.accumulate_device_`; everything else (the CPU
-    without the native kernel, float64 on the CPU, ``torch.compile``) through tensor ops that
-    inductor fuses. All give the same counts, extremes and histograms, and no host
+    without the native kernel, float64 on the CPU, ``torch.compile`` on an accelerator) through
+    tensor ops that inductor fuses. All give the same counts, extremes and histograms, and no host
     synchronisation; the sums are float64-exact in the native kernel and to rounding in the others.
 
     Args:
