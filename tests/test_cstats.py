@@ -3,6 +3,8 @@ agreement with the tensor-op kernel on every column. The rest of test_stats.py r
 
 import math
 import os
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -12,6 +14,7 @@ from lightning_hooks import _native, stats
 from lightning_hooks.stats import N_FIELDS, Binning, accumulate_, histogram_edges, new_rows, summarize
 
 NAN, INF = math.nan, math.inf
+THREADS = torch.get_num_threads()
 needs_native = pytest.mark.skipif(_native.cstats is None, reason="the native kernel was not built")
 
 
@@ -242,3 +245,18 @@ def test_the_c_kernel_checks_every_buffer_and_writes_nothing_it_refuses():
     assert not row.any()
     _native.cstats.accumulate_f32(values, row, table, right, fine, 1.0, 1)
     assert summarize(row.tolist())["count"] == 10
+
+
+@needs_native
+@pytest.mark.slow  # compiles the tensor-op kernel with inductor
+def test_the_cpu_time_benchmark_times_every_kernel_at_every_size_and_thread_count():
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    from kernels import cpu_times
+
+    rows = cpu_times([1000, 4096], [1, 2], repeats=1)
+    assert [row[:3] for row in rows] == [
+        (kernel, size, threads) for size in (1000, 4096) for threads in (1, 2)
+        for kernel in ("C kernel", "tensor-op", "tensor-op, inductor", "accelerator (on the CPU)")
+    ]
+    assert all(wall > 0 and cpu >= 0 for *_, wall, cpu in rows)
+    assert torch.get_num_threads() == THREADS  # restored
