@@ -3,9 +3,10 @@
  * The tensor-op kernel in stats.py makes about thirty passes over the values (each op reads
  * and writes the whole tensor); this one reads them from memory once: it takes them in blocks
  * that stay in the L1 cache while three passes run over each (moments, histogram, squared
- * deviations). It reads contiguous CPU tensors through the buffer protocol (their numpy views:
- * stats.py registers it as the torch custom op lightning_hooks::accumulate_f32) and releases the GIL;
- * a large tensor is split over as many threads as torch uses for its own CPU ops (at most 16).
+ * deviations). It reads contiguous CPU tensors through the buffer protocol (their numpy views;
+ * _native.py registers it as the torch custom op lightning_hooks::accumulate_f32), checks their
+ * formats and lengths, and releases the GIL; a large tensor is split over as many threads as
+ * torch uses for its own CPU ops (at most 16).
  *
  * The row layout (column indices below) is that of _stat_rows.SUM_FIELDS + MAX_FIELDS, then
  * the histogram counts; tests/test_cstats.py checks both kernels agree on every column.
