@@ -10,7 +10,14 @@ and allocations, which launch none, are left out):
 - per gradient check (``GradientAnomalyStopping`` at an optimizer step), for models of 4 to 64
   layers, to show it does not grow with the parameter count.
 
+With ``--cpu-time`` it times instead the kernels on the CPU (the C kernel, through ``accumulate_``
+as a hook calls it, the tensor-op kernel, eager and compiled by inductor, and for comparison the
+accelerator kernel) in
+nanoseconds per value, at 1 and 2 torch threads:
+the best wall time of several repeats (the machine is shared) and the process's CPU time.
+
     python benchmarks/kernels.py
+    python benchmarks/kernels.py --cpu-time
 """
 
 from __future__ import annotations
@@ -18,6 +25,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 from collections import Counter
 from functools import partial
 from typing import Any, Callable
@@ -32,7 +40,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from lightning_hooks import GradientAnomalyStopping  # noqa: E402
 from lightning_hooks._device_stats import accumulate_device_  # noqa: E402
-from lightning_hooks.stats import Binning, _accumulate_tensors_, new_rows  # noqa: E402
+from lightning_hooks.stats import Binning, _accumulate_tensors_, accumulate_, new_rows  # noqa: E402
 
 #: ATen calls that launch no kernel: views, reshapes, allocations.
 NO_KERNEL = {
@@ -118,11 +126,65 @@ def per_check(depths: list[int]) -> list[tuple[int, int, int]]:
     return rows
 
 
+def time_per_value(fn: Callable[[], Any], size: int, repeats: int) -> tuple[float, float]:
+    """(best wall ns, median CPU ns) per value of ``fn``, each repeat running it for at least ~20 ms."""
+    fn()  # warm: tables and code paths made at first use
+    start = time.perf_counter()
+    fn()
+    calls = max(1, int(0.02 / max(time.perf_counter() - start, 1e-7)))
+    walls, cpus = [], []
+    for _ in range(repeats):
+        wall, cpu = time.perf_counter_ns(), time.process_time_ns()
+        for _ in range(calls):
+            fn()
+        walls.append((time.perf_counter_ns() - wall) / calls / size)
+        cpus.append((time.process_time_ns() - cpu) / calls / size)
+    return min(walls), sorted(cpus)[len(cpus) // 2]
+
+
+def cpu_times(sizes: list[int], threads: list[int], repeats: int) -> list[tuple[str, int, int, float, float]]:
+    """(kernel, values, threads, wall ns per value, CPU ns per value) of the CPU kernels.
+
+    The accelerator kernel is timed on the CPU too, for comparison only: on a GPU its cost is
+    its 12 launches (see :func:`per_tensor`), which the CPU cannot show.
+    """
+    before, rows = torch.get_num_threads(), []
+    # What torch.compile ran on the CPU before the C kernel became a custom op it can call.
+    compiled = torch.compile(_accumulate_tensors_, backend="inductor", dynamic=False)
+    try:
+        for size, count in ((s, t) for s in sizes for t in threads):
+            torch.set_num_threads(count)
+            values = torch.randn(size, generator=torch.Generator().manual_seed(0))
+            values[::97] = float("nan")
+            binning = Binning(128, values.device, values.dtype)
+            if binning.native is None:
+                raise SystemExit("the C kernel is not built or is switched off: nothing to compare")
+            row = new_rows(1, binning.n_bins)[0]
+            for name, kernel in (("C kernel", partial(accumulate_, row, values, binning)),
+                                 ("tensor-op", partial(_accumulate_tensors_, row, values, binning, 1)),
+                                 ("tensor-op, inductor", partial(compiled, row, values, binning, 1)),
+                                 ("accelerator (on the CPU)",
+                                  partial(accumulate_device_, row, values, binning.device_table(), 1))):
+                rows.append((name, size, count, *time_per_value(kernel, size, repeats)))
+    finally:
+        torch.set_num_threads(before)
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", type=int, nargs="+", default=[1_000, 100_000, 4_000_000])
     parser.add_argument("--depths", type=int, nargs="+", default=[4, 16, 64])
+    parser.add_argument("--cpu-time", action="store_true", help="time the kernels on the CPU instead")
+    parser.add_argument("--threads", type=int, nargs="+", default=[1, 2], help="torch threads, for --cpu-time")
+    parser.add_argument("--repeats", type=int, default=7, help="timed repeats per figure, for --cpu-time")
     args = parser.parse_args()
+    if args.cpu_time:
+        print("| kernel | values | threads | ns per value (best wall) | ns per value (CPU time) |")
+        print("| --- | ---: | ---: | ---: | ---: |")
+        for name, size, count, wall, cpu in cpu_times(args.sizes, args.threads, args.repeats):
+            print(f"| {name} | {size:,} | {count} | {wall:.2f} | {cpu:.2f} |")
+        return
     print("| kernel | values | kernel launches per summarised tensor |\n| --- | ---: | ---: |")
     for name, size, count in per_tensor(args.sizes):
         print(f"| {name} | {size:,} | {count} |")

@@ -18,7 +18,7 @@ from typing import Optional
 import torch
 
 import lightning_hooks
-from lightning_hooks import stats
+from lightning_hooks import _native, stats
 
 #: Distributions whose versions the report lists, by the name they import as.
 _DISTRIBUTIONS = {"lightning": "lightning", "pytorch_lightning": "pytorch-lightning",
@@ -40,8 +40,8 @@ def native_kernel() -> tuple[Optional[ModuleType], str]:
         return None, (f"off: not built or not loadable ({err}); reinstall where a C compiler (gcc or clang)"
                       " and the Python headers are found: `pip install --force-reinstall --no-deps lightning-hooks`")
     found = getattr(module, "ABI_VERSION", None)
-    if found != stats._NATIVE_ABI:
-        return None, (f"off: stale build (ABI {found}, this version needs {stats._NATIVE_ABI}) at {module.__file__};"
+    if found != _native.NATIVE_ABI:
+        return None, (f"off: stale build (ABI {found}, this version needs {_native.NATIVE_ABI}) at {module.__file__};"
                       " rebuild it with `pip install .` or `python setup.py build_ext --inplace`")
     if not stats.NATIVE_KERNEL:
         return None, "off: disabled by LIGHTNING_HOOKS_NATIVE=0 (the tensor-op kernel gives the same figures)"

@@ -3,8 +3,10 @@
  * The tensor-op kernel in stats.py makes about thirty passes over the values (each op reads
  * and writes the whole tensor); this one reads them from memory once: it takes them in blocks
  * that stay in the L1 cache while three passes run over each (moments, histogram, squared
- * deviations). It is called with raw addresses of contiguous CPU tensors and releases the GIL;
- * a large tensor is split over as many threads as torch uses for its own CPU ops (at most 16).
+ * deviations). It reads contiguous CPU tensors through the buffer protocol (their numpy views;
+ * _native.py registers it as the torch custom op lightning_hooks::accumulate_f32), checks their
+ * formats and lengths, and releases the GIL; a large tensor is split over as many threads as
+ * torch uses for its own CPU ops (at most 16).
  *
  * The row layout (column indices below) is that of _stat_rows.SUM_FIELDS + MAX_FIELDS, then
  * the histogram counts; tests/test_cstats.py checks both kernels agree on every column.
@@ -212,22 +214,65 @@ static int accumulate_f32(const float *x, int64_t n, double *row, int64_t n_bins
     return 0;
 }
 
+/* A C-contiguous buffer of `what`, with items of `size` bytes of format `code` (in native byte
+ * order: "f", "@f" or "=f"); `also` is a second code accepted (int32 is "l" where long is 32 bits). */
+static int get_buffer(PyObject *obj, Py_buffer *view, int flags, const char *what, char code, char also,
+                      Py_ssize_t size) {
+    if (PyObject_GetBuffer(obj, view, flags | PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) {
+        PyErr_Format(PyExc_TypeError, "accumulate_f32: `%s` must be a C-contiguous%s buffer (a numpy array),"
+                     " got %.100s", what, flags & PyBUF_WRITABLE ? ", writable" : "", Py_TYPE(obj)->tp_name);
+        return -1;
+    }
+    const char *f = view->format != NULL ? view->format : "B";
+    if (f[0] == '@' || f[0] == '=') f++;
+    if (view->itemsize != size || (f[0] != code && f[0] != also) || f[1] != '\0') {
+        PyErr_Format(PyExc_TypeError, "accumulate_f32: `%s` must hold %zd-byte items of format '%c', got format"
+                     " '%s' of %zd bytes", what, size, code, view->format != NULL ? view->format : "B",
+                     view->itemsize);
+        PyBuffer_Release(view);
+        return -1;
+    }
+    return 0;
+}
+
+/* accumulate_f32(values, row, table, right, fine, calls, threads): the buffers are read and checked
+ * here, so no address crosses from Python, and a row too short for the bins is refused. */
 static PyObject *py_accumulate_f32(PyObject *self, PyObject *args) {
     (void)self;
-    Py_ssize_t x, n, row, n_bins, table, right;
-    int fine, threads, status;
+    PyObject *objects[4];
+    int fine, threads, status = -2;
     double calls;
-    if (!PyArg_ParseTuple(args, "nnnnnnpdi", &x, &n, &row, &n_bins, &table, &right, &fine, &calls, &threads))
+    if (!PyArg_ParseTuple(args, "OOOOpdi", &objects[0], &objects[1], &objects[2], &objects[3], &fine, &calls,
+                          &threads))
         return NULL;
-    if (n < 0 || n_bins < 1 || (n > 0 && x == 0) || row == 0 || table == 0 || right == 0) {
-        PyErr_SetString(PyExc_ValueError, "accumulate_f32: n must be >= 0, n_bins >= 1 and the addresses not NULL");
-        return NULL;
+    Py_buffer views[4];
+    static const char *names[4] = {"values", "row", "table", "right"};
+    static const char codes[4] = {'f', 'd', 'i', 'f'};
+    const char int32_also = sizeof(long) == 4 ? 'l' : 'i';
+    int held = 0;
+    for (; held < 4; held++) {
+        int flags = held == 1 ? PyBUF_WRITABLE : PyBUF_SIMPLE;
+        char also = held == 2 ? int32_also : codes[held];
+        if (get_buffer(objects[held], &views[held], flags, names[held], codes[held], also, held == 1 ? 8 : 4) < 0)
+            break;
     }
-    Py_BEGIN_ALLOW_THREADS
-    status = accumulate_f32((const float *)x, (int64_t)n, (double *)row, (int64_t)n_bins, (const Cell *)table,
-                            (const float *)right, fine, calls, threads);
-    Py_END_ALLOW_THREADS
-    if (status != 0) return PyErr_NoMemory();
+    if (held == 4) {
+        Py_ssize_t n = views[0].len / 4, n_bins = views[3].len / 4, row_len = views[1].len / 8;
+        if (n_bins < 1 || row_len != N_FIELDS + n_bins || views[2].len != (Py_ssize_t)sizeof(Cell) << 13) {
+            PyErr_Format(PyExc_ValueError, "accumulate_f32: expected a row of %d + n_bins values, a table of"
+                         " 8192 cells (2 int32 each) and n_bins >= 1 right edges; got a row of %zd, a table of"
+                         " %zd bytes and %zd edges", N_FIELDS, row_len, views[2].len, n_bins);
+        } else {
+            Py_BEGIN_ALLOW_THREADS
+            status = accumulate_f32((const float *)views[0].buf, (int64_t)n, (double *)views[1].buf,
+                                    (int64_t)n_bins, (const Cell *)views[2].buf, (const float *)views[3].buf,
+                                    fine, calls, threads);
+            Py_END_ALLOW_THREADS
+        }
+    }
+    for (int j = 0; j < held; j++) PyBuffer_Release(&views[j]);
+    if (status == -1) return PyErr_NoMemory();
+    if (status != 0) return NULL;
     Py_RETURN_NONE;
 }
 
@@ -243,8 +288,9 @@ static PyObject *py_set_avx2(PyObject *self, PyObject *args) {
 
 static PyMethodDef methods[] = {
     {"accumulate_f32", py_accumulate_f32, METH_VARARGS,
-     "accumulate_f32(x, n, row, n_bins, table, right, fine, calls, threads): add the statistics of n contiguous "
-     "float32 values at address x into the float64 stat row at address row, on up to `threads` threads."},
+     "accumulate_f32(values, row, table, right, fine, calls, threads): add the statistics of the float32 "
+     "buffer `values` into the float64 stat row buffer `row` (writable), with the bin table and right edges "
+     "of Binning, on up to `threads` threads. Buffers are C-contiguous numpy arrays (torch's Tensor.numpy())."},
     {"set_avx2", py_set_avx2, METH_VARARGS,
      "set_avx2(on): use the AVX2 passes (where the CPU has AVX2) or the baseline ones; returns the previous "
      "setting."},
@@ -254,7 +300,7 @@ static PyMethodDef methods[] = {
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_cstats", NULL, -1, methods, NULL, NULL, NULL, NULL};
 
 /* Raised with every change of accumulate_f32's arguments: stats.py ignores a stale build. */
-#define ABI_VERSION 4
+#define ABI_VERSION 5
 
 PyMODINIT_FUNC PyInit__cstats(void) {
 #ifdef HAVE_AVX2_PASSES

@@ -12,8 +12,6 @@ importable from here.
 from __future__ import annotations
 
 import math
-import os
-import warnings
 from collections.abc import Sequence
 from typing import Union
 
@@ -21,6 +19,8 @@ import torch
 from torch import Tensor
 
 from lightning_hooks._device_stats import DeviceTable, accumulate_device_
+from lightning_hooks._native import NATIVE_KERNEL as _NATIVE_KERNEL
+from lightning_hooks._native import accumulate_native_, native_table
 from lightning_hooks._stat_rows import (
     _COL,
     _MAX_SLICE,
@@ -48,23 +48,9 @@ FLOAT32_MAX = float(torch.finfo(torch.float32).max)
 
 Bins = Union[int, Sequence[float]]
 
-_NATIVE_ABI = 4  # _cstats.c's ABI_VERSION: a build left over from older sources is not used
-try:  # The fused CPU kernel, built at install time where a C compiler is available.
-    from lightning_hooks import _cstats  # type: ignore[attr-defined]
-
-    if getattr(_cstats, "ABI_VERSION", None) != _NATIVE_ABI:
-        warnings.warn(
-            "lightning_hooks: the compiled statistics kernel was built from older sources and is not used"
-            " (statistics on the CPU are about 10x slower without it); rebuild it with `pip install -e .`",
-            stacklevel=2,
-        )
-        _cstats = None
-except ImportError:  # pragma: no cover - depends on the build
-    _cstats = None
-
 #: Whether float32 CPU tensors go through the fused native kernel (same figures, ~10x faster).
 #: Set ``LIGHTNING_HOOKS_NATIVE=0`` to use the tensor-op kernel everywhere.
-NATIVE_KERNEL = _cstats is not None and os.environ.get("LIGHTNING_HOOKS_NATIVE", "1") != "0"
+NATIVE_KERNEL: bool = _NATIVE_KERNEL
 
 
 def histogram_edges(bins: Bins = 128, low: float = 1e-6, high: float = 1e6) -> Tensor:
@@ -145,9 +131,10 @@ class Binning:
             # Even counts have an edge at 0: x > 0 goes to n_positive + j, x <= 0 to n_positive - 1 - j.
             centre, half = (n_positive - 0.5, 0.5) if self.n_bins % 2 == 0 else (n_positive - 1.0, 0.0)
             self._log = (n_positive - 1, log_low, 1.0 / step, centre, half)
-        self.native: tuple[Tensor, Tensor, bool] | None = None
+        self.native: tuple[Tensor, Tensor, bool] | None = None  # the C kernel's table, right edges, fine
         if NATIVE_KERNEL and device.type == "cpu" and dtype == torch.float32:
-            self.native = self._native_table()
+            table, fine = native_table(self.inner, self.right)
+            self.native = (table, self.right, fine)
         if device.type != "cpu":  # now, not in a hook: copying the tables to the device syncs
             self.device_table()
 
@@ -157,22 +144,6 @@ class Binning:
             bins, low, high, device, dtype = self._args
             self._device_table = DeviceTable(histogram_edges(bins, low, high), _COL, N_FIELDS, device, dtype)
         return self._device_table
-
-    def _native_table(self) -> tuple[Tensor, Tensor, bool]:
-        """The native kernel's bin table, its right edges, and whether one comparison suffices.
-
-        Per cell of float32s sharing their top 13 bits (sign, exponent, four mantissa bits:
-        1/16 octave): the cell's lowest bin and that bin's right edge. Where no cell holds more
-        than one edge, one comparison with that edge gives the bin.
-        """
-        keys = torch.arange(1 << 13, dtype=torch.int32) << 19
-        ends = torch.stack([keys, keys | ((1 << 19) - 1)]).view(torch.float32)  # the cell's two ends
-        ends = torch.where(ends.isfinite(), ends, 0.0)  # Inf/NaN cells are never looked up
-        first, last = torch.bucketize(ends, self.inner).to(torch.int32)
-        lowest = torch.minimum(first, last)
-        edge = self.right[lowest.long()]
-        table = torch.stack([lowest, edge.view(torch.int32)], 1).contiguous()
-        return table, self.right, bool(((first - last).abs() <= 1).all())
 
     def index(self, x: Tensor) -> Tensor:
         """The bin of each finite value in ``x``: bin ``i`` holds ``edges[i] < x <= edges[i + 1]``."""
@@ -195,10 +166,11 @@ def accumulate_(row: Tensor, values: Tensor, binning: Binning, calls: int = 1) -
     """Add the statistics of flat floating ``values`` into stat ``row``, in place, on device.
 
     Contiguous float32 values on the CPU go through the fused native kernel when it is built
-    (one read of the values from memory); values on an accelerator through the twelve kernels
+    (one read of the values from memory; the custom op ``lightning_hooks::accumulate_f32``, in
+    eager mode and under ``torch.compile``); values on an accelerator through the twelve kernels
     of :func:`lightning_hooks._device_stats.accumulate_device_`; everything else (the CPU
-    without the native kernel, float64 on the CPU, ``torch.compile``) through tensor ops that
-    inductor fuses. All give the same counts, extremes and histograms, and no host
+    without the native kernel, float64 on the CPU, ``torch.compile`` on an accelerator) through
+    tensor ops that inductor fuses. All give the same counts, extremes and histograms, and no host
     synchronisation; the sums are float64-exact in the native kernel and to rounding in the others.
 
     Args:
@@ -210,29 +182,23 @@ def accumulate_(row: Tensor, values: Tensor, binning: Binning, calls: int = 1) -
     native = binning.native
     if (
         native is not None
-        and not torch.compiler.is_compiling()  # first: what follows would break the graph
         # Plain tensors only: a subclass (DTensor, a wrapper) may have no storage of its own,
-        # and a negated view's memory holds the values un-negated.
+        # and a negated view's memory holds the values un-negated (dynamo cannot trace is_neg;
+        # the tensors a compiled graph computes are never negated views, and numpy() refuses one).
         and type(values) is Tensor
         and values.dtype == torch.float32
         and values.device.type == "cpu"
         and values.is_contiguous()
-        and not values.is_neg()
+        and (torch.compiler.is_compiling() or not values.is_neg())
         and type(row) is Tensor
         and row.dtype == torch.float64
         and row.device.type == "cpu"
         and row.is_contiguous()
         and row.numel() == N_FIELDS + binning.n_bins
     ):
-        try:  # a functorch wrapper (under torch.func) passes the checks above but has no storage
-            address = values.data_ptr()
-        except RuntimeError:
-            address = 0
-        if address:
-            table, right, fine = native
-            _cstats.accumulate_f32(address, values.numel(), row.data_ptr(), binning.n_bins, table.data_ptr(),
-                                   right.data_ptr(), fine, float(calls), torch.get_num_threads())
-            return
+        table, right, fine = native
+        accumulate_native_(values, row, table, right, fine, float(calls))
+        return
     if values.device.type == "cpu" or torch.compiler.is_compiling() or row.device != values.device:
         _accumulate_tensors_(row, values, binning, calls)
     else:

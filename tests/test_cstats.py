@@ -3,15 +3,19 @@ agreement with the tensor-op kernel on every column. The rest of test_stats.py r
 
 import math
 import os
+import sys
+from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
-from lightning_hooks import stats
+from lightning_hooks import _native, stats
 from lightning_hooks.stats import N_FIELDS, Binning, accumulate_, histogram_edges, new_rows, summarize
 
 NAN, INF = math.nan, math.inf
-needs_native = pytest.mark.skipif(stats._cstats is None, reason="the native kernel was not built")
+THREADS = torch.get_num_threads()
+needs_native = pytest.mark.skipif(_native.cstats is None, reason="the native kernel was not built")
 
 
 def _row(x, bins, native):
@@ -40,7 +44,7 @@ def test_native_kernel_is_built_where_required():
     # CI sets LIGHTNING_HOOKS_REQUIRE_NATIVE=1: a failed build must not pass as the slow path.
     if os.environ.get("LIGHTNING_HOOKS_REQUIRE_NATIVE") != "1":
         pytest.skip("set LIGHTNING_HOOKS_REQUIRE_NATIVE=1 to require the native kernel")
-    assert stats._cstats is not None
+    assert _native.cstats is not None
     assert stats.NATIVE_KERNEL
 
 
@@ -55,9 +59,9 @@ def test_used_only_for_float32_on_cpu_and_can_be_switched_off(monkeypatch):
 @pytest.fixture(params=["avx2", "baseline"])
 def passes(request):
     """Each test that takes this runs with the AVX2 passes (where the CPU has AVX2) and without."""
-    before = stats._cstats.set_avx2(request.param == "avx2")
+    before = _native.cstats.set_avx2(request.param == "avx2")
     yield request.param
-    stats._cstats.set_avx2(before)
+    _native.cstats.set_avx2(before)
 
 
 @needs_native
@@ -152,25 +156,107 @@ def test_the_avx2_and_baseline_passes_give_the_same_figures():
     x[::997] = NAN
     rows = []
     for avx2 in (True, False):
-        before = stats._cstats.set_avx2(avx2)
+        before = _native.cstats.set_avx2(avx2)
         try:
             rows.append(_row(x, 128, native=True))
         finally:
-            stats._cstats.set_avx2(before)
+            _native.cstats.set_avx2(before)
     _assert_same_figures(*rows)
 
 
+def _no_tensor_ops(row, values, binning, calls):
+    raise AssertionError("the tensor-op kernel ran where the C kernel applies")
+
+
 @needs_native
-def test_values_inside_torch_func_take_the_tensor_op_path():
+def test_values_inside_torch_func_go_through_the_op_to_the_c_kernel(monkeypatch):
+    monkeypatch.setattr(stats, "_accumulate_tensors_", _no_tensor_ops)
     binning = Binning(32, torch.device("cpu"), torch.float32)
     rows = []
 
     def loss(x):
         row = new_rows(1, binning.n_bins)[0]
-        accumulate_(row, x.detach().reshape(-1), binning)  # a functorch wrapper: no storage to read
+        accumulate_(row, x.detach().reshape(-1), binning)  # a functorch wrapper: the dispatcher unwraps it
         rows.append(row)
         return x.square().sum()
 
     torch.func.grad(loss)(torch.arange(6.0))
     summary = summarize(rows[0].tolist())
     assert (summary["count"], summary["max"], summary["sum"]) == (6, 5.0, 15.0)
+
+
+@needs_native
+def test_the_op_passes_torch_library_opcheck():
+    # Schema (row is the one argument written), fake implementation, and tracing by AOTAutograd.
+    binning = Binning(128, torch.device("cpu"), torch.float32)
+    table, right, fine = binning.native
+    values = torch.randn(1000, generator=torch.Generator().manual_seed(17))
+    values[::50] = NAN
+    row = new_rows(1, binning.n_bins)[0]
+    torch.library.opcheck(torch.ops.lightning_hooks.accumulate_f32.default, (values, row, table, right, fine, 1.0))
+
+
+@needs_native
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_compiled_code_calls_the_c_kernel_as_one_op_with_the_eager_figures(backend, monkeypatch):
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    monkeypatch.setattr(stats, "_accumulate_tensors_", _no_tensor_ops)
+    binning = Binning(128, torch.device("cpu"), torch.float32)
+    rows = new_rows(2, binning.n_bins)
+
+    def hook(x, i):
+        y = torch.relu(x) - 0.5
+        accumulate_(rows[i], y, binning)
+        return y
+
+    x = torch.randn(3000, generator=torch.Generator().manual_seed(18)) * 1e3
+    x[::100] = torch.tensor([NAN, INF, -INF]).repeat(10)
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend(backend)
+    compiled = torch.compile(hook, backend=counter, fullgraph=True)  # fullgraph: a graph break raises
+    for _ in range(2):
+        compiled(x, 0)
+        hook(x, 1)
+    ops = [node.target for graph in counter.graphs for node in graph.graph.nodes if node.op == "call_function"]
+    assert counter.frame_count == 1
+    assert ops.count(torch.ops.lightning_hooks.accumulate_f32) == 1  # the dynamo graph holds the op packet
+    assert rows[0].tolist() == rows[1].tolist()  # the same kernel: every column, bit for bit
+    assert summarize(rows[0].tolist())["count"] == 6000
+
+
+@needs_native
+def test_the_c_kernel_checks_every_buffer_and_writes_nothing_it_refuses():
+    binning = Binning(16, torch.device("cpu"), torch.float32)
+    table, right, fine = (t.numpy() if isinstance(t, torch.Tensor) else t for t in binning.native)
+    values, row = np.ones(10, np.float32), np.zeros(N_FIELDS + binning.n_bins)
+    refused = [
+        ((values.astype(np.float64), row, table, right), TypeError, "`values` must hold 4-byte items of format 'f'"),
+        ((values, row.astype(np.float32), table, right), TypeError, "`row` must hold 8-byte items of format 'd'"),
+        ((np.ones(20, np.float32)[::2], row, table, right), TypeError, "`values` must be a C-contiguous"),
+        ((values, row[:-1], table, right), ValueError, "expected a row of 11 \\+ n_bins values"),
+        ((values, row, table[:-1], right), ValueError, "a table of 8192 cells"),
+        ((values, memoryview(row.tobytes()), table, right), TypeError, "`row` must be a C-contiguous, writable"),
+        ((values.ctypes.data, row, table, right), TypeError, "`values` must be a C-contiguous buffer"),
+    ]
+    for buffers, error, match in refused:
+        with pytest.raises(error, match=match):
+            _native.cstats.accumulate_f32(*buffers, fine, 1.0, 1)
+    assert not row.any()
+    _native.cstats.accumulate_f32(values, row, table, right, fine, 1.0, 1)
+    assert summarize(row.tolist())["count"] == 10
+
+
+@needs_native
+@pytest.mark.slow  # compiles the tensor-op kernel with inductor
+def test_the_cpu_time_benchmark_times_every_kernel_at_every_size_and_thread_count():
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    from kernels import cpu_times
+
+    rows = cpu_times([1000, 4096], [1, 2], repeats=1)
+    assert [row[:3] for row in rows] == [
+        (kernel, size, threads) for size in (1000, 4096) for threads in (1, 2)
+        for kernel in ("C kernel", "tensor-op", "tensor-op, inductor", "accelerator (on the CPU)")
+    ]
+    assert all(wall > 0 and cpu >= 0 for *_, wall, cpu in rows)
+    assert torch.get_num_threads() == THREADS  # restored

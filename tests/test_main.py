@@ -57,12 +57,12 @@ def test_the_report_lists_the_versions_installed(installed):
 
 @pytest.mark.skipif(not REQUIRE_NATIVE, reason="set LIGHTNING_HOOKS_REQUIRE_NATIVE=1 where the kernel is built")
 def test_a_built_kernel_is_on_and_says_whether_it_uses_avx2(installed):
-    from lightning_hooks import stats
+    from lightning_hooks import _native
 
     got = installed
     assert got["native C kernel"].startswith("on (") and got["native C kernel"].endswith(".so)")
-    before = stats._cstats.set_avx2(True)
-    stats._cstats.set_avx2(before)
+    before = _native.cstats.set_avx2(True)
+    _native.cstats.set_avx2(before)
     assert (got["AVX2"] == "on") if before else got["AVX2"].startswith("off (")
 
 

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from lightning_hooks import stats
+from lightning_hooks import _native, stats
 from lightning_hooks.stats import (
     FLOAT32_MAX,
     N_FIELDS,
@@ -31,7 +31,7 @@ def kernel(request, monkeypatch):
     """Every test here runs against every kernel: the fused native one, the tensor-op one, and the
     accelerator one (run on the CPU here, in place of the tensor-op one)."""
     if request.param == "native":
-        if stats._cstats is None and not REQUIRE_NATIVE:
+        if _native.cstats is None and not REQUIRE_NATIVE:
             pytest.skip("the native kernel was not built (no C compiler at install time)")
         monkeypatch.setattr(stats, "NATIVE_KERNEL", True)
     else:
