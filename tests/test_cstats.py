@@ -251,7 +251,7 @@ def test_the_c_kernel_checks_every_buffer_and_writes_nothing_it_refuses():
 @pytest.mark.slow  # compiles the tensor-op kernel with inductor
 def test_the_cpu_time_benchmark_times_every_kernel_at_every_size_and_thread_count():
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
-    from kernels import cpu_times
+    from stat_kernels import cpu_times
 
     rows = cpu_times([1000, 4096], [1, 2], repeats=1)
     assert [row[:3] for row in rows] == [

@@ -17,7 +17,7 @@ from lightning_hooks.stats import Binning, new_rows
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 
-from kernels import launches, per_check  # noqa: E402
+from stat_kernels import launches, per_check  # noqa: E402
 
 SORTING_OR_SYNCING = {"aten::index_put_", "aten::bincount", "aten::sort", "aten::nonzero", "aten::item",
                       "aten::_local_scalar_dense", "aten::unique", "aten::_unique2"}

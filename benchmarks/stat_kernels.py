@@ -16,8 +16,8 @@ accelerator kernel) in
 nanoseconds per value, at 1 and 2 torch threads:
 the best wall time of several repeats (the machine is shared) and the process's CPU time.
 
-    python benchmarks/kernels.py
-    python benchmarks/kernels.py --cpu-time
+    python benchmarks/stat_kernels.py
+    python benchmarks/stat_kernels.py --cpu-time
 """
 
 from __future__ import annotations
