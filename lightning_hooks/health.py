@@ -12,7 +12,7 @@ import numpy as np
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from lightning_hooks._compat import CALLBACK_BASES, TENSORBOARD_LOGGERS
-from lightning_hooks._health_verdicts import Bands, Verdicts
+from lightning_hooks._health_verdicts import JUDGED, Bands, Verdicts
 from lightning_hooks._listeners import FigureListener
 from lightning_hooks.activations import ActivationMonitor
 from lightning_hooks.gradients import GradientMonitor
@@ -29,11 +29,6 @@ PROFILES = {
     ("gradients", "norm"): ("gradient_norm", "gradient norm", True),
     ("updates", "ratio"): ("update_ratio", "update ratio", True),
 }
-#: The logged stats that say whether a layer's outputs held a non-finite value.
-_NONFINITE = ("nonfinite_fraction", "nan_count", "posinf_count", "neginf_count")
-#: Which verdict each watched (tag prefix, stat) feeds.
-_JUDGED = {("activations", "zero_fraction"): "zero_fraction", ("gradients", "norm"): "norm",
-           ("updates", "ratio"): "ratio", **{("activations", stat): "nonfinite" for stat in _NONFINITE}}
 
 
 def _positive_int(name: str, value: Any) -> None:
@@ -153,7 +148,7 @@ class LayerHealth(FigureListener, *CALLBACK_BASES):  # type: ignore[misc]  # the
                 continue
             if (prefix, stat) in PROFILES and not math.isnan(value):
                 self._latest.setdefault((prefix, stat), {})[name] = value
-            figure = _JUDGED.get((prefix, stat))
+            figure = JUDGED.get((prefix, stat))
             if figure is not None and not (figure == "ratio" and name in self._vectors):
                 values = judged.setdefault(figure, {})
                 values[name] = max(values.get(name, 0.0), value) if figure == "nonfinite" else value

@@ -96,7 +96,7 @@ def layer_order(names: list[str], forward: list[str]) -> list[str]:
     return sorted(names, key=key)
 
 
-def _cell(value: float) -> float:
+def cell(value: float) -> float:
     """A value as sent to the browser: four significant digits keep a 200-layer run's answer small."""
     return value if not math.isfinite(value) or value == 0 else float(f"{value:.4g}")
 
@@ -213,7 +213,7 @@ def _is_layer_tag(tag: str) -> bool:
 def _figure(prefix: str, kind: str, stat: str, by_layer: dict[str, dict[int, float]], forward: list[str]) -> Figure:
     rows = layer_order(list(by_layer), forward)
     steps = sorted({step for points in by_layer.values() for step in points})
-    values = [[_cell(v) if (v := by_layer[row].get(step)) is not None else None for step in steps] for row in rows]
+    values = [[by_layer[row].get(step) for step in steps] for row in rows]  # judged unrounded, as LayerHealth
     key = f"{prefix}-{kind}/{stat}" if prefix else f"{kind}/{stat}"
     return Figure(key, prefix, kind, stat, rows, steps, values)
 
