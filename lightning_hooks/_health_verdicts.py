@@ -77,6 +77,20 @@ def _number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
+#: A text entry (JSON: a list of names) GradientMonitor(update_ratio=True) writes once per fit: the
+#: update rows whose ratio is not judged, so that the Layers tab leaves out the rows LayerHealth does.
+UNJUDGED_RATIOS_TAG = "layers/unjudged_ratios"
+
+
+def unjudged_ratios(pl_module: Any) -> set[str]:
+    """The rows whose update ratio is not judged: ``pl_module``'s 1-D parameters (biases, norms' scales).
+
+    Their few small entries give large, noisy ratios on healthy runs; a module row holds its
+    weights too, and is judged.
+    """
+    return {name for name, param in pl_module.named_parameters() if param.ndim < 2}
+
+
 #: The logged stats that say whether a layer's outputs held a non-finite value.
 NONFINITE_STATS = ("nonfinite_fraction", "nan_count", "posinf_count", "neginf_count")
 #: Which judged figure each logged ``(kind, stat)`` feeds: LayerHealth and the Layers tab judge these, and only these.

@@ -12,7 +12,7 @@ import numpy as np
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from lightning_hooks._compat import CALLBACK_BASES, TENSORBOARD_LOGGERS
-from lightning_hooks._health_verdicts import JUDGED, Bands, Verdicts
+from lightning_hooks._health_verdicts import JUDGED, Bands, Verdicts, unjudged_ratios
 from lightning_hooks._listeners import FigureListener
 from lightning_hooks.activations import ActivationMonitor
 from lightning_hooks.gradients import GradientMonitor
@@ -132,7 +132,7 @@ class LayerHealth(FigureListener, *CALLBACK_BASES):  # type: ignore[misc]  # the
             return
         self._reset()
         self._kinds = {name: type(module).__name__ for name, module in pl_module.named_modules()}
-        self._vectors = {name for name, param in pl_module.named_parameters() if param.ndim < 2}
+        self._vectors = unjudged_ratios(pl_module)
         if not any(isinstance(cb, (ActivationMonitor, GradientMonitor)) for cb in getattr(trainer, "callbacks", ())):
             rank_zero_warn("LayerHealth: no ActivationMonitor or GradientMonitor in `callbacks`: nothing to show")
         if not any(isinstance(lg, TENSORBOARD_LOGGERS) for lg in trainer.loggers):

@@ -60,8 +60,14 @@ def judged_as(figure: Figure) -> Optional[str]:
     return JUDGED.get((figure.kind, stat))
 
 
-def judge(figure: Figure, bands: Bands) -> Marks:
-    """The cells of ``figure`` outside the healthy band, judged step by step as LayerHealth judges them."""
+def judge(figure: Figure, bands: Bands, unjudged: frozenset[str] = frozenset()) -> Marks:
+    """The cells of ``figure`` outside the healthy band, judged step by step as LayerHealth judges them.
+
+    Args:
+        figure: One figure of a run.
+        bands: The healthy bands.
+        unjudged: Update rows whose ratio is not judged (1-D parameters, as LayerHealth skips them).
+    """
     kind = judged_as(figure)
     if kind is None:
         return []
@@ -71,7 +77,7 @@ def judge(figure: Figure, bands: Bands) -> Marks:
     marks: Marks = []
     for col in range(len(figure.steps)):
         column = {name: (10.0 ** v if log10 else v) for name, values in zip(figure.rows, figure.values)
-                  if (v := values[col]) is not None}
+                  if (v := values[col]) is not None and not (kind == "ratio" and name in unjudged)}
         marks.extend((index[name], col, problem)
                      for name, problem in judge_column(kind, column, bands, norms).items())
     return sorted(marks)
