@@ -1,5 +1,10 @@
 """LayerHealth's verdicts: which layers are outside a healthy band, and since which step (host-side, pure).
 
+One set of rules for the package: :class:`Verdicts` (LayerHealth) and the Layers tab's plugin
+(``tensorboard_plugin/verdicts.py``) judge each logged step with the same functions
+(``judge_zero_fraction``, ``judge_nonfinite``, ``judge_ratio``, ``judge_norm``) against the same
+:class:`Bands`, so the tab's banner and LayerHealth's summary name the same layers.
+
 The bands, and where each comes from:
 
 - dead units: a ReLU-like layer whose inputs are centred outputs about half zeros; above
