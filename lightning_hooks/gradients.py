@@ -168,6 +168,7 @@ class GradientMonitor(GradientCheck):
         _check_bool("update_ratio", update_ratio)
         self.update_ratio = update_ratio
         self._updates = UpdateRatio()
+        self._vectors: set[str] = set()  # 1-D parameters: their update ratios are not judged (LayerHealth, the tab)
         self.log_every_n_steps, self.granularity, self.stats = log_every_n_steps, granularity, tuple(stats)
         self.histogram, self.bins, self.prog_bar, self.max_rows = histogram, bins, prog_bar, max_rows
         self.last_report: Optional[AnomalyReport] = None
@@ -199,6 +200,7 @@ class GradientMonitor(GradientCheck):
         """Resolve modules and the logging interval before training starts."""
         super().setup(trainer, pl_module, stage)
         self._every = _log_interval(self.log_every_n_steps, trainer)
+        self._vectors = unjudged_ratios(pl_module)  # as LayerHealth reads them: before a strategy wraps the model
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Register the hooks, choose the rows, allocate their buffers on the module's device, write the layout."""
@@ -217,8 +219,7 @@ class GradientMonitor(GradientCheck):
         self._row_shards = ShardGroups([params[0] for _, params in self._rows])
         log_layout(trainer, {"gradients": self._charts()}, trainer.global_step)
         if self.update_ratio:  # for the Layers tab: the rows whose ratio LayerHealth does not judge
-            unjudged = sorted(unjudged_ratios(pl_module) & set(names))
-            log_text(trainer, UNJUDGED_RATIOS_TAG, json.dumps(unjudged), trainer.global_step)
+            log_text(trainer, UNJUDGED_RATIOS_TAG, json.dumps(sorted(self._vectors & set(names))), trainer.global_step)
 
     def _charts(self) -> Charts:
         """One Custom Scalars chart per stat drawing every row, one of the total norms, one of the flags."""
