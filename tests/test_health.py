@@ -66,6 +66,7 @@ def test_bad_settings_fail_at_construction(name, value):
         ("spread_factor", math.inf, r"`spread_factor` must be a number above 1, got inf"),
         ("update_ratio_band", (1e-2, 1e-4), r"`update_ratio_band` must be \(low, high\) with 0 < low < high"),
         ("update_ratio_band", 1e-3, r"`update_ratio_band` must be \(low, high\) with 0 < low < high, got 0\.001"),
+        ("window", 2, r"`window` must be an int of at least 3, got 2"),
     ],
 )
 def test_bad_bands_fail_at_construction(name, value, match):
