@@ -102,30 +102,30 @@ NONFINITE_STATS = ("nonfinite_fraction", "nan_count", "posinf_count", "neginf_co
 JUDGED = {("activations", "zero_fraction"): "zero_fraction", ("gradients", "norm"): "norm",
           ("updates", "ratio"): "ratio", **{("activations", stat): "nonfinite" for stat in NONFINITE_STATS}}
 
-Column = Mapping[str, float]
+StepValues = Mapping[str, float]
 """One logged step of one figure: each layer's value."""
 History = Mapping[str, Sequence[float]]
 """Each layer's last logged finite gradient norms (at most ``Bands.window``), oldest first."""
 
 
-def judge_zero_fraction(values: Column, bands: Bands) -> dict[str, str]:
+def judge_zero_fraction(values: StepValues, bands: Bands) -> dict[str, str]:
     """Dead units: the layers whose share of exact zeros is above ``max_zero_fraction``."""
     return {layer: "dead" for layer, v in values.items() if v > bands.max_zero_fraction}
 
 
-def judge_nonfinite(values: Column, bands: Bands) -> dict[str, str]:
+def judge_nonfinite(values: StepValues, bands: Bands) -> dict[str, str]:
     """The layers with a non-finite share or count that is not 0 (NaN included)."""
     return {layer: "nonfinite" for layer, v in values.items() if v != 0}
 
 
-def judge_ratio(values: Column, bands: Bands) -> dict[str, str]:
+def judge_ratio(values: StepValues, bands: Bands) -> dict[str, str]:
     """Update ratios outside ``update_ratio_band``; an undefined one (0, inf or NaN) is not judged."""
     low, high = bands.update_ratio_band
     return {layer: "too_fast" if v > high else "too_slow" for layer, v in values.items()
             if math.isfinite(v) and v > 0 and not low <= v <= high}
 
 
-def judge_norm(values: Column, bands: Bands, history: History) -> dict[str, str]:
+def judge_norm(values: StepValues, bands: Bands, history: History) -> dict[str, str]:
     """Gradient norms: non-finite, exploding or vanishing.
 
     Exploding: above ``spike_factor`` times the median of the layer's own ``history`` (once it
@@ -144,7 +144,7 @@ def judge_norm(values: Column, bands: Bands, history: History) -> dict[str, str]
     return judged
 
 
-def judge(figure: str, values: Column, bands: Bands, norms: dict[str, deque[float]]) -> dict[str, str]:
+def judge(figure: str, values: StepValues, bands: Bands, norms: dict[str, deque[float]]) -> dict[str, str]:
     """One logged step of ``figure`` (a value of :data:`JUDGED`): the problem of each layer outside its band.
 
     For ``"norm"``, each finite norm is then added to its layer's history in ``norms`` (the
@@ -193,7 +193,7 @@ class Verdicts:
             self._depth.setdefault(layer, len(self._depth))
         judged = judge(figure, values, self.bands, self._norms)
         for layer, value in values.items():
-            for problem in FIGURE_PROBLEMS[figure]:
+            for problem in _FIGURE_PROBLEMS[figure]:
                 self._note(problem, layer, step, value, judged.get(layer) == problem)
 
     def _note(self, problem: str, layer: str, step: int, value: float, flagged: bool) -> None:
@@ -242,7 +242,7 @@ class Verdicts:
 
 
 #: The problems each figure can show.
-FIGURE_PROBLEMS = {
+_FIGURE_PROBLEMS = {
     "zero_fraction": ("dead",), "nonfinite": ("nonfinite",), "ratio": ("too_fast", "too_slow"),
     "norm": ("nonfinite_grad", "exploding", "vanishing"),
 }
