@@ -1,5 +1,10 @@
 """LayerHealth's verdicts: which layers are outside a healthy band, and since which step (host-side, pure).
 
+One set of rules for the package: :class:`Verdicts` (LayerHealth) and the Layers tab's plugin
+(``tensorboard_plugin/verdicts.py``) judge each logged step with the same functions
+(``judge_zero_fraction``, ``judge_nonfinite``, ``judge_ratio``, ``judge_norm``) against the same
+:class:`Bands`, so the tab's banner and LayerHealth's summary name the same layers.
+
 The bands, and where each comes from:
 
 - dead units: a ReLU-like layer whose inputs are centred outputs about half zeros; above
@@ -77,6 +82,86 @@ def _number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
+#: A text entry (JSON: a list of names) GradientMonitor(update_ratio=True) writes once per fit: the
+#: update rows whose ratio is not judged, so that the Layers tab leaves out the rows LayerHealth does.
+UNJUDGED_RATIOS_TAG = "layers/unjudged_ratios"
+
+
+def unjudged_ratios(pl_module: Any) -> set[str]:
+    """The rows whose update ratio is not judged: ``pl_module``'s 1-D parameters (biases, norms' scales).
+
+    Their few small entries give large, noisy ratios on healthy runs; a module row holds its
+    weights too, and is judged.
+    """
+    return {name for name, param in pl_module.named_parameters() if param.ndim < 2}
+
+
+#: The logged stats that say whether a layer's outputs held a non-finite value.
+NONFINITE_STATS = ("nonfinite_fraction", "nan_count", "posinf_count", "neginf_count")
+#: Which judged figure each logged ``(kind, stat)`` feeds: LayerHealth and the Layers tab judge these, and only these.
+JUDGED = {("activations", "zero_fraction"): "zero_fraction", ("gradients", "norm"): "norm",
+          ("updates", "ratio"): "ratio", **{("activations", stat): "nonfinite" for stat in NONFINITE_STATS}}
+
+StepValues = Mapping[str, float]
+"""One logged step of one figure: each layer's value."""
+History = Mapping[str, Sequence[float]]
+"""Each layer's last logged finite gradient norms (at most ``Bands.window``), oldest first."""
+
+
+def judge_zero_fraction(values: StepValues, bands: Bands) -> dict[str, str]:
+    """Dead units: the layers whose share of exact zeros is above ``max_zero_fraction``."""
+    return {layer: "dead" for layer, v in values.items() if v > bands.max_zero_fraction}
+
+
+def judge_nonfinite(values: StepValues, bands: Bands) -> dict[str, str]:
+    """The layers with a non-finite share or count that is not 0 (NaN included)."""
+    return {layer: "nonfinite" for layer, v in values.items() if v != 0}
+
+
+def judge_ratio(values: StepValues, bands: Bands) -> dict[str, str]:
+    """Update ratios outside ``update_ratio_band``; an undefined one (0, inf or NaN) is not judged."""
+    low, high = bands.update_ratio_band
+    return {layer: "too_fast" if v > high else "too_slow" for layer, v in values.items()
+            if math.isfinite(v) and v > 0 and not low <= v <= high}
+
+
+def judge_norm(values: StepValues, bands: Bands, history: History) -> dict[str, str]:
+    """Gradient norms: non-finite, exploding or vanishing.
+
+    Exploding: above ``spike_factor`` times the median of the layer's own ``history`` (once it
+    has 3 points); vanishing: below the step's largest finite norm divided by ``spread_factor``.
+    """
+    largest = max((v for v in values.values() if math.isfinite(v)), default=0.0)
+    judged = {}
+    for layer, value in values.items():
+        past = history.get(layer, ())
+        if not math.isfinite(value):
+            judged[layer] = "nonfinite_grad"
+        elif len(past) >= 3 and value > bands.spike_factor * statistics.median(past):
+            judged[layer] = "exploding"
+        elif value < largest / bands.spread_factor:
+            judged[layer] = "vanishing"
+    return judged
+
+
+def judge(figure: str, values: StepValues, bands: Bands, norms: dict[str, deque[float]]) -> dict[str, str]:
+    """One logged step of ``figure`` (a value of :data:`JUDGED`): the problem of each layer outside its band.
+
+    For ``"norm"``, each finite norm is then added to its layer's history in ``norms`` (the
+    caller keeps it from step to step, the steps in order).
+    """
+    if figure != "norm":
+        return _JUDGES[figure](values, bands)
+    judged = judge_norm(values, bands, norms)
+    for layer, value in values.items():
+        if math.isfinite(value):
+            norms.setdefault(layer, deque(maxlen=bands.window)).append(value)
+    return judged
+
+
+_JUDGES = {"zero_fraction": judge_zero_fraction, "nonfinite": judge_nonfinite, "ratio": judge_ratio}
+
+
 @dataclass
 class Episode:
     """One layer outside one band: from ``first`` to ``last`` logged step, and its worst value there."""
@@ -106,37 +191,10 @@ class Verdicts:
         self.last_step = step if self.last_step is None else max(step, self.last_step)
         for layer in values:
             self._depth.setdefault(layer, len(self._depth))
-        judged = getattr(self, f"_judge_{figure}")(values)
+        judged = judge(figure, values, self.bands, self._norms)
         for layer, value in values.items():
             for problem in _FIGURE_PROBLEMS[figure]:
                 self._note(problem, layer, step, value, judged.get(layer) == problem)
-
-    def _judge_zero_fraction(self, values: Mapping[str, float]) -> dict[str, str]:
-        return {layer: "dead" for layer, v in values.items() if v > self.bands.max_zero_fraction}
-
-    def _judge_nonfinite(self, values: Mapping[str, float]) -> dict[str, str]:
-        return {layer: "nonfinite" for layer, v in values.items() if v != 0}
-
-    def _judge_ratio(self, values: Mapping[str, float]) -> dict[str, str]:
-        low, high = self.bands.update_ratio_band
-        return {layer: "too_fast" if v > high else "too_slow" for layer, v in values.items()
-                if math.isfinite(v) and v > 0 and not low <= v <= high}
-
-    def _judge_norm(self, values: Mapping[str, float]) -> dict[str, str]:
-        finite = [v for v in values.values() if math.isfinite(v)]
-        largest = max(finite, default=0.0)
-        judged = {}
-        for layer, value in values.items():
-            history = self._norms.setdefault(layer, deque(maxlen=self.bands.window))
-            if not math.isfinite(value):
-                judged[layer] = "nonfinite_grad"
-                continue
-            if len(history) >= 3 and value > self.bands.spike_factor * statistics.median(history):
-                judged[layer] = "exploding"
-            elif value < largest / self.bands.spread_factor:
-                judged[layer] = "vanishing"
-            history.append(value)
-        return judged
 
     def _note(self, problem: str, layer: str, step: int, value: float, flagged: bool) -> None:
         episode = self.episodes.get((problem, layer))

@@ -7,6 +7,7 @@ logs (which gradients each covers, their figures and metrics) are in ``_gradient
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from typing import Any, Literal, Optional
 
@@ -16,6 +17,7 @@ from torch import Tensor
 from lightning_hooks._base import _is_logged_step, _log_interval, _validate_interval, _validate_stats, log_step
 from lightning_hooks._gradient_check import GradientCheck, _check_bool
 from lightning_hooks._gradient_rows import Rows, row_figures, row_metrics, select_rows
+from lightning_hooks._health_verdicts import UNJUDGED_RATIOS_TAG, unjudged_ratios
 from lightning_hooks._rank_agreement import Check
 from lightning_hooks._sharding import ShardGroups
 from lightning_hooks._step_measure import Step
@@ -23,7 +25,7 @@ from lightning_hooks._update_ratio import UpdateRatio
 from lightning_hooks.aggregate import StatBlock
 from lightning_hooks.anomalies import AnomalyReport
 from lightning_hooks.selection import ModuleSelection, check_limit, validate_limit
-from lightning_hooks.sinks import Charts, destinations, log_layout, log_scalars
+from lightning_hooks.sinks import Charts, destinations, log_layout, log_scalars, log_text
 from lightning_hooks.stats import STAT_NAMES, Bins, histogram_edges
 
 Granularity = Literal["parameter", "module"]
@@ -166,6 +168,7 @@ class GradientMonitor(GradientCheck):
         _check_bool("update_ratio", update_ratio)
         self.update_ratio = update_ratio
         self._updates = UpdateRatio()
+        self._vectors: set[str] = set()  # 1-D parameters: their update ratios are not judged (LayerHealth, the tab)
         self.log_every_n_steps, self.granularity, self.stats = log_every_n_steps, granularity, tuple(stats)
         self.histogram, self.bins, self.prog_bar, self.max_rows = histogram, bins, prog_bar, max_rows
         self.last_report: Optional[AnomalyReport] = None
@@ -197,6 +200,7 @@ class GradientMonitor(GradientCheck):
         """Resolve modules and the logging interval before training starts."""
         super().setup(trainer, pl_module, stage)
         self._every = _log_interval(self.log_every_n_steps, trainer)
+        self._vectors = unjudged_ratios(pl_module)  # as LayerHealth reads them: before a strategy wraps the model
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Register the hooks, choose the rows, allocate their buffers on the module's device, write the layout."""
@@ -214,6 +218,8 @@ class GradientMonitor(GradientCheck):
         self._block = StatBlock(names, self.bins, pl_module.device) if needs_rows and names else None
         self._row_shards = ShardGroups([params[0] for _, params in self._rows])
         log_layout(trainer, {"gradients": self._charts()}, trainer.global_step)
+        if self.update_ratio:  # for the Layers tab: the rows whose ratio LayerHealth does not judge
+            log_text(trainer, UNJUDGED_RATIOS_TAG, json.dumps(sorted(self._vectors & set(names))), trainer.global_step)
 
     def _charts(self) -> Charts:
         """One Custom Scalars chart per stat drawing every row, one of the total norms, one of the flags."""

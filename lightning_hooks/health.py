@@ -12,7 +12,7 @@ import numpy as np
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from lightning_hooks._compat import CALLBACK_BASES, TENSORBOARD_LOGGERS
-from lightning_hooks._health_verdicts import Bands, Verdicts
+from lightning_hooks._health_verdicts import JUDGED, Bands, Verdicts, unjudged_ratios
 from lightning_hooks._listeners import FigureListener
 from lightning_hooks.activations import ActivationMonitor
 from lightning_hooks.gradients import GradientMonitor
@@ -29,11 +29,6 @@ PROFILES = {
     ("gradients", "norm"): ("gradient_norm", "gradient norm", True),
     ("updates", "ratio"): ("update_ratio", "update ratio", True),
 }
-#: The logged stats that say whether a layer's outputs held a non-finite value.
-_NONFINITE = ("nonfinite_fraction", "nan_count", "posinf_count", "neginf_count")
-#: Which verdict each watched (tag prefix, stat) feeds.
-_JUDGED = {("activations", "zero_fraction"): "zero_fraction", ("gradients", "norm"): "norm",
-           ("updates", "ratio"): "ratio", **{("activations", stat): "nonfinite" for stat in _NONFINITE}}
 
 
 def _positive_int(name: str, value: Any) -> None:
@@ -66,7 +61,7 @@ class LayerHealth(FigureListener, *CALLBACK_BASES):  # type: ignore[misc]  # the
     A layer is unhealthy while a logged figure is outside its band (see
     ``lightning_hooks._health_verdicts`` for where each comes from): more than
     ``max_zero_fraction`` of its outputs exactly 0 (dead units); a gradient norm above
-    ``spike_factor`` times the median of its own last 20 logged norms (exploding) or below the
+    ``spike_factor`` times the median of its own last ``window`` logged norms (exploding) or below the
     largest layer's divided by ``spread_factor`` (vanishing); an update ratio outside
     ``update_ratio_band`` (not judged for a 1-D parameter row, a bias or a norm's scale, whose
     few small entries give large, noisy ratios on healthy runs; a module row holds its weights
@@ -87,6 +82,7 @@ class LayerHealth(FigureListener, *CALLBACK_BASES):  # type: ignore[misc]  # the
         spike_factor: Exploding above this multiple of the layer's own median norm.
         spread_factor: Vanishing below the largest layer's norm divided by this.
         update_ratio_band: The healthy ``(low, high)`` update-to-weight ratio.
+        window: How many of a row's last logged gradient norms its median is taken over.
 
     Raises:
         ValueError: If an image or ``top_k`` argument is not a positive int, or a band is not
@@ -105,17 +101,17 @@ class LayerHealth(FigureListener, *CALLBACK_BASES):  # type: ignore[misc]  # the
     def __init__(self, image_every_n_steps: int = 500, max_images: int = 10, max_panels: int = 16,
                  max_columns: int = 100, top_k: int = 5, max_zero_fraction: float = 0.8,
                  spike_factor: float = 10.0, spread_factor: float = 1e5,
-                 update_ratio_band: tuple[float, float] = (1e-4, 1e-2)) -> None:
+                 update_ratio_band: tuple[float, float] = (1e-4, 1e-2), window: int = 20) -> None:
         for name, value in (("image_every_n_steps", image_every_n_steps), ("max_images", max_images),
                             ("max_panels", max_panels), ("max_columns", max_columns), ("top_k", top_k)):
             _positive_int(name, value)
-        self._bands = Bands(max_zero_fraction, spike_factor, spread_factor, update_ratio_band)
+        self._bands = Bands(max_zero_fraction, spike_factor, spread_factor, update_ratio_band, window)
         if importlib.util.find_spec("matplotlib") is None:
             raise ModuleNotFoundError("LayerHealth draws with matplotlib: pip install 'lightning-hooks[health]'")
         self.image_every_n_steps, self.max_images, self.max_panels = image_every_n_steps, max_images, max_panels
         self.max_columns, self.top_k = max_columns, top_k
         self.max_zero_fraction, self.spike_factor, self.spread_factor = max_zero_fraction, spike_factor, spread_factor
-        self.update_ratio_band = update_ratio_band
+        self.update_ratio_band, self.window = update_ratio_band, window
         self._kinds: dict[str, str] = {}
         self._vectors: set[str] = set()  # 1-D parameters (biases, norm scales): ratios not judged
         self._reset()
@@ -137,7 +133,7 @@ class LayerHealth(FigureListener, *CALLBACK_BASES):  # type: ignore[misc]  # the
             return
         self._reset()
         self._kinds = {name: type(module).__name__ for name, module in pl_module.named_modules()}
-        self._vectors = {name for name, param in pl_module.named_parameters() if param.ndim < 2}
+        self._vectors = unjudged_ratios(pl_module)
         if not any(isinstance(cb, (ActivationMonitor, GradientMonitor)) for cb in getattr(trainer, "callbacks", ())):
             rank_zero_warn("LayerHealth: no ActivationMonitor or GradientMonitor in `callbacks`: nothing to show")
         if not any(isinstance(lg, TENSORBOARD_LOGGERS) for lg in trainer.loggers):
@@ -153,7 +149,7 @@ class LayerHealth(FigureListener, *CALLBACK_BASES):  # type: ignore[misc]  # the
                 continue
             if (prefix, stat) in PROFILES and not math.isnan(value):
                 self._latest.setdefault((prefix, stat), {})[name] = value
-            figure = _JUDGED.get((prefix, stat))
+            figure = JUDGED.get((prefix, stat))
             if figure is not None and not (figure == "ratio" and name in self._vectors):
                 values = judged.setdefault(figure, {})
                 values[name] = max(values.get(name, 0.0), value) if figure == "nonfinite" else value

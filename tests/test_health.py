@@ -3,9 +3,12 @@
 import io
 import logging
 import math
+import os
+import sys
 from collections import Counter
 from typing import Any
 
+import lightning as L
 import numpy as np
 import pytest
 import torch
@@ -63,6 +66,7 @@ def test_bad_settings_fail_at_construction(name, value):
         ("spread_factor", math.inf, r"`spread_factor` must be a number above 1, got inf"),
         ("update_ratio_band", (1e-2, 1e-4), r"`update_ratio_band` must be \(low, high\) with 0 < low < high"),
         ("update_ratio_band", 1e-3, r"`update_ratio_band` must be \(low, high\) with 0 < low < high, got 0\.001"),
+        ("window", 2, r"`window` must be an int of at least 3, got 2"),
     ],
 )
 def test_bad_bands_fail_at_construction(name, value, match):
@@ -188,3 +192,57 @@ def test_only_what_the_monitors_log_is_drawn(tmp_path):
     trainer(tmp_path, [ActivationMonitor(modules="net.0"), health], logger=logger, max_steps=2).fit(model, loader())
     assert list(health._columns) == ["net.0"]
     assert set(events(str(tmp_path)).Tags()["images"]) == {f"{HEATMAP}/net.0", f"{PROFILE}/activation_std"}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("granularity", ["module", "parameter"])
+def test_the_layers_tab_names_the_layers_and_problems_the_summary_names(tmp_path, granularity):
+    """examples/layer_health.py's run: the tab's banner, read from the event file, is LayerHealth's verdict.
+
+    Among them net.2 learning too slowly (the tab once judged by its own rules and did not mark it);
+    per parameter, the biases' ratios are left out by both.
+    """
+    import importlib.util
+
+    from tensorboard.backend.event_processing import data_provider, plugin_event_multiplexer
+    from tensorboard.context import RequestContext
+
+    from lightning_hooks._health_verdicts import Bands
+    from lightning_hooks.tensorboard_plugin.run_data import RunReader
+    from lightning_hooks.tensorboard_plugin.verdicts import banner, judge
+
+    examples = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples")
+    spec = importlib.util.spec_from_file_location("layer_health_example", os.path.join(examples, "layer_health.py"))
+    example = importlib.util.module_from_spec(spec)
+    monkeypatch_path = [examples, *sys.path]
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(sys, "path", monkeypatch_path)  # its `_quiet` helper
+        spec.loader.exec_module(example)
+    L.seed_everything(0, verbose=False)
+    logger = TensorBoardLogger(tmp_path, name="", version=0)
+    health = LayerHealth(max_images=1)
+    callbacks = [ActivationMonitor(log_every_n_steps=5, modules=[nn.Linear, nn.ReLU]),
+                 GradientMonitor(log_every_n_steps=5, granularity=granularity, update_ratio=True), health]
+    trainer(tmp_path, callbacks, logger=logger, max_steps=-1, max_epochs=2, log_every_n_steps=5).fit(
+        example.MLP(), example.data())
+    logger.experiment.flush()
+
+    multiplexer = plugin_event_multiplexer.EventMultiplexer()
+    multiplexer.AddRunsFromDirectory(str(tmp_path))
+    multiplexer.Reload()
+    reader = RunReader(data_provider.MultiplexerDataProvider(multiplexer, str(tmp_path)), RequestContext(), "")
+    unjudged = reader.unjudged_ratios("version_0")
+    tab = {(b["layer"], b["verdict"], b["since"])
+           for b in banner([(f, judge(f, Bands(), unjudged)) for f in reader.figures("version_0")], Bands())}
+    summary = {(layer, problem, e.first) for (problem, layer), e in health._verdicts.episodes.items() if e.ongoing}
+    assert tab == summary
+    assert {("net.3", "dead"), ("net.5", "dead")} <= {(layer, problem) for layer, problem, _ in tab}
+    if granularity == "module":
+        assert ("net.2", "too_slow") in {(layer, problem) for layer, problem, _ in tab}
+    else:
+        assert unjudged == {"net.0.bias", "net.2.bias", "net.4.bias", "net.6.bias"}
+        # Judged, the biases' noisy ratios would be named too: GradientMonitor's record keeps them out.
+        judged = {(b["layer"], b["verdict"]) for b in banner(
+            [(f, judge(f, Bands())) for f in reader.figures("version_0")], Bands())}
+        assert {layer for layer, _ in judged - {(layer, problem) for layer, problem, _ in tab}} <= unjudged
+        assert len(judged) > len(tab)

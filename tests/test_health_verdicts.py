@@ -2,7 +2,7 @@
 
 import math
 
-from lightning_hooks._health_verdicts import Bands, Verdicts
+from lightning_hooks._health_verdicts import Bands, Verdicts, judge, judge_norm, judge_ratio
 
 
 def test_ordinary_norms_small_or_large_are_not_flagged_but_a_jump_against_the_layers_own_history_is():
@@ -61,3 +61,16 @@ def test_problems_are_listed_by_kind_then_by_when_they_began_then_by_depth():
         "    net.3                    worst 0.9        since step 0",  # the first to die comes first
         "    net.5                    worst 0.95       since step 5",
     ]
+
+
+def test_the_norm_rule_keeps_window_recent_norms_and_is_one_function_for_layer_health_and_the_tab():
+    norms = [1.0, 1.0, 1.0, 20.0, 20.0, 20.0]
+
+    def exploding(bands: Bands) -> list[int]:
+        history: dict = {}
+        return [step for step, norm in enumerate(norms) if judge("norm", {"a": norm}, bands, history)]
+
+    assert exploding(Bands(window=3)) == [3, 4]  # by step 5 its last 3 norms are 1, 20, 20: median 20
+    assert exploding(Bands()) == [3, 4, 5]  # its last 20: median 1 still
+    assert judge_norm({"a": 20.0}, Bands(), {"a": [1.0, 1.0]}) == {}  # fewer than 3 earlier norms
+    assert judge_ratio({"a": 5e-5, "b": 1e-3, "c": 0.0}, Bands()) == {"a": "too_slow"}

@@ -2,10 +2,10 @@
 
 Installed with the package and found by TensorBoard through the ``tensorboard_plugins`` entry
 point: ``tensorboard --logdir runs`` shows a LAYERS tab for runs that ActivationMonitor or
-GradientMonitor wrote.
+GradientMonitor wrote. It judges with LayerHealth's bands (:class:`Bands`), from one place.
 """
 
+from lightning_hooks._health_verdicts import Bands
 from lightning_hooks.tensorboard_plugin.plugin import PLUGIN_NAME, LayersPlugin
-from lightning_hooks.tensorboard_plugin.verdicts import Thresholds
 
-__all__ = ["PLUGIN_NAME", "LayersPlugin", "Thresholds"]
+__all__ = ["PLUGIN_NAME", "Bands", "LayersPlugin"]

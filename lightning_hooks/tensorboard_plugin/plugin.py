@@ -7,8 +7,9 @@ which fetches the routes below by relative URL:
 
 - ``runs``: the runs with layer figures.
 - ``run?run=<run>[&<threshold>=<value>...]``: one run's figures (layers by steps), the marks,
-  the banner of layers unhealthy now and the anomaly timeline; thresholds as in
-  :class:`~lightning_hooks.tensorboard_plugin.verdicts.Thresholds`.
+  the banner of layers unhealthy now and the anomaly timeline; judged with LayerHealth's
+  bands (:class:`~lightning_hooks._health_verdicts.Bands`), any of them set by a query
+  parameter of :data:`~lightning_hooks.tensorboard_plugin.verdicts.QUERY`.
 - ``histogram?run=<run>&tag=<tag>&step=<step>``: the histogram a clicked cell opens.
 """
 
@@ -25,8 +26,9 @@ from tensorboard.context import RequestContext
 from tensorboard.plugins import base_plugin
 from werkzeug import wrappers
 
-from lightning_hooks.tensorboard_plugin.run_data import CACHED_RUNS, Figure, FigureCache, RunReader
-from lightning_hooks.tensorboard_plugin.verdicts import PROBLEMS, Marks, Thresholds, banner, judge
+from lightning_hooks._health_verdicts import Bands
+from lightning_hooks.tensorboard_plugin.run_data import CACHED_RUNS, Figure, FigureCache, RunReader, cell
+from lightning_hooks.tensorboard_plugin.verdicts import Marks, bands_as_dict, bands_from_query, banner, judge
 
 PLUGIN_NAME = "lightning_hooks_layers"
 TAB_NAME = "Layers"
@@ -41,8 +43,8 @@ class LayersPlugin(base_plugin.TBPlugin):
     def __init__(self, context: base_plugin.TBContext) -> None:
         self._data = context.data_provider
         self._cache: FigureCache = OrderedDict()
-        # The last answer per run and thresholds, with the figures it was judged from.
-        self._answers: OrderedDict[tuple[str, str, Thresholds], tuple[list[Figure], dict[str, Any]]] = OrderedDict()
+        # The last answer per run and bands, with the figures it was judged from.
+        self._answers: OrderedDict[tuple[str, str, Bands], tuple[list[Figure], dict[str, Any]]] = OrderedDict()
 
     def get_plugin_apps(self) -> dict[str, Callable[..., Any]]:
         """The routes, under ``/data/plugin/lightning_hooks_layers/``."""
@@ -72,14 +74,14 @@ class LayersPlugin(base_plugin.TBPlugin):
 
     def _runs_route(self, request: wrappers.Request) -> wrappers.Response:
         runs = self._reader(request).runs()
-        body = {"runs": list(runs), "thresholds": Thresholds().as_dict(), "problems": PROBLEMS}
+        body = {"runs": list(runs), "thresholds": bands_as_dict(Bands()), "problems": Bands().titles()}
         return http_util.Respond(request, body, "application/json")
 
     def _run_route(self, request: wrappers.Request) -> wrappers.Response:
         started = time.perf_counter()
         run = _required(request, "run")
         try:
-            limits = Thresholds.from_query(request.args)
+            limits = bands_from_query(request.args)
         except ValueError as error:
             raise errors.InvalidArgumentError(str(error)) from None
         reader = self._reader(request)
@@ -98,17 +100,18 @@ class LayersPlugin(base_plugin.TBPlugin):
         return http_util.Respond(request, {**body, "server_ms": round(1000 * (time.perf_counter() - started), 1)},
                                  "application/json")
 
-    def _answer(self, reader: RunReader, run: str, figures: list[Figure], limits: Thresholds) -> dict[str, Any]:
+    def _answer(self, reader: RunReader, run: str, figures: list[Figure], limits: Bands) -> dict[str, Any]:
         """The run route's answer: the figures with their marks, the banner, the anomalies."""
-        judged = [(figure, judge(figure, limits)) for figure in figures]
+        unjudged = reader.unjudged_ratios(run)
+        judged = [(figure, judge(figure, limits, unjudged)) for figure in figures]
         return {
             "run": run,
             "figures": [_figure_json(figure, marks) for figure, marks in judged],
-            "banner": banner(judged),
+            "banner": banner(judged, limits),
             "anomalies": [vars(anomaly) for anomaly in reader.anomalies(run)],
             "forward_order": bool(reader.forward_order(run)),
-            "thresholds": limits.as_dict(),
-            "problems": PROBLEMS,
+            "thresholds": bands_as_dict(limits),
+            "problems": limits.titles(),
         }
 
     def _histogram_route(self, request: wrappers.Request) -> wrappers.Response:
@@ -140,6 +143,8 @@ def _required(request: wrappers.Request, name: str) -> str:
 def _figure_json(figure: Figure, marks: Marks) -> dict[str, Any]:
     return {
         "key": figure.key, "prefix": figure.prefix, "kind": figure.kind, "stat": figure.stat,
-        "rows": figure.rows, "steps": figure.steps, "values": figure.values,
+        "rows": figure.rows, "steps": figure.steps,
+        # Four significant digits keep a 200-layer run's answer small (judged before, unrounded).
+        "values": [[None if v is None else cell(v) for v in row] for row in figure.values],
         "marks": marks, "histograms": [figure.histogram_tag(row) for row in range(len(figure.rows))],
     }

@@ -18,6 +18,8 @@ from typing import Any, Optional
 
 from tensorboard.data import provider
 
+from lightning_hooks._health_verdicts import UNJUDGED_RATIOS_TAG
+
 #: Scalar tags the tab draws: an optional logger prefix, the kind, the layer, the statistic.
 TAG = re.compile(r"^(?:(?P<prefix>.+)-)?(?P<kind>activations|val_activations|gradients|updates)"
                  r"/(?P<name>.+)/(?P<stat>[^/]+)$")
@@ -26,6 +28,7 @@ ANOMALY_TAG = re.compile(r"^(?:(?P<prefix>.+)-)?anomalies/(?P<flag>[^/]+)$")
 #: The text tags (TensorBoard's text plugin adds ``/text_summary``) of anomaly reports and the forward order.
 REPORT_TAG = "anomalies/report/text_summary"
 ORDER_TAG = "layers/forward_order/text_summary"
+UNJUDGED_TAG = f"{UNJUDGED_RATIOS_TAG}/text_summary"
 #: Names under a kind that are not layers.
 NOT_LAYERS = frozenset({"total_norm"})
 #: Statistics that are not drawn: bookkeeping, or the same figure as another (``ratio`` is ``log10_ratio``).
@@ -96,7 +99,7 @@ def layer_order(names: list[str], forward: list[str]) -> list[str]:
     return sorted(names, key=key)
 
 
-def _cell(value: float) -> float:
+def cell(value: float) -> float:
     """A value as sent to the browser: four significant digits keep a 200-layer run's answer small."""
     return value if not math.isfinite(value) or value == 0 else float(f"{value:.4g}")
 
@@ -176,6 +179,15 @@ class RunReader:
             return []
         return [str(name) for name in order] if isinstance(order, list) else []
 
+    def unjudged_ratios(self, run: str) -> frozenset[str]:
+        """The update rows whose ratio LayerHealth does not judge, as GradientMonitor recorded them (latest fit)."""
+        texts = self._texts(run, UNJUDGED_TAG)
+        try:
+            names = json.loads(texts[max(texts)]) if texts else []
+        except ValueError:
+            return frozenset()
+        return frozenset(str(name) for name in names) if isinstance(names, list) else frozenset()
+
     def histogram(self, run: str, tag: str, step: int) -> Optional[dict[str, Any]]:
         """The histogram logged under ``tag`` nearest to ``step``: its step and ``[left, right, count]`` bins."""
         found = self._data.read_tensors(self._ctx, experiment_id=self._experiment, plugin_name="histograms",
@@ -213,7 +225,7 @@ def _is_layer_tag(tag: str) -> bool:
 def _figure(prefix: str, kind: str, stat: str, by_layer: dict[str, dict[int, float]], forward: list[str]) -> Figure:
     rows = layer_order(list(by_layer), forward)
     steps = sorted({step for points in by_layer.values() for step in points})
-    values = [[_cell(v) if (v := by_layer[row].get(step)) is not None else None for step in steps] for row in rows]
+    values = [[by_layer[row].get(step) for step in steps] for row in rows]  # judged unrounded, as LayerHealth
     key = f"{prefix}-{kind}/{stat}" if prefix else f"{kind}/{stat}"
     return Figure(key, prefix, kind, stat, rows, steps, values)
 

@@ -4,8 +4,9 @@
 // 200-module model stays fast. It runs in TensorBoard's plugin iframe and fetches the
 // plugin's routes by relative URL.
 
-const MARK_COLOURS = {dead: "#ff1744", nonfinite: "#ff1744", exploding: "#ff1744", too_fast: "#ff1744",
-                      vanishing: "#00b0ff", too_slow: "#00b0ff"};
+// The verdicts are LayerHealth's (lightning_hooks/_health_verdicts.py), judged by the plugin with its bands.
+const MARK_COLOURS = {dead: "#ff1744", nonfinite: "#ff1744", nonfinite_grad: "#ff1744", exploding: "#ff1744",
+                      too_fast: "#ff1744", vanishing: "#00b0ff", too_slow: "#00b0ff"};
 const NONFINITE = "#212121";  // the fill of a NaN or infinite value
 const LOG_STATS = new Set(["std", "norm", "abs_max"]);
 const TITLES = {std: "activation std", zero_fraction: "zero fraction (dead units)",
@@ -100,7 +101,7 @@ function fmt(value) {
 }
 
 function thresholdToggle() {
-  const button = el("button", {title: "Where cells are marked"}, "Thresholds");
+  const button = el("button", {title: "Where cells are marked: LayerHealth's bands"}, "Thresholds");
   button.onclick = () => {
     const box = document.getElementById("lh-thresholds");
     if (box.firstChild) { box.innerHTML = ""; return; }
@@ -342,7 +343,7 @@ function hover(view, event) {
     for (const m of row.members.slice(0, 8)) {
       const mark = view.marks.get(`${m},${c}`);
       text += `\n${row.members.length > 1 ? view.figure.rows[m] + ": " : "value "}${fmt(view.values[m][c])}`
-              + (mark ? `  ⚠ ${state.problems[mark] || mark}` : "");
+              + (mark ? `  ⚠ ${(view.data.problems || state.problems)[mark] || mark}` : "");
     }
   }
   tip.textContent = text;
