@@ -12,12 +12,12 @@ import lightning.pytorch as pl
 import numpy as np
 from lightning.pytorch.loggers import Logger, TensorBoardLogger
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
-from tensorboard.compat.proto.summary_pb2 import HistogramProto, Summary
 from torch.utils.tensorboard import SummaryWriter
 from torch.utils.tensorboard.summary import custom_scalars
 
 from lightning_hooks._compat import TENSORBOARD_LOGGERS, WANDB_LOGGERS
 from lightning_hooks._listeners import listeners
+from lightning_hooks._tensorboard_wire import histogram_summary, scalar_summary
 
 
 def log_scalars(trainer: pl.Trainer | Any, metrics: Mapping[str, float], step: int) -> None:
@@ -52,8 +52,7 @@ def _write_one_event(logger: Logger, metrics: Mapping[str, float], step: int) ->
     events = _event_writer(logger)
     if events is None:
         return False
-    events.add_summary(Summary(value=[Summary.Value(tag=tag, simple_value=float(value))
-                                      for tag, value in metrics.items()]), step)
+    events.add_summary(scalar_summary(list(metrics), list(metrics.values())), step)
     return True
 
 
@@ -152,15 +151,12 @@ def log_histograms(trainer: pl.Trainer | Any, histograms: Sequence[Histogram] | 
 def _tensorboard_histograms(logger: Logger, block: HistogramBlock, rows: list[tuple[int, int, int]],
                             edges: list[float], step: int) -> None:
     """Write the ``(row, first bin, one past the last)`` histograms of ``block`` to TensorBoard, in one event."""
+    events = _event_writer(logger)
+    if events is not None:  # one event for all, as for scalars
+        events.add_summary(histogram_summary(block.tags, block.summary, block.counts, edges, rows), step)
+        return
     s = {k: block.summary[k].tolist() for k in ("count_finite", "min", "max", "sum", "sum_sq")}
     counts = block.counts.tolist()
-    events = _event_writer(logger)
-    if events is not None:  # one event for all, as for scalars; the protos histogram_raw would make
-        events.add_summary(Summary(value=[Summary.Value(tag=block.tags[i], histo=HistogramProto(
-            min=s["min"][i], max=s["max"][i], num=s["count_finite"][i], sum=s["sum"][i],
-            sum_squares=s["sum_sq"][i], bucket_limit=edges[a + 1 : b + 1], bucket=counts[i][a:b],
-        )) for i, a, b in rows]), step)
-        return
     for i, a, b in rows:  # tensorboardX: its own method
         logger.experiment.add_histogram_raw(
             block.tags[i], global_step=step, min=s["min"][i], max=s["max"][i], num=int(s["count_finite"][i]),
