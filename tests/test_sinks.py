@@ -161,6 +161,42 @@ def test_histograms_laid_out_from_arrays_are_the_messages_histogram_raw_makes_by
         Summary.Value(tag=t, simple_value=float(v)) for t, v in zip(scalars, values)]).SerializeToString()
 
 
+def test_the_vectorised_record_checksum_is_tensorboards_bit_for_bit():
+    from tensorboard.compat.tensorflow_stub.pywrap_tensorflow import masked_crc32c
+
+    from lightning_hooks._crc32c import masked
+
+    rng = np.random.default_rng(1)
+    for size in [*range(12), 4095, 4096, 4097, 5003, 70001, 300000]:  # around the chunking's and padding's edges
+        data = rng.integers(0, 256, size, dtype=np.uint8).tobytes()
+        assert masked(data) == masked_crc32c(data), size
+
+
+def test_a_logged_steps_event_file_has_records_tensorboard_verifies(tmp_path):
+    import struct
+
+    from tensorboard.compat.tensorflow_stub.pywrap_tensorflow import masked_crc32c
+
+    from lightning_hooks._crc32c import FastRecordWriter
+
+    logger = TensorBoardLogger(tmp_path, name="", version=0)
+    edges = np.linspace(-1.0, 1.0, 129).tolist()
+    histograms = [(f"a/{i}", {"count_finite": 128, "min": -1.0, "max": 1.0, "sum": 0.0, "sum_sq": 1.0},
+                   [1.0] * 128) for i in range(40)]  # a record well above the per-byte loop's size
+    log_histograms(_trainer(logger), histograms, edges, step=1)
+    logger.experiment.flush()
+    assert type(logger.experiment._get_file_writer().event_writer._async_writer._writer) is FastRecordWriter
+    (path,) = glob.glob(f"{logger.log_dir}/events.out.tfevents.*")
+    data, sizes = open(path, "rb").read(), []
+    while data:
+        (size,), header_crc = struct.unpack("<Q", data[:8]), struct.unpack("<I", data[8:12])[0]
+        record, crc = data[12 : 12 + size], struct.unpack("<I", data[12 + size : 16 + size])[0]
+        assert (header_crc, crc) == (masked_crc32c(data[:8]), masked_crc32c(record))
+        data, sizes = data[16 + size :], [*sizes, size]
+    assert max(sizes) > 4096
+    assert len(events(logger.log_dir).Histograms("a/39")) == 1
+
+
 # ---------------------------------------------------------------- W&B (where wandb is installed)
 
 
