@@ -5,9 +5,10 @@ computed by ``tensorboard.compat.tensorflow_stub.pywrap_tensorflow.crc32c``, one
 iteration per byte: about 0.1 s per MB, on the writer's thread but holding the GIL. A logged step
 of a thousand histograms is about 2 MB, so that checksum alone cost more host time than
 everything else a logged step does. Here the bytes are cut into equal chunks whose CRC
-registers advance together, one numpy operation per byte column, and the chunks' registers are
-then combined with a precomputed table of "advance over ``n`` zero bytes": the same checksum, bit
-for bit, about ten times faster on large records.
+registers advance together, 4 bytes at a time (slicing-by-4 with two 16-bit tables), a few numpy
+operations per column of words, and the chunks' registers are then combined with a precomputed
+table of "advance over ``n`` zero bytes": the same checksum, bit for bit, tens of times faster
+on large records.
 """
 
 from __future__ import annotations
@@ -23,31 +24,60 @@ _TABLE = np.asarray(CRC_TABLE, dtype=np.uint32)
 _SMALL = 4096  # below this many bytes the per-byte loop is cheaper than the set-up
 
 
-@functools.lru_cache(maxsize=16)
-def _advance(zeros: int) -> list[list[int]]:
+def _word_tables() -> tuple[np.ndarray, np.ndarray]:
+    """Slicing-by-4, 16 bits a table: a register XOR the next 4 bytes x becomes low[x & 0xFFFF] ^ high[x >> 16]."""
+    tables = [_TABLE]
+    for _ in range(3):
+        tables.append((tables[-1] >> 8) ^ _TABLE[tables[-1] & 0xFF])
+    t0, t1, t2, t3 = tables
+    v = np.arange(1 << 16, dtype=np.uint32)
+    return t3[v & 0xFF] ^ t2[v >> 8], t1[v & 0xFF] ^ t0[v >> 8]
+
+
+_LOW, _HIGH = _word_tables()
+
+
+@functools.lru_cache(maxsize=64)
+def _advance(zeros: int) -> np.ndarray:
     """``(4, 256)`` tables: byte ``j`` of a register equal to ``v`` becomes ``table[j, v]`` after ``zeros`` zero bytes.
 
-    Feeding zero bytes is linear in the register, so the four lookups XORed advance any register.
+    Feeding zero bytes is linear in the register, so the four lookups XORed advance any register;
+    ``zeros`` is 4 times a power of two, each table made from the one of half as many.
     """
-    crc = (np.arange(256, dtype=np.uint32)[None, :] << (8 * np.arange(4, dtype=np.uint32))[:, None]).ravel()
-    for _ in range(zeros):
-        crc = _TABLE[crc & 0xFF] ^ (crc >> 8)
-    return crc.reshape(4, 256).tolist()
+    if zeros == 4:
+        crc = (np.arange(256, dtype=np.uint32)[None, :] << (8 * np.arange(4, dtype=np.uint32))[:, None]).ravel()
+        return (_LOW[crc & 0xFFFF] ^ _HIGH[crc >> 16]).reshape(4, 256)
+    half = _advance(zeros // 2)
+    return _apply(half, half.ravel()).reshape(4, 256)
+
+
+def _apply(table: np.ndarray, crc: np.ndarray) -> np.ndarray:
+    """Advance every register of ``crc`` by the zero bytes of ``table`` (see :func:`_advance`)."""
+    return table[0, crc & 0xFF] ^ table[1, (crc >> 8) & 0xFF] ^ table[2, (crc >> 16) & 0xFF] ^ table[3, crc >> 24]
 
 
 def _register(data: bytes) -> int:
-    """The CRC-32C register after ``data`` from a register of 0 (no initial or final inversion)."""
-    chunk = max(256, int(0.3 * len(data) ** 0.5))
-    pad = -len(data) % chunk  # leading zero bytes leave a zero register at zero
-    columns = np.frombuffer(b"\0" * pad + data, dtype=np.uint8).reshape(-1, chunk).T.astype(np.uint32)
-    crc = np.zeros(columns.shape[1], dtype=np.uint32)
-    for column in columns:  # every chunk advances by one byte at once
-        crc = _TABLE[(crc ^ column) & 0xFF] ^ (crc >> 8)
-    byte0, byte1, byte2, byte3 = _advance(chunk)
-    out = 0
-    for part in crc.tolist():  # out = advance(out) ^ part, chunk by chunk
-        out = byte0[out & 0xFF] ^ byte1[(out >> 8) & 0xFF] ^ byte2[(out >> 16) & 0xFF] ^ byte3[out >> 24] ^ part
-    return out
+    """The CRC-32C register after ``data`` from a register of 0 (no initial or final inversion).
+
+    The data, led by zero bytes (which leave a zero register at zero), is cut into a power of
+    two of 64-byte chunks; each chunk's register is computed from 0, all at once, 4 bytes at a
+    step; then neighbours are combined, ``advance(left) ^ right``, halving the count each time.
+    """
+    chunks = 1 << (-(-len(data) // _CHUNK) - 1).bit_length()
+    words = np.frombuffer(bytes(chunks * _CHUNK - len(data)) + data, dtype="<u4")
+    words = words.reshape(chunks, _CHUNK // 4).T.copy()
+    crc = np.zeros(chunks, dtype=np.uint32)
+    for word in words:
+        crc ^= word
+        crc = _LOW[crc & 0xFFFF] ^ _HIGH[crc >> 16]
+    span = _CHUNK
+    while crc.size > 1:
+        crc = _apply(_advance(span), crc[0::2]) ^ crc[1::2]
+        span *= 2
+    return int(crc[0])
+
+
+_CHUNK = 64
 
 
 def crc32c(data: bytes) -> int:

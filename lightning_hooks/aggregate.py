@@ -78,6 +78,9 @@ class StatBlock:
 
         The call counts once, however many tensors the output holds.
         """
+        if type(value) is Tensor:  # the usual output: no generator to walk it
+            self.add(index, value)
+            return
         calls = 1
         for tensor in iter_tensors(value):
             if self.add(index, tensor, calls):
