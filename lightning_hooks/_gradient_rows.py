@@ -9,6 +9,7 @@ scalars and the histograms.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 from typing import Optional
@@ -20,10 +21,10 @@ from torch import Tensor, nn
 from lightning_hooks._base import log_step
 from lightning_hooks._rank_agreement import Check
 from lightning_hooks._sharding import ShardGroups, grad_of, local
-from lightning_hooks._stat_rows import bin_counts, summarize
+from lightning_hooks._stat_rows import N_FIELDS, summarize_rows
 from lightning_hooks.aggregate import StatBlock
 from lightning_hooks.selection import ModuleSelection, named_parameters
-from lightning_hooks.sinks import Histogram, log_histograms
+from lightning_hooks.sinks import HistogramBlock, log_histograms
 
 Rows = list[tuple[str, list[Tensor]]]
 """GradientMonitor's rows: each a name and the parameters whose gradients it covers."""
@@ -91,25 +92,41 @@ def row_figures(params: list[Tensor], norms: Tensor, rows: Rows, block: Optional
 def _row_norms(norms: Tensor, position: dict[Tensor, int], present: list[list[Tensor]], granularity: str) -> Tensor:
     """Each row's gradient norm from the per-gradient ``norms``; NaN for a row without gradients.
 
-    Indexing with Python ints makes views, so no index goes to the device (a blocking copy).
+    One row per parameter: one ``index_select``, its index sent to the device once for each
+    layout of the rows (the same step after step), not a view per row.
     """
-    nan = norms.new_full((), math.nan)
-    if granularity == "parameter":  # one parameter a row: its norm, in one stack
-        return torch.stack([norms[position[params[0]]] if params else nan for params in present])
+    nan = norms.new_full((1,), math.nan)
+    if granularity == "parameter":
+        index = tuple(position[params[0]] if params else len(position) for params in present)
+        return torch.cat([norms, nan]).index_select(0, _device_index(index, norms.device))
     return torch.stack([
-        torch.linalg.vector_norm(torch.stack([norms[position[p]] for p in params])) if params else nan
+        torch.linalg.vector_norm(torch.stack([norms[position[p]] for p in params])) if params else nan[0]
         for params in present
     ])
 
 
-def row_metrics(trainer: pl.Trainer, check: Check, rows: Rows, present: list[bool], block: Optional[StatBlock],
-                stats: Sequence[str], histograms: bool) -> dict[str, float]:
+@functools.lru_cache(maxsize=8)
+def _device_index(index: tuple[int, ...], device: torch.device) -> Tensor:
+    """``index`` as a tensor on ``device``, made once for each index (a host-to-device copy)."""
+    return torch.tensor(index, dtype=torch.long, device=device)
+
+
+def row_tags(rows: Rows, stats: Sequence[str]) -> dict[str, list[str]]:
+    """Every row's tags by stat (``""``: its histogram's), made once per fit rather than at each logged step."""
+    return {stat: [f"gradients/{name}/{stat}" if stat else f"gradients/{name}" for name, _ in rows]
+            for stat in ("", *stats)}
+
+
+def row_metrics(trainer: pl.Trainer, check: Check, tags: dict[str, list[str]], present: list[bool],
+                block: Optional[StatBlock], stats: Sequence[str], histograms: bool) -> dict[str, float]:
     """The total norms and each present row's stats as scalars; the rows' histograms written to the loggers.
+
+    The rows are read as one block (:func:`summarize_rows`), not one row at a time.
 
     Args:
         trainer: The trainer, for its loggers and step.
         check: The step's figures on the host: ``check.extra`` holds what :func:`row_figures` gave.
-        rows: The rows.
+        tags: The rows' tags, from :func:`row_tags`.
         present: Per row whether it had gradients this step.
         block: The rows' stat block, emptied here; None when no stat but the norm is logged.
         stats: Which stats to log per row.
@@ -118,26 +135,21 @@ def row_metrics(trainer: pl.Trainer, check: Check, rows: Rows, present: list[boo
     Returns:
         The scalars, by tag.
     """
-    row_norms, flat = check.extra["row_norms"], check.extra.get("row_stats", [])
     metrics = {"gradients/total_norm": check.norms[-1]}
     if len(check.norms) > 2:
         metrics.update({f"gradients/total_norm/group{g}": n for g, n in enumerate(check.norms[:-1])})
-    width = block.rows.shape[1] if block is not None else 0
-    edges = block.edges.tolist() if block is not None else []
-    written: list[Histogram] = []
-    for index, (name, _) in enumerate(rows):
-        if not present[index]:
-            continue  # no gradient this step (unused or frozen for now)
-        if "norm" in stats:
-            metrics[f"gradients/{name}/norm"] = row_norms[index]
-        if block is None:
-            continue
-        row = flat[index * width : (index + 1) * width]
-        summary = summarize(row)
-        metrics.update({f"gradients/{name}/{s}": summary[s] for s in stats if s != "norm"})
-        if histograms:
-            written.append((f"gradients/{name}", summary, bin_counts(row)))
-    log_histograms(trainer, written, edges, log_step(trainer))
-    if block is not None:
-        block.reset()
+    index = [i for i, here in enumerate(present) if here]  # rows without a gradient this step: unused or frozen
+    if "norm" in stats:
+        metrics.update(zip([tags["norm"][i] for i in index], check.extra["row_norms"][index].tolist()))
+    if block is None:
+        return metrics
+    rows = check.extra["row_stats"].reshape(len(present), -1)[index]
+    summary = summarize_rows(rows)
+    for stat in stats:
+        if stat != "norm":
+            metrics.update(zip([tags[stat][i] for i in index], summary[stat].tolist()))
+    if histograms:
+        log_histograms(trainer, HistogramBlock([tags[""][i] for i in index], summary, rows[:, N_FIELDS:]),
+                       block.edges.tolist(), log_step(trainer))
+    block.reset()
     return metrics

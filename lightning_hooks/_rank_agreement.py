@@ -9,11 +9,12 @@ on every rank, so that no rank decides alone and no rank waits alone.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
 import lightning.pytorch as pl
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -31,18 +32,21 @@ def _agree(trainer: pl.Trainer, votes: Tensor) -> Tensor:
     return trainer.strategy.reduce(votes, reduce_op="sum")
 
 
-def to_host(parts: Mapping[str, Tensor], device: torch.device) -> dict[str, list[float]]:
+def to_host(parts: Mapping[str, Tensor], device: torch.device,
+            arrays: Collection[str] = ()) -> dict[str, Any]:
     """Bring named device tensors to the host in one transfer, as float64; each comes back flat, by name.
 
     The one place where the step's transfer is packed and unpacked, so that no reader counts
-    positions in a flat list.
+    positions in a flat list. Each part is a list of floats, or for the names in ``arrays`` a
+    numpy array (a block of stat rows is read as arrays: a list would be a Python float per value).
     """
     names = list(parts)
     flat = [parts[name].reshape(-1).to(device, torch.float64) for name in names]
-    host = torch.cat(flat).cpu().tolist() if flat else []
+    host = torch.cat(flat).cpu().numpy() if flat else np.zeros(0)
     out, start = {}, 0
     for name, part in zip(names, flat):
-        out[name] = host[start : start + part.numel()]
+        piece = host[start : start + part.numel()]
+        out[name] = piece if name in arrays else piece.tolist()
         start += part.numel()
     return out
 
@@ -55,8 +59,8 @@ class Check:
     amp_overflow: Optional[bool]
     norms: list[float]
     anomalous: bool
-    extra: dict[str, list[float]]
-    """The callback's own figures of the step, by the names it gave them."""
+    extra: dict[str, np.ndarray]
+    """The callback's own figures of the step, by the names it gave them, flat float64 arrays."""
     skipped: bool
     """The scaler skipped the step, or a rank had no gradient: it says nothing about the gradients."""
     unsure: bool
@@ -94,7 +98,7 @@ def conclude(trainer: pl.Trainer, detectors: Sequence[AnomalyDetector], steps: S
     agreed = _agree(trainer, torch.cat([v.reshape(-1).double() for v in votes.values()]))
     parts = {"votes": agreed, "norms": norms}
     parts.update({f"{i}/{name}": t for i, extra in enumerate(extras) for name, t in extra.items()})
-    host = to_host(parts, device)
+    host = to_host(parts, device, arrays={f"{i}/{name}" for i, extra in enumerate(extras) for name in extra})
     offsets, start = {}, 0
     for name, vote in votes.items():
         offsets[name], start = start, start + vote.numel()

@@ -158,6 +158,8 @@ class ShardGroups:
                 groups, self.leads[row] = found
                 keys.setdefault(groups, []).append(row)
         self.n_rows = len(tensors)
+        self.distributed = any(is_sharded(tensor) for tensor in tensors)
+        """Whether any tensor is a DTensor (replicated ones included): its gradient's local part is read."""
         self._groups = [(group, rows) for groups, rows in keys.items() for group in groups]
         self._index: dict[int, Tensor] = {}
 

@@ -10,7 +10,8 @@ across tensors, steps and ranks:
 
 Blocks of rows are made and emptied on device (:func:`new_rows`, :func:`reset_rows_`), combined
 across ranks (:func:`reduce_rows`) and, once on the host, read as named statistics
-(:func:`summarize`, :func:`bin_counts`). The kernels that fill them are in ``stats``.
+(:func:`summarize`, :func:`summarize_rows` for a whole block, :func:`bin_counts`). The kernels that
+fill them are in ``stats``.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -100,3 +102,41 @@ def summarize(row: Sequence[float]) -> dict[str, float]:
         "sum": c["sum"],
         "sum_sq": c["sum_sq"],
     }
+
+
+def summarize_rows(rows: np.ndarray) -> dict[str, np.ndarray]:
+    """:func:`summarize` of every row of a host-side block at once: one float64 array per statistic.
+
+    The same operations in the same order as :func:`summarize`, element by element, so every
+    figure is bit for bit the one it gives for that row; vectorised, so that a block of a
+    thousand rows costs a few array operations instead of a thousand dicts.
+
+    Args:
+        rows: ``(n, N_FIELDS + bins)`` float64 stat rows (the bins are not read).
+    """
+    c = {name: rows[:, i] for name, i in _COL.items()}
+    n, count = c["finite"], c["count"]
+    some, several, counted = n > 0, n > 1, count > 0
+    with np.errstate(divide="ignore", invalid="ignore"):
+        mean = np.where(some, c["sum"] / np.where(some, n, 1.0), math.nan)
+        var = np.where(several, (c["sum_sq"] - n * mean * mean) / np.where(several, n - 1, 1.0), math.nan)
+        std = np.where(np.isnan(var), math.nan, np.sqrt(np.maximum(var, 0.0)))
+        high, low = np.where(some, c["max"], math.nan), np.where(some, -c["neg_min"], math.nan)
+        per_value = np.where(counted, count, 1.0)
+        return {
+            "mean": mean,
+            "std": std,
+            "min": low,
+            "max": high,
+            "abs_max": np.where(some, np.maximum(np.abs(high), np.abs(low)), math.nan),
+            "zero_fraction": np.where(counted, c["zeros"] / per_value, math.nan),
+            "nonfinite_fraction": np.where(counted, (count - n) / per_value, math.nan),
+            "nan_count": c["nan"],
+            "posinf_count": c["posinf"],
+            "neginf_count": c["neginf"],
+            "count": count,
+            "calls": c["calls"],
+            "count_finite": n,
+            "sum": c["sum"],
+            "sum_sq": c["sum_sq"],
+        }

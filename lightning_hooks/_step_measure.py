@@ -33,13 +33,22 @@ def _params_with_grads(optimizer: Any) -> tuple[list[Tensor], list[Tensor], list
     sizes: list[int] = []
     for group in optimizer.param_groups:
         start = len(params)
-        for param in group["params"]:
-            grad = grad_of(param)
-            if grad is not None and grad.layout == torch.strided:
-                params.append(param)
-                grads.append(grad)
+        group_params = group["params"]
+        group_grads = [param.grad for param in group_params]
+        if all(grad is not None and grad.layout is _STRIDED for grad in group_grads):  # no call per parameter
+            params.extend(group_params)
+            grads.extend(group_grads)
+        else:
+            for param in group_params:
+                grad = grad_of(param)
+                if grad is not None and grad.layout == torch.strided:
+                    params.append(param)
+                    grads.append(grad)
         sizes.append(len(params) - start)
     return params, grads, sizes
+
+
+_STRIDED = torch.strided
 
 
 def _amp_overflow(trainer: pl.Trainer, optimizer: Any, device: torch.device) -> Optional[Tensor]:

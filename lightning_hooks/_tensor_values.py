@@ -46,6 +46,8 @@ def as_float_values(tensor: Tensor) -> Tensor | None:
     bool tensors give float32; complex tensors their magnitude. Sparse, quantized, meta and
     empty tensors are skipped.
     """
+    if tensor.dtype is _FLOAT32 and tensor.layout is _STRIDED:  # the usual case, in fewer calls (never quantized)
+        return None if tensor.is_meta or tensor.numel() == 0 else tensor.detach().reshape(-1)
     if tensor.layout != torch.strided or tensor.is_quantized or tensor.is_meta or tensor.numel() == 0:
         return None
     values = tensor.detach()
@@ -53,3 +55,6 @@ def as_float_values(tensor: Tensor) -> Tensor | None:
         values = values.abs()
     values = values.reshape(-1)
     return values if values.dtype == torch.float64 else values.float()
+
+
+_FLOAT32, _STRIDED = torch.float32, torch.strided

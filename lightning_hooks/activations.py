@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from typing import Any, Literal, Optional
 
 import lightning.pytorch as pl
+import numpy as np
 import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
@@ -20,10 +21,18 @@ from lightning_hooks._base import (
     in_backward,
     log_step,
 )
-from lightning_hooks._stat_rows import DEFAULT_STATS, DIVERGENCE_STATS, STAT_NAMES, bin_counts, summarize
+from lightning_hooks._stat_rows import DEFAULT_STATS, DIVERGENCE_STATS, N_FIELDS, STAT_NAMES, summarize_rows
 from lightning_hooks.aggregate import StatBlock
 from lightning_hooks.selection import ModuleSelection, check_limit, validate_limit
-from lightning_hooks.sinks import Charts, Histogram, destinations, log_histograms, log_layout, log_scalars, log_text
+from lightning_hooks.sinks import (
+    Charts,
+    HistogramBlock,
+    destinations,
+    log_histograms,
+    log_layout,
+    log_scalars,
+    log_text,
+)
 from lightning_hooks.stats import Bins, histogram_edges
 
 Stage = Literal["train", "validate"]
@@ -137,7 +146,7 @@ class ActivationMonitor(HookCallback):
         self._from_first_zero = ("zero_fraction",) if stats is None else ()
         self._while_nonzero = tuple(s for s in (*_SPARSE[1:], *DIVERGENCE_STATS)
                                     if s not in self._always and (stats is None or s in DIVERGENCE_STATS))
-        self._zeroed: dict[str, set[str]] = {}  # by prefix: modules that have output an exact zero
+        self._zeroed: dict[str, np.ndarray] = {}  # by prefix, per module: whether it has output an exact zero
         self._nonfinite_seen: set[str] = set()  # prefixes under which a non-finite value was logged
         self.histogram = histogram
         self.bins = bins
@@ -145,7 +154,10 @@ class ActivationMonitor(HookCallback):
         self.stages = tuple(stages)
         self.max_modules = max_modules
         self._every = 1
-        self._diverged: dict[str, set[str]] = {}  # by prefix: counter tags non-zero when last logged
+        # By prefix and stat, per module: logged only while not zero, and not zero when last logged.
+        self._diverged: dict[str, dict[str, np.ndarray]] = {}
+        self._tag_cache: dict[str, dict[str, list[str]]] = {}  # by prefix: every tag, made once per fit
+        self._edges: list[float] = []
         self._blocks: dict[str, StatBlock] = {}
         self._block: Optional[StatBlock] = None
         self._pending_step: Optional[int] = None  # the log step being collected
@@ -168,6 +180,7 @@ class ActivationMonitor(HookCallback):
         self._blocks = {s: StatBlock(names, self.bins, pl_module.device) for s in self.stages} if written else {}
         self._block, self._pending_step, self._diverged, self._zeroed = None, None, {}, {}
         self._forward_order = {}
+        self._tag_cache, self._edges = {}, histogram_edges(self.bins).tolist()
         self._nonfinite_seen = set()
         for stage in self.stages:
             log_layout(trainer, self._charts(_PREFIXES[stage]), trainer.global_step)
@@ -185,7 +198,8 @@ class ActivationMonitor(HookCallback):
         Those logged at every step from the start; ``zero_fraction`` once a module had a zero;
         those logged only while not zero, in a category of their own, once one was.
         """
-        stats = self._always + (self._from_first_zero if self._zeroed.get(prefix) else ())
+        zeroed = self._zeroed.get(prefix)
+        stats = self._always + (self._from_first_zero if zeroed is not None and zeroed.any() else ())
         charts = {f"{stat} by layer": [rf"{prefix}/.*/{stat}$"] for stat in stats}
         nonfinite: dict[str, list[str]] = {}
         if prefix in self._nonfinite_seen:
@@ -282,38 +296,46 @@ class ActivationMonitor(HookCallback):
         rows = block.drain(trainer)
         if not trainer.is_global_zero:
             return
-        edges = block.edges.tolist()
+        summary = summarize_rows(rows)
+        called = summary["calls"] != 0
+        tags = self._tags(prefix, block.names)
         scalars: dict[str, float] = {}
-        counters: dict[str, float] = {}
-        histograms: list[Histogram] = []
-        due = self._diverged.get(prefix, set())
-        for name, row in zip(block.names, rows):
-            summary = summarize(row)
-            if summary["calls"] == 0:
-                continue
-            scalars.update({f"{prefix}/{name}/{stat}": summary[stat] for stat in self._always})
-            scalars.update(self._zero_fraction(prefix, name, summary))
-            counters.update(self._counters(f"{prefix}/{name}", summary, due))
-            if self.histogram:
-                histograms.append((f"{prefix}/{name}", summary, bin_counts(row)))
-        # Those not zero now are due at the next logged step; one due but not logged now (its
-        # module was not called) stays due.
-        self._diverged[prefix] = {tag for tag, value in counters.items() if value > 0} | (due - counters.keys())
-        if self._diverged[prefix]:
-            self._nonfinite_seen.add(prefix)
+        for stat in self._always:
+            scalars.update(_where(tags[stat], summary[stat], called))
+        if self._from_first_zero:  # zero_fraction from a module's first exact zero on
+            zeroed = self._zeroed.get(prefix, np.zeros(len(block.names), dtype=bool))
+            self._zeroed[prefix] = zeroed = zeroed | (called & (summary["zero_fraction"] > 0))
+            scalars.update(_where(tags["zero_fraction"], summary["zero_fraction"], called & zeroed))
+        # The stats logged only while not zero: those not zero now, and those due since the last
+        # logged step; those not zero now are due at the next one, and one due but not logged now
+        # (its module was not called) stays due.
+        due = self._diverged.setdefault(prefix, {})
+        for stat in self._while_nonzero:
+            nonzero, was_due = called & (summary[stat] > 0), due.get(stat, np.zeros(len(block.names), dtype=bool))
+            scalars.update(_where(tags[stat], summary[stat], nonzero | (called & was_due)))
+            due[stat] = nonzero | (was_due & ~called)
+            if due[stat].any():
+                self._nonfinite_seen.add(prefix)
         log_layout(trainer, self._charts(prefix), step)  # writes only when a chart has its first figure
-        log_histograms(trainer, histograms, edges, step)
-        log_scalars(trainer, {**scalars, **counters}, step)
+        if self.histogram:
+            shown = np.flatnonzero(called)
+            log_histograms(trainer, HistogramBlock([tags[""][i] for i in shown.tolist()],
+                                                   {k: v[shown] for k, v in summary.items()},
+                                                   rows[shown, N_FIELDS:]), self._edges, step)
+        log_scalars(trainer, scalars, step)
 
-    def _zero_fraction(self, prefix: str, name: str, summary: dict[str, float]) -> dict[str, float]:
-        """``zero_fraction`` to log when it is not in ``stats``: from the module's first exact zero on."""
-        zeroed = self._zeroed.setdefault(prefix, set())
-        if not self._from_first_zero or (name not in zeroed and not summary["zero_fraction"] > 0):
-            return {}
-        zeroed.add(name)
-        return {f"{prefix}/{name}/zero_fraction": summary["zero_fraction"]}
+    def _tags(self, prefix: str, names: list[str]) -> dict[str, list[str]]:
+        """Every tag of ``prefix`` by stat (``""``: the histogram's), one per module, made once per fit."""
+        found = self._tag_cache.get(prefix)
+        if found is None:
+            stats = ("", *self._always, *self._from_first_zero, *self._while_nonzero)
+            found = self._tag_cache[prefix] = {
+                stat: [f"{prefix}/{name}/{stat}" if stat else f"{prefix}/{name}" for name in names] for stat in stats}
+        return found
 
-    def _counters(self, row_tag: str, summary: dict[str, float], due: set[str]) -> dict[str, float]:
-        """The stats logged only while not zero (the counters not in ``stats``): those not zero, and those ``due``."""
-        tags = {stat: f"{row_tag}/{stat}" for stat in self._while_nonzero}
-        return {tag: summary[stat] for stat, tag in tags.items() if summary[stat] > 0 or tag in due}
+
+def _where(tags: list[str], values: np.ndarray, mask: np.ndarray) -> dict[str, float]:
+    """``{tag: value}`` where ``mask`` holds."""
+    index = np.flatnonzero(mask).tolist()
+    picked = values[index].tolist()
+    return {tags[i]: v for i, v in zip(index, picked)}

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import lightning.pytorch as pl
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -77,17 +78,23 @@ class StatBlock:
 
         The call counts once, however many tensors the output holds.
         """
+        if type(value) is Tensor:  # the usual output: no generator to walk it
+            self.add(index, value)
+            return
         calls = 1
         for tensor in iter_tensors(value):
             if self.add(index, tensor, calls):
                 calls = 0
 
-    def drain(self, trainer: pl.Trainer | Any) -> list[list[float]]:
-        """Reduce across ranks, copy to the host once, reset; every rank must call this together."""
+    def drain(self, trainer: pl.Trainer | Any) -> np.ndarray:
+        """Reduce across ranks, copy to the host once (a float64 array, one row per name), reset.
+
+        Every rank must call this together.
+        """
         rows = self.rows
         if trainer.world_size > 1:
             rows = reduce_rows(trainer.strategy.all_gather(rows))
-        host = rows.cpu().tolist()
+        host = rows.cpu().numpy().copy()  # a copy: the reset below writes into a CPU block's memory
         self.reset()
         return host
 

@@ -26,6 +26,7 @@ __all__ = [
 FLAG_NAMES = ("nonfinite", "exploding", "vanishing")
 
 _NARROW = (torch.float16, torch.bfloat16, torch.float32)
+_NARROW_SET = frozenset(_NARROW)
 
 
 class GradientFigures(NamedTuple):
@@ -44,6 +45,8 @@ class GradientFigures(NamedTuple):
 
 def _foreach_norms(tensors: list[Tensor], ord: float) -> list[Tensor]:
     """Per-tensor norms, batched, accumulated in at least float32."""
+    if {t.dtype for t in tensors} <= _NARROW_SET:  # the usual case: one call, no bookkeeping per tensor
+        return list(torch._foreach_norm(tensors, ord, dtype=torch.float32)) if tensors else []
     out: list[Optional[Tensor]] = [None] * len(tensors)
     narrow = [i for i, t in enumerate(tensors) if t.dtype in _NARROW]
     wide = [i for i, t in enumerate(tensors) if t.dtype not in _NARROW]
@@ -59,8 +62,12 @@ def _stacked(norms: list[Tensor], device: torch.device) -> Tensor:
     """``norms`` as one float64 tensor on ``device``; empty if there are none."""
     if not norms:
         return torch.zeros(0, dtype=torch.float64, device=device)
-    # One `to` per tensor is one ATen call each, kernel or not: only for norms elsewhere.
-    return torch.stack([n if n.device == device else n.to(device) for n in norms]).double()
+    try:  # the usual case, every norm on one device: no check per norm
+        stacked = torch.stack(norms)
+    except RuntimeError:  # norms on several devices
+        # One `to` per tensor is one ATen call each, kernel or not: only for norms elsewhere.
+        stacked = torch.stack([n if n.device == device else n.to(device) for n in norms])
+    return stacked.to(device, torch.float64)
 
 
 @torch.no_grad()
@@ -91,7 +98,8 @@ def gradient_figures(
         device: Where the figures go; by default the device of ``grads[0]``. Needed when
             ``grads`` is empty.
         exact: Tell NaN and Inf gradients apart from finite ones whose norm overflows.
-        shards: How ``grads`` are split across ranks; None when every rank holds them whole.
+        shards: How ``grads`` are split across ranks (made from their parameters, DTensors or not);
+            None when every rank holds them whole.
 
     Returns:
         The figures, on ``device``.
@@ -111,7 +119,7 @@ def gradient_figures(
     ):
         raise ValueError(f"`group_sizes` {list(group_sizes)} must add up to the {len(grads)} gradients")
     device = grads[0].device if device is None else device
-    parts = [local(g) for g in grads]
+    parts = list(grads) if shards is not None and not shards.distributed else [local(g) for g in grads]
     norms = _stacked(_foreach_norms(parts, 2.0), device)
     largest = _stacked(_foreach_norms(parts, math.inf), device) if exact else norms
     bad = ~torch.isfinite(largest)

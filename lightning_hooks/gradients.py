@@ -16,7 +16,7 @@ from torch import Tensor
 
 from lightning_hooks._base import _is_logged_step, _log_interval, _validate_interval, _validate_stats, log_step
 from lightning_hooks._gradient_check import GradientCheck, _check_bool
-from lightning_hooks._gradient_rows import Rows, row_figures, row_metrics, select_rows
+from lightning_hooks._gradient_rows import Rows, row_figures, row_metrics, row_tags, select_rows
 from lightning_hooks._health_verdicts import UNJUDGED_RATIOS_TAG, unjudged_ratios
 from lightning_hooks._rank_agreement import Check
 from lightning_hooks._sharding import ShardGroups
@@ -179,6 +179,7 @@ class GradientMonitor(GradientCheck):
         self._histograms = False  # whether histograms are written: asked for, and a logger that takes them
         self._written = True  # whether the figures are written anywhere: a logger, or a listener
         self._rows: Rows = []
+        self._tags: dict[str, list[str]] = {}  # the rows' tags by stat, made once per fit
         self._logged = False  # whether this step's transfer holds the rows' figures
         self._present: list[bool] = []  # which rows had gradients this step
         self._block: Optional[StatBlock] = None
@@ -207,6 +208,7 @@ class GradientMonitor(GradientCheck):
         super().on_fit_start(trainer, pl_module)
         self._raised = False
         self._rows = select_rows(pl_module, self.granularity, self.modules, self._targets)
+        self._tags = row_tags(self._rows, self.stats)
         self._written, self._histograms = destinations(
             trainer, type(self).__name__, self.histogram, listened_histograms=False,
             skipped="it computes no norm, histogram or update ratio (the anomaly flags, reports and count still run)")
@@ -271,7 +273,7 @@ class GradientMonitor(GradientCheck):
         # the plot comes back down where it did): no logger call on a quiet step.
         if self._logged or raised or self._raised:
             if self._logged:
-                metrics.update(row_metrics(trainer, check, self._rows, self._present, self._block, self.stats,
+                metrics.update(row_metrics(trainer, check, self._tags, self._present, self._block, self.stats,
                                                self._histograms))
             log_scalars(trainer, metrics, log_step(trainer))
         self._raised = raised

@@ -6,6 +6,7 @@ import warnings
 from collections import Counter
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
@@ -131,6 +132,69 @@ def test_a_steps_histograms_go_to_tensorboard_in_one_event_read_back_exactly(tmp
     assert list(fc.histogram_value.bucket_limit) == [0.0, 1.0, 2.0, 4.0]  # right edges, trimmed
     assert list(fc.histogram_value.bucket) == [1, 5, 0, 2]
     assert list(acc.Histograms("a/out")[0].histogram_value.bucket) == [3]
+
+
+def test_histograms_laid_out_from_arrays_are_the_messages_histogram_raw_makes_byte_for_byte():
+    from tensorboard.compat.proto.summary_pb2 import Summary
+    from torch.utils.tensorboard.summary import histogram_raw
+
+    from lightning_hooks._tensorboard_wire import histogram_summary, scalar_summary
+
+    rng = np.random.default_rng(0)
+    rows, bins = 300, 130  # 130 bins: a packed field over 127 doubles needs a two-byte length
+    edges = [-math.inf, *np.sort(rng.normal(size=bins - 1)).tolist(), math.inf]
+    counts = rng.integers(0, 5, (rows, bins)).astype(float)
+    counts[:, :3], counts[5], counts[5, 7], counts[6, -1] = 0, 0, 3e9, 2  # trimmed bins, one bin, a large count
+    figures = {k: rng.normal(size=rows) for k in ("min", "max", "sum", "sum_sq")}
+    figures["count_finite"] = counts.sum(1)
+    figures["min"][3], figures["max"][4] = -0.0, 0.0
+    spans = [(i, int(np.flatnonzero(c)[0]), int(np.flatnonzero(c)[-1]) + 1) for i, c in enumerate(counts)][1:]
+    tags = [f"activations/net.{i}/é" for i in range(rows)]
+    got = histogram_summary(tags, figures, counts, edges, spans)
+    want = Summary(value=[v for i, a, b in spans for v in histogram_raw(
+        tags[i], figures["min"][i], figures["max"][i], int(figures["count_finite"][i]), figures["sum"][i],
+        figures["sum_sq"][i], edges[a + 1 : b + 1], [int(c) for c in counts[i, a:b]]).value])
+    assert got.SerializeToString() == want.SerializeToString()
+    values = [1.0, math.nan, 1e300, -3.5, 7, 0.1, True]
+    scalars = [f"s/{i}" for i in range(len(values))]
+    assert scalar_summary(scalars, values).SerializeToString() == Summary(value=[
+        Summary.Value(tag=t, simple_value=float(v)) for t, v in zip(scalars, values)]).SerializeToString()
+
+
+def test_the_vectorised_record_checksum_is_tensorboards_bit_for_bit():
+    from tensorboard.compat.tensorflow_stub.pywrap_tensorflow import masked_crc32c
+
+    from lightning_hooks._crc32c import masked
+
+    rng = np.random.default_rng(1)
+    for size in [*range(12), 4095, 4096, 4097, 5003, 70001, 300000]:  # around the chunking's and padding's edges
+        data = rng.integers(0, 256, size, dtype=np.uint8).tobytes()
+        assert masked(data) == masked_crc32c(data), size
+
+
+def test_a_logged_steps_event_file_has_records_tensorboard_verifies(tmp_path):
+    import struct
+
+    from tensorboard.compat.tensorflow_stub.pywrap_tensorflow import masked_crc32c
+
+    from lightning_hooks._crc32c import FastRecordWriter
+
+    logger = TensorBoardLogger(tmp_path, name="", version=0)
+    edges = np.linspace(-1.0, 1.0, 129).tolist()
+    histograms = [(f"a/{i}", {"count_finite": 128, "min": -1.0, "max": 1.0, "sum": 0.0, "sum_sq": 1.0},
+                   [1.0] * 128) for i in range(40)]  # a record well above the per-byte loop's size
+    log_histograms(_trainer(logger), histograms, edges, step=1)
+    logger.experiment.flush()
+    assert type(logger.experiment._get_file_writer().event_writer._async_writer._writer) is FastRecordWriter
+    (path,) = glob.glob(f"{logger.log_dir}/events.out.tfevents.*")
+    data, sizes = open(path, "rb").read(), []
+    while data:
+        (size,), header_crc = struct.unpack("<Q", data[:8]), struct.unpack("<I", data[8:12])[0]
+        record, crc = data[12 : 12 + size], struct.unpack("<I", data[12 + size : 16 + size])[0]
+        assert (header_crc, crc) == (masked_crc32c(data[:8]), masked_crc32c(record))
+        data, sizes = data[16 + size :], [*sizes, size]
+    assert max(sizes) > 4096
+    assert len(events(logger.log_dir).Histograms("a/39")) == 1
 
 
 # ---------------------------------------------------------------- W&B (where wandb is installed)

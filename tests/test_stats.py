@@ -406,3 +406,19 @@ def test_a_constant_tensor_has_zero_std_and_its_own_mean(value, n):
     assert s["std"] == 0.0
     assert s["mean"] == pytest.approx(float(torch.tensor(value)), rel=1e-6)
 
+
+
+def test_a_whole_block_summarised_at_once_gives_each_rows_figures_bit_for_bit():
+    from lightning_hooks._stat_rows import summarize_rows
+
+    gen = torch.Generator().manual_seed(3)
+    tensors = [torch.randn(1000, generator=gen) * 1e3, torch.tensor([2.5]), torch.tensor([NAN, INF, -INF]),
+               torch.zeros(7), torch.tensor([1e30, -1e30, 3.0]), torch.rand(64, generator=gen).relu()]
+    rows = torch.stack([_row(t) for t in tensors] + [new_rows(1, 128)[0]])  # and a row no call reached
+    block = summarize_rows(rows.numpy())
+    for i, row in enumerate(rows.tolist()):
+        want = summarize(row)
+        got = {name: block[name][i].item() for name in want}
+        assert got.keys() == want.keys()
+        for name in want:  # the same float, NaN where it is NaN
+            assert got[name] == want[name] or (math.isnan(got[name]) and math.isnan(want[name])), (i, name)

@@ -1,0 +1,124 @@
+"""CRC-32C of TensorBoard's event records, vectorised with numpy.
+
+Every record TensorBoard writes carries a CRC-32C of its bytes, and without TensorFlow it is
+computed by ``tensorboard.compat.tensorflow_stub.pywrap_tensorflow.crc32c``, one Python loop
+iteration per byte: about 0.1 s per MB, on the writer's thread but holding the GIL. A logged step
+of a thousand histograms is about 2 MB, so that checksum alone cost more host time than
+everything else a logged step does. Here the bytes are cut into equal chunks whose CRC
+registers advance together, 4 bytes at a time (slicing-by-4 with two 16-bit tables), a few numpy
+operations per column of words, and the chunks' registers are then combined with a precomputed
+table of "advance over ``n`` zero bytes": the same checksum, bit for bit, tens of times faster
+on large records.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import numpy as np
+from tensorboard.compat.tensorflow_stub.pywrap_tensorflow import CRC_TABLE, masked_crc32c
+from tensorboard.summary.writer.record_writer import RecordWriter
+
+_TABLE = np.asarray(CRC_TABLE, dtype=np.uint32)
+_SMALL = 4096  # below this many bytes the per-byte loop is cheaper than the set-up
+
+
+def _word_tables() -> tuple[np.ndarray, np.ndarray]:
+    """Slicing-by-4, 16 bits a table: a register XOR the next 4 bytes x becomes low[x & 0xFFFF] ^ high[x >> 16]."""
+    tables = [_TABLE]
+    for _ in range(3):
+        tables.append((tables[-1] >> 8) ^ _TABLE[tables[-1] & 0xFF])
+    t0, t1, t2, t3 = tables
+    v = np.arange(1 << 16, dtype=np.uint32)
+    return t3[v & 0xFF] ^ t2[v >> 8], t1[v & 0xFF] ^ t0[v >> 8]
+
+
+_LOW, _HIGH = _word_tables()
+
+
+@functools.lru_cache(maxsize=64)
+def _advance(zeros: int) -> np.ndarray:
+    """``(4, 256)`` tables: byte ``j`` of a register equal to ``v`` becomes ``table[j, v]`` after ``zeros`` zero bytes.
+
+    Feeding zero bytes is linear in the register, so the four lookups XORed advance any register;
+    ``zeros`` is 4 times a power of two, each table made from the one of half as many.
+    """
+    if zeros == 4:
+        crc = (np.arange(256, dtype=np.uint32)[None, :] << (8 * np.arange(4, dtype=np.uint32))[:, None]).ravel()
+        return (_LOW[crc & 0xFFFF] ^ _HIGH[crc >> 16]).reshape(4, 256)
+    half = _advance(zeros // 2)
+    return _apply(half, half.ravel()).reshape(4, 256)
+
+
+def _apply(table: np.ndarray, crc: np.ndarray) -> np.ndarray:
+    """Advance every register of ``crc`` by the zero bytes of ``table`` (see :func:`_advance`)."""
+    return table[0, crc & 0xFF] ^ table[1, (crc >> 8) & 0xFF] ^ table[2, (crc >> 16) & 0xFF] ^ table[3, crc >> 24]
+
+
+def _register(data: bytes) -> int:
+    """The CRC-32C register after ``data`` from a register of 0 (no initial or final inversion).
+
+    The data, led by zero bytes (which leave a zero register at zero), is cut into a power of
+    two of 64-byte chunks; each chunk's register is computed from 0, all at once, 4 bytes at a
+    step; then neighbours are combined, ``advance(left) ^ right``, halving the count each time.
+    """
+    chunks = 1 << (-(-len(data) // _CHUNK) - 1).bit_length()
+    words = np.frombuffer(bytes(chunks * _CHUNK - len(data)) + data, dtype="<u4")
+    words = words.reshape(chunks, _CHUNK // 4).T.copy()
+    crc = np.zeros(chunks, dtype=np.uint32)
+    for word in words:
+        crc ^= word
+        crc = _LOW[crc & 0xFFFF] ^ _HIGH[crc >> 16]
+    span = _CHUNK
+    while crc.size > 1:
+        crc = _apply(_advance(span), crc[0::2]) ^ crc[1::2]
+        span *= 2
+    return int(crc[0])
+
+
+_CHUNK = 64
+
+
+def crc32c(data: bytes) -> int:
+    """The CRC-32C (Castagnoli) of ``data``, as ``pywrap_tensorflow.crc32c`` gives it."""
+    if len(data) < 4:
+        return _per_byte(data)
+    # A register starting at 0xFFFFFFFF is one starting at 0 over data whose first 4 bytes are inverted.
+    return _register(bytes(b ^ 0xFF for b in data[:4]) + data[4:]) ^ 0xFFFFFFFF
+
+
+def _per_byte(data: bytes) -> int:
+    """The CRC-32C of ``data`` by the per-byte loop."""
+    crc = 0xFFFFFFFF
+    for byte in data:
+        crc = CRC_TABLE[(crc ^ byte) & 0xFF] ^ (crc >> 8)
+    return crc ^ 0xFFFFFFFF
+
+
+def masked(data: bytes) -> int:
+    """TensorBoard's masked CRC-32C of a record's bytes (``pywrap_tensorflow.masked_crc32c``)."""
+    if len(data) < _SMALL:
+        return int(masked_crc32c(data))
+    x = crc32c(data)
+    return ((x >> 15) | (x << 17) & 0xFFFFFFFF) + 0xA282EAD8 & 0xFFFFFFFF
+
+
+class FastRecordWriter(RecordWriter):
+    """TensorBoard's ``RecordWriter`` with the vectorised checksum: the same bytes in the event file."""
+
+    def write(self, data: bytes) -> None:
+        """Write one record: its length, the length's masked CRC, the data, the data's masked CRC."""
+        header = len(data).to_bytes(8, "little")
+        self._writer.write(header + masked(header).to_bytes(4, "little") + data + masked(data).to_bytes(4, "little"))
+
+
+def speed_up(event_file_writer: Any) -> None:
+    """Have ``event_file_writer`` (tensorboard's ``EventFileWriter``) checksum its records with :func:`masked`.
+
+    Its record writer becomes a :class:`FastRecordWriter`; one of another kind is left alone.
+    """
+    async_writer = getattr(event_file_writer, "_async_writer", None)
+    record_writer = getattr(async_writer, "_writer", None)
+    if type(record_writer) is RecordWriter:
+        record_writer.__class__ = FastRecordWriter
