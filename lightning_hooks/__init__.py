@@ -1,11 +1,11 @@
 """Lightning callbacks that look inside a model while it trains, through PyTorch module hooks."""
 
+from lightning_hooks._anomaly_report import AnomalyReport
 from lightning_hooks._base import HookCallback
 from lightning_hooks.activations import ActivationMonitor
 from lightning_hooks.anomalies import (
     FLAG_NAMES,
     AnomalyDetector,
-    AnomalyReport,
     GradientFigures,
     anomaly_flags,
     gradient_figures,

@@ -16,7 +16,7 @@ import lightning.pytorch as pl
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
-from lightning_hooks._anomaly_report import report_step
+from lightning_hooks._anomaly_report import AnomalyReport, report_step
 from lightning_hooks._base import HookCallback
 from lightning_hooks._compat import BarCount, show_whole, unshow_whole
 from lightning_hooks._provenance import NonFiniteTrace
@@ -24,7 +24,7 @@ from lightning_hooks._rank_agreement import Check
 from lightning_hooks._sharding import note_flat_shards
 from lightning_hooks._shared_measurement import SharedMeasurement
 from lightning_hooks._step_measure import Step
-from lightning_hooks.anomalies import AnomalyDetector, AnomalyReport
+from lightning_hooks.anomalies import AnomalyDetector
 from lightning_hooks.selection import ModuleSelection, named_parameters
 
 

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from lightning_hooks.sinks import Histogram
+Histogram = tuple[str, Mapping[str, float], Sequence[float]]
+"""One histogram: its tag, a summary with ``count_finite``, ``min``, ``max``, ``sum`` and
+``sum_sq`` of the values, and the count per bin."""
 
 
 class FigureListener:

@@ -2,7 +2,7 @@
 
 The kernels are pure tensor functions that never leave the device; :class:`AnomalyDetector`
 holds the thresholds and the running median window that the callbacks share. The report of an
-anomalous step, :class:`AnomalyReport`, is in ``_anomaly_report`` (and importable from here).
+anomalous step, :class:`AnomalyReport`, is in ``_anomaly_report``.
 """
 
 from __future__ import annotations
@@ -15,11 +15,10 @@ from typing import Any, NamedTuple, Optional
 import torch
 from torch import Tensor
 
-from lightning_hooks._anomaly_report import AnomalyReport
 from lightning_hooks._sharding import ShardGroups, local
 
 __all__ = [
-    "FLAG_NAMES", "AnomalyDetector", "AnomalyReport", "GradientFigures", "anomaly_flags", "gradient_figures",
+    "FLAG_NAMES", "AnomalyDetector", "GradientFigures", "anomaly_flags", "gradient_figures",
 ]
 
 #: Anomaly flags, in the order of the rows of :func:`anomaly_flags`.

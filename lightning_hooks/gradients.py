@@ -14,6 +14,7 @@ from typing import Any, Literal, Optional
 import lightning.pytorch as pl
 from torch import Tensor
 
+from lightning_hooks._anomaly_report import AnomalyReport
 from lightning_hooks._base import _is_logged_step, _log_interval, _validate_interval, _validate_stats, log_step
 from lightning_hooks._gradient_check import GradientCheck, _check_bool
 from lightning_hooks._gradient_rows import Rows, row_figures, row_metrics, row_tags, select_rows
@@ -23,7 +24,6 @@ from lightning_hooks._sharding import ShardGroups
 from lightning_hooks._step_measure import Step
 from lightning_hooks._update_ratio import UpdateRatio
 from lightning_hooks.aggregate import StatBlock
-from lightning_hooks.anomalies import AnomalyReport
 from lightning_hooks.selection import ModuleSelection, check_limit, validate_limit
 from lightning_hooks.sinks import Charts, destinations, log_layout, log_scalars, log_text
 from lightning_hooks.stats import STAT_NAMES, Bins, histogram_edges
@@ -75,7 +75,7 @@ class GradientMonitor(GradientCheck):
     also looks like an overflow to the scaler, and is counted there). The number of anomalous
     steps so far shows in the progress bar as ``anomalies`` (when there is a progress bar).
     The first step of a run of anomalous steps, and any step that raises a new flag, gets an
-    :class:`~lightning_hooks.anomalies.AnomalyReport`, logged as text (``anomalies/report``)
+    :class:`~lightning_hooks.AnomalyReport`, logged as text (``anomalies/report``)
     and kept in :attr:`last_report`. With no flag enabled (``check_finite=False`` and no
     threshold) and no ``provenance``, the steps in between are left alone: nothing is
     measured and ``anomalies/amp_overflow`` shows on logged steps only.

@@ -20,7 +20,7 @@ from lightning_hooks.sinks import log_text
 
 if TYPE_CHECKING:
     from lightning_hooks._health_plots import Column
-    from lightning_hooks.sinks import Histogram
+    from lightning_hooks._listeners import Histogram
 
 #: The figures drawn against depth, as (tag prefix, stat), with each picture's name and y axis.
 PROFILES = {

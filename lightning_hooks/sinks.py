@@ -17,7 +17,7 @@ from torch.utils.tensorboard.summary import custom_scalars
 
 from lightning_hooks._compat import TENSORBOARD_LOGGERS, WANDB_LOGGERS
 from lightning_hooks._crc32c import speed_up
-from lightning_hooks._listeners import listeners
+from lightning_hooks._listeners import Histogram, listeners
 from lightning_hooks._tensorboard_wire import histogram_summary, scalar_summary
 
 
@@ -81,11 +81,6 @@ HISTOGRAM_LOGGERS: tuple[type[Logger], ...] = TENSORBOARD_LOGGERS + WANDB_LOGGER
 
 #: The most bins a ``wandb.Histogram`` takes.
 WANDB_MAX_BINS = 512
-
-Histogram = tuple[str, Mapping[str, float], Sequence[float]]
-"""One histogram: its tag, a summary with ``count_finite``, ``min``, ``max``, ``sum`` and
-``sum_sq`` of the values, and the count per bin."""
-
 
 @dataclass(frozen=True)
 class HistogramBlock:

@@ -7,12 +7,12 @@ from typing import Any, Literal, Optional
 import lightning.pytorch as pl
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
+from lightning_hooks._anomaly_report import AnomalyReport
 from lightning_hooks._gradient_check import GradientCheck, _check_bool
 from lightning_hooks._rank_agreement import Check
 from lightning_hooks._rollback import Rollback, check_strategy, validate_rollback
 from lightning_hooks._step_measure import Step
 from lightning_hooks._update_drop import UpdateDrop
-from lightning_hooks.anomalies import AnomalyReport
 from lightning_hooks.selection import ModuleSelection
 
 Action = Literal["stop", "skip", "rollback", "raise", "warn"]
@@ -44,7 +44,7 @@ class GradientAnomalyStopping(GradientCheck):
 
     ``patience`` anomalous steps in a row are tolerated (and applied); the next one is acted on,
     so ``patience=0`` acts on the first. Then, with an
-    :class:`~lightning_hooks.anomalies.AnomalyReport` (logged as text, kept in
+    :class:`~lightning_hooks.AnomalyReport` (logged as text, kept in
     :attr:`last_report`):
 
     - ``"stop"``: drops that step's update and sets ``trainer.should_stop``, so ``fit`` ends
