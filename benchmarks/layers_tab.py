@@ -19,6 +19,7 @@ import math
 import os
 import re
 import shutil
+import signal
 import socket
 import struct
 import subprocess
@@ -124,13 +125,23 @@ def chromium() -> Optional[str]:
     return next(filter(None, map(shutil.which, ("chromium", "chromium-browser", "google-chrome"))), None)
 
 
+@contextmanager
+def _profile() -> Iterator[str]:
+    """A fresh, empty Chromium profile folder, removed afterwards even if a helper process still writes to it."""
+    folder = tempfile.mkdtemp(prefix="chromium-profile-")
+    try:
+        yield folder
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
 def browse(url: str, *, screenshot: Optional[Path] = None, size: tuple[int, int] = (1200, 900),
            budget_ms: int = 20000) -> str:
     """Open ``url`` in headless Chromium; its DOM once the page settles (and a screenshot if asked)."""
     browser = chromium()
     if browser is None:
         raise FileNotFoundError("chromium is not installed (apt-get install chromium)")
-    with tempfile.TemporaryDirectory() as profile:
+    with _profile() as profile:
         flags = [*CHROMIUM_FLAGS, f"--user-data-dir={profile}", f"--virtual-time-budget={budget_ms}",
                  f"--window-size={size[0]},{size[1]}", "--hide-scrollbars"]
         if screenshot is not None:
@@ -157,10 +168,10 @@ def devtools(url: str, timeout: float = 120) -> Iterator[DevTools]:
     browser = chromium()
     if browser is None:
         raise FileNotFoundError("chromium is not installed (apt-get install chromium)")
-    with tempfile.TemporaryDirectory() as profile:
+    with _profile() as profile:
         command = [browser, *CHROMIUM_FLAGS, f"--user-data-dir={profile}", "--remote-debugging-port=0",
                    "--remote-allow-origins=*", "--window-size=1400,1000", url]
-        proc = subprocess.Popen(command, stderr=subprocess.PIPE, text=True)
+        proc = subprocess.Popen(command, stderr=subprocess.PIPE, text=True, start_new_session=True)
         try:
             stderr = proc.stderr
             assert stderr is not None
@@ -170,8 +181,8 @@ def devtools(url: str, timeout: float = 120) -> Iterator[DevTools]:
             with DevTools(pages[0]["webSocketDebuggerUrl"]) as tools:
                 wait_for(lambda: tools.evaluate("document.body && document.body.dataset.ready"), timeout, "ready page")
                 yield tools
-        finally:
-            proc.terminate()
+        finally:  # the whole process group: Chromium's helpers outlive its main process
+            os.killpg(proc.pid, signal.SIGTERM)
             proc.wait(timeout=30)
 
 

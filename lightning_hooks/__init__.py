@@ -1,22 +1,43 @@
-"""Lightning callbacks that look inside a model while it trains, through PyTorch module hooks."""
+"""Lightning callbacks that look inside a model while it trains, through PyTorch module hooks.
 
-from lightning_hooks._anomaly_report import AnomalyReport
-from lightning_hooks._base import HookCallback
-from lightning_hooks.activations import ActivationMonitor
-from lightning_hooks.anomalies import (
-    FLAG_NAMES,
-    AnomalyDetector,
-    GradientFigures,
-    anomaly_flags,
-    gradient_figures,
-)
-from lightning_hooks.features import FeatureExtractor, load_features
-from lightning_hooks.gradients import GRADIENT_STAT_NAMES, GradientMonitor
-from lightning_hooks.health import LayerHealth
-from lightning_hooks.selection import ACTIVATION_NAMES, ACTIVATION_TYPES, ModuleSelection, select_modules
-from lightning_hooks.stats import DEFAULT_STATS, DIVERGENCE_STATS, STAT_NAMES, histogram_edges
-from lightning_hooks.stopping import GradientAnomalyError, GradientAnomalyStopping
-from lightning_hooks.transforms import GradientTransform
+The public names are imported when first used (PEP 562), so that importing a part of the
+package that needs neither torch nor Lightning, such as the Layers tab that TensorBoard loads
+at start-up, does not import them (about 6 s).
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from lightning_hooks._anomaly_report import AnomalyReport
+    from lightning_hooks._base import HookCallback
+    from lightning_hooks.activations import ActivationMonitor
+    from lightning_hooks.anomalies import FLAG_NAMES, AnomalyDetector, GradientFigures, anomaly_flags, gradient_figures
+    from lightning_hooks.features import FeatureExtractor, load_features
+    from lightning_hooks.gradients import GRADIENT_STAT_NAMES, GradientMonitor
+    from lightning_hooks.health import LayerHealth
+    from lightning_hooks.selection import ACTIVATION_NAMES, ACTIVATION_TYPES, ModuleSelection, select_modules
+    from lightning_hooks.stats import DEFAULT_STATS, DIVERGENCE_STATS, STAT_NAMES, histogram_edges
+    from lightning_hooks.stopping import GradientAnomalyError, GradientAnomalyStopping
+    from lightning_hooks.transforms import GradientTransform
+
+#: Each public name, by the module that defines it.
+_WHERE = {
+    "AnomalyReport": "_anomaly_report",
+    "HookCallback": "_base",
+    "ActivationMonitor": "activations",
+    **dict.fromkeys(("FLAG_NAMES", "AnomalyDetector", "GradientFigures", "anomaly_flags", "gradient_figures"),
+                    "anomalies"),
+    **dict.fromkeys(("FeatureExtractor", "load_features"), "features"),
+    **dict.fromkeys(("GRADIENT_STAT_NAMES", "GradientMonitor"), "gradients"),
+    "LayerHealth": "health",
+    **dict.fromkeys(("ACTIVATION_NAMES", "ACTIVATION_TYPES", "ModuleSelection", "select_modules"), "selection"),
+    **dict.fromkeys(("DEFAULT_STATS", "DIVERGENCE_STATS", "STAT_NAMES", "histogram_edges"), "stats"),
+    **dict.fromkeys(("GradientAnomalyError", "GradientAnomalyStopping"), "stopping"),
+    "GradientTransform": "transforms",
+}
 
 __all__ = [
     "ACTIVATION_NAMES",
@@ -45,3 +66,16 @@ __all__ = [
     "select_modules",
 ]
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str) -> Any:
+    """Import a public name from its module at first use, then keep it here."""
+    if name not in _WHERE:
+        raise AttributeError(f"module 'lightning_hooks' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"lightning_hooks.{_WHERE[name]}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})
