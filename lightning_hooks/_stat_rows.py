@@ -78,30 +78,11 @@ def summarize(row: Sequence[float]) -> dict[str, float]:
     """Every statistic in ``STAT_NAMES`` from one host-side stat row (a list of floats).
 
     ``std`` uses Bessel's correction, like ``torch.std``. Figures over no finite value are NaN.
-    Also returns the raw ``count_finite``, ``sum`` and ``sum_sq`` that histograms need.
+    Also returns the raw ``count_finite``, ``sum`` and ``sum_sq`` that histograms need. One row
+    of :func:`summarize_rows`, so both give the same figures.
     """
-    c = {name: row[i] for name, i in _COL.items()}
-    n, count = c["finite"], c["count"]
-    mean = c["sum"] / n if n > 0 else math.nan
-    var = (c["sum_sq"] - n * mean * mean) / (n - 1) if n > 1 else math.nan
-    high, low = (c["max"], -c["neg_min"]) if n > 0 else (math.nan, math.nan)
-    return {
-        "mean": mean,
-        "std": math.sqrt(max(var, 0.0)) if not math.isnan(var) else math.nan,
-        "min": low,
-        "max": high,
-        "abs_max": max(abs(high), abs(low)) if n > 0 else math.nan,
-        "zero_fraction": c["zeros"] / count if count > 0 else math.nan,
-        "nonfinite_fraction": (count - n) / count if count > 0 else math.nan,
-        "nan_count": c["nan"],
-        "posinf_count": c["posinf"],
-        "neginf_count": c["neginf"],
-        "count": count,
-        "calls": c["calls"],
-        "count_finite": n,
-        "sum": c["sum"],
-        "sum_sq": c["sum_sq"],
-    }
+    block = np.asarray(row[:N_FIELDS], dtype=np.float64).reshape(1, N_FIELDS)
+    return {name: float(values[0]) for name, values in summarize_rows(block).items()}
 
 
 def summarize_rows(rows: np.ndarray) -> dict[str, np.ndarray]:
