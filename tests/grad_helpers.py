@@ -12,6 +12,8 @@ import lightning as L
 import torch
 from torch import nn
 
+from lightning_hooks import _shared_measurement
+
 
 class NaNAt(nn.Linear):
     """A Linear layer whose output is NaN while ``active``."""
@@ -110,3 +112,17 @@ def run_example(name: str, log_dir: str) -> None:
         module.main(log_dir)
     finally:
         sys.path.remove(examples)
+
+
+def spy_on_measurements(monkeypatch: Any, exact_only: bool = False) -> list[int]:
+    """The global steps at which the shared gradient measurement measured, in order (only the exact ones if asked)."""
+    steps: list[int] = []
+    original = _shared_measurement.measure_step
+
+    def spy(trainer: Any, optimizer: Any, detectors: Any, shard_groups: Any, exact: bool) -> Any:
+        if exact or not exact_only:
+            steps.append(trainer.global_step)
+        return original(trainer, optimizer, detectors, shard_groups, exact)
+
+    monkeypatch.setattr(_shared_measurement, "measure_step", spy)
+    return steps

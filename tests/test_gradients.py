@@ -10,9 +10,8 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from lightning.pytorch.plugins import MixedPrecision
 
-from lightning_hooks import _shared_measurement
 from lightning_hooks.gradients import GradientMonitor
-from tests.grad_helpers import GradNet, GradRecorder, run_example
+from tests.grad_helpers import GradNet, GradRecorder, run_example, spy_on_measurements
 from tests.helpers import csv_metrics, events, forward_hook_count, loader, progress_bar, trainer
 
 
@@ -84,15 +83,7 @@ def test_a_finite_gradient_whose_norm_overflows_is_measured_again_and_flagged_ex
     tmp_path, monkeypatch
 ):
     torch.manual_seed(0)
-    exact_steps = []
-    original = _shared_measurement.measure_step
-
-    def spy(trainer: Any, optimizer: Any, detectors: Any, shard_groups: Any, exact: bool) -> Any:
-        if exact:
-            exact_steps.append(trainer.global_step)
-        return original(trainer, optimizer, detectors, shard_groups, exact)
-
-    monkeypatch.setattr(_shared_measurement, "measure_step", spy)
+    exact_steps = spy_on_measurements(monkeypatch, exact_only=True)
     monitor = GradientMonitor(log_every_n_steps=1, max_norm=1e3)
     logger = CSVLogger(tmp_path, name="", version="")
     trainer(tmp_path, [monitor], logger=logger, max_steps=7).fit(GradNet(spike_steps=(3,)), loader())
@@ -138,15 +129,7 @@ def test_several_parameter_groups_get_their_own_norms_and_flags(tmp_path):
 @pytest.fixture
 def measured_steps(monkeypatch) -> list[int]:
     """The global steps at which GradientMonitor measured the gradients, in order."""
-    steps: list[int] = []
-    original = _shared_measurement.measure_step
-
-    def spy(trainer: Any, optimizer: Any, detectors: Any, shard_groups: Any, exact: bool) -> Any:
-        steps.append(trainer.global_step)
-        return original(trainer, optimizer, detectors, shard_groups, exact)
-
-    monkeypatch.setattr(_shared_measurement, "measure_step", spy)
-    return steps
+    return spy_on_measurements(monkeypatch)
 
 
 def test_with_gradient_accumulation_the_check_runs_once_per_optimizer_step(tmp_path, measured_steps):

@@ -15,9 +15,9 @@ import pytest
 import torch
 from lightning.pytorch.loggers import CSVLogger
 
-from lightning_hooks import ActivationMonitor, GradientAnomalyStopping, GradientMonitor, _shared_measurement
+from lightning_hooks import ActivationMonitor, GradientAnomalyStopping, GradientMonitor
 from lightning_hooks._shared_measurement import SharedMeasurement
-from tests.grad_helpers import GradNet
+from tests.grad_helpers import GradNet, spy_on_measurements
 from tests.helpers import csv_metrics, loader, trainer
 from tests.test_lbfgs import MAX_ITER, LBFGSNet
 
@@ -65,14 +65,7 @@ def test_both_callbacks_read_one_measurement_and_act_as_they_would_alone(tmp_pat
     _, alone = _run(tmp_path / "monitor", [alone_monitor])
     _run(tmp_path / "stopper", [alone_stopper])
 
-    measured: list[int] = []
-    original = _shared_measurement.measure_step
-
-    def spy(trainer: Any, optimizer: Any, detectors: Any, shard_groups: Any, exact: bool) -> Any:
-        measured.append(trainer.global_step)
-        return original(trainer, optimizer, detectors, shard_groups, exact)
-
-    monkeypatch.setattr(_shared_measurement, "measure_step", spy)
+    measured = spy_on_measurements(monkeypatch)
     monitor, stopper = make()
     fit, together = _run(tmp_path / "both", [monitor, stopper])
     assert measured == [0, 1, 2, 3, 4, 5]  # once per step for both

@@ -2,16 +2,16 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import re
 import struct
-import subprocess
 import sys
-import time
 import urllib.error
 import urllib.parse
 import urllib.request
+from contextlib import ExitStack
 from pathlib import Path
 
 import pytest
@@ -25,6 +25,10 @@ from lightning_hooks._health_plots import image_size
 from tests.helpers import events, trainer
 from tests.zoo import F, LitNet
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+
+from layers_tab import tensorboard, wait_for  # noqa: E402
+
 pytestmark = pytest.mark.slow  # each starts a real TensorBoard server
 
 RUN = "tb/version_0"
@@ -36,61 +40,26 @@ def loader_of(features: int, n: int = 24) -> torch.utils.data.DataLoader:
     return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, torch.zeros(n, 1)), batch_size=8)
 
 
-def _tensorboard_command() -> list[str]:
-    script = Path(sys.executable).with_name("tensorboard")
-    return [str(script)] if script.exists() else [sys.executable, "-m", "tensorboard.main"]
-
-
-def _wait_for(check, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        result = check()
-        if result:
-            return result
-        time.sleep(0.2)
-    raise TimeoutError(f"tensorboard: no {what} after {timeout} s")
-
-
 @pytest.fixture
 def serve(tmp_path):
     """Start ``tensorboard`` over a log dir on 127.0.0.1 (a free port it picks), yield a getter
     for its JSON API, and always stop it."""
-    procs = []
+    with ExitStack() as servers:
+        logs = itertools.count()
 
-    def start(logdir: Path):
-        log = open(tmp_path / "tensorboard.log", "w+")
-        cmd = [*_tensorboard_command(), "--logdir", str(logdir), "--host", "127.0.0.1", "--port", "0",
-               "--load_fast=false", "--reload_interval", "1"]
-        procs.append((subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT), log))
+        def start(logdir: Path):
+            base = servers.enter_context(tensorboard(logdir, tmp_path / f"tensorboard{next(logs)}.log"))
 
-        def url() -> str | None:
-            if procs[-1][0].poll() is not None:
-                raise RuntimeError(f"tensorboard exited: {(tmp_path / 'tensorboard.log').read_text()}")
-            found = re.search(r"http://127\.0\.0\.1:(\d+)/", (tmp_path / "tensorboard.log").read_text())
-            return found and f"http://127.0.0.1:{found.group(1)}"
+            def get(route: str, raw: bool = False, **params: str):
+                """The JSON at ``route`` (or with ``raw`` its bytes)."""
+                query = f"?{urllib.parse.urlencode(params)}" if params else ""
+                with urllib.request.urlopen(f"{base}{route}{query}", timeout=10) as response:
+                    body = response.read()
+                    return body if raw else json.loads(body)
 
-        base = _wait_for(url, 60, "address")
+            return get
 
-        def get(route: str, raw: bool = False, **params: str):
-            """The JSON at ``route`` (or with ``raw`` its bytes)."""
-            query = f"?{urllib.parse.urlencode(params)}" if params else ""
-            with urllib.request.urlopen(f"{base}{route}{query}", timeout=10) as response:
-                body = response.read()
-                return body if raw else json.loads(body)
-
-        return get
-
-    try:
         yield start
-    finally:
-        for proc, log in procs:
-            proc.terminate()
-            try:
-                proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-            log.close()
 
 
 def _loaded(get, tag: str):
@@ -102,7 +71,7 @@ def _loaded(get, tag: str):
         except (urllib.error.URLError, ConnectionError):
             return False
 
-    _wait_for(check, 60, f"scalar {tag!r} for run {RUN!r}")
+    wait_for(check, 60, f"scalar {tag!r} for run {RUN!r}")
 
 
 def test_tensorboard_serves_the_figures(tmp_path, serve):
@@ -255,7 +224,7 @@ def test_every_runs_charts_survive_tensorboards_layout_merge(tmp_path, serve):
             return False
         return all("activations/net.2/std" in tags.get(f"{run}/version_0", {}) for run in runs)
 
-    _wait_for(loaded, 60, "scalars of the three runs")
+    wait_for(loaded, 60, "scalars of the three runs")
     served = {(c["title"], ch["title"], tuple(ch["multiline"]["tag"]))
               for c in get("/data/plugin/custom_scalars/layout")["category"] for ch in c["chart"]}
     assert served == set().union(*written.values())
