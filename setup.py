@@ -13,9 +13,9 @@ threads = [] if sys.platform == "win32" else ["-pthread"]
 setup(
     ext_modules=[
         Extension(
-            "lightning_hooks._cstats",
-            sources=["lightning_hooks/_cstats.c"],
-            depends=["lightning_hooks/_cstats_passes.h"],
+            "lightning_hooks.measure._cstats",
+            sources=["lightning_hooks/measure/_cstats.c"],
+            depends=["lightning_hooks/measure/_cstats_passes.h"],
             extra_compile_args=["-O3", *threads],
             extra_link_args=threads,
             optional=True,

@@ -16,7 +16,7 @@ sdist=("$work"/dist/*.tar.gz) wheel=("$work"/dist/*.whl)
 # The sdist: the license and every test helper the tests import; no compiled kernel.
 listing="$(tar -tzf "${sdist[0]}")"
 for needed in LICENSE tests/helpers.py tests/grad_helpers.py tests/zoo.py tests/_ddp_activations.py \
-              examples/quickstart.py lightning_hooks/_cstats.c lightning_hooks/_cstats_passes.h; do
+              examples/quickstart.py lightning_hooks/measure/_cstats.c lightning_hooks/measure/_cstats_passes.h; do
     grep -q "/$needed\$" <<<"$listing" || { echo "package_check: $needed is missing from the sdist"; exit 1; }
 done
 if grep -E '\.(so|pyd)$' <<<"$listing"; then echo "package_check: a compiled file is in the sdist"; exit 1; fi
@@ -31,7 +31,7 @@ grep -q "License-Expression: Apache-2.0" "$work"/venv/lib/python*/site-packages/
     || { echo "package_check: the wheel's metadata has no SPDX license"; exit 1; }
 cd "$work"
 "$work/venv/bin/python" -m lightning_hooks
-"$work/venv/bin/python" -c "from lightning_hooks import stats; assert stats.NATIVE_KERNEL, 'the wheel has no C kernel'"
+"$work/venv/bin/python" -c "from lightning_hooks.measure import stats; assert stats.NATIVE_KERNEL, 'the wheel has no C kernel'"
 "$work/venv/bin/python" "$repo/examples/quickstart.py" "$work/runs" >"$work/quickstart.out" 2>"$work/quickstart.log" \
     || { tail -40 "$work/quickstart.log"; exit 1; }
 tail -n 7 "$work/quickstart.out"  # its figures (the progress bar, on stdout too, comes before)

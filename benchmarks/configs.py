@@ -115,14 +115,16 @@ def _wandb_every(n: int) -> Callable[[int], bool]:
 
 def build_configs(notes: list[str]) -> dict[str, Config]:
     """Every configuration this environment can run; what is missing goes to ``notes``."""
-    grad_cls = optional("lightning_hooks.gradients", "GradientMonitor")
+    grad_cls = optional("lightning_hooks.callbacks.gradients", "GradientMonitor")
     if grad_cls is None:
         notes.append("GradientMonitor is not importable yet: the monitor rows hold ActivationMonitor only.")
     configs = [
         Config("none", "no callbacks (baseline)", lambda tmp: []),
         Config("none (A/A)", "no callbacks again: the noise floor", lambda tmp: []),
         *_monitor_configs(grad_cls),
-        *_provenance_configs(grad_cls, optional("lightning_hooks.stopping", "GradientAnomalyStopping"), notes),
+        *_provenance_configs(
+            grad_cls, optional("lightning_hooks.callbacks.stopping", "GradientAnomalyStopping"), notes
+        ),
         Config("naive/1", "naive reference: per-module .cpu() + numpy histogram in forward hooks, every step",
                lambda tmp: [NaiveHistogramMonitor(1)], _every(1), 1),
         Config("detect_anomaly", "Trainer(detect_anomaly=True), i.e. torch.autograd.detect_anomaly",

@@ -16,7 +16,7 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from torch import nn
 
-from lightning_hooks.selection import select_modules
+from lightning_hooks.core.selection import select_modules
 
 # Module-name prefix -> the owner its host transfers are charged to (None: the callback on the stack).
 TRANSFER_OWNERS: dict[str, Optional[str]] = {__name__: None, "wandb": "wandb.watch"}

@@ -39,8 +39,8 @@ from torch.utils.data import DataLoader, TensorDataset
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from lightning_hooks import GradientAnomalyStopping  # noqa: E402
-from lightning_hooks._device_stats import accumulate_device_  # noqa: E402
-from lightning_hooks.stats import Binning, _accumulate_tensors_, accumulate_, new_rows  # noqa: E402
+from lightning_hooks.measure._device_stats import accumulate_device_  # noqa: E402
+from lightning_hooks.measure.stats import Binning, _accumulate_tensors_, accumulate_, new_rows  # noqa: E402
 
 #: ATen calls that launch no kernel: views, reshapes, allocations.
 NO_KERNEL = {

@@ -11,32 +11,38 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from lightning_hooks._anomaly_report import AnomalyReport
-    from lightning_hooks._base import HookCallback
-    from lightning_hooks.activations import ActivationMonitor
-    from lightning_hooks.anomalies import FLAG_NAMES, AnomalyDetector, GradientFigures, anomaly_flags, gradient_figures
-    from lightning_hooks.features import FeatureExtractor, load_features
-    from lightning_hooks.gradients import GRADIENT_STAT_NAMES, GradientMonitor
-    from lightning_hooks.health import LayerHealth
-    from lightning_hooks.selection import ACTIVATION_NAMES, ACTIVATION_TYPES, ModuleSelection, select_modules
-    from lightning_hooks.stats import DEFAULT_STATS, DIVERGENCE_STATS, STAT_NAMES, histogram_edges
-    from lightning_hooks.stopping import GradientAnomalyError, GradientAnomalyStopping
-    from lightning_hooks.transforms import GradientTransform
+    from lightning_hooks.callbacks._anomaly_report import AnomalyReport
+    from lightning_hooks.callbacks._base import HookCallback
+    from lightning_hooks.callbacks.activations import ActivationMonitor
+    from lightning_hooks.callbacks.features import FeatureExtractor, load_features
+    from lightning_hooks.callbacks.gradients import GRADIENT_STAT_NAMES, GradientMonitor
+    from lightning_hooks.callbacks.health import LayerHealth
+    from lightning_hooks.callbacks.stopping import GradientAnomalyError, GradientAnomalyStopping
+    from lightning_hooks.callbacks.transforms import GradientTransform
+    from lightning_hooks.core.selection import ACTIVATION_NAMES, ACTIVATION_TYPES, ModuleSelection, select_modules
+    from lightning_hooks.measure.anomalies import (
+        FLAG_NAMES,
+        AnomalyDetector,
+        GradientFigures,
+        anomaly_flags,
+        gradient_figures,
+    )
+    from lightning_hooks.measure.stats import DEFAULT_STATS, DIVERGENCE_STATS, STAT_NAMES, histogram_edges
 
 #: Each public name, by the module that defines it.
 _WHERE = {
-    "AnomalyReport": "_anomaly_report",
-    "HookCallback": "_base",
-    "ActivationMonitor": "activations",
+    "AnomalyReport": "callbacks._anomaly_report",
+    "HookCallback": "callbacks._base",
+    "ActivationMonitor": "callbacks.activations",
     **dict.fromkeys(("FLAG_NAMES", "AnomalyDetector", "GradientFigures", "anomaly_flags", "gradient_figures"),
-                    "anomalies"),
-    **dict.fromkeys(("FeatureExtractor", "load_features"), "features"),
-    **dict.fromkeys(("GRADIENT_STAT_NAMES", "GradientMonitor"), "gradients"),
-    "LayerHealth": "health",
-    **dict.fromkeys(("ACTIVATION_NAMES", "ACTIVATION_TYPES", "ModuleSelection", "select_modules"), "selection"),
-    **dict.fromkeys(("DEFAULT_STATS", "DIVERGENCE_STATS", "STAT_NAMES", "histogram_edges"), "stats"),
-    **dict.fromkeys(("GradientAnomalyError", "GradientAnomalyStopping"), "stopping"),
-    "GradientTransform": "transforms",
+                    "measure.anomalies"),
+    **dict.fromkeys(("FeatureExtractor", "load_features"), "callbacks.features"),
+    **dict.fromkeys(("GRADIENT_STAT_NAMES", "GradientMonitor"), "callbacks.gradients"),
+    "LayerHealth": "callbacks.health",
+    **dict.fromkeys(("ACTIVATION_NAMES", "ACTIVATION_TYPES", "ModuleSelection", "select_modules"), "core.selection"),
+    **dict.fromkeys(("DEFAULT_STATS", "DIVERGENCE_STATS", "STAT_NAMES", "histogram_edges"), "measure.stats"),
+    **dict.fromkeys(("GradientAnomalyError", "GradientAnomalyStopping"), "callbacks.stopping"),
+    "GradientTransform": "callbacks.transforms",
 }
 
 __all__ = [

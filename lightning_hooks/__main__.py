@@ -18,7 +18,7 @@ from typing import Optional
 import torch
 
 import lightning_hooks
-from lightning_hooks import _native, stats
+from lightning_hooks.measure import _native, stats
 
 #: Distributions whose versions the report lists, by the name they import as.
 _DISTRIBUTIONS = {"lightning": "lightning", "pytorch_lightning": "pytorch-lightning",
@@ -35,7 +35,7 @@ def _version(distribution: str) -> str:
 def native_kernel() -> tuple[Optional[ModuleType], str]:
     """The compiled kernel module if it is in use (else None), and a line saying why or why not."""
     try:
-        module = importlib.import_module("lightning_hooks._cstats")
+        module = importlib.import_module("lightning_hooks.measure._cstats")
     except ImportError as err:
         return None, (f"off: not built or not loadable ({err}); reinstall where a C compiler (gcc or clang)"
                       " and the Python headers are found: `pip install --force-reinstall --no-deps lightning-hooks`")

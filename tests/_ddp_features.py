@@ -12,7 +12,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from lightning_hooks.features import FeatureExtractor  # noqa: E402
+from lightning_hooks.callbacks.features import FeatureExtractor  # noqa: E402
 
 
 class Encoder(L.LightningModule):

@@ -22,10 +22,10 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from lightning_hooks import _shared_measurement  # noqa: E402
-from lightning_hooks._step_measure import Step, measure_step  # noqa: E402
-from lightning_hooks.gradients import GradientMonitor  # noqa: E402
-from lightning_hooks.stopping import GradientAnomalyStopping  # noqa: E402
+from lightning_hooks.callbacks.gradients import GradientMonitor  # noqa: E402
+from lightning_hooks.callbacks.stopping import GradientAnomalyStopping  # noqa: E402
+from lightning_hooks.distributed import _shared_measurement  # noqa: E402
+from lightning_hooks.distributed._step_measure import Step, measure_step  # noqa: E402
 from tests.grad_helpers import GradNet  # noqa: E402
 from tests.helpers import counted, loader  # noqa: E402
 

@@ -50,7 +50,7 @@ from lightning_hooks import (  # noqa: E402
     GradientMonitor,
     GradientTransform,
 )
-from lightning_hooks._sharding import local  # noqa: E402
+from lightning_hooks.measure._sharding import local  # noqa: E402
 from tests.helpers import counted, loader  # noqa: E402
 
 NAN_STEP = 2

@@ -12,7 +12,7 @@ import lightning as L
 import torch
 from torch import nn
 
-from lightning_hooks import _shared_measurement
+from lightning_hooks.distributed import _shared_measurement
 
 
 class NaNAt(nn.Linear):

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from lightning_hooks import AnomalyReport
-from lightning_hooks.anomalies import FLAG_NAMES, AnomalyDetector, anomaly_flags, gradient_figures
+from lightning_hooks.measure.anomalies import FLAG_NAMES, AnomalyDetector, anomaly_flags, gradient_figures
 
 NAN, INF = math.nan, math.inf
 

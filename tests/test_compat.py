@@ -16,8 +16,8 @@ from lightning_hooks import (
     GradientTransform,
     LayerHealth,
 )
-from lightning_hooks._compat import configure_model_overridden, show_whole, unshow_whole
-from lightning_hooks.stats import STAT_NAMES
+from lightning_hooks.core._compat import configure_model_overridden, show_whole, unshow_whole
+from lightning_hooks.measure.stats import STAT_NAMES
 from tests.compat_helpers import PACKAGES, net, package_trainer
 from tests.helpers import BARS, bar_text, events, forward_hook_count, loader, progress_bar, run_ddp
 
@@ -135,7 +135,7 @@ def test_without_the_standalone_package_the_callbacks_fit_under_lightning_alone(
 import sys
 sys.modules["pytorch_lightning"] = None  # import pytorch_lightning raises ImportError, as where it is not installed
 from lightning_hooks import ActivationMonitor
-from lightning_hooks._compat import CALLBACK_BASES, TENSORBOARD_LOGGERS
+from lightning_hooks.core._compat import CALLBACK_BASES, TENSORBOARD_LOGGERS
 from tests.helpers import TinyNet, loader, trainer
 monitor = ActivationMonitor(modules="net.0")
 trainer(sys.argv[1], [monitor], max_steps=1).fit(TinyNet(), loader())

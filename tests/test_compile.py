@@ -29,7 +29,7 @@ from lightning_hooks import (
     LayerHealth,
     load_features,
 )
-from lightning_hooks.stats import Binning, _accumulate_tensors_, as_float_values, new_rows
+from lightning_hooks.measure.stats import Binning, _accumulate_tensors_, as_float_values, new_rows
 from tests.zoo import metric_series
 
 pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore:.*TensorFloat32.*")]

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from lightning_hooks import _native, stats
-from lightning_hooks.stats import N_FIELDS, Binning, accumulate_, histogram_edges, new_rows, summarize
+from lightning_hooks.measure import _native, stats
+from lightning_hooks.measure.stats import N_FIELDS, Binning, accumulate_, histogram_edges, new_rows, summarize
 
 NAN, INF = math.nan, math.inf
 THREADS = torch.get_num_threads()

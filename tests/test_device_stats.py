@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from lightning_hooks._device_stats import accumulate_device_
-from lightning_hooks.stats import Binning, new_rows
+from lightning_hooks.measure._device_stats import accumulate_device_
+from lightning_hooks.measure.stats import Binning, new_rows
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 

@@ -13,7 +13,7 @@ from torch import Tensor, nn
 from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_hooks.features import FeatureExtractor, load_features
+from lightning_hooks.callbacks.features import FeatureExtractor, load_features
 
 HERE = Path(__file__).parent
 TRAINER = dict(

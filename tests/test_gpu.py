@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from lightning_hooks.anomalies import gradient_figures
-from lightning_hooks.stats import Binning, accumulate_, new_rows, summarize
+from lightning_hooks.measure.anomalies import gradient_figures
+from lightning_hooks.measure.stats import Binning, accumulate_, new_rows, summarize
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 

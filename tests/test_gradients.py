@@ -10,7 +10,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from lightning.pytorch.plugins import MixedPrecision
 
-from lightning_hooks.gradients import GradientMonitor
+from lightning_hooks.callbacks.gradients import GradientMonitor
 from tests.grad_helpers import GradNet, GradRecorder, run_example, spy_on_measurements
 from tests.helpers import csv_metrics, events, forward_hook_count, loader, progress_bar, trainer
 

@@ -17,7 +17,7 @@ from matplotlib.image import imread
 from torch import nn
 
 from lightning_hooks import ActivationMonitor, GradientMonitor, LayerHealth
-from lightning_hooks._health_plots import heatmap_figure, image_size, to_rgb
+from lightning_hooks.output._health_plots import heatmap_figure, image_size, to_rgb
 from tests.helpers import TinyNet, events, loader, trainer
 
 HEATMAP, PROFILE = "health/activation_histograms", "health/depth_profile"
@@ -207,7 +207,7 @@ def test_the_layers_tab_names_the_layers_and_problems_the_summary_names(tmp_path
     from tensorboard.backend.event_processing import data_provider, plugin_event_multiplexer
     from tensorboard.context import RequestContext
 
-    from lightning_hooks._health_verdicts import Bands
+    from lightning_hooks.output._health_verdicts import Bands
     from lightning_hooks.tensorboard_plugin.run_data import RunReader
     from lightning_hooks.tensorboard_plugin.verdicts import banner, judge
 

@@ -2,7 +2,7 @@
 
 import math
 
-from lightning_hooks._health_verdicts import Bands, Verdicts, judge, judge_norm, judge_ratio
+from lightning_hooks.output._health_verdicts import Bands, Verdicts, judge, judge_norm, judge_ratio
 
 
 def test_ordinary_norms_small_or_large_are_not_flagged_but_a_jump_against_the_layers_own_history_is():

@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from lightning_hooks._health_verdicts import JUDGED, Bands, Verdicts
+from lightning_hooks.output._health_verdicts import JUDGED, Bands, Verdicts
 from lightning_hooks.tensorboard_plugin.run_data import TAG, Figure, layer_order
 from lightning_hooks.tensorboard_plugin.verdicts import bands_as_dict, bands_from_query, banner, judge
 

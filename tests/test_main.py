@@ -35,7 +35,7 @@ def copy_with_kernel(tmp_path, source: str):
     """
     skipped = shutil.ignore_patterns("*.so", "*.pyd", "__pycache__")
     shutil.copytree(PACKAGE, tmp_path / "lightning_hooks", ignore=skipped)
-    (tmp_path / "lightning_hooks" / "_cstats.py").write_text(source)
+    (tmp_path / "lightning_hooks" / "measure" / "_cstats.py").write_text(source)
     return tmp_path
 
 
@@ -57,7 +57,7 @@ def test_the_report_lists_the_versions_installed(installed):
 
 @pytest.mark.skipif(not REQUIRE_NATIVE, reason="set LIGHTNING_HOOKS_REQUIRE_NATIVE=1 where the kernel is built")
 def test_a_built_kernel_is_on_and_says_whether_it_uses_avx2(installed):
-    from lightning_hooks import _native
+    from lightning_hooks.measure import _native
 
     got = installed
     assert got["native C kernel"].startswith("on (") and got["native C kernel"].endswith(".so)")

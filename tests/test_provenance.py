@@ -4,7 +4,7 @@ import math
 
 import torch
 
-from lightning_hooks._provenance import NEVER, NonFiniteTrace
+from lightning_hooks.measure._provenance import NEVER, NonFiniteTrace
 
 NAN, INF = math.nan, math.inf
 CPU = torch.device("cpu")

@@ -4,7 +4,7 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_hooks.selection import (
+from lightning_hooks.core.selection import (
     ACTIVATION_NAMES,
     ACTIVATION_TYPES,
     is_default_module,

@@ -184,7 +184,7 @@ from torch import nn
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 sys.path.insert(0, {root!r})
 from lightning_hooks import GradientMonitor
-from lightning_hooks._sharding import SHARD_GROUP_ATTRIBUTE, note_flat_shards
+from lightning_hooks.measure._sharding import SHARD_GROUP_ATTRIBUTE, note_flat_shards
 os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="29541")
 dist.init_process_group("gloo", rank=0, world_size=1)
 cpu = torch.device("cpu")

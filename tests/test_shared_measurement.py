@@ -16,7 +16,7 @@ import torch
 from lightning.pytorch.loggers import CSVLogger
 
 from lightning_hooks import ActivationMonitor, GradientAnomalyStopping, GradientMonitor
-from lightning_hooks._shared_measurement import SharedMeasurement
+from lightning_hooks.distributed._shared_measurement import SharedMeasurement
 from tests.grad_helpers import GradNet, spy_on_measurements
 from tests.helpers import csv_metrics, loader, trainer
 from tests.test_lbfgs import MAX_ITER, LBFGSNet

@@ -14,9 +14,10 @@ from tensorboard.backend.event_processing.event_file_loader import RawEventFileL
 from tensorboard.compat.proto.event_pb2 import Event
 from tensorboard.plugins.custom_scalar import layout_pb2
 
-from lightning_hooks import ActivationMonitor, GradientMonitor, gradients
-from lightning_hooks.aggregate import StatBlock
-from lightning_hooks.sinks import category_title, log_histograms, log_layout, log_scalars
+from lightning_hooks import ActivationMonitor, GradientMonitor
+from lightning_hooks.callbacks import gradients
+from lightning_hooks.measure.aggregate import StatBlock
+from lightning_hooks.output.sinks import category_title, log_histograms, log_layout, log_scalars
 from tests.helpers import TinyNet, events, loader, trainer
 
 
@@ -138,7 +139,7 @@ def test_histograms_laid_out_from_arrays_are_the_messages_histogram_raw_makes_by
     from tensorboard.compat.proto.summary_pb2 import Summary
     from torch.utils.tensorboard.summary import histogram_raw
 
-    from lightning_hooks._tensorboard_wire import histogram_summary, scalar_summary
+    from lightning_hooks.output._tensorboard_wire import histogram_summary, scalar_summary
 
     rng = np.random.default_rng(0)
     rows, bins = 300, 130  # 130 bins: a packed field over 127 doubles needs a two-byte length
@@ -164,7 +165,7 @@ def test_histograms_laid_out_from_arrays_are_the_messages_histogram_raw_makes_by
 def test_the_vectorised_record_checksum_is_tensorboards_bit_for_bit():
     from tensorboard.compat.tensorflow_stub.pywrap_tensorflow import masked_crc32c
 
-    from lightning_hooks._crc32c import masked
+    from lightning_hooks.output._crc32c import masked
 
     rng = np.random.default_rng(1)
     for size in [*range(12), 4095, 4096, 4097, 5003, 70001, 300000]:  # around the chunking's and padding's edges
@@ -177,7 +178,7 @@ def test_a_logged_steps_event_file_has_records_tensorboard_verifies(tmp_path):
 
     from tensorboard.compat.tensorflow_stub.pywrap_tensorflow import masked_crc32c
 
-    from lightning_hooks._crc32c import FastRecordWriter
+    from lightning_hooks.output._crc32c import FastRecordWriter
 
     logger = TensorBoardLogger(tmp_path, name="", version=0)
     edges = np.linspace(-1.0, 1.0, 129).tolist()

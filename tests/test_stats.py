@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from lightning_hooks import _native, stats
-from lightning_hooks.stats import (
+from lightning_hooks.measure import _native, stats
+from lightning_hooks.measure.stats import (
     FLOAT32_MAX,
     N_FIELDS,
     STAT_NAMES,
@@ -409,7 +409,7 @@ def test_a_constant_tensor_has_zero_std_and_its_own_mean(value, n):
 
 
 def test_a_whole_block_summarised_at_once_gives_each_rows_figures_bit_for_bit():
-    from lightning_hooks._stat_rows import summarize_rows
+    from lightning_hooks.measure._stat_rows import summarize_rows
 
     gen = torch.Generator().manual_seed(3)
     tensors = [torch.randn(1000, generator=gen) * 1e3, torch.tensor([2.5]), torch.tensor([NAN, INF, -INF]),

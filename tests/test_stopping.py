@@ -12,8 +12,8 @@ from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
 from lightning.pytorch.plugins import MixedPrecision
 from torch import nn
 
-from lightning_hooks.gradients import GradientMonitor
-from lightning_hooks.stopping import GradientAnomalyError, GradientAnomalyStopping
+from lightning_hooks.callbacks.gradients import GradientMonitor
+from lightning_hooks.callbacks.stopping import GradientAnomalyError, GradientAnomalyStopping
 from tests.grad_helpers import GradNet, GradRecorder, run_example
 from tests.helpers import BARS, bar_text, forward_hook_count, loader, progress_bar, run_ddp, trainer
 

@@ -21,7 +21,7 @@ from tensorboard.plugins.custom_scalar import layout_pb2
 from torch import nn
 
 from lightning_hooks import STAT_NAMES, ActivationMonitor, GradientMonitor, LayerHealth
-from lightning_hooks._health_plots import image_size
+from lightning_hooks.output._health_plots import image_size
 from tests.helpers import events, trainer
 from tests.zoo import F, LitNet
 

@@ -9,7 +9,7 @@ from torch import Tensor, nn
 from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_hooks.transforms import GradientTransform
+from lightning_hooks.callbacks.transforms import GradientTransform
 
 TRAINER = dict(
     accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False,

@@ -11,7 +11,7 @@ from lightning.pytorch.plugins import MixedPrecision
 from torch import nn
 
 from lightning_hooks import GradientAnomalyStopping, GradientMonitor, LayerHealth
-from lightning_hooks._update_ratio import UpdateRatio
+from lightning_hooks.callbacks._update_ratio import UpdateRatio
 from tests.grad_helpers import GradNet
 from tests.helpers import csv_metrics, loader, trainer
 

@@ -5,7 +5,7 @@ point: ``tensorboard --logdir runs`` shows a LAYERS tab for runs that Activation
 GradientMonitor wrote. It judges with LayerHealth's bands (:class:`Bands`), from one place.
 """
 
-from lightning_hooks._health_verdicts import Bands
+from lightning_hooks.output._health_verdicts import Bands
 from lightning_hooks.tensorboard_plugin.plugin import PLUGIN_NAME, LayersPlugin
 
 __all__ = ["PLUGIN_NAME", "Bands", "LayersPlugin"]

@@ -8,7 +8,7 @@ which fetches the routes below by relative URL:
 - ``runs``: the runs with layer figures.
 - ``run?run=<run>[&<threshold>=<value>...]``: one run's figures (layers by steps), the marks,
   the banner of layers unhealthy now and the anomaly timeline; judged with LayerHealth's
-  bands (:class:`~lightning_hooks._health_verdicts.Bands`), any of them set by a query
+  bands (:class:`~lightning_hooks.output._health_verdicts.Bands`), any of them set by a query
   parameter of :data:`~lightning_hooks.tensorboard_plugin.verdicts.QUERY`.
 - ``histogram?run=<run>&tag=<tag>&step=<step>``: the histogram a clicked cell opens.
 """
@@ -26,7 +26,7 @@ from tensorboard.context import RequestContext
 from tensorboard.plugins import base_plugin
 from werkzeug import wrappers
 
-from lightning_hooks._health_verdicts import Bands
+from lightning_hooks.output._health_verdicts import Bands
 from lightning_hooks.tensorboard_plugin.run_data import CACHED_RUNS, Figure, FigureCache, RunReader, cell
 from lightning_hooks.tensorboard_plugin.verdicts import Marks, bands_as_dict, bands_from_query, banner, judge
 

@@ -18,7 +18,7 @@ from typing import Any, Optional
 
 from tensorboard.data import provider
 
-from lightning_hooks._health_verdicts import UNJUDGED_RATIOS_TAG
+from lightning_hooks.output._health_verdicts import UNJUDGED_RATIOS_TAG
 
 #: Scalar tags the tab draws: an optional logger prefix, the kind, the layer, the statistic.
 TAG = re.compile(r"^(?:(?P<prefix>.+)-)?(?P<kind>activations|val_activations|gradients|updates)"

@@ -1,7 +1,7 @@
 """Verdicts, not rankings: which cells of a run's figures are outside a healthy band, and since when.
 
 The tab judges with LayerHealth's rules and defaults, from one place: the bands are
-:class:`~lightning_hooks._health_verdicts.Bands` (its module docstring says where each default
+:class:`~lightning_hooks.output._health_verdicts.Bands` (its module docstring says where each default
 comes from) and each logged step (a column) is judged by the same functions LayerHealth calls,
 so the banner names the layers, with the problems, that LayerHealth's summary names. The routes
 take any band as a query parameter named as in :data:`QUERY`, e.g. ``?max_zero_fraction=0.9``.
@@ -13,8 +13,8 @@ from collections import deque
 from collections.abc import Mapping
 from typing import Any, Optional
 
-from lightning_hooks._health_verdicts import JUDGED, Bands
-from lightning_hooks._health_verdicts import judge as judge_column
+from lightning_hooks.output._health_verdicts import JUDGED, Bands
+from lightning_hooks.output._health_verdicts import judge as judge_column
 from lightning_hooks.tensorboard_plugin.run_data import Figure
 
 #: The query parameters, each a field of :class:`Bands` (the band's two ends apart), with its type.

@@ -4,7 +4,7 @@
 // 200-module model stays fast. It runs in TensorBoard's plugin iframe and fetches the
 // plugin's routes by relative URL.
 
-// The verdicts are LayerHealth's (lightning_hooks/_health_verdicts.py), judged by the plugin with its bands.
+// The verdicts are LayerHealth's (lightning_hooks/output/_health_verdicts.py), judged by the plugin with its bands.
 const MARK_COLOURS = {dead: "#ff1744", nonfinite: "#ff1744", nonfinite_grad: "#ff1744", exploding: "#ff1744",
                       too_fast: "#ff1744", vanishing: "#00b0ff", too_slow: "#00b0ff"};
 const NONFINITE = "#212121";  // the fill of a NaN or infinite value

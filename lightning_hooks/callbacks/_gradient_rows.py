@@ -18,13 +18,13 @@ import lightning.pytorch as pl
 import torch
 from torch import Tensor, nn
 
-from lightning_hooks._base import log_step
-from lightning_hooks._rank_agreement import Check
-from lightning_hooks._sharding import ShardGroups, grad_of, local
-from lightning_hooks._stat_rows import N_FIELDS, summarize_rows
-from lightning_hooks.aggregate import StatBlock
-from lightning_hooks.selection import ModuleSelection, named_parameters
-from lightning_hooks.sinks import HistogramBlock, log_histograms
+from lightning_hooks.callbacks._base import log_step
+from lightning_hooks.core.selection import ModuleSelection, named_parameters
+from lightning_hooks.distributed._rank_agreement import Check
+from lightning_hooks.measure._sharding import ShardGroups, grad_of, local
+from lightning_hooks.measure._stat_rows import N_FIELDS, summarize_rows
+from lightning_hooks.measure.aggregate import StatBlock
+from lightning_hooks.output.sinks import HistogramBlock, log_histograms
 
 Rows = list[tuple[str, list[Tensor]]]
 """GradientMonitor's rows: each a name and the parameters whose gradients it covers."""

@@ -10,10 +10,10 @@ import torch
 from torch import Tensor
 from torch.utils.hooks import RemovableHandle
 
-from lightning_hooks._base import log_step
-from lightning_hooks._gradient_rows import Rows
-from lightning_hooks._sharding import ShardGroupCache, ShardGroups, grad_of, local
-from lightning_hooks.sinks import log_scalars
+from lightning_hooks.callbacks._base import log_step
+from lightning_hooks.callbacks._gradient_rows import Rows
+from lightning_hooks.measure._sharding import ShardGroupCache, ShardGroups, grad_of, local
+from lightning_hooks.output.sinks import log_scalars
 
 
 class UpdateRatio:

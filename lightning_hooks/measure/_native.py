@@ -20,7 +20,7 @@ __all__ = ["NATIVE_ABI", "NATIVE_KERNEL", "accumulate_native_", "cstats", "nativ
 
 NATIVE_ABI = 5  # _cstats.c's ABI_VERSION: a build left over from older sources is not used
 try:  # The fused CPU kernel, built at install time where a C compiler is available.
-    from lightning_hooks import _cstats as cstats  # type: ignore[attr-defined]
+    from lightning_hooks.measure import _cstats as cstats  # type: ignore[attr-defined]
 
     if getattr(cstats, "ABI_VERSION", None) != NATIVE_ABI:
         warnings.warn(

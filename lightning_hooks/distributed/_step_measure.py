@@ -5,7 +5,7 @@ AMP grad scaler whether it skips the step, measures the gradients' norms (per gr
 parameter group and in total) once, and computes each reading callback's anomaly flags: a
 :class:`Step` per callback, with nothing read back to the host. Asking the scaler may unscale
 the gradients (a fused optimizer's), so it comes before anything else reads them. Agreeing on
-it across ranks is :mod:`lightning_hooks._rank_agreement`'s job.
+it across ranks is :mod:`lightning_hooks.distributed._rank_agreement`'s job.
 """
 
 from __future__ import annotations
@@ -19,14 +19,15 @@ import torch
 from torch import Tensor
 from torch.amp.grad_scaler import OptState
 
-from lightning_hooks._sharding import ShardGroupCache, grad_of
-from lightning_hooks.anomalies import AnomalyDetector, GradientFigures, gradient_figures
+from lightning_hooks.core._torch_internals import grad_scaler_state
+from lightning_hooks.measure._sharding import ShardGroupCache, grad_of
+from lightning_hooks.measure.anomalies import AnomalyDetector, GradientFigures, gradient_figures
 
 
 def _params_with_grads(optimizer: Any) -> tuple[list[Tensor], list[Tensor], list[int]]:
     """The parameters of ``optimizer`` that have a dense gradient, those gradients, and how many per group.
 
-    The gradients are :func:`~lightning_hooks._sharding.grad_of`'s: an FSDP1 rank's empty part has an empty one.
+    The gradients are :func:`~lightning_hooks.measure._sharding.grad_of`'s: an FSDP1 rank's empty part has an empty one.
     """
     params: list[Tensor] = []
     grads: list[Tensor] = []
@@ -62,9 +63,9 @@ def _amp_overflow(trainer: pl.Trainer, optimizer: Any, device: torch.device) -> 
     scaler = getattr(trainer.precision_plugin, "scaler", None)
     if scaler is None or not scaler.is_enabled():
         return None
-    if scaler._per_optimizer_states[id(optimizer)]["stage"] is OptState.READY:
+    if grad_scaler_state(scaler, optimizer)["stage"] is OptState.READY:
         scaler.unscale_(optimizer)
-    found = list(scaler._per_optimizer_states[id(optimizer)]["found_inf_per_device"].values())
+    found = list(grad_scaler_state(scaler, optimizer)["found_inf_per_device"].values())
     return torch.stack([f.to(device) for f in found]).sum() > 0 if found else None
 
 

@@ -8,8 +8,8 @@ import lightning.pytorch as pl
 import torch
 from torch import Tensor, nn
 
-from lightning_hooks._sharding import local
-from lightning_hooks._tensor_values import iter_tensors
+from lightning_hooks.measure._sharding import local
+from lightning_hooks.measure._tensor_values import iter_tensors
 
 #: The position :class:`NonFiniteTrace` gives a hook that saw nothing non-finite.
 NEVER = torch.iinfo(torch.int64).max

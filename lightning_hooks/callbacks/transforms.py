@@ -18,9 +18,11 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 from torch.utils.hooks import RemovableHandle
 
-from lightning_hooks._base import HookCallback
-from lightning_hooks._compat import configure_model_overridden
-from lightning_hooks._sharding import (
+from lightning_hooks.callbacks._base import HookCallback
+from lightning_hooks.callbacks._transform_plan import Plan, resolve_plan, validate_table
+from lightning_hooks.core._compat import configure_model_overridden
+from lightning_hooks.core._torch_internals import is_view
+from lightning_hooks.measure._sharding import (
     ShardGroupCache,
     ShardGroups,
     grad_of,
@@ -28,8 +30,7 @@ from lightning_hooks._sharding import (
     note_flat_shards,
     takes_gradient_directly,
 )
-from lightning_hooks._transform_plan import Plan, resolve_plan, validate_table
-from lightning_hooks.anomalies import gradient_figures
+from lightning_hooks.measure.anomalies import gradient_figures
 
 
 class GradientTransform(HookCallback):
@@ -84,7 +85,7 @@ class GradientTransform(HookCallback):
     groups are clipped innermost first, so every group ends within its bound.
 
     Hooks go on at ``on_fit_start`` and come off on every way out, like every
-    :class:`~lightning_hooks._base.HookCallback`; they are not gated, so they act on every
+    :class:`~lightning_hooks.callbacks._base.HookCallback`; they are not gated, so they act on every
     step. Parameters that do not require grad when fit starts are left alone.
 
     Args:
@@ -232,7 +233,7 @@ def _reverse_outputs(
         # A hook on an input returned as is (nn.Identity, in-place modules) would reverse the
         # input's other consumers too, and one on a view is bypassed once the view is modified
         # in place: both get a copy of their own.
-        if tensor._is_view() or any(tensor is value for value in inputs):
+        if is_view(tensor) or any(tensor is value for value in inputs):
             tensor = tensor.clone()
         tensor.register_hook(partial(_multiply, factor=factor))
         return tensor

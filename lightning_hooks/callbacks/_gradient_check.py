@@ -16,16 +16,16 @@ import lightning.pytorch as pl
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
-from lightning_hooks._anomaly_report import AnomalyReport, report_step
-from lightning_hooks._base import HookCallback
-from lightning_hooks._compat import BarCount, show_whole, unshow_whole
-from lightning_hooks._provenance import NonFiniteTrace
-from lightning_hooks._rank_agreement import Check
-from lightning_hooks._sharding import note_flat_shards
-from lightning_hooks._shared_measurement import SharedMeasurement
-from lightning_hooks._step_measure import Step
-from lightning_hooks.anomalies import AnomalyDetector
-from lightning_hooks.selection import ModuleSelection, named_parameters
+from lightning_hooks.callbacks._anomaly_report import AnomalyReport, report_step
+from lightning_hooks.callbacks._base import HookCallback
+from lightning_hooks.core._compat import BarCount, show_whole, unshow_whole
+from lightning_hooks.core.selection import ModuleSelection, named_parameters
+from lightning_hooks.distributed._rank_agreement import Check
+from lightning_hooks.distributed._shared_measurement import SharedMeasurement
+from lightning_hooks.distributed._step_measure import Step
+from lightning_hooks.measure._provenance import NonFiniteTrace
+from lightning_hooks.measure._sharding import note_flat_shards
+from lightning_hooks.measure.anomalies import AnomalyDetector
 
 
 def _check_bool(name: str, value: Any) -> None:
@@ -178,7 +178,7 @@ class GradientCheck(HookCallback):
         """Check the step's gradients: after accumulation, after AMP unscaling.
 
         The step is measured once for every gradient callback of the Trainer (see
-        :class:`~lightning_hooks._shared_measurement.SharedMeasurement`); this one acts on its part.
+        :class:`~lightning_hooks.distributed._shared_measurement.SharedMeasurement`); this one acts on its part.
 
         An optimizer that evaluates its closure several times in one step (LBFGS) brings
         Lightning here at every evaluation, at the same global step: :attr:`_evaluation` counts

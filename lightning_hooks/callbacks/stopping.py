@@ -7,13 +7,13 @@ from typing import Any, Literal, Optional
 import lightning.pytorch as pl
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
-from lightning_hooks._anomaly_report import AnomalyReport
-from lightning_hooks._gradient_check import GradientCheck, _check_bool
-from lightning_hooks._rank_agreement import Check
-from lightning_hooks._rollback import Rollback, check_strategy, validate_rollback
-from lightning_hooks._step_measure import Step
-from lightning_hooks._update_drop import UpdateDrop
-from lightning_hooks.selection import ModuleSelection
+from lightning_hooks.callbacks._anomaly_report import AnomalyReport
+from lightning_hooks.callbacks._gradient_check import GradientCheck, _check_bool
+from lightning_hooks.callbacks._rollback import Rollback, check_strategy, validate_rollback
+from lightning_hooks.callbacks._update_drop import UpdateDrop
+from lightning_hooks.core.selection import ModuleSelection
+from lightning_hooks.distributed._rank_agreement import Check
+from lightning_hooks.distributed._step_measure import Step
 
 Action = Literal["stop", "skip", "rollback", "raise", "warn"]
 _ACTIONS = ("stop", "skip", "rollback", "raise", "warn")

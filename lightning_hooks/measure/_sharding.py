@@ -21,7 +21,8 @@ import torch
 from lightning.fabric.utilities.rank_zero import rank_zero_warn
 from torch import Tensor, nn
 
-from lightning_hooks._stat_rows import reduce_rows
+from lightning_hooks.core._torch_internals import fsdp1_ignored_parameters
+from lightning_hooks.measure._stat_rows import reduce_rows
 
 try:
     from torch.distributed.tensor import DTensor
@@ -56,7 +57,7 @@ def note_flat_shards(model: nn.Module, who: Optional[str] = None) -> None:
     for unit in units:  # parents first: an inner unit's mark replaces its parent's
         group = unit.process_group
         splits = unit.sharding_strategy != ShardingStrategy.NO_SHARD and torch.distributed.get_world_size(group) > 1
-        ignored = {id(p) for p in getattr(unit, "_ignored_params", ())}
+        ignored = {id(p) for p in fsdp1_ignored_parameters(unit)}
         for param in unit.parameters():
             if id(param) not in ignored:
                 setattr(param, SHARD_GROUP_ATTRIBUTE, group if splits else None)

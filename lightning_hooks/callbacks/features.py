@@ -16,10 +16,11 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
-from lightning_hooks._base import HookCallback, in_backward, log_step
-from lightning_hooks._compat import TENSORBOARD_LOGGERS
-from lightning_hooks._feature_store import EmbeddingSample, ShardWriter, Stage, layer_dir, load_features
-from lightning_hooks.selection import ModuleSelection
+from lightning_hooks.callbacks._base import HookCallback, log_step
+from lightning_hooks.core._compat import TENSORBOARD_LOGGERS
+from lightning_hooks.core._torch_internals import in_backward
+from lightning_hooks.core.selection import ModuleSelection
+from lightning_hooks.output._feature_store import EmbeddingSample, ShardWriter, Stage, layer_dir, load_features
 
 __all__ = ["FeatureExtractor", "Stage", "load_features"]
 
@@ -56,7 +57,7 @@ class FeatureExtractor(HookCallback):
 
     Args:
         modules: The layers to save, as globs over qualified names (``"encoder.*"``), module
-            types, a predicate or a list; see :func:`~lightning_hooks.selection.select_modules`.
+            types, a predicate or a list; see :func:`~lightning_hooks.core.selection.select_modules`.
         dirpath: Directory to write the shards under; created if needed.
         stages: The ``Trainer`` methods to extract in: any of ``"fit"``, ``"validate"``,
             ``"test"``, ``"predict"``.

@@ -18,8 +18,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from lightning_hooks._step_measure import Step
-from lightning_hooks.anomalies import FLAG_NAMES, AnomalyDetector
+from lightning_hooks.distributed._step_measure import Step
+from lightning_hooks.measure.anomalies import FLAG_NAMES, AnomalyDetector
 
 
 def _agree(trainer: pl.Trainer, votes: Tensor) -> Tensor:
@@ -79,7 +79,7 @@ def conclude(trainer: pl.Trainer, detectors: Sequence[AnomalyDetector], steps: S
     Args:
         trainer: The trainer, for the world size and the strategy.
         detectors: Per callback, the thresholds that gave its step's flags, and the running medians.
-        steps: Per callback, the step as :func:`~lightning_hooks._step_measure.measure_step` gives
+        steps: Per callback, the step as :func:`~lightning_hooks.distributed._step_measure.measure_step` gives
             it (the same figures, each with its own flags).
         extras: Per callback, more device figures to bring to the host in the same transfer, by name.
         remember: Whether a clean step's norms join the running medians: not for a closure's

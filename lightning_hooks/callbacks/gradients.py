@@ -14,19 +14,25 @@ from typing import Any, Literal, Optional
 import lightning.pytorch as pl
 from torch import Tensor
 
-from lightning_hooks._anomaly_report import AnomalyReport
-from lightning_hooks._base import _is_logged_step, _log_interval, _validate_interval, _validate_stats, log_step
-from lightning_hooks._gradient_check import GradientCheck, _check_bool
-from lightning_hooks._gradient_rows import Rows, row_figures, row_metrics, row_tags, select_rows
-from lightning_hooks._health_verdicts import UNJUDGED_RATIOS_TAG, unjudged_ratios
-from lightning_hooks._rank_agreement import Check
-from lightning_hooks._sharding import ShardGroups
-from lightning_hooks._step_measure import Step
-from lightning_hooks._update_ratio import UpdateRatio
-from lightning_hooks.aggregate import StatBlock
-from lightning_hooks.selection import ModuleSelection, check_limit, validate_limit
-from lightning_hooks.sinks import Charts, destinations, log_layout, log_scalars, log_text
-from lightning_hooks.stats import STAT_NAMES, Bins, histogram_edges
+from lightning_hooks.callbacks._anomaly_report import AnomalyReport
+from lightning_hooks.callbacks._base import (
+    _is_logged_step,
+    _log_interval,
+    _validate_interval,
+    _validate_stats,
+    log_step,
+)
+from lightning_hooks.callbacks._gradient_check import GradientCheck, _check_bool
+from lightning_hooks.callbacks._gradient_rows import Rows, row_figures, row_metrics, row_tags, select_rows
+from lightning_hooks.callbacks._update_ratio import UpdateRatio
+from lightning_hooks.core.selection import ModuleSelection, check_limit, validate_limit
+from lightning_hooks.distributed._rank_agreement import Check
+from lightning_hooks.distributed._step_measure import Step
+from lightning_hooks.measure._sharding import ShardGroups
+from lightning_hooks.measure.aggregate import StatBlock
+from lightning_hooks.measure.stats import STAT_NAMES, Bins, histogram_edges
+from lightning_hooks.output._health_verdicts import UNJUDGED_RATIOS_TAG, unjudged_ratios
+from lightning_hooks.output.sinks import Charts, destinations, log_layout, log_scalars, log_text
 
 Granularity = Literal["parameter", "module"]
 
@@ -101,7 +107,7 @@ class GradientMonitor(GradientCheck):
             ``provenance`` watches.
         stats: Which figures to log per row, from :data:`GRADIENT_STAT_NAMES`.
         histogram: Whether to write gradient histograms to TensorBoard and W&B.
-        bins: Histogram bins, see :func:`lightning_hooks.stats.histogram_edges`.
+        bins: Histogram bins, see :func:`lightning_hooks.measure.stats.histogram_edges`.
         check_finite: Flag gradients that hold a NaN or an Inf.
         max_norm: Flag a group or total norm above this as exploding.
         relative_threshold: Flag a norm above this multiple of its running median as exploding.

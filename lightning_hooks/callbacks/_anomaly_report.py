@@ -18,13 +18,13 @@ import torch
 from lightning.fabric.utilities.apply_func import move_data_to_device
 from torch import Tensor
 
-from lightning_hooks._base import log_step
-from lightning_hooks._provenance import NEVER, Located
-from lightning_hooks.sinks import log_text
+from lightning_hooks.callbacks._base import log_step
+from lightning_hooks.measure._provenance import NEVER, Located
+from lightning_hooks.output.sinks import log_text
 
 if TYPE_CHECKING:  # for types only: both import anomalies, which imports this module
-    from lightning_hooks._rank_agreement import Check
-    from lightning_hooks._step_measure import Step
+    from lightning_hooks.distributed._rank_agreement import Check
+    from lightning_hooks.distributed._step_measure import Step
 
 
 @dataclass(frozen=True)

@@ -15,10 +15,11 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.utils.tensorboard import SummaryWriter
 from torch.utils.tensorboard.summary import custom_scalars
 
-from lightning_hooks._compat import TENSORBOARD_LOGGERS, WANDB_LOGGERS
-from lightning_hooks._crc32c import speed_up
-from lightning_hooks._listeners import Histogram, listeners
-from lightning_hooks._tensorboard_wire import histogram_summary, scalar_summary
+from lightning_hooks.core._compat import TENSORBOARD_LOGGERS, WANDB_LOGGERS
+from lightning_hooks.core._torch_internals import event_file_writer
+from lightning_hooks.output._crc32c import speed_up
+from lightning_hooks.output._listeners import Histogram, listeners
+from lightning_hooks.output._tensorboard_wire import histogram_summary, scalar_summary
 
 
 def log_scalars(trainer: pl.Trainer | Any, metrics: Mapping[str, float], step: int) -> None:
@@ -64,14 +65,14 @@ _TENSORBOARD_LOG_METRICS = tuple(cls.log_metrics for cls in TENSORBOARD_LOGGERS)
 def _event_writer(logger: TensorBoardLogger) -> Any:
     """The event file writer behind torch's ``SummaryWriter``; None for tensorboardX's (other protos).
 
-    Its records get their checksums from :mod:`lightning_hooks._crc32c` (the same bytes, about
+    Its records get their checksums from :mod:`lightning_hooks.output._crc32c` (the same bytes, about
     ten times faster than TensorBoard's per-byte Python loop, which was most of a logged step's
     host time on a model of many modules).
     """
     writer = logger.experiment
     if not isinstance(writer, SummaryWriter):
         return None
-    file_writer = writer._get_file_writer()
+    file_writer = event_file_writer(writer)
     speed_up(file_writer.event_writer)
     return file_writer
 

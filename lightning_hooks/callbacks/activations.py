@@ -12,19 +12,20 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from lightning_hooks._base import (
+from lightning_hooks.callbacks._base import (
     HookCallback,
     _is_logged_step,
     _log_interval,
     _validate_interval,
     _validate_stats,
-    in_backward,
     log_step,
 )
-from lightning_hooks._stat_rows import DEFAULT_STATS, DIVERGENCE_STATS, N_FIELDS, STAT_NAMES, summarize_rows
-from lightning_hooks.aggregate import StatBlock
-from lightning_hooks.selection import ModuleSelection, check_limit, validate_limit
-from lightning_hooks.sinks import (
+from lightning_hooks.core._torch_internals import in_backward
+from lightning_hooks.core.selection import ModuleSelection, check_limit, validate_limit
+from lightning_hooks.measure._stat_rows import DEFAULT_STATS, DIVERGENCE_STATS, N_FIELDS, STAT_NAMES, summarize_rows
+from lightning_hooks.measure.aggregate import StatBlock
+from lightning_hooks.measure.stats import Bins, histogram_edges
+from lightning_hooks.output.sinks import (
     Charts,
     HistogramBlock,
     destinations,
@@ -33,7 +34,6 @@ from lightning_hooks.sinks import (
     log_scalars,
     log_text,
 )
-from lightning_hooks.stats import Bins, histogram_edges
 
 Stage = Literal["train", "validate"]
 

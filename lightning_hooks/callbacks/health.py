@@ -11,16 +11,16 @@ import lightning.pytorch as pl
 import numpy as np
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
-from lightning_hooks._compat import CALLBACK_BASES, TENSORBOARD_LOGGERS
-from lightning_hooks._health_verdicts import JUDGED, Bands, Verdicts, unjudged_ratios
-from lightning_hooks._listeners import FigureListener
-from lightning_hooks.activations import ActivationMonitor
-from lightning_hooks.gradients import GradientMonitor
-from lightning_hooks.sinks import log_text
+from lightning_hooks.callbacks.activations import ActivationMonitor
+from lightning_hooks.callbacks.gradients import GradientMonitor
+from lightning_hooks.core._compat import CALLBACK_BASES, TENSORBOARD_LOGGERS
+from lightning_hooks.output._health_verdicts import JUDGED, Bands, Verdicts, unjudged_ratios
+from lightning_hooks.output._listeners import FigureListener
+from lightning_hooks.output.sinks import log_text
 
 if TYPE_CHECKING:
-    from lightning_hooks._health_plots import Column
-    from lightning_hooks._listeners import Histogram
+    from lightning_hooks.output._health_plots import Column
+    from lightning_hooks.output._listeners import Histogram
 
 #: The figures drawn against depth, as (tag prefix, stat), with each picture's name and y axis.
 PROFILES = {
@@ -59,7 +59,7 @@ class LayerHealth(FigureListener, *CALLBACK_BASES):  # type: ignore[misc]  # the
       in forward order, one line per kind of module (Linear, ReLU...), with the healthy band.
 
     A layer is unhealthy while a logged figure is outside its band (see
-    ``lightning_hooks._health_verdicts`` for where each comes from): more than
+    ``lightning_hooks.output._health_verdicts`` for where each comes from): more than
     ``max_zero_fraction`` of its outputs exactly 0 (dead units); a gradient norm above
     ``spike_factor`` times the median of its own last ``window`` logged norms (exploding) or below the
     largest layer's divided by ``spread_factor`` (vanishing); an update ratio outside
@@ -86,7 +86,7 @@ class LayerHealth(FigureListener, *CALLBACK_BASES):  # type: ignore[misc]  # the
 
     Raises:
         ValueError: If an image or ``top_k`` argument is not a positive int, or a band is not
-            as documented on :class:`~lightning_hooks._health_verdicts.Bands`.
+            as documented on :class:`~lightning_hooks.output._health_verdicts.Bands`.
         ModuleNotFoundError: If matplotlib is not installed.
 
     Example::
@@ -159,7 +159,7 @@ class LayerHealth(FigureListener, *CALLBACK_BASES):  # type: ignore[misc]  # the
 
     def record_histograms(self, histograms: Sequence[Histogram], edges: Sequence[float], step: int) -> None:
         """Keep the activation histograms' counts, exact zeros apart, one column per logged step (bounded)."""
-        from lightning_hooks._health_plots import zero_bin
+        from lightning_hooks.output._health_plots import zero_bin
 
         shared, at = list(edges), zero_bin(edges)
         for tag, summary, counts in histograms:
@@ -208,7 +208,7 @@ class LayerHealth(FigureListener, *CALLBACK_BASES):  # type: ignore[misc]  # the
         rank_zero_info(text)
 
     def _draw(self, trainer: pl.Trainer, step: int) -> None:
-        from lightning_hooks._health_plots import heatmap_figure, profile_figure, to_rgb
+        from lightning_hooks.output._health_plots import heatmap_figure, profile_figure, to_rgb
 
         figures = [(f"health/activation_histograms/{name}",
                     heatmap_figure(name, columns, self._edges[name], self._bands.max_zero_fraction))

@@ -20,6 +20,8 @@ import numpy as np
 from tensorboard.compat.tensorflow_stub.pywrap_tensorflow import CRC_TABLE, masked_crc32c
 from tensorboard.summary.writer.record_writer import RecordWriter
 
+from lightning_hooks.core._torch_internals import record_file, record_writer
+
 _TABLE = np.asarray(CRC_TABLE, dtype=np.uint32)
 _SMALL = 4096  # below this many bytes the per-byte loop is cheaper than the set-up
 
@@ -110,7 +112,8 @@ class FastRecordWriter(RecordWriter):
     def write(self, data: bytes) -> None:
         """Write one record: its length, the length's masked CRC, the data, the data's masked CRC."""
         header = len(data).to_bytes(8, "little")
-        self._writer.write(header + masked(header).to_bytes(4, "little") + data + masked(data).to_bytes(4, "little"))
+        checked = header + masked(header).to_bytes(4, "little") + data + masked(data).to_bytes(4, "little")
+        record_file(self).write(checked)
 
 
 def speed_up(event_file_writer: Any) -> None:
@@ -118,7 +121,6 @@ def speed_up(event_file_writer: Any) -> None:
 
     Its record writer becomes a :class:`FastRecordWriter`; one of another kind is left alone.
     """
-    async_writer = getattr(event_file_writer, "_async_writer", None)
-    record_writer = getattr(async_writer, "_writer", None)
-    if type(record_writer) is RecordWriter:
-        record_writer.__class__ = FastRecordWriter
+    writer = record_writer(event_file_writer)
+    if type(writer) is RecordWriter:
+        writer.__class__ = FastRecordWriter

@@ -15,10 +15,10 @@ from typing import Any, Optional, Protocol
 import lightning.pytorch as pl
 from torch import Tensor
 
-from lightning_hooks._rank_agreement import Check, conclude
-from lightning_hooks._sharding import ShardGroupCache
-from lightning_hooks._step_measure import Step, measure_step
-from lightning_hooks.anomalies import AnomalyDetector
+from lightning_hooks.distributed._rank_agreement import Check, conclude
+from lightning_hooks.distributed._step_measure import Step, measure_step
+from lightning_hooks.measure._sharding import ShardGroupCache
+from lightning_hooks.measure.anomalies import AnomalyDetector
 
 
 class StepReader(Protocol):

@@ -17,7 +17,7 @@ from typing import Any, Optional
 
 from torch import nn
 
-from lightning_hooks.selection import clean_name, select_modules
+from lightning_hooks.core.selection import clean_name, select_modules
 
 
 @dataclass

@@ -15,7 +15,7 @@ from typing import Any, NamedTuple, Optional
 import torch
 from torch import Tensor
 
-from lightning_hooks._sharding import ShardGroups, local
+from lightning_hooks.measure._sharding import ShardGroups, local
 
 __all__ = [
     "FLAG_NAMES", "AnomalyDetector", "GradientFigures", "anomaly_flags", "gradient_figures",
@@ -85,7 +85,7 @@ def gradient_figures(
     is exact whenever no norm is infinite (a NaN norm means a NaN or opposite Infs). A group
     without gradients, and the total when there is none at all, has a NaN norm.
 
-    Sharded gradients (DTensors, see :class:`~lightning_hooks._sharding.ShardGroups`) are
+    Sharded gradients (DTensors, see :class:`~lightning_hooks.measure._sharding.ShardGroups`) are
     measured on their local shards, and the shards' squared norms and non-finite counts are
     summed over the shard groups in one collective, so every figure is of the whole gradient
     and the same on every rank.

@@ -9,9 +9,9 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from lightning_hooks._stat_rows import SUM_FIELDS, new_rows, reduce_rows, reset_rows_
-from lightning_hooks._tensor_values import as_float_values, iter_tensors
-from lightning_hooks.stats import Binning, Bins, accumulate_, histogram_edges
+from lightning_hooks.measure._stat_rows import SUM_FIELDS, new_rows, reduce_rows, reset_rows_
+from lightning_hooks.measure._tensor_values import as_float_values, iter_tensors
+from lightning_hooks.measure.stats import Binning, Bins, accumulate_, histogram_edges
 
 _CALLS = SUM_FIELDS.index("calls")
 
@@ -25,7 +25,7 @@ class StatBlock:
 
     Args:
         names: One name per row (e.g. the selected modules).
-        bins: Histogram bins, see :func:`lightning_hooks.stats.histogram_edges`.
+        bins: Histogram bins, see :func:`lightning_hooks.measure.stats.histogram_edges`.
         device: Where the rows live (the LightningModule's device).
     """
 

@@ -11,18 +11,9 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from lightning_hooks._compat import CALLBACK_BASES, configure_model_overridden
-from lightning_hooks._sharding import note_flat_shards
-from lightning_hooks.selection import ModuleSelection, select_modules, validate_selection
-
-
-def in_backward() -> bool:
-    """Whether autograd is running a backward pass right now.
-
-    Forwards inside backward are gradient checkpointing recomputing outputs that were already
-    seen. Not checked while torch.compile traces, so dynamo never sees the private call.
-    """
-    return not torch.compiler.is_compiling() and torch._C._current_graph_task_id() != -1
+from lightning_hooks.core._compat import CALLBACK_BASES, configure_model_overridden
+from lightning_hooks.core.selection import ModuleSelection, select_modules, validate_selection
+from lightning_hooks.measure._sharding import note_flat_shards
 
 
 def _validate_interval(value: Any) -> None:
@@ -93,7 +84,7 @@ class HookCallback(*CALLBACK_BASES):  # type: ignore[misc]  # the Callback of ea
     Subclasses implement :meth:`_register`, which returns the handles of the hooks it added.
 
     Args:
-        modules: Which modules to hook; see :func:`lightning_hooks.selection.select_modules`.
+        modules: Which modules to hook; see :func:`lightning_hooks.core.selection.select_modules`.
 
     Raises:
         TypeError: If ``modules`` has the wrong type.

@@ -16,7 +16,7 @@ import torch
 from lightning.pytorch.loggers import TensorBoardLogger
 from torch import Tensor
 
-from lightning_hooks.selection import close_matches
+from lightning_hooks.core.selection import close_matches
 
 Stage = Literal["fit", "validate", "test", "predict"]
 _SHARD = re.compile(r"rank(\d+)-shard(\d+)\.pt")

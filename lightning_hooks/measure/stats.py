@@ -18,10 +18,10 @@ from typing import Union
 import torch
 from torch import Tensor
 
-from lightning_hooks._device_stats import DeviceTable, accumulate_device_
-from lightning_hooks._native import NATIVE_KERNEL as _NATIVE_KERNEL
-from lightning_hooks._native import accumulate_native_, native_table
-from lightning_hooks._stat_rows import (
+from lightning_hooks.measure._device_stats import DeviceTable, accumulate_device_
+from lightning_hooks.measure._native import NATIVE_KERNEL as _NATIVE_KERNEL
+from lightning_hooks.measure._native import accumulate_native_, native_table
+from lightning_hooks.measure._stat_rows import (
     _COL,
     _MAX_SLICE,
     DEFAULT_STATS,
@@ -36,7 +36,7 @@ from lightning_hooks._stat_rows import (
     reset_rows_,
     summarize,
 )
-from lightning_hooks._tensor_values import as_float_values, iter_tensors
+from lightning_hooks.measure._tensor_values import as_float_values, iter_tensors
 
 __all__ = [
     "DEFAULT_STATS", "DIVERGENCE_STATS", "FLOAT32_MAX", "MAX_FIELDS", "NATIVE_KERNEL", "N_FIELDS", "STAT_NAMES",
@@ -168,7 +168,7 @@ def accumulate_(row: Tensor, values: Tensor, binning: Binning, calls: int = 1) -
     Contiguous float32 values on the CPU go through the fused native kernel when it is built
     (one read of the values from memory; the custom op ``lightning_hooks::accumulate_f32``, in
     eager mode and under ``torch.compile``); values on an accelerator through the twelve kernels
-    of :func:`lightning_hooks._device_stats.accumulate_device_`; everything else (the CPU
+    of :func:`lightning_hooks.measure._device_stats.accumulate_device_`; everything else (the CPU
     without the native kernel, float64 on the CPU, ``torch.compile`` on an accelerator) through
     tensor ops that inductor fuses. All give the same counts, extremes and histograms, and no host
     synchronisation; the sums are float64-exact in the native kernel and to rounding in the others.

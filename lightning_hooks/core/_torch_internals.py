@@ -1,0 +1,64 @@
+"""Every private PyTorch, FSDP and TensorBoard API the package touches, in one place.
+
+Each is a name with a leading underscore in its library: it may change in any release. Keeping
+them here means a new torch or TensorBoard release is checked against one file, and each use
+says what it needs in words. ``torch._foreach_*`` ops are not here: they are the documented fast
+path of ``torch.nn.utils.clip_grad_norm_`` and of torch's optimizers.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+
+def grad_scaler_state(scaler: torch.amp.GradScaler, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """The AMP scaler's bookkeeping for ``optimizer``: its ``"stage"`` and ``"found_inf_per_device"``.
+
+    ``GradScaler._per_optimizer_states``: torch offers no public way to ask whether ``unscale_``
+    already ran for an optimizer this step, nor what it found.
+    """
+    return scaler._per_optimizer_states[id(optimizer)]
+
+
+def fsdp1_ignored_parameters(unit: nn.Module) -> tuple[nn.Parameter, ...]:
+    """The parameters an FSDP1 unit was told to leave unsharded (``ignored_states``), or none.
+
+    ``FullyShardedDataParallel._ignored_params``: the constructor's argument is not kept publicly.
+    """
+    return tuple(getattr(unit, "_ignored_params", ()))
+
+
+def is_view(tensor: Tensor) -> bool:
+    """Whether ``tensor`` is a view of another tensor's storage (``Tensor._is_view``)."""
+    return tensor._is_view()
+
+
+def in_backward() -> bool:
+    """Whether autograd is running a backward pass right now.
+
+    Forwards inside backward are gradient checkpointing recomputing outputs that were already
+    seen. Not checked while torch.compile traces, so dynamo never sees the private call
+    (``torch._C._current_graph_task_id``).
+    """
+    return not torch.compiler.is_compiling() and torch._C._current_graph_task_id() != -1
+
+
+def event_file_writer(summary_writer: Any) -> Any:
+    """The ``FileWriter`` behind torch's ``SummaryWriter`` (``SummaryWriter._get_file_writer``)."""
+    return summary_writer._get_file_writer()
+
+
+def record_writer(event_file_writer: Any) -> Any:
+    """The ``RecordWriter`` an ``EventFileWriter`` writes through, or None where it has none.
+
+    ``EventFileWriter._async_writer._writer``: TensorBoard lets no caller choose it.
+    """
+    return getattr(getattr(event_file_writer, "_async_writer", None), "_writer", None)
+
+
+def record_file(writer: Any) -> Any:
+    """The open file a TensorBoard ``RecordWriter`` writes its bytes to (``RecordWriter._writer``)."""
+    return writer._writer
