@@ -12,7 +12,6 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from lightning_hooks.callbacks._anomaly_report import AnomalyReport
-    from lightning_hooks.callbacks._base import HookCallback
     from lightning_hooks.callbacks.activations import ActivationMonitor
     from lightning_hooks.callbacks.features import FeatureExtractor, load_features
     from lightning_hooks.callbacks.gradients import GRADIENT_STAT_NAMES, GradientMonitor
@@ -20,29 +19,31 @@ if TYPE_CHECKING:
     from lightning_hooks.callbacks.stopping import GradientAnomalyError, GradientAnomalyStopping
     from lightning_hooks.callbacks.transforms import GradientTransform
     from lightning_hooks.core.selection import ACTIVATION_NAMES, ACTIVATION_TYPES, ModuleSelection, select_modules
-    from lightning_hooks.measure.anomalies import (
-        FLAG_NAMES,
-        AnomalyDetector,
-        GradientFigures,
-        anomaly_flags,
-        gradient_figures,
-    )
-    from lightning_hooks.measure.stats import DEFAULT_STATS, DIVERGENCE_STATS, STAT_NAMES, histogram_edges
+    from lightning_hooks.measure.anomalies import FLAG_NAMES
+    from lightning_hooks.measure.stats import DEFAULT_STATS, DIVERGENCE_STATS, STAT_NAMES
 
-#: Each public name, by the module that defines it.
+#: Each public name, by the module that defines it: the callbacks, what they hand the user (reports,
+#: errors, saved features), the names their arguments take (stats, flags, module selections), and
+#: ``select_modules`` to see what a selection matches.
 _WHERE = {
     "AnomalyReport": "callbacks._anomaly_report",
-    "HookCallback": "callbacks._base",
     "ActivationMonitor": "callbacks.activations",
-    **dict.fromkeys(("FLAG_NAMES", "AnomalyDetector", "GradientFigures", "anomaly_flags", "gradient_figures"),
-                    "measure.anomalies"),
     **dict.fromkeys(("FeatureExtractor", "load_features"), "callbacks.features"),
     **dict.fromkeys(("GRADIENT_STAT_NAMES", "GradientMonitor"), "callbacks.gradients"),
     "LayerHealth": "callbacks.health",
-    **dict.fromkeys(("ACTIVATION_NAMES", "ACTIVATION_TYPES", "ModuleSelection", "select_modules"), "core.selection"),
-    **dict.fromkeys(("DEFAULT_STATS", "DIVERGENCE_STATS", "STAT_NAMES", "histogram_edges"), "measure.stats"),
     **dict.fromkeys(("GradientAnomalyError", "GradientAnomalyStopping"), "callbacks.stopping"),
     "GradientTransform": "callbacks.transforms",
+    **dict.fromkeys(("ACTIVATION_NAMES", "ACTIVATION_TYPES", "ModuleSelection", "select_modules"), "core.selection"),
+    "FLAG_NAMES": "measure.anomalies",
+    **dict.fromkeys(("DEFAULT_STATS", "DIVERGENCE_STATS", "STAT_NAMES"), "measure.stats"),
+}
+
+#: Names exported here before 0.2.0 that are internals now: still importable from here, with a
+#: deprecation warning, until 0.3.0; always from the module named.
+_DEPRECATED = {
+    "HookCallback": "callbacks._base",
+    **dict.fromkeys(("AnomalyDetector", "GradientFigures", "anomaly_flags", "gradient_figures"), "measure.anomalies"),
+    "histogram_edges": "measure.stats",
 }
 
 __all__ = [
@@ -54,20 +55,14 @@ __all__ = [
     "GRADIENT_STAT_NAMES",
     "STAT_NAMES",
     "ActivationMonitor",
-    "AnomalyDetector",
     "AnomalyReport",
     "FeatureExtractor",
     "GradientAnomalyError",
     "GradientAnomalyStopping",
-    "GradientFigures",
     "GradientMonitor",
     "GradientTransform",
-    "HookCallback",
     "LayerHealth",
     "ModuleSelection",
-    "anomaly_flags",
-    "gradient_figures",
-    "histogram_edges",
     "load_features",
     "select_modules",
 ]
@@ -76,6 +71,13 @@ __version__ = "0.1.0"
 
 def __getattr__(name: str) -> Any:
     """Import a public name from its module at first use, then keep it here."""
+    if name in _DEPRECATED:  # not kept in globals(): every use warns
+        from lightning.pytorch.utilities.rank_zero import rank_zero_deprecation
+
+        where = f"lightning_hooks.{_DEPRECATED[name]}"
+        rank_zero_deprecation(f"`lightning_hooks.{name}` is internal now and leaves the top-level API in 0.3.0;"
+                              f" import it from `{where}` (not a stable API).", stacklevel=6)
+        return getattr(importlib.import_module(where), name)
     if name not in _WHERE:
         raise AttributeError(f"module 'lightning_hooks' has no attribute {name!r}")
     value = getattr(importlib.import_module(f"lightning_hooks.{_WHERE[name]}"), name)

@@ -12,28 +12,24 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from lightning_hooks.core._compat import CALLBACK_BASES, configure_model_overridden
+from lightning_hooks.core._validation import check_int, check_names
 from lightning_hooks.core.selection import ModuleSelection, select_modules, validate_selection
 from lightning_hooks.measure._sharding import note_flat_shards
 
 
 def _validate_interval(value: Any) -> None:
     """Check a ``log_every_n_steps`` argument: a positive int (not a bool) or None."""
-    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
-        raise ValueError(f"`log_every_n_steps` must be a positive int or None, got {value!r}")
+    check_int("log_every_n_steps", value, optional=True, none_means="the Trainer's log_every_n_steps")
 
 
 def _validate_stats(stats: Any, allowed: Sequence[str]) -> None:
     """Check a ``stats`` argument: a list of names from ``allowed``."""
     if isinstance(stats, str):
-        raise ValueError(
+        raise TypeError(
             f"`stats` must be a list of names, not the string {stats!r} (read letter by letter, as the"
             f" unknown stats {list(stats)}); write stats=[{stats!r}]"
         )
-    if not isinstance(stats, Sequence):
-        raise ValueError(f"`stats` must be a list of names from {list(allowed)}, got {stats!r}")
-    unknown = [s for s in stats if s not in allowed]
-    if unknown:
-        raise ValueError(f"unknown stat(s) {unknown}; choose from {list(allowed)}")
+    check_names("stats", stats, allowed, allow_empty=True)
 
 
 def _log_interval(log_every_n_steps: Optional[int], trainer: pl.Trainer) -> int:

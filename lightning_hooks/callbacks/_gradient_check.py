@@ -10,7 +10,7 @@ one host transfer (``_rank_agreement``), and the report of an anomalous step (``
 from __future__ import annotations
 
 import os
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import lightning.pytorch as pl
 from torch import Tensor, nn
@@ -19,6 +19,8 @@ from torch.utils.hooks import RemovableHandle
 from lightning_hooks.callbacks._anomaly_report import AnomalyReport, report_step
 from lightning_hooks.callbacks._base import HookCallback
 from lightning_hooks.core._compat import BarCount, show_whole, unshow_whole
+from lightning_hooks.core._deprecation import DeprecatedAttribute
+from lightning_hooks.core._validation import check_bool, check_path
 from lightning_hooks.core.selection import ModuleSelection, named_parameters
 from lightning_hooks.distributed._rank_agreement import Check
 from lightning_hooks.distributed._shared_measurement import SharedMeasurement
@@ -27,10 +29,9 @@ from lightning_hooks.measure._provenance import NonFiniteTrace
 from lightning_hooks.measure._sharding import note_flat_shards
 from lightning_hooks.measure.anomalies import AnomalyDetector
 
-
-def _check_bool(name: str, value: Any) -> None:
-    if not isinstance(value, bool):
-        raise TypeError(f"`{name}` must be a bool, got {value!r}")
+#: The gradient callbacks' renamed arguments, old name -> new (the old ones work until 0.3.0, with a warning).
+#: ``max_norm`` only ever flagged, where torch's ``max_norm`` clips; ``dirpath`` as Lightning's ModelCheckpoint.
+RENAMED = {"max_norm": "norm_threshold", "save_dir": "dirpath"}
 
 
 class GradientCheck(HookCallback):
@@ -42,21 +43,21 @@ class GradientCheck(HookCallback):
     provenance and writes reports. Subclasses act on the result in :meth:`_handle`.
     """
 
+    max_norm = DeprecatedAttribute("max_norm", "norm_threshold")
+    save_dir = DeprecatedAttribute("save_dir", "dirpath")
+
     def __init__(
-        self, modules: ModuleSelection, check_finite: bool, max_norm: Optional[float],
+        self, modules: ModuleSelection, check_finite: bool, norm_threshold: Optional[float],
         relative_threshold: Optional[float], min_norm: Optional[float], window: int,
-        provenance: bool, save_dir: Optional[str],
+        provenance: bool, dirpath: Optional[Union[str, os.PathLike]],
     ) -> None:
         super().__init__(modules)
-        self._detector = AnomalyDetector(check_finite, max_norm, relative_threshold, min_norm, window)
-        _check_bool("provenance", provenance)
-        if save_dir is not None and not isinstance(save_dir, (str, os.PathLike)):
-            raise TypeError(f"`save_dir` must be a directory path or None, got {save_dir!r}")
-        if save_dir is not None and not os.fspath(save_dir):
-            raise ValueError("`save_dir` is empty: pass a directory, or None to save nothing")
-        self.check_finite, self.max_norm, self.min_norm = check_finite, max_norm, min_norm
+        self._detector = AnomalyDetector(check_finite, norm_threshold, relative_threshold, min_norm, window)
+        check_bool("provenance", provenance)
+        check_path("dirpath", dirpath, optional=True)
+        self.check_finite, self.norm_threshold, self.min_norm = check_finite, norm_threshold, min_norm
         self.relative_threshold, self.window = relative_threshold, window
-        self.provenance, self.save_dir = provenance, save_dir
+        self.provenance, self.dirpath = provenance, dirpath
         self._trace = NonFiniteTrace()
         self._micro_batches: list[tuple[int, Any]] = []  # (batch_idx, batch if saved) of this step
         self._stepped = False  # whether an optimizer step ran in the current batch
@@ -74,7 +75,8 @@ class GradientCheck(HookCallback):
 
     def _key(self) -> dict[str, Any]:
         """What tells two instances apart in a checkpoint, for ``state_key``."""
-        return dict(check_finite=self.check_finite, max_norm=self.max_norm,
+        # `max_norm`: the argument's name when checkpoints were first written; the key must not change.
+        return dict(check_finite=self.check_finite, max_norm=self.norm_threshold,
                     relative_threshold=self.relative_threshold, min_norm=self.min_norm)
 
     @property
@@ -140,7 +142,7 @@ class GradientCheck(HookCallback):
         if len(self._micro_batches) >= trainer.accumulate_grad_batches:  # no step came (manual optimization)
             self._new_step()
         self._trace.mark()
-        self._micro_batches.append((batch_idx, batch if self.save_dir is not None else None))
+        self._micro_batches.append((batch_idx, batch if self.dirpath is not None else None))
         self._collecting = self.provenance
 
     def on_train_batch_end(
@@ -213,7 +215,7 @@ class GradientCheck(HookCallback):
         names = [self._param_names.get(p, f"param{i}") for i, p in enumerate(step.params)]
         return report_step(trainer, pl_module, step, check, names=names, located=located, traced=self._traced,
                            module_names=self.module_names, micro_batches=self._micro_batches,
-                           save_dir=self.save_dir)
+                           save_dir=self.dirpath)
 
     def _state(self) -> dict[str, Any]:
         return {"detector": self._detector.state_dict()}

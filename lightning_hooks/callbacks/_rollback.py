@@ -10,6 +10,8 @@ from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, SingleD
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor
 
+from lightning_hooks.core._validation import check_int
+
 Outcome = Literal["clean", "kept", "rollback", "skipped"]
 
 
@@ -40,12 +42,8 @@ def validate_rollback(action: str, every_n_steps: Any, skip_batches: Any) -> Non
     Raises:
         ValueError: For a bad value, or either set without ``action="rollback"``.
     """
-    if every_n_steps is not None and (
-        not isinstance(every_n_steps, int) or isinstance(every_n_steps, bool) or every_n_steps < 1
-    ):
-        raise ValueError(f"`rollback_every_n_steps` must be a positive int or None, got {every_n_steps!r}")
-    if not isinstance(skip_batches, int) or isinstance(skip_batches, bool) or skip_batches < 0:
-        raise ValueError(f"`skip_batches` must be a non-negative int, got {skip_batches!r}")
+    check_int("rollback_every_n_steps", every_n_steps, optional=True, none_means="every 100 steps")
+    check_int("skip_batches", skip_batches, low=0)
     if action != "rollback" and (every_n_steps is not None or skip_batches):
         raise ValueError(
             f"`rollback_every_n_steps` and `skip_batches` work with `action='rollback'` only, got"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from typing import Any, Literal, Optional
+from typing import Any, Literal, Optional, Union, get_args
 
 import lightning.pytorch as pl
 import numpy as np
@@ -20,7 +20,9 @@ from lightning_hooks.callbacks._base import (
     _validate_stats,
     log_step,
 )
+from lightning_hooks.core._deprecation import DeprecatedAttribute, deprecated_arguments
 from lightning_hooks.core._torch_internals import in_backward
+from lightning_hooks.core._validation import check_bool, check_names
 from lightning_hooks.core.selection import ModuleSelection, check_limit, validate_limit
 from lightning_hooks.measure._stat_rows import DEFAULT_STATS, DIVERGENCE_STATS, N_FIELDS, STAT_NAMES, summarize_rows
 from lightning_hooks.measure.aggregate import StatBlock
@@ -79,11 +81,12 @@ class ActivationMonitor(HookCallback):
     sparse, quantized and empty tensors are skipped.
 
     Args:
-        log_every_n_steps: Log every this many optimizer steps. None: the Trainer's
-            ``log_every_n_steps``.
         modules: Which modules to watch: None (every leaf module with parameters, plus
             activation modules), a name glob, an ``nn.Module`` subclass, a predicate
-            ``(name, module) -> bool``, or a list of globs and subclasses.
+            ``(name, module) -> bool``, or a list of globs and subclasses. The only argument
+            taken by position; the others are keyword-only.
+        log_every_n_steps: Log every this many optimizer steps. None: the Trainer's
+            ``log_every_n_steps``.
         stats: Which scalars to log every logged step, from :data:`STAT_NAMES`. None (the
             default): :data:`DEFAULT_STATS` (mean, std, abs_max, zero_fraction,
             nonfinite_fraction), the last two only where they say something (above);
@@ -94,16 +97,21 @@ class ActivationMonitor(HookCallback):
             or increasing bin edges.
         inputs: Also record each module's positional inputs, as ``<module>.input``, read
             before the forward runs (so an in-place module reports the input it was given).
-        stages: ``"train"``, and ``"validate"`` to log validation forwards (summed over the
-            validation run, under ``val_activations/``, sanity check excluded).
-        max_modules: The most modules the selection may hold (None: no limit), so that a
-            default selection on a very large model fails before training with a hint instead
-            of logging thousands of tags a step.
+        stages: The loops whose forwards are logged, by Lightning's ``RunningStage`` names (as
+            ``FeatureExtractor`` names them): ``"train"``, and ``"validate"`` for the validation
+            loop of ``fit`` (summed over each validation run, under ``val_activations/``, sanity
+            check excluded). A single name or a list.
+        max_rows: The most rows (modules; with ``inputs`` a module's input shares its row's
+            count) the selection may hold (None: no limit), so that a default selection on a
+            very large model fails before training with a hint instead of logging thousands of
+            tags a step. Was ``max_modules``, deprecated (GradientMonitor's is ``max_rows`` too).
 
     Raises:
         ValueError: For an unknown stat, ``bins`` < 1, ``log_every_n_steps`` < 1, an unknown
-            stage, a bad ``max_modules``, or (before training) a module pattern that matches
-            nothing or a selection of more than ``max_modules`` modules.
+            stage, a bad ``max_rows``, or (before training) a module pattern that matches
+            nothing or a selection of more than ``max_rows`` modules.
+        TypeError: For an argument of the wrong type (a flag that is not a bool, a count that
+            is not an int, ``stages`` that is not a name or a list of names).
 
     Example::
 
@@ -113,31 +121,30 @@ class ActivationMonitor(HookCallback):
         trainer = Trainer(callbacks=[ActivationMonitor(log_every_n_steps=10, modules="encoder.*")])
     """
 
+    max_modules = DeprecatedAttribute("max_modules", "max_rows")
+
+    @deprecated_arguments("ActivationMonitor", {"max_modules": "max_rows"}, old_order=(
+        "log_every_n_steps", "modules", "stats", "histogram", "bins", "inputs", "stages", "max_rows",
+    ), positional=1, old_positional=lambda args: isinstance(args[0], int))
     def __init__(
         self,
-        log_every_n_steps: Optional[int] = None,
         modules: ModuleSelection = None,
+        *,
+        log_every_n_steps: Optional[int] = None,
         stats: Optional[Sequence[str]] = None,
         histogram: bool = True,
         bins: Bins = 128,
         inputs: bool = False,
-        stages: Sequence[Stage] = ("train",),
-        max_modules: Optional[int] = 1000,
+        stages: Union[Stage, Sequence[Stage]] = ("train",),
+        max_rows: Optional[int] = 1000,
     ) -> None:
         super().__init__(modules)
         _validate_interval(log_every_n_steps)
         _validate_stats(DEFAULT_STATS if stats is None else stats, STAT_NAMES)
-        validate_limit("max_modules", max_modules)
-        if (
-            isinstance(stages, str)
-            or not isinstance(stages, Sequence)
-            or not stages
-            or any(s not in ("train", "validate") for s in stages)
-        ):
-            raise ValueError(f"`stages` must be a non-empty list of 'train'/'validate', got {stages!r}")
-        for name, flag in (("histogram", histogram), ("inputs", inputs)):
-            if not isinstance(flag, bool):
-                raise TypeError(f"`{name}` must be True or False, got {flag!r}")
+        validate_limit("max_rows", max_rows)
+        stages = check_names("stages", stages, get_args(Stage))
+        check_bool("histogram", histogram)
+        check_bool("inputs", inputs)
         histogram_edges(bins)  # validates `bins`
         self.log_every_n_steps = log_every_n_steps
         self.stats = None if stats is None else tuple(stats)
@@ -152,7 +159,7 @@ class ActivationMonitor(HookCallback):
         self.bins = bins
         self.inputs = inputs
         self.stages = tuple(stages)
-        self.max_modules = max_modules
+        self.max_rows = max_rows
         self._every = 1
         # By prefix and stat, per module: logged only while not zero, and not zero when last logged.
         self._diverged: dict[str, dict[str, np.ndarray]] = {}
@@ -186,10 +193,10 @@ class ActivationMonitor(HookCallback):
             log_layout(trainer, self._charts(_PREFIXES[stage]), trainer.global_step)
 
     def _check_size(self) -> None:
-        """Refuse a selection of more than ``max_modules`` modules, before training."""
+        """Refuse a selection of more than ``max_rows`` modules, before training."""
         stats = len(self._always + self._from_first_zero) + ("nonfinite_fraction" in self._while_nonzero)
         tags = (stats + self.histogram) * (1 + self.inputs)
-        check_limit(type(self).__name__, "max_modules", self.max_modules, len(self._targets), tags,
+        check_limit(type(self).__name__, "max_rows", self.max_rows, len(self._targets), tags,
                     self.module_names)
 
     def _charts(self, prefix: str) -> dict[str, Charts]:

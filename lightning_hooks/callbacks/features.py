@@ -18,17 +18,29 @@ from torch.utils.hooks import RemovableHandle
 
 from lightning_hooks.callbacks._base import HookCallback, log_step
 from lightning_hooks.core._compat import TENSORBOARD_LOGGERS
+from lightning_hooks.core._deprecation import deprecated_arguments, renamed_value
 from lightning_hooks.core._torch_internals import in_backward
+from lightning_hooks.core._validation import check_int, check_names, check_path
 from lightning_hooks.core.selection import ModuleSelection
-from lightning_hooks.output._feature_store import EmbeddingSample, ShardWriter, Stage, layer_dir, load_features
+from lightning_hooks.output._feature_store import (
+    RENAMED_STAGES,
+    EmbeddingSample,
+    ShardWriter,
+    Stage,
+    layer_dir,
+    load_features,
+)
 
 __all__ = ["FeatureExtractor", "Stage", "load_features"]
 
 _STAGES: tuple[str, ...] = get_args(Stage)
 
+#: The ``Trainer`` method that runs each stage's loop, where its name differs.
+_TRAINER_FN = {"train": "fit"}
+
 
 class FeatureExtractor(HookCallback):
-    """Save the outputs of chosen layers during ``validate``/``test``/``predict`` (or ``fit``).
+    """Save the outputs of chosen layers during ``validate``/``test``/``predict`` (or training).
 
     Forward hooks copy each selected layer's output, detached, to host memory (one copy per
     layer per batch; from CUDA it is asynchronous, with one synchronize per shard). Every
@@ -37,11 +49,13 @@ class FeatureExtractor(HookCallback):
     zero-padded, counting from 0 in each run), so at most that many outputs per layer are ever
     held on host. Read them back with :func:`load_features`.
 
-    A stage name is the ``Trainer`` method: ``"validate"`` covers ``trainer.validate`` (not the
-    validation loop inside ``fit``, nor its sanity check) and ``"fit"`` covers the training
-    batches of ``trainer.fit``. Hooks are attached at the start of each enabled stage and
-    removed at its end. A new run of a stage first deletes this rank's old shards of the
-    selected layers for that stage; batches still buffered when a run raises are dropped.
+    Stages are named as Lightning's ``RunningStage`` names the loops (and as
+    ``ActivationMonitor``'s ``stages``): ``"train"`` covers the training batches of
+    ``trainer.fit`` (it was ``"fit"``, a deprecated name now), ``"validate"`` the validation
+    loop of ``trainer.validate`` (not the one inside ``fit``, nor its sanity check), ``"test"``
+    and ``"predict"`` those of ``trainer.test`` and ``trainer.predict``. Hooks are attached at
+    the start of each enabled stage and removed at its end. A new run of a stage first deletes
+    this rank's old shards of the selected layers for that stage; batches still buffered when a run raises are dropped.
 
     Layer outputs: a tensor is saved as is; from a tuple, list or dict output (an LSTM's
     ``(output, (h, c))``) the first tensor found is saved, with a warning once per layer. The
@@ -57,9 +71,10 @@ class FeatureExtractor(HookCallback):
 
     Args:
         modules: The layers to save, as globs over qualified names (``"encoder.*"``), module
-            types, a predicate or a list; see :func:`~lightning_hooks.core.selection.select_modules`.
+            types, a predicate or a list; see :func:`~lightning_hooks.select_modules`. The only
+            argument taken by position; the others are keyword-only.
         dirpath: Directory to write the shards under; created if needed.
-        stages: The ``Trainer`` methods to extract in: any of ``"fit"``, ``"validate"``,
+        stages: The loops to extract in (a name or a list): any of ``"train"``, ``"validate"``,
             ``"test"``, ``"predict"``.
         flush_every_n_batches: Batches to buffer on host before writing a shard.
         embedding_samples: If positive and a ``TensorBoardLogger`` is attached, at the end of
@@ -67,9 +82,10 @@ class FeatureExtractor(HookCallback):
             (flattened to vectors) to the TensorBoard embedding projector.
 
     Raises:
-        TypeError: If ``dirpath`` is not a path, or ``stages`` not a sequence of names.
-        ValueError: If ``modules`` is None, ``stages`` is empty or holds an unknown name, or
-            ``flush_every_n_batches`` < 1 or ``embedding_samples`` < 0; in ``setup``, if a
+        TypeError: If ``dirpath`` is not a path, ``stages`` not a name or a list of names, or
+            ``flush_every_n_batches`` or ``embedding_samples`` not an int.
+        ValueError: If ``modules`` is None, ``dirpath`` is empty, ``stages`` is empty or holds an
+            unknown name, or ``flush_every_n_batches`` < 1 or ``embedding_samples`` < 0; in ``setup``, if a
             pattern matches no module.
 
     Example::
@@ -81,9 +97,12 @@ class FeatureExtractor(HookCallback):
 
     """
 
+    @deprecated_arguments("FeatureExtractor", old_order=(
+        "modules", "dirpath", "stages", "flush_every_n_batches", "embedding_samples"), positional=1)
     def __init__(
         self,
         modules: ModuleSelection,
+        *,
         dirpath: Union[str, os.PathLike],
         stages: Union[Stage, tuple[Stage, ...], list[Stage]] = ("validate", "predict"),
         flush_every_n_batches: int = 16,
@@ -91,20 +110,17 @@ class FeatureExtractor(HookCallback):
     ) -> None:
         if modules is None:
             raise ValueError("`modules` is required: name the layers to save, e.g. modules='encoder.*'")
-        if not isinstance(dirpath, (str, os.PathLike)) or not str(dirpath):
-            raise TypeError(f"`dirpath` must be a non-empty path, got {dirpath!r}")
-        stages = (stages,) if isinstance(stages, str) else stages
-        if not isinstance(stages, (tuple, list)):
-            raise TypeError(f"`stages` must be a stage name or a tuple of them, got {stages!r}")
-        if not stages:
-            raise ValueError(f"`stages` must name at least one of {_STAGES}")
-        for stage in stages:
-            if stage not in _STAGES:
-                raise ValueError(f"`stages` items must be one of {_STAGES}, got {stage!r}")
+        check_path("dirpath", dirpath)
+        named = [stages] if isinstance(stages, str) else stages
+        if isinstance(named, (tuple, list)):
+            renamed = []
+            for stage in named:  # a loop, not a comprehension: the warning points at the user's line
+                renamed.append(renamed_value("FeatureExtractor", "stages", stage, RENAMED_STAGES, depth=3))
+            stages = renamed
+        stages = check_names("stages", stages, _STAGES)
         for arg, value, low in (("flush_every_n_batches", flush_every_n_batches, 1),
                                 ("embedding_samples", embedding_samples, 0)):
-            if not isinstance(value, int) or isinstance(value, bool) or value < low:
-                raise ValueError(f"`{arg}` must be an int >= {low}, got {value!r}")
+            check_int(arg, value, low=low)
         super().__init__(modules)
         self.dirpath = dirpath
         self.stages = tuple(stages)
@@ -163,8 +179,8 @@ class FeatureExtractor(HookCallback):
         """Attach nothing yet: hooks go on at the start of each enabled stage."""
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        """Start extracting training batches, if ``"fit"`` is enabled."""
-        self._begin(trainer, pl_module, "fit")
+        """Start extracting training batches, if ``"train"`` is enabled."""
+        self._begin(trainer, pl_module, "train")
 
     def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Start extracting, if this is ``trainer.validate`` and ``"validate"`` is enabled."""
@@ -180,7 +196,7 @@ class FeatureExtractor(HookCallback):
 
     def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
         """Open the hooks for this batch."""
-        self._batch_start(trainer, "fit")
+        self._batch_start(trainer, "train")
 
     def on_validation_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
         """Open the hooks for this batch."""
@@ -196,7 +212,7 @@ class FeatureExtractor(HookCallback):
 
     def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
         """Close the hooks; write a shard every ``flush_every_n_batches`` batches."""
-        self._batch_end("fit")
+        self._batch_end("train")
 
     def on_validation_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
         """Close the hooks; write a shard every ``flush_every_n_batches`` batches."""
@@ -212,7 +228,7 @@ class FeatureExtractor(HookCallback):
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Write the last shard and remove the hooks."""
-        self._finish(trainer, "fit")
+        self._finish(trainer, "train")
 
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Write the last shard and remove the hooks."""
@@ -235,7 +251,7 @@ class FeatureExtractor(HookCallback):
         self._buffer.clear()
 
     def _begin(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        if stage not in self.stages or trainer.state.fn != stage:
+        if stage not in self.stages or trainer.state.fn != _TRAINER_FN.get(stage, stage):
             return
         self._stage = stage
         self._buffer.clear()

@@ -8,8 +8,9 @@ logs (which gradients each covers, their figures and metrics) are in ``_gradient
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Sequence
-from typing import Any, Literal, Optional
+from typing import Any, Literal, Optional, Union
 
 import lightning.pytorch as pl
 from torch import Tensor
@@ -22,9 +23,11 @@ from lightning_hooks.callbacks._base import (
     _validate_stats,
     log_step,
 )
-from lightning_hooks.callbacks._gradient_check import GradientCheck, _check_bool
+from lightning_hooks.callbacks._gradient_check import RENAMED, GradientCheck
 from lightning_hooks.callbacks._gradient_rows import Rows, row_figures, row_metrics, row_tags, select_rows
 from lightning_hooks.callbacks._update_ratio import UpdateRatio
+from lightning_hooks.core._deprecation import deprecated_arguments
+from lightning_hooks.core._validation import check_bool, check_choice
 from lightning_hooks.core.selection import ModuleSelection, check_limit, validate_limit
 from lightning_hooks.distributed._rank_agreement import Check
 from lightning_hooks.distributed._step_measure import Step
@@ -99,17 +102,19 @@ class GradientMonitor(GradientCheck):
     settings differ.
 
     Args:
+        modules: The modules whose parameters get rows (None: every parameter, or with
+            ``"module"`` every leaf module with parameters); also the modules whose outputs
+            ``provenance`` watches. The only argument taken by position; the others are
+            keyword-only.
         log_every_n_steps: Log norms and histograms every this many optimizer steps. None: the
             Trainer's ``log_every_n_steps``.
         granularity: One row per ``"parameter"`` or per selected ``"module"``.
-        modules: The modules whose parameters get rows (None: every parameter, or with
-            ``"module"`` every leaf module with parameters); also the modules whose outputs
-            ``provenance`` watches.
         stats: Which figures to log per row, from :data:`GRADIENT_STAT_NAMES`.
         histogram: Whether to write gradient histograms to TensorBoard and W&B.
         bins: Histogram bins, see :func:`lightning_hooks.measure.stats.histogram_edges`.
         check_finite: Flag gradients that hold a NaN or an Inf.
-        max_norm: Flag a group or total norm above this as exploding.
+        norm_threshold: Flag a group or total norm above this as exploding (it only flags; to clip,
+            use the Trainer's ``gradient_clip_val``). Was ``max_norm``, deprecated.
         relative_threshold: Flag a norm above this multiple of its running median as exploding.
         min_norm: Flag a group or total norm below this as vanishing.
         window: How many clean steps the running median covers.
@@ -117,7 +122,8 @@ class GradientMonitor(GradientCheck):
             per module call and per parameter per backward), to report the first module in
             forward order whose output was non-finite, and the parameters whose gradients went
             non-finite in the order backward reached them.
-        save_dir: Save the batch and the model state of each reported step here, for replay.
+        dirpath: Save the batch and the model state of each reported step in this directory, for
+            replay. Was ``save_dir``, deprecated.
         prog_bar: Show the count of anomalous steps in the progress bar.
         max_rows: The most rows (parameters, or modules with ``"module"``) to log (None: no
             limit), so that a very large model fails before training with a hint instead of
@@ -129,49 +135,53 @@ class GradientMonitor(GradientCheck):
         ValueError: For a bad ``log_every_n_steps``, ``granularity``, stat, ``bins``,
             threshold or ``max_rows``, or (before training) a module pattern that matches
             nothing or more than ``max_rows`` rows.
-        TypeError: If ``histogram``, ``provenance``, ``prog_bar`` or ``update_ratio`` is not a bool, or
-            ``save_dir`` not a path.
+        TypeError: For an argument of the wrong type: a flag (``histogram``, ``check_finite``,
+            ``provenance``, ``prog_bar``, ``update_ratio``) that is not a bool, a count that is not
+            an int, a threshold that is not a number, a ``dirpath`` that is not a path.
 
     Example::
 
         from lightning import Trainer
         from lightning_hooks import GradientMonitor
 
-        monitor = GradientMonitor(log_every_n_steps=50, max_norm=100.0, provenance=True)
+        monitor = GradientMonitor(log_every_n_steps=50, norm_threshold=100.0, provenance=True)
         trainer = Trainer(callbacks=[monitor])
 
     """
 
+    @deprecated_arguments("GradientMonitor", RENAMED, old_order=(
+        "log_every_n_steps", "granularity", "modules", "stats", "histogram", "bins", "check_finite", "norm_threshold",
+        "relative_threshold", "min_norm", "window", "provenance", "dirpath", "prog_bar", "max_rows", "update_ratio",
+    ), positional=1, old_positional=lambda args: isinstance(args[0], int))
     def __init__(
         self,
+        modules: ModuleSelection = None,
+        *,
         log_every_n_steps: Optional[int] = None,
         granularity: Granularity = "parameter",
-        modules: ModuleSelection = None,
         stats: Sequence[str] = ("norm",),
         histogram: bool = True,
         bins: Bins = 128,
         check_finite: bool = True,
-        max_norm: Optional[float] = None,
+        norm_threshold: Optional[float] = None,
         relative_threshold: Optional[float] = None,
         min_norm: Optional[float] = None,
         window: int = 50,
         provenance: bool = False,
-        save_dir: Optional[str] = None,
+        dirpath: Optional[Union[str, os.PathLike]] = None,
         prog_bar: bool = True,
         max_rows: Optional[int] = 1000,
         update_ratio: bool = False,
     ) -> None:
-        super().__init__(modules, check_finite, max_norm, relative_threshold, min_norm, window,
-                         provenance, save_dir)
+        super().__init__(modules, check_finite, norm_threshold, relative_threshold, min_norm, window,
+                         provenance, dirpath)
         _validate_interval(log_every_n_steps)
-        if granularity not in ("parameter", "module"):
-            raise ValueError(f"`granularity` must be 'parameter' or 'module', got {granularity!r}")
+        check_choice("granularity", granularity, ("parameter", "module"))
         _validate_stats(stats, GRADIENT_STAT_NAMES)
         histogram_edges(bins)  # validates `bins`
-        _check_bool("histogram", histogram)
-        _check_bool("prog_bar", prog_bar)
+        for name, flag in (("histogram", histogram), ("prog_bar", prog_bar), ("update_ratio", update_ratio)):
+            check_bool(name, flag)
         validate_limit("max_rows", max_rows)
-        _check_bool("update_ratio", update_ratio)
         self.update_ratio = update_ratio
         self._updates = UpdateRatio()
         self._vectors: set[str] = set()  # 1-D parameters: their update ratios are not judged (LayerHealth, the tab)

@@ -14,6 +14,8 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from lightning_hooks.callbacks.activations import ActivationMonitor
 from lightning_hooks.callbacks.gradients import GradientMonitor
 from lightning_hooks.core._compat import CALLBACK_BASES, TENSORBOARD_LOGGERS
+from lightning_hooks.core._deprecation import deprecated_arguments
+from lightning_hooks.core._validation import check_int
 from lightning_hooks.output._health_verdicts import JUDGED, Bands, Verdicts, unjudged_ratios
 from lightning_hooks.output._listeners import FigureListener
 from lightning_hooks.output.sinks import log_text
@@ -29,11 +31,6 @@ PROFILES = {
     ("gradients", "norm"): ("gradient_norm", "gradient norm", True),
     ("updates", "ratio"): ("update_ratio", "update ratio", True),
 }
-
-
-def _positive_int(name: str, value: Any) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ValueError(f"`{name}` must be a positive int, got {value!r}")
 
 
 class LayerHealth(FigureListener, *CALLBACK_BASES):  # type: ignore[misc]  # the Callback of each Lightning package
@@ -72,6 +69,8 @@ class LayerHealth(FigureListener, *CALLBACK_BASES):  # type: ignore[misc]  # the
     were and recovered. The record covers one ``fit`` and is not checkpointed. Needs matplotlib
     (``pip install 'lightning-hooks[health]'``).
 
+    Every argument is keyword-only.
+
     Args:
         image_every_n_steps: Draw the pictures every this many optimizer steps.
         max_images: The most pictures of each kind to write in a ``fit``, the final one included.
@@ -98,13 +97,16 @@ class LayerHealth(FigureListener, *CALLBACK_BASES):  # type: ignore[misc]  # the
                                      LayerHealth(image_every_n_steps=500, max_zero_fraction=0.9)])
     """
 
-    def __init__(self, image_every_n_steps: int = 500, max_images: int = 10, max_panels: int = 16,
+    @deprecated_arguments("LayerHealth", old_order=(
+        "image_every_n_steps", "max_images", "max_panels", "max_columns", "top_k", "max_zero_fraction",
+        "spike_factor", "spread_factor", "update_ratio_band", "window"))
+    def __init__(self, *, image_every_n_steps: int = 500, max_images: int = 10, max_panels: int = 16,
                  max_columns: int = 100, top_k: int = 5, max_zero_fraction: float = 0.8,
                  spike_factor: float = 10.0, spread_factor: float = 1e5,
                  update_ratio_band: tuple[float, float] = (1e-4, 1e-2), window: int = 20) -> None:
         for name, value in (("image_every_n_steps", image_every_n_steps), ("max_images", max_images),
                             ("max_panels", max_panels), ("max_columns", max_columns), ("top_k", top_k)):
-            _positive_int(name, value)
+            check_int(name, value)
         self._bands = Bands(max_zero_fraction, spike_factor, spread_factor, update_ratio_band, window)
         if importlib.util.find_spec("matplotlib") is None:
             raise ModuleNotFoundError("LayerHealth draws with matplotlib: pip install 'lightning-hooks[health]'")

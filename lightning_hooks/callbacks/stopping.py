@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal, Optional
+import os
+from typing import Any, Literal, Optional, Union
 
 import lightning.pytorch as pl
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from lightning_hooks.callbacks._anomaly_report import AnomalyReport
-from lightning_hooks.callbacks._gradient_check import GradientCheck, _check_bool
+from lightning_hooks.callbacks._gradient_check import RENAMED, GradientCheck
 from lightning_hooks.callbacks._rollback import Rollback, check_strategy, validate_rollback
 from lightning_hooks.callbacks._update_drop import UpdateDrop
+from lightning_hooks.core._deprecation import deprecated_arguments
+from lightning_hooks.core._validation import check_bool, check_choice, check_int
 from lightning_hooks.core.selection import ModuleSelection
 from lightning_hooks.distributed._rank_agreement import Check
 from lightning_hooks.distributed._step_measure import Step
@@ -35,7 +38,7 @@ class GradientAnomalyStopping(GradientCheck):
     The check runs at every optimizer step in ``on_before_optimizer_step`` (after gradient
     accumulation and AMP unscaling). A step is anomalous when any enabled flag fires for all
     gradients together or for any parameter group: a NaN or Inf gradient (``check_finite``), a
-    norm above ``max_norm`` or above ``relative_threshold`` times its running median over the
+    norm above ``norm_threshold`` or above ``relative_threshold`` times its running median over the
     last ``window`` clean steps (exploding; with ``check_finite=False`` a NaN or Inf gradient
     counts as exploding), or below ``min_norm`` (vanishing). Steps whose overflow the AMP
     GradScaler handles itself (it skips them and lowers its scale) never count and leave the
@@ -97,18 +100,20 @@ class GradientAnomalyStopping(GradientCheck):
     differ. Works beside Lightning's ``EarlyStopping``.
 
     Args:
+        modules: The modules ``provenance`` watches (None: leaf modules with parameters, and
+            activation modules). The only argument taken by position; the others are keyword-only.
         action: What to do: ``"stop"``, ``"skip"``, ``"rollback"``, ``"raise"`` or ``"warn"``.
         patience: How many anomalous optimizer steps in a row to tolerate before acting.
         check_finite: Flag gradients that hold a NaN or an Inf.
-        max_norm: Flag a group or total norm above this as exploding.
+        norm_threshold: Flag a group or total norm above this as exploding (it only flags; to clip,
+            use the Trainer's ``gradient_clip_val``). Was ``max_norm``, deprecated.
         relative_threshold: Flag a norm above this multiple of its running median as exploding.
         min_norm: Flag a group or total norm below this as vanishing.
         window: How many clean steps the running median covers.
         provenance: Watch module outputs for NaN/Inf, to report the first module in forward
             order whose output was non-finite.
-        modules: The modules ``provenance`` watches (None: leaf modules with parameters, and
-            activation modules).
-        save_dir: Save the offending batch and the model state here when acting, for replay.
+        dirpath: Save the offending batch and the model state in this directory when acting, for
+            replay. Was ``save_dir``, deprecated.
         prog_bar: Show the streak of anomalous steps in the progress bar as ``anomaly_streak``.
         rollback_every_n_steps: With ``"rollback"``: refresh the snapshot after this many clean
             steps in a row (None: 100).
@@ -119,46 +124,51 @@ class GradientAnomalyStopping(GradientCheck):
             no check is enabled, for a bad ``rollback_every_n_steps`` or ``skip_batches`` or
             either without ``action="rollback"``, and (before the first step) for a rollback
             under a sharding strategy or with several optimizers.
-        TypeError: If ``provenance`` or ``prog_bar`` is not a bool, or ``save_dir`` not a path.
+        TypeError: For an argument of the wrong type: a flag (``check_finite``, ``provenance``,
+            ``prog_bar``) that is not a bool, a count that is not an int, a threshold that is not a
+            number, a ``dirpath`` that is not a path.
 
     Example::
 
         from lightning import Trainer
         from lightning_hooks import GradientAnomalyStopping
 
-        stopper = GradientAnomalyStopping(action="stop", patience=2, max_norm=1e4, provenance=True)
+        stopper = GradientAnomalyStopping(action="stop", patience=2, norm_threshold=1e4, provenance=True)
         trainer = Trainer(callbacks=[stopper])
 
     """
 
+    @deprecated_arguments("GradientAnomalyStopping", RENAMED, old_order=(
+        "action", "patience", "check_finite", "norm_threshold", "relative_threshold", "min_norm", "window",
+        "provenance", "modules", "dirpath", "prog_bar", "rollback_every_n_steps", "skip_batches",
+    ), positional=1, old_positional=lambda args: args[0] in _ACTIONS)
     def __init__(
         self,
+        modules: ModuleSelection = None,
+        *,
         action: Action = "stop",
         patience: int = 0,
         check_finite: bool = True,
-        max_norm: Optional[float] = None,
+        norm_threshold: Optional[float] = None,
         relative_threshold: Optional[float] = None,
         min_norm: Optional[float] = None,
         window: int = 50,
         provenance: bool = False,
-        modules: ModuleSelection = None,
-        save_dir: Optional[str] = None,
+        dirpath: Optional[Union[str, os.PathLike]] = None,
         prog_bar: bool = True,
         rollback_every_n_steps: Optional[int] = None,
         skip_batches: int = 0,
     ) -> None:
-        super().__init__(modules, check_finite, max_norm, relative_threshold, min_norm, window,
-                         provenance, save_dir)
-        if action not in _ACTIONS:
-            raise ValueError(f"`action` must be one of {list(_ACTIONS)}, got {action!r}")
-        if not isinstance(patience, int) or isinstance(patience, bool) or patience < 0:
-            raise ValueError(f"`patience` must be a non-negative int, got {patience!r}")
+        super().__init__(modules, check_finite, norm_threshold, relative_threshold, min_norm, window,
+                         provenance, dirpath)
+        check_choice("action", action, _ACTIONS)
+        check_int("patience", patience, low=0)
         if not self._detector.enabled_flags:
             raise ValueError(
-                "nothing to check: set `check_finite=True`, or one of `max_norm`,"
+                "nothing to check: set `check_finite=True`, or one of `norm_threshold`,"
                 " `relative_threshold`, `min_norm`"
             )
-        _check_bool("prog_bar", prog_bar)
+        check_bool("prog_bar", prog_bar)
         validate_rollback(action, rollback_every_n_steps, skip_batches)
         self.action, self.patience, self.prog_bar = action, patience, prog_bar
         self.rollback_every_n_steps, self.skip_batches = rollback_every_n_steps, skip_batches

@@ -21,6 +21,7 @@ from torch.utils.hooks import RemovableHandle
 from lightning_hooks.callbacks._base import HookCallback
 from lightning_hooks.callbacks._transform_plan import Plan, resolve_plan, validate_table
 from lightning_hooks.core._compat import configure_model_overridden
+from lightning_hooks.core._deprecation import deprecated_arguments
 from lightning_hooks.core._torch_internals import is_view
 from lightning_hooks.measure._sharding import (
     ShardGroupCache,
@@ -88,6 +89,8 @@ class GradientTransform(HookCallback):
     :class:`~lightning_hooks.callbacks._base.HookCallback`; they are not gated, so they act on every
     step. Parameters that do not require grad when fit starts are left alone.
 
+    Every argument is keyword-only.
+
     Args:
         scale: Pattern to factor multiplying the gradients of the selected parameters
             (e.g. ``{"backbone.*": 0.1}``; 0 freezes, a negative factor flips them).
@@ -120,8 +123,10 @@ class GradientTransform(HookCallback):
 
     """
 
+    @deprecated_arguments("GradientTransform", old_order=("scale", "reverse", "clip_value", "clip_norm"))
     def __init__(
         self,
+        *,
         scale: Optional[Mapping[str, float]] = None,
         reverse: Optional[Mapping[str, float]] = None,
         clip_value: Optional[Mapping[str, float]] = None,

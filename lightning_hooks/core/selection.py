@@ -9,6 +9,8 @@ from typing import Any, Optional, Union
 
 from torch import nn
 
+from lightning_hooks.core._validation import check_int
+
 ModulePredicate = Callable[[str, nn.Module], bool]
 # The order is for jsonargparse (LightningCLI): a class path such as torch.nn.Linear parses as a
 # type before it falls back to a glob, and lists serialize only with the predicate last.
@@ -146,8 +148,7 @@ def select_modules(
 
 def validate_limit(argument: str, value: Any) -> None:
     """Check a ``max_modules``-style argument: a positive int (not a bool) or None for no limit."""
-    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
-        raise ValueError(f"`{argument}` must be a positive int, or None for no limit, got {value!r}")
+    check_int(argument, value, optional=True, none_means="no limit")
 
 
 def check_limit(owner: str, argument: str, limit: Optional[int], rows: int, tags_per_row: int,

@@ -15,6 +15,7 @@ from typing import Any, NamedTuple, Optional
 import torch
 from torch import Tensor
 
+from lightning_hooks.core._validation import check_bool, check_int, check_number
 from lightning_hooks.measure._sharding import ShardGroups, local
 
 __all__ = [
@@ -144,7 +145,7 @@ def anomaly_flags(
     nonfinite: Tensor,
     *,
     check_finite: bool = True,
-    max_norm: Optional[float] = None,
+    norm_threshold: Optional[float] = None,
     min_norm: Optional[float] = None,
     relative_threshold: Optional[float] = None,
     reference: Optional[Tensor] = None,
@@ -153,7 +154,7 @@ def anomaly_flags(
 
     A column (group or total) whose gradients are not all finite is flagged ``nonfinite`` and
     never ``exploding`` or ``vanishing``; with ``check_finite=False`` it is flagged
-    ``exploding`` instead, if ``max_norm`` or ``relative_threshold`` is set, so that a NaN never
+    ``exploding`` instead, if ``norm_threshold`` or ``relative_threshold`` is set, so that a NaN never
     passes a norm check unseen. A NaN norm (a group without gradients) or a NaN reference
     flags nothing.
 
@@ -161,7 +162,7 @@ def anomaly_flags(
         group_norms: Norms per group and in total, as in :class:`GradientFigures`.
         nonfinite: Non-finite gradient counts per group and in total.
         check_finite: Flag non-finite gradients ``nonfinite`` (else ``exploding``, see above).
-        max_norm: Flag ``exploding`` above this norm.
+        norm_threshold: Flag ``exploding`` above this norm.
         min_norm: Flag ``vanishing`` below this norm.
         relative_threshold: Flag ``exploding`` above this multiple of ``reference``.
         reference: The running median norm per column; None before there is one.
@@ -172,30 +173,23 @@ def anomaly_flags(
 
     Example::
 
-        flags = anomaly_flags(figures.group_norms, figures.nonfinite, max_norm=1e3)
+        flags = anomaly_flags(figures.group_norms, figures.nonfinite, norm_threshold=1e3)
         any_exploding = flags[FLAG_NAMES.index("exploding")].any()
 
     """
     finite = nonfinite == 0
     never = torch.zeros_like(finite)
     exploding = never
-    if max_norm is not None:
-        exploding = exploding | (group_norms > max_norm)
+    if norm_threshold is not None:
+        exploding = exploding | (group_norms > norm_threshold)
     if relative_threshold is not None and reference is not None:
         exploding = exploding | (group_norms > relative_threshold * reference.to(group_norms))
     vanishing = group_norms < min_norm if min_norm is not None else never
     if check_finite:
         return torch.stack([~finite, exploding & finite, vanishing & finite])
-    if max_norm is not None or relative_threshold is not None:
+    if norm_threshold is not None or relative_threshold is not None:
         exploding = exploding | ~finite
     return torch.stack([never, exploding, vanishing & finite])
-
-
-def _check_number(name: str, value: Any, low: float, strict_low: bool) -> None:
-    is_number = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-    if value is not None and not (is_number and (value > low if strict_low else value >= low)):
-        bound = f"> {low:g}" if strict_low else f">= {low:g}"
-        raise ValueError(f"`{name}` must be a finite number {bound} or None, got {value!r}")
 
 
 @dataclass
@@ -209,41 +203,42 @@ class AnomalyDetector:
 
     Args:
         check_finite: Flag gradients that hold a NaN or an Inf as nonfinite; when off, they
-            count as exploding if ``max_norm`` or ``relative_threshold`` is set.
-        max_norm: Flag a group or total norm above this as exploding.
+            count as exploding if ``norm_threshold`` or ``relative_threshold`` is set.
+        norm_threshold: Flag a group or total norm above this as exploding.
         relative_threshold: Flag a norm above this multiple of its running median as exploding.
         min_norm: Flag a group or total norm below this as vanishing.
         window: How many clean steps the running median covers.
 
     Raises:
         ValueError: For a threshold that is not a finite positive number (``relative_threshold``
-            must be > 1), ``min_norm >= max_norm``, or ``window`` < 1.
+            must be > 1), ``min_norm >= norm_threshold``, or ``window`` < 1.
+        TypeError: For a ``check_finite`` that is not a bool, a threshold that is not a number, or
+            a ``window`` that is not an int.
 
     """
 
     check_finite: bool = True
-    max_norm: Optional[float] = None
+    norm_threshold: Optional[float] = None
     relative_threshold: Optional[float] = None
     min_norm: Optional[float] = None
     window: int = 50
 
     def __post_init__(self) -> None:
-        if not isinstance(self.check_finite, bool):
-            raise ValueError(f"`check_finite` must be a bool, got {self.check_finite!r}")
-        _check_number("max_norm", self.max_norm, 0.0, strict_low=True)
-        _check_number("min_norm", self.min_norm, 0.0, strict_low=True)
-        _check_number("relative_threshold", self.relative_threshold, 1.0, strict_low=True)
-        if self.min_norm is not None and self.max_norm is not None and self.min_norm >= self.max_norm:
-            raise ValueError(f"`min_norm` ({self.min_norm}) must be below `max_norm` ({self.max_norm})")
-        if not isinstance(self.window, int) or isinstance(self.window, bool) or self.window < 1:
-            raise ValueError(f"`window` must be a positive int, got {self.window!r}")
+        check_bool("check_finite", self.check_finite)
+        check_number("norm_threshold", self.norm_threshold, 0.0, optional=True)
+        check_number("min_norm", self.min_norm, 0.0, optional=True)
+        check_number("relative_threshold", self.relative_threshold, 1.0, optional=True)
+        if self.min_norm is not None and self.norm_threshold is not None and self.min_norm >= self.norm_threshold:
+            raise ValueError(f"`min_norm` ({self.min_norm}) must be below `norm_threshold` ({self.norm_threshold}):"
+                             " a norm cannot be both vanishing and exploding; lower one of them")
+        check_int("window", self.window)
         self._history: dict[int, Tensor] = {}
         self._seen: dict[int, int] = {}
 
     @property
     def enabled_flags(self) -> tuple[str, ...]:
         """The flags these settings can raise."""
-        exploding = self.max_norm is not None or self.relative_threshold is not None
+        exploding = self.norm_threshold is not None or self.relative_threshold is not None
         enabled = (self.check_finite, exploding, self.min_norm is not None)
         return tuple(name for name, on in zip(FLAG_NAMES, enabled) if on)
 
@@ -256,7 +251,7 @@ class AnomalyDetector:
             reference = history.nanmedian(0).values
         return anomaly_flags(
             figures.group_norms, figures.nonfinite, check_finite=self.check_finite,
-            max_norm=self.max_norm, min_norm=self.min_norm,
+            norm_threshold=self.norm_threshold, min_norm=self.min_norm,
             relative_threshold=self.relative_threshold, reference=reference,
         )
 

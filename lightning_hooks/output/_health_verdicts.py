@@ -30,6 +30,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Optional
 
+from lightning_hooks.core._validation import check_int, check_number
+
 #: The problems, in the order the summary lists them, with how each is written.
 PROBLEMS = {
     "nonfinite": "non-finite outputs",
@@ -59,27 +61,23 @@ class Bands:
     window: int = 20
 
     def __post_init__(self) -> None:
-        if not _number(self.max_zero_fraction) or not 0 < self.max_zero_fraction <= 1:
-            raise ValueError(f"`max_zero_fraction` must be a number in (0, 1], got {self.max_zero_fraction!r}")
-        for name in ("spike_factor", "spread_factor"):
-            value = getattr(self, name)
-            if not _number(value) or not value > 1:
-                raise ValueError(f"`{name}` must be a number above 1, got {value!r}")
+        check_number("max_zero_fraction", self.max_zero_fraction, 0.0, high=1.0)
+        check_number("spike_factor", self.spike_factor, 1.0)
+        check_number("spread_factor", self.spread_factor, 1.0)
         band = self.update_ratio_band
-        if (not isinstance(band, Sequence) or len(band) != 2 or not all(_number(v) for v in band)
-                or not 0 < band[0] < band[1]):
-            raise ValueError(f"`update_ratio_band` must be (low, high) with 0 < low < high, got {band!r}")
-        if not isinstance(self.window, int) or isinstance(self.window, bool) or self.window < 3:
-            raise ValueError(f"`window` must be an int of at least 3, got {self.window!r}")
+        expected = "(low, high) with 0 < low < high, e.g. update_ratio_band=(1e-4, 1e-2)"
+        if not isinstance(band, Sequence) or isinstance(band, str) or len(band) != 2:
+            raise TypeError(f"`update_ratio_band` must be {expected}, got {band!r} ({type(band).__name__})")
+        if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in band):
+            raise TypeError(f"`update_ratio_band` must be {expected}: two numbers, got {band!r}")
+        if not all(math.isfinite(v) for v in band) or not 0 < band[0] < band[1]:
+            raise ValueError(f"`update_ratio_band` must be {expected}, got {band!r}")
+        check_int("window", self.window, low=3)
 
     def titles(self) -> dict[str, str]:
         """Each problem's heading, with its threshold."""
         low, high = self.update_ratio_band
         return {key: text.format(low=low, high=high, **vars(self)) for key, text in PROBLEMS.items()}
-
-
-def _number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 #: A text entry (JSON: a list of names) GradientMonitor(update_ratio=True) writes once per fit: the

@@ -82,7 +82,7 @@ class LayersPlugin(base_plugin.TBPlugin):
         run = _required(request, "run")
         try:
             limits = bands_from_query(request.args)
-        except ValueError as error:
+        except (TypeError, ValueError) as error:
             raise errors.InvalidArgumentError(str(error)) from None
         reader = self._reader(request)
         figures = reader.figures(run)
