@@ -122,7 +122,7 @@ def configs() -> dict[str, Config]:
     """Plain training, the Quick start's three callbacks (never and always logged), and each monitor alone."""
 
     def quick_start(every: int) -> Callable[[str], list[Callback]]:
-        return lambda tmp: [ActivationMonitor(log_every_n_steps=every, max_modules=None),
+        return lambda tmp: [ActivationMonitor(log_every_n_steps=every, max_rows=None),
                             GradientMonitor(log_every_n_steps=every, max_rows=None),
                             GradientAnomalyStopping(action="skip")]
 
@@ -133,7 +133,7 @@ def configs() -> dict[str, Config]:
                quick_start(NEVER)),
         Config("quick start, logged", "the same, logging every step", quick_start(1), always),
         Config("ActivationMonitor, logged", "ActivationMonitor alone, every step",
-               lambda tmp: [ActivationMonitor(log_every_n_steps=1, max_modules=None)], always),
+               lambda tmp: [ActivationMonitor(log_every_n_steps=1, max_rows=None)], always),
         Config("GradientMonitor, logged", "GradientMonitor alone, every step",
                lambda tmp: [GradientMonitor(log_every_n_steps=1, max_rows=None)], always),
     ]}
@@ -141,7 +141,7 @@ def configs() -> dict[str, Config]:
 
 def hooked_modules(workload: Workload) -> int:
     """How many modules ActivationMonitor's default selection hooks in the workload's model."""
-    monitor = ActivationMonitor(max_modules=None)
+    monitor = ActivationMonitor(max_rows=None)
     monitor.attach(workload.model())
     count = len(monitor.module_names)
     monitor.detach()

@@ -101,7 +101,7 @@ class _ProfiledCheck(GradientAnomalyStopping):
     """Counts the launches of its own check at the third optimizer step."""
 
     def __init__(self) -> None:
-        super().__init__(action="skip", max_norm=1e6, prog_bar=False)
+        super().__init__(action="skip", norm_threshold=1e6, prog_bar=False)
         self.counted: Counter = Counter()
 
     def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: Any, optimizer: Any) -> None:

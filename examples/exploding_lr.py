@@ -48,8 +48,8 @@ def data(n: int = 1024) -> DataLoader:
 def main(log_dir: str = "runs/exploding_lr") -> None:
     quiet_lightning()
     L.seed_everything(0, verbose=False)
-    monitor = GradientMonitor(log_every_n_steps=1, max_norm=MAX_NORM, histogram=False)
-    stopper = GradientAnomalyStopping(action="stop", patience=2, max_norm=MAX_NORM, provenance=True)
+    monitor = GradientMonitor(log_every_n_steps=1, norm_threshold=MAX_NORM, histogram=False)
+    stopper = GradientAnomalyStopping(action="stop", patience=2, norm_threshold=MAX_NORM, provenance=True)
     logger = TensorBoardLogger(log_dir, name="")  # a new version_<n> folder per run
     trainer = L.Trainer(
         accelerator="cpu", max_epochs=5, logger=logger, callbacks=[monitor, stopper], log_every_n_steps=1,
@@ -64,7 +64,7 @@ def main(log_dir: str = "runs/exploding_lr") -> None:
     norms = {e.step: e.value for e in events.Scalars("gradients/total_norm")}
     flags = {name: {e.step: e.value for e in events.Scalars(f"anomalies/{name}")}
              for name in ("exploding", "nonfinite")}
-    print(f"\nstep  total gradient norm  flag (max_norm={MAX_NORM:g})")
+    print(f"\nstep  total gradient norm  flag (norm_threshold={MAX_NORM:g})")
     for step in sorted(norms):
         fired = [name for name, values in flags.items() if values[step]]
         print(f"{step:4d}  {norms[step]:19.4g}  {', '.join(fired)}")

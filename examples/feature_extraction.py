@@ -60,7 +60,7 @@ def main(out_dir: str = "runs/feature_extraction") -> None:
     L.Trainer(max_epochs=3, **quiet).fit(model, train_loader)
 
     features_dir = Path(out_dir) / "features"
-    extractor = FeatureExtractor(["encoder.2", "head"], features_dir, flush_every_n_batches=4)
+    extractor = FeatureExtractor(["encoder.2", "head"], dirpath=features_dir, flush_every_n_batches=4)
     test_set = clusters(200, seed=2)
     L.Trainer(callbacks=[extractor], **quiet).predict(model, DataLoader(test_set, batch_size=16))
 

@@ -72,7 +72,7 @@ def train(log_dir: str, name: str, stopper: Optional[GradientAnomalyStopping]) -
 def main(log_dir: str = "runs/loss_spike_rollback") -> None:
     quiet_lightning()
     plain, plain_loss = train(log_dir, "unprotected", None)
-    stopper = GradientAnomalyStopping(action="rollback", max_norm=1e3, rollback_every_n_steps=10, skip_batches=3)
+    stopper = GradientAnomalyStopping(action="rollback", norm_threshold=1e3, rollback_every_n_steps=10, skip_batches=3)
     guarded, guarded_loss = train(log_dir, "rollback", stopper)
     finite = {name: all(torch.isfinite(p).all().item() for p in m.parameters()) for name, m in
               (("unprotected", plain), ("rollback", guarded))}

@@ -54,7 +54,7 @@ def callbacks() -> list[L.Callback]:
     return [
         lh.ActivationMonitor(log_every_n_steps=20),
         lh.GradientMonitor(log_every_n_steps=20, provenance=True),
-        lh.GradientAnomalyStopping(action="skip", max_norm=1e4),
+        lh.GradientAnomalyStopping(action="skip", norm_threshold=1e4),
     ]
 
 

@@ -31,7 +31,7 @@ def main(out_dir: str) -> None:
     trainer = L.Trainer(
         accelerator="cpu", devices=2, strategy="ddp", logger=False, enable_progress_bar=False,
         enable_model_summary=False, enable_checkpointing=False,
-        callbacks=[FeatureExtractor("encoder.2", os.path.join(out_dir, "features"), flush_every_n_batches=2)],
+        callbacks=[FeatureExtractor("encoder.2", dirpath=os.path.join(out_dir, "features"), flush_every_n_batches=2)],
     )
     trainer.predict(model, DataLoader(TensorDataset(x), batch_size=4), return_predictions=False)
     if trainer.is_global_zero:

@@ -183,13 +183,13 @@ def main(out: str, mode: str, devices: int, kind: str) -> None:
     if mode == "figures":
         callbacks += [
             GradientTransform(scale={"net.0": 0.5, "net.1": 2.0}, clip_norm={"net.2": 0.05}),
-            GradientMonitor(stats=GRADIENT_STAT_NAMES, max_norm=1e6, update_ratio=True),
+            GradientMonitor(stats=GRADIENT_STAT_NAMES, norm_threshold=1e6, update_ratio=True),
             ActivationMonitor(stats=STAT_NAMES),
         ]
     else:
         callbacks.append(CountedStopping(action="stop" if mode == "stop" else "skip"))
     if mode == "unused":
-        callbacks.append(GradientMonitor(max_norm=1e6))
+        callbacks.append(GradientMonitor(norm_threshold=1e6))
     if mode == "nan":
         callbacks.append(CountedMonitor())
     strategy: Any = "auto"

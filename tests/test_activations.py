@@ -140,26 +140,26 @@ def test_hooks_removed_after_an_exception_in_training_step(tmp_path):
 
 
 @pytest.mark.parametrize(
-    ("kwargs", "error"),
+    ("kwargs", "kind", "error"),
     [
-        (dict(stats=["mean", "median"]), r"unknown stat\(s\) \['median'\]"),
-        (dict(stats="mean"), "unknown stat"),
-        (dict(bins=0), "`bins` must be a positive int"),
-        (dict(bins=[1.0, 0.5]), "strictly increasing"),
-        (dict(log_every_n_steps=0), "`log_every_n_steps` must be a positive int"),
-        (dict(stages=["test"]), "`stages` must be"),
-        (dict(stages=3), "`stages` must be"),
-        (dict(histogram="yes"), "`histogram` must be True or False"),
-        (dict(inputs=1), "`inputs` must be True or False"),
-        (dict(log_every_n_steps=True), "`log_every_n_steps` must be a positive int"),
-        (dict(modules=[]), "empty list"),
-        (dict(modules=3), "`modules` must be None"),
-        (dict(max_modules=0), r"`max_modules` must be a positive int, or None for no limit, got 0"),
-        (dict(max_modules=True), "`max_modules` must be a positive int"),
+        (dict(stats=["mean", "median"]), ValueError, r"unknown stat\(s\) \['median'\] in `stats`; choose from"),
+        (dict(stats="mean"), TypeError, r"`stats` must be a list of names, not the string 'mean'"),
+        (dict(bins=0), ValueError, "`bins` must be a positive int"),
+        (dict(bins=[1.0, 0.5]), ValueError, "strictly increasing"),
+        (dict(log_every_n_steps=0), ValueError, "`log_every_n_steps` must be a positive int or None, got 0: pass"),
+        (dict(stages=["test"]), ValueError, r"unknown stage\(s\) \['test'\] in `stages`; choose from \['train',"),
+        (dict(stages=3), TypeError, r"`stages` must be a list of names from \['train', 'validate'\], got 3 \(int\)"),
+        (dict(histogram="yes"), TypeError, r"`histogram` must be a bool, got 'yes' \(str\): pass histogram=True"),
+        (dict(inputs=1), TypeError, r"`inputs` must be a bool, got 1 \(int\)"),
+        (dict(log_every_n_steps=True), TypeError, r"`log_every_n_steps` must be a positive int or None, got True \(bool"),
+        (dict(modules=[]), ValueError, "empty list"),
+        (dict(modules=3), TypeError, "`modules` must be None"),
+        (dict(max_rows=0), ValueError, r"`max_rows` must be a positive int, or None for no limit, got 0"),
+        (dict(max_rows=True), TypeError, "`max_rows` must be a positive int"),
     ],
 )
-def test_bad_config_fails_in_the_constructor(kwargs, error):
-    with pytest.raises((ValueError, TypeError), match=error):
+def test_bad_config_fails_in_the_constructor(kwargs, kind, error):
+    with pytest.raises(kind, match=error):
         ActivationMonitor(**kwargs)
 
 

@@ -45,7 +45,7 @@ def test_a_huge_finite_gradient_whose_float32_norm_overflows_is_not_counted_nonf
     figures = gradient_figures([torch.full((4,), 1e30)], [1])
     assert figures.nonfinite.tolist() == [0, 0] and figures.bad.tolist() == [False]
     assert math.isinf(figures.norms[0])
-    assert flag(anomaly_flags(figures.group_norms, figures.nonfinite, max_norm=1e3), "exploding") == [True, True]
+    assert flag(anomaly_flags(figures.group_norms, figures.nonfinite, norm_threshold=1e3), "exploding") == [True, True]
 
 
 def test_without_exact_an_overflowing_norm_counts_as_nonfinite_and_only_then_differs():
@@ -57,7 +57,7 @@ def test_without_exact_an_overflowing_norm_counts_as_nonfinite_and_only_then_dif
 def test_a_group_without_gradients_has_a_nan_norm_and_flags_nothing():
     figures = gradient_figures(grads()[:1], [0, 1])
     assert math.isnan(figures.group_norms[0]) and figures.nonfinite[0] == 0
-    flags = anomaly_flags(figures.group_norms, figures.nonfinite, max_norm=1e-9, min_norm=1e-12)
+    flags = anomaly_flags(figures.group_norms, figures.nonfinite, norm_threshold=1e-9, min_norm=1e-12)
     assert not flags[:, 0].any() and flags[FLAG_NAMES.index("exploding"), 1:].all()
 
 
@@ -80,13 +80,13 @@ def test_no_gradients_at_all_give_nan_norms_that_flag_nothing():
     figures = gradient_figures([], [0, 0], device=torch.device("cpu"))
     assert figures.norms.shape == (0,) and figures.nonfinite.tolist() == [0, 0, 0]
     assert all(math.isnan(n) for n in figures.group_norms.tolist())
-    assert not anomaly_flags(figures.group_norms, figures.nonfinite, max_norm=1.0, min_norm=0.5).any()
+    assert not anomaly_flags(figures.group_norms, figures.nonfinite, norm_threshold=1.0, min_norm=0.5).any()
 
 
 def test_flags_for_each_threshold():
     norms = torch.tensor([0.5, 50.0, 1e-9, 50.0], dtype=torch.float64)
     nonfinite = torch.tensor([0, 0, 0, 1])
-    flags = anomaly_flags(norms, nonfinite, max_norm=10.0, min_norm=1e-6)
+    flags = anomaly_flags(norms, nonfinite, norm_threshold=10.0, min_norm=1e-6)
     assert flag(flags, "nonfinite") == [False, False, False, True]
     assert flag(flags, "exploding") == [False, True, False, False]  # non-finite is not also exploding
     assert flag(flags, "vanishing") == [False, False, True, False]
@@ -96,7 +96,7 @@ def test_flags_for_each_threshold():
 def test_with_check_finite_off_nonfinite_gradients_count_as_exploding_when_a_norm_is_checked():
     norms = torch.tensor([NAN, INF, 0.5], dtype=torch.float64)
     nonfinite = torch.tensor([1, 1, 0])
-    for kwargs in ({"max_norm": 1e9}, {"relative_threshold": 2.0}):  # no median yet: still flagged
+    for kwargs in ({"norm_threshold": 1e9}, {"relative_threshold": 2.0}):  # no median yet: still flagged
         flags = anomaly_flags(norms, nonfinite, check_finite=False, min_norm=1e-3, **kwargs)
         assert flag(flags, "exploding") == [True, True, False] and not flags[0].any()
         assert flag(flags, "vanishing") == [False, False, False]
@@ -114,18 +114,29 @@ def test_relative_flag_compares_with_the_reference_and_ignores_a_missing_one():
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
-        ({"max_norm": 0}, r"`max_norm` must be a finite number > 0 or None, got 0"),
-        ({"max_norm": math.inf}, r"`max_norm` must be a finite number"),
+        ({"norm_threshold": 0}, r"`norm_threshold` must be a finite number > 0 or None, got 0"),
+        ({"norm_threshold": math.inf}, r"`norm_threshold` must be a finite number"),
         ({"min_norm": -1.0}, r"`min_norm` must be a finite number > 0 or None, got -1.0"),
         ({"relative_threshold": 1.0}, r"`relative_threshold` must be a finite number > 1 or None, got 1.0"),
-        ({"relative_threshold": True}, r"`relative_threshold` must be a finite number > 1 or None, got True"),
-        ({"min_norm": 2.0, "max_norm": 1.0}, r"`min_norm` \(2.0\) must be below `max_norm` \(1.0\)"),
+        ({"min_norm": 2.0, "norm_threshold": 1.0}, r"`min_norm` \(2.0\) must be below `norm_threshold` \(1.0\)"),
         ({"window": 0}, r"`window` must be a positive int, got 0"),
-        ({"check_finite": "yes"}, r"`check_finite` must be a bool, got 'yes'"),
     ],
 )
 def test_detector_rejects_bad_settings(kwargs, match):
     with pytest.raises(ValueError, match=match):
+        AnomalyDetector(**kwargs)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [  # a TypeError for a value of the wrong type, as for every other argument (it was a ValueError)
+        ({"relative_threshold": True}, r"`relative_threshold` must be a finite number > 1 or None, got True \(bool\)"),
+        ({"check_finite": "yes"}, r"`check_finite` must be a bool, got 'yes' \(str\): pass check_finite=True"),
+        ({"window": 2.0}, r"`window` must be a positive int, got 2.0 \(float\)"),
+    ],
+)
+def test_detector_rejects_settings_of_the_wrong_type(kwargs, match):
+    with pytest.raises(TypeError, match=match):
         AnomalyDetector(**kwargs)
 
 

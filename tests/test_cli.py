@@ -87,13 +87,13 @@ CALLBACKS = '''
         granularity: module
         modules: [torch.nn.Linear]
         stats: [norm]
-        max_norm: 1000.0
+        norm_threshold: 1000.0
         provenance: true
     - class_path: lightning_hooks.GradientAnomalyStopping
       init_args:
         action: warn
         patience: 1
-        max_norm: 1000.0
+        norm_threshold: 1000.0
     - class_path: lightning_hooks.FeatureExtractor
       init_args:
         modules: "net.1"
@@ -153,7 +153,7 @@ def test_every_callback_is_configured_from_yaml_and_fits(tmp_path, monkeypatch):
     (extractor,) = callbacks_of(cli, FeatureExtractor)
     assert extractor.modules == "net.1" and extractor.stages == ("fit",)
     (gradients,) = callbacks_of(cli, GradientMonitor)
-    assert (gradients.granularity, gradients.modules, gradients.max_norm) == ("module", [nn.Linear], 1000.0)
+    assert (gradients.granularity, gradients.modules, gradients.norm_threshold) == ("module", [nn.Linear], 1000.0)
     (stopper,) = callbacks_of(cli, GradientAnomalyStopping)
     assert (stopper.action, stopper.patience) == ("warn", 1)
     assert (transform.scale, transform.clip_norm) == ({"net.0": 0.5}, {"net.2": 10.0})

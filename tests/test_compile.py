@@ -96,7 +96,7 @@ CASES: dict[str, tuple[Case, bool]] = {
         False,
     ),
     "FeatureExtractor": (lambda d: [FeatureExtractor(modules=["net.1", "net.4"], dirpath=d / "features",
-                                                     stages=("fit",))], False),
+                                                     stages=("train",))], False),
     "LayerHealth": (
         lambda d: [ActivationMonitor(log_every_n_steps=2), GradientMonitor(log_every_n_steps=2, update_ratio=True),
                    LayerHealth(image_every_n_steps=4)],
@@ -137,9 +137,9 @@ def test_inductor_gives_the_eager_figures(tmp_path, case, precision):
         assert got_callbacks[0].dropped_steps == 1
     if case == "FeatureExtractor":
         for layer in ("net.1", "net.4"):
-            saved = load_features(got_dir / "features", layer, stage="fit")
+            saved = load_features(got_dir / "features", layer, stage="train")
             assert saved.shape[0] == 8 * STEPS
-            want_saved = load_features(want_dir / "features", layer, stage="fit")
+            want_saved = load_features(want_dir / "features", layer, stage="train")
             torch.testing.assert_close(saved.float(), want_saved.float(), rtol=tol["rel"], atol=tol["abs"])
     if case == "ActivationMonitor":
         assert got["activations/net.0/count"] == {0: 512, 1: 512, 3: 512, 5: 512}  # (8, 64) per step, logged steps only

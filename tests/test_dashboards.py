@@ -170,23 +170,23 @@ class _Blocks(L.LightningModule):
 @pytest.mark.parametrize(
     ("monitor_class", "limit", "match"),
     [
-        (ActivationMonitor, "max_modules",
-         r"ActivationMonitor would log 12 rows \(72 tags a logged step\), over `max_modules`=5: .*\(e\.g\."
-         r" modules='blocks\.\*\.0' for one module a block, or modules=nn\.LayerNorm\), or raise `max_modules`"
+        (ActivationMonitor, 5,
+         r"ActivationMonitor would log 12 rows \(72 tags a logged step\), over `max_rows`=5: .*\(e\.g\."
+         r" modules='blocks\.\*\.0' for one module a block, or modules=nn\.LayerNorm\), or raise `max_rows`"
          r" \(None: no limit\)"),
-        (GradientMonitor, "max_rows", r"GradientMonitor would log 12 rows \(12 tags a logged step\), over"
+        (GradientMonitor, 11, r"GradientMonitor would log 12 rows \(12 tags a logged step\), over"
                                        r" `max_rows`=11: .*modules='blocks\.\*\.0'"),
     ],
 )
 def test_a_selection_over_the_limit_fails_before_training_and_says_how_to_narrow_it(
     tmp_path, monitor_class, limit, match
 ):
-    monitor = monitor_class(**{limit: 5 if limit == "max_modules" else 11})
+    monitor = monitor_class(max_rows=limit)  # one name for both: rows are modules, or parameters
     model = _Blocks()
     _Blocks.steps = 0
     with pytest.raises(ValueError, match=match):
         trainer(tmp_path, [monitor], logger=False).fit(model, loader())
     assert _Blocks.steps == 0 and forward_hook_count(model) == 0
-    setattr(monitor, limit, None)  # no limit: the same selection trains
+    monitor.max_rows = None  # no limit: the same selection trains
     trainer(tmp_path, [monitor], logger=False, max_steps=1).fit(model, loader())
     assert _Blocks.steps == 1

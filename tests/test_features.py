@@ -65,7 +65,7 @@ def shard_names(folder: Path) -> list[str]:
 
 def test_predicted_features_equal_the_layer_outputs(tmp_path: Path) -> None:
     model, x = Encoder(), inputs(20)
-    extractor = FeatureExtractor(["encoder.0", "encoder.2"], tmp_path, flush_every_n_batches=2)
+    extractor = FeatureExtractor(["encoder.0", "encoder.2"], dirpath=tmp_path, flush_every_n_batches=2)
     Trainer(callbacks=[extractor], **TRAINER).predict(model, loader(x))
 
     with torch.no_grad():
@@ -101,7 +101,7 @@ def test_memory_stays_bounded_by_the_flush_size(tmp_path: Path) -> None:
 
 
 def test_a_new_run_replaces_the_shards_of_the_last_one(tmp_path: Path) -> None:
-    model, extractor = Encoder(), FeatureExtractor("encoder.2", tmp_path, flush_every_n_batches=1)
+    model, extractor = Encoder(), FeatureExtractor("encoder.2", dirpath=tmp_path, flush_every_n_batches=1)
     trainer = Trainer(callbacks=[extractor], **TRAINER)
     trainer.predict(model, loader(inputs(20)))
     assert len(shard_names(tmp_path / "predict" / "encoder.2")) == 5
@@ -116,7 +116,7 @@ def test_shards_of_ranks_that_no_longer_exist_are_removed(tmp_path: Path) -> Non
     stale.parent.mkdir(parents=True)
     torch.save(torch.zeros(5, 3), stale)
     model = Encoder()
-    Trainer(callbacks=[FeatureExtractor("encoder.2", tmp_path)], **TRAINER).predict(model, loader(inputs(8)))
+    Trainer(callbacks=[FeatureExtractor("encoder.2", dirpath=tmp_path)], **TRAINER).predict(model, loader(inputs(8)))
     assert shard_names(stale.parent) == ["rank0-shard00000.pt"]
     assert load_features(tmp_path, "encoder.2").shape == (8, 3)
 
@@ -130,17 +130,18 @@ class Checkpointed(Encoder):
 def test_gradient_checkpointing_recomputation_is_not_saved_twice(tmp_path: Path) -> None:
     model, x = Checkpointed(), inputs(12)
     # encoder.0 is recomputed in backward (encoder.2 is not: recomputation stops early).
-    trainer = Trainer(max_epochs=1, callbacks=[FeatureExtractor("encoder.0", tmp_path, stages="fit")], **TRAINER)
+    extractor = FeatureExtractor("encoder.0", dirpath=tmp_path, stages="train")
+    trainer = Trainer(max_epochs=1, callbacks=[extractor], **TRAINER)
     trainer.fit(model, loader(x))
-    assert load_features(tmp_path, "encoder.0", "fit").shape == (12, 8)
+    assert load_features(tmp_path, "encoder.0", "train").shape == (12, 8)
 
 
 def test_only_enabled_stages_extract_and_never_the_validation_inside_fit(tmp_path: Path) -> None:
-    model, extractor = Encoder(), FeatureExtractor("encoder.2", tmp_path, stages="validate")
+    model, extractor = Encoder(), FeatureExtractor("encoder.2", dirpath=tmp_path, stages="validate")
     trainer = Trainer(max_epochs=1, num_sanity_val_steps=2, callbacks=[extractor], **TRAINER)
     trainer.fit(model, loader(inputs(8)), loader(inputs(12, seed=2)))
     trainer.predict(model, loader(inputs(8)))
-    assert not (tmp_path / "fit").exists() and not (tmp_path / "predict").exists()
+    assert not (tmp_path / "train").exists() and not (tmp_path / "predict").exists()
     assert not any((tmp_path / "validate").rglob("*.pt"))
 
     trainer.validate(model, loader(inputs(12, seed=2)))
@@ -151,10 +152,10 @@ def test_only_enabled_stages_extract_and_never_the_validation_inside_fit(tmp_pat
 
 def test_fit_stage_saves_training_batches_only(tmp_path: Path) -> None:
     model, x = Encoder(), inputs(12)
-    extractor = FeatureExtractor("encoder.2", tmp_path, stages=("fit", "test"))
+    extractor = FeatureExtractor("encoder.2", dirpath=tmp_path, stages=("train", "test"))
     trainer = Trainer(max_epochs=2, callbacks=[extractor], **TRAINER)
     trainer.fit(model, loader(x), loader(inputs(8, seed=2)))
-    assert load_features(tmp_path, "encoder.2", "fit").shape == (2 * 12, 3)  # two epochs, no validation rows
+    assert load_features(tmp_path, "encoder.2", "train").shape == (2 * 12, 3)  # two epochs, no validation rows
     trainer.test(model, loader(inputs(8, seed=2)))
     assert load_features(tmp_path, "encoder.2", "test").shape == (8, 3)
 
@@ -162,7 +163,7 @@ def test_fit_stage_saves_training_batches_only(tmp_path: Path) -> None:
 def test_hooks_live_only_during_the_stage_and_user_hooks_survive(tmp_path: Path) -> None:
     model = Encoder()
     model.encoder[2].register_forward_hook(lambda module, args, output: None)
-    extractor = FeatureExtractor(["encoder.0", "encoder.2"], tmp_path)
+    extractor = FeatureExtractor(["encoder.0", "encoder.2"], dirpath=tmp_path)
     counts: list[int] = []
 
     class Count(FeatureExtractor):
@@ -199,7 +200,7 @@ class Zoo(Encoder):
 
 def test_structured_outputs_save_their_first_tensor_and_ragged_ones_are_skipped(tmp_path: Path) -> None:
     model, x = Zoo(), inputs(7)
-    extractor = FeatureExtractor(["lstm", "structured", "ragged"], tmp_path)
+    extractor = FeatureExtractor(["lstm", "structured", "ragged"], dirpath=tmp_path)
     with pytest.warns(UserWarning) as record:
         Trainer(callbacks=[extractor], **TRAINER).predict(model, loader(x))
     messages = [str(w.message) for w in record]
@@ -215,7 +216,7 @@ def test_structured_outputs_save_their_first_tensor_and_ragged_ones_are_skipped(
 
 def test_embedding_samples_go_to_the_tensorboard_projector(tmp_path: Path) -> None:
     logger = TensorBoardLogger(tmp_path / "logs", name="", version="")
-    extractor = FeatureExtractor("encoder.0", tmp_path / "x", embedding_samples=5, flush_every_n_batches=2)
+    extractor = FeatureExtractor("encoder.0", dirpath=tmp_path / "x", embedding_samples=5, flush_every_n_batches=2)
     trainer = Trainer(callbacks=[extractor], **{**TRAINER, "logger": logger})
     trainer.predict(Encoder(), loader(inputs(20)))
     logger.experiment.flush()
@@ -231,14 +232,14 @@ def test_embedding_samples_go_to_the_tensorboard_projector(tmp_path: Path) -> No
     [
         ({"modules": None}, ValueError, "`modules` is required"),
         ({"modules": 3}, TypeError, "`modules` must be None, a name glob"),
-        ({"dirpath": ""}, TypeError, "`dirpath` must be a non-empty path, got ''"),
-        ({"dirpath": 3}, TypeError, "`dirpath` must be a non-empty path, got 3"),
-        ({"stages": ()}, ValueError, r"`stages` must name at least one of"),
-        ({"stages": {"predict"}}, TypeError, r"`stages` must be a stage name or a tuple of them"),
-        ({"stages": ("predict", "train")}, ValueError, r"`stages` items must be one of .*, got 'train'"),
-        ({"flush_every_n_batches": 0}, ValueError, "`flush_every_n_batches` must be an int >= 1, got 0"),
-        ({"flush_every_n_batches": 2.0}, ValueError, "`flush_every_n_batches` must be an int >= 1, got 2.0"),
-        ({"embedding_samples": -1}, ValueError, "`embedding_samples` must be an int >= 0, got -1"),
+        ({"dirpath": ""}, ValueError, "`dirpath` is empty: pass a directory"),
+        ({"dirpath": 3}, TypeError, r"`dirpath` must be a directory path, got 3 \(int\)"),
+        ({"stages": ()}, ValueError, r"`stages` is empty: name at least one of \['train', 'validate', 'test'"),
+        ({"stages": {"predict"}}, TypeError, r"`stages` must be a list of names from \['train', .*, got \{'predict'\}"),
+        ({"stages": ("predict", "fitting")}, ValueError, r"unknown stage\(s\) \['fitting'\] in `stages`; choose from"),
+        ({"flush_every_n_batches": 0}, ValueError, "`flush_every_n_batches` must be a positive int, got 0"),
+        ({"flush_every_n_batches": 2.0}, TypeError, r"`flush_every_n_batches` must be a positive int, got 2.0 \(float"),
+        ({"embedding_samples": -1}, ValueError, "`embedding_samples` must be a non-negative int, got -1"),
     ],
 )
 def test_bad_arguments_raise_in_the_constructor(kwargs: dict, error: type, match: str) -> None:
@@ -247,14 +248,14 @@ def test_bad_arguments_raise_in_the_constructor(kwargs: dict, error: type, match
 
 
 def test_a_pattern_matching_nothing_fails_before_any_batch(tmp_path: Path) -> None:
-    model, trainer = Encoder(), Trainer(callbacks=[FeatureExtractor("encoder.3", tmp_path)], **TRAINER)
+    model, trainer = Encoder(), Trainer(callbacks=[FeatureExtractor("encoder.3", dirpath=tmp_path)], **TRAINER)
     with pytest.raises(ValueError, match=r"'encoder.3' matched no module. Did you mean"):
         trainer.predict(model, loader(inputs(4)))
     assert model.predicted == 0 and not any(tmp_path.iterdir())
 
 
 def test_load_features_names_the_layers_that_were_saved(tmp_path: Path) -> None:
-    extractor = FeatureExtractor("encoder.*", tmp_path)
+    extractor = FeatureExtractor("encoder.*", dirpath=tmp_path)
     Trainer(callbacks=[extractor], **TRAINER).predict(Encoder(), loader(inputs(8)))
     with pytest.raises(FileNotFoundError, match=r"layer 'head' .* Layers saved for 'predict': \['encoder.0'"):
         load_features(tmp_path, "head")
@@ -269,7 +270,7 @@ class WithUnused(Encoder):
 
 
 def test_load_features_tells_a_layer_never_called_from_one_never_watched(tmp_path: Path) -> None:
-    extractor = FeatureExtractor(["encoder.0", "encoder.2", "unused"], tmp_path)
+    extractor = FeatureExtractor(["encoder.0", "encoder.2", "unused"], dirpath=tmp_path)
     Trainer(callbacks=[extractor], **TRAINER).predict(WithUnused(), loader(inputs(8)))
     saved = r"Layers saved for 'predict': \['encoder.0', 'encoder.2'\]$"  # not 'unused': nothing is in it
     with pytest.raises(FileNotFoundError, match=r"layer 'unused' .*: it was watched, but no output of it was saved"

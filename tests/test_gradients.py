@@ -23,12 +23,10 @@ def logged(rows: list[dict[str, str]], tag: str) -> dict[int, float]:
     ("kwargs", "match"),
     [
         ({"log_every_n_steps": 0}, r"`log_every_n_steps` must be a positive int or None, got 0"),
-        ({"log_every_n_steps": True}, r"`log_every_n_steps` must be a positive int or None, got True"),
-        ({"granularity": "layer"}, r"`granularity` must be 'parameter' or 'module', got 'layer'"),
+        ({"granularity": "layer"}, r"`granularity` must be one of \['parameter', 'module'\], got 'layer'"),
         ({"stats": ["norm", "median"]}, r"unknown stat\(s\) \['median'\]"),
-        ({"stats": "norm"}, r"`stats` must be a list of names, not the string 'norm' .*; write stats=\['norm'\]"),
         ({"bins": 0}, r"`bins` must be a positive int"),
-        ({"max_norm": -1}, r"`max_norm` must be a finite number > 0 or None, got -1"),
+        ({"norm_threshold": -1}, r"`norm_threshold` must be a finite number > 0 or None, got -1"),
         ({"modules": []}, r"`modules` is an empty list"),
         ({"max_rows": 0}, r"`max_rows` must be a positive int, or None for no limit, got 0"),
     ],
@@ -41,10 +39,14 @@ def test_bad_settings_fail_at_construction(kwargs, match):
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
+        ({"log_every_n_steps": True}, r"`log_every_n_steps` must be a positive int or None, got True \(bool\)"),
+        ({"stats": "norm"}, r"`stats` must be a list of names, not the string 'norm' .*; write stats=\['norm'\]"),
+        ({"check_finite": 1}, r"`check_finite` must be a bool, got 1 \(int\)"),
+        ({"norm_threshold": "1e3"}, r"`norm_threshold` must be a finite number > 0 or None, got '1e3' \(str\)"),
         ({"histogram": "yes"}, r"`histogram` must be a bool, got 'yes'"),
         ({"prog_bar": None}, r"`prog_bar` must be a bool, got None"),
         ({"provenance": 1}, r"`provenance` must be a bool, got 1"),
-        ({"save_dir": ["out"]}, r"`save_dir` must be a directory path or None, got \['out'\]"),
+        ({"dirpath": ["out"]}, r"`dirpath` must be a directory path or None, got \['out'\]"),
     ],
 )
 def test_arguments_of_the_wrong_type_fail_at_construction(kwargs, match):
@@ -70,7 +72,7 @@ def test_logged_norms_equal_the_gradients_on_logged_steps_only(tmp_path):
 
 def test_flags_are_logged_on_logged_steps_where_one_is_raised_and_at_the_step_after(tmp_path):
     torch.manual_seed(0)
-    monitor = GradientMonitor(log_every_n_steps=4, max_norm=100.0)
+    monitor = GradientMonitor(log_every_n_steps=4, norm_threshold=100.0)
     logger = CSVLogger(tmp_path, name="", version="")
     trainer(tmp_path, [monitor], logger=logger, max_steps=8).fit(GradNet(lr=1e-3, spike_steps=(5,)), loader())
     rows = csv_metrics(str(tmp_path))
@@ -84,7 +86,7 @@ def test_a_finite_gradient_whose_norm_overflows_is_measured_again_and_flagged_ex
 ):
     torch.manual_seed(0)
     exact_steps = spy_on_measurements(monkeypatch, exact_only=True)
-    monitor = GradientMonitor(log_every_n_steps=1, max_norm=1e3)
+    monitor = GradientMonitor(log_every_n_steps=1, norm_threshold=1e3)
     logger = CSVLogger(tmp_path, name="", version="")
     trainer(tmp_path, [monitor], logger=logger, max_steps=7).fit(GradNet(spike_steps=(3,)), loader())
     rows = csv_metrics(str(tmp_path))
@@ -115,7 +117,7 @@ def test_several_parameter_groups_get_their_own_norms_and_flags(tmp_path):
     torch.manual_seed(0)
     recorder = GradRecorder()
     logger = CSVLogger(tmp_path, name="", version="")
-    monitor = GradientMonitor(log_every_n_steps=1, max_norm=1e6)
+    monitor = GradientMonitor(log_every_n_steps=1, norm_threshold=1e6)
     trainer(tmp_path, [recorder, monitor], logger=logger, max_steps=1).fit(GradNet(groups=True), loader())
     rows = csv_metrics(str(tmp_path))
     first = recorder.norms[0]
@@ -158,7 +160,7 @@ def test_bf16_mixed_precision_on_cpu_reports_finite_figures(tmp_path):
 
 def test_a_nan_in_a_named_layer_is_traced_to_it_saved_for_replay_and_counted(tmp_path):
     torch.manual_seed(0)
-    monitor = GradientMonitor(log_every_n_steps=100, provenance=True, save_dir=str(tmp_path / "bad"))
+    monitor = GradientMonitor(log_every_n_steps=100, provenance=True, dirpath=str(tmp_path / "bad"))
     model = GradNet(nan_steps=(3,))
     logger = TensorBoardLogger(tmp_path, name="", version="")
     fit = trainer(tmp_path, [monitor, progress_bar("tqdm")], logger=logger, max_steps=6, enable_progress_bar=True)
@@ -181,7 +183,7 @@ def test_a_nan_in_a_named_layer_is_traced_to_it_saved_for_replay_and_counted(tmp
 
 def test_no_hook_and_no_tensor_is_kept_after_fit(tmp_path):
     model = GradNet(nan_steps=(1,))
-    monitor = GradientMonitor(provenance=True, save_dir=str(tmp_path))
+    monitor = GradientMonitor(provenance=True, dirpath=str(tmp_path))
     trainer(tmp_path, [monitor], logger=False, max_steps=3).fit(model, loader())
     assert forward_hook_count(model) == 0
     assert not any(p._post_accumulate_grad_hooks for p in model.parameters())

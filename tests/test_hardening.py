@@ -468,7 +468,7 @@ def test_no_memory_growth_over_many_logged_steps(tmp_path):
     # 5,000 in the full suite, 17 alone) are out of the count; a per-step leak still adds thousands.
     probe = MemoryProbe(first=steps // 2, last=steps, window=200)
     monitor = ActivationMonitor(stats=STAT_NAMES, log_every_n_steps=1)
-    gradients = GradientMonitor(log_every_n_steps=1, provenance=True, max_norm=1e6)
+    gradients = GradientMonitor(log_every_n_steps=1, provenance=True, norm_threshold=1e6)
     run = trainer(tmp_path, [monitor, gradients, probe], logger=csv_logger(tmp_path), max_steps=steps)
     run.fit(LitNet(mlp()), zoo_loader(4 * steps, 4))
     (t0, b0, o0), (t1, b1, o1) = probe.snap[steps // 2], probe.snap[steps]

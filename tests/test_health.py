@@ -50,27 +50,30 @@ def pixels(event: Any) -> np.ndarray:
 
 
 @pytest.mark.parametrize("name", ["image_every_n_steps", "max_images", "max_panels", "max_columns", "top_k"])
-@pytest.mark.parametrize("value", [0, 1.5, True])
-def test_bad_settings_fail_at_construction(name, value):
-    with pytest.raises(ValueError, match=rf"`{name}` must be a positive int, got {value!r}"):
+@pytest.mark.parametrize(("value", "kind"), [(0, ValueError), (1.5, TypeError), (True, TypeError)])
+def test_bad_settings_fail_at_construction(name, value, kind):
+    with pytest.raises(kind, match=rf"`{name}` must be a positive int, got {value!r}"):
         LayerHealth(**{name: value})
 
 
 @pytest.mark.parametrize(
-    ("name", "value", "match"),
+    ("name", "value", "kind", "match"),
     [
-        ("max_zero_fraction", 0, r"`max_zero_fraction` must be a number in \(0, 1\], got 0"),
-        ("max_zero_fraction", 1.5, r"`max_zero_fraction` must be a number in \(0, 1\], got 1\.5"),
-        ("max_zero_fraction", "0.8", r"`max_zero_fraction` must be a number in \(0, 1\], got '0\.8'"),
-        ("spike_factor", 1, r"`spike_factor` must be a number above 1, got 1"),
-        ("spread_factor", math.inf, r"`spread_factor` must be a number above 1, got inf"),
-        ("update_ratio_band", (1e-2, 1e-4), r"`update_ratio_band` must be \(low, high\) with 0 < low < high"),
-        ("update_ratio_band", 1e-3, r"`update_ratio_band` must be \(low, high\) with 0 < low < high, got 0\.001"),
-        ("window", 2, r"`window` must be an int of at least 3, got 2"),
+        ("max_zero_fraction", 0, ValueError, r"`max_zero_fraction` must be a number in \(0, 1\], got 0"),
+        ("max_zero_fraction", 1.5, ValueError, r"`max_zero_fraction` must be a number in \(0, 1\], got 1\.5"),
+        ("max_zero_fraction", "0.8", TypeError, r"`max_zero_fraction` must be a number in \(0, 1\], got '0\.8' \(str"),
+        ("spike_factor", 1, ValueError, r"`spike_factor` must be a finite number > 1, got 1"),
+        ("spread_factor", math.inf, ValueError, r"`spread_factor` must be a finite number > 1, got inf"),
+        ("update_ratio_band", (1e-2, 1e-4), ValueError,
+         r"`update_ratio_band` must be \(low, high\) with 0 < low < high"),
+        ("update_ratio_band", 1e-3, TypeError,
+         r"`update_ratio_band` must be \(low, high\) with 0 < low < high, got 0\.001 \(float\)"),
+        ("update_ratio_band", ("a", 1.0), TypeError, r"`update_ratio_band` must be \(low, high\) .*, two numbers, got \('a', 1\.0\)"),
+        ("window", 2, ValueError, r"`window` must be an int of at least 3, got 2"),
     ],
 )
-def test_bad_bands_fail_at_construction(name, value, match):
-    with pytest.raises(ValueError, match=match):
+def test_bad_bands_fail_at_construction(name, value, kind, match):
+    with pytest.raises(kind, match=match):
         LayerHealth(**{name: value})
 
 

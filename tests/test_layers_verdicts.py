@@ -116,7 +116,7 @@ def test_bands_from_query_parameters_are_layer_healths_and_it_validates_them():
         bands_from_query({"max_zero_fraction": "lots"})
     with pytest.raises(ValueError, match="`window` must be an int, got '2.5'"):
         bands_from_query({"window": "2.5"})
-    with pytest.raises(ValueError, match=r"`spike_factor` must be a number above 1, got 0\.5"):
+    with pytest.raises(ValueError, match=r"`spike_factor` must be a finite number > 1, got 0\.5"):
         bands_from_query({"spike_factor": "0.5"})
     with pytest.raises(ValueError, match=r"`update_ratio_band` must be \(low, high\) with 0 < low < high"):
         bands_from_query({"update_ratio_high": "1e-5"})

@@ -59,7 +59,8 @@ def _run(tmp_path: Path, callbacks: list[Any]) -> tuple[Any, dict[int, dict[str,
 def test_both_callbacks_read_one_measurement_and_act_as_they_would_alone(tmp_path: Path, monkeypatch) -> None:
     def make() -> tuple[GradientMonitor, GradientAnomalyStopping]:
         # Their own thresholds: the spike at step 3 is above the monitor's and below the stopper's.
-        return GradientMonitor(log_every_n_steps=2, max_norm=1e3), GradientAnomalyStopping(action="skip", max_norm=1e6)
+        return (GradientMonitor(log_every_n_steps=2, norm_threshold=1e3),
+                GradientAnomalyStopping(action="skip", norm_threshold=1e6))
 
     alone_monitor, alone_stopper = make()
     _, alone = _run(tmp_path / "monitor", [alone_monitor])

@@ -278,7 +278,8 @@ def test_with_no_logger_the_monitors_say_so_once_and_compute_nothing_that_would_
     added, rows = Counter(), Counter()
     monkeypatch.setattr(StatBlock, "add_all", lambda self, *a, _f=StatBlock.add_all: (added.update([1]), _f(self, *a)))
     monkeypatch.setattr(gradients, "row_figures", lambda *a, _f=gradients.row_figures: (rows.update([1]), _f(*a))[1])
-    activations, monitor = ActivationMonitor(log_every_n_steps=1), GradientMonitor(log_every_n_steps=1, max_norm=1e-9)
+    activations = ActivationMonitor(log_every_n_steps=1)
+    monitor = GradientMonitor(log_every_n_steps=1, norm_threshold=1e-9)
     with pytest.warns(UserWarning) as record:
         trainer(tmp_path, [activations, monitor], logger=False, max_steps=3).fit(TinyNet(), loader())
     messages = _messages(record)

@@ -40,12 +40,11 @@ def all_finite(model: nn.Module) -> bool:
     [
         ({"action": "halt"}, r"`action` must be one of \['stop', 'skip', 'rollback', 'raise', 'warn'\], got 'halt'"),
         ({"patience": -1}, r"`patience` must be a non-negative int, got -1"),
-        ({"patience": 1.5}, r"`patience` must be a non-negative int, got 1.5"),
-        ({"check_finite": False}, r"nothing to check: set `check_finite=True`, or one of `max_norm`"),
+        ({"check_finite": False}, r"nothing to check: set `check_finite=True`, or one of `norm_threshold`"),
         ({"relative_threshold": 0.5}, r"`relative_threshold` must be a finite number > 1 or None, got 0.5"),
         ({"window": 0}, r"`window` must be a positive int, got 0"),
         ({"modules": ""}, r"`modules` holds an empty pattern"),
-        ({"save_dir": ""}, r"`save_dir` is empty: pass a directory, or None to save nothing"),
+        ({"dirpath": ""}, r"`dirpath` is empty: pass a directory, or None to save nothing"),
     ],
 )
 def test_bad_settings_fail_at_construction(kwargs, match):
@@ -58,7 +57,9 @@ def test_bad_settings_fail_at_construction(kwargs, match):
     [
         ({"provenance": "yes"}, r"`provenance` must be a bool, got 'yes'"),
         ({"prog_bar": 1}, r"`prog_bar` must be a bool, got 1"),
-        ({"save_dir": 3}, r"`save_dir` must be a directory path or None, got 3"),
+        ({"patience": 1.5}, r"`patience` must be a non-negative int, got 1.5 \(float\)"),
+        ({"action": None}, r"`action` must be one of \['stop', 'skip', 'rollback', 'raise', 'warn'\], got None"),
+        ({"dirpath": 3}, r"`dirpath` must be a directory path or None, got 3"),
     ],
 )
 def test_arguments_of_the_wrong_type_fail_at_construction(kwargs, match):
@@ -70,7 +71,7 @@ def test_arguments_of_the_wrong_type_fail_at_construction(kwargs, match):
 def test_an_exploding_run_stops_patience_steps_after_the_first_bad_gradient(tmp_path, patience):
     torch.manual_seed(0)
     recorder = GradRecorder()
-    stopper = GradientAnomalyStopping(patience=patience, max_norm=1e3)
+    stopper = GradientAnomalyStopping(patience=patience, norm_threshold=1e3)
     model = GradNet(lr=0.5, act=nn.Identity)
     fit = trainer(tmp_path, [recorder, stopper], logger=False, max_steps=50)
     fit.fit(model, loader())
@@ -88,7 +89,7 @@ def test_an_exploding_run_stops_patience_steps_after_the_first_bad_gradient(tmp_
 
 def test_a_nan_in_a_named_layer_stops_the_run_and_the_report_names_the_layer(tmp_path):
     torch.manual_seed(0)
-    stopper = GradientAnomalyStopping(provenance=True, save_dir=str(tmp_path))
+    stopper = GradientAnomalyStopping(provenance=True, dirpath=str(tmp_path))
     model = GradNet(nan_steps=(4,))
     fit = trainer(tmp_path, [stopper], logger=False, max_steps=20)
     fit.fit(model, loader())
@@ -160,7 +161,7 @@ def test_amp_scaler_overflows_never_stop_the_run(tmp_path):
 def test_skip_under_16_mixed_with_a_fused_optimizer_measures_unscaled_gradients_and_skips(tmp_path):
     torch.manual_seed(0)
     recorder, snapshots = GradRecorder(), Snapshots()
-    stopper = GradientAnomalyStopping(action="skip", max_norm=20.0)
+    stopper = GradientAnomalyStopping(action="skip", norm_threshold=20.0)
     model = GradNet(spike_steps=(3,))
     model.configure_optimizers = lambda: torch.optim.Adam(model.parameters(), lr=0.01, fused=True)
     plugin = MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu", init_scale=16.0))
@@ -200,7 +201,7 @@ def test_an_amp_overflow_between_two_anomalous_steps_leaves_the_streak_as_it_was
             return super().training_step(batch, batch_idx) * scale
 
     torch.manual_seed(0)
-    stopper = GradientAnomalyStopping(action="skip", patience=1, max_norm=50.0)
+    stopper = GradientAnomalyStopping(action="skip", patience=1, norm_threshold=50.0)
     scaler = torch.amp.GradScaler("cpu", init_scale=1.0, growth_interval=1000)
     fit = trainer(tmp_path, [stopper], logger=False, max_steps=8,
                   plugins=[MixedPrecision("16-mixed", "cpu", scaler=scaler)])
@@ -225,7 +226,7 @@ def test_stop_works_beside_early_stopping_and_waits_for_min_steps(tmp_path):
 
 def test_with_check_finite_off_a_nan_gradient_counts_as_exploding(tmp_path):
     torch.manual_seed(0)
-    stopper = GradientAnomalyStopping(check_finite=False, max_norm=1e6)
+    stopper = GradientAnomalyStopping(check_finite=False, norm_threshold=1e6)
     fit = trainer(tmp_path, [stopper], logger=False, max_steps=20)
     model = GradNet(nan_steps=(2,))
     fit.fit(model, loader())
@@ -273,7 +274,7 @@ def test_the_progress_bar_keeps_the_streak_though_it_is_logged_only_when_it_chan
 
 def test_with_accumulation_the_report_names_and_saves_the_micro_batch_that_went_bad(tmp_path):
     torch.manual_seed(0)
-    stopper = GradientAnomalyStopping(provenance=True, save_dir=str(tmp_path))
+    stopper = GradientAnomalyStopping(provenance=True, dirpath=str(tmp_path))
     data = loader(n=64, batch_size=8)
     fit = trainer(tmp_path, [stopper], logger=False, max_steps=-1, max_epochs=1, accumulate_grad_batches=4)
     fit.fit(GradNet(nan_batches=(5,)), data)  # step 1 is batches 4 to 7: a NaN in its micro-batch 1
@@ -299,7 +300,7 @@ class StepProbe(L.Callback):
 
 def test_each_report_names_its_own_module_and_nothing_outlives_its_step(tmp_path):
     torch.manual_seed(0)
-    stopper = GradientAnomalyStopping(action="skip", provenance=True, save_dir=str(tmp_path))
+    stopper = GradientAnomalyStopping(action="skip", provenance=True, dirpath=str(tmp_path))
     probe = StepProbe(stopper)
     trainer(tmp_path, [stopper, probe], logger=False, max_steps=6).fit(
         GradNet(nan_steps=(1,), first_nan_steps=(4,)), loader()

@@ -57,7 +57,7 @@ def test_ratio_is_the_update_norm_over_the_weight_norm_on_logged_steps_only(tmp_
     original = UpdateRatio.take
     monkeypatch.setattr(UpdateRatio, "take", lambda self, *a: (taken.append(len(a[0])), original(self, *a))[1])
     torch.manual_seed(0)
-    monitor = GradientMonitor(log_every_n_steps=2, update_ratio=True, max_norm=1e6)  # a check every step
+    monitor = GradientMonitor(log_every_n_steps=2, update_ratio=True, norm_threshold=1e6)  # a check every step
     probe = fit(tmp_path, monitor, GradNet(optimizer="adam"), max_steps=5)
     got = ratios(tmp_path, "updates/net.0.weight/ratio")
     assert sorted(got) == [0, 1, 3] and len(taken) == 3  # snapshots on logged steps only

@@ -19,7 +19,7 @@ from lightning_hooks.measure._sharding import note_flat_shards
 
 def _validate_interval(value: Any) -> None:
     """Check a ``log_every_n_steps`` argument: a positive int (not a bool) or None."""
-    check_int("log_every_n_steps", value, optional=True, none_means="the Trainer's log_every_n_steps")
+    check_int("log_every_n_steps", value, optional=True)
 
 
 def _validate_stats(stats: Any, allowed: Sequence[str]) -> None:
@@ -29,7 +29,7 @@ def _validate_stats(stats: Any, allowed: Sequence[str]) -> None:
             f"`stats` must be a list of names, not the string {stats!r} (read letter by letter, as the"
             f" unknown stats {list(stats)}); write stats=[{stats!r}]"
         )
-    check_names("stats", stats, allowed, allow_empty=True)
+    check_names("stats", stats, allowed, allow_empty=True, what="stat")
 
 
 def _log_interval(log_every_n_steps: Optional[int], trainer: pl.Trainer) -> int:

@@ -42,7 +42,7 @@ def validate_rollback(action: str, every_n_steps: Any, skip_batches: Any) -> Non
     Raises:
         ValueError: For a bad value, or either set without ``action="rollback"``.
     """
-    check_int("rollback_every_n_steps", every_n_steps, optional=True, none_means="every 100 steps")
+    check_int("rollback_every_n_steps", every_n_steps, optional=True)
     check_int("skip_batches", skip_batches, low=0)
     if action != "rollback" and (every_n_steps is not None or skip_batches):
         raise ValueError(

@@ -142,7 +142,7 @@ class ActivationMonitor(HookCallback):
         _validate_interval(log_every_n_steps)
         _validate_stats(DEFAULT_STATS if stats is None else stats, STAT_NAMES)
         validate_limit("max_rows", max_rows)
-        stages = check_names("stages", stages, get_args(Stage))
+        stages = check_names("stages", stages, get_args(Stage), what="stage")
         check_bool("histogram", histogram)
         check_bool("inputs", inputs)
         histogram_edges(bins)  # validates `bins`

@@ -117,7 +117,7 @@ class FeatureExtractor(HookCallback):
             for stage in named:  # a loop, not a comprehension: the warning points at the user's line
                 renamed.append(renamed_value("FeatureExtractor", "stages", stage, RENAMED_STAGES, depth=3))
             stages = renamed
-        stages = check_names("stages", stages, _STAGES)
+        stages = check_names("stages", stages, _STAGES, what="stage")
         for arg, value, low in (("flush_every_n_batches", flush_every_n_batches, 1),
                                 ("embedding_samples", embedding_samples, 0)):
             check_int(arg, value, low=low)

@@ -24,10 +24,10 @@ def check_bool(name: str, value: Any) -> None:
 
     Example::
 
-        check_bool("histogram", "yes")  # TypeError: `histogram` must be True or False, got 'yes' (str) ...
+        check_bool("histogram", "yes")  # TypeError: `histogram` must be a bool, got 'yes' (str): pass ...
     """
     if not isinstance(value, bool):
-        raise TypeError(f"`{name}` must be True or False, {_got(value)}: pass {name}=True or {name}=False")
+        raise TypeError(f"`{name}` must be a bool, {_got(value)}: pass {name}=True or {name}=False")
 
 
 def check_int(name: str, value: Any, low: int = 1, optional: bool = False, none_means: str = "") -> None:
@@ -38,7 +38,7 @@ def check_int(name: str, value: Any, low: int = 1, optional: bool = False, none_
         value: What was passed.
         low: The smallest value allowed.
         optional: Whether None is allowed.
-        none_means: What None does, for the message (e.g. ``"no limit"``).
+        none_means: What None means, for the message (``"no limit"``: "or None for no limit").
 
     Raises:
         TypeError: If ``value`` is not an int (or None, where allowed).
@@ -46,8 +46,8 @@ def check_int(name: str, value: Any, low: int = 1, optional: bool = False, none_
     """
     if optional and value is None:
         return
-    kind = {1: "a positive int", 0: "a non-negative int"}.get(low, f"an int >= {low}")
-    expected = f"{kind} or None ({none_means})" if optional and none_means else (
+    kind = {1: "a positive int", 0: "a non-negative int"}.get(low, f"an int of at least {low}")
+    expected = f"{kind}, or None for {none_means}" if optional and none_means else (
         f"{kind} or None" if optional else kind)
     if not isinstance(value, int) or isinstance(value, bool):
         raise TypeError(f"`{name}` must be {expected}, {_got(value)}: pass e.g. {name}={max(low, 1)}")
@@ -73,9 +73,11 @@ def check_number(name: str, value: Any, low: float, strict: bool = True, high: O
     """
     if optional and value is None:
         return
-    bound = f"> {low:g}" if strict else f">= {low:g}"
-    expected = f"a finite number {bound}" + (f" and <= {high:g}" if high is not None else "") + (
-        " or None" if optional else "")
+    if high is None:
+        expected = f"a finite number {'>' if strict else '>='} {low:g}"
+    else:
+        expected = f"a number in {'(' if strict else '['}{low:g}, {high:g}]"
+    expected += " or None" if optional else ""
     if not isinstance(value, (int, float)) or isinstance(value, bool):
         raise TypeError(f"`{name}` must be {expected}, {_got(value)}: pass a number, e.g. {name}={_example(low, high)}")
     in_range = (value > low if strict else value >= low) and (high is None or value <= high)
@@ -95,8 +97,11 @@ def check_choice(name: str, value: Any, choices: Collection[str]) -> None:
         raise ValueError(f"`{name}` must be one of {list(choices)}, got {value!r}")
 
 
-def check_names(name: str, values: Any, choices: Collection[str], allow_empty: bool = False) -> tuple[str, ...]:
+def check_names(name: str, values: Any, choices: Collection[str], allow_empty: bool = False,
+                what: str = "name") -> tuple[str, ...]:
     """Check a list of names from ``choices`` (one bare name is taken as a list of it); return them as a tuple.
+
+    ``what`` is a name's kind, for the message (``"stat"``: "unknown stat(s) ['median'] in `stats`").
 
     Raises:
         TypeError: If ``values`` is not a string or a list or tuple of strings.
@@ -109,7 +114,7 @@ def check_names(name: str, values: Any, choices: Collection[str], allow_empty: b
         raise ValueError(f"`{name}` is empty: name at least one of {list(choices)}")
     unknown = [v for v in names if v not in choices]
     if unknown:
-        raise ValueError(f"`{name}` holds unknown name(s) {unknown}: choose from {list(choices)}")
+        raise ValueError(f"unknown {what}(s) {unknown} in `{name}`; choose from {list(choices)}")
     return tuple(names)
 
 
@@ -117,8 +122,8 @@ def check_path(name: str, value: Any, optional: bool = False) -> None:
     """Check a directory argument: a non-empty ``str`` or ``os.PathLike`` (or None, where ``optional``)."""
     if optional and value is None:
         return
-    expected = "a directory path (str or os.PathLike)" + (" or None" if optional else "")
+    expected = "a directory path" + (" or None" if optional else "")
     if not isinstance(value, (str, os.PathLike)):
-        raise TypeError(f"`{name}` must be {expected}, {_got(value)}")
+        raise TypeError(f"`{name}` must be {expected}, {_got(value)}: pass a str or an os.PathLike")
     if not os.fspath(value):
         raise ValueError(f"`{name}` is empty: pass a directory" + (", or None to save nothing" if optional else ""))

@@ -65,13 +65,13 @@ class Bands:
         check_number("spike_factor", self.spike_factor, 1.0)
         check_number("spread_factor", self.spread_factor, 1.0)
         band = self.update_ratio_band
-        expected = "(low, high) with 0 < low < high, e.g. update_ratio_band=(1e-4, 1e-2)"
+        expected, fix = "(low, high) with 0 < low < high", "e.g. update_ratio_band=(1e-4, 1e-2)"
         if not isinstance(band, Sequence) or isinstance(band, str) or len(band) != 2:
-            raise TypeError(f"`update_ratio_band` must be {expected}, got {band!r} ({type(band).__name__})")
+            raise TypeError(f"`update_ratio_band` must be {expected}, got {band!r} ({type(band).__name__}): {fix}")
         if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in band):
-            raise TypeError(f"`update_ratio_band` must be {expected}: two numbers, got {band!r}")
+            raise TypeError(f"`update_ratio_band` must be {expected}, two numbers, got {band!r}: {fix}")
         if not all(math.isfinite(v) for v in band) or not 0 < band[0] < band[1]:
-            raise ValueError(f"`update_ratio_band` must be {expected}, got {band!r}")
+            raise ValueError(f"`update_ratio_band` must be {expected}, got {band!r}: {fix}")
         check_int("window", self.window, low=3)
 
     def titles(self) -> dict[str, str]:
