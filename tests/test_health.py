@@ -68,7 +68,8 @@ def test_bad_settings_fail_at_construction(name, value, kind):
          r"`update_ratio_band` must be \(low, high\) with 0 < low < high"),
         ("update_ratio_band", 1e-3, TypeError,
          r"`update_ratio_band` must be \(low, high\) with 0 < low < high, got 0\.001 \(float\)"),
-        ("update_ratio_band", ("a", 1.0), TypeError, r"`update_ratio_band` must be \(low, high\) .*, two numbers, got \('a', 1\.0\)"),
+        ("update_ratio_band", ("a", 1.0), TypeError,
+         r"`update_ratio_band` must be \(low, high\) .*, two numbers, got \('a', 1\.0\)"),
         ("window", 2, ValueError, r"`window` must be an int of at least 3, got 2"),
     ],
 )
