@@ -72,10 +72,10 @@ __version__ = "0.1.0"
 def __getattr__(name: str) -> Any:
     """Import a public name from its module at first use, then keep it here."""
     if name in _DEPRECATED:  # not kept in globals(): every use warns
-        from lightning.pytorch.utilities.rank_zero import rank_zero_deprecation
+        from lightning_hooks.core._deprecation import deprecate
 
         where = f"lightning_hooks.{_DEPRECATED[name]}"
-        rank_zero_deprecation(f"`lightning_hooks.{name}` is internal now and leaves the top-level API in 0.3.0;"
+        deprecate(f"`lightning_hooks.{name}` is internal now and leaves the top-level API in 0.3.0;"
                               f" import it from `{where}` (not a stable API).", stacklevel=6)
         return getattr(importlib.import_module(where), name)
     if name not in _WHERE:

@@ -13,6 +13,7 @@ import functools
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Optional, TypeVar
 
+from lightning.fabric.utilities.rank_zero import LightningDeprecationWarning
 from lightning.pytorch.utilities.rank_zero import rank_zero_deprecation
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -23,6 +24,16 @@ REMOVED_IN = "0.3.0"
 #: ``rank_zero_deprecation``'s ``stacklevel`` that points at the line calling its caller: its own
 #: default (5) points at its caller, through Lightning's ``rank_zero_warn`` and ``rank_zero_only``.
 _CALLER = 5
+
+
+def deprecate(message: str, stacklevel: int = _CALLER) -> None:
+    """Warn once per call site, on rank zero, with Lightning's ``LightningDeprecationWarning``.
+
+    The category is named, not left to ``rank_zero_deprecation``'s default: that default is a
+    global that ``lightning`` and ``pytorch_lightning`` each set to their own class on import.
+    ``stacklevel`` is ``rank_zero_deprecation``'s, as seen from the caller of this function.
+    """
+    rank_zero_deprecation(message, stacklevel=stacklevel + 1, category=LightningDeprecationWarning)
 
 
 def deprecated_arguments(owner: str, renamed: Optional[Mapping[str, str]] = None,
@@ -51,7 +62,7 @@ def deprecated_arguments(owner: str, renamed: Optional[Mapping[str, str]] = None
                 if old in kwargs:
                     if new in kwargs:
                         raise TypeError(f"{owner}: pass `{new}` only; `{old}` is its deprecated name")
-                    rank_zero_deprecation(f"{owner}(`{old}=`) is deprecated and will be removed in {REMOVED_IN}:"
+                    deprecate(f"{owner}(`{old}=`) is deprecated and will be removed in {REMOVED_IN}:"
                                           f" write `{new}=` instead.", stacklevel=_CALLER + 1)
                     kwargs[new] = kwargs.pop(old)
             init(self, *args, **kwargs)
@@ -70,7 +81,7 @@ def _by_keyword(owner: str, old_order: Sequence[str], args: tuple[Any, ...], kwa
     if twice:
         raise TypeError(f"{owner}() got multiple values for {twice}")
     call = ", ".join(f"{n}={a!r}" for n, a in zip(names, args))
-    rank_zero_deprecation(f"{owner}: passing {list(names)} by position is deprecated and will stop working in"
+    deprecate(f"{owner}: passing {list(names)} by position is deprecated and will stop working in"
                           f" {REMOVED_IN}: every argument after `modules` is keyword-only; write {owner}({call}).",
                           stacklevel=_CALLER + 2)
     return {**dict(zip(names, args)), **kwargs}
@@ -89,7 +100,7 @@ class DeprecatedAttribute:
         self.old, self.new = old, new
 
     def _warn(self, owner: type) -> None:
-        rank_zero_deprecation(f"{owner.__name__}.{self.old} is deprecated and will be removed in {REMOVED_IN}:"
+        deprecate(f"{owner.__name__}.{self.old} is deprecated and will be removed in {REMOVED_IN}:"
                               f" use `{self.new}` instead.", stacklevel=_CALLER + 2)
 
     def __get__(self, instance: Any, owner: type) -> Any:
@@ -114,7 +125,7 @@ def renamed_value(owner: str, argument: str, value: Any, renamed: Mapping[str, s
     warning points at the user's line).
     """
     if isinstance(value, str) and value in renamed:
-        rank_zero_deprecation(f"{owner}(`{argument}={value!r}`) is deprecated and will be removed in {REMOVED_IN}:"
+        deprecate(f"{owner}(`{argument}={value!r}`) is deprecated and will be removed in {REMOVED_IN}:"
                               f" write `{argument}={renamed[value]!r}` instead.", stacklevel=_CALLER + depth)
         return renamed[value]
     return value
