@@ -1,4 +1,4 @@
-"""Renamed arguments, positional calls and exports that left the top level: they work for one release, with a warning."""
+"""Renamed arguments, positional calls, exports that left the top level: they work for a release, with a warning."""
 
 from __future__ import annotations
 
