@@ -18,6 +18,7 @@ from torch import nn
 
 from lightning_hooks import ActivationMonitor, GradientMonitor, LayerHealth
 from lightning_hooks.output._health_plots import heatmap_figure, image_size, to_rgb
+from lightning_hooks.output.figures import HistogramBlock
 from tests.helpers import TinyNet, events, loader, trainer
 
 HEATMAP, PROFILE = "health/activation_histograms", "health/depth_profile"
@@ -110,10 +111,10 @@ def test_exact_zeros_are_drawn_apart_and_a_dead_module_stands_out_from_a_half_ze
     edges = [-2.0, -1.0, 0.0, 1.0, 2.0]  # exact zeros land in the (-1, 0] bin, with the small negatives
     health = LayerHealth()
     for step in range(4):
-        health.record_histograms([
-            ("activations/dead", {"zero_fraction": 0.95, "count": 100}, [0, 95, 5, 0]),
-            ("activations/half", {"zero_fraction": 0.5, "count": 100}, [0, 60, 30, 10]),
-        ], edges, step)
+        health.record_histograms(HistogramBlock.of("activations", [
+            ("dead", {"zero_fraction": 0.95, "count": 100}, [0, 95, 5, 0]),
+            ("half", {"zero_fraction": 0.5, "count": 100}, [0, 60, 30, 10]),
+        ]), edges, step)
     assert [(s, list(c), z) for s, c, z in health._columns["half"]][0] == (0, [0, 10, 30, 10], 50)
     figures = {name: to_rgb(heatmap_figure(name, health._columns[name], edges, 0.8)) for name in ("dead", "half")}
     assert _red(figures["dead"]) > 20 * _red(figures["half"]) > 0  # the half-zero one: only the threshold line
@@ -167,9 +168,10 @@ def test_it_adds_no_host_transfer_and_no_device_work(tmp_path, monkeypatch):
 def test_a_heatmap_panel_keeps_at_most_max_columns_steps_spread_over_the_run():
     health = LayerHealth(max_columns=4, max_panels=1)
     for step in range(10):
-        health.record_histograms([("activations/a", {}, [step, 1.0]), ("activations/b", {}, [1.0, 1.0])],
+        health.record_histograms(HistogramBlock.of("activations", [("a", {}, [step, 1.0]), ("b", {}, [1.0, 1.0])]),
                                  [-1.0, 0.0, 1.0], step)
-        health.record_histograms([("gradients/a", {}, [1.0] * 4)], [-2.0, -1.0, 0.0, 1.0, 2.0], step)  # other bins
+        health.record_histograms(HistogramBlock.of("gradients", [("a", {}, [1.0] * 4)]),  # other bins
+                                 [-2.0, -1.0, 0.0, 1.0, 2.0], step)
     assert list(health._columns) == ["a"] and health._edges == {"a": [-1.0, 0.0, 1.0]}
     assert [step for step, _, _ in health._columns["a"]] == [0, 4, 8]
 

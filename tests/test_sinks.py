@@ -17,6 +17,7 @@ from tensorboard.plugins.custom_scalar import layout_pb2
 from lightning_hooks import ActivationMonitor, GradientMonitor
 from lightning_hooks.callbacks import gradients
 from lightning_hooks.measure.aggregate import StatBlock
+from lightning_hooks.output.figures import HistogramBlock
 from lightning_hooks.output.sinks import category_title, log_histograms, log_layout, log_scalars
 from tests.helpers import TinyNet, events, loader, trainer
 
@@ -120,8 +121,8 @@ def test_a_steps_histograms_go_to_tensorboard_in_one_event_read_back_exactly(tmp
     first = {"count_finite": 8, "min": -0.5, "max": 3.0, "sum": 4.0, "sum_sq": 12.0}
     second = {"count_finite": 3, "min": -1.5, "max": -1.5, "sum": -4.5, "sum_sq": 6.75}
     empty = {"count_finite": 0, "min": math.nan, "max": math.nan, "sum": 0.0, "sum_sq": 0.0}
-    histograms = [("a/fc", first, [0, 1, 5, 0, 2]), ("a/out", second, [3, 0, 0, 0, 0]), ("a/dead", empty, [0] * 5)]
-    log_histograms(_trainer(logger), histograms, edges, step=4)
+    histograms = [("fc", first, [0, 1, 5, 0, 2]), ("out", second, [3, 0, 0, 0, 0]), ("dead", empty, [0] * 5)]
+    log_histograms(_trainer(logger), HistogramBlock.of("a", histograms), edges, step=4)
     logger.experiment.flush()
     (path,) = glob.glob(f"{logger.log_dir}/events.out.tfevents.*")
     loaded = [Event.FromString(record) for record in RawEventFileLoader(path).Load()]
@@ -182,9 +183,9 @@ def test_a_logged_steps_event_file_has_records_tensorboard_verifies(tmp_path):
 
     logger = TensorBoardLogger(tmp_path, name="", version=0)
     edges = np.linspace(-1.0, 1.0, 129).tolist()
-    histograms = [(f"a/{i}", {"count_finite": 128, "min": -1.0, "max": 1.0, "sum": 0.0, "sum_sq": 1.0},
+    histograms = [(f"{i}", {"count_finite": 128, "min": -1.0, "max": 1.0, "sum": 0.0, "sum_sq": 1.0},
                    [1.0] * 128) for i in range(40)]  # a record well above the per-byte loop's size
-    log_histograms(_trainer(logger), histograms, edges, step=1)
+    log_histograms(_trainer(logger), HistogramBlock.of("a", histograms), edges, step=1)
     logger.experiment.flush()
     assert type(logger.experiment._get_file_writer().event_writer._async_writer._writer) is FastRecordWriter
     (path,) = glob.glob(f"{logger.log_dir}/events.out.tfevents.*")
@@ -223,7 +224,8 @@ def _wandb_histogram(logger, tag):
 def test_histograms_go_to_wandb_trimmed_with_their_edges(wandb_logger):
     summary = {"count_finite": 8, "min": -0.5, "max": 3.0, "sum": 4.0, "sum_sq": 12.0}
     edges = [-2.0, -1.0, 0.0, 1.0, 2.0, 4.0]
-    log_histograms(_trainer(wandb_logger), [("activations/fc", summary, [0, 1, 5, 0, 2])], edges, step=3)
+    log_histograms(_trainer(wandb_logger), HistogramBlock.of("activations", [("fc", summary, [0, 1, 5, 0, 2])]),
+                   edges, step=3)
     assert _wandb_histogram(wandb_logger, "activations/fc") == ([1, 5, 0, 2], [-1.0, 0.0, 1.0, 2.0, 4.0])
 
 
@@ -232,7 +234,7 @@ def test_more_bins_than_wandb_takes_are_merged_with_exact_counts(wandb_logger):
     counts = [i % 7 + 1 for i in range(n)]
     edges = [float(i) for i in range(n + 1)]
     summary = {"count_finite": sum(counts), "min": 0.0, "max": float(n), "sum": 1.0, "sum_sq": 1.0}
-    log_histograms(_trainer(wandb_logger), [("gradients/w", summary, counts)], edges, step=0)
+    log_histograms(_trainer(wandb_logger), HistogramBlock.of("gradients", [("w", summary, counts)]), edges, step=0)
     values, bins = _wandb_histogram(wandb_logger, "gradients/w")
     assert len(values) == 500 and sum(values) == sum(counts)
     assert values[:2] == [counts[0] + counts[1], counts[2] + counts[3]]

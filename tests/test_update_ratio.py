@@ -137,7 +137,9 @@ def test_dtensor_parameters_are_measured_on_their_local_shards(tmp_path):
         updates = UpdateRatio()
         updates.take([("w", [weight])], optimizer)
         optimizer.step()
-        ratio = updates.finish(optimizer, to_host=True)["updates/w/ratio"]
+        ratios, _ = updates.finish(optimizer, to_host=True)
+        assert (ratios.kind, ratios.stat, ratios.rows, ratios.tags) == ("updates", "ratio", ["w"], ["updates/w/ratio"])
+        [ratio] = ratios.values
     finally:
         torch.distributed.destroy_process_group()
     assert ratio == pytest.approx(0.1 * 4 / before.norm().item(), rel=1e-6)  # ||0.1 * ones(4, 4)|| = 0.4

@@ -24,7 +24,8 @@ from lightning_hooks.distributed._rank_agreement import Check
 from lightning_hooks.measure._sharding import ShardGroups, grad_of, local
 from lightning_hooks.measure._stat_rows import N_FIELDS, summarize_rows
 from lightning_hooks.measure.aggregate import StatBlock
-from lightning_hooks.output.sinks import HistogramBlock, log_histograms
+from lightning_hooks.output.figures import HistogramBlock, ScalarBlock
+from lightning_hooks.output.sinks import log_histograms
 
 Rows = list[tuple[str, list[Tensor]]]
 """GradientMonitor's rows: each a name and the parameters whose gradients it covers."""
@@ -117,15 +118,17 @@ def row_tags(rows: Rows, stats: Sequence[str]) -> dict[str, list[str]]:
             for stat in ("", *stats)}
 
 
-def row_metrics(trainer: pl.Trainer, check: Check, tags: dict[str, list[str]], present: list[bool],
-                block: Optional[StatBlock], stats: Sequence[str], histograms: bool) -> dict[str, float]:
-    """The total norms and each present row's stats as scalars; the rows' histograms written to the loggers.
+def row_metrics(trainer: pl.Trainer, check: Check, names: Sequence[str], tags: dict[str, list[str]],
+                present: list[bool], block: Optional[StatBlock], stats: Sequence[str],
+                histograms: bool) -> tuple[dict[str, float], list[ScalarBlock]]:
+    """The total norms as scalars, each present row's stats as typed blocks; the rows' histograms written.
 
     The rows are read as one block (:func:`summarize_rows`), not one row at a time.
 
     Args:
         trainer: The trainer, for its loggers and step.
         check: The step's figures on the host: ``check.extra`` holds what :func:`row_figures` gave.
+        names: The rows' names.
         tags: The rows' tags, from :func:`row_tags`.
         present: Per row whether it had gradients this step.
         block: The rows' stat block, emptied here; None when no stat but the norm is logged.
@@ -133,23 +136,25 @@ def row_metrics(trainer: pl.Trainer, check: Check, tags: dict[str, list[str]], p
         histograms: Whether to write histograms.
 
     Returns:
-        The scalars, by tag.
+        The total norms by tag, and one block per stat of the rows (``gradients``/``norm``...).
     """
     metrics = {"gradients/total_norm": check.norms[-1]}
     if len(check.norms) > 2:
         metrics.update({f"gradients/total_norm/group{g}": n for g, n in enumerate(check.norms[:-1])})
     index = [i for i, here in enumerate(present) if here]  # rows without a gradient this step: unused or frozen
+    present_names = [names[i] for i in index]
+    figures = []
     if "norm" in stats:
-        metrics.update(zip([tags["norm"][i] for i in index], check.extra["row_norms"][index].tolist()))
+        norms = check.extra["row_norms"][index].tolist()
+        figures.append(ScalarBlock("gradients", "norm", present_names, norms, [tags["norm"][i] for i in index]))
     if block is None:
-        return metrics
+        return metrics, figures
     rows = check.extra["row_stats"].reshape(len(present), -1)[index]
     summary = summarize_rows(rows)
-    for stat in stats:
-        if stat != "norm":
-            metrics.update(zip([tags[stat][i] for i in index], summary[stat].tolist()))
+    figures += [ScalarBlock("gradients", stat, present_names, summary[stat].tolist(), [tags[stat][i] for i in index])
+                for stat in stats if stat != "norm"]
     if histograms:
-        log_histograms(trainer, HistogramBlock([tags[""][i] for i in index], summary, rows[:, N_FIELDS:]),
-                       block.edges.tolist(), log_step(trainer))
+        log_histograms(trainer, HistogramBlock("gradients", present_names, [tags[""][i] for i in index], summary,
+                                               rows[:, N_FIELDS:]), block.edges.tolist(), log_step(trainer))
     block.reset()
-    return metrics
+    return metrics, figures

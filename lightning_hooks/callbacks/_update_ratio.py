@@ -13,6 +13,7 @@ from torch.utils.hooks import RemovableHandle
 from lightning_hooks.callbacks._base import log_step
 from lightning_hooks.callbacks._gradient_rows import Rows
 from lightning_hooks.measure._sharding import ShardGroupCache, ShardGroups, grad_of, local
+from lightning_hooks.output.figures import ScalarBlock
 from lightning_hooks.output.sinks import log_scalars
 
 
@@ -55,7 +56,7 @@ class UpdateRatio:
         """Put a step post-hook on each of ``trainer``'s optimizers that finishes the measure and logs it."""
 
         def hook(optimizer: Any, args: Any, kwargs: Any) -> None:
-            log_scalars(trainer, self.finish(optimizer, trainer.is_global_zero), log_step(trainer))
+            log_scalars(trainer, {}, log_step(trainer), self.finish(optimizer, trainer.is_global_zero))
 
         return [optimizer.register_step_post_hook(hook) for optimizer in trainer.optimizers]
 
@@ -68,8 +69,8 @@ class UpdateRatio:
         self.discard()
         self._shard_groups.clear()
 
-    def finish(self, optimizer: Any, to_host: bool) -> dict[str, float]:
-        """``updates/<row>/ratio`` and ``log10_ratio`` after ``optimizer``'s step; empty for another one.
+    def finish(self, optimizer: Any, to_host: bool) -> list[ScalarBlock]:
+        """The rows' ``updates/<row>/ratio`` and ``log10_ratio`` after ``optimizer``'s step; none for another one.
 
         Args:
             optimizer: The optimizer that just stepped.
@@ -77,26 +78,27 @@ class UpdateRatio:
                 drop the snapshot.
         """
         if self._before is None or optimizer is not self._optimizer:
-            return {}
+            return []
         rows, before = self._rows, self._before
         self.discard()
         shards = self._shard_groups([p for _, params in rows for p in params])
         if not to_host and not shards.sharded:
-            return {}
+            return []
         squares = _row_squares(rows, before, shards)  # sharded: every rank takes part in the sum
         if not to_host:
-            return {}
+            return []
         deltas, weights = squares.cpu().tolist()  # the one transfer
-        metrics: dict[str, float] = {}
+        names, ratios = [], []
         # A dropped update leaves no gradient at all; FSDP1 leaves none where this rank's part is empty.
         kept = any(p.grad is not None for _, params in rows for p in params)
         for (name, params), delta, weight in zip(rows, deltas, weights):
             # All zeros before the step (a bias at initialisation): no ratio is defined (it would be inf).
             if weight > 0 and kept and all(p.grad is not None or p.numel() == 0 for p in params):
-                ratio = math.sqrt(delta / weight)
-                metrics[f"updates/{name}/ratio"] = ratio
-                metrics[f"updates/{name}/log10_ratio"] = math.log10(ratio) if ratio > 0 else -math.inf
-        return metrics
+                names.append(name)
+                ratios.append(math.sqrt(delta / weight))
+        logs = [math.log10(ratio) if ratio > 0 else -math.inf for ratio in ratios]
+        return [ScalarBlock("updates", "ratio", names, ratios, [f"updates/{n}/ratio" for n in names]),
+                ScalarBlock("updates", "log10_ratio", names, logs, [f"updates/{n}/log10_ratio" for n in names])]
 
 
 def _row_squares(rows: Rows, before: list[Tensor], shards: ShardGroups) -> Tensor:

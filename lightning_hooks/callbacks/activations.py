@@ -27,9 +27,9 @@ from lightning_hooks.core.selection import ModuleSelection, check_limit, validat
 from lightning_hooks.measure._stat_rows import DEFAULT_STATS, DIVERGENCE_STATS, N_FIELDS, STAT_NAMES, summarize_rows
 from lightning_hooks.measure.aggregate import StatBlock
 from lightning_hooks.measure.stats import Bins, histogram_edges
+from lightning_hooks.output.figures import HistogramBlock, ScalarBlock
 from lightning_hooks.output.sinks import (
     Charts,
-    HistogramBlock,
     destinations,
     log_histograms,
     log_layout,
@@ -305,31 +305,32 @@ class ActivationMonitor(HookCallback):
             return
         summary = summarize_rows(rows)
         called = summary["calls"] != 0
-        tags = self._tags(prefix, block.names)
-        scalars: dict[str, float] = {}
-        for stat in self._always:
-            scalars.update(_where(tags[stat], summary[stat], called))
+        tags, names = self._tags(prefix, block.names), block.names
+        figures = [ScalarBlock.where(prefix, stat, names, tags[stat], summary[stat], called) for stat in self._always]
         if self._from_first_zero:  # zero_fraction from a module's first exact zero on
             zeroed = self._zeroed.get(prefix, np.zeros(len(block.names), dtype=bool))
             self._zeroed[prefix] = zeroed = zeroed | (called & (summary["zero_fraction"] > 0))
-            scalars.update(_where(tags["zero_fraction"], summary["zero_fraction"], called & zeroed))
+            figures.append(ScalarBlock.where(prefix, "zero_fraction", names, tags["zero_fraction"],
+                                             summary["zero_fraction"], called & zeroed))
         # The stats logged only while not zero: those not zero now, and those due since the last
         # logged step; those not zero now are due at the next one, and one due but not logged now
         # (its module was not called) stays due.
         due = self._diverged.setdefault(prefix, {})
         for stat in self._while_nonzero:
             nonzero, was_due = called & (summary[stat] > 0), due.get(stat, np.zeros(len(block.names), dtype=bool))
-            scalars.update(_where(tags[stat], summary[stat], nonzero | (called & was_due)))
+            logged = nonzero | (called & was_due)
+            figures.append(ScalarBlock.where(prefix, stat, names, tags[stat], summary[stat], logged))
             due[stat] = nonzero | (was_due & ~called)
             if due[stat].any():
                 self._nonfinite_seen.add(prefix)
         log_layout(trainer, self._charts(prefix), step)  # writes only when a chart has its first figure
         if self.histogram:
             shown = np.flatnonzero(called)
-            log_histograms(trainer, HistogramBlock([tags[""][i] for i in shown.tolist()],
+            index = shown.tolist()
+            log_histograms(trainer, HistogramBlock(prefix, [names[i] for i in index], [tags[""][i] for i in index],
                                                    {k: v[shown] for k, v in summary.items()},
                                                    rows[shown, N_FIELDS:]), self._edges, step)
-        log_scalars(trainer, scalars, step)
+        log_scalars(trainer, {}, step, figures)
 
     def _tags(self, prefix: str, names: list[str]) -> dict[str, list[str]]:
         """Every tag of ``prefix`` by stat (``""``: the histogram's), one per module, made once per fit."""
@@ -340,9 +341,3 @@ class ActivationMonitor(HookCallback):
                 stat: [f"{prefix}/{name}/{stat}" if stat else f"{prefix}/{name}" for name in names] for stat in stats}
         return found
 
-
-def _where(tags: list[str], values: np.ndarray, mask: np.ndarray) -> dict[str, float]:
-    """``{tag: value}`` where ``mask`` holds."""
-    index = np.flatnonzero(mask).tolist()
-    picked = values[index].tolist()
-    return {tags[i]: v for i, v in zip(index, picked)}

@@ -35,6 +35,7 @@ from lightning_hooks.measure._sharding import ShardGroups
 from lightning_hooks.measure.aggregate import StatBlock
 from lightning_hooks.measure.stats import STAT_NAMES, Bins, histogram_edges
 from lightning_hooks.output._health_verdicts import UNJUDGED_RATIOS_TAG, unjudged_ratios
+from lightning_hooks.output.figures import ScalarBlock
 from lightning_hooks.output.sinks import Charts, destinations, log_layout, log_scalars, log_text
 
 Granularity = Literal["parameter", "module"]
@@ -196,6 +197,7 @@ class GradientMonitor(GradientCheck):
         self._written = True  # whether the figures are written anywhere: a logger, or a listener
         self._rows: Rows = []
         self._tags: dict[str, list[str]] = {}  # the rows' tags by stat, made once per fit
+        self._names: list[str] = []  # the rows' names
         self._logged = False  # whether this step's transfer holds the rows' figures
         self._present: list[bool] = []  # which rows had gradients this step
         self._block: Optional[StatBlock] = None
@@ -225,10 +227,11 @@ class GradientMonitor(GradientCheck):
         self._raised = False
         self._rows = select_rows(pl_module, self.granularity, self.modules, self._targets)
         self._tags = row_tags(self._rows, self.stats)
+        self._names = [name for name, _ in self._rows]
         self._written, self._histograms = destinations(
             trainer, type(self).__name__, self.histogram, listened_histograms=False,
             skipped="it computes no norm, histogram or update ratio (the anomaly flags, reports and count still run)")
-        names = [name for name, _ in self._rows]
+        names = self._names
         owners = names if self.granularity == "module" else [n.rpartition(".")[0] for n in names]
         check_limit(type(self).__name__, "max_rows", self.max_rows, len(names), len(self.stats) + self._histograms,
                     owners)
@@ -288,10 +291,12 @@ class GradientMonitor(GradientCheck):
         # Flags go out on logged steps, and whenever one is raised or was at the step before (so
         # the plot comes back down where it did): no logger call on a quiet step.
         if self._logged or raised or self._raised:
+            figures: list[ScalarBlock] = []
             if self._logged:
-                metrics.update(row_metrics(trainer, check, self._tags, self._present, self._block, self.stats,
-                                               self._histograms))
-            log_scalars(trainer, metrics, log_step(trainer))
+                totals, figures = row_metrics(trainer, check, self._names, self._tags, self._present, self._block,
+                                              self.stats, self._histograms)
+                metrics.update(totals)
+            log_scalars(trainer, metrics, log_step(trainer), figures)
         self._raised = raised
         if self.update_ratio and self._logged and not check.amp_overflow:
             self._updates.take(self._rows, optimizer)

@@ -22,7 +22,7 @@ from lightning_hooks.output.sinks import log_text
 
 if TYPE_CHECKING:
     from lightning_hooks.output._health_plots import Column
-    from lightning_hooks.output._listeners import Histogram
+    from lightning_hooks.output.figures import HistogramBlock, ScalarBlock
 
 #: The figures drawn against depth, as (tag prefix, stat), with each picture's name and y axis.
 PROFILES = {
@@ -141,39 +141,45 @@ class LayerHealth(FigureListener, *CALLBACK_BASES):  # type: ignore[misc]  # the
         if not any(isinstance(lg, TENSORBOARD_LOGGERS) for lg in trainer.loggers):
             rank_zero_warn("LayerHealth: no TensorBoardLogger, so no pictures; the summary is still printed")
 
-    def record_scalars(self, metrics: Mapping[str, float], step: int) -> None:
-        """Judge the watched figures, and keep each layer's latest value for the depth profiles."""
+    def record_figures(self, figures: Sequence[ScalarBlock], metrics: Mapping[str, float], step: int) -> None:
+        """Judge the watched figures, and keep each layer's latest value for the depth profiles.
+
+        Read from the typed blocks (kind, stat, row names), never from the tags.
+        """
         judged: dict[str, dict[str, float]] = {}
-        for tag, value in metrics.items():
-            prefix, _, rest = tag.partition("/")
-            name, _, stat = rest.rpartition("/")
-            if not name:
+        for block in figures:
+            key = (block.kind, block.stat)
+            if key in PROFILES:
+                latest = self._latest.setdefault(key, {})
+                latest.update((name, value) for name, value in zip(block.rows, block.values) if not math.isnan(value))
+            figure = JUDGED.get(key)
+            if figure is None:
                 continue
-            if (prefix, stat) in PROFILES and not math.isnan(value):
-                self._latest.setdefault((prefix, stat), {})[name] = value
-            figure = JUDGED.get((prefix, stat))
-            if figure is not None and not (figure == "ratio" and name in self._vectors):
-                values = judged.setdefault(figure, {})
-                values[name] = max(values.get(name, 0.0), value) if figure == "nonfinite" else value
+            values = judged.setdefault(figure, {})
+            for name, value in zip(block.rows, block.values):
+                if figure == "nonfinite":  # the worst of the non-finite share and counts
+                    values[name] = max(values.get(name, 0.0), value)
+                elif not (figure == "ratio" and name in self._vectors):
+                    values[name] = value
         for figure, values in judged.items():
             self._verdicts.add(figure, step, values)
         self._last, self._fresh = step, True
 
-    def record_histograms(self, histograms: Sequence[Histogram], edges: Sequence[float], step: int) -> None:
+    def record_histograms(self, histograms: HistogramBlock, edges: Sequence[float], step: int) -> None:
         """Keep the activation histograms' counts, exact zeros apart, one column per logged step (bounded)."""
         from lightning_hooks.output._health_plots import zero_bin
 
         shared, at = list(edges), zero_bin(edges)
-        for tag, summary, counts in histograms:
-            prefix, _, name = tag.partition("/")
-            if prefix != "activations" or "/" in name:
-                continue
-            column = np.asarray(counts, dtype=np.float64)
-            zeros = summary.get("zero_fraction", 0.0) * summary.get("count", 0.0) if at is not None else 0.0
-            if at is not None and math.isfinite(zeros):
-                column[at] = max(column[at] - zeros, 0.0)
-            if self._add_column(name, step, column, zeros if math.isfinite(zeros) else 0.0):
-                self._edges[name] = shared
+        if histograms.kind == "activations":
+            zero_fraction, count = histograms.summary.get("zero_fraction"), histograms.summary.get("count")
+            known = at is not None and zero_fraction is not None and count is not None
+            for i, name in enumerate(histograms.rows):
+                column = np.array(histograms.counts[i], dtype=np.float64)  # a copy: its zero bin changes
+                zeros = float(zero_fraction[i] * count[i]) if known else 0.0
+                if at is not None and math.isfinite(zeros):
+                    column[at] = max(column[at] - zeros, 0.0)
+                if self._add_column(name, step, column, zeros if math.isfinite(zeros) else 0.0):
+                    self._edges[name] = shared
         self._last, self._fresh = step, True
 
     def _add_column(self, name: str, step: int, counts: np.ndarray, zeros: float) -> bool:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 from weakref import WeakKeyDictionary
 
@@ -18,21 +17,34 @@ from torch.utils.tensorboard.summary import custom_scalars
 from lightning_hooks.core._compat import TENSORBOARD_LOGGERS, WANDB_LOGGERS
 from lightning_hooks.core._torch_internals import event_file_writer
 from lightning_hooks.output._crc32c import speed_up
-from lightning_hooks.output._listeners import Histogram, listeners
+from lightning_hooks.output._listeners import listeners
 from lightning_hooks.output._tensorboard_wire import histogram_summary, scalar_summary
+from lightning_hooks.output.figures import HistogramBlock, ScalarBlock, as_metrics
 
 
-def log_scalars(trainer: pl.Trainer | Any, metrics: Mapping[str, float], step: int) -> None:
-    """Send scalars to every logger of ``trainer``, from rank zero.
+def log_scalars(trainer: pl.Trainer | Any, metrics: Mapping[str, float], step: int,
+                figures: Sequence[ScalarBlock] = ()) -> None:
+    """Send scalars to every logger of ``trainer``, and to the listeners, from rank zero.
 
     A TensorBoardLogger gets all of them in one event: ``log_metrics`` writes an event per
     scalar, and each costs about 50 µs (a hand-off to the writer thread), which with a dozen
     figures per module was most of a logged step's cost after the statistics themselves.
+
+    Args:
+        trainer: The trainer whose loggers and listeners receive them.
+        metrics: Scalars by tag that belong to no row (``gradients/total_norm``, the flags).
+        step: The step to write at.
+        figures: The rows' scalars, one typed block per statistic: written after ``metrics``
+            under their tags, and handed to the listeners as they are.
     """
-    if not trainer.is_global_zero or not metrics:
+    if not trainer.is_global_zero:
+        return
+    if figures:
+        metrics = as_metrics(figures, metrics)
+    if not metrics:
         return
     for listener in listeners(trainer):
-        listener.record_scalars(metrics, step)
+        listener.record_figures(figures, metrics, step)
     for logger in trainer.loggers:
         if not _write_one_event(logger, metrics, step):
             logger.log_metrics(dict(metrics), step=step)
@@ -83,38 +95,7 @@ HISTOGRAM_LOGGERS: tuple[type[Logger], ...] = TENSORBOARD_LOGGERS + WANDB_LOGGER
 #: The most bins a ``wandb.Histogram`` takes.
 WANDB_MAX_BINS = 512
 
-@dataclass(frozen=True)
-class HistogramBlock:
-    """A step's histograms as arrays, one row each: what a monitor builds without a Python object per module.
-
-    Args:
-        tags: One tag per row.
-        summary: Per statistic (at least ``count_finite``, ``min``, ``max``, ``sum``, ``sum_sq``), one value per row.
-        counts: ``(rows, bins)`` counts per bin.
-    """
-
-    tags: Sequence[str]
-    summary: Mapping[str, np.ndarray]
-    counts: np.ndarray
-
-    @staticmethod
-    def of(histograms: Sequence[Histogram]) -> HistogramBlock:
-        """The block of ``(tag, summary, counts)`` histograms."""
-        keys = ("count_finite", "min", "max", "sum", "sum_sq")
-        summary = {k: np.array([s[k] for _, s, _ in histograms], dtype=np.float64) for k in keys}
-        counts = np.array([list(c) for _, _, c in histograms], dtype=np.float64).reshape(len(histograms), -1) \
-            if histograms else np.zeros((0, 0))
-        return HistogramBlock([tag for tag, _, _ in histograms], summary, counts)
-
-    def histograms(self) -> list[Histogram]:
-        """One ``(tag, summary, counts)`` per row (Python objects: for listeners and W&B, not the hot path)."""
-        summaries = {k: v.tolist() for k, v in self.summary.items()}
-        counts = self.counts.tolist()
-        return [(tag, {k: v[i] for k, v in summaries.items()}, counts[i]) for i, tag in enumerate(self.tags)]
-
-
-def log_histograms(trainer: pl.Trainer | Any, histograms: Sequence[Histogram] | HistogramBlock,
-                   edges: Sequence[float], step: int) -> None:
+def log_histograms(trainer: pl.Trainer | Any, block: HistogramBlock, edges: Sequence[float], step: int) -> None:
     """Write a step's histograms to every TensorBoard and W&B logger of ``trainer``, from rank zero.
 
     TensorBoard gets them all in one event (what ``add_histogram_raw`` would write for each), with
@@ -126,19 +107,15 @@ def log_histograms(trainer: pl.Trainer | Any, histograms: Sequence[Histogram] | 
 
     Args:
         trainer: The trainer whose loggers receive the histograms.
-        histograms: ``(tag, summary, counts)`` per histogram, e.g. tag ``"activations/encoder.0"``,
-            or a :class:`HistogramBlock` of them.
+        block: The histograms, one row each, under tags such as ``"activations/encoder.0"``;
+            handed to the listeners as they are.
         edges: Increasing bin edges, shared by all of them (``len(counts) + 1``).
         step: The global step to write at.
     """
     if not trainer.is_global_zero:
         return
-    block = histograms if isinstance(histograms, HistogramBlock) else HistogramBlock.of(histograms)
-    listening = listeners(trainer)
-    if listening:
-        as_tuples = block.histograms()
-        for listener in listening:
-            listener.record_histograms(as_tuples, edges, step)
+    for listener in listeners(trainer):
+        listener.record_histograms(block, edges, step)
     shown = np.flatnonzero(block.summary["count_finite"] > 0)
     if not shown.size:
         return
