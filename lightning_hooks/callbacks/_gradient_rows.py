@@ -12,7 +12,7 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Sequence
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import lightning.pytorch as pl
 import torch
@@ -27,8 +27,16 @@ from lightning_hooks.measure.aggregate import StatBlock
 from lightning_hooks.output.figures import HistogramBlock, ScalarBlock
 from lightning_hooks.output.sinks import log_histograms
 
-Rows = list[tuple[str, list[Tensor]]]
-"""GradientMonitor's rows: each a name and the parameters whose gradients it covers."""
+
+class Row(NamedTuple):
+    """One of GradientMonitor's rows: its name, and the parameters whose gradients it covers."""
+
+    name: str
+    params: list[Tensor]
+
+
+Rows = list[Row]
+"""GradientMonitor's rows, in order."""
 
 
 def select_rows(pl_module: pl.LightningModule, granularity: str, modules: ModuleSelection,
@@ -42,11 +50,11 @@ def select_rows(pl_module: pl.LightningModule, granularity: str, modules: Module
         targets: The modules it selected, with their names.
 
     Returns:
-        ``(name, parameters)`` per row.
+        One :class:`Row` per row.
     """
     if granularity == "module":
-        rows: Rows = [(name, [p for p in m.parameters() if p.requires_grad]) for name, m in targets]
-        return [(name, params) for name, params in rows if params]
+        rows = [Row(name, [p for p in m.parameters() if p.requires_grad]) for name, m in targets]
+        return [row for row in rows if row.params]
     named = named_parameters(pl_module) if modules is None else (
         (f"{mname}.{pname}", p) for mname, m in targets for pname, p in named_parameters(m)
     )
@@ -54,7 +62,7 @@ def select_rows(pl_module: pl.LightningModule, granularity: str, modules: Module
     for name, param in named:
         if param.requires_grad:
             first_name.setdefault(param, name)
-    return [(name, [param]) for param, name in first_name.items()]
+    return [Row(name, [param]) for param, name in first_name.items()]
 
 
 def row_figures(params: list[Tensor], norms: Tensor, rows: Rows, block: Optional[StatBlock],

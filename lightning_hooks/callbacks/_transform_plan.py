@@ -13,25 +13,41 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, NamedTuple, Optional
 
 from torch import nn
 
 from lightning_hooks.core.selection import clean_name, select_modules
 
 
+class Scaled(NamedTuple):
+    """A parameter whose gradient is multiplied by ``factor`` (the product of every pattern over it)."""
+
+    name: str
+    param: nn.Parameter
+    factor: float
+
+
+class NormGroup(NamedTuple):
+    """The parameters of one ``clip_norm`` module, clipped together to an L2 norm of ``max_norm``."""
+
+    module: str
+    params: list[nn.Parameter]
+    max_norm: float
+
+
 @dataclass
 class Plan:
     """What a GradientTransform does to one model, resolved from its patterns."""
 
-    scaled: list[tuple[str, nn.Parameter, float]] = field(default_factory=list)
-    scaled_at_step: list[tuple[nn.Parameter, float]] = field(default_factory=list)
+    scaled: list[Scaled] = field(default_factory=list)
+    scaled_at_step: list[Scaled] = field(default_factory=list)
     """Parameters FSDP hands their gradients (no tensor hook fires): scaled in
     ``on_before_optimizer_step``, after accumulation (it is linear). Filled by
     ``GradientTransform.attach``, which sees the model as it trains (sharded or not)."""
     reversed: dict[str, float] = field(default_factory=dict)
     clip_values: dict[float, list[nn.Parameter]] = field(default_factory=dict)
-    clip_norms: list[tuple[str, list[nn.Parameter], float]] = field(default_factory=list)
+    clip_norms: list[NormGroup] = field(default_factory=list)
 
 
 def resolve_plan(
@@ -57,7 +73,7 @@ def resolve_plan(
     plan = Plan()
     if scale:
         factors = _combine(root, "scale", scale, lambda a, b: a * b)
-        plan.scaled = [(name, p, f) for p, (name, f) in factors.items()]
+        plan.scaled = [Scaled(name, p, f) for p, (name, f) in factors.items()]
     for pattern, value in (reverse or {}).items():
         selected = _outermost(root, "reverse", pattern)
         if len(selected) != 1:
@@ -87,7 +103,7 @@ def validate_table(arg: str, table: Any, positive: bool) -> None:
         positive: Whether the numbers must also be positive.
 
     Raises:
-        TypeError: If ``table`` is not a mapping, or a key not a non-empty string.
+        TypeError: If ``table`` is not a mapping, a key not a non-empty string, or a value not a number.
         ValueError: If ``table`` is empty, or a value not finite (or, with ``positive``, not positive).
     """
     if not isinstance(table, Mapping):
@@ -97,8 +113,10 @@ def validate_table(arg: str, table: Any, positive: bool) -> None:
     for pattern, value in table.items():
         if not isinstance(pattern, str) or not pattern:
             raise TypeError(f"`{arg}` keys must be non-empty name globs like 'backbone.*', got {pattern!r}")
-        is_number = isinstance(value, (int, float)) and not isinstance(value, bool)
-        if not is_number or not math.isfinite(value):
+        if not isinstance(value, (int, float)) or isinstance(value, bool):
+            raise TypeError(f"`{arg}` values must be finite numbers, got {value!r} ({type(value).__name__})"
+                            f" for {pattern!r}: pass e.g. {{{pattern!r}: 0.1}}")
+        if not math.isfinite(value):
             raise ValueError(f"`{arg}` values must be finite numbers, got {value!r} for {pattern!r}")
         if positive and value <= 0:
             raise ValueError(f"`{arg}` values must be positive, got {value!r} for {pattern!r}")
@@ -137,7 +155,7 @@ def _combine(
     return combined
 
 
-def _norm_groups(root: nn.Module, table: Mapping[str, float]) -> list[tuple[str, list[nn.Parameter], float]]:
+def _norm_groups(root: nn.Module, table: Mapping[str, float]) -> list[NormGroup]:
     """One group per outermost module each pattern matches, the innermost groups first."""
     bounds: dict[str, float] = {}
     modules: dict[str, nn.Module] = {}
@@ -146,5 +164,5 @@ def _norm_groups(root: nn.Module, table: Mapping[str, float]) -> list[tuple[str,
             bounds[name] = min(value, bounds.get(name, value))
             modules[name] = module
     ordered = sorted(bounds, key=lambda name: -name.count("."))
-    groups = [(n, [p for p in modules[n].parameters() if p.requires_grad], bounds[n]) for n in ordered]
-    return [group for group in groups if group[1]]
+    groups = [NormGroup(n, [p for p in modules[n].parameters() if p.requires_grad], bounds[n]) for n in ordered]
+    return [group for group in groups if group.params]

@@ -11,7 +11,7 @@ from torch import Tensor
 from torch.utils.hooks import RemovableHandle
 
 from lightning_hooks.callbacks._base import log_step
-from lightning_hooks.callbacks._gradient_rows import Rows
+from lightning_hooks.callbacks._gradient_rows import Row, Rows
 from lightning_hooks.measure._sharding import ShardGroupCache, ShardGroups, grad_of, local
 from lightning_hooks.output.figures import ScalarBlock
 from lightning_hooks.output.sinks import log_scalars
@@ -44,8 +44,8 @@ class UpdateRatio:
 
     def take(self, rows: Rows, optimizer: Any) -> None:
         """Clone ``rows``' parameters (those with a gradient) before ``optimizer`` steps."""
-        stepped = [(name, [p for p in params if grad_of(p) is not None]) for name, params in rows]
-        self._rows = [(name, params) for name, params in stepped if params]
+        stepped = [Row(name, [p for p in params if grad_of(p) is not None]) for name, params in rows]
+        self._rows = [row for row in stepped if row.params]
         if not self._rows:
             return
         with torch.no_grad():

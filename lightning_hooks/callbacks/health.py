@@ -216,7 +216,7 @@ class LayerHealth(FigureListener, *CALLBACK_BASES):  # type: ignore[misc]  # the
         rank_zero_info(text)
 
     def _draw(self, trainer: pl.Trainer, step: int) -> None:
-        from lightning_hooks.output._health_plots import heatmap_figure, profile_figure, to_rgb
+        from lightning_hooks.output._health_plots import Profile, heatmap_figure, profile_figure, to_rgb
 
         figures = [(f"health/activation_histograms/{name}",
                     heatmap_figure(name, columns, self._edges[name], self._bands.max_zero_fraction))
@@ -227,7 +227,7 @@ class LayerHealth(FigureListener, *CALLBACK_BASES):  # type: ignore[misc]  # the
                 kinds = [self._kind(name) for name in layers]
                 band = self._bands.update_ratio_band if tag == "update_ratio" else None
                 limit = self._bands.max_zero_fraction if tag == "zero_fraction" else None
-                profile = (title, list(layers), kinds, list(layers.values()), log)
+                profile = Profile(title, list(layers), kinds, list(layers.values()), log)
                 figures.append((f"health/depth_profile/{tag}", profile_figure(profile, band, limit)))
         pixels = [(tag, to_rgb(fig)) for tag, fig in figures]
         for logger in trainer.loggers:

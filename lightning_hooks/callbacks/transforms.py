@@ -167,11 +167,11 @@ class GradientTransform(HookCallback):
         super().attach(model)
         # Not wrapped in `_guard`: a hook that changes training must fail loudly, never be
         # switched off while the run goes on with other gradients (or other ranks' gradients).
-        for _, param, factor in self._plan.scaled:
-            if takes_gradient_directly(param):  # under FSDP no tensor hook on the parameter fires
-                self._plan.scaled_at_step.append((param, factor))
+        for scaled in self._plan.scaled:
+            if takes_gradient_directly(scaled.param):  # under FSDP no tensor hook on the parameter fires
+                self._plan.scaled_at_step.append(scaled)
             else:
-                self._handles.append(param.register_hook(partial(_multiply, factor=factor)))
+                self._handles.append(scaled.param.register_hook(partial(_multiply, factor=scaled.factor)))
 
     def _register(self, index: int, name: str, module: nn.Module) -> list[RemovableHandle]:
         factor = self._plan.reversed.get(name) if self._plan is not None else None
@@ -187,7 +187,7 @@ class GradientTransform(HookCallback):
         if plan is None or not (plan.clip_values or plan.clip_norms or plan.scaled_at_step):
             return
         stepped = {p for group in optimizer.param_groups for p in group["params"]}
-        for param, factor in plan.scaled_at_step:
+        for _, param, factor in plan.scaled_at_step:
             if param in stepped and param.grad is not None:
                 local(param.grad).mul_(factor)
         for bound, params in plan.clip_values.items():
@@ -195,10 +195,10 @@ class GradientTransform(HookCallback):
             if grads:  # as nn.utils.clip_grad_value_, on this rank's shards
                 torch._foreach_clamp_min_(grads, -bound)
                 torch._foreach_clamp_max_(grads, bound)
-        for _, params, max_norm in plan.clip_norms:
-            with_grad = [p for p in params if p in stepped and grad_of(p) is not None]
+        for norm_group in plan.clip_norms:
+            with_grad = [p for p in norm_group.params if p in stepped and grad_of(p) is not None]
             if with_grad:
-                _clip_norm_(with_grad, max_norm, self._shard_groups(with_grad))
+                _clip_norm_(with_grad, norm_group.max_norm, self._shard_groups(with_grad))
 
     def _resolve(self, root: nn.Module) -> Plan:
         return resolve_plan(root, self.scale, self.reverse, self.clip_value, self.clip_norm)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import numpy as np
 from matplotlib.backends.backend_agg import FigureCanvasAgg
@@ -26,8 +27,15 @@ _WARN = "#d62728"  # matplotlib's red: a figure outside its healthy band
 Column = tuple[int, np.ndarray, float]
 """One logged step of a module's histogram: the step, the count per bin without the exact zeros, and those."""
 
-Profile = tuple[str, Sequence[str], Sequence[str], Sequence[float], bool]
-"""One depth profile: its figure's name, the layer names, each layer's kind, a value per layer, and a log y axis."""
+class Profile(NamedTuple):
+    """One depth profile: its figure's name, the layers in forward order, each layer's kind and value."""
+
+    title: str
+    layers: Sequence[str]
+    kinds: Sequence[str]
+    values: Sequence[float]
+    log: bool
+    """Whether the y axis is logarithmic."""
 
 
 def image_size() -> tuple[int, int]:
