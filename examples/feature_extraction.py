@@ -17,7 +17,7 @@ from _quiet import quiet_lightning  # Lightning's own noise, silenced by message
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_hooks.callbacks.features import FeatureExtractor, load_features
+from lightning_hooks import FeatureExtractor, load_features
 
 
 class Classifier(L.LightningModule):

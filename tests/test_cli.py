@@ -98,7 +98,7 @@ CALLBACKS = '''
       init_args:
         modules: "net.1"
         dirpath: {tmp}/features
-        stages: [fit]
+        stages: [train]
 '''
 
 
@@ -151,7 +151,7 @@ def test_every_callback_is_configured_from_yaml_and_fits(tmp_path, monkeypatch):
     assert second.modules is nn.Linear and second.module_names == ["net.0", "net.2"]
     (transform,) = callbacks_of(cli, GradientTransform)
     (extractor,) = callbacks_of(cli, FeatureExtractor)
-    assert extractor.modules == "net.1" and extractor.stages == ("fit",)
+    assert extractor.modules == "net.1" and extractor.stages == ("train",)
     (gradients,) = callbacks_of(cli, GradientMonitor)
     assert (gradients.granularity, gradients.modules, gradients.norm_threshold) == ("module", [nn.Linear], 1000.0)
     (stopper,) = callbacks_of(cli, GradientAnomalyStopping)

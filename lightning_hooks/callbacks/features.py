@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any, Optional, Union, get_args
+from typing import Any, Literal, Optional, Union, get_args
 
 import lightning.pytorch as pl
 import torch
@@ -34,6 +34,10 @@ from lightning_hooks.output._feature_store import (
 __all__ = ["FeatureExtractor", "Stage", "load_features"]
 
 _STAGES: tuple[str, ...] = get_args(Stage)
+
+#: What ``stages`` takes: a stage, or until 0.3.0 ``"fit"``, the deprecated name of ``"train"``
+#: (in the annotation, so that LightningCLI takes it from YAML too, and the warning says what to write).
+StageArg = Union[Stage, Literal["fit"]]
 
 #: The ``Trainer`` method that runs each stage's loop, where its name differs.
 _TRAINER_FN = {"train": "fit"}
@@ -104,7 +108,7 @@ class FeatureExtractor(HookCallback):
         modules: ModuleSelection,
         *,
         dirpath: Union[str, os.PathLike],
-        stages: Union[Stage, tuple[Stage, ...], list[Stage]] = ("validate", "predict"),
+        stages: Union[StageArg, tuple[StageArg, ...], list[StageArg]] = ("validate", "predict"),
         flush_every_n_batches: int = 16,
         embedding_samples: int = 0,
     ) -> None:
