@@ -123,7 +123,8 @@ def test_the_routes_through_a_real_tensorboard(tmp_path):
         assert status(base, "run?run=plain/version_0&max_zero_fraction=lots") == (
             400, "Invalid argument: `max_zero_fraction` must be a number, got 'lots'")
         assert status(base, "run?run=plain/version_0&update_ratio_low=0.1") == (
-            400, "Invalid argument: `update_ratio_band` must be (low, high) with 0 < low < high, got (0.1, 0.01)")
+            400, "Invalid argument: `update_ratio_band` must be (low, high) with 0 < low < high, got (0.1, 0.01):"
+                 " e.g. update_ratio_band=(1e-4, 1e-2)")
         assert status(base, "run?run=nothing")[0] == 404
         assert status(base, "histogram?run=plain/version_0&tag=activations/net.3")[0] == 400
 
