@@ -215,7 +215,7 @@ class GradientCheck(HookCallback):
         names = [self._param_names.get(p, f"param{i}") for i, p in enumerate(step.params)]
         return report_step(trainer, pl_module, step, check, names=names, located=located, traced=self._traced,
                            module_names=self.module_names, micro_batches=self._micro_batches,
-                           save_dir=self.dirpath)
+                           save_dir=None if self.dirpath is None else os.fspath(self.dirpath))
 
     def _state(self) -> dict[str, Any]:
         return {"detector": self._detector.state_dict()}

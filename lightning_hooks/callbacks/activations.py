@@ -142,7 +142,7 @@ class ActivationMonitor(HookCallback):
         _validate_interval(log_every_n_steps)
         _validate_stats(DEFAULT_STATS if stats is None else stats, STAT_NAMES)
         validate_limit("max_rows", max_rows)
-        stages = check_names("stages", stages, get_args(Stage), what="stage")
+        chosen = check_names("stages", stages, get_args(Stage), what="stage")
         check_bool("histogram", histogram)
         check_bool("inputs", inputs)
         histogram_edges(bins)  # validates `bins`
@@ -158,7 +158,7 @@ class ActivationMonitor(HookCallback):
         self.histogram = histogram
         self.bins = bins
         self.inputs = inputs
-        self.stages = tuple(stages)
+        self.stages = chosen
         self.max_rows = max_rows
         self._every = 1
         # By prefix and stat, per module: logged only while not zero, and not zero when last logged.

@@ -115,19 +115,19 @@ class FeatureExtractor(HookCallback):
         if modules is None:
             raise ValueError("`modules` is required: name the layers to save, e.g. modules='encoder.*'")
         check_path("dirpath", dirpath)
-        named = [stages] if isinstance(stages, str) else stages
+        named: Any = [stages] if isinstance(stages, str) else stages
         if isinstance(named, (tuple, list)):
             renamed = []
             for stage in named:  # a loop, not a comprehension: the warning points at the user's line
                 renamed.append(renamed_value("FeatureExtractor", "stages", stage, RENAMED_STAGES, depth=3))
-            stages = renamed
-        stages = check_names("stages", stages, _STAGES, what="stage")
+            named = renamed
+        chosen = check_names("stages", named, _STAGES, what="stage")
         for arg, value, low in (("flush_every_n_batches", flush_every_n_batches, 1),
                                 ("embedding_samples", embedding_samples, 0)):
             check_int(arg, value, low=low)
         super().__init__(modules)
         self.dirpath = dirpath
-        self.stages = tuple(stages)
+        self.stages = chosen
         self.flush_every_n_batches = flush_every_n_batches
         self.embedding_samples = embedding_samples
         self._stage: Optional[str] = None

@@ -172,10 +172,11 @@ class LayerHealth(FigureListener, *CALLBACK_BASES):  # type: ignore[misc]  # the
         shared, at = list(edges), zero_bin(edges)
         if histograms.kind == "activations":
             zero_fraction, count = histograms.summary.get("zero_fraction"), histograms.summary.get("count")
-            known = at is not None and zero_fraction is not None and count is not None
+            exact_zeros = zero_fraction * count if at is not None and zero_fraction is not None and count is not None \
+                else np.zeros(len(histograms.rows))
             for i, name in enumerate(histograms.rows):
                 column = np.array(histograms.counts[i], dtype=np.float64)  # a copy: its zero bin changes
-                zeros = float(zero_fraction[i] * count[i]) if known else 0.0
+                zeros = float(exact_zeros[i])
                 if at is not None and math.isfinite(zeros):
                     column[at] = max(column[at] - zeros, 0.0)
                 if self._add_column(name, step, column, zeros if math.isfinite(zeros) else 0.0):
