@@ -115,3 +115,16 @@ def test_internals_left_the_top_level_but_still_import_from_it_with_a_warning(na
         found = getattr(lightning_hooks, name)
     module = __import__(f"lightning_hooks.{where}", fromlist=[name])
     assert found is getattr(module, name)
+
+
+def test_the_internal_kernels_take_their_old_threshold_name_too():
+    import torch
+
+    from lightning_hooks.measure.anomalies import AnomalyDetector, anomaly_flags
+
+    with pytest.warns(LightningDeprecationWarning, match=r"AnomalyDetector\(`max_norm=`\) is deprecated"):
+        assert AnomalyDetector(max_norm=3.0).norm_threshold == 3.0
+    norms, nonfinite = torch.tensor([5.0, 1.0]), torch.tensor([False, False])
+    with pytest.warns(LightningDeprecationWarning, match=r"anomaly_flags\(`max_norm=`\) is deprecated"):
+        old = anomaly_flags(norms, nonfinite, max_norm=2.0)
+    assert old.equal(anomaly_flags(norms, nonfinite, norm_threshold=2.0)) and old[1].tolist() == [True, False]

@@ -38,8 +38,9 @@ def deprecate(message: str, stacklevel: int = _CALLER) -> None:
 
 def deprecated_arguments(owner: str, renamed: Optional[Mapping[str, str]] = None,
                          old_order: Sequence[str] = (), positional: int = 0,
-                         old_positional: Optional[Callable[[tuple[Any, ...]], bool]] = None) -> Callable[[F], F]:
-    """Wrap ``__init__`` so that old argument names and old positional calls still work, with a warning.
+                         old_positional: Optional[Callable[[tuple[Any, ...]], bool]] = None,
+                         method: bool = True) -> Callable[[F], F]:
+    """Wrap ``__init__`` (or a function) so that old argument names and old positional calls still work, with a warning.
 
     Args:
         owner: The class, for the messages.
@@ -50,24 +51,26 @@ def deprecated_arguments(owner: str, renamed: Optional[Mapping[str, str]] = None
             enough for the new signature (e.g. ``GradientAnomalyStopping("skip")``, the old
             first argument being the action); by default only a call with more than
             ``positional`` of them is.
+        method: Whether the wrapped function is a method (its first argument, ``self``, is not counted).
     """
     renamed = dict(renamed or {})
 
-    def wrap(init: F) -> F:
-        @functools.wraps(init)
-        def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
-            if args and (len(args) > positional or (old_positional is not None and old_positional(args))):
+    def wrap(function: F) -> F:
+        @functools.wraps(function)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            bound, args = args[:method], args[method:]  # `self`, if any
+            if old_order and args and (len(args) > positional or (old_positional is not None and old_positional(args))):
                 args, kwargs = (), _by_keyword(owner, old_order, args, kwargs)
             for old, new in renamed.items():
                 if old in kwargs:
                     if new in kwargs:
                         raise TypeError(f"{owner}: pass `{new}` only; `{old}` is its deprecated name")
                     deprecate(f"{owner}(`{old}=`) is deprecated and will be removed in {REMOVED_IN}:"
-                                          f" write `{new}=` instead.", stacklevel=_CALLER + 1)
+                              f" write `{new}=` instead.", stacklevel=_CALLER + 1)
                     kwargs[new] = kwargs.pop(old)
-            init(self, *args, **kwargs)
+            return function(*bound, *args, **kwargs)
 
-        return __init__  # type: ignore[return-value]
+        return wrapper  # type: ignore[return-value]
 
     return wrap
 
