@@ -58,7 +58,7 @@ def deprecated_arguments(owner: str, renamed: Optional[Mapping[str, str]] = None
     def wrap(function: F) -> F:
         @functools.wraps(function)
         def wrapper(*args: Any, **kwargs: Any) -> Any:
-            bound, args = args[:method], args[method:]  # `self`, if any
+            bound, args = args[:int(method)], args[int(method):]  # `self`, if any
             if old_order and args and (len(args) > positional or (old_positional is not None and old_positional(args))):
                 args, kwargs = (), _by_keyword(owner, old_order, args, kwargs)
             for old, new in renamed.items():
