@@ -17,6 +17,7 @@ if TYPE_CHECKING:
     from lightning_hooks.callbacks.features import FeatureExtractor, load_features
     from lightning_hooks.callbacks.gradients import GRADIENT_STAT_NAMES, GradientMonitor
     from lightning_hooks.callbacks.health import LayerHealth
+    from lightning_hooks.callbacks.stability import TransformerStability
     from lightning_hooks.callbacks.stopping import GradientAnomalyError, GradientAnomalyStopping
     from lightning_hooks.callbacks.transforms import GradientTransform
     from lightning_hooks.core.selection import ACTIVATION_NAMES, ACTIVATION_TYPES, ModuleSelection, select_modules
@@ -43,6 +44,7 @@ _WHERE = {
     **dict.fromkeys(("DEFAULT_STATS", "DIVERGENCE_STATS", "STAT_NAMES", "histogram_edges"), "measure.stats"),
     **dict.fromkeys(("GradientAnomalyError", "GradientAnomalyStopping"), "callbacks.stopping"),
     "GradientTransform": "callbacks.transforms",
+    "TransformerStability": "callbacks.stability",
 }
 
 __all__ = [
@@ -65,6 +67,7 @@ __all__ = [
     "HookCallback",
     "LayerHealth",
     "ModuleSelection",
+    "TransformerStability",
     "anomaly_flags",
     "gradient_figures",
     "histogram_edges",
