@@ -89,7 +89,7 @@ def _said(problem: str, layer: str, episode: Episode, verdicts: Verdicts) -> str
         else:
             times = f"{bound / episode.worst:.3g}x " if episode.worst > bound / 1000 else "far "
             far = f", {times}below the bound {bound:.4g}"
-    start = f"; it was {first[1]:.4g} at step {first[0]}" if first else ""
+    start = f"; it was {first[1]:.4g} at step {first[0]}" if first and first[0] < episode.first else ""
     return f"{title} since step {episode.first}, worst {episode.worst:.4g}{far}{start}"
 
 

@@ -124,6 +124,8 @@ def unjudged_ratios(pl_module: Any) -> set[str]:
 
 #: The logged stats that say whether a layer's outputs held a non-finite value.
 NONFINITE_STATS = ("nonfinite_fraction", "nan_count", "posinf_count", "neginf_count")
+#: The bands of TransformerStability's figures (fields of :class:`Bands`).
+STABILITY_BANDS = ("max_attention_logit", "min_entropy_fraction", "max_output_logit", "max_massive_ratio")
 #: TransformerStability's judged stats: each is the name of its judged figure too.
 STABILITY_STATS = ("attention_max_logit", "attention_entropy", "logit_abs_max", "massive_ratio")
 #: Which judged figure each logged ``(kind, stat)`` feeds: LayerHealth and the Layers tab judge these, and only these.
