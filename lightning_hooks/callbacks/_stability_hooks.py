@@ -37,14 +37,17 @@ def resolve(model: nn.Module, attention: Selection, logits: Selection,
             blocks: Selection) -> dict[str, list[tuple[str, nn.Module]]]:
     """The modules each signal reads, by signal (``"attention"``, ``"logits"``, ``"blocks"``).
 
-    Defaults: attention, every ``nn.MultiheadAttention`` and every module whose class is named
-    ``*Attention`` (the outermost of nested ones); logits, the modules named ``lm_head``, else the
+    Defaults: attention, every ``nn.MultiheadAttention`` and every other module whose class is
+    named ``*Attention`` and holds none (the outermost of nested ones); logits, the modules named ``lm_head``, else the
     model's own output; blocks, each attention module's nearest enclosing numbered module (the
     ``h.3`` of ``h.3.attn``: an entry of a ``ModuleList`` or ``Sequential``).
     """
     found: dict[str, list[tuple[str, nn.Module]]] = {"attention": [], "logits": [], "blocks": []}
-    if attention is None:
-        found["attention"] = _outermost([(n, m) for n, m in model.named_modules() if n and is_attention(m)])
+    if attention is None:  # an nn.MultiheadAttention rather than the module around it
+        named = [(n, m) for n, m in model.named_modules() if n and is_attention(m)]
+        inner = {n for n, m in named if isinstance(m, nn.MultiheadAttention)}
+        found["attention"] = _outermost([(n, m) for n, m in named
+                                         if n in inner or not any(i.startswith(n + ".") for i in inner)])
     elif attention is not False:
         found["attention"] = select_modules(model, attention, "attention")
     if logits is None:
