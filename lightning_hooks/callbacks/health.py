@@ -148,7 +148,8 @@ class LayerHealth(FigureListener, *CALLBACK_BASES):  # type: ignore[misc]  # the
         if stability is not None:  # judge its figures by the bands it was given
             self._bands = replace(self._bands, **{name: getattr(stability.bands, name) for name in STABILITY_BANDS})
             self._verdicts = Verdicts(self._bands)
-        if not any(isinstance(cb, (ActivationMonitor, GradientMonitor)) for cb in getattr(trainer, "callbacks", ())):
+        monitors = (ActivationMonitor, GradientMonitor, TransformerStability)
+        if not any(isinstance(cb, monitors) for cb in getattr(trainer, "callbacks", ())):
             rank_zero_warn("LayerHealth: no ActivationMonitor or GradientMonitor in `callbacks`: nothing to show")
         if not any(isinstance(lg, TENSORBOARD_LOGGERS) for lg in trainer.loggers):
             rank_zero_warn("LayerHealth: no TensorBoardLogger, so no pictures; the summary is still printed")
