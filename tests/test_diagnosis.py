@@ -103,3 +103,11 @@ def test_the_anomaly_report_carries_the_diagnosis_so_far(tmp_path):
     assert report.diagnosis is not None and report.diagnosis.startswith("Layer health at step 1: ")
     assert "  h.0.attn: attention logit growth since step 0" in report.diagnosis
     assert "\n  diagnosis so far:\n    Layer health at step 1: " in str(report)
+
+
+def test_transformer_stability_keeps_its_verdicts_in_its_state_dict(tmp_path):
+    stability = TransformerStability(log_every_n_steps=1, max_attention_logit=0.01)
+    trainer(tmp_path, [stability], logger=False, max_steps=2).fit(Decoder(SdpaAttention), token_loader())
+    resumed = TransformerStability(log_every_n_steps=1, max_attention_logit=0.01)
+    resumed.load_state_dict(stability.state_dict())
+    assert resumed.diagnosis() == stability.diagnosis() and "h.0.attn: attention logit growth" in resumed.diagnosis()

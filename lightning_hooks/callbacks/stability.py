@@ -215,12 +215,13 @@ class TransformerStability(HookCallback):
         return diagnose(self._verdicts, top_k=5, groups=self._groups)
 
     def state_dict(self) -> dict[str, Any]:
-        """The verdicts so far (episodes, first values, histories), so a resumed run keeps "since which step"."""
-        return {"verdicts": self._verdicts.state_dict()}
+        """The verdicts so far (episodes, first values, histories) and the parameter groups, for a resumed run."""
+        return {"verdicts": self._verdicts.state_dict(), "groups": dict(self._groups)}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore the verdicts of :meth:`state_dict`."""
         self._verdicts.load_state_dict(state_dict["verdicts"])
+        self._groups = dict(state_dict.get("groups", {}))
 
 
 def figures(targets: list[tuple[str, str]], values: np.ndarray) -> dict[str, float]:
