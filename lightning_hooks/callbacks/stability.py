@@ -134,12 +134,17 @@ class TransformerStability(HookCallback):
         return self._verdicts
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        """Resolve the selections (a pattern that matches nothing fails here) and the logging interval."""
+        """Resolve the selections (a pattern that matches nothing fails here) and the interval; a fresh record.
+
+        A checkpoint's record, when ``fit`` resumes from one, is loaded after this.
+        """
         self._every = _log_interval(self.log_every_n_steps, trainer)
         resolve(pl_module, self.attention, self.logits, self.blocks)
+        if stage == "fit":
+            self._verdicts, self._groups = Verdicts(self._bands), {}
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        """Register the hooks; start judging afresh unless a checkpoint's verdicts were loaded."""
+        """Register the hooks."""
         super().on_fit_start(trainer, pl_module)
         self._rows, self._pending_step = [], None
 
