@@ -146,6 +146,8 @@ def configs() -> dict[str, Config]:
                lambda tmp: [ActivationMonitor(log_every_n_steps=1, max_modules=None)], always),
         Config("GradientMonitor, logged", "GradientMonitor alone, every step",
                lambda tmp: [GradientMonitor(log_every_n_steps=1, max_rows=None)], always),
+        Config("TransformerStability, not logged", "TransformerStability on steps it does not log",
+               lambda tmp: [TransformerStability(log_every_n_steps=NEVER)]),
         Config("TransformerStability, logged", "TransformerStability alone, every step (the decoder: attention,"
                " logits, blocks; a stack: its output as logits)",
                lambda tmp: [TransformerStability(log_every_n_steps=1)], always),

@@ -13,6 +13,7 @@ from torch import Tensor, nn
 
 from lightning_hooks.callbacks._base import HookCallback, _is_logged_step, _log_interval, _validate_interval, log_step
 from lightning_hooks.callbacks._stability_hooks import Selection, register, resolve, validate_signal
+from lightning_hooks.core._compat import configure_model_overridden
 from lightning_hooks.measure._attention import Sample
 from lightning_hooks.output._diagnosis import diagnose
 from lightning_hooks.output._health_verdicts import JUDGED, Bands, Verdicts
@@ -139,7 +140,8 @@ class TransformerStability(HookCallback):
         A checkpoint's record, when ``fit`` resumes from one, is loaded after this.
         """
         self._every = _log_interval(self.log_every_n_steps, trainer)
-        resolve(pl_module, self.attention, self.logits, self.blocks)
+        if not configure_model_overridden(pl_module):  # else its layers exist only from on_fit_start
+            resolve(pl_module, self.attention, self.logits, self.blocks)
         if stage == "fit":
             self._verdicts, self._groups = Verdicts(self._bands), {}
 
@@ -190,6 +192,7 @@ class TransformerStability(HookCallback):
         text = self.diagnosis()
         log_text(trainer, DIAGNOSIS_TAG, "\n".join("    " + line for line in text.splitlines()),
                  self._verdicts.last_step)
+        # By name: LayerHealth imports this module. It prints the same diagnosis in its summary.
         if not any(type(cb).__name__ == "LayerHealth" for cb in trainer.callbacks):
             rank_zero_info(text)
 
