@@ -269,3 +269,20 @@ def test_arguments_after_the_first_are_keyword_only_and_a_pattern_that_matches_n
     with pytest.raises(ValueError, match=r"`blocks` pattern 'blocks\.\*' matched no module"):
         trainer(tmp_path, [TransformerStability(blocks="blocks.*")], max_steps=1).fit(Decoder(SdpaAttention),
                                                                                        token_loader())
+
+
+class FusedAttention(SdpaAttention):
+    """Attention computed by hand (no SDPA call): nothing to read it from."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qk(x)
+        causal = torch.ones(x.shape[1], x.shape[1], dtype=torch.bool).tril()
+        probs = (q @ k.transpose(-1, -2) / 2).masked_fill(~causal, -math.inf).softmax(-1)
+        return self.proj((probs @ v).transpose(1, 2).flatten(2))
+
+
+def test_an_attention_module_that_calls_no_sdpa_is_named_in_a_warning_once(tmp_path):
+    with pytest.warns(UserWarning, match=r"no attention figures from \['h\.0\.attn', 'h\.1\.attn'\]") as found:
+        trainer(tmp_path, [TransformerStability(log_every_n_steps=1)], logger=False, max_steps=3).fit(
+            Decoder(FusedAttention), token_loader())
+    assert sum("no attention figures" in str(w.message) for w in found) == 1

@@ -8,7 +8,7 @@ from typing import Any, Optional
 import lightning.pytorch as pl
 import numpy as np
 import torch
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import Tensor, nn
 
 from lightning_hooks.callbacks._base import HookCallback, _is_logged_step, _log_interval, _validate_interval, log_step
@@ -46,7 +46,9 @@ class TransformerStability(HookCallback):
       attention (split from its ``c_attn`` output) and any module that calls
       ``F.scaled_dot_product_attention`` (read from the call); see
       :mod:`lightning_hooks.measure._attention_sources` for what each honours and
-      :class:`~lightning_hooks.measure._attention.Sample` for the cost.
+      :class:`~lightning_hooks.measure._attention.Sample` for the cost. An attention module
+      that gives no figures at the first logged step (it computes attention itself, or calls a
+      fused kernel of its own) is named in a warning, once per fit.
     - output logits (``logits``): the largest ``|logit|`` and the mean log-sum-exp (the
       ``log Z`` that z-loss penalises), as ``activations/<module>/logit_abs_max`` and
       ``.../logit_lse`` (``activations/output/...`` when the model's own output is read).
@@ -122,6 +124,7 @@ class TransformerStability(HookCallback):
         self._pending_step: Optional[int] = None
         self._pending_global = 0
         self._groups: dict[str, str] = {}
+        self._warned = False  # about attention modules that gave no figures, once per fit
         self._verdicts = Verdicts(self._bands)
 
     @property
@@ -148,7 +151,7 @@ class TransformerStability(HookCallback):
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Register the hooks."""
         super().on_fit_start(trainer, pl_module)
-        self._rows, self._pending_step = [], None
+        self._rows, self._pending_step, self._warned = [], None, False
 
     def attach(self, model: nn.Module) -> None:
         """Register the hooks of every signal on ``model``, replacing any registered before."""
@@ -201,10 +204,23 @@ class TransformerStability(HookCallback):
         rows, self._rows = self._rows, []
         if not rows or step is None:
             return
+        if not self._warned:
+            self._warn_silent({i for i, _ in rows})
         values = torch.stack([row for _, row in rows]).cpu().numpy().astype(np.float64)  # the one transfer
         scalars = figures([self._signals[i] for i, _ in rows], values)
         log_scalars(trainer, scalars, step)
         self.judge(scalars, step)
+
+    def _warn_silent(self, seen: set[int]) -> None:
+        """Warn once per fit about attention modules that gave no figures at the first logged step."""
+        self._warned = True
+        silent = [name for i, (signal, name) in enumerate(self._signals) if signal == "attention" and i not in seen]
+        if silent:
+            rank_zero_warn(
+                f"TransformerStability: no attention figures from {silent} at the first logged step: a module"
+                " that is neither nn.MultiheadAttention nor GPT-2-style must call F.scaled_dot_product_attention"
+                " (not a fused kernel of its own, e.g. flash-attn) and not run under torch.compile. Select the"
+                " modules that do with `attention=`, or pass attention=False.")
 
     def judge(self, scalars: Mapping[str, float], step: int) -> None:
         """Judge a step's logged figures (``activations/<layer>/<stat>``) against the bands."""
