@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
-from typing import Any, Optional, Union
+from typing import Any, Optional, Union, cast
 
 import torch
 from torch import Tensor, nn
@@ -49,18 +49,18 @@ def resolve(model: nn.Module, attention: Selection, logits: Selection,
         found["attention"] = _outermost([(n, m) for n, m in named
                                          if n in inner or not any(i.startswith(n + ".") for i in inner)])
     elif attention is not False:
-        found["attention"] = select_modules(model, attention, "attention")
+        found["attention"] = select_modules(model, cast(ModuleSelection, attention), "attention")
     if logits is None:
         heads = [(n, m) for n, m in model.named_modules() if n.rpartition(".")[2] == "lm_head"]
         found["logits"] = heads or [(OUTPUT, model)]
     elif logits is not False:
-        found["logits"] = select_modules(model, logits, "logits")
+        found["logits"] = select_modules(model, cast(ModuleSelection, logits), "logits")
     if blocks is None:
         modules = dict(model.named_modules())
         names = dict.fromkeys(_block_of(n) for n, _ in found["attention"])
         found["blocks"] = [(n, modules[n]) for n in names if n in modules]
     elif blocks is not False:
-        found["blocks"] = select_modules(model, blocks, "blocks")
+        found["blocks"] = select_modules(model, cast(ModuleSelection, blocks), "blocks")
     return found
 
 
@@ -117,7 +117,7 @@ def _register_attention(index: int, name: str, module: nn.Module, add: Add, guar
                         sample: Sample) -> list[RemovableHandle]:
     kind = kind_of(module)
     if kind == "mha":
-        def on_mha(mod: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        def on_mha(mod: nn.MultiheadAttention, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
             if not in_backward():
                 add(index, mha_row(mod, args, kwargs, sample))
         return [module.register_forward_pre_hook(guard(name, on_mha), with_kwargs=True)]
@@ -125,7 +125,8 @@ def _register_attention(index: int, name: str, module: nn.Module, add: Add, guar
         def on_qkv(mod: nn.Module, args: Any, output: Tensor) -> None:
             if not in_backward():
                 add(index, gpt2_row(module, output, sample))
-        return [module.c_attn.register_forward_hook(guard(name, on_qkv))]
+        projection = module.get_submodule("c_attn")
+        return [projection.register_forward_hook(guard(name, on_qkv))]
     capture = SdpaCapture(guard(name, lambda args, kwargs: add(index, sdpa_row(args, kwargs, sample))))
     entered: list[bool] = []
 

@@ -144,7 +144,7 @@ class LayerHealth(FigureListener, *CALLBACK_BASES):  # type: ignore[misc]  # the
         self._kinds = {name: type(module).__name__ for name, module in pl_module.named_modules()}
         self._vectors = unjudged_ratios(pl_module)
         self._groups = {}
-        stability = next((cb for cb in trainer.callbacks if isinstance(cb, TransformerStability)), None)
+        stability = next((cb for cb in getattr(trainer, "callbacks", ()) if isinstance(cb, TransformerStability)), None)
         if stability is not None:  # judge its figures by the bands it was given
             self._bands = replace(self._bands, **{name: getattr(stability.bands, name) for name in STABILITY_BANDS})
             self._verdicts = Verdicts(self._bands)

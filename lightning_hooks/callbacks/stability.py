@@ -196,7 +196,7 @@ class TransformerStability(HookCallback):
         log_text(trainer, DIAGNOSIS_TAG, "\n".join("    " + line for line in text.splitlines()),
                  self._verdicts.last_step)
         # By name: LayerHealth imports this module. It prints the same diagnosis in its summary.
-        if not any(type(cb).__name__ == "LayerHealth" for cb in trainer.callbacks):
+        if not any(type(cb).__name__ == "LayerHealth" for cb in getattr(trainer, "callbacks", ())):
             rank_zero_info(text)
 
     def _flush(self, trainer: pl.Trainer) -> None:

@@ -91,11 +91,11 @@ def _mha_masks(attn_mask: Optional[Tensor], padding: Optional[Tensor], batch: in
     return allowed, bias
 
 
-def gpt2_row(module: nn.Module, qkv: Tensor, sample: Sample) -> Tensor:
+def gpt2_row(module: Any, qkv: Tensor, sample: Sample) -> Tensor:
     """The attention row of one GPT-2-style self-attention call, from its ``c_attn`` output ``(batch, length, 3E)``."""
     q, k, _ = qkv.split(module.split_size, dim=-1)
     q, k = (z.unflatten(-1, (module.num_heads, module.head_dim)).transpose(1, 2) for z in (q, k))
-    scale = getattr(module, "scaling", module.head_dim ** -0.5)
+    scale = float(getattr(module, "scaling", module.head_dim ** -0.5))
     return attention_row(q, k, scale=scale, causal=True, sample=sample)
 
 
