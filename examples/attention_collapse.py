@@ -1,12 +1,13 @@
 """Attention entropy collapse and logit growth come before the loss spike: a small decoder at too high a learning rate.
 
 A two-block decoder (hand-written attention calling ``F.scaled_dot_product_attention``) learns
-a synthetic next-token task with AdamW at a learning rate far too high, with no warm-up and no
-QK-norm. TransformerStability reads the attention logits and entropy, the output logits and the
-blocks' massive activations on every step. The attention logits grow, the entropy collapses,
-and only later does the loss spike; the example prints by how many steps the first warning came
-before the spike (k), and the diagnosis. With ``qk_norm=True`` the same run stays healthy.
-CPU only, about half a minute, no downloads. TensorBoard logs go under
+a synthetic copy task (the second half of each sequence repeats the first) with AdamW warmed up
+over 300 steps to a peak learning rate of 0.1, far too high, and no QK-norm. TransformerStability
+reads the attention logits and entropy, the output logits and the blocks' massive activations on
+every step. The attention entropy collapses and the logits grow from step 67 on, and only at
+step 339 does the loss spike; the example prints by how many steps the first warning came before
+the spike (k), and the diagnosis. With QK-norm the same run stays healthy and does not spike.
+CPU only, about 30 s of CPU for the two runs, no downloads. TensorBoard logs go under
 ``./runs/attention_collapse`` (or the directory given as the first argument).
 
     python examples/attention_collapse.py
