@@ -286,3 +286,31 @@ def test_an_attention_module_that_calls_no_sdpa_is_named_in_a_warning_once(tmp_p
         trainer(tmp_path, [TransformerStability(log_every_n_steps=1)], logger=False, max_steps=3).fit(
             Decoder(FusedAttention), token_loader())
     assert sum("no attention figures" in str(w.message) for w in found) == 1
+
+
+def test_gpt2_read_from_its_sdpa_call_gives_the_figures_of_its_c_attn_output(monkeypatch):
+    pytest.importorskip("transformers")
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from lightning_hooks.callbacks import _stability_hooks
+
+    torch.manual_seed(0)
+    config = GPT2Config(vocab_size=VOCAB, n_positions=CONTEXT, n_embd=WIDTH, n_layer=1, n_head=HEADS,
+                        attn_implementation="sdpa")
+    model = GPT2LMHeadModel(config).eval()  # no dropout: the two reads see the same forward
+    with torch.no_grad():
+        for param in model.parameters():
+            param.mul_(10)  # logits far from 0, so that a wrong scale or mask shows
+    rows = {}
+    for kind in ("gpt2", "sdpa"):
+        monkeypatch.setattr(_stability_hooks, "kind_of", lambda module, k=kind: k)
+        got: list[torch.Tensor] = []
+        handles = _stability_hooks.register(0, "attention", "attn", model.transformer.h[0].attn,
+                                            lambda i, row, _got=got: _got.append(row), lambda name, hook: hook,
+                                            Sample(9, 9, 99))
+        with torch.no_grad():
+            model(next(iter(token_loader()))[0])
+        for handle in handles:
+            handle.remove()
+        rows[kind] = got[0].tolist()
+    assert rows["sdpa"] == pytest.approx(rows["gpt2"], rel=1e-5) and rows["gpt2"][0] > 10

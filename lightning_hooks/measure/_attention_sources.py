@@ -11,8 +11,10 @@
 - ``"sdpa"``: any other module, which must call ``F.scaled_dot_product_attention`` inside its
   forward: on a logged step a :class:`SdpaCapture` (a ``TorchFunctionMode``) is entered for the
   module's forward and reads each call's ``q``, ``k``, ``attn_mask``, ``is_causal``, ``scale``
-  and ``enable_gqa`` exactly as the kernel gets them. While it is entered every torch call in that
-  forward goes through Python (a few microseconds each); under ``torch.compile`` it is not entered.
+  and ``enable_gqa`` exactly as the kernel gets them (Hugging Face models with
+  ``attn_implementation="sdpa"`` too: on GPT-2 it gives the figures of the ``"gpt2"`` read).
+  While it is entered every torch call in that forward goes through Python (a few microseconds
+  each); under ``torch.compile`` it is not entered.
 """
 
 from __future__ import annotations
