@@ -30,7 +30,7 @@ from harness import Config, Schedule, Workload, timed_rounds
 from lightning.pytorch.callbacks import Callback
 from torch import nn
 
-from lightning_hooks import ActivationMonitor, GradientAnomalyStopping, GradientMonitor
+from lightning_hooks import ActivationMonitor, GradientAnomalyStopping, GradientMonitor, TransformerStability
 
 NEVER = 10**9  # a log interval no fit reaches: only the first step may log
 
@@ -56,22 +56,32 @@ class Stack(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=1e-3)
 
 
+class CausalSelfAttention(nn.Module):
+    """GPT-2's attention through ``F.scaled_dot_product_attention``, as nanoGPT writes it."""
+
+    def __init__(self, width: int, heads: int) -> None:
+        super().__init__()
+        self.c_attn, self.c_proj = nn.Linear(width, 3 * width), nn.Linear(width, width)
+        self.heads = heads
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, c = x.shape
+        q, k, v = self.c_attn(x).split(c, dim=2)
+        q, k, v = (z.view(b, t, self.heads, c // self.heads).transpose(1, 2) for z in (q, k, v))
+        return self.c_proj(F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, c))
+
+
 class Block(nn.Module):
     """A GPT-2 block: pre-LayerNorm causal self-attention and a GELU MLP, as ``transformers`` lays it out."""
 
     def __init__(self, width: int, heads: int) -> None:
         super().__init__()
         self.ln_1, self.ln_2 = nn.LayerNorm(width), nn.LayerNorm(width)
-        self.c_attn, self.c_proj = nn.Linear(width, 3 * width), nn.Linear(width, width)
+        self.attn = CausalSelfAttention(width, heads)
         self.c_fc, self.act, self.mlp_proj = nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width)
-        self.heads = heads
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, c = x.shape
-        q, k, v = self.c_attn(self.ln_1(x)).split(c, dim=2)
-        q, k, v = (z.view(b, t, self.heads, c // self.heads).transpose(1, 2) for z in (q, k, v))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, c)
-        x = x + self.c_proj(y)
+        x = x + self.attn(self.ln_1(x))
         return x + self.mlp_proj(self.act(self.c_fc(self.ln_2(x))))
 
 
@@ -136,6 +146,11 @@ def configs() -> dict[str, Config]:
                lambda tmp: [ActivationMonitor(log_every_n_steps=1, max_rows=None)], always),
         Config("GradientMonitor, logged", "GradientMonitor alone, every step",
                lambda tmp: [GradientMonitor(log_every_n_steps=1, max_rows=None)], always),
+        Config("TransformerStability, not logged", "TransformerStability on steps it does not log",
+               lambda tmp: [TransformerStability(log_every_n_steps=NEVER)]),
+        Config("TransformerStability, logged", "TransformerStability alone, every step (the decoder: attention,"
+               " logits, blocks; a stack: its output as logits)",
+               lambda tmp: [TransformerStability(log_every_n_steps=1)], always),
     ]}
 
 

@@ -16,6 +16,7 @@ if TYPE_CHECKING:
     from lightning_hooks.callbacks.features import FeatureExtractor, load_features
     from lightning_hooks.callbacks.gradients import GRADIENT_STAT_NAMES, GradientMonitor
     from lightning_hooks.callbacks.health import LayerHealth
+    from lightning_hooks.callbacks.stability import TransformerStability
     from lightning_hooks.callbacks.stopping import GradientAnomalyError, GradientAnomalyStopping
     from lightning_hooks.callbacks.transforms import GradientTransform
     from lightning_hooks.core.selection import ACTIVATION_NAMES, ACTIVATION_TYPES, ModuleSelection, select_modules
@@ -33,6 +34,7 @@ _WHERE = {
     "LayerHealth": "callbacks.health",
     **dict.fromkeys(("GradientAnomalyError", "GradientAnomalyStopping"), "callbacks.stopping"),
     "GradientTransform": "callbacks.transforms",
+    "TransformerStability": "callbacks.stability",
     **dict.fromkeys(("ACTIVATION_NAMES", "ACTIVATION_TYPES", "ModuleSelection", "select_modules"), "core.selection"),
     "FLAG_NAMES": "measure.anomalies",
     **dict.fromkeys(("DEFAULT_STATS", "DIVERGENCE_STATS", "STAT_NAMES"), "measure.stats"),
@@ -63,6 +65,7 @@ __all__ = [
     "GradientTransform",
     "LayerHealth",
     "ModuleSelection",
+    "TransformerStability",
     "load_features",
     "select_modules",
 ]

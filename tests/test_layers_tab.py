@@ -115,7 +115,9 @@ def test_the_routes_through_a_real_tensorboard(tmp_path):
 
         # LayerHealth's bands, by the same names, from the query; errors that say what was wrong.
         assert plain["thresholds"] == {"max_zero_fraction": 0.8, "spike_factor": 10.0, "spread_factor": 1e5,
-                                       "update_ratio_low": 1e-4, "update_ratio_high": 1e-2, "window": 20}
+                                       "update_ratio_low": 1e-4, "update_ratio_high": 1e-2, "window": 20,
+                                       "max_attention_logit": 30.0, "min_entropy_fraction": 0.1,
+                                       "max_output_logit": 100.0, "max_massive_ratio": 1e4}
         assert plain["problems"]["dead"] == "dead units: zero fraction of outputs above 0.8"
         relaxed = get(base, "run", run="plain/version_0", max_zero_fraction=0.99)
         assert "dead" not in {b["verdict"] for b in relaxed["banner"]}
@@ -182,7 +184,8 @@ def test_the_tab_in_a_browser_marks_the_dead_layer(tmp_path):
     # LayerHealth's verdicts: net.2 learns too slowly (update ratio below 1e-4) and says so; the
     # Thresholds panel edits LayerHealth's bands, by their names, and the banner follows.
     assert re.search(r'<li data-layer="net\.2" data-verdict="too_slow" data-since="\d+"', dom)
-    assert fields == "max_zero_fraction,spike_factor,spread_factor,update_ratio_low,update_ratio_high,window"
+    assert fields == ("max_zero_fraction,spike_factor,spread_factor,update_ratio_low,update_ratio_high,window,"
+                      "max_attention_logit,min_entropy_fraction,max_output_logit,max_massive_ratio")
     assert "net.3" in relaxed and "net.2" not in relaxed
     marked = re.search(r'data-figure="activations/zero_fraction" data-marked-rows="([^"]*)"', dom)[1].split(",")
     assert "net.3" in marked and "net.1" not in marked

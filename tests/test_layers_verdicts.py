@@ -110,7 +110,9 @@ def test_bands_from_query_parameters_are_layer_healths_and_it_validates_them():
     query = {"max_zero_fraction": "0.7", "window": "5", "update_ratio_low": "1e-5", "other": "x"}
     assert bands_from_query(query) == Bands(max_zero_fraction=0.7, window=5, update_ratio_band=(1e-5, 1e-2))
     assert bands_as_dict(Bands()) == {"max_zero_fraction": 0.8, "spike_factor": 10.0, "spread_factor": 1e5,
-                                      "update_ratio_low": 1e-4, "update_ratio_high": 1e-2, "window": 20}
+                                      "update_ratio_low": 1e-4, "update_ratio_high": 1e-2, "window": 20,
+                                      "max_attention_logit": 30.0, "min_entropy_fraction": 0.1,
+                                      "max_output_logit": 100.0, "max_massive_ratio": 1e4}
     assert bands_from_query(bands_as_dict(Bands(spike_factor=3.0))) == Bands(spike_factor=3.0)
     with pytest.raises(ValueError, match="`max_zero_fraction` must be a number, got 'lots'"):
         bands_from_query({"max_zero_fraction": "lots"})

@@ -19,6 +19,7 @@ from lightning.fabric.utilities.apply_func import move_data_to_device
 from torch import Tensor
 
 from lightning_hooks.callbacks._base import log_step
+from lightning_hooks.callbacks._diagnosis_source import diagnosis_so_far
 from lightning_hooks.measure._provenance import NEVER, Located
 from lightning_hooks.output.sinks import log_text
 
@@ -54,6 +55,9 @@ class AnomalyReport:
         saved_path: Where the step's batch and model state were saved for replay, if they were:
             a ``torch.save`` of ``{"report", "batch", "batches", "state_dict"}``, where ``batch``
             is the micro-batch of ``batch_idx`` and ``batches`` all of the step's micro-batches.
+        diagnosis: With a TransformerStability (else a LayerHealth) in ``callbacks``, its
+            diagnosis from the figures logged so far: which layers are outside a band, since
+            when, and what usually helps; None without either.
 
     """
 
@@ -68,6 +72,7 @@ class AnomalyReport:
     nonfinite_params: tuple[str, ...] = ()
     largest_norms: tuple[tuple[str, float], ...] = ()
     saved_path: Optional[str] = None
+    diagnosis: Optional[str] = None
 
     def __str__(self) -> str:
         groups = ", ".join(f"{n:.4g}" for n in self.group_norms)
@@ -89,6 +94,8 @@ class AnomalyReport:
             lines.append(f"  largest gradient norms: {largest}")
         if self.saved_path is not None:
             lines.append(f"  batch and model state saved to {self.saved_path}")
+        if self.diagnosis is not None:
+            lines.extend(["  diagnosis so far:", *("    " + line for line in self.diagnosis.splitlines())])
         return "\n".join(lines)
 
 
@@ -132,6 +139,7 @@ def report_step(
         nonfinite_rank=located.rank if located else None,
         nonfinite_params=tuple(names[i] for i in bad),
         largest_norms=tuple(largest[:5]),
+        diagnosis=diagnosis_so_far(trainer),
     )
     if save_dir is not None:
         report = replace(report, saved_path=_save(save_dir, trainer, pl_module, report, batch, micro_batches))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import math
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Optional
 
 import lightning.pytorch as pl
@@ -13,10 +14,12 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from lightning_hooks.callbacks.activations import ActivationMonitor
 from lightning_hooks.callbacks.gradients import GradientMonitor
+from lightning_hooks.callbacks.stability import TransformerStability, param_groups
 from lightning_hooks.core._compat import CALLBACK_BASES, TENSORBOARD_LOGGERS
 from lightning_hooks.core._deprecation import deprecated_arguments
 from lightning_hooks.core._validation import check_int
-from lightning_hooks.output._health_verdicts import JUDGED, Bands, Verdicts, unjudged_ratios
+from lightning_hooks.output._diagnosis import diagnose
+from lightning_hooks.output._health_verdicts import JUDGED, STABILITY_BANDS, Bands, Verdicts, unjudged_ratios
 from lightning_hooks.output._listeners import FigureListener
 from lightning_hooks.output.sinks import log_text
 
@@ -62,11 +65,16 @@ class LayerHealth(FigureListener, *CALLBACK_BASES):  # type: ignore[misc]  # the
     largest layer's divided by ``spread_factor`` (vanishing); an update ratio outside
     ``update_ratio_band`` (not judged for a 1-D parameter row, a bias or a norm's scale, whose
     few small entries give large, noisy ratios on healthy runs; a module row holds its weights
-    too); a NaN or Inf in its outputs or gradients. At the end of training it
+    too); a NaN or Inf in its outputs or gradients; and, from a
+    :class:`~lightning_hooks.TransformerStability` in the same ``callbacks`` (whose bands it then
+    takes), attention logits or output logits too large, attention entropy collapsed, massive
+    activations. At the end of training it
     writes ``health/summary`` (TensorBoard text) and prints once, on rank zero, the verdict
     (:meth:`summary` returns it): ``healthy``, or per problem the layers unhealthy now, the
     earliest first, with their worst value and the step since which they are, and those that
-    were and recovered. The record covers one ``fit`` and is not checkpointed. Needs matplotlib
+    were and recovered; then the diagnosis of each layer unhealthy now: how far from its band,
+    where it started, and what usually helps, with the evidence (see
+    ``lightning_hooks.output._diagnosis``). The record covers one ``fit`` and is not checkpointed. Needs matplotlib
     (``pip install 'lightning-hooks[health]'``).
 
     Every argument is keyword-only.
@@ -116,6 +124,7 @@ class LayerHealth(FigureListener, *CALLBACK_BASES):  # type: ignore[misc]  # the
         self.update_ratio_band, self.window = update_ratio_band, window
         self._kinds: dict[str, str] = {}
         self._vectors: set[str] = set()  # 1-D parameters (biases, norm scales): ratios not judged
+        self._groups: dict[str, str] = {}  # each module's optimizer param group, for the diagnosis
         self._reset()
 
     def _reset(self) -> None:
@@ -136,7 +145,13 @@ class LayerHealth(FigureListener, *CALLBACK_BASES):  # type: ignore[misc]  # the
         self._reset()
         self._kinds = {name: type(module).__name__ for name, module in pl_module.named_modules()}
         self._vectors = unjudged_ratios(pl_module)
-        if not any(isinstance(cb, (ActivationMonitor, GradientMonitor)) for cb in getattr(trainer, "callbacks", ())):
+        self._groups = {}
+        stability = next((cb for cb in getattr(trainer, "callbacks", ()) if isinstance(cb, TransformerStability)), None)
+        if stability is not None:  # judge its figures by the bands it was given
+            self._bands = replace(self._bands, **{name: getattr(stability.bands, name) for name in STABILITY_BANDS})
+            self._verdicts = Verdicts(self._bands)
+        monitors = (ActivationMonitor, GradientMonitor, TransformerStability)
+        if not any(isinstance(cb, monitors) for cb in getattr(trainer, "callbacks", ())):
             rank_zero_warn("LayerHealth: no ActivationMonitor or GradientMonitor in `callbacks`: nothing to show")
         if not any(isinstance(lg, TENSORBOARD_LOGGERS) for lg in trainer.loggers):
             rank_zero_warn("LayerHealth: no TensorBoardLogger, so no pictures; the summary is still printed")
@@ -212,6 +227,7 @@ class LayerHealth(FigureListener, *CALLBACK_BASES):  # type: ignore[misc]  # the
             return
         if self._fresh:  # else the last logged step is drawn already
             self._draw(trainer, self._last)
+        self._groups = param_groups(trainer, pl_module)
         text = self.summary()
         log_text(trainer, "health/summary", "\n".join("    " + line for line in text.splitlines()), self._last)
         rank_zero_info(text)
@@ -241,6 +257,11 @@ class LayerHealth(FigureListener, *CALLBACK_BASES):  # type: ignore[misc]  # the
         """The class name of the module a row belongs to (a parameter's: its owner's)."""
         return self._kinds.get(name) or self._kinds.get(name.rpartition(".")[0], "other")
 
+    @property
+    def verdicts(self) -> Verdicts:
+        """The record of the judged figures so far: each layer's episodes outside a band."""
+        return self._verdicts
+
     def summary(self) -> str:
         """The verdict so far: ``healthy``, or the layers outside a band, per problem, since which step."""
-        return self._verdicts.summary(self.top_k)
+        return diagnose(self._verdicts, self.top_k, self._groups)

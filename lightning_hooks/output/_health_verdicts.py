@@ -19,6 +19,19 @@ The bands, and where each comes from:
   around the usual 1e-3): the layer learns too fast or too slowly. An undefined ratio (a
   parameter that was all zeros) is not judged.
 - non-finite: any NaN or Inf in a layer's outputs, or in its gradient norm.
+- attention logit growth (TransformerStability): the largest ``q·k·scale`` above
+  ``max_attention_logit`` (30): at a logit gap of 30 the top key takes all but ``e^-30`` of its
+  weight, so the softmax has saturated and its gradient vanishes; at initialisation these logits
+  are O(1), and Dehghani et al. 2023 (ViT-22B) and Wortsman et al. 2023 saw them grow without
+  bound before divergence.
+- attention entropy collapse: a layer's mean attention entropy below ``min_entropy_fraction``
+  (0.1) of its first logged value: its heads went from spreading their attention to looking
+  at one token each (Zhai et al. 2023, who tie it to training instability).
+- output logit growth: the largest ``|logit|`` above ``max_output_logit`` (100): in bfloat16 a
+  logit past 128 is rounded to a whole nat, and z-loss (PaLM) exists to keep ``log Z`` near 0.
+- massive activations: a block's ``max|x| / median|x|`` above ``max_massive_ratio`` (1e4):
+  Sun et al. 2024 report a few features ~1e4 times the median in large language models,
+  where they act as attention sinks; far from harmless in low precision.
 """
 
 from __future__ import annotations
@@ -26,7 +39,7 @@ from __future__ import annotations
 import math
 import statistics
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -41,6 +54,10 @@ PROBLEMS = {
     "vanishing": "vanishing gradients: norm below the largest layer's / {spread_factor:g}",
     "too_fast": "learning too fast: update ratio above {high:g}",
     "too_slow": "learning too slowly: update ratio below {low:g}",
+    "attention_logits": "attention logit growth: max attention logit above {max_attention_logit:g}",
+    "entropy_collapse": "attention entropy collapse: entropy below {min_entropy_fraction:g}x its first logged value",
+    "output_logits": "output logit growth: max |logit| above {max_output_logit:g}",
+    "massive": "massive activations: max|x| / median|x| above {max_massive_ratio:g}",
 }
 
 
@@ -59,6 +76,10 @@ class Bands:
     spread_factor: float = 1e5
     update_ratio_band: tuple[float, float] = (1e-4, 1e-2)
     window: int = 20
+    max_attention_logit: float = 30.0
+    min_entropy_fraction: float = 0.1
+    max_output_logit: float = 100.0
+    max_massive_ratio: float = 1e4
 
     def __post_init__(self) -> None:
         check_number("max_zero_fraction", self.max_zero_fraction, 0.0, high=1.0)
@@ -73,6 +94,9 @@ class Bands:
         if not all(math.isfinite(v) for v in band) or not 0 < band[0] < band[1]:
             raise ValueError(f"`update_ratio_band` must be {expected}, got {band!r}: {fix}")
         check_int("window", self.window, low=3)
+        for name in ("max_attention_logit", "max_output_logit", "max_massive_ratio"):
+            check_number(name, getattr(self, name), 0.0)
+        check_number("min_entropy_fraction", self.min_entropy_fraction, 0.0, high=1.0)
 
     def titles(self) -> dict[str, str]:
         """Each problem's heading, with its threshold."""
@@ -96,12 +120,19 @@ def unjudged_ratios(pl_module: Any) -> set[str]:
 
 #: The logged stats that say whether a layer's outputs held a non-finite value.
 NONFINITE_STATS = ("nonfinite_fraction", "nan_count", "posinf_count", "neginf_count")
+#: The bands of TransformerStability's figures (fields of :class:`Bands`).
+STABILITY_BANDS = ("max_attention_logit", "min_entropy_fraction", "max_output_logit", "max_massive_ratio")
+#: TransformerStability's judged stats: each is the name of its judged figure too.
+STABILITY_STATS = ("attention_max_logit", "attention_entropy", "logit_abs_max", "massive_ratio")
 #: Which judged figure each logged ``(kind, stat)`` feeds: LayerHealth and the Layers tab judge these, and only these.
 JUDGED = {("activations", "zero_fraction"): "zero_fraction", ("gradients", "norm"): "norm",
-          ("updates", "ratio"): "ratio", **{("activations", stat): "nonfinite" for stat in NONFINITE_STATS}}
+          ("updates", "ratio"): "ratio", **{("activations", stat): "nonfinite" for stat in NONFINITE_STATS},
+          **{("activations", stat): stat for stat in STABILITY_STATS}}
 
 StepValues = Mapping[str, float]
 """One logged step of one figure: each layer's value."""
+Judge = Callable[[StepValues, Bands], dict[str, str]]
+"""The problem of each layer outside its band at one logged step."""
 History = Mapping[str, Sequence[float]]
 """Each layer's last logged finite gradient norms (at most ``Bands.window``), oldest first."""
 
@@ -142,12 +173,32 @@ def judge_norm(values: StepValues, bands: Bands, history: History) -> dict[str, 
     return judged
 
 
+def judge_above(problem: str, band: str) -> Judge:
+    """A judge of the layers whose figure is above the band named ``band`` (a field of :class:`Bands`)."""
+    def judged(values: StepValues, bands: Bands) -> dict[str, str]:
+        limit = getattr(bands, band)
+        return {layer: problem for layer, v in values.items() if v > limit}
+    return judged
+
+
+def judge_entropy(values: StepValues, bands: Bands, history: History) -> dict[str, str]:
+    """Entropy collapse: below ``min_entropy_fraction`` of the layer's first logged value (``history[layer][0]``)."""
+    return {layer: "entropy_collapse" for layer, v in values.items()
+            if history.get(layer) and v < bands.min_entropy_fraction * history[layer][0]}
+
+
 def judge(figure: str, values: StepValues, bands: Bands, norms: dict[str, deque[float]]) -> dict[str, str]:
     """One logged step of ``figure`` (a value of :data:`JUDGED`): the problem of each layer outside its band.
 
     For ``"norm"``, each finite norm is then added to its layer's history in ``norms`` (the
     caller keeps it from step to step, the steps in order).
     """
+    if figure == "attention_entropy":
+        judged = judge_entropy(values, bands, norms)
+        for layer, value in values.items():  # the first finite value is the baseline
+            if math.isfinite(value) and value > 0 and layer not in norms:
+                norms[layer] = deque([value], maxlen=1)
+        return judged
     if figure != "norm":
         return _JUDGES[figure](values, bands)
     judged = judge_norm(values, bands, norms)
@@ -157,7 +208,12 @@ def judge(figure: str, values: StepValues, bands: Bands, norms: dict[str, deque[
     return judged
 
 
-_JUDGES = {"zero_fraction": judge_zero_fraction, "nonfinite": judge_nonfinite, "ratio": judge_ratio}
+_JUDGES: dict[str, Judge] = {
+    "zero_fraction": judge_zero_fraction, "nonfinite": judge_nonfinite, "ratio": judge_ratio,
+    "attention_max_logit": judge_above("attention_logits", "max_attention_logit"),
+    "logit_abs_max": judge_above("output_logits", "max_output_logit"),
+    "massive_ratio": judge_above("massive", "max_massive_ratio"),
+}
 
 
 @dataclass
@@ -176,7 +232,8 @@ class Verdicts:
     def __init__(self, bands: Bands) -> None:
         self.bands = bands
         self.episodes: dict[tuple[str, str], Episode] = {}
-        self._norms: dict[str, deque[float]] = {}  # each row's last logged gradient norms
+        self._history: dict[str, dict[str, deque[float]]] = {}  # by figure: gradient norms, entropy baselines
+        self.first: dict[tuple[str, str], tuple[int, float]] = {}  # by (figure, layer): its first logged value
         self._depth: dict[str, int] = {}  # layers in the order their figures first came
         self.last_step: Optional[int] = None
 
@@ -189,10 +246,26 @@ class Verdicts:
         self.last_step = step if self.last_step is None else max(step, self.last_step)
         for layer in values:
             self._depth.setdefault(layer, len(self._depth))
-        judged = judge(figure, values, self.bands, self._norms)
+        judged = judge(figure, values, self.bands, self._history.setdefault(figure, {}))
         for layer, value in values.items():
+            self.first.setdefault((figure, layer), (step, value))
             for problem in _FIGURE_PROBLEMS[figure]:
                 self._note(problem, layer, step, value, judged.get(layer) == problem)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The record so far, as plain values (for a callback's checkpoint)."""
+        return {"episodes": [[p, layer, vars(e).copy()] for (p, layer), e in self.episodes.items()],
+                "history": {f: {layer: list(d) for layer, d in h.items()} for f, h in self._history.items()},
+                "first": [[f, layer, step, v] for (f, layer), (step, v) in self.first.items()],
+                "depth": dict(self._depth), "last_step": self.last_step}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore the record of :meth:`state_dict`."""
+        self.episodes = {(p, layer): Episode(**e) for p, layer, e in state["episodes"]}
+        self._history = {f: {layer: deque(v, maxlen=1 if f == "attention_entropy" else self.bands.window)
+                             for layer, v in h.items()} for f, h in state["history"].items()}
+        self.first = {(f, layer): (step, v) for f, layer, step, v in state["first"]}
+        self._depth, self.last_step = dict(state["depth"]), state["last_step"]
 
     def _note(self, problem: str, layer: str, step: int, value: float, flagged: bool) -> None:
         episode = self.episodes.get((problem, layer))
@@ -243,12 +316,14 @@ class Verdicts:
 _FIGURE_PROBLEMS = {
     "zero_fraction": ("dead",), "nonfinite": ("nonfinite",), "ratio": ("too_fast", "too_slow"),
     "norm": ("nonfinite_grad", "exploding", "vanishing"),
+    "attention_max_logit": ("attention_logits",), "attention_entropy": ("entropy_collapse",),
+    "logit_abs_max": ("output_logits",), "massive_ratio": ("massive",),
 }
 
 
 def _worse(problem: str, value: float, than: float) -> bool:
     """Whether ``value`` is further outside the band of ``problem`` than ``than``."""
-    if problem in ("vanishing", "too_slow"):
+    if problem in ("vanishing", "too_slow", "entropy_collapse"):
         return value < than
     if problem.startswith("nonfinite"):
         return False

@@ -13,13 +13,14 @@ from collections import deque
 from collections.abc import Mapping
 from typing import Any, Optional
 
-from lightning_hooks.output._health_verdicts import JUDGED, Bands
+from lightning_hooks.output._health_verdicts import JUDGED, STABILITY_BANDS, Bands
 from lightning_hooks.output._health_verdicts import judge as judge_column
 from lightning_hooks.tensorboard_plugin.run_data import Figure
 
 #: The query parameters, each a field of :class:`Bands` (the band's two ends apart), with its type.
 QUERY = {"max_zero_fraction": float, "spike_factor": float, "spread_factor": float,
-         "update_ratio_low": float, "update_ratio_high": float, "window": int}
+         "update_ratio_low": float, "update_ratio_high": float, "window": int,
+         **dict.fromkeys(STABILITY_BANDS, float)}
 
 
 def bands_from_query(args: Mapping[str, str]) -> Bands:
@@ -47,7 +48,7 @@ def bands_as_dict(bands: Bands) -> dict[str, float]:
     low, high = bands.update_ratio_band
     return {"max_zero_fraction": bands.max_zero_fraction, "spike_factor": bands.spike_factor,
             "spread_factor": bands.spread_factor, "update_ratio_low": low, "update_ratio_high": high,
-            "window": bands.window}
+            "window": bands.window, **{name: getattr(bands, name) for name in STABILITY_BANDS}}
 
 
 Marks = list[tuple[int, int, str]]

@@ -1,0 +1,282 @@
+"""TransformerStability: the signals that come before a transformer diverges, and a diagnosis in plain words."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Optional
+
+import lightning.pytorch as pl
+import numpy as np
+import torch
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from torch import Tensor, nn
+
+from lightning_hooks.callbacks._base import HookCallback, _is_logged_step, _log_interval, _validate_interval, log_step
+from lightning_hooks.callbacks._stability_hooks import Selection, register, resolve, validate_signal
+from lightning_hooks.core._compat import configure_model_overridden
+from lightning_hooks.core._validation import check_int
+from lightning_hooks.measure._attention import Sample
+from lightning_hooks.output._diagnosis import diagnose
+from lightning_hooks.output._health_verdicts import JUDGED, Bands, Verdicts
+from lightning_hooks.output.figures import ScalarBlock
+from lightning_hooks.output.sinks import log_scalars, log_text
+
+#: Each signal's two logged stats: its peak (max over the step) and its mean.
+STATS = {"attention": ("attention_max_logit", "attention_entropy"),
+         "logits": ("logit_abs_max", "logit_lse"),
+         "blocks": ("massive_ratio", "kurtosis")}
+#: The text tag of the diagnosis, written at the end of fit.
+DIAGNOSIS_TAG = "stability/diagnosis"
+
+
+class TransformerStability(HookCallback):
+    """Log the signals that precede a transformer's divergence, and say in plain words what is wrong and what helps.
+
+    On a logged training step (as Lightning logs: step ``n`` with ``(n + 1) % log_every_n_steps
+    == 0``, and step 0), on rank zero, hooks read three signals from rank zero's own batches
+    (no collective, no reduction across ranks):
+
+    - attention (``attention``): per attention module the largest attention logit
+      ``q·k·scale`` and the mean attention entropy (nats) of a sample of query rows, logged as
+      ``activations/<module>/attention_max_logit`` and ``.../attention_entropy``. Supported:
+      ``nn.MultiheadAttention`` (re-projected from its inputs), Hugging Face GPT-2-style
+      attention (split from its ``c_attn`` output) and any module that calls
+      ``F.scaled_dot_product_attention`` (read from the call); see
+      :mod:`lightning_hooks.measure._attention_sources` for what each honours and
+      :class:`~lightning_hooks.measure._attention.Sample` for the cost. An attention module
+      that gives no figures at the first logged step (it computes attention itself, or calls a
+      fused kernel of its own) is named in a warning, once per fit.
+    - output logits (``logits``): the largest ``|logit|`` and the mean log-sum-exp (the
+      ``log Z`` that z-loss penalises), as ``activations/<module>/logit_abs_max`` and
+      ``.../logit_lse`` (``activations/output/...`` when the model's own output is read).
+    - massive activations (``blocks``): per block ``max|x| / median|x|`` of its output hidden
+      state and its kurtosis, as ``activations/<block>/massive_ratio`` and ``.../kurtosis``.
+
+    Everything is computed on the device; the step's figures come to the host in one transfer
+    when its optimizer step is done, go to every logger and to the callbacks that listen
+    (:class:`~lightning_hooks.LayerHealth` judges them, the Layers tab draws them), and are
+    judged here against the bands below. At the end of fit the diagnosis (:meth:`diagnosis`:
+    which layer, which signal, since which step, how far from the band, what usually helps and
+    the evidence) is written as TensorBoard text ``stability/diagnosis`` and printed once on
+    rank zero (by LayerHealth's summary instead, when a LayerHealth is in ``callbacks``); an
+    :class:`~lightning_hooks.AnomalyReport` carries it too.
+
+    Args:
+        log_every_n_steps: Read the signals every this many optimizer steps. None: the
+            Trainer's ``log_every_n_steps``.
+        attention: Attention modules: None (every ``nn.MultiheadAttention`` and every module whose
+            class name ends in ``Attention``), a module selection (name globs, types, a
+            predicate), or False for none.
+        logits: Modules whose output is the logits: None (modules named ``lm_head``, else the
+            LightningModule's own output), a module selection, or False.
+        blocks: Modules whose output is checked for massive activations: None (the numbered
+            block around each attention module: ``h.3`` for ``h.3.attn``), a selection, or False.
+        sample_sequences: Sequences of a batch whose attention is recomputed.
+        sample_heads: Heads per attention call whose attention is recomputed.
+        sample_queries: Query positions per head whose attention is recomputed.
+        sample_rows: Logit rows (positions) whose log-sum-exp is taken.
+        max_attention_logit: Attention logits grow too large above this.
+        min_entropy_fraction: Attention entropy has collapsed below this share of its first
+            logged value.
+        max_output_logit: Output logits grow too large above this ``|logit|``.
+        max_massive_ratio: Massive activations above this ``max|x| / median|x|``.
+
+    Every argument is keyword-only.
+
+    Raises:
+        TypeError: If an argument is not of the documented type.
+        ValueError: If an argument's value is not as documented; before training, if a
+            selection matches no module.
+
+    Example::
+
+        from lightning import Trainer
+        from lightning_hooks import LayerHealth, TransformerStability
+
+        trainer = Trainer(callbacks=[TransformerStability(log_every_n_steps=10), LayerHealth()])
+    """
+
+    def __init__(self, *, log_every_n_steps: Optional[int] = None, attention: Selection = None,
+                 logits: Selection = None, blocks: Selection = None, sample_sequences: int = 2,
+                 sample_heads: int = 8, sample_queries: int = 32, sample_rows: int = 1024,
+                 max_attention_logit: float = Bands.max_attention_logit,
+                 min_entropy_fraction: float = Bands.min_entropy_fraction,
+                 max_output_logit: float = Bands.max_output_logit,
+                 max_massive_ratio: float = Bands.max_massive_ratio) -> None:
+        super().__init__(None)
+        _validate_interval(log_every_n_steps)
+        for name, selection in (("attention", attention), ("logits", logits), ("blocks", blocks)):
+            validate_signal(name, selection)
+        for name, value in (("sample_sequences", sample_sequences), ("sample_heads", sample_heads),
+                            ("sample_queries", sample_queries), ("sample_rows", sample_rows)):
+            check_int(name, value)
+        self._bands = Bands(max_attention_logit=max_attention_logit, min_entropy_fraction=min_entropy_fraction,
+                            max_output_logit=max_output_logit, max_massive_ratio=max_massive_ratio)
+        self.log_every_n_steps, self.attention, self.logits, self.blocks = log_every_n_steps, attention, logits, blocks
+        self.sample_sequences, self.sample_heads = sample_sequences, sample_heads
+        self.sample_queries, self.sample_rows = sample_queries, sample_rows
+        self.max_attention_logit, self.min_entropy_fraction = max_attention_logit, min_entropy_fraction
+        self.max_output_logit, self.max_massive_ratio = max_output_logit, max_massive_ratio
+        self._sample = Sample(sample_sequences, sample_heads, sample_queries, sample_rows)
+        self._every = 1
+        self._signals: list[tuple[str, str]] = []  # (signal, name) per target, in registration order
+        self._rows: list[tuple[int, Tensor]] = []  # the step's rows on device, by target
+        self._pending_step: Optional[int] = None
+        self._pending_global = 0
+        self._groups: dict[str, str] = {}
+        self._warned = False  # about attention modules that gave no figures, once per fit
+        self._verdicts = Verdicts(self._bands)
+
+    @property
+    def bands(self) -> Bands:
+        """The bands this callback judges by."""
+        return self._bands
+
+    @property
+    def verdicts(self) -> Verdicts:
+        """The record of the judged figures: each layer's episodes outside a band, and its first values."""
+        return self._verdicts
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        """Resolve the selections (a pattern that matches nothing fails here) and the interval; a fresh record.
+
+        A checkpoint's record, when ``fit`` resumes from one, is loaded after this.
+        """
+        self._every = _log_interval(self.log_every_n_steps, trainer)
+        if not configure_model_overridden(pl_module):  # else its layers exist only from on_fit_start
+            resolve(pl_module, self.attention, self.logits, self.blocks)
+        if stage == "fit":
+            self._verdicts, self._groups = Verdicts(self._bands), {}
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Register the hooks."""
+        super().on_fit_start(trainer, pl_module)
+        self._rows, self._pending_step, self._warned = [], None, False
+
+    def attach(self, model: nn.Module) -> None:
+        """Register the hooks of every signal on ``model``, replacing any registered before."""
+        self.detach()
+        found = resolve(model, self.attention, self.logits, self.blocks)
+        self._targets = [(name, module) for targets in found.values() for name, module in targets]
+        self._signals = [(signal, name) for signal, targets in found.items() for name, _ in targets]
+        self._failed.clear()
+        for index, ((signal, name), (_, module)) in enumerate(zip(self._signals, self._targets)):
+            self._handles.extend(register(index, signal, name, module, self._add, self._guard, self._sample))
+
+    def _add(self, index: int, row: Tensor) -> None:
+        self._rows.append((index, row))
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
+                             batch_idx: int) -> None:
+        """Open the gate on logged steps, on rank zero."""
+        step = log_step(trainer)
+        if self._pending_step is not None and self._pending_step != step:
+            self._flush(trainer)
+        if trainer.is_global_zero and self.is_attached and _is_logged_step(step, self._every):
+            if self._pending_step is None:
+                self._pending_global = trainer.global_step
+            self._collecting, self._pending_step = True, step
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        """Close the gate; log the step's figures once its optimizer step is done."""
+        self._collecting = False
+        if self._pending_step is not None and self._pending_global != trainer.global_step:
+            self._flush(trainer)
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Log an unfinished last step; write the diagnosis, and print it unless LayerHealth prints its own."""
+        self._collecting = False
+        if self._pending_step is not None:
+            self._flush(trainer)
+        if not trainer.is_global_zero or self._verdicts.last_step is None:
+            return
+        self._groups = param_groups(trainer, pl_module)
+        text = self.diagnosis()
+        log_text(trainer, DIAGNOSIS_TAG, "\n".join("    " + line for line in text.splitlines()),
+                 self._verdicts.last_step)
+        # By name: LayerHealth imports this module. It prints the same diagnosis in its summary.
+        if not any(type(cb).__name__ == "LayerHealth" for cb in getattr(trainer, "callbacks", ())):
+            rank_zero_info(text)
+
+    def _flush(self, trainer: pl.Trainer) -> None:
+        step, self._pending_step, self._collecting = self._pending_step, None, False
+        rows, self._rows = self._rows, []
+        if not rows or step is None:
+            return
+        if not self._warned:
+            self._warn_silent({i for i, _ in rows})
+        values = torch.stack([row for _, row in rows]).cpu().numpy().astype(np.float64)  # the one transfer
+        blocks = figures([self._signals[i] for i, _ in rows], values)
+        log_scalars(trainer, {}, step, figures=blocks)
+        self.judge(blocks, step)
+
+    def _warn_silent(self, seen: set[int]) -> None:
+        """Warn once per fit about attention modules that gave no figures at the first logged step."""
+        self._warned = True
+        silent = [name for i, (signal, name) in enumerate(self._signals) if signal == "attention" and i not in seen]
+        if silent:
+            rank_zero_warn(
+                f"TransformerStability: no attention figures from {silent} at the first logged step: a module"
+                " that is neither nn.MultiheadAttention nor GPT-2-style must call F.scaled_dot_product_attention"
+                " (not a fused kernel of its own, e.g. flash-attn) and not run under torch.compile. Select the"
+                " modules that do with `attention=`, or pass attention=False.")
+
+    def judge(self, blocks: Sequence[ScalarBlock], step: int) -> None:
+        """Judge a step's logged figures against the bands, by their typed fields (never the tags)."""
+        for block in blocks:
+            figure = JUDGED.get((block.kind, block.stat))
+            if figure is not None:
+                self._verdicts.add(figure, step, dict(zip(block.rows, block.values)))
+
+    def diagnosis(self) -> str:
+        """The diagnosis so far: ``healthy``, or per unhealthy layer the signal, since when, how far, what helps."""
+        return diagnose(self._verdicts, top_k=5, groups=self._groups)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The verdicts so far (episodes, first values, histories) and the parameter groups, for a resumed run."""
+        return {"verdicts": self._verdicts.state_dict(), "groups": dict(self._groups)}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore the verdicts of :meth:`state_dict`."""
+        self._verdicts.load_state_dict(state_dict["verdicts"])
+        self._groups = dict(state_dict.get("groups", {}))
+
+
+def figures(targets: list[tuple[str, str]], values: np.ndarray) -> list[ScalarBlock]:
+    """The step's figures from its rows ``(peak, total, count)``: the peak's max, and ``total / count``, per target.
+
+    One typed block per statistic (``activations`` kind), rows in the order the targets first appear.
+    """
+    peaks: dict[tuple[str, str], float] = {}
+    sums: dict[tuple[str, str], list[float]] = {}
+    for key, (peak, total, count) in zip(targets, values.tolist()):
+        peaks[key] = max(peaks.get(key, -np.inf), peak)
+        acc = sums.setdefault(key, [0.0, 0.0])
+        acc[0], acc[1] = acc[0] + total, acc[1] + count
+    columns: dict[str, tuple[list[str], list[float]]] = {}
+    for (signal, name), peak in peaks.items():
+        high, mean = STATS[signal]
+        total, count = sums[(signal, name)]
+        rows, vals = columns.setdefault(high, ([], []))
+        rows.append(name)
+        vals.append(peak)
+        if count:
+            rows, vals = columns.setdefault(mean, ([], []))
+            rows.append(name)
+            vals.append(total / count)
+    return [ScalarBlock("activations", stat, rows, vals, [f"activations/{name}/{stat}" for name in rows])
+            for stat, (rows, vals) in columns.items()]
+
+
+def param_groups(trainer: pl.Trainer, pl_module: nn.Module) -> dict[str, str]:
+    """Each module's optimizer parameter group, as ``"param group 1 (lr 0.003)"``: where a remedy's learning rate is."""
+    owner = {id(p): name.rpartition(".")[0] for name, p in pl_module.named_parameters()}
+    found: dict[str, str] = {}
+    for optimizer in getattr(trainer, "optimizers", ()):
+        for index, group in enumerate(optimizer.param_groups):
+            for param in group["params"]:
+                module = owner.get(id(param))
+                if module is not None:
+                    found.setdefault(module, f"param group {index} (lr {group.get('lr', float('nan')):.3g})")
+    return found

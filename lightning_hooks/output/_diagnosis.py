@@ -1,0 +1,111 @@
+"""The diagnosis in plain words: per unhealthy layer, which signal, since when, how far from healthy, and what helps.
+
+Built on the record of :class:`~lightning_hooks.output._health_verdicts.Verdicts` (host-side,
+torch-free): :func:`diagnose` is LayerHealth's summary and TransformerStability's diagnosis.
+Each remedy comes with the evidence it rests on: what the run logged (the value, its band,
+where the layer started) and where the remedy was shown to work.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+
+from lightning_hooks.output._health_verdicts import _FIGURE_PROBLEMS, Bands, Episode, Verdicts
+
+_LOWER_LR = ("lower the learning rate{group}",
+             "these instabilities appear above a critical learning rate and go away below it"
+             " (Wortsman et al. 2023, small-scale proxies for large-scale instabilities)")
+_WARMUP = ("a longer learning-rate warm-up",
+           "warm-up keeps the learning rate low while the logits first grow, and widens the range of stable"
+           " learning rates (Wortsman et al. 2023)")
+_QK_NORM = ("QK-norm: a LayerNorm or RMSNorm on q and k before their product",
+            "it bounds the attention logits by construction, and removed this instability in ViT-22B"
+            " (Dehghani et al. 2023) and at high learning rates (Wortsman et al. 2023)")
+_CLIP = ("gradient clipping, e.g. Trainer(gradient_clip_val=1.0)",
+         "it caps the step a gradient spike can take; transformer recipes clip at 1.0 (GPT-3, PaLM)")
+
+#: What usually helps, per problem: (remedy, the evidence it rests on).
+REMEDIES: dict[str, tuple[tuple[str, str], ...]] = {
+    "attention_logits": (_QK_NORM, _LOWER_LR, _WARMUP),
+    "entropy_collapse": (_QK_NORM, _LOWER_LR,
+                         ("σReparam: spectral normalisation of the attention's linear layers",
+                          "Zhai et al. 2023 show it prevents attention entropy collapse"), _WARMUP),
+    "output_logits": (("z-loss: add 1e-4 * logsumexp(logits)**2 to the loss",
+                       "it keeps log Z near 0; PaLM used it for stability (Chowdhery et al. 2022) and it removes"
+                       " output logit divergence (Wortsman et al. 2023)"), _LOWER_LR),
+    "massive": (("keep the residual stream in float32, or give attention an explicit sink (a learned bias or"
+                 " key)", "massive activations act as attention sinks and are common in trained LLMs"
+                 " (Sun et al. 2024); they hurt mostly in low precision"),),
+    "exploding": (_CLIP, _LOWER_LR, _WARMUP),
+    "vanishing": (("look at the layers in front of it: a dead or saturated layer cuts the gradient off",
+                   "a gradient five decades below its neighbours' does not come from the layer's own size"),),
+    "dead": (("a lower learning rate, or a leaky activation (LeakyReLU, GELU)",
+              "units pushed below zero by a large step never fire again under ReLU"),),
+    "too_fast": (_LOWER_LR, _CLIP),
+    "too_slow": (("raise the learning rate{group}", "an update ratio near 1e-3 is the usual sign of a layer that"
+                                                    " learns at a sensible pace"),),
+    "nonfinite": (("find the first module that made it: GradientMonitor's AnomalyReport names it", _CLIP[1]),
+                  _LOWER_LR),
+    "nonfinite_grad": (_CLIP, _LOWER_LR),
+}
+
+#: The figure each problem is judged from.
+_FIGURE = {problem: figure for figure, problems in _FIGURE_PROBLEMS.items() for problem in problems}
+
+
+def diagnose(verdicts: Verdicts, top_k: int, groups: Mapping[str, str] = {}) -> str:
+    """The verdict (:meth:`Verdicts.summary`), then per layer unhealthy now what is wrong, since when, and what helps.
+
+    Args:
+        verdicts: The record of the run's judged figures.
+        top_k: The most layers listed per problem, and the most diagnosed.
+        groups: Each module's optimizer parameter group (``"param group 0 (lr 0.001)"``), where a
+            remedy says to lower (or raise) a learning rate.
+    """
+    summary = verdicts.summary(top_k)
+    now = sorted(((p, layer, e) for (p, layer), e in verdicts.episodes.items() if e.ongoing), key=verdicts._order)
+    if not now:
+        return summary
+    lines = [summary, "Diagnosis:"]
+    for problem, layer, episode in now[:top_k]:
+        lines.append(f"  {layer}: {_said(problem, layer, episode, verdicts)}")
+        for remedy, why in REMEDIES[problem]:
+            lines.append(f"    - {remedy.format(group=_group(layer, groups))}: {why}")
+    if len(now) > top_k:
+        lines.append(f"  ... and {len(now) - top_k} more (see the verdict above)")
+    return "\n".join(lines)
+
+
+def _said(problem: str, layer: str, episode: Episode, verdicts: Verdicts) -> str:
+    """One problem of one layer: the signal, since when, its worst value, how far from the band, where it started."""
+    title = verdicts.bands.titles()[problem].partition(":")[0]
+    first = verdicts.first.get((_FIGURE[problem], layer))
+    bound = _bound(problem, verdicts.bands, first[1] if first else None)
+    far = ""
+    if bound is not None and bound > 0 and math.isfinite(episode.worst):
+        if episode.worst >= bound:
+            far = f", {episode.worst / bound:.3g}x the bound {bound:.4g}"
+        else:
+            times = f"{bound / episode.worst:.3g}x " if episode.worst > bound / 1000 else "far "
+            far = f", {times}below the bound {bound:.4g}"
+    start = f"; it was {first[1]:.4g} at step {first[0]}" if first and first[0] < episode.first else ""
+    return f"{title} since step {episode.first}, worst {episode.worst:.4g}{far}{start}"
+
+
+def _bound(problem: str, bands: Bands, first: float | None) -> float | None:
+    """The edge of the healthy band a problem's value crossed, where there is one number."""
+    low, high = bands.update_ratio_band
+    fixed = {"attention_logits": bands.max_attention_logit, "output_logits": bands.max_output_logit,
+             "massive": bands.max_massive_ratio, "dead": bands.max_zero_fraction, "too_fast": high, "too_slow": low}
+    if problem == "entropy_collapse" and first is not None:
+        return bands.min_entropy_fraction * first
+    return fixed.get(problem)
+
+
+def _group(layer: str, groups: Mapping[str, str]) -> str:
+    """`` of param group 0 (lr 0.001), which holds <layer>``, or nothing when no group is known."""
+    found = sorted({g for module, g in groups.items()
+                    if module == layer or module.startswith(layer + ".") or layer.startswith(module + ".")})
+    return f" of {' and '.join(found)}, which hold{'s' if len(found) == 1 else ''} {layer}" if found else ""
+

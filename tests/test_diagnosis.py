@@ -1,0 +1,113 @@
+"""The diagnosis in plain words: which layer, which signal, since when, how far, what helps; "healthy" otherwise."""
+
+import logging
+from typing import Any
+
+import pytest
+import torch
+
+from lightning_hooks import GradientAnomalyError, GradientAnomalyStopping, LayerHealth, TransformerStability
+from lightning_hooks.output._diagnosis import REMEDIES, diagnose
+from lightning_hooks.output._health_verdicts import PROBLEMS, Bands, Verdicts
+from lightning_hooks.tensorboard_plugin.run_data import Figure
+from lightning_hooks.tensorboard_plugin.verdicts import bands_from_query, judge
+from tests.helpers import events, trainer
+from tests.test_stability import Decoder, SdpaAttention, token_loader
+
+
+def growing_logits() -> Verdicts:
+    """h.1.attn's max attention logit 2, 4, ... then 40, 80 from step 20; h.0.attn stays at 2; entropy collapses."""
+    verdicts = Verdicts(Bands())
+    for step, (logit, entropy) in enumerate([(2.0, 2.5), (4.0, 2.0), (40.0, 0.5), (80.0, 0.2)]):
+        verdicts.add("attention_max_logit", step * 10, {"h.0.attn": 2.0, "h.1.attn": logit})
+        verdicts.add("attention_entropy", step * 10, {"h.0.attn": 2.5, "h.1.attn": entropy})
+    return verdicts
+
+
+def test_every_problem_has_remedies_and_a_healthy_run_is_called_healthy():
+    assert set(REMEDIES) == set(PROBLEMS)
+    verdicts = Verdicts(Bands())
+    verdicts.add("attention_max_logit", 0, {"h.0.attn": 3.0})
+    assert diagnose(verdicts, top_k=5) == ("Layer health at step 0: healthy (every layer inside the bands;"
+                                           " see LayerHealth's docstring).")
+
+
+def test_the_diagnosis_names_layer_signal_since_when_how_far_and_what_helps_with_the_evidence():
+    text = diagnose(growing_logits(), top_k=5, groups={"h.1.attn.qkv": "param group 1 (lr 0.1)"})
+    lines = text.splitlines()
+    assert lines[:6] == ["Layer health at step 30: 1 layer unhealthy now",
+                         "  attention logit growth: max attention logit above 30",
+                         "    h.1.attn                 worst 80         since step 20",
+                         "  attention entropy collapse: entropy below 0.1x its first logged value",
+                         "    h.1.attn                 worst 0.2        since step 30",
+                         "Diagnosis:"]
+    assert lines[6] == ("  h.1.attn: attention logit growth since step 20, worst 80, 2.67x the bound 30;"
+                        " it was 2 at step 0")
+    assert lines[7].startswith("    - QK-norm: a LayerNorm or RMSNorm on q and k") and "Dehghani" in lines[7]
+    assert lines[8].startswith("    - lower the learning rate of param group 1 (lr 0.1), which holds h.1.attn: ")
+    collapse = next(line for line in lines if line.startswith("  h.1.attn: attention entropy collapse"))
+    assert collapse == ("  h.1.attn: attention entropy collapse since step 30, worst 0.2, 1.25x below the bound 0.25;"
+                        " it was 2.5 at step 0")
+    assert "h.0.attn:" not in text
+
+
+def test_the_record_survives_a_checkpoint_and_the_episode_goes_on():
+    before = growing_logits()
+    after = Verdicts(Bands())
+    after.load_state_dict(before.state_dict())
+    for record in (before, after):
+        record.add("attention_entropy", 40, {"h.0.attn": 2.5, "h.1.attn": 0.2})
+    assert diagnose(after, top_k=5) == diagnose(before, top_k=5)
+    assert after.episodes[("entropy_collapse", "h.1.attn")].first == 30
+
+
+def test_the_layers_tab_marks_the_cells_layer_health_judges():
+    figure = Figure("activations/attention_max_logit", "", "activations", "attention_max_logit",
+                    ["h.0.attn", "h.1.attn"], [0, 10, 20], [[2.0, 2.0, 2.0], [2.0, 31.0, 80.0]])
+    assert judge(figure, Bands()) == [(1, 1, "attention_logits"), (1, 2, "attention_logits")]
+    assert judge(figure, bands_from_query({"max_attention_logit": "50"})) == [(1, 2, "attention_logits")]
+
+
+def test_layer_health_takes_the_bands_of_transformer_stability_and_prints_the_diagnosis_once(tmp_path, caplog):
+    from lightning.pytorch.loggers import TensorBoardLogger
+
+    logger = TensorBoardLogger(tmp_path, name="tb", version=0)
+    health = LayerHealth()
+    callbacks = [TransformerStability(log_every_n_steps=1, max_attention_logit=0.01), health]
+    with caplog.at_level(logging.INFO):
+        trainer(tmp_path, callbacks, logger=logger, max_steps=3).fit(Decoder(SdpaAttention), token_loader())
+    logger.experiment.flush()
+    summary = health.summary()
+    assert "attention logit growth: max attention logit above 0.01\n    h.0.attn " in summary
+    assert "  h.0.attn: attention logit growth since step 0" in summary and "QK-norm" in summary
+    assert caplog.text.count("Layer health at step") == 1
+    acc = events(str(tmp_path / "tb"))
+    for tag in ("health/summary/text_summary", "stability/diagnosis/text_summary"):
+        (text,) = acc.Tensors(tag)
+        assert "h.0.attn: attention logit growth since step 0" in text.tensor_proto.string_val[0].decode()
+
+
+class NanAt2(Decoder):
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss = super().training_step(batch, batch_idx)
+        return loss * float("nan") if self.global_step == 2 else loss
+
+
+def test_the_anomaly_report_carries_the_diagnosis_so_far(tmp_path):
+    stopper = GradientAnomalyStopping(action="raise")
+    stability = TransformerStability(log_every_n_steps=1, max_attention_logit=0.01)
+    with pytest.raises(GradientAnomalyError) as info:
+        trainer(tmp_path, [stability, stopper], logger=False, max_steps=5).fit(NanAt2(SdpaAttention),
+                                                                                token_loader())
+    report = info.value.report
+    assert report.diagnosis is not None and report.diagnosis.startswith("Layer health at step 1: ")
+    assert "  h.0.attn: attention logit growth since step 0" in report.diagnosis
+    assert "\n  diagnosis so far:\n    Layer health at step 1: " in str(report)
+
+
+def test_transformer_stability_keeps_its_verdicts_in_its_state_dict(tmp_path):
+    stability = TransformerStability(log_every_n_steps=1, max_attention_logit=0.01)
+    trainer(tmp_path, [stability], logger=False, max_steps=2).fit(Decoder(SdpaAttention), token_loader())
+    resumed = TransformerStability(log_every_n_steps=1, max_attention_logit=0.01)
+    resumed.load_state_dict(stability.state_dict())
+    assert resumed.diagnosis() == stability.diagnosis() and "h.0.attn: attention logit growth" in resumed.diagnosis()
