@@ -9,7 +9,7 @@ where the layer started) and where the remedy was shown to work.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 from lightning_hooks.output._health_verdicts import _FIGURE_PROBLEMS, Bands, Episode, Verdicts
 
@@ -68,10 +68,12 @@ def diagnose(verdicts: Verdicts, top_k: int, groups: Mapping[str, str] = {}) -> 
     if not now:
         return summary
     lines = [summary, "Diagnosis:"]
-    for problem, layer, episode in now[:top_k]:
-        lines.append(f"  {layer}: {_said(problem, layer, episode, verdicts)}")
-        for remedy, why in REMEDIES[problem]:
-            lines.append(f"    - {remedy.format(group=_group(layer, groups))}: {why}")
+    shown = now[:top_k]
+    for problem in dict.fromkeys(p for p, _, _ in shown):  # problems in order; each one's remedies once
+        layers = [(layer, episode) for p, layer, episode in shown if p == problem]
+        lines.extend(f"  {layer}: {_said(problem, layer, episode, verdicts)}" for layer, episode in layers)
+        where = _group([layer for layer, _ in layers], groups)
+        lines.extend(f"    - {remedy.format(group=where)}: {why}" for remedy, why in REMEDIES[problem])
     if len(now) > top_k:
         lines.append(f"  ... and {len(now) - top_k} more (see the verdict above)")
     return "\n".join(lines)
@@ -103,9 +105,11 @@ def _bound(problem: str, bands: Bands, first: float | None) -> float | None:
     return fixed.get(problem)
 
 
-def _group(layer: str, groups: Mapping[str, str]) -> str:
-    """`` of param group 0 (lr 0.001), which holds <layer>``, or nothing when no group is known."""
-    found = sorted({g for module, g in groups.items()
+def _group(layers: Sequence[str], groups: Mapping[str, str]) -> str:
+    """`` of param group 0 (lr 0.001), which holds <layers>``, or nothing when no group is known."""
+    found = sorted({g for module, g in groups.items() for layer in layers
                     if module == layer or module.startswith(layer + ".") or layer.startswith(module + ".")})
-    return f" of {' and '.join(found)}, which hold{'s' if len(found) == 1 else ''} {layer}" if found else ""
-
+    if not found:
+        return ""
+    held = " and ".join(layers) if len(layers) < 3 else f"{', '.join(layers[:-1])} and {layers[-1]}"
+    return f" of {' and '.join(found)}, which hold{'s' if len(found) == 1 else ''} {held}"
