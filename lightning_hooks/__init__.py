@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from lightning_hooks.callbacks._anomaly_report import AnomalyReport
     from lightning_hooks.callbacks._base import HookCallback
+    from lightning_hooks.callbacks._flight_recorder import FlightRecord
     from lightning_hooks.callbacks.activations import ActivationMonitor
     from lightning_hooks.callbacks.features import FeatureExtractor, load_features
     from lightning_hooks.callbacks.gradients import GRADIENT_STAT_NAMES, GradientMonitor
@@ -27,12 +28,15 @@ if TYPE_CHECKING:
         anomaly_flags,
         gradient_figures,
     )
+    from lightning_hooks.measure.spikes import SpikeTrigger
     from lightning_hooks.measure.stats import DEFAULT_STATS, DIVERGENCE_STATS, STAT_NAMES, histogram_edges
 
 #: Each public name, by the module that defines it.
 _WHERE = {
     "AnomalyReport": "callbacks._anomaly_report",
     "HookCallback": "callbacks._base",
+    "FlightRecord": "callbacks._flight_recorder",
+    "SpikeTrigger": "measure.spikes",
     "ActivationMonitor": "callbacks.activations",
     **dict.fromkeys(("FLAG_NAMES", "AnomalyDetector", "GradientFigures", "anomaly_flags", "gradient_figures"),
                     "measure.anomalies"),
@@ -57,6 +61,7 @@ __all__ = [
     "AnomalyDetector",
     "AnomalyReport",
     "FeatureExtractor",
+    "FlightRecord",
     "GradientAnomalyError",
     "GradientAnomalyStopping",
     "GradientFigures",
@@ -65,6 +70,7 @@ __all__ = [
     "HookCallback",
     "LayerHealth",
     "ModuleSelection",
+    "SpikeTrigger",
     "anomaly_flags",
     "gradient_figures",
     "histogram_edges",
