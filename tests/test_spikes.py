@@ -1,12 +1,12 @@
 """Spike detection: the robust z-score, SpikeTrigger, its windows, and GradientAnomalyStopping acting on it."""
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import lightning as L
 import pytest
 import torch
-from torch import nn
 
 from lightning_hooks import GradientAnomalyStopping, SpikeTrigger
 from lightning_hooks.distributed import _rank_agreement
@@ -55,12 +55,14 @@ class LossNet(GradNet):
         return loss
 
 
-def fit(tmp_path: Any, model: L.LightningModule, stopper: GradientAnomalyStopping, steps: int = 50,
-        **kwargs: Any) -> L.Trainer:
+def fit(tmp_path: Any, make: Callable[[], L.LightningModule], stopper: GradientAnomalyStopping, steps: int = 50,
+        **kwargs: Any) -> L.LightningModule:
+    """Fit a model ``make`` gives (seeded first) for ``steps`` optimizer steps; return it."""
     L.seed_everything(0, verbose=False)
-    fit = trainer(tmp_path, [stopper], max_steps=steps, logger=False, **kwargs)
+    model = make()
+    fit = trainer(tmp_path, [stopper], max_steps=steps, **{"logger": False, **kwargs})
     fit.fit(model, loader(n=steps * 8 * kwargs.get("accumulate_grad_batches", 1), batch_size=8))
-    return fit
+    return model
 
 
 def test_robust_zscore_is_the_distance_from_the_median_in_mads():
@@ -111,7 +113,7 @@ def test_no_verdict_before_the_warmup_then_a_spike_is_flagged_and_survives_a_sta
 def test_a_loss_spike_is_skipped_in_automatic_optimization(tmp_path):
     stopper = GradientAnomalyStopping(action="skip", spikes=SpikeTrigger(window=32, warmup=24, grad_norm=None),
                                       prog_bar=False)
-    fit(tmp_path, GradNet(spike_steps=(SPIKE,)), stopper)
+    fit(tmp_path, lambda: GradNet(spike_steps=(SPIKE,)), stopper)
     assert stopper.last_report.step == SPIKE and stopper.last_report.flags == ("loss_spike",)
     assert stopper.anomalous_steps == stopper.dropped_steps == 1
 
@@ -119,7 +121,7 @@ def test_a_loss_spike_is_skipped_in_automatic_optimization(tmp_path):
 def test_the_loss_of_manual_optimization_is_what_manual_backward_gets(tmp_path):
     stopper = GradientAnomalyStopping(action="warn", spikes=SpikeTrigger(window=32, warmup=24, grad_norm=None),
                                       flight_recorder=8, prog_bar=False)
-    fit(tmp_path, ManualNet(spike_steps=(SPIKE,)), stopper)
+    fit(tmp_path, lambda: ManualNet(spike_steps=(SPIKE,)), stopper)
     report = stopper.last_report
     assert report.step == SPIKE and report.flags == ("loss_spike",)
     losses = report.flight_record.losses
@@ -128,11 +130,12 @@ def test_the_loss_of_manual_optimization_is_what_manual_backward_gets(tmp_path):
 
 def test_the_grad_norm_fires_before_the_loss_and_the_record_names_the_layer_that_led(tmp_path):
     stopper = GradientAnomalyStopping(action="skip", spikes=TRIGGER, flight_recorder=16, prog_bar=False)
-    fit(tmp_path, RampNet(), stopper)
+    fit(tmp_path, lambda: RampNet(), stopper)
     report = stopper.last_report
     assert report.flags == ("grad_norm_spike",) and report.step >= SPIKE
     record = report.flight_record
-    assert record.leader == "net.0" and record.lead == report.step - SPIKE
+    assert record.leader == "net.0" and record.onsets[0] == ("net.0", report.step - record.lead)
+    assert SPIKE <= report.step - record.lead <= report.step  # it left its range once the ramp began
     assert record.steps[-1] == report.step and len(record.steps) == 16
     assert record.path is not None and "net.0" in str(report)
 
@@ -142,8 +145,7 @@ def test_spikes_add_no_host_transfer_and_the_loss_is_the_mean_over_accumulated_b
     original = _rank_agreement.to_host
     monkeypatch.setattr(_rank_agreement, "to_host", lambda *a, **k: transfers.append(1) or original(*a, **k))
     stopper = GradientAnomalyStopping(action="warn", spikes=TRIGGER, flight_recorder=4, prog_bar=False)
-    model = LossNet()
-    fit(tmp_path, model, stopper, steps=10, accumulate_grad_batches=2)
+    model = fit(tmp_path, LossNet, stopper, steps=10, accumulate_grad_batches=2)
     assert len(transfers) == 10  # one per optimizer step, as without spikes
     record = stopper._recorder.read(9, [name for name, _ in model.named_parameters()])
     means = [(a + b) / 2 for a, b in zip(model.losses[::2], model.losses[1::2])]
@@ -152,7 +154,7 @@ def test_spikes_add_no_host_transfer_and_the_loss_is_the_mean_over_accumulated_b
 
 def test_the_spike_windows_survive_a_checkpoint(tmp_path):
     stopper = GradientAnomalyStopping(action="skip", spikes=TRIGGER, prog_bar=False)
-    fit(tmp_path, GradNet(), stopper, steps=30)
+    fit(tmp_path, lambda: GradNet(), stopper, steps=30)
     state = stopper.state_dict()
     assert state["spikes"][0]["count"] == 30
     again = GradientAnomalyStopping(action="skip", spikes=TRIGGER, prog_bar=False)
