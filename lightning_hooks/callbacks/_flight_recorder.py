@@ -171,10 +171,13 @@ class FlightRecorder:
 
 
 def write_record(trainer: pl.Trainer, record: FlightRecord) -> FlightRecord:
-    """Write the record next to the logs as CSV and to TensorBoard as text, from rank zero; return it with its path."""
+    """Write the record next to the logs as CSV and to TensorBoard as text, from rank zero; return it with its path.
+
+    Every rank must call it: ``trainer.log_dir`` is broadcast from rank zero.
+    """
+    folder = trainer.log_dir or trainer.default_root_dir
     if not trainer.is_global_zero:
         return record
-    folder = trainer.log_dir or trainer.default_root_dir
     os.makedirs(folder, exist_ok=True)
     path = os.path.join(folder, f"flight-record-step{record.step}.csv")
     with open(path, "w", newline="") as f:

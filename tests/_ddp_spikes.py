@@ -1,0 +1,74 @@
+"""Run by tests/test_spikes.py: 2-process CPU DDP (gloo), the loss x1000 on rank 1 only at step 40.
+
+``GradientAnomalyStopping(action="rollback", spikes=SpikeTrigger(grad_norm=None))`` watches the
+loss alone, so only rank 1 sees the spike: both ranks must flag it and roll back at the same
+step, through the flags summed in the step's one collective. A flight recorder keeps 16 steps.
+Each rank writes what it saw to ``rank<r>.json``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from typing import Any
+
+import lightning as L
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from lightning_hooks import GradientAnomalyStopping, SpikeTrigger  # noqa: E402
+from tests.grad_helpers import GradNet  # noqa: E402
+from tests.helpers import loader  # noqa: E402
+
+SPIKE = 40
+
+
+class RankSpikeNet(GradNet):
+    """GradNet whose loss is multiplied by 1000 at step ``SPIKE`` on rank 1 only."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss = super().training_step(batch, batch_idx)
+        return loss * 1000.0 if self.global_step == SPIKE and self.trainer.global_rank == 1 else loss
+
+
+class Probe(L.Callback):
+    """After the stopper: the steps that rolled back."""
+
+    def __init__(self, stopper: GradientAnomalyStopping) -> None:
+        self.stopper, self.rolled_back = stopper, []
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+        if self.stopper.rollbacks > len(self.rolled_back):
+            self.rolled_back.append(trainer.global_step - 1)
+
+
+def main(out_dir: str) -> None:
+    L.seed_everything(0, verbose=False)
+    stopper = GradientAnomalyStopping(
+        action="rollback", rollback_every_n_steps=5, skip_batches=1, prog_bar=False,
+        spikes=SpikeTrigger(grad_norm=None, window=32, warmup=24), flight_recorder=16,
+    )
+    probe = Probe(stopper)
+    trainer = L.Trainer(
+        accelerator="cpu", devices=2, strategy="ddp", max_steps=46, logger=False, default_root_dir=out_dir,
+        callbacks=[stopper, probe], enable_progress_bar=False, enable_model_summary=False,
+        enable_checkpointing=False,
+    )
+    trainer.fit(RankSpikeNet(), loader(n=46 * 8 * 2, batch_size=8))
+    report = stopper.last_report
+    record = report.flight_record if report else None
+    result = {
+        "flags": list(report.flags) if report else None, "report_step": report.step if report else None,
+        "rolled_back": probe.rolled_back, "leader": record.leader if record else None,
+        "record_path": record.path if record else None,
+        "record_exists": bool(record and record.path and os.path.exists(record.path)),
+        "params": torch.cat([p.detach().flatten() for p in trainer.lightning_module.parameters()]).tolist(),
+    }
+    with open(os.path.join(out_dir, f"rank{trainer.global_rank}.json"), "w") as f:
+        json.dump(result, f)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
