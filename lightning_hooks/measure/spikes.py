@@ -33,25 +33,23 @@ def robust_zscore(window: Tensor, value: Tensor, min_spread: float = 0.0) -> Ten
     flattened out does not call a tiny wobble a spike. NaNs in ``window`` are gaps and skipped.
 
     Args:
-        window: The past values, 1-D; NaN where there is none.
-        value: The new value, a 0-d tensor.
+        window: The past values along dim 0: ``(W,)``, or ``(W, S)`` for ``S`` signals at once.
+        value: The new value: a 0-d tensor, or ``(S,)``.
         min_spread: The smallest spread, as a fraction of the median's magnitude.
 
     Returns:
-        A 0-d float64 tensor: 0 when ``window`` holds no value, +inf for a non-finite ``value``.
+        Float64, of the shape of ``value``: 0 where the window holds no value (or one value
+        repeated), +inf for a non-finite ``value``.
 
     Example::
 
         z = robust_zscore(torch.tensor([1.0, 1.1, 0.9, 1.0]), torch.tensor(3.0))  # about 27
     """
     window, value = window.double(), value.double()
-    median = window.nanmedian()
-    spread = (window - median).abs().nanmedian() * _MAD_TO_STD
-    spread = torch.maximum(spread, median.abs() * min_spread)
-    z = (value - median) / spread
-    z = torch.where(spread > 0, z, torch.zeros_like(z))  # a window of one repeated value (or none): no verdict
-    z = torch.where(median.isnan(), torch.zeros_like(z), z)
-    return torch.where(value.isfinite(), z, torch.full_like(z, math.inf))
+    median = window.nanmedian(0).values
+    spread = torch.maximum((window - median).abs().nanmedian(0).values * _MAD_TO_STD, median.abs() * min_spread)
+    z = torch.where(spread > 0, (value - median) / spread, 0.0)  # no spread (or no value, NaN): no verdict
+    return torch.where(value.isfinite(), z, math.inf)
 
 
 def _check_positive_int(name: str, value: Any) -> None:
@@ -179,6 +177,7 @@ class SpikeWindows:
     def __init__(self, trigger: SpikeTrigger) -> None:
         self.trigger = trigger
         self._rings: dict[int, DeviceRing] = {}
+        self._thresholds: Optional[Tensor] = None  # on the values' device, made once
 
     def judge(self, values: Tensor, key: int = 0) -> tuple[Tensor, Tensor]:
         """The z-score of each signal's value (loss, grad norm) and whether it is a spike, on device.
@@ -196,12 +195,11 @@ class SpikeWindows:
         if ring is None or ring.rows is None or ring.count < self.trigger.warmup:
             z = torch.zeros_like(values)
         else:
-            rows = ring.rows.to(values.device)
-            z = torch.stack([robust_zscore(rows[:, i], values[i], self.trigger.min_spread)
-                             for i in range(values.numel())])
-            z = torch.where(values.isnan(), torch.zeros_like(z), z)  # a signal without a value: no verdict
-        thresholds = torch.tensor(self.trigger.thresholds, dtype=torch.float64, device=values.device)
-        return z, z > thresholds
+            z = robust_zscore(ring.rows.to(values.device), values, self.trigger.min_spread)
+            z = torch.where(values.isnan(), 0.0, z)  # a signal without a value: no verdict
+        if self._thresholds is None or self._thresholds.device != values.device:
+            self._thresholds = torch.tensor(self.trigger.thresholds, dtype=torch.float64, device=values.device)
+        return z, z > self._thresholds
 
     def remember(self, values: Tensor, key: int = 0) -> None:
         """Add the step's values to the windows of optimizer ``key`` (a non-finite one as a gap)."""
