@@ -1,18 +1,21 @@
 """Spike detection: the robust z-score, SpikeTrigger, its windows, and GradientAnomalyStopping acting on it."""
 
 import math
+import re
 from collections.abc import Callable
 from typing import Any
 
 import lightning as L
 import pytest
 import torch
+from lightning.pytorch.plugins import MixedPrecision
 
 from lightning_hooks import GradientAnomalyStopping, SpikeTrigger
 from lightning_hooks.distributed import _rank_agreement
 from lightning_hooks.measure.spikes import SpikeWindows, robust_zscore
 from tests.grad_helpers import GradNet
 from tests.helpers import loader, run_ddp, trainer
+from tests.test_examples import run_example
 
 SPIKE = 40  # the step the planted spike comes at
 TRIGGER = SpikeTrigger(window=32, warmup=24)
@@ -147,9 +150,19 @@ def test_spikes_add_no_host_transfer_and_the_loss_is_the_mean_over_accumulated_b
     stopper = GradientAnomalyStopping(action="warn", spikes=TRIGGER, flight_recorder=4, prog_bar=False)
     model = fit(tmp_path, LossNet, stopper, steps=10, accumulate_grad_batches=2)
     assert len(transfers) == 10  # one per optimizer step, as without spikes
-    record = stopper._recorder.read(9, [name for name, _ in model.named_parameters()])
+    record = stopper._watch.recorder.read(9, [name for name, _ in model.named_parameters()])
     means = [(a + b) / 2 for a, b in zip(model.losses[::2], model.losses[1::2])]
     assert record.steps == (6, 7, 8, 9) and record.losses == pytest.approx(means[-4:])
+
+
+def test_under_an_amp_grad_scaler_the_loss_is_unscaled_and_overflowed_steps_are_left_out(tmp_path):
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**40)  # fp16 overflows at first, then backs off
+    stopper = GradientAnomalyStopping(action="warn", spikes=TRIGGER, flight_recorder=64, prog_bar=False)
+    model = fit(tmp_path, LossNet, stopper, steps=40, plugins=[MixedPrecision("16-mixed", "cpu", scaler=scaler)])
+    record = stopper._watch.recorder.read(39, [name for name, _ in model.named_parameters()])
+    assert stopper.amp_overflows > 0 and len(record.steps) == 40 - stopper.amp_overflows
+    assert record.steps[-1] == 39 and record.losses == pytest.approx(model.losses[-len(record.steps):], rel=1e-3)
+    assert stopper._watch.spikes.windows._rings[0].count == len(record.steps)
 
 
 def test_the_spike_windows_survive_a_checkpoint(tmp_path):
@@ -159,7 +172,22 @@ def test_the_spike_windows_survive_a_checkpoint(tmp_path):
     assert state["spikes"][0]["count"] == 30
     again = GradientAnomalyStopping(action="skip", spikes=TRIGGER, prog_bar=False)
     again.load_state_dict(state)
-    assert torch.allclose(again._spikes.windows._rings[0].rows, stopper._spikes.windows._rings[0].rows, equal_nan=True)
+    rows = [s._watch.spikes.windows._rings[0].rows for s in (again, stopper)]
+    assert torch.allclose(*rows, equal_nan=True)
+
+
+@pytest.mark.slow
+def test_the_example_catches_the_shard_by_its_gradient_norm_rolls_back_and_names_a_layer(tmp_path):
+    proc = run_example("spike_flight_recorder", tmp_path)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-5000:]
+    assert "gradient-norm trigger fired at step 80, loss trigger at step 95" in out, out[-3000:]
+    assert "Lightning's SpikeDetection (loss only) raised at step 95" in out
+    assert re.search(r"the flight record of steps \d+-95: layer '[\w.]+' left its usual gradient norm range first,"
+                     r" 15 steps before \(at step 80", out)
+    assert "rollback: step 80 went back to the state before step 80; updates dropped: 16" in out
+    clean, rolled_back = map(float, re.search(r"Held-out loss: clean ([\d.]+), rolled back ([\d.]+)", out).groups())
+    assert abs(rolled_back - clean) < 0.02 * clean
 
 
 @pytest.mark.slow

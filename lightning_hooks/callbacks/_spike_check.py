@@ -1,4 +1,4 @@
-"""GradientAnomalyStopping's spike trigger: the step's loss and total gradient norm, judged on device.
+"""GradientAnomalyStopping's spike trigger and flight recorder: the step's loss and gradient norms, on device.
 
 The loss is what the LightningModule backpropagates: Lightning hands it to ``on_before_backward``
 in automatic optimization (``training_step``'s loss, divided by ``accumulate_grad_batches``, so
@@ -19,6 +19,7 @@ import lightning.pytorch as pl
 import torch
 from torch import Tensor
 
+from lightning_hooks.callbacks._flight_recorder import FlightRecord, FlightRecorder, write_record
 from lightning_hooks.distributed._rank_agreement import Check
 from lightning_hooks.distributed._step_measure import Step
 from lightning_hooks.measure.spikes import SPIKE_SIGNALS, SpikeTrigger, SpikeWindows
@@ -102,3 +103,56 @@ class SpikeCheck:
         flags = {f"{signal}_spike": votes > 0 for signal, votes, threshold
                  in zip(SPIKE_SIGNALS, check.votes["spikes"], watched) if threshold is not None}
         return replace(check, flags={**check.flags, **flags}, anomalous=check.anomalous or any(flags.values()))
+
+
+class SpikeWatch:
+    """What GradientAnomalyStopping keeps of each step for ``spikes`` and ``flight_recorder``: all on device.
+
+    Args:
+        spikes: The spike trigger, or None.
+        flight_recorder: How many steps the flight recorder keeps (0: none).
+    """
+
+    def __init__(self, spikes: Optional[SpikeTrigger], flight_recorder: int) -> None:
+        self.spikes = SpikeCheck(spikes) if spikes is not None else None
+        self.recorder = FlightRecorder(flight_recorder) if flight_recorder else None
+        self._loss = StepLoss()
+        self._step_loss: Optional[Tensor] = None  # the loss of the step being checked
+
+    def add_loss(self, trainer: pl.Trainer, loss: Tensor) -> None:
+        """Note a loss about to be backpropagated, if anything watches the loss."""
+        if self.spikes is not None or self.recorder is not None:
+            self._loss.add(trainer, loss)
+
+    def votes(self, step: Step, first: bool) -> dict[str, Tensor]:
+        """The step's spike flags, to sum over the ranks; the loss is the first evaluation's (LBFGS)."""
+        loss = self._loss.take(step.figures.group_norms.device)  # a later evaluation's loss is dropped
+        self._step_loss = loss if first else None
+        return self.spikes.votes(step, self._step_loss) if self.spikes is not None else {}
+
+    def conclude(self, step_number: int, step: Step, check: Check) -> Check:
+        """``check`` with the agreed spike flags; the step's figures kept by the recorder."""
+        if self.spikes is not None:
+            check = self.spikes.conclude(check)
+        if self.recorder is not None and self._step_loss is not None and not check.skipped:
+            self.recorder.record(step_number, self._step_loss, step.figures.norms)
+        return check
+
+    def record(self, trainer: pl.Trainer, names: list[str]) -> Optional[FlightRecord]:
+        """The flight record up to this step, written out (every rank must call this); None without one."""
+        record = self.recorder.read(trainer.global_step, names) if self.recorder is not None else None
+        return write_record(trainer, record) if record is not None else None
+
+    def clear(self) -> None:
+        """Forget the loss noted so far (at the end of ``fit``)."""
+        self._loss.clear()
+        self._step_loss = None
+
+    def state_dict(self) -> dict[str, Any]:
+        """The spike windows, if any."""
+        return {"spikes": self.spikes.windows.state_dict()} if self.spikes is not None else {}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore the spike windows, if both the checkpoint and this instance have them."""
+        if self.spikes is not None and "spikes" in state_dict:
+            self.spikes.windows.load_state_dict(state_dict["spikes"])

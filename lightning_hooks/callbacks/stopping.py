@@ -9,10 +9,9 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import Tensor
 
 from lightning_hooks.callbacks._anomaly_report import AnomalyReport
-from lightning_hooks.callbacks._flight_recorder import FlightRecord, FlightRecorder, write_record
 from lightning_hooks.callbacks._gradient_check import GradientCheck, _check_bool
 from lightning_hooks.callbacks._rollback import Rollback, check_strategy, validate_rollback
-from lightning_hooks.callbacks._spike_check import SpikeCheck, StepLoss, validate_spikes
+from lightning_hooks.callbacks._spike_check import SpikeWatch, validate_spikes
 from lightning_hooks.callbacks._update_drop import UpdateDrop
 from lightning_hooks.core.selection import ModuleSelection
 from lightning_hooks.distributed._rank_agreement import Check
@@ -117,17 +116,14 @@ class GradientAnomalyStopping(GradientCheck):
         rollback_every_n_steps: With ``"rollback"``: refresh the snapshot after this many clean
             steps in a row (None: 100).
         skip_batches: With ``"rollback"``: after a restore, drop the updates of this many steps.
-        spikes: Also act on a spike of the loss or of the total gradient norm: a robust z-score
-            over a rolling window (see :class:`~lightning_hooks.SpikeTrigger`); the flags are
-            ``"loss_spike"`` and ``"grad_norm_spike"``. Judged on device and agreed in the
-            step's one collective: no host sync of its own. The loss is what the
-            LightningModule backpropagates (``training_step``'s loss, or with manual
-            optimization what ``manual_backward`` gets, added up until the optimizer steps).
-        flight_recorder: Keep the loss and every parameter's gradient norm of the last this
-            many optimizer steps on device (one copy per step); a report then carries the
-            record (:class:`~lightning_hooks.FlightRecord`: which layer's norm left its usual
-            range first, and how many steps before), written next to the logs as
-            ``flight-record-step<N>.csv`` and to TensorBoard as ``anomalies/flight_record``. 0: off.
+        spikes: Also flag ``"loss_spike"`` and ``"grad_norm_spike"``: a robust z-score of the
+            step's loss (what the LightningModule backpropagates; with manual optimization what
+            ``manual_backward`` gets, added up) and total gradient norm over a rolling window
+            (:class:`~lightning_hooks.SpikeTrigger`), on device, agreed in the step's one collective.
+        flight_recorder: Keep the last this many steps' loss and gradient norms on device; a
+            report then carries them (:class:`~lightning_hooks.FlightRecord`: which layer's norm
+            left its usual range first, how many steps before), also written next to the logs
+            (``flight-record-step<N>.csv``) and to TensorBoard (``anomalies/flight_record``). 0: off.
 
     Raises:
         ValueError: For an unknown ``action``, a negative ``patience``, a bad threshold, when
@@ -195,10 +191,7 @@ class GradientAnomalyStopping(GradientCheck):
         self._streak_before = 0  # the streak before the current step
         self._settled = False  # the current step is counted anomalous: its later evaluations change nothing
         self.spikes, self.flight_recorder = spikes, flight_recorder
-        self._spikes = SpikeCheck(spikes) if spikes is not None else None
-        self._recorder = FlightRecorder(flight_recorder) if flight_recorder else None
-        self._loss = StepLoss()
-        self._step_loss: Optional[Tensor] = None  # the loss of the step being checked, on device
+        self._watch = SpikeWatch(spikes, flight_recorder)
 
     def _key(self) -> dict[str, Any]:
         return {"action": self.action, **super()._key(), **({"spikes": self.spikes} if self.spikes else {})}
@@ -232,20 +225,16 @@ class GradientAnomalyStopping(GradientCheck):
                            f" dropping the next {self.skip_batches} updates.")
 
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Tensor) -> None:
-        """Add the loss about to be backpropagated to the step's, on device, for the spike trigger and recorder."""
-        if self._spikes is not None or self._recorder is not None:
-            self._loss.add(trainer, loss)
+        """Note the loss about to be backpropagated, on device, for ``spikes`` and ``flight_recorder``."""
+        self._watch.add_loss(trainer, loss)
 
     def _votes(self, trainer: pl.Trainer, step: Step) -> dict[str, Tensor]:
-        """The step's spike flags, to agree on in the step's collective (at a closure's first evaluation)."""
-        first = self._shared is None or self._shared.evaluation == 1
-        self._step_loss = self._loss.take(step.figures.group_norms.device) if first else None
-        return self._spikes.votes(step, self._step_loss) if self._spikes is not None else {}
+        return self._watch.votes(step, first=self._shared is None or self._shared.evaluation == 1)
 
     def detach(self) -> None:
         """Remove the hooks; free the rollback snapshot."""
         super().detach()
-        self._loss.clear()
+        self._watch.clear()
         self._dropper.release()
         if self._rollback is not None:
             self._rollback.release()
@@ -253,10 +242,7 @@ class GradientAnomalyStopping(GradientCheck):
     def _handle(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any, step: Step,
                 check: Check) -> None:
         """Count the step at its first evaluation, or at a later one that finds it anomalous (LBFGS)."""
-        if self._spikes is not None:
-            check = self._spikes.conclude(check)
-        if self._recorder is not None and self._step_loss is not None and not check.skipped:
-            self._recorder.record(trainer.global_step, self._step_loss, step.figures.norms)
+        check = self._watch.conclude(trainer.global_step, step, check)
         self._dropper.new_evaluation(first=self._evaluation == 1)
         if self._evaluation == 1:
             self._streak_before, self._settled = self.streak, False
@@ -288,7 +274,9 @@ class GradientAnomalyStopping(GradientCheck):
         if not act:
             return
         if self.streak == self.patience + 1:  # report once per run of anomalous steps
-            self.last_report = report = self._report(trainer, pl_module, step, check, self._read_record(trainer, step))
+            names = [self._param_names.get(p, f"param{i}") for i, p in enumerate(step.params)]
+            record = self._watch.record(trainer, names)
+            self.last_report = report = self._report(trainer, pl_module, step, check, record)
             if self.action == "raise":
                 raise GradientAnomalyError(report)
             if self.action == "warn":
@@ -301,14 +289,6 @@ class GradientAnomalyStopping(GradientCheck):
         if self.action == "stop":
             trainer.should_stop = True
 
-    def _read_record(self, trainer: pl.Trainer, step: Step) -> Optional[FlightRecord]:
-        """The flight record up to this step, written out; None without a recorder."""
-        if self._recorder is None:
-            return None
-        names = [self._param_names.get(p, f"param{i}") for i, p in enumerate(step.params)]
-        record = self._recorder.read(trainer.global_step, names)
-        return write_record(trainer, record) if record is not None else None
-
     def state_dict(self) -> dict[str, Any]:
         """Return the counters, the running median windows, and how many updates a rollback still drops.
 
@@ -316,8 +296,7 @@ class GradientAnomalyStopping(GradientCheck):
         resumed state is the first snapshot.
         """
         counters = {name: getattr(self, name) for name in (*_COUNTERS, *_ROLLBACK_COUNTERS)}
-        spikes = {"spikes": self._spikes.windows.state_dict()} if self._spikes is not None else {}
-        return {**counters, **self._state(), **spikes}
+        return {**counters, **self._state(), **self._watch.state_dict()}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore what :meth:`state_dict` returned."""
@@ -326,7 +305,6 @@ class GradientAnomalyStopping(GradientCheck):
         self.rollbacks = int(state_dict.get("rollbacks", 0))
         if self._rollback is not None:
             self._rollback.skipping = int(state_dict.get("skipping", 0))
-        if self._spikes is not None and "spikes" in state_dict:
-            self._spikes.windows.load_state_dict(state_dict["spikes"])
+        self._watch.load_state_dict(state_dict)
         self._load_state(state_dict)
 
