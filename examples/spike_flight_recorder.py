@@ -22,6 +22,8 @@ The script trains three times on the same data and prints what happened:
 
 from __future__ import annotations
 
+import json
+import os
 import sys
 from typing import Optional
 
@@ -131,14 +133,17 @@ def main(log_dir: str = "runs/spike_flight_recorder") -> None:
     seen: dict[str, int] = {}
     watcher_flags = _FirstFlags(watcher, seen)
     _, lightning_step = train(log_dir, "watch", broken=True, callbacks=[
-        watcher, watcher_flags, SpikeDetection(exclude_batches_path=f"{log_dir}/watch")])
+        watcher, watcher_flags, SpikeDetection(exclude_batches_path=os.path.join(log_dir, "watch"))])
     stopper = GradientAnomalyStopping(action="rollback", spikes=TRIGGER, rollback_every_n_steps=10,
                                       skip_batches=SHARD_BATCHES, flight_recorder=64, prog_bar=False)
     guarded, _ = train(log_dir, "rollback", broken=True, callbacks=[stopper])
     print(f"\nA broken shard (padding) at steps {SHARD}-{SHARD + SHARD_BATCHES - 1} of {STEPS}:")
     print(f"  gradient-norm trigger fired at step {seen.get('grad_norm_spike')},"
           f" loss trigger at step {seen.get('loss_spike')}")
-    print(f"  Lightning's SpikeDetection (loss only) raised at step {lightning_step}")
+    with open(os.path.join(log_dir, "watch", "skip_batches.json")) as f:
+        excluded = json.load(f)
+    print(f"  Lightning's SpikeDetection (loss only) raised at step {lightning_step}; the batches it says to"
+          f" skip: {excluded} (the shard was {SHARD}-{SHARD + SHARD_BATCHES - 1})")
     record = watcher.last_report.flight_record if watcher.last_report else None
     if record is not None:
         print(f"  at the loss spike, the {record.summary()}")
@@ -150,17 +155,15 @@ def main(log_dir: str = "runs/spike_flight_recorder") -> None:
 
 
 class _FirstFlags(L.Callback):
-    """Notes the first step at which each of the watcher's flags fired."""
+    """Notes the first step at which each of the watcher's flags fired (a report comes per run of anomalous steps)."""
 
     def __init__(self, watcher: GradientAnomalyStopping, seen: dict[str, int]) -> None:
-        self.watcher, self.seen, self._reports = watcher, seen, 0
+        self.watcher, self.seen = watcher, seen
 
     def on_train_batch_end(self, trainer: L.Trainer, *args: object) -> None:
         report = self.watcher.last_report
-        if report is not None and report is not getattr(self, "_last", None):
-            self._last = report
-            for flag in report.flags:
-                self.seen.setdefault(flag, report.step)
+        for flag in report.flags if report is not None else ():
+            self.seen.setdefault(flag, report.step)
 
 
 if __name__ == "__main__":

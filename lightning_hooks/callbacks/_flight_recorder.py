@@ -72,9 +72,12 @@ class FlightRecord:
         if self.leader is None:
             text = f"{span}: no layer's gradient norm was out of its usual range at step {self.step}"
         else:
+            start = self.step - (self.lead or 0)
+            tied = sum(at == start for _, at in self.onsets[1:])
+            others = f" with {tied} other layer(s) at the same step, it changed most" if tied else ""
             then = ", ".join(f"{layer!r} at step {at}" for layer, at in self.onsets[1:4])
             text = (f"{span}: layer {self.leader!r} left its usual gradient norm range first, {self.lead} steps"
-                    f" before (at step {self.step - (self.lead or 0)}; x{self.rise:.3g} at step {self.step})"
+                    f" before (at step {start}; x{self.rise:.3g} at step {self.step}{';' if tied else ''}{others})"
                     + (f"; then {then}" if then else ""))
         return text + (f"; written to {self.path}" if self.path else "")
 
