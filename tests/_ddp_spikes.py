@@ -11,6 +11,8 @@ from __future__ import annotations
 import json
 import os
 import sys
+from collections import Counter
+from contextlib import ExitStack
 from typing import Any
 
 import lightning as L
@@ -20,7 +22,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from lightning_hooks import GradientAnomalyStopping, SpikeTrigger  # noqa: E402
 from tests.grad_helpers import GradNet  # noqa: E402
-from tests.helpers import loader  # noqa: E402
+from tests.helpers import counted, loader  # noqa: E402
 
 SPIKE = 40
 
@@ -31,6 +33,29 @@ class RankSpikeNet(GradNet):
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         loss = super().training_step(batch, batch_idx)
         return loss * 1000.0 if self.global_step == SPIKE and self.trainer.global_rank == 1 else loss
+
+
+COUNTED = ((torch.distributed, "all_reduce"), (torch.distributed, "barrier"), (torch.Tensor, "cpu"),
+           (torch.Tensor, "item"), (torch.Tensor, "tolist"))
+
+
+class CountedStopper(GradientAnomalyStopping):
+    """Counts the collectives and host transfers of its backward and step hooks, per step."""
+
+    calls: dict[int, Counter]
+
+    def on_before_backward(self, trainer: L.Trainer, pl_module: Any, loss: torch.Tensor) -> None:
+        self._counted(trainer, super().on_before_backward, trainer, pl_module, loss)
+
+    def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: Any, optimizer: Any) -> None:
+        self._counted(trainer, super().on_before_optimizer_step, trainer, pl_module, optimizer)
+
+    def _counted(self, trainer: L.Trainer, hook: Any, *args: Any) -> None:
+        calls = self.calls.setdefault(trainer.global_step, Counter())
+        with ExitStack() as stack:
+            for obj, name in COUNTED:
+                stack.enter_context(counted(obj, name, calls))
+            hook(*args)
 
 
 class Probe(L.Callback):
@@ -46,10 +71,11 @@ class Probe(L.Callback):
 
 def main(out_dir: str) -> None:
     L.seed_everything(0, verbose=False)
-    stopper = GradientAnomalyStopping(
+    stopper = CountedStopper(
         action="rollback", rollback_every_n_steps=5, skip_batches=1, prog_bar=False,
         spikes=SpikeTrigger(grad_norm=None, window=32, warmup=24), flight_recorder=16,
     )
+    stopper.calls = {}
     probe = Probe(stopper)
     trainer = L.Trainer(
         accelerator="cpu", devices=2, strategy="ddp", max_steps=46, logger=False, default_root_dir=out_dir,
@@ -64,6 +90,7 @@ def main(out_dir: str) -> None:
         "rolled_back": probe.rolled_back, "leader": record.leader if record else None,
         "record_path": record.path if record else None,
         "record_exists": bool(record and record.path and os.path.exists(record.path)),
+        "calls": {step: dict(calls) for step, calls in stopper.calls.items()},
         "params": torch.cat([p.detach().flatten() for p in trainer.lightning_module.parameters()]).tolist(),
     }
     with open(os.path.join(out_dir, f"rank{trainer.global_rank}.json"), "w") as f:

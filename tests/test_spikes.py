@@ -199,3 +199,6 @@ def test_ddp_a_loss_spike_on_one_rank_rolls_both_back_at_the_same_step(tmp_path)
     assert ranks[0]["params"] == ranks[1]["params"]
     assert ranks[0]["record_path"] and ranks[1]["record_path"] is None  # rank zero writes the record
     assert ranks[0]["record_exists"]
+    for rank in ranks:  # the spike trigger and the recorder ride on the step's one collective and transfer
+        clean = [calls for step, calls in rank["calls"].items() if int(step) != SPIKE]
+        assert len(clean) == 45 and all(calls == {"all_reduce": 1, "cpu": 1} for calls in clean), clean[:3]
