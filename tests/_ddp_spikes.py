@@ -1,4 +1,4 @@
-"""Run by tests/test_spikes.py: 2-process CPU DDP (gloo), the loss x1000 on rank 1 only at step 40.
+"""Run by tests/test_spikes.py: 2-process CPU DDP (gloo), the loss x1000 on rank 1 only at step 40; then a ramp.
 
 ``GradientAnomalyStopping(action="rollback", spikes=SpikeTrigger(grad_norm=None))`` watches the
 loss alone, so only rank 1 sees the spike: both ranks must flag it and roll back at the same
@@ -69,6 +69,29 @@ class Probe(L.Callback):
             self.rolled_back.append(trainer.global_step - 1)
 
 
+class RampNet(GradNet):
+    """GradNet whose ``net.0`` gradients are multiplied by 3, 9, 27, ... from step ``SPIKE``: that layer leads."""
+
+    def on_fit_start(self) -> None:
+        self.net[0].weight.register_hook(lambda g: g * 3.0 ** (self.global_step - SPIKE + 1)
+                                         if self.global_step >= SPIKE else g)
+
+
+def grad_norm_fit(out_dir: str) -> dict[str, Any]:
+    """A second fit: the gradient norm alone is watched, and ``net.0``'s gradients ramp up from step ``SPIKE``."""
+    L.seed_everything(0, verbose=False)
+    stopper = GradientAnomalyStopping(action="skip", prog_bar=False, flight_recorder=16,
+                                      spikes=SpikeTrigger(loss=None, window=32, warmup=24))
+    trainer = L.Trainer(
+        accelerator="cpu", devices=2, strategy="ddp", max_steps=44, logger=False, default_root_dir=out_dir,
+        callbacks=[stopper], enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+    )
+    trainer.fit(RampNet(), loader(n=44 * 8 * 2, batch_size=8))
+    report = stopper.last_report
+    return {"flags": list(report.flags), "step": report.step, "leader": report.flight_record.leader,
+            "dropped_steps": stopper.dropped_steps}
+
+
 def main(out_dir: str) -> None:
     L.seed_everything(0, verbose=False)
     stopper = CountedStopper(
@@ -92,6 +115,7 @@ def main(out_dir: str) -> None:
         "record_exists": bool(record and record.path and os.path.exists(record.path)),
         "calls": {step: dict(calls) for step, calls in stopper.calls.items()},
         "params": torch.cat([p.detach().flatten() for p in trainer.lightning_module.parameters()]).tolist(),
+        "grad_norm": grad_norm_fit(out_dir),
     }
     with open(os.path.join(out_dir, f"rank{trainer.global_rank}.json"), "w") as f:
         json.dump(result, f)

@@ -191,7 +191,7 @@ def test_the_example_catches_the_shard_by_its_gradient_norm_rolls_back_and_names
 
 
 @pytest.mark.slow
-def test_ddp_a_loss_spike_on_one_rank_rolls_both_back_at_the_same_step(tmp_path):
+def test_ddp_a_spike_is_acted_on_by_both_ranks_at_the_same_step(tmp_path):
     ranks = run_ddp("_ddp_spikes.py", tmp_path, timeout=120)
     for rank in ranks:
         assert rank["flags"] == ["loss_spike"] and rank["report_step"] == SPIKE
@@ -199,6 +199,9 @@ def test_ddp_a_loss_spike_on_one_rank_rolls_both_back_at_the_same_step(tmp_path)
     assert ranks[0]["params"] == ranks[1]["params"]
     assert ranks[0]["record_path"] and ranks[1]["record_path"] is None  # rank zero writes the record
     assert ranks[0]["record_exists"]
+    grad_norm = [rank["grad_norm"] for rank in ranks]  # a second fit: the gradient norm alone
+    assert grad_norm[0] == grad_norm[1] and grad_norm[0]["flags"] == ["grad_norm_spike"]
+    assert grad_norm[0]["leader"] == "net.0" and grad_norm[0]["step"] >= SPIKE
     for rank in ranks:  # the spike trigger and the recorder ride on the step's one collective and transfer
         clean = [calls for step, calls in rank["calls"].items() if int(step) != SPIKE]
         assert len(clean) == 45 and all(calls == {"all_reduce": 1, "cpu": 1} for calls in clean), clean[:3]
