@@ -24,6 +24,7 @@ from typing import Any, Optional
 import torch
 from harness import Config, Schedule, timed_rounds
 from scaling import per_step, workloads
+from stat_kernels import launches
 
 from lightning_hooks import GradientAnomalyStopping, SpikeTrigger
 from lightning_hooks.callbacks._flight_recorder import FlightRecorder
@@ -60,11 +61,12 @@ def report(runs: Any, models: list[str]) -> str:
     return "\n".join(lines)
 
 
-def host_cost(params: int, repeats: int = 300) -> dict[str, float]:
-    """Microseconds per step of the spike trigger (judge, then remember) and of the recorder (one row), alone.
+def host_cost(params: int, repeats: int = 300) -> dict[str, tuple[float, int]]:
+    """Per step, the spike trigger's (judge, then remember) and the recorder's (one row) cost, alone.
 
-    The same calls the stopper makes at every step, on CPU tensors, best of 5 medians: what
-    they add to a step regardless of the machine's load (the timed fits above are noisier).
+    The same calls the stopper makes at every step, on CPU tensors: microseconds (best of 5
+    medians: what they add to a step regardless of the machine's load; the timed fits above are
+    noisier), and kernel launches (``stat_kernels.launches``: what they would cost on a GPU).
     """
     windows, recorder = SpikeWindows(SpikeTrigger()), FlightRecorder(128)
     norms, loss = torch.rand(params, dtype=torch.float64), torch.tensor(1.0, dtype=torch.float64)
@@ -89,7 +91,7 @@ def host_cost(params: int, repeats: int = 300) -> dict[str, float]:
                 call()
                 times.append(time.perf_counter() - start)
             medians.append(statistics.median(times))
-        out[name] = min(medians) * 1e6
+        out[name] = (min(medians) * 1e6, sum(launches(call).values()))
     return out
 
 
@@ -107,8 +109,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     print(report(runs, list(models)))
     for params in (200, 2000):
         cost = host_cost(params)
-        print(f"{params} parameters: spike trigger {cost['spike trigger']:.0f} us per step,"
-              f" flight recorder (128 steps) {cost['flight recorder']:.0f} us per step")
+        (trigger_us, trigger_kernels), (recorder_us, recorder_kernels) = cost["spike trigger"], cost["flight recorder"]
+        print(f"{params} parameters: spike trigger {trigger_us:.0f} us and {trigger_kernels} kernel launches per step,"
+              f" flight recorder (128 steps) {recorder_us:.0f} us and {recorder_kernels} launches per step")
     return 0
 
 

@@ -1,9 +1,11 @@
-"""Run by tests/test_spikes.py: 2-process CPU DDP (gloo), the loss x1000 on rank 1 only at step 40; then a ramp.
+"""Run by tests/test_spikes.py: 2-process CPU DDP (gloo), two fits with GradientAnomalyStopping(spikes=...).
 
-``GradientAnomalyStopping(action="rollback", spikes=SpikeTrigger(grad_norm=None))`` watches the
-loss alone, so only rank 1 sees the spike: both ranks must flag it and roll back at the same
-step, through the flags summed in the step's one collective. A flight recorder keeps 16 steps.
-Each rank writes what it saw to ``rank<r>.json``.
+First the loss x1000 on rank 1 only at step 40, with ``SpikeTrigger(grad_norm=None)``: only
+rank 1 sees the spike, so both ranks must flag it and roll back at the same step through the
+flags summed in the step's one collective; a flight recorder keeps 16 steps, and what the
+stopper's hooks ask of the host and of the other rank is counted per step. Then the gradient
+norm alone, with ``net.0``'s gradients ramping up from step 40: both ranks flag it, and their
+flight records name ``net.0``. Each rank writes what it saw to ``rank<r>.json``.
 """
 
 from __future__ import annotations
