@@ -37,6 +37,11 @@ def test_without_a_departure_nobody_is_named():
     assert record.leader is None and record.onsets == () and "no layer" in record.summary()
 
 
+def test_a_record_too_short_to_have_a_usual_range_says_so():
+    record = analyse(139, STEPS[-6:], [1.0] * 6, series(130)[-6:, None], ["net.weight"])
+    assert record.leader is None and "too few steps" in record.summary()
+
+
 def test_parameters_are_grouped_by_module():
     assert layer_of("blocks.0.attn.in_proj_weight") == "blocks.0.attn" and layer_of("pos") == "pos"
 

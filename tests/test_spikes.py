@@ -111,6 +111,8 @@ def test_no_verdict_before_the_warmup_then_a_spike_is_flagged_and_survives_a_sta
     restored = SpikeWindows(windows.trigger)
     restored.load_state_dict(windows.state_dict())
     assert torch.equal(restored.judge(torch.tensor([100.0, 1.0]))[0], z)
+    restored.remember(torch.tensor([1.0, 1.0]))  # the restored window goes on from where it was
+    assert restored._rings[0].count == 5 and restored.judge(torch.tensor([100.0, 1.0]))[1][0]
 
 
 def test_a_loss_spike_is_skipped_in_automatic_optimization(tmp_path):

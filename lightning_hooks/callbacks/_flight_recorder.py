@@ -69,7 +69,9 @@ class FlightRecord:
     def summary(self) -> str:
         """One line: which layer left its range first, how many steps before, and where the record is."""
         span = f"flight record of steps {self.steps[0]}-{self.steps[-1]}" if self.steps else "empty flight record"
-        if self.leader is None:
+        if len(self.steps) < 2 * _MIN_BASELINE:
+            text = f"{span}: too few steps to tell a layer's usual gradient norm range"
+        elif self.leader is None:
             text = f"{span}: no layer's gradient norm was out of its usual range at step {self.step}"
         else:
             start = self.step - (self.lead or 0)

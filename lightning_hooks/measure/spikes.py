@@ -141,11 +141,16 @@ class DeviceRing:
         self.rows: Optional[Tensor] = None
 
     def push(self, row: Tensor) -> None:
-        """Write ``row`` over the oldest; (re)made, full of NaN, when its shape or device changes."""
+        """Write ``row`` over the oldest; (re)made, full of NaN, when the row's length changes.
+
+        The rows follow the row's device (once: rows restored from a checkpoint come from the CPU).
+        """
         row = row.reshape(-1)
-        if self.rows is None or self.rows.shape[1] != row.numel() or self.rows.device != row.device:
+        if self.rows is None or self.rows.shape[1] != row.numel():
             self.rows = torch.full((self.size, row.numel()), math.nan, dtype=torch.float64, device=row.device)
             self.count = 0
+        elif self.rows.device != row.device:
+            self.rows = self.rows.to(row.device)
         self.rows[self.count % self.size] = row
         self.count += 1
 
@@ -195,7 +200,7 @@ class SpikeWindows:
         if ring is None or ring.rows is None or ring.count < self.trigger.warmup:
             z = torch.zeros_like(values)
         else:
-            z = robust_zscore(ring.rows.to(values.device), values, self.trigger.min_spread)
+            z = robust_zscore(ring.rows.to(values.device), values, self.trigger.min_spread)  # moved once, at push
             z = torch.where(values.isnan(), 0.0, z)  # a signal without a value: no verdict
         if self._thresholds is None or self._thresholds.device != values.device:
             self._thresholds = torch.tensor(self.trigger.thresholds, dtype=torch.float64, device=values.device)
