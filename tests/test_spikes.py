@@ -2,7 +2,9 @@
 
 import math
 import re
+import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import lightning as L
@@ -165,6 +167,15 @@ def test_under_an_amp_grad_scaler_the_loss_is_unscaled_and_overflowed_steps_are_
     assert stopper.amp_overflows > 0 and len(record.steps) == 40 - stopper.amp_overflows
     assert record.steps[-1] == 39 and record.losses == pytest.approx(model.losses[-len(record.steps):], rel=1e-3)
     assert stopper._watch.spikes.windows._rings[0].count == len(record.steps)
+
+
+def test_the_trigger_and_the_recorder_launch_as_many_kernels_whatever_the_model_size():
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    from spikes import host_cost  # benchmarks/spikes.py
+
+    small, large = host_cost(10, repeats=5), host_cost(10_000, repeats=5)
+    assert small["spike trigger"][1] == large["spike trigger"][1] <= 25
+    assert small["flight recorder"][1] == large["flight recorder"][1] == 3
 
 
 def test_the_spike_windows_survive_a_checkpoint(tmp_path):

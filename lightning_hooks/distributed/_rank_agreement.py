@@ -2,9 +2,10 @@
 
 :func:`conclude` sums every rank's flags (those of each callback reading the step) and votes
 (the scaler skipped the step, a rank had no gradient, a norm was infinite, and each callback's
-own, such as GradientAnomalyStopping's spike flags) in one collective on device, then brings them to the host in one transfer (:func:`to_host`, named parts) together
-with the norms and whatever figures each callback adds: a :class:`Check` per callback, the same
-on every rank, so that no rank decides alone and no rank waits alone.
+own, such as GradientAnomalyStopping's spike flags) in one collective on device, then brings
+them to the host in one transfer (:func:`to_host`, named parts) together with the norms and
+whatever figures each callback adds: a :class:`Check` per callback, the same on every rank, so
+that no rank decides alone and no rank waits alone.
 """
 
 from __future__ import annotations
