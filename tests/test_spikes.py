@@ -10,13 +10,14 @@ from typing import Any
 import lightning as L
 import pytest
 import torch
+from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.plugins import MixedPrecision
 
-from lightning_hooks import GradientAnomalyStopping, SpikeTrigger
+from lightning_hooks import ActivationMonitor, GradientAnomalyStopping, GradientMonitor, SpikeTrigger
 from lightning_hooks.distributed import _rank_agreement
 from lightning_hooks.measure.spikes import SpikeWindows, robust_zscore
 from tests.grad_helpers import GradNet
-from tests.helpers import loader, run_ddp, trainer
+from tests.helpers import csv_metrics, loader, run_ddp, trainer
 from tests.test_examples import run_example
 
 SPIKE = 40  # the step the planted spike comes at
@@ -99,6 +100,8 @@ def test_bad_stopper_spike_settings_fail_at_construction():
         GradientAnomalyStopping(spikes=6.0)
     with pytest.raises(ValueError, match="`flight_recorder` must be a non-negative int"):
         GradientAnomalyStopping(flight_recorder=-1)
+    with pytest.raises(ValueError, match="`watch_after` must be a non-negative int"):
+        GradientAnomalyStopping(watch_after=1.5)
     GradientAnomalyStopping(check_finite=False, spikes=SpikeTrigger())  # the spikes alone are a check
 
 
@@ -176,6 +179,19 @@ def test_the_trigger_and_the_recorder_launch_as_many_kernels_whatever_the_model_
     small, large = host_cost(10, repeats=5), host_cost(10_000, repeats=5)
     assert small["spike trigger"][1] == large["spike trigger"][1] <= 25
     assert small["flight recorder"][1] == large["flight recorder"][1] == 3
+
+
+def test_after_an_anomaly_the_monitors_log_every_step_for_watch_after_steps(tmp_path):
+    stopper = GradientAnomalyStopping(action="skip", max_norm=100.0, watch_after=3, prog_bar=False)
+    monitors = [GradientMonitor(log_every_n_steps=50, prog_bar=False), ActivationMonitor(log_every_n_steps=50)]
+    logger = CSVLogger(str(tmp_path), name="", version="")
+    L.seed_everything(0, verbose=False)
+    trainer(tmp_path, [stopper, *monitors], logger=logger, max_steps=20).fit(GradNet(spike_steps=(10,)), loader(160))
+    rows = csv_metrics(str(tmp_path))
+    for prefix in ("gradients/", "activations/"):
+        steps = {int(r["step"]) for r in rows if any(k.startswith(prefix) and v != "" for k, v in r.items())}
+        assert steps == {0, 11, 12, 13}, (prefix, sorted(steps))  # step 0, then the 3 after the one acted on
+    assert stopper.last_report.step == 10
 
 
 def test_the_spike_windows_survive_a_checkpoint(tmp_path):

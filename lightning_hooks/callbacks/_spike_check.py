@@ -25,19 +25,18 @@ from lightning_hooks.distributed._step_measure import Step
 from lightning_hooks.measure.spikes import SPIKE_SIGNALS, SpikeTrigger, SpikeWindows
 
 
-def validate_spikes(spikes: Any, flight_recorder: Any) -> None:
-    """Check GradientAnomalyStopping's ``spikes`` and ``flight_recorder``.
+def validate_spikes(spikes: Any, flight_recorder: Any, watch_after: Any) -> None:
+    """Check GradientAnomalyStopping's ``spikes``, ``flight_recorder`` and ``watch_after``.
 
     Raises:
         TypeError: If ``spikes`` is not a SpikeTrigger or None.
-        ValueError: If ``flight_recorder`` is not a non-negative int.
+        ValueError: If ``flight_recorder`` or ``watch_after`` is not a non-negative int.
     """
     if spikes is not None and not isinstance(spikes, SpikeTrigger):
         raise TypeError(f"`spikes` must be a SpikeTrigger or None, got {spikes!r}: e.g. spikes=SpikeTrigger()")
-    if not isinstance(flight_recorder, int) or isinstance(flight_recorder, bool) or flight_recorder < 0:
-        raise ValueError(
-            f"`flight_recorder` must be a non-negative int (how many steps to keep; 0: off), got {flight_recorder!r}"
-        )
+    for name, value in (("flight_recorder", flight_recorder), ("watch_after", watch_after)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise ValueError(f"`{name}` must be a non-negative int (how many steps; 0: off), got {value!r}")
 
 
 class StepLoss:

@@ -9,6 +9,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import Tensor
 
 from lightning_hooks.callbacks._anomaly_report import AnomalyReport
+from lightning_hooks.callbacks._base import watch_closely
 from lightning_hooks.callbacks._gradient_check import GradientCheck, _check_bool
 from lightning_hooks.callbacks._rollback import Rollback, check_strategy, validate_rollback
 from lightning_hooks.callbacks._spike_check import SpikeWatch, validate_spikes
@@ -124,6 +125,8 @@ class GradientAnomalyStopping(GradientCheck):
             report then carries them (:class:`~lightning_hooks.FlightRecord`: which layer's norm
             left its usual range first, how many steps before), also written next to the logs
             (``flight-record-step<N>.csv``) and to TensorBoard (``anomalies/flight_record``). 0: off.
+        watch_after: After each step acted on, have the Trainer's GradientMonitor and
+            ActivationMonitor log every step, whatever their interval, for this many steps.
 
     Raises:
         ValueError: For an unknown ``action``, a negative ``patience``, a bad threshold, when
@@ -161,6 +164,7 @@ class GradientAnomalyStopping(GradientCheck):
         *,
         spikes: Optional[SpikeTrigger] = None,
         flight_recorder: int = 0,
+        watch_after: int = 0,
     ) -> None:
         super().__init__(modules, check_finite, max_norm, relative_threshold, min_norm, window,
                          provenance, save_dir)
@@ -168,7 +172,7 @@ class GradientAnomalyStopping(GradientCheck):
             raise ValueError(f"`action` must be one of {list(_ACTIONS)}, got {action!r}")
         if not isinstance(patience, int) or isinstance(patience, bool) or patience < 0:
             raise ValueError(f"`patience` must be a non-negative int, got {patience!r}")
-        validate_spikes(spikes, flight_recorder)
+        validate_spikes(spikes, flight_recorder, watch_after)
         if not self._detector.enabled_flags and spikes is None:
             raise ValueError(
                 "nothing to check: set `check_finite=True`, or one of `max_norm`,"
@@ -190,7 +194,7 @@ class GradientAnomalyStopping(GradientCheck):
         self._dropper = UpdateDrop()
         self._streak_before = 0  # the streak before the current step
         self._settled = False  # the current step is counted anomalous: its later evaluations change nothing
-        self.spikes, self.flight_recorder = spikes, flight_recorder
+        self.spikes, self.flight_recorder, self.watch_after = spikes, flight_recorder, watch_after
         self._watch = SpikeWatch(spikes, flight_recorder)
 
     def _key(self) -> dict[str, Any]:
@@ -206,6 +210,7 @@ class GradientAnomalyStopping(GradientCheck):
 
         With ``"rollback"``, take the first snapshot: the state training (or a resume) starts from.
         """
+        watch_closely(trainer, None)  # from an earlier fit
         if self._rollback is not None:
             check_strategy(trainer)
             self._rollback.take(trainer, pl_module)
@@ -273,6 +278,7 @@ class GradientAnomalyStopping(GradientCheck):
             self._rollback.decide(act, clean=not check.anomalous)
         if not act:
             return
+        watch_closely(trainer, self.watch_after)
         if self.streak == self.patience + 1:  # report once per run of anomalous steps
             names = [self._param_names.get(p, f"param{i}") for i, p in enumerate(step.params)]
             record = self._watch.record(trainer, names)
