@@ -95,6 +95,11 @@ def test_bad_trigger_settings_fail_at_construction(kwargs, match):
         SpikeTrigger(**kwargs)
 
 
+def test_the_warmup_is_half_the_window_unless_given():
+    assert SpikeTrigger().warmup == 64 and SpikeTrigger(window=32).warmup == 16
+    assert SpikeTrigger(window=1).warmup == 1 and SpikeTrigger(window=32, warmup=32).warmup == 32
+
+
 def test_bad_stopper_spike_settings_fail_at_construction():
     with pytest.raises(TypeError, match="`spikes` must be a SpikeTrigger or None, got 6.0"):
         GradientAnomalyStopping(spikes=6.0)

@@ -14,7 +14,7 @@ import os
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from typing import Optional
+from typing import Optional, Union
 
 import lightning.pytorch as pl
 import numpy as np
@@ -116,7 +116,7 @@ def _onset(series: np.ndarray, steps: Sequence[int]) -> Optional[tuple[int, floa
     return steps[start], float(logs[-1] - median)
 
 
-def analyse(step: int, steps: Sequence[int], losses: Sequence[float], norms: np.ndarray,
+def analyse(step: int, steps: Sequence[int], losses: Union[Sequence[float], np.ndarray], norms: np.ndarray,
             names: Sequence[str]) -> FlightRecord:
     """Which layer's gradient norm left its usual range first, before the anomaly at the last row.
 

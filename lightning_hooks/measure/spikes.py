@@ -87,7 +87,8 @@ class SpikeTrigger:
         grad_norm: Flag ``grad_norm_spike`` above this z-score of the total gradient norm (None:
             do not watch it).
         window: How many past steps the median covers.
-        warmup: How many values the window must hold before a step is judged.
+        warmup: How many values the window must hold before a step is judged (None: half the
+            window, 64 by default).
         min_spread: The smallest spread, as a fraction of the median.
 
     Raises:
@@ -105,7 +106,7 @@ class SpikeTrigger:
     loss: Optional[float] = 6.0
     grad_norm: Optional[float] = 6.0
     window: int = 128
-    warmup: int = 64
+    warmup: Optional[int] = None
     min_spread: float = 0.01
 
     def __post_init__(self) -> None:
@@ -114,10 +115,12 @@ class SpikeTrigger:
         if self.loss is None and self.grad_norm is None:
             raise ValueError("SpikeTrigger watches nothing: set `loss` or `grad_norm` (z-scores, e.g. 6.0)")
         _check_positive_int("window", self.window)
-        _check_positive_int("warmup", self.warmup)
-        if self.warmup > self.window:
-            raise ValueError(f"`warmup` ({self.warmup}) must not exceed `window` ({self.window}): the window"
+        warmup = max(1, self.window // 2) if self.warmup is None else self.warmup  # half the window, as OLMo-core
+        _check_positive_int("warmup", warmup)
+        if warmup > self.window:
+            raise ValueError(f"`warmup` ({warmup}) must not exceed `window` ({self.window}): the window"
                              " could never hold enough values")
+        object.__setattr__(self, "warmup", warmup)
         spread = self.min_spread
         if not isinstance(spread, (int, float)) or isinstance(spread, bool) or not 0 <= spread < 1:
             raise ValueError(f"`min_spread` must be a number in [0, 1), got {spread!r}")
@@ -183,6 +186,7 @@ class SpikeWindows:
         self.trigger = trigger
         self._rings: dict[int, DeviceRing] = {}
         self._thresholds: Optional[Tensor] = None  # on the values' device, made once
+        self._warmup: int = trigger.warmup if trigger.warmup is not None else 1
 
     def judge(self, values: Tensor, key: int = 0) -> tuple[Tensor, Tensor]:
         """The z-score of each signal's value (loss, grad norm) and whether it is a spike, on device.
@@ -197,7 +201,7 @@ class SpikeWindows:
         """
         ring = self._rings.get(key)
         values = values.double()
-        if ring is None or ring.rows is None or ring.count < self.trigger.warmup:
+        if ring is None or ring.rows is None or ring.count < self._warmup:
             z = torch.zeros_like(values)
         else:
             z = robust_zscore(ring.rows.to(values.device), values, self.trigger.min_spread)  # moved once, at push
@@ -212,7 +216,7 @@ class SpikeWindows:
         values = values.double()
         ring.push(torch.where(values.isfinite(), values, math.nan))
 
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self) -> dict[int, Any]:
         """The windows, on the CPU, by optimizer."""
         return {key: ring.state_dict() for key, ring in self._rings.items()}
 
