@@ -1,7 +1,7 @@
 """A loss spike caught by the gradient norm first, rolled back, and the layer that led named.
 
 A small decoder (2 transformer blocks) learns a synthetic language (a Markov chain over 16
-tokens). At step 130 a broken shard arrives: 20 batches of padding (token 0, over and over).
+tokens). At step 80 a broken shard arrives: 15 batches of padding (token 0, over and over).
 Padding is easy to predict, so the loss goes *down* on it and a loss watcher sees nothing; but
 the whole batch pushes the model the same way, so the gradient norm jumps at once. When real
 data comes back the damage shows: the loss spikes.
@@ -10,8 +10,9 @@ The script trains three times on the same data and prints what happened:
 
 - ``clean``: the broken shard replaced by good data, for reference;
 - ``watch``: the broken shard, with ``GradientAnomalyStopping(action="warn", spikes=...)`` and
-  Lightning's own ``SpikeDetection`` (which watches the loss only, and raises): when each
-  trigger fired, and the flight record of the loss spike;
+  Lightning's own ``SpikeDetection`` (which watches the loss only, and raises: this run ends
+  there): when each trigger fired, which batches SpikeDetection would skip, and the flight
+  record of the loss spike (also written as ``flight-record-step95.csv`` next to the logs);
 - ``rollback``: the broken shard, with ``action="rollback"``: the gradient-norm trigger fires at
   the first padding batch, the model goes back to its last snapshot, the rest of the shard is
   passed over, and the run ends with a held-out loss close to the clean run's.
