@@ -19,6 +19,7 @@ from lightning.fabric.utilities.apply_func import move_data_to_device
 from torch import Tensor
 
 from lightning_hooks.callbacks._base import log_step
+from lightning_hooks.callbacks._flight_recorder import FlightRecord
 from lightning_hooks.measure._provenance import NEVER, Located
 from lightning_hooks.output.sinks import log_text
 
@@ -54,6 +55,8 @@ class AnomalyReport:
         saved_path: Where the step's batch and model state were saved for replay, if they were:
             a ``torch.save`` of ``{"report", "batch", "batches", "state_dict"}``, where ``batch``
             is the micro-batch of ``batch_idx`` and ``batches`` all of the step's micro-batches.
+        flight_record: The last steps' loss and per-layer gradient norms, and which layer's norm
+            left its usual range first (``GradientAnomalyStopping(flight_recorder=N)``); else None.
 
     """
 
@@ -68,6 +71,7 @@ class AnomalyReport:
     nonfinite_params: tuple[str, ...] = ()
     largest_norms: tuple[tuple[str, float], ...] = ()
     saved_path: Optional[str] = None
+    flight_record: Optional[FlightRecord] = None
 
     def __str__(self) -> str:
         groups = ", ".join(f"{n:.4g}" for n in self.group_norms)
@@ -89,13 +93,15 @@ class AnomalyReport:
             lines.append(f"  largest gradient norms: {largest}")
         if self.saved_path is not None:
             lines.append(f"  batch and model state saved to {self.saved_path}")
+        if self.flight_record is not None:
+            lines.append("  " + self.flight_record.summary())
         return "\n".join(lines)
 
 
 def report_step(
     trainer: pl.Trainer, pl_module: pl.LightningModule, step: Step, check: Check, *, names: list[str],
     located: Optional[Located], traced: list[Tensor], module_names: list[str],
-    micro_batches: list[tuple[int, Any]], save_dir: Optional[str],
+    micro_batches: list[tuple[int, Any]], save_dir: Optional[str], flight_record: Optional[FlightRecord] = None,
 ) -> AnomalyReport:
     """Build the report of an anomalous step, save the step when asked, and log the report as text.
 
@@ -110,6 +116,7 @@ def report_step(
         module_names: The watched modules, in the trace's order.
         micro_batches: The step's ``(batch_idx, batch)`` pairs (batch None when not kept).
         save_dir: Where to save the step for replay; None to save nothing.
+        flight_record: The flight record of the steps up to this one, if one is kept.
 
     Returns:
         The report, with ``saved_path`` set when the step was saved.
@@ -131,7 +138,7 @@ def report_step(
         first_nonfinite_module=None if module is None else module_names[module],
         nonfinite_rank=located.rank if located else None,
         nonfinite_params=tuple(names[i] for i in bad),
-        largest_norms=tuple(largest[:5]),
+        largest_norms=tuple(largest[:5]), flight_record=flight_record,
     )
     if save_dir is not None:
         report = replace(report, saved_path=_save(save_dir, trainer, pl_module, report, batch, micro_batches))
