@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from lightning_hooks.callbacks._anomaly_report import AnomalyReport
+    from lightning_hooks.callbacks._flight_recorder import FlightRecord
     from lightning_hooks.callbacks.activations import ActivationMonitor
     from lightning_hooks.callbacks.features import FeatureExtractor, load_features
     from lightning_hooks.callbacks.gradients import GRADIENT_STAT_NAMES, GradientMonitor
@@ -21,6 +22,7 @@ if TYPE_CHECKING:
     from lightning_hooks.callbacks.transforms import GradientTransform
     from lightning_hooks.core.selection import ACTIVATION_NAMES, ACTIVATION_TYPES, ModuleSelection, select_modules
     from lightning_hooks.measure.anomalies import FLAG_NAMES
+    from lightning_hooks.measure.spikes import SpikeTrigger
     from lightning_hooks.measure.stats import DEFAULT_STATS, DIVERGENCE_STATS, STAT_NAMES
 
 #: Each public name, by the module that defines it: the callbacks, what they hand the user (reports,
@@ -28,6 +30,8 @@ if TYPE_CHECKING:
 #: ``select_modules`` to see what a selection matches.
 _WHERE = {
     "AnomalyReport": "callbacks._anomaly_report",
+    "FlightRecord": "callbacks._flight_recorder",
+    "SpikeTrigger": "measure.spikes",
     "ActivationMonitor": "callbacks.activations",
     **dict.fromkeys(("FeatureExtractor", "load_features"), "callbacks.features"),
     **dict.fromkeys(("GRADIENT_STAT_NAMES", "GradientMonitor"), "callbacks.gradients"),
@@ -59,12 +63,14 @@ __all__ = [
     "ActivationMonitor",
     "AnomalyReport",
     "FeatureExtractor",
+    "FlightRecord",
     "GradientAnomalyError",
     "GradientAnomalyStopping",
     "GradientMonitor",
     "GradientTransform",
     "LayerHealth",
     "ModuleSelection",
+    "SpikeTrigger",
     "TransformerStability",
     "load_features",
     "select_modules",

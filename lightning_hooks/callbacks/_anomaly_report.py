@@ -20,6 +20,7 @@ from torch import Tensor
 
 from lightning_hooks.callbacks._base import log_step
 from lightning_hooks.callbacks._diagnosis_source import diagnosis_so_far
+from lightning_hooks.callbacks._flight_recorder import FlightRecord
 from lightning_hooks.measure._provenance import NEVER, Located
 from lightning_hooks.output.sinks import log_text
 
@@ -58,6 +59,8 @@ class AnomalyReport:
         diagnosis: With a TransformerStability (else a LayerHealth) in ``callbacks``, its
             diagnosis from the figures logged so far: which layers are outside a band, since
             when, and what usually helps; None without either.
+        flight_record: The last steps' loss and per-layer gradient norms, and which layer's norm
+            left its usual range first (``GradientAnomalyStopping(flight_recorder=N)``); else None.
 
     """
 
@@ -73,6 +76,7 @@ class AnomalyReport:
     largest_norms: tuple[tuple[str, float], ...] = ()
     saved_path: Optional[str] = None
     diagnosis: Optional[str] = None
+    flight_record: Optional[FlightRecord] = None
 
     def __str__(self) -> str:
         groups = ", ".join(f"{n:.4g}" for n in self.group_norms)
@@ -96,13 +100,15 @@ class AnomalyReport:
             lines.append(f"  batch and model state saved to {self.saved_path}")
         if self.diagnosis is not None:
             lines.extend(["  diagnosis so far:", *("    " + line for line in self.diagnosis.splitlines())])
+        if self.flight_record is not None:
+            lines.append("  " + self.flight_record.summary())
         return "\n".join(lines)
 
 
 def report_step(
     trainer: pl.Trainer, pl_module: pl.LightningModule, step: Step, check: Check, *, names: list[str],
     located: Optional[Located], traced: list[Tensor], module_names: list[str],
-    micro_batches: list[tuple[int, Any]], save_dir: Optional[str],
+    micro_batches: list[tuple[int, Any]], save_dir: Optional[str], flight_record: Optional[FlightRecord] = None,
 ) -> AnomalyReport:
     """Build the report of an anomalous step, save the step when asked, and log the report as text.
 
@@ -117,6 +123,7 @@ def report_step(
         module_names: The watched modules, in the trace's order.
         micro_batches: The step's ``(batch_idx, batch)`` pairs (batch None when not kept).
         save_dir: Where to save the step for replay; None to save nothing.
+        flight_record: The flight record of the steps up to this one, if one is kept.
 
     Returns:
         The report, with ``saved_path`` set when the step was saved.
@@ -140,6 +147,7 @@ def report_step(
         nonfinite_params=tuple(names[i] for i in bad),
         largest_norms=tuple(largest[:5]),
         diagnosis=diagnosis_so_far(trainer),
+        flight_record=flight_record,
     )
     if save_dir is not None:
         report = replace(report, saved_path=_save(save_dir, trainer, pl_module, report, batch, micro_batches))

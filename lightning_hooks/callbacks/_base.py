@@ -5,6 +5,7 @@ from __future__ import annotations
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any, Optional
+from weakref import WeakKeyDictionary
 
 import lightning.pytorch as pl
 import torch
@@ -62,6 +63,24 @@ def _is_logged_step(step: int, every: int) -> bool:
     share steps with the user's ``self.log``, and step 0, the start of training.
     """
     return every > 0 and (step == 0 or (step + 1) % every == 0)
+
+
+# Per Trainer: the last log step every monitor logs, whatever its interval (after an anomaly).
+_WATCHED_UNTIL: WeakKeyDictionary[Any, int] = WeakKeyDictionary()
+
+
+def watch_closely(trainer: pl.Trainer, steps: Optional[int]) -> None:
+    """Have every monitor of ``trainer`` log each of the next ``steps`` steps; None: forget (a new fit)."""
+    if steps is None:
+        _WATCHED_UNTIL.pop(trainer, None)
+    elif steps > 0:
+        _WATCHED_UNTIL[trainer] = max(log_step(trainer) + steps, _WATCHED_UNTIL.get(trainer, -1))
+
+
+def is_logged(trainer: pl.Trainer, every: int) -> bool:
+    """Whether the step running now is logged at an interval of ``every`` (0: never), or watched closely."""
+    step = log_step(trainer)
+    return _is_logged_step(step, every) or (every > 0 and step <= _WATCHED_UNTIL.get(trainer, -1))
 
 
 class HookCallback(*CALLBACK_BASES):  # type: ignore[misc]  # the Callback of each Lightning package

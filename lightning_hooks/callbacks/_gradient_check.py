@@ -18,6 +18,7 @@ from torch.utils.hooks import RemovableHandle
 
 from lightning_hooks.callbacks._anomaly_report import AnomalyReport, report_step
 from lightning_hooks.callbacks._base import HookCallback
+from lightning_hooks.callbacks._flight_recorder import FlightRecord
 from lightning_hooks.core._compat import BarCount, show_whole, unshow_whole
 from lightning_hooks.core._deprecation import DeprecatedAttribute
 from lightning_hooks.core._validation import check_bool, check_path
@@ -203,19 +204,24 @@ class GradientCheck(HookCallback):
         """More device figures to bring to the host in the step's one transfer, by name."""
         return {}
 
+    def _votes(self, trainer: pl.Trainer, step: Step) -> dict[str, Tensor]:
+        """Device figures to sum over the ranks in the step's one collective, by name (asked before ``_extra``)."""
+        return {}
+
     def _handle(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any, step: Step,
                 check: Check) -> None:
         raise NotImplementedError
 
     def _report(self, trainer: pl.Trainer, pl_module: pl.LightningModule, step: Step,
-                check: Check) -> AnomalyReport:
+                check: Check, flight_record: Optional[FlightRecord] = None) -> AnomalyReport:
         """Build, save and log the report; under several ranks every rank must call this."""
         n_outputs = len(self._targets)
         located = self._trace.locate(trainer, n_outputs, n_outputs + len(self._traced)) if self.provenance else None
         names = [self._param_names.get(p, f"param{i}") for i, p in enumerate(step.params)]
         return report_step(trainer, pl_module, step, check, names=names, located=located, traced=self._traced,
                            module_names=self.module_names, micro_batches=self._micro_batches,
-                           save_dir=None if self.dirpath is None else os.fspath(self.dirpath))
+                           save_dir=None if self.dirpath is None else os.fspath(self.dirpath),
+                           flight_record=flight_record)
 
     def _state(self) -> dict[str, Any]:
         return {"detector": self._detector.state_dict()}

@@ -17,10 +17,10 @@ from torch import Tensor
 
 from lightning_hooks.callbacks._anomaly_report import AnomalyReport
 from lightning_hooks.callbacks._base import (
-    _is_logged_step,
     _log_interval,
     _validate_interval,
     _validate_stats,
+    is_logged,
     log_step,
 )
 from lightning_hooks.callbacks._gradient_check import RENAMED, GradientCheck
@@ -270,11 +270,11 @@ class GradientMonitor(GradientCheck):
         if evaluation != 1:  # one figure per optimizer step: LBFGS's later evaluations are not logged
             return False
         flags = bool(self._detector.enabled_flags)
-        return flags or self.provenance or (self._written and _is_logged_step(log_step(trainer), self._every))
+        return flags or self.provenance or (self._written and is_logged(trainer, self._every))
 
     def _extra(self, trainer: pl.Trainer, step: Step) -> dict[str, Tensor]:
         """Row norms, and the rows' stats and histograms, on logged steps."""
-        self._logged = _is_logged_step(log_step(trainer), self._every) and bool(step.params) and self._written
+        self._logged = is_logged(trainer, self._every) and bool(step.params) and self._written
         if not self._logged or not self._rows:
             self._present = []
             return {}

@@ -7,16 +7,20 @@ from typing import Any, Literal, Optional, Union
 
 import lightning.pytorch as pl
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from torch import Tensor
 
 from lightning_hooks.callbacks._anomaly_report import AnomalyReport
+from lightning_hooks.callbacks._base import watch_closely
 from lightning_hooks.callbacks._gradient_check import RENAMED, GradientCheck
 from lightning_hooks.callbacks._rollback import Rollback, check_strategy, validate_rollback
+from lightning_hooks.callbacks._spike_check import SpikeWatch, validate_spikes
 from lightning_hooks.callbacks._update_drop import UpdateDrop
 from lightning_hooks.core._deprecation import deprecated_arguments
 from lightning_hooks.core._validation import check_bool, check_choice, check_int
 from lightning_hooks.core.selection import ModuleSelection
 from lightning_hooks.distributed._rank_agreement import Check
 from lightning_hooks.distributed._step_measure import Step
+from lightning_hooks.measure.spikes import SpikeTrigger
 
 Action = Literal["stop", "skip", "rollback", "raise", "warn"]
 _ACTIONS = ("stop", "skip", "rollback", "raise", "warn")
@@ -118,6 +122,16 @@ class GradientAnomalyStopping(GradientCheck):
         rollback_every_n_steps: With ``"rollback"``: refresh the snapshot after this many clean
             steps in a row (None: 100).
         skip_batches: With ``"rollback"``: after a restore, drop the updates of this many steps.
+        spikes: Also flag ``"loss_spike"`` and ``"grad_norm_spike"``: a robust z-score of the
+            step's loss (what the LightningModule backpropagates; with manual optimization what
+            ``manual_backward`` gets, added up) and total gradient norm over a rolling window
+            (:class:`~lightning_hooks.SpikeTrigger`), on device, agreed in the step's one collective.
+        flight_recorder: Keep the last this many steps' loss and gradient norms on device; a
+            report then carries them (:class:`~lightning_hooks.FlightRecord`: which layer's norm
+            left its usual range first, how many steps before), also written next to the logs
+            (``flight-record-step<N>.csv``) and to TensorBoard (``anomalies/flight_record``). 0: off.
+        watch_after: After each step acted on, have the Trainer's GradientMonitor and
+            ActivationMonitor log every step, whatever their interval, for this many steps.
 
     Raises:
         ValueError: For an unknown ``action``, a negative ``patience``, a bad threshold, when
@@ -126,7 +140,8 @@ class GradientAnomalyStopping(GradientCheck):
             under a sharding strategy or with several optimizers.
         TypeError: For an argument of the wrong type: a flag (``check_finite``, ``provenance``,
             ``prog_bar``) that is not a bool, a count that is not an int, a threshold that is not a
-            number, a ``dirpath`` that is not a path.
+            number, a ``dirpath`` that is not a path,
+            a ``spikes`` that is not a :class:`~lightning_hooks.SpikeTrigger`.
 
     Example::
 
@@ -158,15 +173,19 @@ class GradientAnomalyStopping(GradientCheck):
         prog_bar: bool = True,
         rollback_every_n_steps: Optional[int] = None,
         skip_batches: int = 0,
+        spikes: Optional[SpikeTrigger] = None,
+        flight_recorder: int = 0,
+        watch_after: int = 0,
     ) -> None:
         super().__init__(modules, check_finite, norm_threshold, relative_threshold, min_norm, window,
                          provenance, dirpath)
         check_choice("action", action, _ACTIONS)
         check_int("patience", patience, low=0)
-        if not self._detector.enabled_flags:
+        validate_spikes(spikes, flight_recorder, watch_after)
+        if not self._detector.enabled_flags and spikes is None:
             raise ValueError(
                 "nothing to check: set `check_finite=True`, or one of `norm_threshold`,"
-                " `relative_threshold`, `min_norm`"
+                " `relative_threshold`, `min_norm`, `spikes`"
             )
         check_bool("prog_bar", prog_bar)
         validate_rollback(action, rollback_every_n_steps, skip_batches)
@@ -184,9 +203,11 @@ class GradientAnomalyStopping(GradientCheck):
         self._dropper = UpdateDrop()
         self._streak_before = 0  # the streak before the current step
         self._settled = False  # the current step is counted anomalous: its later evaluations change nothing
+        self.spikes, self.flight_recorder, self.watch_after = spikes, flight_recorder, watch_after
+        self._watch = SpikeWatch(spikes, flight_recorder)
 
     def _key(self) -> dict[str, Any]:
-        return {"action": self.action, **super()._key()}
+        return {"action": self.action, **super()._key(), **({"spikes": self.spikes} if self.spikes else {})}
 
     @property
     def skipping(self) -> int:
@@ -198,6 +219,7 @@ class GradientAnomalyStopping(GradientCheck):
 
         With ``"rollback"``, take the first snapshot: the state training (or a resume) starts from.
         """
+        watch_closely(trainer, None)  # from an earlier fit
         if self._rollback is not None:
             check_strategy(trainer)
             self._rollback.take(trainer, pl_module)
@@ -216,9 +238,17 @@ class GradientAnomalyStopping(GradientCheck):
             rank_zero_info(f"GradientAnomalyStopping: step {step} rolled back to the state before step {to};"
                            f" dropping the next {self.skip_batches} updates.")
 
+    def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Tensor) -> None:
+        """Note the loss about to be backpropagated, on device, for ``spikes`` and ``flight_recorder``."""
+        self._watch.add_loss(trainer, loss)
+
+    def _votes(self, trainer: pl.Trainer, step: Step) -> dict[str, Tensor]:
+        return self._watch.votes(step, first=self._shared is None or self._shared.evaluation == 1)
+
     def detach(self) -> None:
         """Remove the hooks; free the rollback snapshot."""
         super().detach()
+        self._watch.clear()
         self._dropper.release()
         if self._rollback is not None:
             self._rollback.release()
@@ -226,6 +256,7 @@ class GradientAnomalyStopping(GradientCheck):
     def _handle(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any, step: Step,
                 check: Check) -> None:
         """Count the step at its first evaluation, or at a later one that finds it anomalous (LBFGS)."""
+        check = self._watch.conclude(trainer.global_step, step, check)
         self._dropper.new_evaluation(first=self._evaluation == 1)
         if self._evaluation == 1:
             self._streak_before, self._settled = self.streak, False
@@ -256,8 +287,11 @@ class GradientAnomalyStopping(GradientCheck):
             self._rollback.decide(act, clean=not check.anomalous)
         if not act:
             return
+        watch_closely(trainer, self.watch_after)
         if self.streak == self.patience + 1:  # report once per run of anomalous steps
-            self.last_report = report = self._report(trainer, pl_module, step, check)
+            names = [self._param_names.get(p, f"param{i}") for i, p in enumerate(step.params)]
+            record = self._watch.record(trainer, names)
+            self.last_report = report = self._report(trainer, pl_module, step, check, record)
             if self.action == "raise":
                 raise GradientAnomalyError(report)
             if self.action == "warn":
@@ -277,7 +311,7 @@ class GradientAnomalyStopping(GradientCheck):
         resumed state is the first snapshot.
         """
         counters = {name: getattr(self, name) for name in (*_COUNTERS, *_ROLLBACK_COUNTERS)}
-        return {**counters, **self._state()}
+        return {**counters, **self._state(), **self._watch.state_dict()}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore what :meth:`state_dict` returned."""
@@ -286,5 +320,6 @@ class GradientAnomalyStopping(GradientCheck):
         self.rollbacks = int(state_dict.get("rollbacks", 0))
         if self._rollback is not None:
             self._rollback.skipping = int(state_dict.get("skipping", 0))
+        self._watch.load_state_dict(state_dict)
         self._load_state(state_dict)
 

@@ -1,16 +1,17 @@
 """How the ranks agree on a checked step, and the step's one host transfer.
 
 :func:`conclude` sums every rank's flags (those of each callback reading the step) and votes
-(the scaler skipped the step, a rank had no gradient, a norm was infinite) in one collective on
-device, then brings them to the host in one transfer (:func:`to_host`, named parts) together
-with the norms and whatever figures each callback adds: a :class:`Check` per callback, the same
-on every rank, so that no rank decides alone and no rank waits alone.
+(the scaler skipped the step, a rank had no gradient, a norm was infinite, and each callback's
+own, such as GradientAnomalyStopping's spike flags) in one collective on device, then brings
+them to the host in one transfer (:func:`to_host`, named parts) together with the norms and
+whatever figures each callback adds: a :class:`Check` per callback, the same on every rank, so
+that no rank decides alone and no rank waits alone.
 """
 
 from __future__ import annotations
 
 from collections.abc import Collection, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import lightning.pytorch as pl
@@ -65,10 +66,13 @@ class Check:
     """The scaler skipped the step, or a rank had no gradient: it says nothing about the gradients."""
     unsure: bool
     """A rank had an infinite norm that a finite gradient may have: measure exactly, agree again."""
+    votes: dict[str, list[float]] = field(default_factory=dict)
+    """The callback's own votes of the step, by the names it gave them, summed over the ranks."""
 
 
 def conclude(trainer: pl.Trainer, detectors: Sequence[AnomalyDetector], steps: Sequence[Step],
-             extras: Sequence[Mapping[str, Tensor]], remember: bool = True) -> list[Check]:
+             extras: Sequence[Mapping[str, Tensor]], remember: bool = True,
+             own_votes: Sequence[Mapping[str, Tensor]] = ()) -> list[Check]:
     """Agree on every callback's flags across ranks on device, then read everything in one transfer.
 
     Every rank reaches the one collective at every optimizer step, a rank without
@@ -84,6 +88,8 @@ def conclude(trainer: pl.Trainer, detectors: Sequence[AnomalyDetector], steps: S
         extras: Per callback, more device figures to bring to the host in the same transfer, by name.
         remember: Whether a clean step's norms join the running medians: not for a closure's
             later evaluations within one optimizer step (LBFGS), so that the medians count steps.
+        own_votes: Per callback (or none), more device figures to sum over the ranks in the same
+            collective, by name: each must have the same shape on every rank.
 
     Returns:
         Per callback, the step's figures on the host, agreed across ranks.
@@ -95,6 +101,7 @@ def conclude(trainer: pl.Trainer, detectors: Sequence[AnomalyDetector], steps: S
     votes = {f"flags{i}": step.flags for i, step in enumerate(steps)}
     votes.update(overflow=overflow, empty=torch.full((), float(not shared.params), device=device),
                  unsure=shared.unsure)
+    votes.update({f"{i}/{name}": t for i, own in enumerate(own_votes) for name, t in own.items()})
     agreed = _agree(trainer, torch.cat([v.reshape(-1).double() for v in votes.values()]))
     parts = {"votes": agreed, "norms": norms}
     parts.update({f"{i}/{name}": t for i, extra in enumerate(extras) for name, t in extra.items()})
@@ -116,7 +123,9 @@ def conclude(trainer: pl.Trainer, detectors: Sequence[AnomalyDetector], steps: S
             detector.remember(norms, step.key)
         amp = overflowed if step.overflow is not None else None
         extra = {name: host[f"{i}/{name}"] for name in extras[i]}
-        checks.append(Check(flags, amp, host["norms"], anomalous, extra, skipped, unsure))
+        mine = own_votes[i] if own_votes else {}
+        summed = {name: voted[offsets[f"{i}/{name}"] : offsets[f"{i}/{name}"] + t.numel()] for name, t in mine.items()}
+        checks.append(Check(flags, amp, host["norms"], anomalous, extra, skipped, unsure, summed))
     return checks
 
 

@@ -32,6 +32,9 @@ class StepReader(Protocol):
     def _extra(self, trainer: pl.Trainer, step: Step) -> dict[str, Tensor]:
         """Its own device figures of the step, by name, to bring to the host in the step's one transfer."""
 
+    def _votes(self, trainer: pl.Trainer, step: Step) -> dict[str, Tensor]:
+        """Its own device figures to sum over the ranks in the step's one collective (before ``_extra``)."""
+
 
 _BY_TRAINER: weakref.WeakKeyDictionary[Any, SharedMeasurement] = weakref.WeakKeyDictionary()
 
@@ -107,10 +110,11 @@ class SharedMeasurement:
         detectors = [r._detector for r in readers]
         remember = self.evaluation == 1
         steps = measure_step(trainer, optimizer, detectors, self._shard_groups, exact=False)
+        votes = [r._votes(trainer, step) for r, step in zip(readers, steps)]
         extras = [r._extra(trainer, step) for r, step in zip(readers, steps)]
-        checks = conclude(trainer, detectors, steps, extras, remember)
+        checks = conclude(trainer, detectors, steps, extras, remember, votes)
         if any(check.unsure for check in checks):
             steps = measure_step(trainer, optimizer, detectors, self._shard_groups, exact=True)
-            checks = conclude(trainer, detectors, steps, extras, remember)
+            checks = conclude(trainer, detectors, steps, extras, remember, votes)
         self.rounds += 1
         self._results.update({id(r): (token, (step, check)) for r, step, check in zip(readers, steps, checks)})

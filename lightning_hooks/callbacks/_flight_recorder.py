@@ -1,0 +1,197 @@
+"""The flight recorder: the last N steps' loss and per-parameter gradient norms, on device, read on an anomaly.
+
+:class:`FlightRecorder` keeps each step's figures (already measured for the step's check) in a
+:class:`~lightning_hooks.measure.spikes.DeviceRing`: one device copy per step, nothing read back.
+When a step is acted on, :meth:`FlightRecorder.read` brings the record to the host once and
+:func:`analyse` says which layer's gradient norm left its usual range first, and how many steps
+before; :func:`write_record` writes it next to the logs (CSV) and to TensorBoard (text).
+"""
+
+from __future__ import annotations
+
+import csv
+import os
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from typing import Optional, Union
+
+import lightning.pytorch as pl
+import numpy as np
+import torch
+from torch import Tensor
+
+from lightning_hooks.callbacks._base import log_step
+from lightning_hooks.measure.spikes import _MAD_TO_STD, DeviceRing
+from lightning_hooks.output.sinks import log_text
+
+_BAND_Z = 3.0  # a layer's norm is out of its usual range beyond 3 robust standard deviations (of its log) ...
+_MIN_BAND = float(np.log(1.5))  # ... and beyond a factor 1.5 either way, however steady it was
+_MIN_BASELINE = 4  # the usual range needs this many steps before the record's second half
+
+
+@dataclass(frozen=True)
+class FlightRecord:
+    """The loss and the per-layer gradient norms of the steps up to an anomaly, and which layer led.
+
+    A layer is a module: the gradient norms of its parameters are combined (the root of the sum
+    of their squares). Its usual range is the median and the spread of the logarithm of its norm
+    over the first half of the record; a layer "left" it at the first step of the unbroken run
+    of steps, ending at the anomaly, whose norm was out of that range (more than 3 robust
+    standard deviations and a factor of 1.5 away, up or down).
+
+    Attributes:
+        step: ``trainer.global_step`` of the anomalous step (the last row).
+        steps: The global step of each row, oldest first.
+        losses: The loss of each row (rank zero's, as backpropagated); NaN where none was seen.
+        layers: The layers, in the optimizer's order of their parameters.
+        norms: Per row, the gradient norm of each layer.
+        onsets: The layers whose norm was out of range at the anomaly, with the step it left its
+            range at, earliest first (ties: the larger change first).
+        leader: The first of ``onsets``, or None.
+        lead: How many steps before the anomaly ``leader`` left its range.
+        rise: ``leader``'s norm at the anomaly over its usual norm.
+        path: Where the record was written (CSV), if it was.
+
+    """
+
+    step: int
+    steps: tuple[int, ...]
+    losses: tuple[float, ...]
+    layers: tuple[str, ...]
+    norms: tuple[tuple[float, ...], ...]
+    onsets: tuple[tuple[str, int], ...] = ()
+    leader: Optional[str] = None
+    lead: Optional[int] = None
+    rise: Optional[float] = None
+    path: Optional[str] = None
+
+    def summary(self) -> str:
+        """One line: which layer left its range first, how many steps before, and where the record is."""
+        span = f"flight record of steps {self.steps[0]}-{self.steps[-1]}" if self.steps else "empty flight record"
+        if len(self.steps) < 2 * _MIN_BASELINE:
+            text = f"{span}: too few steps to tell a layer's usual gradient norm range"
+        elif self.leader is None:
+            text = f"{span}: no layer's gradient norm was out of its usual range at step {self.step}"
+        else:
+            start = self.step - (self.lead or 0)
+            tied = sum(at == start for _, at in self.onsets[1:])
+            others = f" with {tied} other layer(s) at the same step, it changed most" if tied else ""
+            then = ", ".join(f"{layer!r} at step {at}" for layer, at in self.onsets[1:4])
+            text = (f"{span}: layer {self.leader!r} left its usual gradient norm range first, {self.lead} steps"
+                    f" before (at step {start}; x{self.rise:.3g} at step {self.step}{';' if tied else ''}{others})"
+                    + (f"; then {then}" if then else ""))
+        return text + (f"; written to {self.path}" if self.path else "")
+
+
+def layer_of(name: str) -> str:
+    """The module a parameter belongs to: its name without the last part."""
+    return name.rsplit(".", 1)[0] if "." in name else name
+
+
+def _layer_norms(norms: np.ndarray, names: Sequence[str]) -> tuple[list[str], np.ndarray]:
+    layers = list(dict.fromkeys(layer_of(n) for n in names))
+    index = {layer: i for i, layer in enumerate(layers)}
+    squares = np.zeros((norms.shape[0], len(layers)))
+    for column, name in enumerate(names):
+        squares[:, index[layer_of(name)]] += norms[:, column] ** 2
+    return layers, np.sqrt(squares)
+
+
+def _onset(series: np.ndarray, steps: Sequence[int]) -> Optional[tuple[int, float]]:
+    """The step the series left its usual range at (in a run lasting to its end), and its log change at the end."""
+    logs = np.log(np.where(series > 0, series, np.nan))
+    base = logs[: len(logs) // 2]
+    base = base[np.isfinite(base)]
+    if len(base) < _MIN_BASELINE or not np.isfinite(logs[-1]):
+        return None
+    median = np.median(base)
+    band = max(_BAND_Z * _MAD_TO_STD * np.median(np.abs(base - median)), _MIN_BAND)
+    out = ~(np.abs(logs - median) <= band)  # a NaN (no gradient) counts as out of range
+    if not out[-1]:
+        return None
+    start = len(out) - 1
+    while start > 0 and out[start - 1]:
+        start -= 1
+    return steps[start], float(logs[-1] - median)
+
+
+def analyse(step: int, steps: Sequence[int], losses: Union[Sequence[float], np.ndarray], norms: np.ndarray,
+            names: Sequence[str]) -> FlightRecord:
+    """Which layer's gradient norm left its usual range first, before the anomaly at the last row.
+
+    Args:
+        step: The anomalous step.
+        steps: The global step of each row of ``norms``.
+        losses: The loss of each row.
+        norms: ``(rows, parameters)``: the gradient norm of each parameter at each step.
+        names: The parameters' names.
+
+    Returns:
+        The record, with its ``onsets`` and ``leader``.
+    """
+    layers, layer_norms = _layer_norms(norms, names)
+    found = {layer: _onset(layer_norms[:, i], steps) for i, layer in enumerate(layers)}
+    onsets = sorted(((layer, at, change) for layer, (at, change) in
+                     ((k, v) for k, v in found.items() if v is not None)), key=lambda o: (o[1], -abs(o[2])))
+    record = FlightRecord(step=step, steps=tuple(steps), losses=tuple(float(x) for x in losses),
+                          layers=tuple(layers), norms=tuple(tuple(map(float, row)) for row in layer_norms),
+                          onsets=tuple((layer, at) for layer, at, _ in onsets))
+    if not onsets:
+        return record
+    leader, at, change = onsets[0]
+    return replace(record, leader=leader, lead=step - at, rise=float(np.exp(change)))
+
+
+class FlightRecorder:
+    """The last ``steps`` optimizer steps' loss and per-parameter gradient norms, on device.
+
+    Args:
+        steps: How many steps it keeps.
+    """
+
+    def __init__(self, steps: int) -> None:
+        self.ring = DeviceRing(steps)
+        self.steps: deque[int] = deque(maxlen=steps)
+
+    def record(self, step: int, loss: Tensor, norms: Tensor) -> None:
+        """Keep step ``step``'s loss (0-d) and gradient norms (one per parameter): one device copy."""
+        self.ring.push(torch.cat([loss.reshape(1).to(norms.device, norms.dtype), norms.reshape(-1)]))
+        if self.ring.count == 1:  # a new ring (the parameters changed): the steps start again
+            self.steps.clear()
+        self.steps.append(step)
+
+    def read(self, step: int, names: Sequence[str]) -> Optional[FlightRecord]:
+        """Bring the record to the host (one transfer) and analyse it; None before the first step."""
+        rows = self.ring.ordered()
+        if rows is None or rows.shape[1] - 1 != len(names):
+            return None
+        host = rows.cpu().numpy()
+        return analyse(step, list(self.steps), host[:, 0], host[:, 1:], names)
+
+    def clear(self) -> None:
+        """Forget every step."""
+        self.ring = DeviceRing(self.ring.size)
+        self.steps.clear()
+
+
+def write_record(trainer: pl.Trainer, record: FlightRecord) -> FlightRecord:
+    """Write the record next to the logs as CSV and to TensorBoard as text, from rank zero; return it with its path.
+
+    Every rank must call it: ``trainer.log_dir`` is broadcast from rank zero.
+    """
+    folder = trainer.log_dir or trainer.default_root_dir
+    if not trainer.is_global_zero:
+        return record
+    os.makedirs(folder, exist_ok=True)
+    path = os.path.join(folder, f"flight-record-step{record.step}.csv")
+    with open(path, "w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(["step", "loss", *(f"grad_norm/{layer}" for layer in record.layers)])
+        for step, loss, row in zip(record.steps, record.losses, record.norms):
+            writer.writerow([step, f"{loss:.6g}", *(f"{v:.6g}" for v in row)])
+    record = replace(record, path=path)
+    lines = [record.summary(), "", "layer  left its range at step  steps before", *(
+        f"{layer}  {at}  {record.step - at}" for layer, at in record.onsets)]
+    log_text(trainer, "anomalies/flight_record", "\n".join("    " + line for line in lines), log_step(trainer))
+    return record

@@ -1,0 +1,157 @@
+"""GradientAnomalyStopping's spike trigger and flight recorder: the step's loss and gradient norms, on device.
+
+The loss is what the LightningModule backpropagates: Lightning hands it to ``on_before_backward``
+in automatic optimization (``training_step``'s loss, divided by ``accumulate_grad_batches``, so
+the micro-batches of a step add up to their mean) and in manual optimization (each
+``manual_backward``'s loss, added up until the optimizer steps). Under an AMP GradScaler the
+hook sees the scaled loss; it is divided by the scale on device. Each rank judges its own loss
+and the gradient norm against its own windows, before the step's one collective, and the flags
+are summed over the ranks in it: any rank's spike is every rank's.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+from typing import Any, Optional
+
+import lightning.pytorch as pl
+import torch
+from torch import Tensor
+
+from lightning_hooks.callbacks._flight_recorder import FlightRecord, FlightRecorder, write_record
+from lightning_hooks.distributed._rank_agreement import Check
+from lightning_hooks.distributed._step_measure import Step
+from lightning_hooks.measure.spikes import SPIKE_SIGNALS, SpikeTrigger, SpikeWindows
+
+
+def validate_spikes(spikes: Any, flight_recorder: Any, watch_after: Any) -> None:
+    """Check GradientAnomalyStopping's ``spikes``, ``flight_recorder`` and ``watch_after``.
+
+    Raises:
+        TypeError: If ``spikes`` is not a SpikeTrigger or None.
+        ValueError: If ``flight_recorder`` or ``watch_after`` is not a non-negative int.
+    """
+    if spikes is not None and not isinstance(spikes, SpikeTrigger):
+        raise TypeError(f"`spikes` must be a SpikeTrigger or None, got {spikes!r}: e.g. spikes=SpikeTrigger()")
+    for name, value in (("flight_recorder", flight_recorder), ("watch_after", watch_after)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise ValueError(f"`{name}` must be a non-negative int (how many steps; 0: off), got {value!r}")
+
+
+class StepLoss:
+    """The loss backpropagated since the last optimizer step, added up on device."""
+
+    def __init__(self) -> None:
+        self._sum: Optional[Tensor] = None
+
+    def add(self, trainer: pl.Trainer, loss: Tensor) -> None:
+        """Add a loss Lightning is about to backpropagate (unscaled first under an AMP GradScaler)."""
+        loss = loss.detach().double().sum()
+        scaler = getattr(trainer.precision_plugin, "scaler", None)
+        if scaler is not None and scaler.is_enabled():
+            loss = loss / scaler.scale(torch.ones((), device=loss.device)).double()  # the scale, with no sync
+        self._sum = loss if self._sum is None else self._sum + loss
+
+    def take(self, device: torch.device) -> Tensor:
+        """The step's loss on ``device`` (NaN when none was backpropagated), and start the next step's."""
+        taken, self._sum = self._sum, None
+        if taken is None:
+            return torch.full((), math.nan, dtype=torch.float64, device=device)
+        return taken.to(device)
+
+    def clear(self) -> None:
+        """Forget what was added."""
+        self._sum = None
+
+
+class SpikeCheck:
+    """Judges each step's loss and total gradient norm against their windows, and adds the agreed flags.
+
+    Args:
+        trigger: The thresholds and the windows' size.
+    """
+
+    def __init__(self, trigger: SpikeTrigger) -> None:
+        self.trigger = trigger
+        self.windows = SpikeWindows(trigger)
+        self._judged: Optional[tuple[Tensor, int]] = None  # the values judged at this step, and the optimizer
+
+    def votes(self, step: Step, loss: Optional[Tensor]) -> dict[str, Tensor]:
+        """The step's spike flags, to sum over the ranks; all zero at a later evaluation (``loss`` None)."""
+        norms = step.figures.group_norms
+        if loss is None:
+            self._judged = None
+            return {"spikes": torch.zeros(len(SPIKE_SIGNALS), dtype=torch.float64, device=norms.device)}
+        values = torch.stack([loss.to(norms), norms[-1]])
+        _, flags = self.windows.judge(values, step.key)
+        self._judged = (values, step.key)
+        return {"spikes": flags.double()}
+
+    def conclude(self, check: Check) -> Check:
+        """``check`` with the spike flags agreed across ranks; the step's values join the windows.
+
+        A step the AMP scaler skips (or where a rank had no gradient) says nothing: its values
+        stay out of the windows and it is never a spike.
+        """
+        judged, self._judged = self._judged, None
+        if judged is None or "spikes" not in check.votes or check.skipped:
+            return check
+        self.windows.remember(*judged)
+        watched = (self.trigger.loss, self.trigger.grad_norm)
+        flags = {f"{signal}_spike": votes > 0 for signal, votes, threshold
+                 in zip(SPIKE_SIGNALS, check.votes["spikes"], watched) if threshold is not None}
+        return replace(check, flags={**check.flags, **flags}, anomalous=check.anomalous or any(flags.values()))
+
+
+class SpikeWatch:
+    """What GradientAnomalyStopping keeps of each step for ``spikes`` and ``flight_recorder``: all on device.
+
+    Args:
+        spikes: The spike trigger, or None.
+        flight_recorder: How many steps the flight recorder keeps (0: none).
+    """
+
+    def __init__(self, spikes: Optional[SpikeTrigger], flight_recorder: int) -> None:
+        self.spikes = SpikeCheck(spikes) if spikes is not None else None
+        self.recorder = FlightRecorder(flight_recorder) if flight_recorder else None
+        self._loss = StepLoss()
+        self._step_loss: Optional[Tensor] = None  # the loss of the step being checked
+
+    def add_loss(self, trainer: pl.Trainer, loss: Tensor) -> None:
+        """Note a loss about to be backpropagated, if anything watches the loss."""
+        if self.spikes is not None or self.recorder is not None:
+            self._loss.add(trainer, loss)
+
+    def votes(self, step: Step, first: bool) -> dict[str, Tensor]:
+        """The step's spike flags, to sum over the ranks; the loss is the first evaluation's (LBFGS)."""
+        loss = self._loss.take(step.figures.group_norms.device)  # a later evaluation's loss is dropped
+        self._step_loss = loss if first else None
+        return self.spikes.votes(step, self._step_loss) if self.spikes is not None else {}
+
+    def conclude(self, step_number: int, step: Step, check: Check) -> Check:
+        """``check`` with the agreed spike flags; the step's figures kept by the recorder."""
+        if self.spikes is not None:
+            check = self.spikes.conclude(check)
+        if self.recorder is not None and self._step_loss is not None and not check.skipped:
+            self.recorder.record(step_number, self._step_loss, step.figures.norms)
+        return check
+
+    def record(self, trainer: pl.Trainer, names: list[str]) -> Optional[FlightRecord]:
+        """The flight record up to this step, written out (every rank must call this); None without one."""
+        record = self.recorder.read(trainer.global_step, names) if self.recorder is not None else None
+        return write_record(trainer, record) if record is not None else None
+
+    def clear(self) -> None:
+        """Forget the loss noted so far (at the end of ``fit``)."""
+        self._loss.clear()
+        self._step_loss = None
+
+    def state_dict(self) -> dict[str, Any]:
+        """The spike windows, if any."""
+        return {"spikes": self.spikes.windows.state_dict()} if self.spikes is not None else {}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore the spike windows, if both the checkpoint and this instance have them."""
+        if self.spikes is not None and "spikes" in state_dict:
+            self.spikes.windows.load_state_dict(state_dict["spikes"])

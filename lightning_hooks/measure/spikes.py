@@ -1,0 +1,228 @@
+"""Spike detection on the loss and the gradient norm: a robust z-score over a rolling window, on device.
+
+:func:`robust_zscore` is the kernel (pure tensors in, a tensor out); :class:`SpikeTrigger` holds
+the thresholds a user sets; :class:`SpikeWindows` keeps the rolling windows of one run on the
+device, one per signal and optimizer, and judges each new value against them without a host sync.
+:class:`DeviceRing` is the ring buffer both the windows and the flight recorder use.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+from torch import Tensor
+
+__all__ = ["SPIKE_SIGNALS", "SpikeTrigger", "SpikeWindows", "robust_zscore"]
+
+#: The signals a :class:`SpikeTrigger` watches, in the order of its flags: the flag names are ``<signal>_spike``.
+SPIKE_SIGNALS = ("loss", "grad_norm")
+
+#: MAD times this is the standard deviation of normally distributed values: a z of 6 means what it does for a std.
+_MAD_TO_STD = 1.4826
+
+
+@torch.no_grad()
+def robust_zscore(window: Tensor, value: Tensor, min_spread: float = 0.0) -> Tensor:
+    """How many robust standard deviations ``value`` is above the median of ``window``, on device.
+
+    The spread is the median absolute deviation times 1.4826 (the standard deviation for normal
+    noise), at least ``min_spread`` times the median's magnitude, so that a signal that has
+    flattened out does not call a tiny wobble a spike. NaNs in ``window`` are gaps and skipped.
+
+    Args:
+        window: The past values along dim 0: ``(W,)``, or ``(W, S)`` for ``S`` signals at once.
+        value: The new value: a 0-d tensor, or ``(S,)``.
+        min_spread: The smallest spread, as a fraction of the median's magnitude.
+
+    Returns:
+        Float64, of the shape of ``value``: 0 where the window holds no value (or one value
+        repeated), +inf for a non-finite ``value``.
+
+    Example::
+
+        z = robust_zscore(torch.tensor([1.0, 1.1, 0.9, 1.0]), torch.tensor(3.0))  # about 27
+    """
+    window, value = window.double(), value.double()
+    median = window.nanmedian(0).values
+    spread = torch.maximum((window - median).abs().nanmedian(0).values * _MAD_TO_STD, median.abs() * min_spread)
+    z = torch.where(spread > 0, (value - median) / spread, 0.0)  # no spread (or no value, NaN): no verdict
+    return torch.where(value.isfinite(), z, math.inf)
+
+
+def _check_positive_int(name: str, value: Any) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"`{name}` must be a positive int, got {value!r}")
+
+
+def _check_threshold(name: str, value: Any) -> None:
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
+    if value is not None and not ok:
+        raise ValueError(f"`{name}` must be a finite number > 0 (a z-score) or None to not watch it, got {value!r}")
+
+
+@dataclass(frozen=True)
+class SpikeTrigger:
+    """When a step's loss or gradient norm is a spike: a robust z-score above a threshold.
+
+    The z-score of a step's value is how far it lies above the median of the last ``window``
+    steps' values, in units of their median absolute deviation (times 1.4826, so that it equals
+    the standard deviation for normal noise). No step is judged before ``warmup`` values are in
+    the window. Every step's finite value joins the window after it is judged, a spike's too.
+
+    Why these defaults: OLMo-core's ``SkipStepOptimizer`` skips a step whose loss or gradient
+    norm is more than 6 standard deviations above the mean of the last 128 steps, and judges
+    nothing before 64 (half the window); the same numbers here mean the same for normal noise.
+    The median and the MAD replace the mean and the standard deviation because a spike in the
+    window would inflate the standard deviation for the next 128 steps and hide the next spike,
+    and the median is not dragged by the ramp that often leads into one. A lasting change of
+    level (a new data mix) becomes the new normal once it fills half the window, instead of
+    being flagged for ever. The spread is taken as at least ``min_spread`` of the median (1%),
+    so that a loss that has flattened out does not call a tiny wobble a spike.
+
+    Args:
+        loss: Flag ``loss_spike`` above this z-score (None: do not watch the loss).
+        grad_norm: Flag ``grad_norm_spike`` above this z-score of the total gradient norm (None:
+            do not watch it).
+        window: How many past steps the median covers.
+        warmup: How many values the window must hold before a step is judged (None: half the
+            window, 64 by default).
+        min_spread: The smallest spread, as a fraction of the median.
+
+    Raises:
+        ValueError: For a threshold that is not a positive number, neither signal watched, a
+            ``window`` or ``warmup`` that is not a positive int, ``warmup > window``, or a
+            ``min_spread`` outside [0, 1).
+
+    Example::
+
+        from lightning_hooks import GradientAnomalyStopping, SpikeTrigger
+
+        stopper = GradientAnomalyStopping(action="rollback", skip_batches=50, spikes=SpikeTrigger())
+    """
+
+    loss: Optional[float] = 6.0
+    grad_norm: Optional[float] = 6.0
+    window: int = 128
+    warmup: Optional[int] = None
+    min_spread: float = 0.01
+
+    def __post_init__(self) -> None:
+        _check_threshold("loss", self.loss)
+        _check_threshold("grad_norm", self.grad_norm)
+        if self.loss is None and self.grad_norm is None:
+            raise ValueError("SpikeTrigger watches nothing: set `loss` or `grad_norm` (z-scores, e.g. 6.0)")
+        _check_positive_int("window", self.window)
+        warmup = max(1, self.window // 2) if self.warmup is None else self.warmup  # half the window, as OLMo-core
+        _check_positive_int("warmup", warmup)
+        if warmup > self.window:
+            raise ValueError(f"`warmup` ({warmup}) must not exceed `window` ({self.window}): the window"
+                             " could never hold enough values")
+        object.__setattr__(self, "warmup", warmup)
+        spread = self.min_spread
+        if not isinstance(spread, (int, float)) or isinstance(spread, bool) or not 0 <= spread < 1:
+            raise ValueError(f"`min_spread` must be a number in [0, 1), got {spread!r}")
+
+    @property
+    def thresholds(self) -> tuple[float, ...]:
+        """The threshold per signal of :data:`SPIKE_SIGNALS`, +inf for a signal not watched."""
+        return tuple(math.inf if t is None else float(t) for t in (self.loss, self.grad_norm))
+
+
+class DeviceRing:
+    """The last ``size`` rows of a stream, kept on device; writing a row is one copy, with no host sync.
+
+    Args:
+        size: How many rows it keeps.
+    """
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.count = 0  # rows written so far (a host int: the position needs no sync)
+        self.rows: Optional[Tensor] = None
+
+    def push(self, row: Tensor) -> None:
+        """Write ``row`` over the oldest; (re)made, full of NaN, when the row's length changes.
+
+        The rows follow the row's device (once: rows restored from a checkpoint come from the CPU).
+        """
+        row = row.reshape(-1)
+        if self.rows is None or self.rows.shape[1] != row.numel():
+            self.rows = torch.full((self.size, row.numel()), math.nan, dtype=torch.float64, device=row.device)
+            self.count = 0
+        elif self.rows.device != row.device:
+            self.rows = self.rows.to(row.device)
+        self.rows[self.count % self.size] = row
+        self.count += 1
+
+    def ordered(self) -> Optional[Tensor]:
+        """The rows held, oldest first (on device); None before the first."""
+        if self.rows is None:
+            return None
+        held = min(self.count, self.size)
+        start = self.count % self.size if self.count > self.size else 0
+        return self.rows.roll(-start, 0)[:held]
+
+    def state_dict(self) -> dict[str, Any]:
+        """The rows (on the CPU) and the count."""
+        return {"rows": None if self.rows is None else self.rows.cpu(), "count": self.count}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`; the rows move to the values' device at the next push."""
+        self.rows = None if state["rows"] is None else state["rows"].clone()
+        self.count = int(state["count"])
+
+
+class SpikeWindows:
+    """The rolling windows of a :class:`SpikeTrigger`, per optimizer, on device.
+
+    Args:
+        trigger: The thresholds and the window's size.
+    """
+
+    def __init__(self, trigger: SpikeTrigger) -> None:
+        self.trigger = trigger
+        self._rings: dict[int, DeviceRing] = {}
+        self._thresholds: Optional[Tensor] = None  # on the values' device, made once
+        self._warmup: int = trigger.warmup if trigger.warmup is not None else 1
+
+    def judge(self, values: Tensor, key: int = 0) -> tuple[Tensor, Tensor]:
+        """The z-score of each signal's value (loss, grad norm) and whether it is a spike, on device.
+
+        Args:
+            values: ``(len(SPIKE_SIGNALS),)``: the step's loss and total gradient norm (NaN: none).
+            key: The optimizer's index.
+
+        Returns:
+            ``(z, flags)``: float64 z-scores (0 before the warm-up) and bool flags, both of the
+            shape of ``values``.
+        """
+        ring = self._rings.get(key)
+        values = values.double()
+        if ring is None or ring.rows is None or ring.count < self._warmup:
+            z = torch.zeros_like(values)
+        else:
+            z = robust_zscore(ring.rows.to(values.device), values, self.trigger.min_spread)  # moved once, at push
+            z = torch.where(values.isnan(), 0.0, z)  # a signal without a value: no verdict
+        if self._thresholds is None or self._thresholds.device != values.device:
+            self._thresholds = torch.tensor(self.trigger.thresholds, dtype=torch.float64, device=values.device)
+        return z, z > self._thresholds
+
+    def remember(self, values: Tensor, key: int = 0) -> None:
+        """Add the step's values to the windows of optimizer ``key`` (a non-finite one as a gap)."""
+        ring = self._rings.setdefault(key, DeviceRing(self.trigger.window))
+        values = values.double()
+        ring.push(torch.where(values.isfinite(), values, math.nan))
+
+    def state_dict(self) -> dict[int, Any]:
+        """The windows, on the CPU, by optimizer."""
+        return {key: ring.state_dict() for key, ring in self._rings.items()}
+
+    def load_state_dict(self, state: dict[Any, Any]) -> None:
+        """Restore :meth:`state_dict`."""
+        self._rings = {}
+        for key, ring_state in state.items():
+            ring = self._rings[int(key)] = DeviceRing(self.trigger.window)
+            ring.load_state_dict(ring_state)

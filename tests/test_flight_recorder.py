@@ -1,0 +1,68 @@
+"""The flight recorder: which layer's gradient norm left its usual range first; written next to the logs."""
+
+import csv
+import math
+
+import numpy as np
+import pytest
+import torch
+from lightning.pytorch.loggers import TensorBoardLogger
+
+from lightning_hooks import GradientAnomalyStopping
+from lightning_hooks.callbacks._flight_recorder import FlightRecorder, analyse, layer_of
+from tests.helpers import events
+from tests.test_spikes import TRIGGER, RampNet, fit
+
+STEPS = list(range(100, 140))  # 40 recorded steps; the anomaly at the last, 139
+
+
+def series(rise_from: int, steady: float = 1.0) -> np.ndarray:
+    """A norm wobbling by 5% around ``steady``, rising by half each step from step ``rise_from`` on."""
+    wobble = 1 + 0.05 * np.sin(np.arange(len(STEPS)) * 1.7)
+    rise = np.array([1.5 ** max(0, step - rise_from + 1) for step in STEPS])
+    return steady * wobble * rise
+
+
+def test_the_layer_whose_norm_left_its_range_first_leads_and_a_steady_one_is_not_named():
+    norms = np.stack([series(10**6), series(130, 2.0), series(134), series(134)], 1)  # per parameter
+    record = analyse(139, STEPS, [1.0] * 40, norms, ["steady.weight", "early.weight", "late.weight", "late.bias"])
+    assert record.layers == ("steady", "early", "late")
+    assert record.leader == "early" and record.lead == 9 and record.onsets == (("early", 130), ("late", 134))
+    assert record.rise == pytest.approx(1.5**10 * (1 + 0.05 * math.sin(39 * 1.7)), rel=0.1)
+    assert "layer 'early' left its usual gradient norm range first, 9 steps before (at step 130" in record.summary()
+
+
+def test_without_a_departure_nobody_is_named():
+    record = analyse(139, STEPS, [1.0] * 40, series(10**6)[:, None], ["net.weight"])
+    assert record.leader is None and record.onsets == () and "no layer" in record.summary()
+
+
+def test_a_record_too_short_to_have_a_usual_range_says_so():
+    record = analyse(139, STEPS[-6:], [1.0] * 6, series(130)[-6:, None], ["net.weight"])
+    assert record.leader is None and "too few steps" in record.summary()
+
+
+def test_parameters_are_grouped_by_module():
+    assert layer_of("blocks.0.attn.in_proj_weight") == "blocks.0.attn" and layer_of("pos") == "pos"
+
+
+def test_the_ring_keeps_the_last_steps_oldest_first_on_the_norms_device():
+    recorder = FlightRecorder(3)
+    for step in range(5):
+        recorder.record(step, torch.tensor(float(step)), torch.tensor([step, 2.0 * step]))
+    record = recorder.read(4, ["a.w", "b.w"])
+    assert record.steps == (2, 3, 4) and record.losses == (2.0, 3.0, 4.0)
+    assert record.norms == ((2.0, 4.0), (3.0, 6.0), (4.0, 8.0))
+    assert recorder.read(4, ["only.one"]) is None  # the names do not fit the record
+
+
+def test_the_record_is_written_as_csv_and_tensorboard_text(tmp_path):
+    stopper = GradientAnomalyStopping(action="skip", spikes=TRIGGER, flight_recorder=16, prog_bar=False)
+    fit(tmp_path, RampNet, stopper, logger=TensorBoardLogger(str(tmp_path), name="tb"))
+    record = stopper.last_report.flight_record
+    with open(record.path) as f:
+        rows = list(csv.reader(f))
+    assert rows[0][:3] == ["step", "loss", "grad_norm/net.0"] and len(rows) == 17
+    assert [int(r[0]) for r in rows[1:]] == list(record.steps)
+    texts = events(str(tmp_path / "tb")).Tensors("anomalies/flight_record/text_summary")
+    assert len(texts) == 1 and "net.0" in texts[0].tensor_proto.string_val[0].decode()

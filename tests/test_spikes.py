@@ -1,0 +1,241 @@
+"""Spike detection: the robust z-score, SpikeTrigger, its windows, and GradientAnomalyStopping acting on it."""
+
+import math
+import re
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.loggers import CSVLogger
+from lightning.pytorch.plugins import MixedPrecision
+
+from lightning_hooks import ActivationMonitor, GradientAnomalyStopping, GradientMonitor, SpikeTrigger
+from lightning_hooks.distributed import _rank_agreement
+from lightning_hooks.measure.spikes import SpikeWindows, robust_zscore
+from tests.grad_helpers import GradNet
+from tests.helpers import csv_metrics, loader, run_ddp, trainer
+from tests.test_examples import run_example
+
+SPIKE = 40  # the step the planted spike comes at
+TRIGGER = SpikeTrigger(window=32, warmup=24)
+
+
+class RampNet(GradNet):
+    """GradNet whose ``net.0`` gradients are multiplied by 3, 9, 27, ... from step ``SPIKE``: that layer leads."""
+
+    def on_fit_start(self) -> None:
+        self.net[0].weight.register_hook(self._ramp)
+
+    def _ramp(self, grad: torch.Tensor) -> torch.Tensor:
+        return grad * 3.0 ** (self.global_step - SPIKE + 1) if self.global_step >= SPIKE else grad
+
+
+class ManualNet(GradNet):
+    """GradNet with manual optimization: ``manual_backward`` then ``step``; the loss x1000 at ``spike_steps``."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.automatic_optimization = False
+
+    def training_step(self, batch: Any, batch_idx: int) -> None:
+        optimizer = self.optimizers()
+        optimizer.zero_grad()
+        self.manual_backward(super().training_step(batch, batch_idx))
+        optimizer.step()
+
+
+class LossNet(GradNet):
+    """GradNet that keeps the loss of every micro-batch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.losses: list[float] = []
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss = super().training_step(batch, batch_idx)
+        self.losses.append(loss.item())
+        return loss
+
+
+def fit(tmp_path: Any, make: Callable[[], L.LightningModule], stopper: GradientAnomalyStopping, steps: int = 50,
+        **kwargs: Any) -> L.LightningModule:
+    """Fit a model ``make`` gives (seeded first) for ``steps`` optimizer steps; return it."""
+    L.seed_everything(0, verbose=False)
+    model = make()
+    fit = trainer(tmp_path, [stopper], max_steps=steps, **{"logger": False, **kwargs})
+    fit.fit(model, loader(n=steps * 8 * kwargs.get("accumulate_grad_batches", 1), batch_size=8))
+    return model
+
+
+def test_robust_zscore_is_the_distance_from_the_median_in_mads():
+    window = torch.tensor([1.0, 2.0, 3.0, 4.0, 5.0, math.nan])
+    assert robust_zscore(window, torch.tensor(3.0 + 1.4826 * 10)).item() == pytest.approx(10.0)
+    assert robust_zscore(window, torch.tensor(1.0)).item() < 0
+    assert robust_zscore(window, torch.tensor(math.inf)).item() == math.inf
+    assert robust_zscore(torch.full((4,), math.nan), torch.tensor(9.0)).item() == 0  # no values: no verdict
+    flat = torch.full((8,), 2.0)  # no spread: the floor, 1% of the median, is the unit
+    assert robust_zscore(flat, torch.tensor(2.2), min_spread=0.01).item() == pytest.approx(10.0)
+
+
+@pytest.mark.parametrize(("kwargs", "match"), [
+    (dict(loss=0.0), "`loss` must be a finite number > 0"),
+    (dict(grad_norm=math.inf), "`grad_norm` must be a finite number > 0"),
+    (dict(loss=None, grad_norm=None), "watches nothing"),
+    (dict(window=0), "`window` must be a positive int"),
+    (dict(warmup=True), "`warmup` must be a positive int"),
+    (dict(window=8, warmup=9), r"`warmup` \(9\) must not exceed `window` \(8\)"),
+    (dict(min_spread=1.0), r"`min_spread` must be a number in \[0, 1\)"),
+])
+def test_bad_trigger_settings_fail_at_construction(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        SpikeTrigger(**kwargs)
+
+
+def test_the_warmup_is_half_the_window_unless_given():
+    assert SpikeTrigger().warmup == 64 and SpikeTrigger(window=32).warmup == 16
+    assert SpikeTrigger(window=1).warmup == 1 and SpikeTrigger(window=32, warmup=32).warmup == 32
+
+
+def test_bad_stopper_spike_settings_fail_at_construction():
+    with pytest.raises(TypeError, match="`spikes` must be a SpikeTrigger or None, got 6.0"):
+        GradientAnomalyStopping(spikes=6.0)
+    with pytest.raises(ValueError, match="`flight_recorder` must be a non-negative int"):
+        GradientAnomalyStopping(flight_recorder=-1)
+    with pytest.raises(ValueError, match="`watch_after` must be a non-negative int"):
+        GradientAnomalyStopping(watch_after=1.5)
+    GradientAnomalyStopping(check_finite=False, spikes=SpikeTrigger())  # the spikes alone are a check
+
+
+def test_no_verdict_before_the_warmup_then_a_spike_is_flagged_and_survives_a_state_dict():
+    windows = SpikeWindows(SpikeTrigger(window=8, warmup=4))
+    for value in (1.0, 1.1, 0.9):
+        assert not windows.judge(torch.tensor([100.0, 1.0]))[1].any()  # 3 values: no verdict yet
+        windows.remember(torch.tensor([value, value]))
+    windows.remember(torch.tensor([1.0, math.nan]))  # a gap in the norm's window
+    z, flags = windows.judge(torch.tensor([100.0, 1.0]))
+    assert flags.tolist() == [True, False] and z[0] > 6
+    restored = SpikeWindows(windows.trigger)
+    restored.load_state_dict(windows.state_dict())
+    assert torch.equal(restored.judge(torch.tensor([100.0, 1.0]))[0], z)
+    restored.remember(torch.tensor([1.0, 1.0]))  # the restored window goes on from where it was
+    assert restored._rings[0].count == 5 and restored.judge(torch.tensor([100.0, 1.0]))[1][0]
+
+
+def test_a_loss_spike_is_skipped_in_automatic_optimization(tmp_path):
+    stopper = GradientAnomalyStopping(action="skip", spikes=SpikeTrigger(window=32, warmup=24, grad_norm=None),
+                                      prog_bar=False)
+    fit(tmp_path, lambda: GradNet(spike_steps=(SPIKE,)), stopper)
+    assert stopper.last_report.step == SPIKE and stopper.last_report.flags == ("loss_spike",)
+    assert stopper.anomalous_steps == stopper.dropped_steps == 1
+
+
+def test_the_loss_of_manual_optimization_is_what_manual_backward_gets(tmp_path):
+    stopper = GradientAnomalyStopping(action="warn", spikes=SpikeTrigger(window=32, warmup=24, grad_norm=None),
+                                      flight_recorder=8, prog_bar=False)
+    fit(tmp_path, lambda: ManualNet(spike_steps=(SPIKE,)), stopper)
+    report = stopper.last_report
+    assert report.step == SPIKE and report.flags == ("loss_spike",)
+    losses = report.flight_record.losses
+    assert losses[-1] > 100 * max(losses[:-1])  # the x1000 loss, as backpropagated
+
+
+def test_the_grad_norm_fires_before_the_loss_and_the_record_names_the_layer_that_led(tmp_path):
+    stopper = GradientAnomalyStopping(action="skip", spikes=TRIGGER, flight_recorder=16, prog_bar=False)
+    fit(tmp_path, lambda: RampNet(), stopper)
+    report = stopper.last_report
+    assert report.flags == ("grad_norm_spike",) and report.step >= SPIKE
+    record = report.flight_record
+    assert record.leader == "net.0" and record.onsets[0] == ("net.0", report.step - record.lead)
+    assert SPIKE <= report.step - record.lead <= report.step  # it left its range once the ramp began
+    assert record.steps[-1] == report.step and len(record.steps) == 16
+    assert record.path is not None and "net.0" in str(report)
+
+
+def test_spikes_add_no_host_transfer_and_the_loss_is_the_mean_over_accumulated_batches(tmp_path, monkeypatch):
+    transfers: list[int] = []
+    original = _rank_agreement.to_host
+    monkeypatch.setattr(_rank_agreement, "to_host", lambda *a, **k: transfers.append(1) or original(*a, **k))
+    stopper = GradientAnomalyStopping(action="warn", spikes=TRIGGER, flight_recorder=4, prog_bar=False)
+    model = fit(tmp_path, LossNet, stopper, steps=10, accumulate_grad_batches=2)
+    assert len(transfers) == 10  # one per optimizer step, as without spikes
+    record = stopper._watch.recorder.read(9, [name for name, _ in model.named_parameters()])
+    means = [(a + b) / 2 for a, b in zip(model.losses[::2], model.losses[1::2])]
+    assert record.steps == (6, 7, 8, 9) and record.losses == pytest.approx(means[-4:])
+
+
+def test_under_an_amp_grad_scaler_the_loss_is_unscaled_and_overflowed_steps_are_left_out(tmp_path):
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**40)  # fp16 overflows at first, then backs off
+    stopper = GradientAnomalyStopping(action="warn", spikes=TRIGGER, flight_recorder=64, prog_bar=False)
+    model = fit(tmp_path, LossNet, stopper, steps=40, plugins=[MixedPrecision("16-mixed", "cpu", scaler=scaler)])
+    record = stopper._watch.recorder.read(39, [name for name, _ in model.named_parameters()])
+    assert stopper.amp_overflows > 0 and len(record.steps) == 40 - stopper.amp_overflows
+    assert record.steps[-1] == 39 and record.losses == pytest.approx(model.losses[-len(record.steps):], rel=1e-3)
+    assert stopper._watch.spikes.windows._rings[0].count == len(record.steps)
+
+
+def test_the_trigger_and_the_recorder_launch_as_many_kernels_whatever_the_model_size():
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    from spikes import host_cost  # benchmarks/spikes.py
+
+    small, large = host_cost(10, repeats=5), host_cost(10_000, repeats=5)
+    assert small["spike trigger"][1] == large["spike trigger"][1] <= 25
+    assert small["flight recorder"][1] == large["flight recorder"][1] == 3
+
+
+def test_after_an_anomaly_the_monitors_log_every_step_for_watch_after_steps(tmp_path):
+    stopper = GradientAnomalyStopping(action="skip", norm_threshold=100.0, watch_after=3, prog_bar=False)
+    monitors = [GradientMonitor(log_every_n_steps=50, prog_bar=False), ActivationMonitor(log_every_n_steps=50)]
+    logger = CSVLogger(str(tmp_path), name="", version="")
+    L.seed_everything(0, verbose=False)
+    trainer(tmp_path, [stopper, *monitors], logger=logger, max_steps=20).fit(GradNet(spike_steps=(10,)), loader(160))
+    rows = csv_metrics(str(tmp_path))
+    for prefix in ("gradients/", "activations/"):
+        steps = {int(r["step"]) for r in rows if any(k.startswith(prefix) and v != "" for k, v in r.items())}
+        assert steps == {0, 11, 12, 13}, (prefix, sorted(steps))  # step 0, then the 3 after the one acted on
+    assert stopper.last_report.step == 10
+
+
+def test_the_spike_windows_survive_a_checkpoint(tmp_path):
+    stopper = GradientAnomalyStopping(action="skip", spikes=TRIGGER, prog_bar=False)
+    fit(tmp_path, lambda: GradNet(), stopper, steps=30)
+    state = stopper.state_dict()
+    assert state["spikes"][0]["count"] == 30
+    again = GradientAnomalyStopping(action="skip", spikes=TRIGGER, prog_bar=False)
+    again.load_state_dict(state)
+    rows = [s._watch.spikes.windows._rings[0].rows for s in (again, stopper)]
+    assert torch.allclose(*rows, equal_nan=True)
+
+
+@pytest.mark.slow
+def test_the_example_catches_the_shard_by_its_gradient_norm_rolls_back_and_names_a_layer(tmp_path):
+    proc = run_example("spike_flight_recorder", tmp_path)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-5000:]
+    assert "gradient-norm trigger fired at step 80, loss trigger at step 95" in out, out[-3000:]
+    assert "Lightning's SpikeDetection (loss only) raised at step 95" in out
+    assert re.search(r"the flight record of steps \d+-95: layer '[\w.]+' left its usual gradient norm range first,"
+                     r" 15 steps before \(at step 80", out)
+    assert "rollback: step 80 went back to the state before step 80; updates dropped: 16" in out
+    clean, rolled_back = map(float, re.search(r"Held-out loss: clean ([\d.]+), rolled back ([\d.]+)", out).groups())
+    assert abs(rolled_back - clean) < 0.02 * clean
+
+
+@pytest.mark.slow
+def test_ddp_a_spike_is_acted_on_by_both_ranks_at_the_same_step(tmp_path):
+    ranks = run_ddp("_ddp_spikes.py", tmp_path, timeout=120)
+    for rank in ranks:
+        assert rank["flags"] == ["loss_spike"] and rank["report_step"] == SPIKE
+        assert rank["rolled_back"] == [SPIKE] and rank["leader"] is not None
+    assert ranks[0]["params"] == ranks[1]["params"]
+    assert ranks[0]["record_path"] and ranks[1]["record_path"] is None  # rank zero writes the record
+    assert ranks[0]["record_exists"]
+    grad_norm = [rank["grad_norm"] for rank in ranks]  # a second fit: the gradient norm alone
+    assert grad_norm[0] == grad_norm[1] and grad_norm[0]["flags"] == ["grad_norm_spike"]
+    assert grad_norm[0]["leader"] == "net.0" and grad_norm[0]["step"] >= SPIKE
+    for rank in ranks:  # the spike trigger and the recorder ride on the step's one collective and transfer
+        clean = [calls for step, calls in rank["calls"].items() if int(step) != SPIKE]
+        assert len(clean) == 45 and all(calls == {"all_reduce": 1, "cpu": 1} for calls in clean), clean[:3]
