@@ -156,14 +156,17 @@ function timeline(data) {
     const x = hi > lo ? (100 * (anomaly.step - lo)) / (hi - lo) : 0;
     const tick = el("span", {class: "lh-tick", style: `left:${x}%`, "data-step": String(anomaly.step),
                              title: `step ${anomaly.step}: ${anomaly.flags.join(", ")}`});
-    tick.onclick = () => { report.textContent = `step ${anomaly.step} · flags: ${anomaly.flags.join(", ") || "—"}\n\n${anomaly.report || "(no report)"}`; };
+    tick.onclick = () => { report.textContent = `step ${anomaly.step}${flagsOf(anomaly)}\n\n${anomaly.report || "(no report)"}`; };
     line.append(tick);
   }
   const first = data.anomalies[0];
-  report.textContent = `first at step ${first.step} · flags: ${first.flags.join(", ") || "—"}\n\n${first.report || "(no report)"}`;
+  report.textContent = `first at step ${first.step}${flagsOf(first)}\n\n${first.report || "(no report)"}`;
   wrap.append(line, report);
   return wrap;
 }
+
+// The flag scalars GradientMonitor logs; GradientAnomalyStopping alone logs none (its report names them).
+function flagsOf(anomaly) { return anomaly.flags.length ? ` · flags: ${anomaly.flags.join(", ")}` : ""; }
 
 // Rows: each visible row is a layer, or a collapsed group of layers sharing a module prefix.
 function visibleRows(run, figure) {
