@@ -62,7 +62,7 @@ def test_a_run_with_only_gradient_anomaly_stopping_is_listed_with_its_reports_an
 @needs_chromium
 def test_the_flight_record_is_drawn_leader_first_with_its_departure_in_colour(tmp_path):
     record = guarded_run(tmp_path)
-    with tensorboard(tmp_path, tmp_path / "tensorboard.log") as base:
+    with tensorboard(tmp_path, tmp_path / "tensorboard.log", load_fast="true") as base:  # the Rust data server
         wait_for_anomalies(base)
         with devtools(tab_url(base)) as tools:
             page = tools.evaluate(f"""(() => {{ const card = document.querySelector('.lh-card[data-run="{RUN}"]');
@@ -84,6 +84,7 @@ def test_the_flight_record_is_drawn_leader_first_with_its_departure_in_colour(tm
     assert record.step - record.lead >= SPIKE
     # Pixels: the leader's cells are the usual colour before it left its range, another after; no blank canvas.
     assert max(abs(a - b) for a, b in zip(before, after)) > 60, (before, after)
+    assert after[0] > before[0] and after[1] > before[1], (before, after)  # above usual: towards viridis' yellow
     assert all(sum(colour) > 0 for colour in rows)
 
 
