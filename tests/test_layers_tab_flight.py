@@ -8,6 +8,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 from lightning.pytorch.loggers import TensorBoardLogger
 
@@ -96,3 +97,27 @@ def cell_colour(tools: Any, page: dict[str, Any], row: int, column: int) -> tupl
         const ratio = canvas.width / parseFloat(canvas.style.width);
         return [...canvas.getContext('2d').getImageData(Math.floor({x} * ratio), Math.floor({y} * ratio), 1, 1)
                 .data].slice(0, 3); }})()"""))
+
+
+@needs_chromium
+def test_a_big_models_flight_record_draws_the_layers_that_left_first_and_says_how_many_it_left_out(tmp_path):
+    from torch.utils.tensorboard import SummaryWriter
+
+    from lightning_hooks.callbacks._flight_recorder import analyse, record_json
+
+    steps, layers = list(range(20, 40)), [f"blocks.{i}.mlp" for i in range(60)]
+    norms = np.ones((20, 60)) * (1 + 0.05 * np.sin(np.arange(20)))[:, None]
+    norms[15:, 59] *= 50.0  # the last layer leads, from step 35; the one before follows at step 38
+    norms[18:, 58] *= 20.0
+    record = analyse(39, steps, np.linspace(2.0, 1.0, 20), norms, [f"{layer}.weight" for layer in layers])
+    with SummaryWriter(str(tmp_path / "big")) as writer:
+        writer.add_text("anomalies/report", "Gradient anomaly at step 39: grad_norm_spike", 39)
+        writer.add_text("anomalies/flight_record_data", json.dumps(record_json(record)), 39)
+    with tensorboard(tmp_path, tmp_path / "tensorboard.log") as base:
+        wait_for(lambda: get(base, "runs")["runs"] == ["big"] and get(base, "run", run="big")["anomalies"], 120, "big")
+        with devtools(tab_url(base)) as tools:
+            rows = tools.evaluate("document.querySelector('.lh-flight canvas').dataset.rows").split(",")
+            cut = tools.evaluate("document.querySelector('.lh-flight .lh-cut').textContent")
+    assert record.leader == "blocks.59.mlp" and rows[:2] == ["blocks.59.mlp", "blocks.58.mlp"]
+    assert len(rows) == 48 and rows[2:5] == ["blocks.0.mlp", "blocks.1.mlp", "blocks.2.mlp"]
+    assert cut == "12 more layers, not drawn, stayed in their usual range (48 of 60 drawn)."

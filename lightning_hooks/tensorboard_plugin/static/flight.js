@@ -9,11 +9,12 @@ import {MARK_COLOURS, ROW_H, TOP_GAP, at, centredLogScale, draw, el, fmt, num} f
 const LOSS_H = 44;  // the loss line's band above the grid
 const TOP = TOP_GAP + LOSS_H + 8;
 const MAX_NAME = 34;
+const MAX_ROWS = 48;  // a big model's record: the first rows of the order below are drawn, a line says how many not
 const MOST = 1000;  // the colours saturate beyond x1000 or /1000 of the usual level
 
 export function flightView(anomaly) {
   const record = anomaly.flight_record;
-  const order = rowOrder(record);
+  const all = rowOrder(record), order = all.slice(0, MAX_ROWS);
   const usual = record.usual || [];
   const values = order.map((i) => record.norms.map((row) => {
     const norm = num(row[i]), level = usual[i] ? num(usual[i][0]) : null;
@@ -27,6 +28,11 @@ export function flightView(anomaly) {
                          "data-leader": record.leader || "", "data-rows": figure.rows.join(",")});
   box.append(el("h3", {}, `Flight record before the anomaly at step ${record.step}`),
              el("div", {class: "lh-sub lh-leader"}, leaderLine(record)));
+  if (all.length > order.length) {
+    const rest = record.onsets.length > MAX_ROWS ? "left their usual range later or stayed in it" : "stayed in their usual range";
+    box.append(el("div", {class: "lh-sub lh-cut"},
+                  `${all.length - order.length} more layers, not drawn, ${rest} (${order.length} of ${all.length} drawn).`));
+  }
   const canvas = el("canvas");
   box.append(canvas, legend(record, usual));
   const factor = Math.max(1.5, ...usual.filter(Boolean).map((u) => num(u[1])));
