@@ -1,16 +1,17 @@
 """The Layers tab's TensorBoard plugin: its routes over TensorBoard's data provider, and its ES module.
 
 TensorBoard finds :class:`LayersPlugin` through the ``tensorboard_plugins`` entry point this
-package declares, and shows a LAYERS tab when some run has layer figures or anomaly reports. The tab's page is an
-iframe that loads ``index.js`` (a plain ES module, no build step, nothing from the network),
-which fetches the routes below by relative URL:
+package declares, and shows a LAYERS tab when some run has layer figures or anomaly reports.
+The tab's page is an iframe that loads ``index.js`` (a plain ES module, no build step, nothing
+from the network; it imports ``heatmap.js`` and ``flight.js``), which fetches the routes below
+by relative URL:
 
 - ``runs``: the runs with layer figures or anomaly reports (GradientAnomalyStopping alone).
 - ``run?run=<run>[&<threshold>=<value>...]``: one run's figures (layers by steps), the marks,
   the banner of layers unhealthy now and the anomaly timeline (each anomaly with its report and
-  flight record, if any); judged with LayerHealth's
-  bands (:class:`~lightning_hooks.output._health_verdicts.Bands`), any of them set by a query
-  parameter of :data:`~lightning_hooks.tensorboard_plugin.verdicts.QUERY`.
+  flight record, if any); judged with LayerHealth's bands
+  (:class:`~lightning_hooks.output._health_verdicts.Bands`), any of them set by a query parameter
+  of :data:`~lightning_hooks.tensorboard_plugin.verdicts.QUERY`.
 - ``histogram?run=<run>&tag=<tag>&step=<step>``: the histogram a clicked cell opens.
 """
 

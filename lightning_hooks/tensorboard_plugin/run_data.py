@@ -30,6 +30,7 @@ ANOMALY_TAG = re.compile(r"^(?:(?P<prefix>.+)-)?anomalies/(?P<flag>[^/]+)$")
 #: The text tags (TensorBoard's text plugin adds ``/text_summary``) of anomaly reports and the forward order.
 REPORT_TAG = "anomalies/report/text_summary"
 FLIGHT_TAG = "anomalies/flight_record_data/text_summary"
+_FLIGHT_KEYS = frozenset({"step", "steps", "losses", "layers", "norms", "onsets"})  # what the tab draws from
 ORDER_TAG = "layers/forward_order/text_summary"
 UNJUDGED_TAG = f"{UNJUDGED_RATIOS_TAG}/text_summary"
 #: Names under a kind that are not layers.
@@ -187,7 +188,7 @@ class RunReader:
                 record = json.loads(text)
             except ValueError:
                 continue
-            if isinstance(record, dict) and {"steps", "layers", "norms"} <= set(record):
+            if isinstance(record, dict) and _FLIGHT_KEYS <= set(record):
                 records[step] = record
         return records
 
