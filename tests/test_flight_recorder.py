@@ -1,6 +1,7 @@
 """The flight recorder: which layer's gradient norm left its usual range first; written next to the logs."""
 
 import csv
+import json
 import math
 
 import numpy as np
@@ -9,7 +10,7 @@ import torch
 from lightning.pytorch.loggers import TensorBoardLogger
 
 from lightning_hooks import GradientAnomalyStopping
-from lightning_hooks.callbacks._flight_recorder import FlightRecorder, analyse, layer_of
+from lightning_hooks.callbacks._flight_recorder import FlightRecorder, analyse, layer_of, record_json
 from tests.helpers import events
 from tests.test_spikes import TRIGGER, RampNet, fit
 
@@ -66,3 +67,20 @@ def test_the_record_is_written_as_csv_and_tensorboard_text(tmp_path):
     assert [int(r[0]) for r in rows[1:]] == list(record.steps)
     texts = events(str(tmp_path / "tb")).Tensors("anomalies/flight_record/text_summary")
     assert len(texts) == 1 and "net.0" in texts[0].tensor_proto.string_val[0].decode()
+
+
+def test_the_record_carries_each_layers_usual_range_and_its_json_for_the_layers_tab(tmp_path):
+    norms = np.stack([series(10**6), series(130, 2.0)], 1)
+    record = analyse(139, STEPS, [1.0] * 39 + [math.nan], norms, ["steady.weight", "early.weight"])
+    (steady, factor), (early, _) = record.usual
+    assert steady == pytest.approx(np.exp(np.median(np.log(series(10**6)[:20])))) and early == pytest.approx(2 * steady)
+    assert factor == pytest.approx(1.5)  # a 5% wobble: the floor of the band
+    data = record_json(record)
+    assert data["leader"] == "early" and data["onsets"] == [["early", 130]] and data["losses"][-1] == "NaN"
+    assert data["norms"][-1][1] == pytest.approx(record.norms[-1][1], rel=1e-5)
+    stopper = GradientAnomalyStopping(action="skip", spikes=TRIGGER, flight_recorder=16, prog_bar=False)
+    fit(tmp_path, RampNet, stopper, logger=TensorBoardLogger(str(tmp_path), name="tb"))
+    (text,) = events(str(tmp_path / "tb")).Tensors("anomalies/flight_record_data/text_summary")
+    written = json.loads(text.tensor_proto.string_val[0])
+    assert written == json.loads(json.dumps(record_json(stopper.last_report.flight_record)))
+    assert written["leader"] == "net.0" and len(written["usual"]) == len(written["layers"])

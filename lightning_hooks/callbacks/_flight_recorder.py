@@ -4,17 +4,21 @@
 :class:`~lightning_hooks.measure.spikes.DeviceRing`: one device copy per step, nothing read back.
 When a step is acted on, :meth:`FlightRecorder.read` brings the record to the host once and
 :func:`analyse` says which layer's gradient norm left its usual range first, and how many steps
-before; :func:`write_record` writes it next to the logs (CSV) and to TensorBoard (text).
+before; :func:`write_record` writes it next to the logs (CSV) and to TensorBoard: a text for
+people (``anomalies/flight_record``) and the same record as JSON for the Layers tab
+(``anomalies/flight_record_data``, see :func:`record_json`).
 """
 
 from __future__ import annotations
 
 import csv
+import json
+import math
 import os
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from typing import Optional, Union
+from typing import Any, Optional, Union
 
 import lightning.pytorch as pl
 import numpy as np
@@ -51,6 +55,9 @@ class FlightRecord:
         leader: The first of ``onsets``, or None.
         lead: How many steps before the anomaly ``leader`` left its range.
         rise: ``leader``'s norm at the anomaly over its usual norm.
+        usual: Per layer, its usual range as ``(norm, factor)``: the median of its norm over the
+            record's first half, and how far (a factor, either way) the norm may stray from it
+            before it is out of range; None for a layer without enough finite norms to tell.
         path: Where the record was written (CSV), if it was.
 
     """
@@ -64,6 +71,7 @@ class FlightRecord:
     leader: Optional[str] = None
     lead: Optional[int] = None
     rise: Optional[float] = None
+    usual: tuple[Optional[tuple[float, float]], ...] = ()
     path: Optional[str] = None
 
     def summary(self) -> str:
@@ -98,15 +106,23 @@ def _layer_norms(norms: np.ndarray, names: Sequence[str]) -> tuple[list[str], np
     return layers, np.sqrt(squares)
 
 
+def _usual_range(logs: np.ndarray) -> Optional[tuple[float, float]]:
+    """The median and the half-width of the usual range of a log series, from its first half; None if too short."""
+    base = logs[: len(logs) // 2]
+    base = base[np.isfinite(base)]
+    if len(base) < _MIN_BASELINE:
+        return None
+    median = float(np.median(base))
+    return median, max(_BAND_Z * _MAD_TO_STD * float(np.median(np.abs(base - median))), _MIN_BAND)
+
+
 def _onset(series: np.ndarray, steps: Sequence[int]) -> Optional[tuple[int, float]]:
     """The step the series left its usual range at (in a run lasting to its end), and its log change at the end."""
     logs = np.log(np.where(series > 0, series, np.nan))
-    base = logs[: len(logs) // 2]
-    base = base[np.isfinite(base)]
-    if len(base) < _MIN_BASELINE or not np.isfinite(logs[-1]):
+    usual = _usual_range(logs)
+    if usual is None or not np.isfinite(logs[-1]):
         return None
-    median = np.median(base)
-    band = max(_BAND_Z * _MAD_TO_STD * np.median(np.abs(base - median)), _MIN_BAND)
+    median, band = usual
     out = ~(np.abs(logs - median) <= band)  # a NaN (no gradient) counts as out of range
     if not out[-1]:
         return None
@@ -114,6 +130,12 @@ def _onset(series: np.ndarray, steps: Sequence[int]) -> Optional[tuple[int, floa
     while start > 0 and out[start - 1]:
         start -= 1
     return steps[start], float(logs[-1] - median)
+
+
+def _usual(series: np.ndarray) -> Optional[tuple[float, float]]:
+    """A layer's usual range as ``(norm, factor)``, or None."""
+    usual = _usual_range(np.log(np.where(series > 0, series, np.nan)))
+    return None if usual is None else (float(np.exp(usual[0])), float(np.exp(usual[1])))
 
 
 def analyse(step: int, steps: Sequence[int], losses: Union[Sequence[float], np.ndarray], norms: np.ndarray,
@@ -136,6 +158,7 @@ def analyse(step: int, steps: Sequence[int], losses: Union[Sequence[float], np.n
                      ((k, v) for k, v in found.items() if v is not None)), key=lambda o: (o[1], -abs(o[2])))
     record = FlightRecord(step=step, steps=tuple(steps), losses=tuple(float(x) for x in losses),
                           layers=tuple(layers), norms=tuple(tuple(map(float, row)) for row in layer_norms),
+                          usual=tuple(_usual(layer_norms[:, i]) for i in range(len(layers))),
                           onsets=tuple((layer, at) for layer, at, _ in onsets))
     if not onsets:
         return record
@@ -194,4 +217,30 @@ def write_record(trainer: pl.Trainer, record: FlightRecord) -> FlightRecord:
     lines = [record.summary(), "", "layer  left its range at step  steps before", *(
         f"{layer}  {at}  {record.step - at}" for layer, at in record.onsets)]
     log_text(trainer, "anomalies/flight_record", "\n".join("    " + line for line in lines), log_step(trainer))
+    log_text(trainer, "anomalies/flight_record_data", json.dumps(record_json(record)), log_step(trainer))
     return record
+
+
+def _number(value: float) -> Union[float, str]:
+    """A float as JSON can carry it: six significant digits, or ``"NaN"``/``"Infinity"``/``"-Infinity"``."""
+    if math.isnan(value):
+        return "NaN"
+    if math.isinf(value):
+        return "Infinity" if value > 0 else "-Infinity"
+    return float(f"{value:.6g}")
+
+
+def record_json(record: FlightRecord) -> dict[str, Any]:
+    """The record as the Layers tab reads it (``anomalies/flight_record_data``, one JSON object).
+
+    Keys: ``step`` (the anomalous global step), ``steps``, ``losses`` (one per row), ``layers``,
+    ``norms`` (per row, one per layer), ``usual`` (per layer ``[norm, factor]`` or null: see
+    :attr:`FlightRecord.usual`), ``onsets`` (``[layer, step]``, earliest first), ``leader``,
+    ``lead``. Non-finite numbers are the strings ``"NaN"``, ``"Infinity"``, ``"-Infinity"``.
+    """
+    return {
+        "step": record.step, "steps": list(record.steps), "losses": [_number(v) for v in record.losses],
+        "layers": list(record.layers), "norms": [[_number(v) for v in row] for row in record.norms],
+        "usual": [None if u is None else [_number(u[0]), _number(u[1])] for u in record.usual],
+        "onsets": [[layer, at] for layer, at in record.onsets], "leader": record.leader, "lead": record.lead,
+    }

@@ -129,7 +129,8 @@ class GradientAnomalyStopping(GradientCheck):
         flight_recorder: Keep the last this many steps' loss and gradient norms on device; a
             report then carries them (:class:`~lightning_hooks.FlightRecord`: which layer's norm
             left its usual range first, how many steps before), also written next to the logs
-            (``flight-record-step<N>.csv``) and to TensorBoard (``anomalies/flight_record``). 0: off.
+            (``flight-record-step<N>.csv``) and to TensorBoard (``anomalies/flight_record``, and as
+            JSON for the Layers tab, ``anomalies/flight_record_data``). 0: off.
         watch_after: After each step acted on, have the Trainer's GradientMonitor and
             ActivationMonitor log every step, whatever their interval, for this many steps.
 

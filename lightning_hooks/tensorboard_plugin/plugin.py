@@ -1,15 +1,17 @@
 """The Layers tab's TensorBoard plugin: its routes over TensorBoard's data provider, and its ES module.
 
 TensorBoard finds :class:`LayersPlugin` through the ``tensorboard_plugins`` entry point this
-package declares, and shows a LAYERS tab when some run has layer figures. The tab's page is an
-iframe that loads ``index.js`` (a plain ES module, no build step, nothing from the network),
-which fetches the routes below by relative URL:
+package declares, and shows a LAYERS tab when some run has layer figures or anomaly reports.
+The tab's page is an iframe that loads ``index.js`` (a plain ES module, no build step, nothing
+from the network; it imports ``heatmap.js`` and ``flight.js``), which fetches the routes below
+by relative URL:
 
-- ``runs``: the runs with layer figures.
+- ``runs``: the runs with layer figures or anomaly reports (GradientAnomalyStopping alone).
 - ``run?run=<run>[&<threshold>=<value>...]``: one run's figures (layers by steps), the marks,
-  the banner of layers unhealthy now and the anomaly timeline; judged with LayerHealth's
-  bands (:class:`~lightning_hooks.output._health_verdicts.Bands`), any of them set by a query
-  parameter of :data:`~lightning_hooks.tensorboard_plugin.verdicts.QUERY`.
+  the banner of layers unhealthy now and the anomaly timeline (each anomaly with its report and
+  flight record, if any); judged with LayerHealth's bands
+  (:class:`~lightning_hooks.output._health_verdicts.Bands`), any of them set by a query parameter
+  of :data:`~lightning_hooks.tensorboard_plugin.verdicts.QUERY`.
 - ``histogram?run=<run>&tag=<tag>&step=<step>``: the histogram a clicked cell opens.
 """
 
@@ -32,7 +34,8 @@ from lightning_hooks.tensorboard_plugin.verdicts import Marks, bands_as_dict, ba
 
 PLUGIN_NAME = "lightning_hooks_layers"
 TAB_NAME = "Layers"
-_STATIC = {"/index.js": "application/javascript", "/style.css": "text/css"}
+_STATIC = {"/index.js": "application/javascript", "/heatmap.js": "application/javascript",
+           "/flight.js": "application/javascript", "/style.css": "text/css"}
 
 
 class LayersPlugin(base_plugin.TBPlugin):
@@ -54,7 +57,7 @@ class LayersPlugin(base_plugin.TBPlugin):
         return apps
 
     def is_active(self) -> bool:
-        """Whether some run has a layer figure (the tab shows only then)."""
+        """Whether some run has a layer figure or an anomaly report (the tab shows only then)."""
         if self._data is None:
             return False
         return bool(RunReader(self._data, RequestContext(), "").runs())
@@ -86,8 +89,9 @@ class LayersPlugin(base_plugin.TBPlugin):
             raise errors.InvalidArgumentError(str(error)) from None
         reader = self._reader(request)
         figures = reader.figures(run)
-        if not figures:
-            raise errors.NotFoundError(f"run {run!r} has no layer figures (activations/, gradients/ or updates/ tags)")
+        if not figures and run not in reader.runs():
+            raise errors.NotFoundError(f"run {run!r} has no layer figures (activations/, gradients/ or updates/ tags)"
+                                       " and no anomaly reports (anomalies/report)")
         key = (plugin_util.experiment_id(request.environ), run, limits)
         answered = self._answers.get(key)  # judged again only when the run has new points
         if answered is not None and answered[0] is figures:
@@ -108,7 +112,7 @@ class LayersPlugin(base_plugin.TBPlugin):
             "run": run,
             "figures": [_figure_json(figure, marks) for figure, marks in judged],
             "banner": banner(judged, limits),
-            "anomalies": [vars(anomaly) for anomaly in reader.anomalies(run)],
+            "anomalies": [vars(anomaly) for anomaly in reader.anomalies(run)],  # flight records as written
             "forward_order": bool(reader.forward_order(run)),
             "thresholds": bands_as_dict(limits),
             "problems": limits.titles(),

@@ -4,7 +4,9 @@ Everything is read through TensorBoard's data provider, so a run still training 
 steps on the next request. The tags are those the monitors write, with or without a logger
 prefix (Lightning's ``TensorBoardLogger(prefix="p")`` writes ``p-activations/...``):
 ``activations/<module>/<stat>``, ``val_activations/<module>/<stat>``,
-``gradients/<param or module>/<stat>``, ``updates/<name>/log10_ratio`` and ``anomalies/<flag>``.
+``gradients/<param or module>/<stat>``, ``updates/<name>/log10_ratio`` and ``anomalies/<flag>``,
+and the texts ``anomalies/report`` and ``anomalies/flight_record_data`` (GradientAnomalyStopping's
+flight record, one JSON object: see ``lightning_hooks.callbacks._flight_recorder.record_json``).
 """
 
 from __future__ import annotations
@@ -27,6 +29,8 @@ TAG = re.compile(r"^(?:(?P<prefix>.+)-)?(?P<kind>activations|val_activations|gra
 ANOMALY_TAG = re.compile(r"^(?:(?P<prefix>.+)-)?anomalies/(?P<flag>[^/]+)$")
 #: The text tags (TensorBoard's text plugin adds ``/text_summary``) of anomaly reports and the forward order.
 REPORT_TAG = "anomalies/report/text_summary"
+FLIGHT_TAG = "anomalies/flight_record_data/text_summary"
+_FLIGHT_KEYS = frozenset({"step", "steps", "losses", "layers", "norms", "onsets"})  # what the tab draws from
 ORDER_TAG = "layers/forward_order/text_summary"
 UNJUDGED_TAG = f"{UNJUDGED_RATIOS_TAG}/text_summary"
 #: Names under a kind that are not layers.
@@ -66,11 +70,12 @@ class Figure:
 
 @dataclass
 class Anomaly:
-    """A logged step where GradientMonitor's flags fired, with the report it wrote then (if any)."""
+    """A logged step where anomaly flags fired, with the report and the flight record written then (if any)."""
 
     step: int
     flags: list[str]
     report: str = ""
+    flight_record: Optional[dict[str, Any]] = None
 
 
 def natural_key(name: str) -> list[Any]:
@@ -113,10 +118,17 @@ class RunReader:
         self._cache: FigureCache = OrderedDict() if cache is None else cache
 
     def runs(self) -> dict[str, int]:
-        """Each run with layer figures, and how many scalar tags of ours it has."""
+        """Each run with layer figures or anomaly reports, and how many layer scalar tags it has (maybe 0).
+
+        A run with only GradientAnomalyStopping has no layer figures, but its reports and flight
+        records are worth a card.
+        """
         listing = self._data.list_scalars(self._ctx, experiment_id=self._experiment, plugin_name="scalars")
         counts = {run: sum(1 for tag in tags if _is_layer_tag(tag)) for run, tags in listing.items()}
-        return {run: n for run, n in sorted(counts.items()) if n}
+        texts = self._data.list_tensors(self._ctx, experiment_id=self._experiment, plugin_name="text",
+                                        run_tag_filter=provider.RunTagFilter(tags=[REPORT_TAG, FLIGHT_TAG]))
+        reported = {run for run, tags in texts.items() if tags}
+        return {run: counts.get(run, 0) for run in sorted(set(counts) | reported) if counts.get(run) or run in reported}
 
     def figures(self, run: str) -> list[Figure]:
         """The run's figures, each a grid of layers (forward order) by the steps it was logged at.
@@ -164,9 +176,21 @@ class RunReader:
             for point in points:
                 if point.value > 0 and flag not in fired.setdefault(point.step, []):
                     fired[point.step].append(flag)
-        reports = self._texts(run, REPORT_TAG)
-        steps = sorted(set(fired) | set(reports))
-        return [Anomaly(step, fired.get(step, []), reports.get(step, "")) for step in steps]
+        reports, records = self._texts(run, REPORT_TAG), self._flight_records(run)
+        steps = sorted(set(fired) | set(reports) | set(records))
+        return [Anomaly(step, fired.get(step, []), reports.get(step, ""), records.get(step)) for step in steps]
+
+    def _flight_records(self, run: str) -> dict[int, dict[str, Any]]:
+        """The flight records (JSON) by the step they were logged at; one that cannot be read is left out."""
+        records = {}
+        for step, text in self._texts(run, FLIGHT_TAG).items():
+            try:
+                record = json.loads(text)
+            except ValueError:
+                continue
+            if isinstance(record, dict) and _FLIGHT_KEYS <= set(record):
+                records[step] = record
+        return records
 
     def forward_order(self, run: str) -> list[str]:
         """The modules in the order their forward hooks first fired, as ActivationMonitor recorded it."""

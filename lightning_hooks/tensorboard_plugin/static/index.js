@@ -4,19 +4,14 @@
 // 200-module model stays fast. It runs in TensorBoard's plugin iframe and fetches the
 // plugin's routes by relative URL.
 
+import {flightView} from "./flight.js";
+import {MARK_COLOURS, NONFINITE, at, colourScale, draw, el, fmt, num} from "./heatmap.js";
+
 // The verdicts are LayerHealth's (lightning_hooks/output/_health_verdicts.py), judged by the plugin with its bands.
-const MARK_COLOURS = {dead: "#ff1744", nonfinite: "#ff1744", nonfinite_grad: "#ff1744", exploding: "#ff1744",
-                      too_fast: "#ff1744", vanishing: "#00b0ff", too_slow: "#00b0ff"};
-const NONFINITE = "#212121";  // the fill of a NaN or infinite value
-const LOG_STATS = new Set(["std", "norm", "abs_max"]);
 const TITLES = {std: "activation std", zero_fraction: "zero fraction (dead units)",
                 nonfinite_fraction: "non-finite fraction", norm: "gradient norm",
                 log10_ratio: "log10 update / parameter ratio"};
 const MAX_VISIBLE_ROWS = 48;  // beyond this, rows start collapsed by module prefix
-const ROW_H = 14, BAR_W = 76, TOP = 6, AXIS_H = 30, MAX_LABEL = 36;
-// Viridis, nine stops: perceptually uniform, readable in grey.
-const VIRIDIS = [[68, 1, 84], [71, 44, 122], [59, 81, 139], [44, 113, 142], [33, 144, 141],
-                 [39, 173, 129], [92, 200, 99], [170, 220, 50], [253, 231, 37]];
 
 const state = {runs: [], data: {}, views: {}, expanded: {}, thresholds: {}, defaults: {}, problems: {}};
 let tip = null;
@@ -81,25 +76,6 @@ async function getJSON(path) {
   return response.json();
 }
 
-function el(tag, attrs = {}, children = []) {
-  const node = document.createElement(tag);
-  for (const [name, value] of Object.entries(attrs)) node.setAttribute(name, value);
-  for (const child of [].concat(children)) node.append(child);
-  return node;
-}
-
-function num(value) {  // the routes send NaN and +-Infinity as strings
-  if (value === null || value === undefined) return null;
-  if (typeof value === "number") return value;
-  return value === "NaN" ? NaN : value === "Infinity" ? Infinity : value === "-Infinity" ? -Infinity : Number(value);
-}
-
-function fmt(value) {
-  if (value === null) return "not logged";
-  if (!Number.isFinite(value)) return String(value);
-  return Math.abs(value) >= 1e4 || (value !== 0 && Math.abs(value) < 1e-3) ? value.toExponential(3) : String(+value.toPrecision(4));
-}
-
 function thresholdToggle() {
   const button = el("button", {title: "Where cells are marked: LayerHealth's bands"}, "Thresholds");
   button.onclick = () => {
@@ -123,6 +99,9 @@ function runCard(data) {
   const card = el("div", {class: "lh-card", "data-run": data.run});
   card.append(el("h2", {}, data.run), bannerOf(data));
   if (data.anomalies.length) card.append(timeline(data));
+  const flights = data.anomalies.filter((a) => a.flight_record);
+  if (flights.length) card.append(el("div", {class: "lh-figures lh-flights"}, flights.map(flightView)));
+  if (!data.figures.length) return card;
   const legend = el("div", {class: "lh-legend"}, ["Marked cells:"]);
   legend.append(el("span", {style: `border-color:${MARK_COLOURS.dead}`}), "too high / dead / non-finite",
                 el("span", {style: `border-color:${MARK_COLOURS.vanishing}`}), "too low",
@@ -137,6 +116,10 @@ function runCard(data) {
 }
 
 function bannerOf(data) {
+  if (!data.figures.length) {
+    return el("div", {class: "lh-banner", "data-healthy": "unknown"},
+              "No layer figures in this run (no ActivationMonitor or GradientMonitor): its anomalies only.");
+  }
   if (!data.banner.length) {
     return el("div", {class: "lh-banner healthy", "data-healthy": "true"},
               "Looks healthy: no layer is outside its healthy band at its last logged step.");
@@ -173,14 +156,17 @@ function timeline(data) {
     const x = hi > lo ? (100 * (anomaly.step - lo)) / (hi - lo) : 0;
     const tick = el("span", {class: "lh-tick", style: `left:${x}%`, "data-step": String(anomaly.step),
                              title: `step ${anomaly.step}: ${anomaly.flags.join(", ")}`});
-    tick.onclick = () => { report.textContent = `step ${anomaly.step} · flags: ${anomaly.flags.join(", ") || "—"}\n\n${anomaly.report || "(no report)"}`; };
+    tick.onclick = () => { report.textContent = `step ${anomaly.step}${flagsOf(anomaly)}\n\n${anomaly.report || "(no report)"}`; };
     line.append(tick);
   }
   const first = data.anomalies[0];
-  report.textContent = `first at step ${first.step} · flags: ${first.flags.join(", ") || "—"}\n\n${first.report || "(no report)"}`;
+  report.textContent = `first at step ${first.step}${flagsOf(first)}\n\n${first.report || "(no report)"}`;
   wrap.append(line, report);
   return wrap;
 }
+
+// The flag scalars GradientMonitor logs; GradientAnomalyStopping alone logs none (its report names them).
+function flagsOf(anomaly) { return anomaly.flags.length ? ` · flags: ${anomaly.flags.join(", ")}` : ""; }
 
 // Rows: each visible row is a layer, or a collapsed group of layers sharing a module prefix.
 function visibleRows(run, figure) {
@@ -231,105 +217,12 @@ function figureView(data, figure) {
   const scale = colourScale(values, stat);
   const view = {data, figure, values, marks, scale, canvas, hist, rows: []};
   (state.views[data.run] || (state.views[data.run] = {}))[figure.key] = view;
+  view.rows = visibleRows(data.run, figure);
   draw(view);
   canvas.onmousemove = (event) => hover(view, event);
   canvas.onmouseleave = () => { tip.style.display = "none"; };
   canvas.onclick = (event) => click(view, event);
   return box;
-}
-
-function colourScale(values, stat) {
-  const log = LOG_STATS.has(stat) && values.every((row) => row.every((v) => v === null || !Number.isFinite(v) || v > 0));
-  const t = (v) => (log ? Math.log10(v) : v);
-  let lo = Infinity, hi = -Infinity;
-  for (const row of values) for (const v of row) if (v !== null && Number.isFinite(v)) { lo = Math.min(lo, t(v)); hi = Math.max(hi, t(v)); }
-  if (stat.endsWith("_fraction")) { lo = 0; hi = hi > 0 ? hi : 1; }
-  if (!(hi > lo)) { hi = lo + 1; }
-  return {log, lo, hi, t, at: (v) => Math.min(1, Math.max(0, (t(v) - lo) / (hi - lo)))};
-}
-
-function viridis(x) {
-  const p = x * (VIRIDIS.length - 1), i = Math.min(VIRIDIS.length - 2, Math.floor(p)), f = p - i;
-  const [a, b] = [VIRIDIS[i], VIRIDIS[i + 1]];
-  return `rgb(${a.map((c, k) => Math.round(c + f * (b[k] - c))).join(",")})`;
-}
-
-function draw(view) {
-  const {data, figure, values, marks, scale, canvas} = view;
-  view.rows = visibleRows(data.run, figure);
-  const steps = figure.steps.length;
-  const cell = Math.max(2, Math.min(18, Math.floor(560 / Math.max(1, steps))));
-  view.cell = cell;
-  const g = canvas.getContext("2d");
-  g.font = "11px Roboto, Arial, sans-serif";
-  const markedRows = new Set(figure.marks.map(([r]) => r));
-  const labels = view.rows.map((row) => label(row, markedRows));
-  const LABEL_W = view.labelWidth = 12 + Math.max(40, ...labels.map((text) => g.measureText(text).width));
-  const width = LABEL_W + steps * cell + BAR_W, height = TOP + view.rows.length * ROW_H + AXIS_H;
-  const ratio = window.devicePixelRatio || 1;
-  canvas.width = width * ratio; canvas.height = height * ratio;
-  canvas.style.width = `${width}px`; canvas.style.height = `${height}px`;
-  // The geometry, for whoever needs to find a cell (the browser tests do).
-  Object.assign(canvas.dataset, {labelWidth: LABEL_W, cell, rowHeight: ROW_H, top: TOP,
-                                 rows: view.rows.map((row) => row.group && row.members.length > 1 ? row.group + ".*" : view.figure.rows[row.members[0]]).join(",")});
-  g.scale(ratio, ratio);
-  g.font = "11px Roboto, Arial, sans-serif";
-  g.textBaseline = "middle";
-  view.rows.forEach((row, r) => {
-    const y = TOP + r * ROW_H;
-    let worst = null;
-    for (let c = 0; c < steps; c++) {
-      const cellValues = row.members.map((m) => values[m][c]).filter((v) => v !== null);
-      const mark = row.members.map((m) => marks.get(`${m},${c}`)).find((v) => v);
-      if (mark) worst = worst || mark;
-      if (!cellValues.length) continue;
-      const bad = cellValues.find((v) => !Number.isFinite(v));
-      const v = bad !== undefined ? bad : cellValues.reduce((a, b) => a + b, 0) / cellValues.length;
-      g.fillStyle = Number.isFinite(v) ? viridis(scale.at(v)) : NONFINITE;
-      g.fillRect(LABEL_W + c * cell, y, cell, ROW_H - 1);
-      if (mark) {
-        g.strokeStyle = MARK_COLOURS[mark];
-        g.lineWidth = 2;
-        g.strokeRect(LABEL_W + c * cell + 1, y + 1, Math.max(1, cell - 2), ROW_H - 3);
-      }
-    }
-    g.fillStyle = worst ? MARK_COLOURS[worst] === "#ff1744" ? "#d32f2f" : "#0277bd" : "#424242";
-    g.fillText(labels[r], 4, y + ROW_H / 2);
-  });
-  axis(g, view, steps, cell, LABEL_W);
-  colourBar(g, view, LABEL_W + steps * cell);
-}
-
-function label(row, markedRows) {  // a row's label: a dot when some cell of it is marked, long names cut at the front
-  const text = (row.members.some((m) => markedRows.has(m)) ? "● " : "") + row.label;
-  return text.length > MAX_LABEL ? "…" + text.slice(-(MAX_LABEL - 1)) : text;
-}
-
-function axis(g, view, steps, cell, LABEL_W) {
-  const y = TOP + view.rows.length * ROW_H + 4, every = Math.max(1, Math.ceil(steps / 6));
-  g.fillStyle = "#616161"; g.textAlign = "center"; g.textBaseline = "top";
-  for (let c = 0; c < steps; c += every) g.fillText(String(view.figure.steps[c]), LABEL_W + (c + 0.5) * cell, y);
-  g.fillText("step", LABEL_W + (steps * cell) / 2, y + 13);
-  g.textAlign = "left";
-}
-
-function colourBar(g, view, plotRight) {
-  const {scale} = view;
-  const x = plotRight + 10, h = Math.max(40, view.rows.length * ROW_H);
-  for (let i = 0; i < h; i++) { g.fillStyle = viridis(1 - i / h); g.fillRect(x, TOP + i, 10, 1); }
-  g.fillStyle = "#424242"; g.textBaseline = "middle";
-  const label = (t) => fmt(scale.log ? 10 ** t : t);
-  g.fillText(label(scale.hi), x + 13, TOP + 5);
-  g.fillText(label((scale.lo + scale.hi) / 2), x + 13, TOP + h / 2);
-  g.fillText(label(scale.lo), x + 13, TOP + h - 5);
-  if (scale.log) g.fillText("(log)", x + 13, TOP + h + 10);
-}
-
-function at(view, event) {
-  const box = view.canvas.getBoundingClientRect();
-  const x = event.clientX - box.left, y = event.clientY - box.top;
-  const r = Math.floor((y - TOP) / ROW_H), c = Math.floor((x - view.labelWidth) / view.cell);
-  return {row: view.rows[r], c, inLabel: x < view.labelWidth, valid: r >= 0 && r < view.rows.length};
 }
 
 function hover(view, event) {

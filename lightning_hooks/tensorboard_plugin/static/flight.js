@@ -1,0 +1,131 @@
+// A flight record (GradientAnomalyStopping(flight_recorder=N)) as a heatmap: the recorded layers by the
+// steps up to the anomaly, each cell the layer's gradient norm over its usual level (the median over the
+// record's first half: the recorder's own usual range, lightning_hooks/callbacks/_flight_recorder.py),
+// rows in the order the layers left that range (the leader first, its leave step outlined), the loss drawn
+// above, the anomaly step dashed.
+
+import {MARK_COLOURS, ROW_H, TOP_GAP, at, centredLogScale, draw, el, fmt, num} from "./heatmap.js";
+
+const LOSS_H = 44;  // the loss line's band above the grid
+const TOP = TOP_GAP + LOSS_H + 8;
+const MAX_NAME = 34;
+const MAX_ROWS = 48;  // a big model's record: the first rows of the order below are drawn, a line says how many not
+const MOST = 1000;  // the colours saturate beyond x1000 or /1000 of the usual level
+
+export function flightView(anomaly) {
+  const record = anomaly.flight_record;
+  const all = rowOrder(record), order = all.slice(0, MAX_ROWS);
+  const usual = record.usual || [];
+  const values = order.map((i) => record.norms.map((row) => {
+    const norm = num(row[i]), level = usual[i] ? num(usual[i][0]) : null;
+    return norm === null || !level ? null : norm / level;
+  }));
+  const left = new Map(record.onsets.map(([layer, step]) => [layer, step]));
+  const figure = {rows: order.map((i) => record.layers[i]), steps: record.steps, marks: []};
+  const marks = outOfRange(figure, values, order.map((i) => usual[i]), left);
+  figure.marks = [...marks].map(([key, verdict]) => [...key.split(",").map(Number), verdict]);
+  const box = el("div", {class: "lh-figure lh-flight", "data-flight-step": String(record.step),
+                         "data-leader": record.leader || "", "data-rows": figure.rows.join(",")});
+  box.append(el("h3", {}, `Flight record before the anomaly at step ${record.step}`),
+             el("div", {class: "lh-sub lh-leader"}, leaderLine(record)));
+  if (all.length > order.length) {
+    const rest = record.onsets.length > MAX_ROWS ? "left their usual range later or stayed in it" : "stayed in their usual range";
+    box.append(el("div", {class: "lh-sub lh-cut"},
+                  `${all.length - order.length} more layers, not drawn, ${rest} (${order.length} of ${all.length} drawn).`));
+  }
+  const canvas = el("canvas");
+  box.append(canvas, legend(record, usual));
+  const factor = Math.max(1.5, ...usual.filter(Boolean).map((u) => num(u[1])));
+  const view = {figure, values, marks, canvas, top: TOP, scale: centredLogScale(values, factor ** 2, MOST),
+                rows: figure.rows.map((name, r) => ({label: name, members: [r]})),
+                labelOf: (row) => rowLabel(record, figure.rows[row.members[0]], left)};
+  view.overlay = (g, labelWidth, cell) => overlay(g, view, record, labelWidth, cell);
+  draw(view);
+  canvas.onmousemove = (event) => hover(view, record, left, event);
+  canvas.onmouseleave = () => { tip().style.display = "none"; };
+  return box;
+}
+
+function rowOrder(record) {  // the layers that left their range, as the recorder found them (leader first); then the rest
+  const index = new Map(record.layers.map((layer, i) => [layer, i]));
+  const first = record.onsets.map(([layer]) => index.get(layer)).filter((i) => i !== undefined);
+  return first.concat(record.layers.map((_, i) => i).filter((i) => !first.includes(i)));
+}
+
+function outOfRange(figure, values, usual, left) {  // the cell where each layer left its usual range: above or below it
+  const marks = new Map();
+  figure.rows.forEach((layer, r) => {
+    const c = left.has(layer) && usual[r] ? figure.steps.indexOf(left.get(layer)) : -1;
+    if (c >= 0) marks.set(`${r},${c}`, values[r][c] !== null && values[r][c] < 1 ? "vanishing" : "exploding");
+  });
+  return marks;
+}
+
+function leaderLine(record) {
+  if (!record.leader) return "No layer's gradient norm was out of its usual range at the anomaly.";
+  const others = record.onsets.length - 1;
+  return `Leader: ${record.leader} left its usual gradient-norm range first, at step ${record.step - record.lead}`
+    + ` (${record.lead} step${record.lead === 1 ? "" : "s"} before the anomaly)`
+    + (others ? `; ${others} other layer${others > 1 ? "s" : ""} left it by the anomaly.` : ".");
+}
+
+function rowLabel(record, layer, left) {
+  const name = layer.length > MAX_NAME ? "…" + layer.slice(-(MAX_NAME - 1)) : layer;
+  if (layer === record.leader) return `▶ leader · ${name} (from ${left.get(layer)})`;
+  return left.has(layer) ? `${name} (from ${left.get(layer)})` : name;
+}
+
+function legend(record, usual) {
+  const factors = usual.filter(Boolean).map((u) => num(u[1]));
+  const band = factors.length ? `×/÷ ${fmt(Math.min(...factors))}–${fmt(Math.max(...factors))}` : "—";
+  return el("div", {class: "lh-legend"}, [
+    "Colour: the layer's gradient norm ÷ its usual level (its median over the record's first half), log scale;"
+    + " the middle colour is usual, yellow higher, purple lower. ",
+    "Outlined: the step the layer left its usual range (3 robust standard deviations of its log, at least ×1.5;"
+    + ` here ${band}) and stayed out of it up to the anomaly, going`,
+    el("span", {style: `border-color:${MARK_COLOURS.exploding}`}), "above or",
+    el("span", {style: `border-color:${MARK_COLOURS.vanishing}`}), "below it. Top: the loss. Dashed: the anomaly step."]);
+}
+
+function overlay(g, view, record, labelWidth, cell) {
+  const steps = record.steps.length, right = labelWidth + steps * cell;
+  const losses = record.losses.map(num);
+  const finite = losses.filter((v) => v !== null && Number.isFinite(v));
+  g.fillStyle = "#424242"; g.textBaseline = "middle"; g.textAlign = "left";
+  g.fillText("loss", 4, TOP_GAP + LOSS_H / 2);
+  g.strokeStyle = "#e0e0e0"; g.lineWidth = 1;
+  g.strokeRect(labelWidth, TOP_GAP, steps * cell, LOSS_H);
+  if (finite.length) {
+    const lo = Math.min(...finite), hi = Math.max(...finite), span = hi > lo ? hi - lo : 1;
+    g.strokeStyle = "#f57c00"; g.lineWidth = 1.5; g.beginPath();
+    let pen = false;
+    losses.forEach((v, c) => {
+      if (v === null || !Number.isFinite(v)) { pen = false; return; }
+      const x = labelWidth + (c + 0.5) * cell, y = TOP_GAP + LOSS_H - 3 - ((v - lo) / span) * (LOSS_H - 6);
+      if (pen) g.lineTo(x, y); else g.moveTo(x, y);
+      pen = true;
+    });
+    g.stroke();
+    g.fillStyle = "#616161"; g.fillText(fmt(hi), right + 10, TOP_GAP + 5); g.fillText(fmt(lo), right + 10, TOP_GAP + LOSS_H - 5);
+  }
+  const c = record.steps.indexOf(record.step), x = labelWidth + (Math.max(0, c) + 0.5) * cell;
+  g.strokeStyle = "#d32f2f"; g.lineWidth = 1.5; g.setLineDash([4, 3]); g.beginPath();
+  g.moveTo(x, TOP_GAP); g.lineTo(x, TOP + view.rows.length * ROW_H); g.stroke(); g.setLineDash([]);
+}
+
+function tip() { return document.querySelector(".lh-tip"); }
+
+function hover(view, record, left, event) {
+  const {row, c, inLabel, valid} = at(view, event);
+  const box = tip();
+  if (!valid || inLabel || c < 0 || c >= record.steps.length) { box.style.display = "none"; return; }
+  const layer = view.figure.rows[row.members[0]], i = record.layers.indexOf(layer);
+  const usual = record.usual && record.usual[i];
+  let text = `${layer}${layer === record.leader ? " (leader)" : ""}\nstep ${record.steps[c]}`
+    + `\ngradient norm ${fmt(num(record.norms[c][i]))}`;
+  if (usual) text += `\n× ${fmt(view.values[row.members[0]][c])} its usual ${fmt(num(usual[0]))} (range ×/÷ ${fmt(num(usual[1]))})`;
+  if (left.has(layer)) text += `\nout of its usual range from step ${left.get(layer)}`;
+  text += `\nloss ${fmt(num(record.losses[c]))}`;
+  box.textContent = text;
+  Object.assign(box.style, {display: "block", left: `${event.clientX + 14}px`, top: `${event.clientY + 10}px`});
+}
