@@ -53,4 +53,4 @@ def test_the_report_mid_fit_names_the_param_group_and_comes_from_the_first_callb
                                                                                         token_loader())
     diagnosis = info.value.report.diagnosis
     assert diagnosis == health.diagnosis() == health.summary()  # LayerHealth comes first in `callbacks`
-    assert "lower the learning rate of param group 0 (lr 0.001), which holds h.0.attn" in diagnosis
+    assert "lower the learning rate of param group 0 (lr 0.001), which holds h.0.attn and h.1.attn: " in diagnosis
