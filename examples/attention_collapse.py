@@ -4,9 +4,11 @@ A two-block decoder (hand-written attention calling ``F.scaled_dot_product_atten
 a synthetic copy task (the second half of each sequence repeats the first) with AdamW warmed up
 over 300 steps to a peak learning rate of 0.1, far too high, and no QK-norm. TransformerStability
 reads the attention logits and entropy, the output logits and the blocks' massive activations on
-every step. The attention entropy collapses and the logits grow from step 67 on, and only at
-step 339 does the loss spike; the example prints by how many steps the first warning came before
-the spike (k), and the diagnosis. With QK-norm the same run stays healthy and does not spike.
+every step. The attention entropy collapses and the logits grow long before the loss spikes
+(in this seeded run on torch 2.13, CPU: from steps 67 and 69 on, and the loss spikes at step
+339, k = 272; other torch versions may give other steps); the example prints by how many steps
+the first warning came before the spike (k), and the diagnosis. With QK-norm the same run stays
+healthy and does not spike.
 CPU only, about 30 s of CPU for the two runs, no downloads. TensorBoard logs go under
 ``./runs/attention_collapse`` (or the directory given as the first argument).
 

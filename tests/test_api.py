@@ -1,10 +1,12 @@
-"""The public API: every name of ``__all__`` resolves, and parts that need no torch do not import it."""
+"""The public API: every name of ``__all__`` resolves, parts that need no torch do not import it, no import cycle."""
 
 from __future__ import annotations
 
+import ast
 import importlib
 import subprocess
 import sys
+from pathlib import Path
 
 import lightning_hooks
 
@@ -39,3 +41,40 @@ def test_star_import_gives_the_callbacks():
     exec("from lightning_hooks import *", scope)
     assert scope["ActivationMonitor"] is lightning_hooks.ActivationMonitor
     assert scope["GradientAnomalyStopping"].__name__ == "GradientAnomalyStopping"
+
+
+def package_imports() -> dict[str, set[str]]:
+    """Each module of the package (``__init__`` aside: its names load lazily) and the package modules it imports.
+
+    Every import counts: at the top, inside a function, under ``TYPE_CHECKING``.
+    """
+    root = Path(lightning_hooks.__file__).parent
+    modules = {".".join(path.relative_to(root.parent).with_suffix("").parts).removesuffix(".__init__"): path
+               for path in root.rglob("*.py")}
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        found = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module:
+                found |= {f"{node.module}.{alias.name}" for alias in node.names} | {node.module}
+            elif isinstance(node, ast.Import):
+                found |= {alias.name for alias in node.names}
+        graph[name] = {m for m in found & modules.keys() if m not in (name, "lightning_hooks")}
+    return graph
+
+
+def test_no_module_of_the_package_takes_part_in_an_import_cycle():
+    graph, done, path = package_imports(), set(), []
+
+    def visit(module: str) -> None:
+        if module in path:
+            raise AssertionError(f"import cycle: {' -> '.join(path[path.index(module):] + [module])}")
+        if module not in done:
+            path.append(module)
+            for imported in sorted(graph[module]):
+                visit(imported)
+            path.pop()
+            done.add(module)
+
+    for module in sorted(graph):
+        visit(module)

@@ -102,6 +102,8 @@ def test_the_anomaly_report_carries_the_diagnosis_so_far(tmp_path):
     report = info.value.report
     assert report.diagnosis is not None and report.diagnosis.startswith("Layer health at step 1: ")
     assert "  h.0.attn: attention logit growth since step 0" in report.diagnosis
+    assert "    - lower the learning rate of param group 0 (lr 0.001), which holds h.0.attn and h.1.attn: " in (
+        report.diagnosis)
     assert "\n  diagnosis so far:\n    Layer health at step 1: " in str(report)
 
 

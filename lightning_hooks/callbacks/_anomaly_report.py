@@ -56,7 +56,7 @@ class AnomalyReport:
         saved_path: Where the step's batch and model state were saved for replay, if they were:
             a ``torch.save`` of ``{"report", "batch", "batches", "state_dict"}``, where ``batch``
             is the micro-batch of ``batch_idx`` and ``batches`` all of the step's micro-batches.
-        diagnosis: With a TransformerStability (else a LayerHealth) in ``callbacks``, its
+        diagnosis: With a TransformerStability or a LayerHealth in ``callbacks``, the first's
             diagnosis from the figures logged so far: which layers are outside a band, since
             when, and what usually helps; None without either.
         flight_record: The last steps' loss and per-layer gradient norms, and which layer's norm

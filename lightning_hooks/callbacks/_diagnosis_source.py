@@ -1,4 +1,4 @@
-"""Where an AnomalyReport finds the diagnosis so far: TransformerStability's, else LayerHealth's summary."""
+"""Where an AnomalyReport finds the diagnosis so far: the first callback that diagnoses and has judged a step."""
 
 from __future__ import annotations
 
@@ -6,22 +6,20 @@ from typing import Any, Optional
 
 
 def diagnosis_so_far(trainer: Any) -> Optional[str]:
-    """The diagnosis of the first TransformerStability in ``trainer.callbacks``, else of the first LayerHealth.
+    """The diagnosis of the first callback in ``trainer.callbacks`` that has one to give.
 
-    None when neither is there, on a rank other than zero (they judge on rank zero), or before
-    either has judged a logged step.
+    A callback diagnoses when it has a ``diagnosis()`` method and ``verdicts`` whose
+    ``last_step`` is not None (it has judged a logged step): TransformerStability and
+    LayerHealth do. Found by that protocol, not by class, so that this module imports no
+    callback (the anomaly report, which calls it, is imported by the callbacks it would import).
+
+    None when no callback has judged a step yet, or on a rank other than zero (they judge on
+    rank zero).
     """
-    # Imported here: stopping and gradients import the anomaly report, and health imports gradients.
-    from lightning_hooks.callbacks.health import LayerHealth
-    from lightning_hooks.callbacks.stability import TransformerStability
-
     if not getattr(trainer, "is_global_zero", True):
         return None
-    callbacks = list(getattr(trainer, "callbacks", ()))
-    stability = next((cb for cb in callbacks if isinstance(cb, TransformerStability)), None)
-    if stability is not None and stability.verdicts.last_step is not None:
-        return stability.diagnosis()
-    health = next((cb for cb in callbacks if isinstance(cb, LayerHealth)), None)
-    if health is not None and health.verdicts.last_step is not None:
-        return health.summary()
+    for callback in getattr(trainer, "callbacks", ()):
+        diagnosis = getattr(callback, "diagnosis", None)
+        if callable(diagnosis) and getattr(getattr(callback, "verdicts", None), "last_step", None) is not None:
+            return diagnosis()
     return None

@@ -59,7 +59,7 @@ class LayerHealth(FigureListener, *CALLBACK_BASES):  # type: ignore[misc]  # the
       in forward order, one line per kind of module (Linear, ReLU...), with the healthy band.
 
     A layer is unhealthy while a logged figure is outside its band (see
-    ``lightning_hooks.output._health_verdicts`` for where each comes from): more than
+    ``lightning_hooks.output._health_bands`` for where each comes from): more than
     ``max_zero_fraction`` of its outputs exactly 0 (dead units); a gradient norm above
     ``spike_factor`` times the median of its own last ``window`` logged norms (exploding) or below the
     largest layer's divided by ``spread_factor`` (vanishing); an update ratio outside
@@ -93,7 +93,7 @@ class LayerHealth(FigureListener, *CALLBACK_BASES):  # type: ignore[misc]  # the
 
     Raises:
         ValueError: If an image or ``top_k`` argument is not a positive int, or a band is not
-            as documented on :class:`~lightning_hooks.output._health_verdicts.Bands`.
+            as documented on :class:`~lightning_hooks.output._health_bands.Bands`.
         ModuleNotFoundError: If matplotlib is not installed.
 
     Example::
@@ -221,6 +221,10 @@ class LayerHealth(FigureListener, *CALLBACK_BASES):  # type: ignore[misc]  # the
             self._draw(trainer, step)
             self._next_image = ((step + 1) // self.image_every_n_steps + 1) * self.image_every_n_steps
 
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Note each module's optimizer parameter group (the optimizers exist now), for a diagnosis mid-fit."""
+        self._groups = param_groups(trainer, pl_module)
+
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Draw the last pictures, and write and print the summary (rank zero, once)."""
         if not trainer.is_global_zero or self._last is None:
@@ -265,3 +269,7 @@ class LayerHealth(FigureListener, *CALLBACK_BASES):  # type: ignore[misc]  # the
     def summary(self) -> str:
         """The verdict so far: ``healthy``, or the layers outside a band, per problem, since which step."""
         return diagnose(self._verdicts, self.top_k, self._groups)
+
+    def diagnosis(self) -> str:
+        """The diagnosis so far, as :meth:`summary` (what an :class:`~lightning_hooks.AnomalyReport` carries)."""
+        return self.summary()

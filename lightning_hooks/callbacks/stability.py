@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any, Optional
 
@@ -11,7 +12,7 @@ import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import Tensor, nn
 
-from lightning_hooks.callbacks._base import HookCallback, _is_logged_step, _log_interval, _validate_interval, log_step
+from lightning_hooks.callbacks._base import HookCallback, _log_interval, _validate_interval, is_logged, log_step
 from lightning_hooks.callbacks._stability_hooks import Selection, register, resolve, validate_signal
 from lightning_hooks.core._compat import configure_model_overridden
 from lightning_hooks.core._validation import check_int
@@ -33,8 +34,9 @@ class TransformerStability(HookCallback):
     """Log the signals that precede a transformer's divergence, and say in plain words what is wrong and what helps.
 
     On a logged training step (as Lightning logs: step ``n`` with ``(n + 1) % log_every_n_steps
-    == 0``, and step 0), on rank zero, hooks read three signals from rank zero's own batches
-    (no collective, no reduction across ranks):
+    == 0``, and step 0; and every step of a ``GradientAnomalyStopping(watch_after=K)`` window),
+    on rank zero, hooks read three signals from rank zero's own batches (no collective, no
+    reduction across ranks):
 
     - attention (``attention``): per attention module the largest attention logit
       ``q·k·scale`` and the mean attention entropy (nats) of a sample of query rows, logged as
@@ -51,6 +53,9 @@ class TransformerStability(HookCallback):
       ``.../logit_lse`` (``activations/output/...`` when the model's own output is read).
     - massive activations (``blocks``): per block ``max|x| / median|x|`` of its output hidden
       state and its kurtosis, as ``activations/<block>/massive_ratio`` and ``.../kurtosis``.
+      Where a figure is undefined it is neither logged nor judged that step: the ratio of a
+      block whose median ``|x|`` is 0 (half its values or more exactly 0: a sparse or ReLU
+      output), the kurtosis of a constant one, any figure that comes out NaN.
 
     Everything is computed on the device; the step's figures come to the host in one transfer
     when its optimizer step is done, go to every logger and to the callbacks that listen
@@ -151,7 +156,11 @@ class TransformerStability(HookCallback):
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Register the hooks."""
         super().on_fit_start(trainer, pl_module)
-        self._rows, self._pending_step, self._warned = [], None, False
+        self._warned = False
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Note each module's optimizer parameter group (the optimizers exist now), for a diagnosis mid-fit."""
+        self._groups = param_groups(trainer, pl_module)
 
     def attach(self, model: nn.Module) -> None:
         """Register the hooks of every signal on ``model``, replacing any registered before."""
@@ -163,6 +172,11 @@ class TransformerStability(HookCallback):
         for index, ((signal, name), (_, module)) in enumerate(zip(self._signals, self._targets)):
             self._handles.extend(register(index, signal, name, module, self._add, self._guard, self._sample))
 
+    def detach(self) -> None:
+        """Remove the hooks and drop the step's rows not yet logged (device tensors), on every way out of fit."""
+        super().detach()
+        self._rows, self._pending_step, self._collecting = [], None, False
+
     def _add(self, index: int, row: Tensor) -> None:
         self._rows.append((index, row))
 
@@ -172,7 +186,7 @@ class TransformerStability(HookCallback):
         step = log_step(trainer)
         if self._pending_step is not None and self._pending_step != step:
             self._flush(trainer)
-        if trainer.is_global_zero and self.is_attached and _is_logged_step(step, self._every):
+        if trainer.is_global_zero and self.is_attached and is_logged(trainer, self._every):
             if self._pending_step is None:
                 self._pending_global = trainer.global_step
             self._collecting, self._pending_step = True, step
@@ -191,7 +205,6 @@ class TransformerStability(HookCallback):
             self._flush(trainer)
         if not trainer.is_global_zero or self._verdicts.last_step is None:
             return
-        self._groups = param_groups(trainer, pl_module)
         text = self.diagnosis()
         log_text(trainer, DIAGNOSIS_TAG, "\n".join("    " + line for line in text.splitlines()),
                  self._verdicts.last_step)
@@ -210,6 +223,7 @@ class TransformerStability(HookCallback):
         blocks = figures([self._signals[i] for i, _ in rows], values)
         log_scalars(trainer, {}, step, figures=blocks)
         self.judge(blocks, step)
+        self._groups = param_groups(trainer, trainer.lightning_module)  # the learning rates as they are now
 
     def _warn_silent(self, seen: set[int]) -> None:
         """Warn once per fit about attention modules that gave no figures at the first logged step."""
@@ -247,24 +261,24 @@ def figures(targets: list[tuple[str, str]], values: np.ndarray) -> list[ScalarBl
     """The step's figures from its rows ``(peak, total, count)``: the peak's max, and ``total / count``, per target.
 
     One typed block per statistic (``activations`` kind), rows in the order the targets first appear.
+    An undefined figure is left out: a NaN peak (a call's max ignores it; a target whose every
+    peak is NaN has no peak figure), and a mean with a count of 0 or a NaN total.
     """
     peaks: dict[tuple[str, str], float] = {}
     sums: dict[tuple[str, str], list[float]] = {}
     for key, (peak, total, count) in zip(targets, values.tolist()):
-        peaks[key] = max(peaks.get(key, -np.inf), peak)
+        if not math.isnan(peak):
+            peaks[key] = max(peaks.get(key, -math.inf), peak)
         acc = sums.setdefault(key, [0.0, 0.0])
         acc[0], acc[1] = acc[0] + total, acc[1] + count
     columns: dict[str, tuple[list[str], list[float]]] = {}
-    for (signal, name), peak in peaks.items():
+    for (signal, name), (total, count) in sums.items():
         high, mean = STATS[signal]
-        total, count = sums[(signal, name)]
-        rows, vals = columns.setdefault(high, ([], []))
-        rows.append(name)
-        vals.append(peak)
-        if count:
-            rows, vals = columns.setdefault(mean, ([], []))
-            rows.append(name)
-            vals.append(total / count)
+        for stat, value in ((high, peaks.get((signal, name), math.nan)), (mean, total / count if count else math.nan)):
+            if not math.isnan(value):
+                rows, vals = columns.setdefault(stat, ([], []))
+                rows.append(name)
+                vals.append(value)
     return [ScalarBlock("activations", stat, rows, vals, [f"activations/{name}/{stat}" for name in rows])
             for stat, (rows, vals) in columns.items()]
 

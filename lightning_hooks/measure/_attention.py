@@ -9,6 +9,9 @@ form ``(peak, total, count)``: the row's figure is ``peak`` (reduced by max over
 - :func:`logit_row`: ``(max |logit|, sum of log-sum-exps, rows)``; the log-sum-exp is the
   quantity z-loss penalises (PaLM's ``1e-4 * log(Z)^2``).
 - :func:`massive_row`: ``(max|x| / median|x|, kurtosis, 1)`` of a hidden state.
+
+Each runs under ``torch.no_grad()``: a hook that calls it on a training forward adds
+nothing to the autograd graph.
 """
 
 from __future__ import annotations
@@ -48,6 +51,7 @@ def spread(n: int, k: int, device: torch.device) -> Tensor:
     return torch.linspace(0, n - 1, k, device=device).round().long()
 
 
+@torch.no_grad()
 def attention_row(q: Tensor, k: Tensor, *, scale: Optional[float] = None, causal: bool = False,
                   allowed: Optional[Tensor] = None, bias: Optional[Tensor] = None,
                   sample: Sample = Sample()) -> Tensor:
@@ -92,6 +96,7 @@ def attention_row(q: Tensor, k: Tensor, *, scale: Optional[float] = None, causal
     return torch.stack([peak, torch.where(counted, entropy, 0.0).sum(), counted.sum().float()])
 
 
+@torch.no_grad()
 def logit_row(logits: Tensor, sample: Sample = Sample()) -> Tensor:
     """``(max |logit|, sum of log-sum-exps, rows)``: the max over every logit, log-sum-exps of ``sample.rows`` rows."""
     x = logits.detach()
@@ -101,11 +106,16 @@ def logit_row(logits: Tensor, sample: Sample = Sample()) -> Tensor:
     return torch.stack([peak, torch.logsumexp(rows, -1).sum(), peak.new_full((), float(rows.shape[0]))])
 
 
+@torch.no_grad()
 def massive_row(hidden: Tensor, sample: Sample = Sample()) -> Tensor:
     """``(max|x| / median|x|, kurtosis, 1)`` of a hidden state (Sun et al. 2024's massive activations).
 
     The max is over every value; the median and the kurtosis (``E[(x-m)^4] / var^2``: 3 for a
-    Gaussian) over at most ``sample.elements`` of them, evenly strided.
+    Gaussian) over at most ``sample.elements`` of them, evenly strided. Where one is undefined
+    it is left out, not made up: the ratio is NaN where the median ``|x|`` is 0 (half the values
+    or more exactly 0, as in a sparse or ReLU output, where it would be infinite) or the max is
+    not finite (non-finite outputs, which the non-finite counts report), and the kurtosis of
+    values with no variance gets a count of 0 (left out of the mean).
     """
     x = hidden.detach()
     peak = torch.maximum(x.amax(), -x.amin()).float()
@@ -114,5 +124,7 @@ def massive_row(hidden: Tensor, sample: Sample = Sample()) -> Tensor:
     median = flat.abs().median()
     centred = flat - flat.mean()
     var = centred.square().mean()
-    kurtosis = centred.square().square().mean() / var.square()
-    return torch.stack([peak / median, kurtosis, peak.new_ones(())])
+    defined = var > 0
+    kurtosis = torch.where(defined, centred.square().square().mean() / var.square(), 0.0)
+    ratio = torch.where((median > 0) & peak.isfinite(), peak / median, math.nan)
+    return torch.stack([ratio, kurtosis, defined.float()])

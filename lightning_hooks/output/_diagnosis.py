@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 
-from lightning_hooks.output._health_verdicts import _FIGURE_PROBLEMS, Bands, Episode, Verdicts
+from lightning_hooks.output._health_verdicts import FIGURE_PROBLEMS, Bands, Episode, Verdicts
 
 _LOWER_LR = ("lower the learning rate{group}",
              "these instabilities appear above a critical learning rate and go away below it"
@@ -51,7 +51,7 @@ REMEDIES: dict[str, tuple[tuple[str, str], ...]] = {
 }
 
 #: The figure each problem is judged from.
-_FIGURE = {problem: figure for figure, problems in _FIGURE_PROBLEMS.items() for problem in problems}
+_FIGURE = {problem: figure for figure, problems in FIGURE_PROBLEMS.items() for problem in problems}
 
 
 def diagnose(verdicts: Verdicts, top_k: int, groups: Mapping[str, str] = {}) -> str:
@@ -64,7 +64,7 @@ def diagnose(verdicts: Verdicts, top_k: int, groups: Mapping[str, str] = {}) -> 
             remedy says to lower (or raise) a learning rate.
     """
     summary = verdicts.summary(top_k)
-    now = sorted(((p, layer, e) for (p, layer), e in verdicts.episodes.items() if e.ongoing), key=verdicts._order)
+    now = sorted(((p, layer, e) for (p, layer), e in verdicts.episodes.items() if e.ongoing), key=verdicts.order)
     if not now:
         return summary
     lines = [summary, "Diagnosis:"]

@@ -5,33 +5,8 @@ One set of rules for the package: :class:`Verdicts` (LayerHealth) and the Layers
 (``judge_zero_fraction``, ``judge_nonfinite``, ``judge_ratio``, ``judge_norm``) against the same
 :class:`Bands`, so the tab's banner and LayerHealth's summary name the same layers.
 
-The bands, and where each comes from:
-
-- dead units: a ReLU-like layer whose inputs are centred outputs about half zeros; above
-  ``max_zero_fraction`` (0.8) of its outputs exactly 0, most of its units never fire.
-- exploding gradients: a row's gradient norm above ``spike_factor`` (10) times the median of
-  its own last ``window`` logged norms (at least 3): a jump against the layer's own history,
-  not a large norm, which a wide layer has by its size.
-- vanishing gradients: a row's norm below the largest row norm at that step divided by
-  ``spread_factor`` (1e5): five decades below its neighbours, far beyond the spread of a
-  healthy network's weights and biases.
-- update ratio: ``||Δw|| / ||w||`` outside ``update_ratio_band`` (1e-4 to 1e-2, two decades
-  around the usual 1e-3): the layer learns too fast or too slowly. An undefined ratio (a
-  parameter that was all zeros) is not judged.
-- non-finite: any NaN or Inf in a layer's outputs, or in its gradient norm.
-- attention logit growth (TransformerStability): the largest ``q·k·scale`` above
-  ``max_attention_logit`` (30): at a logit gap of 30 the top key takes all but ``e^-30`` of its
-  weight, so the softmax has saturated and its gradient vanishes; at initialisation these logits
-  are O(1), and Dehghani et al. 2023 (ViT-22B) and Wortsman et al. 2023 saw them grow without
-  bound before divergence.
-- attention entropy collapse: a layer's mean attention entropy below ``min_entropy_fraction``
-  (0.1) of its first logged value: its heads went from spreading their attention to looking
-  at one token each (Zhai et al. 2023, who tie it to training instability).
-- output logit growth: the largest ``|logit|`` above ``max_output_logit`` (100): in bfloat16 a
-  logit past 128 is rounded to a whole nat, and z-loss (PaLM) exists to keep ``log Z`` near 0.
-- massive activations: a block's ``max|x| / median|x|`` above ``max_massive_ratio`` (1e4):
-  Sun et al. 2024 report a few features ~1e4 times the median in large language models,
-  where they act as attention sinks; far from harmless in low precision.
+The bands and where each default comes from: :mod:`lightning_hooks.output._health_bands`, which
+holds :class:`Bands` (re-exported here, where the TensorBoard plugin imports it).
 """
 
 from __future__ import annotations
@@ -43,66 +18,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from lightning_hooks.core._validation import check_int, check_number
-
-#: The problems, in the order the summary lists them, with how each is written.
-PROBLEMS = {
-    "nonfinite": "non-finite outputs",
-    "nonfinite_grad": "non-finite gradients",
-    "dead": "dead units: zero fraction of outputs above {max_zero_fraction:g}",
-    "exploding": "exploding gradients: norm above {spike_factor:g}x its own median",
-    "vanishing": "vanishing gradients: norm below the largest layer's / {spread_factor:g}",
-    "too_fast": "learning too fast: update ratio above {high:g}",
-    "too_slow": "learning too slowly: update ratio below {low:g}",
-    "attention_logits": "attention logit growth: max attention logit above {max_attention_logit:g}",
-    "entropy_collapse": "attention entropy collapse: entropy below {min_entropy_fraction:g}x its first logged value",
-    "output_logits": "output logit growth: max |logit| above {max_output_logit:g}",
-    "massive": "massive activations: max|x| / median|x| above {max_massive_ratio:g}",
-}
-
-
-@dataclass(frozen=True)
-class Bands:
-    """The healthy bands LayerHealth judges by (see the module docstring for where each comes from).
-
-    Raises:
-        ValueError: If ``max_zero_fraction`` is not in (0, 1], a factor is not a number above 1,
-            ``window`` is not an int of at least 3, or ``update_ratio_band`` is not ``(low, high)``
-            with ``0 < low < high``.
-    """
-
-    max_zero_fraction: float = 0.8
-    spike_factor: float = 10.0
-    spread_factor: float = 1e5
-    update_ratio_band: tuple[float, float] = (1e-4, 1e-2)
-    window: int = 20
-    max_attention_logit: float = 30.0
-    min_entropy_fraction: float = 0.1
-    max_output_logit: float = 100.0
-    max_massive_ratio: float = 1e4
-
-    def __post_init__(self) -> None:
-        check_number("max_zero_fraction", self.max_zero_fraction, 0.0, high=1.0)
-        check_number("spike_factor", self.spike_factor, 1.0)
-        check_number("spread_factor", self.spread_factor, 1.0)
-        band = self.update_ratio_band
-        expected, fix = "(low, high) with 0 < low < high", "e.g. update_ratio_band=(1e-4, 1e-2)"
-        if not isinstance(band, Sequence) or isinstance(band, str) or len(band) != 2:
-            raise TypeError(f"`update_ratio_band` must be {expected}, got {band!r} ({type(band).__name__}): {fix}")
-        if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in band):
-            raise TypeError(f"`update_ratio_band` must be {expected}, two numbers, got {band!r}: {fix}")
-        if not all(math.isfinite(v) for v in band) or not 0 < band[0] < band[1]:
-            raise ValueError(f"`update_ratio_band` must be {expected}, got {band!r}: {fix}")
-        check_int("window", self.window, low=3)
-        for name in ("max_attention_logit", "max_output_logit", "max_massive_ratio"):
-            check_number(name, getattr(self, name), 0.0)
-        check_number("min_entropy_fraction", self.min_entropy_fraction, 0.0, high=1.0)
-
-    def titles(self) -> dict[str, str]:
-        """Each problem's heading, with its threshold."""
-        low, high = self.update_ratio_band
-        return {key: text.format(low=low, high=high, **vars(self)) for key, text in PROBLEMS.items()}
-
+from lightning_hooks.output._health_bands import PROBLEMS as PROBLEMS
+from lightning_hooks.output._health_bands import Bands as Bands
 
 #: A text entry (JSON: a list of names) GradientMonitor(update_ratio=True) writes once per fit: the
 #: update rows whose ratio is not judged, so that the Layers tab leaves out the rows LayerHealth does.
@@ -128,6 +45,14 @@ STABILITY_STATS = ("attention_max_logit", "attention_entropy", "logit_abs_max", 
 JUDGED = {("activations", "zero_fraction"): "zero_fraction", ("gradients", "norm"): "norm",
           ("updates", "ratio"): "ratio", **{("activations", stat): "nonfinite" for stat in NONFINITE_STATS},
           **{("activations", stat): stat for stat in STABILITY_STATS}}
+
+#: The problems each figure can show.
+FIGURE_PROBLEMS = {
+    "zero_fraction": ("dead",), "nonfinite": ("nonfinite",), "ratio": ("too_fast", "too_slow"),
+    "norm": ("nonfinite_grad", "exploding", "vanishing"),
+    "attention_max_logit": ("attention_logits",), "attention_entropy": ("entropy_collapse",),
+    "logit_abs_max": ("output_logits",), "massive_ratio": ("massive",),
+}
 
 StepValues = Mapping[str, float]
 """One logged step of one figure: each layer's value."""
@@ -249,7 +174,7 @@ class Verdicts:
         judged = judge(figure, values, self.bands, self._history.setdefault(figure, {}))
         for layer, value in values.items():
             self.first.setdefault((figure, layer), (step, value))
-            for problem in _FIGURE_PROBLEMS[figure]:
+            for problem in FIGURE_PROBLEMS[figure]:
                 self._note(problem, layer, step, value, judged.get(layer) == problem)
 
     def state_dict(self) -> dict[str, Any]:
@@ -286,8 +211,8 @@ class Verdicts:
         if not self.episodes:
             return f"{head}: healthy (every layer inside the bands; see LayerHealth's docstring)."
         titles = self.bands.titles()
-        now = sorted(((p, layer, e) for (p, layer), e in self.episodes.items() if e.ongoing), key=self._order)
-        before = sorted(((p, layer, e) for (p, layer), e in self.episodes.items() if not e.ongoing), key=self._order)
+        now = sorted(((p, layer, e) for (p, layer), e in self.episodes.items() if e.ongoing), key=self.order)
+        before = sorted(((p, layer, e) for (p, layer), e in self.episodes.items() if not e.ongoing), key=self.order)
         layers = {layer for _, layer, _ in now}
         count = f"{len(layers)} layer{'s' if len(layers) > 1 else ''}"
         lines = [f"{head}: {count} unhealthy now" if now else f"{head}: healthy now"]
@@ -306,19 +231,14 @@ class Verdicts:
                 lines.append(f"    ... and {len(before) - top_k} more")
         return "\n".join(lines)
 
-    def _order(self, item: tuple[str, str, Episode]) -> tuple[int, int, int]:
-        """Problem kind first, then the earliest episode (where it began), then depth."""
+    def order(self, item: tuple[str, str, Episode]) -> tuple[int, int, int]:
+        """The sort key of an episode ``(problem, layer, episode)`` in the summary and the diagnosis.
+
+        Problem kind first (as :data:`PROBLEMS` lists them), then the earliest episode (where it
+        began), then the layer's depth (the order its figures first came).
+        """
         problem, layer, episode = item
         return list(PROBLEMS).index(problem), episode.first, self._depth.get(layer, 0)
-
-
-#: The problems each figure can show.
-_FIGURE_PROBLEMS = {
-    "zero_fraction": ("dead",), "nonfinite": ("nonfinite",), "ratio": ("too_fast", "too_slow"),
-    "norm": ("nonfinite_grad", "exploding", "vanishing"),
-    "attention_max_logit": ("attention_logits",), "attention_entropy": ("entropy_collapse",),
-    "logit_abs_max": ("output_logits",), "massive_ratio": ("massive",),
-}
 
 
 def _worse(problem: str, value: float, than: float) -> bool:
