@@ -272,7 +272,8 @@ def test_the_example_catches_the_shard_by_its_gradient_norm_rolls_back_and_names
     proc = run_example("spike_flight_recorder", tmp_path)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-5000:]
-    assert "gradient-norm trigger fired at step 80, loss trigger at step 95" in out, out[-3000:]
+    assert ("gradient-norm trigger fired at step 80, loss trigger at step 95 (steps flagged: gradient norm"
+            " [80, 95], loss [95])") in out, out[-3000:]  # every step's flags, not only the reports
     assert "Lightning's SpikeDetection (loss only) raised at step 95" in out
     assert re.search(r"the flight record of steps \d+-95: layer '[\w.]+' left its usual gradient norm range first,"
                      r" 15 steps before \(at step 80", out)
