@@ -14,6 +14,7 @@ from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.plugins import MixedPrecision
 
 from lightning_hooks import ActivationMonitor, GradientAnomalyStopping, GradientMonitor, SpikeTrigger
+from lightning_hooks.callbacks._base import log_step
 from lightning_hooks.distributed import _rank_agreement
 from lightning_hooks.measure.spikes import SpikeWindows, robust_zscore
 from tests.grad_helpers import GradNet
@@ -297,3 +298,60 @@ def test_ddp_a_spike_is_acted_on_by_both_ranks_at_the_same_step(tmp_path):
     for rank in ranks:  # the spike trigger and the recorder ride on the step's one collective and transfer
         clean = [calls for step, calls in rank["calls"].items() if int(step) != SPIKE]
         assert len(clean) == 45 and all(calls == {"all_reduce": 1, "cpu": 1} for calls in clean), clean[:3]
+
+
+JUMP = 25  # the batch at which the second optimizer's gradient norm jumps
+
+
+class TwoOptimizerNet(GradNet):
+    """Manual optimization: ``net.0`` in one optimizer, the layers ``second`` in another; ``net.4`` x1000 at JUMP."""
+
+    def __init__(self, second: tuple[int, ...]) -> None:
+        super().__init__()
+        self.automatic_optimization, self.second = False, second
+
+    def on_fit_start(self) -> None:
+        self.net[4].weight.register_hook(lambda g: g * 1000.0 if log_step(self.trainer) == JUMP else g)
+
+    def training_step(self, batch: Any, batch_idx: int) -> None:
+        optimizers = self.optimizers()
+        for optimizer in optimizers:
+            optimizer.zero_grad()
+        self.manual_backward(super().training_step(batch, batch_idx))
+        for optimizer in optimizers:
+            optimizer.step()
+
+    def configure_optimizers(self) -> list[torch.optim.Optimizer]:
+        rest = [p for i in self.second for p in self.net[i].parameters()]
+        return [torch.optim.SGD(self.net[0].parameters(), lr=0.05), torch.optim.SGD(rest, lr=0.05)]
+
+
+class SecondOptimizerNorms(L.Callback):
+    """The gradient norm of each layer of the second optimizer, by log step."""
+
+    def __init__(self) -> None:
+        self.norms: dict[int, list[float]] = {}
+
+    def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: Any) -> None:
+        if optimizer is trainer.optimizers[1]:
+            layers = [pl_module.net[i] for i in pl_module.second]
+            self.norms[log_step(trainer)] = [math.sqrt(sum(p.grad.norm().item() ** 2 for p in layer.parameters()))
+                                             for layer in layers]
+
+
+@pytest.mark.parametrize("second", [(4,), (2, 4)], ids=["same-parameter-count", "other-parameter-count"])
+def test_each_optimizer_has_its_own_record_and_the_acting_one_is_read(tmp_path, second):
+    stopper = GradientAnomalyStopping(action="warn", spikes=SpikeTrigger(loss=None, window=32, warmup=16),
+                                      flight_recorder=16, prog_bar=False)
+    norms = SecondOptimizerNorms()
+    L.seed_everything(0, verbose=False)
+    run = trainer(tmp_path, [stopper, norms], max_steps=2 * (JUMP + 3), logger=False)
+    run.fit(TwoOptimizerNet(second), loader(n=(JUMP + 3) * 8))
+    report = stopper.last_report
+    assert report.flags == ("grad_norm_spike",) and report.step == 2 * JUMP + 1  # the second optimizer's step
+    record = report.flight_record
+    assert record.step == JUMP and record.steps == tuple(range(JUMP - 15, JUMP + 1))  # log steps: one per batch
+    assert record.layers == tuple(f"net.{i}" for i in second) and record.leader == "net.4"
+    expected = [norms.norms[step] for step in record.steps]  # the second optimizer's, none of the first's
+    assert torch.allclose(torch.tensor(record.norms), torch.tensor(expected, dtype=torch.float64), rtol=1e-4)
+    assert record.path.endswith(f"flight-record-step{JUMP}.csv")

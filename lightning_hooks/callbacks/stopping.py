@@ -69,11 +69,10 @@ class GradientAnomalyStopping(GradientCheck):
     - ``"warn"``: warns with the report, on rank zero, and applies the update.
 
     The report is built once per run of anomalous steps, when the action starts;
-    :attr:`last_flags` holds every step's flags. LBFGS (several evaluations per step), how an
-    update is dropped (an optimizer step pre-hook, after every callback has seen the gradients)
-    and the agreement across ranks (the step's one small all-reduce): see the README. The streak
-    and the running medians survive a checkpoint resume; several instances can be used together
-    when their ``action`` or thresholds differ. Works beside Lightning's ``EarlyStopping``.
+    :attr:`last_flags` holds every step's flags. LBFGS, how an update is dropped (a step
+    pre-hook) and the agreement across ranks (one small all-reduce): see the README. The streak
+    and the running medians survive a resume; several instances can be used together when
+    their ``action`` or thresholds differ. Works beside Lightning's ``EarlyStopping``.
 
     Args:
         modules: The modules ``provenance`` watches (None: leaf modules with parameters, and
@@ -97,17 +96,17 @@ class GradientAnomalyStopping(GradientCheck):
         spikes: Also flag ``"loss_spike"`` and ``"grad_norm_spike"``: a robust z-score of the
             step's loss (as backpropagated) and total gradient norm over a rolling window
             (:class:`~lightning_hooks.SpikeTrigger`), on device, agreed in the step's one collective.
-        flight_recorder: Keep the last this many steps' loss and gradient norms on device, per
-            optimizer; a report then carries them (:class:`~lightning_hooks.FlightRecord`: which
-            layer led), also written as ``flight-record-step<N>.csv`` and TensorBoard text. 0: off.
+        flight_recorder: Keep the last this many steps' loss and gradient norms on device; a
+            report then carries them (:class:`~lightning_hooks.FlightRecord`: which layer's norm
+            left its usual range first, how many steps before), also written next to the logs
+            (``flight-record-step<N>.csv``) and to TensorBoard (``anomalies/flight_record``). 0: off.
         watch_after: After each step acted on, have the Trainer's GradientMonitor and
             ActivationMonitor log every step, whatever their interval, for this many steps.
 
     Raises:
-        ValueError: For an unknown ``action``, a negative ``patience``, a bad threshold, when
-            no check is enabled, for a bad ``rollback_every_n_steps`` or ``skip_batches`` or
-            either without ``action="rollback"``, and (before the first step) for a rollback
-            under a sharding strategy or with several optimizers.
+        ValueError: For an unknown ``action``, a negative ``patience``, a bad threshold, no check
+            enabled, a bad ``rollback_every_n_steps`` or ``skip_batches`` (or either without
+            ``"rollback"``), and, before the first step, a rollback when sharded or with several optimizers.
         TypeError: For an argument of the wrong type: a flag that is not a bool, a count that is
             not an int, a threshold that is not a number, a ``dirpath`` that is not a path, a
             ``spikes`` that is not a :class:`~lightning_hooks.SpikeTrigger`.
