@@ -353,5 +353,5 @@ def test_each_optimizer_has_its_own_record_and_the_acting_one_is_read(tmp_path, 
     assert record.step == JUMP and record.steps == tuple(range(JUMP - 15, JUMP + 1))  # log steps: one per batch
     assert record.layers == tuple(f"net.{i}" for i in second) and record.leader == "net.4"
     expected = [norms.norms[step] for step in record.steps]  # the second optimizer's, none of the first's
-    assert torch.allclose(torch.tensor(record.norms), torch.tensor(expected, dtype=torch.float64), rtol=1e-4)
+    assert torch.allclose(*(torch.tensor(v, dtype=torch.float64) for v in (record.norms, expected)), rtol=1e-4)
     assert record.path.endswith(f"flight-record-step{JUMP}.csv")
