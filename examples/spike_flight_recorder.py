@@ -131,16 +131,17 @@ def main(log_dir: str = "runs/spike_flight_recorder") -> None:
     quiet_lightning()
     clean, _ = train(log_dir, "clean", broken=False, callbacks=[])
     watcher = GradientAnomalyStopping(action="warn", spikes=TRIGGER, flight_recorder=64, prog_bar=False)
-    seen: dict[str, int] = {}
-    watcher_flags = _FirstFlags(watcher, seen)
+    seen: dict[str, list[int]] = {}
+    watcher_flags = _StepFlags(watcher, seen)
     _, lightning_step = train(log_dir, "watch", broken=True, callbacks=[
         watcher, watcher_flags, SpikeDetection(exclude_batches_path=os.path.join(log_dir, "watch"))])
     stopper = GradientAnomalyStopping(action="rollback", spikes=TRIGGER, rollback_every_n_steps=10,
                                       skip_batches=SHARD_BATCHES, flight_recorder=64, prog_bar=False)
     guarded, _ = train(log_dir, "rollback", broken=True, callbacks=[stopper])
     print(f"\nA broken shard (padding) at steps {SHARD}-{SHARD + SHARD_BATCHES - 1} of {STEPS}:")
-    print(f"  gradient-norm trigger fired at step {seen.get('grad_norm_spike')},"
-          f" loss trigger at step {seen.get('loss_spike')}")
+    grad_norm, loss = seen.get("grad_norm_spike", [None]), seen.get("loss_spike", [None])
+    print(f"  gradient-norm trigger fired at step {grad_norm[0]}, loss trigger at step {loss[0]}"
+          f" (steps flagged: gradient norm {grad_norm}, loss {loss})")
     with open(os.path.join(log_dir, "watch", "skip_batches.json")) as f:
         excluded = json.load(f)
     print(f"  Lightning's SpikeDetection (loss only) raised at step {lightning_step}; the batches it says to"
@@ -155,16 +156,19 @@ def main(log_dir: str = "runs/spike_flight_recorder") -> None:
     print(f"Where to look:  tensorboard --logdir {log_dir}  (Text tab: anomalies/report, anomalies/flight_record)")
 
 
-class _FirstFlags(L.Callback):
-    """Notes the first step at which each of the watcher's flags fired (a report comes per run of anomalous steps)."""
+class _StepFlags(L.Callback):
+    """Notes the steps at which each of the watcher's flags fired, from its flags of every step.
 
-    def __init__(self, watcher: GradientAnomalyStopping, seen: dict[str, int]) -> None:
+    ``last_flags``, not ``last_report``: a report is made once per run of anomalous steps, so a
+    loss spike inside a run that the gradient norm began would not be in one.
+    """
+
+    def __init__(self, watcher: GradientAnomalyStopping, seen: dict[str, list[int]]) -> None:
         self.watcher, self.seen = watcher, seen
 
     def on_train_batch_end(self, trainer: L.Trainer, *args: object) -> None:
-        report = self.watcher.last_report
-        for flag in report.flags if report is not None else ():
-            self.seen.setdefault(flag, report.step)
+        for flag in self.watcher.last_flags:
+            self.seen.setdefault(flag, []).append(trainer.global_step - 1)
 
 
 if __name__ == "__main__":

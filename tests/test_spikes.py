@@ -14,6 +14,7 @@ from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.plugins import MixedPrecision
 
 from lightning_hooks import ActivationMonitor, GradientAnomalyStopping, GradientMonitor, SpikeTrigger
+from lightning_hooks.callbacks._base import log_step
 from lightning_hooks.distributed import _rank_agreement
 from lightning_hooks.measure.spikes import SpikeWindows, robust_zscore
 from tests.grad_helpers import GradNet
@@ -81,17 +82,20 @@ def test_robust_zscore_is_the_distance_from_the_median_in_mads():
     assert robust_zscore(flat, torch.tensor(2.2), min_spread=0.01).item() == pytest.approx(10.0)
 
 
-@pytest.mark.parametrize(("kwargs", "match"), [
-    (dict(loss=0.0), "`loss` must be a finite number > 0"),
-    (dict(grad_norm=math.inf), "`grad_norm` must be a finite number > 0"),
-    (dict(loss=None, grad_norm=None), "watches nothing"),
-    (dict(window=0), "`window` must be a positive int"),
-    (dict(warmup=True), "`warmup` must be a positive int"),
-    (dict(window=8, warmup=9), r"`warmup` \(9\) must not exceed `window` \(8\)"),
-    (dict(min_spread=1.0), r"`min_spread` must be a number in \[0, 1\)"),
+@pytest.mark.parametrize(("kwargs", "error", "match"), [
+    (dict(loss=0.0), ValueError, r"`loss` must be a finite number > 0 or None, got 0.0"),
+    (dict(grad_norm=math.inf), ValueError, "`grad_norm` must be a finite number > 0 or None"),
+    (dict(loss="6"), TypeError, r"`loss` must be a finite number > 0 or None, got '6' \(str\)"),
+    (dict(loss=None, grad_norm=None), ValueError, "watches nothing"),
+    (dict(window=0), ValueError, "`window` must be a positive int, got 0"),
+    (dict(window=1.5), TypeError, r"`window` must be a positive int, got 1.5 \(float\)"),
+    (dict(warmup=True), TypeError, "`warmup` must be a positive int, or None for half the window, got True"),
+    (dict(window=8, warmup=9), ValueError, r"`warmup` \(9\) must not exceed `window` \(8\)"),
+    (dict(min_spread=1.5), ValueError, r"`min_spread` must be a number in \[0, 1\], got 1.5"),
+    (dict(min_spread="0.01"), TypeError, r"`min_spread` must be a number in \[0, 1\], got '0.01' \(str\)"),
 ])
-def test_bad_trigger_settings_fail_at_construction(kwargs, match):
-    with pytest.raises(ValueError, match=match):
+def test_bad_trigger_settings_fail_at_construction(kwargs, error, match):
+    with pytest.raises(error, match=match):
         SpikeTrigger(**kwargs)
 
 
@@ -103,9 +107,11 @@ def test_the_warmup_is_half_the_window_unless_given():
 def test_bad_stopper_spike_settings_fail_at_construction():
     with pytest.raises(TypeError, match="`spikes` must be a SpikeTrigger or None, got 6.0"):
         GradientAnomalyStopping(spikes=6.0)
-    with pytest.raises(ValueError, match="`flight_recorder` must be a non-negative int"):
+    with pytest.raises(ValueError, match="`flight_recorder` must be a non-negative int, got -1"):
         GradientAnomalyStopping(flight_recorder=-1)
-    with pytest.raises(ValueError, match="`watch_after` must be a non-negative int"):
+    with pytest.raises(TypeError, match=r"`flight_recorder` must be a non-negative int, got '8' \(str\)"):
+        GradientAnomalyStopping(flight_recorder="8")
+    with pytest.raises(TypeError, match=r"`watch_after` must be a non-negative int, got 1.5 \(float\)"):
         GradientAnomalyStopping(watch_after=1.5)
     GradientAnomalyStopping(check_finite=False, spikes=SpikeTrigger())  # the spikes alone are a check
 
@@ -123,6 +129,24 @@ def test_no_verdict_before_the_warmup_then_a_spike_is_flagged_and_survives_a_sta
     assert torch.equal(restored.judge(torch.tensor([100.0, 1.0]))[0], z)
     restored.remember(torch.tensor([1.0, 1.0]))  # the restored window goes on from where it was
     assert restored._rings[0].count == 5 and restored.judge(torch.tensor([100.0, 1.0]))[1][0]
+
+
+@pytest.mark.parametrize("window", [4, 16])
+def test_windows_saved_with_another_window_size_keep_their_last_values_in_order(window):
+    saved = SpikeWindows(SpikeTrigger(window=8, warmup=4))
+    for value in range(12):  # 12 values through a window of 8: it holds 4-11
+        saved.remember(torch.tensor([float(value), 1.0]))
+    restored, fresh = SpikeWindows(SpikeTrigger(window=window, warmup=4)), SpikeWindows(SpikeTrigger(window=window))
+    restored.load_state_dict(saved.state_dict())
+    kept = list(range(12))[-window:][-8:]  # the last min(window, 8) values
+    for value in kept:
+        fresh.remember(torch.tensor([float(value), 1.0]))
+    assert restored._rings[0].count == len(kept) and restored._rings[0].ordered()[:, 0].tolist() == kept
+    for value in (12.0, 13.0):  # it goes on as a window that had seen only those values
+        restored.remember(torch.tensor([value, 1.0]))
+        fresh.remember(torch.tensor([value, 1.0]))
+        assert torch.equal(restored._rings[0].ordered(), fresh._rings[0].ordered())
+        assert torch.equal(restored.judge(torch.tensor([20.0, 1.0]))[0], fresh.judge(torch.tensor([20.0, 1.0]))[0])
 
 
 def test_a_loss_spike_is_skipped_in_automatic_optimization(tmp_path):
@@ -162,7 +186,7 @@ def test_spikes_add_no_host_transfer_and_the_loss_is_the_mean_over_accumulated_b
     stopper = GradientAnomalyStopping(action="warn", spikes=TRIGGER, flight_recorder=4, prog_bar=False)
     model = fit(tmp_path, LossNet, stopper, steps=10, accumulate_grad_batches=2)
     assert len(transfers) == 10  # one per optimizer step, as without spikes
-    record = stopper._watch.recorder.read(9, [name for name, _ in model.named_parameters()])
+    record = stopper._watch.recorders[0].read(9, [name for name, _ in model.named_parameters()])
     means = [(a + b) / 2 for a, b in zip(model.losses[::2], model.losses[1::2])]
     assert record.steps == (6, 7, 8, 9) and record.losses == pytest.approx(means[-4:])
 
@@ -171,7 +195,7 @@ def test_under_an_amp_grad_scaler_the_loss_is_unscaled_and_overflowed_steps_are_
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**40)  # fp16 overflows at first, then backs off
     stopper = GradientAnomalyStopping(action="warn", spikes=TRIGGER, flight_recorder=64, prog_bar=False)
     model = fit(tmp_path, LossNet, stopper, steps=40, plugins=[MixedPrecision("16-mixed", "cpu", scaler=scaler)])
-    record = stopper._watch.recorder.read(39, [name for name, _ in model.named_parameters()])
+    record = stopper._watch.recorders[0].read(39, [name for name, _ in model.named_parameters()])
     assert stopper.amp_overflows > 0 and len(record.steps) == 40 - stopper.amp_overflows
     assert record.steps[-1] == 39 and record.losses == pytest.approx(model.losses[-len(record.steps):], rel=1e-3)
     assert stopper._watch.spikes.windows._rings[0].count == len(record.steps)
@@ -210,12 +234,47 @@ def test_the_spike_windows_survive_a_checkpoint(tmp_path):
     assert torch.allclose(*rows, equal_nan=True)
 
 
+def test_a_checkpoint_of_a_run_without_spikes_restores_its_counters_into_a_stopper_with_spikes(tmp_path):
+    before = GradientAnomalyStopping(action="skip", norm_threshold=100.0, prog_bar=False)
+    L.seed_everything(0, verbose=False)
+    first = trainer(tmp_path, [before], max_steps=8, logger=False)
+    first.fit(GradNet(spike_steps=(3,)), loader(n=160))
+    path = str(tmp_path / "without-spikes.ckpt")
+    first.save_checkpoint(path)
+    after = GradientAnomalyStopping(action="skip", norm_threshold=100.0, prog_bar=False, spikes=TRIGGER)
+    trainer(tmp_path, [after], max_steps=10, logger=False).fit(GradNet(), loader(n=160), ckpt_path=path)
+    assert before.anomalous_steps == after.anomalous_steps == after.dropped_steps == 1  # restored, not started anew
+    assert after._watch.spikes.windows._rings[0].count == 2  # the trigger starts with the resumed run
+
+
+class StepFlags(L.Callback):
+    """The stopper's :attr:`~GradientAnomalyStopping.last_flags` after every batch, by global step."""
+
+    def __init__(self, stopper: GradientAnomalyStopping) -> None:
+        self.stopper, self.flags = stopper, {}
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+        self.flags[trainer.global_step - 1] = self.stopper.last_flags
+
+
+def test_last_flags_sees_a_loss_spike_inside_a_run_the_report_only_names_by_its_first_step(tmp_path):
+    stopper = GradientAnomalyStopping(action="skip", spikes=TRIGGER, prog_bar=False)
+    steps = StepFlags(stopper)
+    L.seed_everything(0, verbose=False)
+    trainer(tmp_path, [stopper, steps], max_steps=50, logger=False).fit(RampNet(spike_steps=(SPIKE + 4,)), loader(400))
+    first = stopper.last_report.step
+    assert stopper.last_report.flags == ("grad_norm_spike",) and first <= SPIKE + 4
+    assert all(steps.flags[step] for step in range(first, 50))  # one run of anomalous steps, one report
+    assert [step for step, flags in steps.flags.items() if "loss_spike" in flags] == [SPIKE + 4]
+
+
 @pytest.mark.slow
 def test_the_example_catches_the_shard_by_its_gradient_norm_rolls_back_and_names_a_layer(tmp_path):
     proc = run_example("spike_flight_recorder", tmp_path)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-5000:]
-    assert "gradient-norm trigger fired at step 80, loss trigger at step 95" in out, out[-3000:]
+    assert ("gradient-norm trigger fired at step 80, loss trigger at step 95 (steps flagged: gradient norm"
+            " [80, 95], loss [95])") in out, out[-3000:]  # every step's flags, not only the reports
     assert "Lightning's SpikeDetection (loss only) raised at step 95" in out
     assert re.search(r"the flight record of steps \d+-95: layer '[\w.]+' left its usual gradient norm range first,"
                      r" 15 steps before \(at step 80", out)
@@ -239,3 +298,60 @@ def test_ddp_a_spike_is_acted_on_by_both_ranks_at_the_same_step(tmp_path):
     for rank in ranks:  # the spike trigger and the recorder ride on the step's one collective and transfer
         clean = [calls for step, calls in rank["calls"].items() if int(step) != SPIKE]
         assert len(clean) == 45 and all(calls == {"all_reduce": 1, "cpu": 1} for calls in clean), clean[:3]
+
+
+JUMP = 25  # the batch at which the second optimizer's gradient norm jumps
+
+
+class TwoOptimizerNet(GradNet):
+    """Manual optimization: ``net.0`` in one optimizer, the layers ``second`` in another; ``net.4`` x1000 at JUMP."""
+
+    def __init__(self, second: tuple[int, ...]) -> None:
+        super().__init__()
+        self.automatic_optimization, self.second = False, second
+
+    def on_fit_start(self) -> None:
+        self.net[4].weight.register_hook(lambda g: g * 1000.0 if log_step(self.trainer) == JUMP else g)
+
+    def training_step(self, batch: Any, batch_idx: int) -> None:
+        optimizers = self.optimizers()
+        for optimizer in optimizers:
+            optimizer.zero_grad()
+        self.manual_backward(super().training_step(batch, batch_idx))
+        for optimizer in optimizers:
+            optimizer.step()
+
+    def configure_optimizers(self) -> list[torch.optim.Optimizer]:
+        rest = [p for i in self.second for p in self.net[i].parameters()]
+        return [torch.optim.SGD(self.net[0].parameters(), lr=0.05), torch.optim.SGD(rest, lr=0.05)]
+
+
+class SecondOptimizerNorms(L.Callback):
+    """The gradient norm of each layer of the second optimizer, by log step."""
+
+    def __init__(self) -> None:
+        self.norms: dict[int, list[float]] = {}
+
+    def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: Any) -> None:
+        if optimizer is trainer.optimizers[1]:
+            layers = [pl_module.net[i] for i in pl_module.second]
+            self.norms[log_step(trainer)] = [math.sqrt(sum(p.grad.norm().item() ** 2 for p in layer.parameters()))
+                                             for layer in layers]
+
+
+@pytest.mark.parametrize("second", [(4,), (2, 4)], ids=["same-parameter-count", "other-parameter-count"])
+def test_each_optimizer_has_its_own_record_and_the_acting_one_is_read(tmp_path, second):
+    stopper = GradientAnomalyStopping(action="warn", spikes=SpikeTrigger(loss=None, window=32, warmup=16),
+                                      flight_recorder=16, prog_bar=False)
+    norms = SecondOptimizerNorms()
+    L.seed_everything(0, verbose=False)
+    run = trainer(tmp_path, [stopper, norms], max_steps=2 * (JUMP + 3), logger=False)
+    run.fit(TwoOptimizerNet(second), loader(n=(JUMP + 3) * 8))
+    report = stopper.last_report
+    assert report.flags == ("grad_norm_spike",) and report.step == 2 * JUMP + 1  # the second optimizer's step
+    record = report.flight_record
+    assert record.step == JUMP and record.steps == tuple(range(JUMP - 15, JUMP + 1))  # log steps: one per batch
+    assert record.layers == tuple(f"net.{i}" for i in second) and record.leader == "net.4"
+    expected = [norms.norms[step] for step in record.steps]  # the second optimizer's, none of the first's
+    assert torch.allclose(*(torch.tensor(v, dtype=torch.float64) for v in (record.norms, expected)), rtol=1e-4)
+    assert record.path.endswith(f"flight-record-step{JUMP}.csv")

@@ -45,8 +45,8 @@ class FlightRecord:
     standard deviations and a factor of 1.5 away, up or down).
 
     Attributes:
-        step: ``trainer.global_step`` of the anomalous step (the last row).
-        steps: The global step of each row, oldest first.
+        step: The log step of the anomalous step (the last row): the loggers' step, as in TensorBoard.
+        steps: The log step of each row, oldest first.
         losses: The loss of each row (rank zero's, as backpropagated); NaN where none was seen.
         layers: The layers, in the optimizer's order of their parameters.
         norms: Per row, the gradient norm of each layer.
@@ -144,7 +144,7 @@ def analyse(step: int, steps: Sequence[int], losses: Union[Sequence[float], np.n
 
     Args:
         step: The anomalous step.
-        steps: The global step of each row of ``norms``.
+        steps: The (log) step of each row of ``norms``.
         losses: The loss of each row.
         norms: ``(rows, parameters)``: the gradient norm of each parameter at each step.
         names: The parameters' names.

@@ -19,7 +19,9 @@ import lightning.pytorch as pl
 import torch
 from torch import Tensor
 
+from lightning_hooks.callbacks._base import log_step
 from lightning_hooks.callbacks._flight_recorder import FlightRecord, FlightRecorder, write_record
+from lightning_hooks.core._validation import check_int
 from lightning_hooks.distributed._rank_agreement import Check
 from lightning_hooks.distributed._step_measure import Step
 from lightning_hooks.measure.spikes import SPIKE_SIGNALS, SpikeTrigger, SpikeWindows
@@ -29,14 +31,14 @@ def validate_spikes(spikes: Any, flight_recorder: Any, watch_after: Any) -> None
     """Check GradientAnomalyStopping's ``spikes``, ``flight_recorder`` and ``watch_after``.
 
     Raises:
-        TypeError: If ``spikes`` is not a SpikeTrigger or None.
-        ValueError: If ``flight_recorder`` or ``watch_after`` is not a non-negative int.
+        TypeError: If ``spikes`` is not a SpikeTrigger or None, or ``flight_recorder`` or
+            ``watch_after`` is not an int.
+        ValueError: If ``flight_recorder`` or ``watch_after`` is negative.
     """
     if spikes is not None and not isinstance(spikes, SpikeTrigger):
         raise TypeError(f"`spikes` must be a SpikeTrigger or None, got {spikes!r}: e.g. spikes=SpikeTrigger()")
-    for name, value in (("flight_recorder", flight_recorder), ("watch_after", watch_after)):
-        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-            raise ValueError(f"`{name}` must be a non-negative int (how many steps; 0: off), got {value!r}")
+    check_int("flight_recorder", flight_recorder, low=0)
+    check_int("watch_after", watch_after, low=0)
 
 
 class StepLoss:
@@ -107,6 +109,9 @@ class SpikeCheck:
 class SpikeWatch:
     """What GradientAnomalyStopping keeps of each step for ``spikes`` and ``flight_recorder``: all on device.
 
+    Each optimizer has a flight recorder of its own (made at its first step), as it has spike
+    windows of its own: their parameters differ.
+
     Args:
         spikes: The spike trigger, or None.
         flight_recorder: How many steps the flight recorder keeps (0: none).
@@ -114,13 +119,14 @@ class SpikeWatch:
 
     def __init__(self, spikes: Optional[SpikeTrigger], flight_recorder: int) -> None:
         self.spikes = SpikeCheck(spikes) if spikes is not None else None
-        self.recorder = FlightRecorder(flight_recorder) if flight_recorder else None
+        self.flight_recorder = flight_recorder
+        self.recorders: dict[int, FlightRecorder] = {}  # by optimizer, as the spike windows
         self._loss = StepLoss()
         self._step_loss: Optional[Tensor] = None  # the loss of the step being checked
 
     def add_loss(self, trainer: pl.Trainer, loss: Tensor) -> None:
         """Note a loss about to be backpropagated, if anything watches the loss."""
-        if self.spikes is not None or self.recorder is not None:
+        if self.spikes is not None or self.flight_recorder:
             self._loss.add(trainer, loss)
 
     def votes(self, step: Step, first: bool) -> dict[str, Tensor]:
@@ -129,17 +135,22 @@ class SpikeWatch:
         self._step_loss = loss if first else None
         return self.spikes.votes(step, self._step_loss) if self.spikes is not None else {}
 
-    def conclude(self, step_number: int, step: Step, check: Check) -> Check:
-        """``check`` with the agreed spike flags; the step's figures kept by the recorder."""
+    def conclude(self, trainer: pl.Trainer, step: Step, check: Check) -> Check:
+        """``check`` with the agreed spike flags; the step's figures kept by its optimizer's recorder."""
         if self.spikes is not None:
             check = self.spikes.conclude(check)
-        if self.recorder is not None and self._step_loss is not None and not check.skipped:
-            self.recorder.record(step_number, self._step_loss, step.figures.norms)
+        if self.flight_recorder and self._step_loss is not None and not check.skipped:
+            recorder = self.recorders.setdefault(step.key, FlightRecorder(self.flight_recorder))
+            recorder.record(log_step(trainer), self._step_loss, step.figures.norms)
         return check
 
-    def record(self, trainer: pl.Trainer, names: list[str]) -> Optional[FlightRecord]:
-        """The flight record up to this step, written out (every rank must call this); None without one."""
-        record = self.recorder.read(trainer.global_step, names) if self.recorder is not None else None
+    def record(self, trainer: pl.Trainer, names: list[str], key: int) -> Optional[FlightRecord]:
+        """Optimizer ``key``'s flight record up to this step, written out (every rank must call this).
+
+        None without a recorder, or before that optimizer's first recorded step.
+        """
+        recorder = self.recorders.get(key)
+        record = recorder.read(log_step(trainer), names) if recorder is not None else None
         return write_record(trainer, record) if record is not None else None
 
     def clear(self) -> None:

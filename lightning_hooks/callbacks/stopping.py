@@ -44,64 +44,35 @@ class GradientAnomalyStopping(GradientCheck):
     gradients together or for any parameter group: a NaN or Inf gradient (``check_finite``), a
     norm above ``norm_threshold`` or above ``relative_threshold`` times its running median over the
     last ``window`` clean steps (exploding; with ``check_finite=False`` a NaN or Inf gradient
-    counts as exploding), or below ``min_norm`` (vanishing). Steps whose overflow the AMP
-    GradScaler handles itself (it skips them and lowers its scale) never count and leave the
-    streak of anomalous steps as it was; with fp16 that includes a NaN from the model itself,
-    which the scaler cannot tell apart.
+    counts as exploding), or below ``min_norm`` (vanishing). Steps the AMP GradScaler skips
+    itself never count and leave the streak as it was (with fp16, a NaN from the model too).
 
     ``patience`` anomalous steps in a row are tolerated (and applied); the next one is acted on,
-    so ``patience=0`` acts on the first. Then, with an
-    :class:`~lightning_hooks.AnomalyReport` (logged as text, kept in
-    :attr:`last_report`):
+    so ``patience=0`` acts on the first. Then, with an :class:`~lightning_hooks.AnomalyReport`
+    (logged as text, kept in :attr:`last_report`):
 
     - ``"stop"``: drops that step's update and sets ``trainer.should_stop``, so ``fit`` ends
-      after this step: ``trainer.global_step`` is the step's number + 1 (the dropped step still
-      counts), and validation runs once more as with ``EarlyStopping``. Lightning keeps
-      training past ``should_stop`` until ``min_steps`` and ``min_epochs`` are met (and given
-      ``min_steps`` alone it sets ``min_epochs=1``, so the first epoch always ends); every
-      further anomalous step is then dropped too.
+      after this step (the dropped step still counts in ``trainer.global_step``), as with
+      ``EarlyStopping``; until Lightning's ``min_steps`` and ``min_epochs`` are met it trains
+      on, and every further anomalous step is dropped too.
     - ``"skip"``: drops the update of this and every following anomalous step of the run
       (gradients set to None, so the optimizer leaves parameters and its state alone) and
       trains on. The global step and learning-rate schedules still advance.
     - ``"rollback"``: drops the update, restores the last known-good model, optimizer and LR
-      scheduler state, drops the updates of the next ``skip_batches`` optimizer steps (their
-      batches still run forward and backward: a callback cannot spare Lightning's automatic
-      optimization a batch), and trains on, as large-model pretraining does by hand after a
-      loss spike. The snapshot is taken at the start of training and refreshed after every
-      ``rollback_every_n_steps`` clean steps in a row (a tolerated anomalous step starts the
-      count again, a step the GradScaler skips leaves it); it lives in host RAM, one per
-      rank: about the size of the model's state dict plus the optimizer state (with Adam, 3x
-      the parameters), and each refresh is a device-to-host copy of that size.
-      ``trainer.global_step`` (and with it ``max_steps`` and the loggers' step axis) keeps
-      counting every step, the rolled-back and skipped ones included, while the LR schedules
-      go back with the snapshot and are held still over the skipped steps: they count the
-      updates the model kept, so a rolled-back run ends where a run that never saw the
-      discarded batches would. With gradient accumulation ``skip_batches`` counts optimizer
-      steps (``accumulate_grad_batches`` batches each). One device or DDP (every rank holds
-      the whole state), one optimizer; the GradScaler's state is not rolled back.
+      scheduler state (a snapshot in host RAM, taken at the start of training and refreshed
+      after every ``rollback_every_n_steps`` clean steps in a row), drops the updates of the
+      next ``skip_batches`` optimizer steps and trains on, as large-model pretraining does by
+      hand after a loss spike. ``trainer.global_step`` keeps counting every step; the LR
+      schedules go back with the snapshot. One device or DDP, one optimizer. Details: README,
+      "Rollback after a loss spike".
     - ``"raise"``: raises :class:`GradientAnomalyError` carrying the report, before the update.
     - ``"warn"``: warns with the report, on rank zero, and applies the update.
 
-    The report is built once per run of anomalous steps, when the action starts.
-
-    An optimizer that evaluates its closure several times per step (LBFGS) is checked at every
-    evaluation, and counted per step: the step is anomalous if any evaluation is, and only the
-    first evaluation's norms join the running median. A dropped step of such an optimizer is
-    undone whole: its parameters and state are put back as they were before it (a copy of
-    them is taken before each of its steps, with ``"stop"``, ``"skip"`` and ``"rollback"``).
-
-    An update is dropped in an optimizer step pre-hook, once every callback's
-    ``on_before_optimizer_step`` (and the LightningModule's, and gradient clipping) has run, so
-    a ``GradientMonitor`` sees the step's gradients wherever it is in ``callbacks``. Under a
-    GradScaler that skips the step itself nothing needs dropping, and the scaler still updates.
-
-    The flags are agreed across ranks on device, in the step's one small all-reduce (any rank
-    anomalous means all act at the same step; a step with an infinite gradient norm, which a
-    finite gradient whose float32 norm overflows also gives, is measured exactly and agreed
-    again), so ranks never diverge or hang. Under DDP the gradients are already all-reduced
-    here and the same on every rank. The streak and the running medians survive a checkpoint
-    resume; several instances can be used together when their ``action`` or thresholds
-    differ. Works beside Lightning's ``EarlyStopping``.
+    The report is built once per run of anomalous steps, when the action starts;
+    :attr:`last_flags` holds every step's flags. LBFGS, how an update is dropped (a step
+    pre-hook) and the agreement across ranks (one small all-reduce): see the README. The streak
+    and the running medians survive a resume; several instances can be used together when
+    their ``action`` or thresholds differ. Works beside Lightning's ``EarlyStopping``.
 
     Args:
         modules: The modules ``provenance`` watches (None: leaf modules with parameters, and
@@ -123,8 +94,7 @@ class GradientAnomalyStopping(GradientCheck):
             steps in a row (None: 100).
         skip_batches: With ``"rollback"``: after a restore, drop the updates of this many steps.
         spikes: Also flag ``"loss_spike"`` and ``"grad_norm_spike"``: a robust z-score of the
-            step's loss (what the LightningModule backpropagates; with manual optimization what
-            ``manual_backward`` gets, added up) and total gradient norm over a rolling window
+            step's loss (as backpropagated) and total gradient norm over a rolling window
             (:class:`~lightning_hooks.SpikeTrigger`), on device, agreed in the step's one collective.
         flight_recorder: Keep the last this many steps' loss and gradient norms on device; a
             report then carries them (:class:`~lightning_hooks.FlightRecord`: which layer's norm
@@ -135,14 +105,12 @@ class GradientAnomalyStopping(GradientCheck):
             ActivationMonitor log every step, whatever their interval, for this many steps.
 
     Raises:
-        ValueError: For an unknown ``action``, a negative ``patience``, a bad threshold, when
-            no check is enabled, for a bad ``rollback_every_n_steps`` or ``skip_batches`` or
-            either without ``action="rollback"``, and (before the first step) for a rollback
-            under a sharding strategy or with several optimizers.
-        TypeError: For an argument of the wrong type: a flag (``check_finite``, ``provenance``,
-            ``prog_bar``) that is not a bool, a count that is not an int, a threshold that is not a
-            number, a ``dirpath`` that is not a path,
-            a ``spikes`` that is not a :class:`~lightning_hooks.SpikeTrigger`.
+        ValueError: For an unknown ``action``, a negative ``patience``, a bad threshold, no check
+            enabled, a bad ``rollback_every_n_steps`` or ``skip_batches`` (or either without
+            ``"rollback"``), and, before the first step, a rollback when sharded or with several optimizers.
+        TypeError: For an argument of the wrong type: a flag that is not a bool, a count that is
+            not an int, a threshold that is not a number, a ``dirpath`` that is not a path, a
+            ``spikes`` that is not a :class:`~lightning_hooks.SpikeTrigger`.
 
     Example::
 
@@ -206,9 +174,16 @@ class GradientAnomalyStopping(GradientCheck):
         self._settled = False  # the current step is counted anomalous: its later evaluations change nothing
         self.spikes, self.flight_recorder, self.watch_after = spikes, flight_recorder, watch_after
         self._watch = SpikeWatch(spikes, flight_recorder)
+        self._flags: tuple[str, ...] = ()
 
     def _key(self) -> dict[str, Any]:
-        return {"action": self.action, **super()._key(), **({"spikes": self.spikes} if self.spikes else {})}
+        # Not `spikes`: adding a trigger on resume must not lose the counters and the running medians.
+        return {"action": self.action, **super()._key()}
+
+    @property
+    def last_flags(self) -> tuple[str, ...]:
+        """The flags fired at the last optimizer step checked, acted on or not, e.g. ``("loss_spike",)``."""
+        return self._flags
 
     @property
     def skipping(self) -> int:
@@ -257,7 +232,8 @@ class GradientAnomalyStopping(GradientCheck):
     def _handle(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any, step: Step,
                 check: Check) -> None:
         """Count the step at its first evaluation, or at a later one that finds it anomalous (LBFGS)."""
-        check = self._watch.conclude(trainer.global_step, step, check)
+        check = self._watch.conclude(trainer, step, check)
+        self._flags = tuple(name for name, on in check.flags.items() if on)
         self._dropper.new_evaluation(first=self._evaluation == 1)
         if self._evaluation == 1:
             self._streak_before, self._settled = self.streak, False
@@ -291,7 +267,7 @@ class GradientAnomalyStopping(GradientCheck):
         watch_closely(trainer, self.watch_after)
         if self.streak == self.patience + 1:  # report once per run of anomalous steps
             names = [self._param_names.get(p, f"param{i}") for i, p in enumerate(step.params)]
-            record = self._watch.record(trainer, names)
+            record = self._watch.record(trainer, names, step.key)
             self.last_report = report = self._report(trainer, pl_module, step, check, record)
             if self.action == "raise":
                 raise GradientAnomalyError(report)

@@ -15,6 +15,8 @@ from typing import Any, Optional
 import torch
 from torch import Tensor
 
+from lightning_hooks.core._validation import check_int, check_number
+
 __all__ = ["SPIKE_SIGNALS", "SpikeTrigger", "SpikeWindows", "robust_zscore"]
 
 #: The signals a :class:`SpikeTrigger` watches, in the order of its flags: the flag names are ``<signal>_spike``.
@@ -52,17 +54,6 @@ def robust_zscore(window: Tensor, value: Tensor, min_spread: float = 0.0) -> Ten
     return torch.where(value.isfinite(), z, math.inf)
 
 
-def _check_positive_int(name: str, value: Any) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ValueError(f"`{name}` must be a positive int, got {value!r}")
-
-
-def _check_threshold(name: str, value: Any) -> None:
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
-    if value is not None and not ok:
-        raise ValueError(f"`{name}` must be a finite number > 0 (a z-score) or None to not watch it, got {value!r}")
-
-
 @dataclass(frozen=True)
 class SpikeTrigger:
     """When a step's loss or gradient norm is a spike: a robust z-score above a threshold.
@@ -92,9 +83,10 @@ class SpikeTrigger:
         min_spread: The smallest spread, as a fraction of the median.
 
     Raises:
-        ValueError: For a threshold that is not a positive number, neither signal watched, a
-            ``window`` or ``warmup`` that is not a positive int, ``warmup > window``, or a
-            ``min_spread`` outside [0, 1).
+        TypeError: For a threshold or ``min_spread`` that is not a number, or a ``window`` or
+            ``warmup`` that is not an int.
+        ValueError: For a threshold that is not finite and > 0, neither signal watched, a
+            ``window`` or ``warmup`` below 1, ``warmup > window``, or a ``min_spread`` outside [0, 1].
 
     Example::
 
@@ -110,20 +102,18 @@ class SpikeTrigger:
     min_spread: float = 0.01
 
     def __post_init__(self) -> None:
-        _check_threshold("loss", self.loss)
-        _check_threshold("grad_norm", self.grad_norm)
+        check_number("loss", self.loss, low=0, optional=True)
+        check_number("grad_norm", self.grad_norm, low=0, optional=True)
         if self.loss is None and self.grad_norm is None:
             raise ValueError("SpikeTrigger watches nothing: set `loss` or `grad_norm` (z-scores, e.g. 6.0)")
-        _check_positive_int("window", self.window)
+        check_int("window", self.window)
+        check_int("warmup", self.warmup, optional=True, none_means="half the window")
         warmup = max(1, self.window // 2) if self.warmup is None else self.warmup  # half the window, as OLMo-core
-        _check_positive_int("warmup", warmup)
         if warmup > self.window:
             raise ValueError(f"`warmup` ({warmup}) must not exceed `window` ({self.window}): the window"
                              " could never hold enough values")
         object.__setattr__(self, "warmup", warmup)
-        spread = self.min_spread
-        if not isinstance(spread, (int, float)) or isinstance(spread, bool) or not 0 <= spread < 1:
-            raise ValueError(f"`min_spread` must be a number in [0, 1), got {spread!r}")
+        check_number("min_spread", self.min_spread, low=0, strict=False, high=1)
 
     @property
     def thresholds(self) -> tuple[float, ...]:
@@ -170,9 +160,21 @@ class DeviceRing:
         return {"rows": None if self.rows is None else self.rows.cpu(), "count": self.count}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict`; the rows move to the values' device at the next push."""
-        self.rows = None if state["rows"] is None else state["rows"].clone()
-        self.count = int(state["count"])
+        """Restore :meth:`state_dict`; the rows move to the values' device at the next push.
+
+        Rows saved by a ring of another size (``window`` changed on resume): the last
+        ``min(size, held)`` of them are kept, oldest first.
+        """
+        rows, self.count = state["rows"], int(state["count"])
+        if rows is None or rows.shape[0] == self.size:
+            self.rows = None if rows is None else rows.clone()
+            return
+        saved = DeviceRing(rows.shape[0])
+        saved.rows, saved.count = rows, self.count
+        kept = saved.ordered()[-self.size:]  # type: ignore[index]  # rows is not None
+        self.rows = torch.full((self.size, rows.shape[1]), math.nan, dtype=rows.dtype)
+        self.rows[: len(kept)] = kept
+        self.count = len(kept)
 
 
 class SpikeWindows:
