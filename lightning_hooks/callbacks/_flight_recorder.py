@@ -233,7 +233,7 @@ def _number(value: float) -> Union[float, str]:
 def record_json(record: FlightRecord) -> dict[str, Any]:
     """The record as the Layers tab reads it (``anomalies/flight_record_data``, one JSON object).
 
-    Keys: ``step`` (the anomalous global step), ``steps``, ``losses`` (one per row), ``layers``,
+    Keys: ``step`` (the anomalous log step), ``steps``, ``losses`` (one per row), ``layers``,
     ``norms`` (per row, one per layer), ``usual`` (per layer ``[norm, factor]`` or null: see
     :attr:`FlightRecord.usual`), ``onsets`` (``[layer, step]``, earliest first), ``leader``,
     ``lead``. Non-finite numbers are the strings ``"NaN"``, ``"Infinity"``, ``"-Infinity"``.

@@ -101,8 +101,9 @@ class GradientAnomalyStopping(GradientCheck):
             left its usual range first, how many steps before), also written next to the logs
             (``flight-record-step<N>.csv``) and to TensorBoard (``anomalies/flight_record``, and as
             JSON for the Layers tab, ``anomalies/flight_record_data``). 0: off.
-        watch_after: After each step acted on, have the Trainer's GradientMonitor and
-            ActivationMonitor log every step, whatever their interval, for this many steps.
+        watch_after: After each step acted on, have the Trainer's GradientMonitor,
+            ActivationMonitor and TransformerStability log every step, whatever their interval,
+            for this many steps.
 
     Raises:
         ValueError: For an unknown ``action``, a negative ``patience``, a bad threshold, no check
