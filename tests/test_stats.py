@@ -290,25 +290,27 @@ def test_explicit_edges_are_used_as_given():
 
 
 @pytest.mark.parametrize(
-    ("kwargs", "match"),
+    ("kwargs", "error", "match"),
     [
-        (dict(bins=0), r"`bins` must be a positive int or a sequence of edges, got 0"),
-        (dict(bins=-3), r"got -3"),
-        (dict(bins=True), r"got True"),
-        (dict(bins=128.0), r"got 128.0"),
-        (dict(bins="abc"), r"a sequence of edges, got 'abc'"),
-        (dict(bins=[1.0]), r">= 2 numbers, strictly increasing in float32, got \[1.0\]"),
-        (dict(bins=[0.0, 1.0, 1.0]), r"strictly increasing"),
-        (dict(bins=[0.0, NAN, 1.0]), r"strictly increasing"),
-        (dict(bins=[[0.0, 1.0], [2.0, 3.0]]), r"strictly increasing"),
-        (dict(bins=[0.0, 1.0, 1.00000001]), r"strictly increasing in float32"),
-        (dict(bins=8, low=0.0), r"0 < low < high < 3.4e38, got low=0.0"),
-        (dict(bins=8, low=10.0, high=1.0), r"got low=10.0, high=1.0"),
-        (dict(bins=8, high=1e39), r"high=1e\+39"),
+        (dict(bins=0), ValueError, r"`bins` must be a positive int or a sequence of edges, got 0: pass e\.g\. bins="),
+        (dict(bins=-3), ValueError, r"got -3"),
+        (dict(bins=True), TypeError, r"got True \(bool\)"),
+        (dict(bins=128.0), TypeError, r"got 128.0 \(float\)"),
+        (dict(bins="abc"), TypeError, r"a sequence of edges, got 'abc' \(str\)"),
+        (dict(bins=["a", "b"]), TypeError, r"its items must be numbers"),
+        (dict(bins=[1.0]), ValueError, r">= 2 numbers, strictly increasing in float32, got \[1.0\]"),
+        (dict(bins=[0.0, 1.0, 1.0]), ValueError, r"strictly increasing"),
+        (dict(bins=[0.0, NAN, 1.0]), ValueError, r"strictly increasing"),
+        (dict(bins=[[0.0, 1.0], [2.0, 3.0]]), ValueError, r"strictly increasing"),
+        (dict(bins=[0.0, 1.0, 1.00000001]), ValueError, r"strictly increasing in float32"),
+        (dict(bins=8, low=0.0), ValueError, r"0 < low < high < 3.4e38, got low=0.0"),
+        (dict(bins=8, low=10.0, high=1.0), ValueError, r"got low=10.0, high=1.0"),
+        (dict(bins=8, high=1e39), ValueError, r"high=1e\+39"),
     ],
 )
-def test_bad_edges_raise(kwargs, match):
-    with pytest.raises(ValueError, match=match):
+def test_bad_edges_raise(kwargs, error, match):
+    """A value of the wrong type is a TypeError, a wrong value a ValueError, as for every argument."""
+    with pytest.raises(error, match=match):
         histogram_edges(**kwargs)
 
 

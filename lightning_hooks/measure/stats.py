@@ -12,7 +12,7 @@ importable from here.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Union
 
 import torch
@@ -69,22 +69,26 @@ def histogram_edges(bins: Bins = 128, low: float = 1e-6, high: float = 1e6) -> T
         float64 tensor of ``n_bins + 1`` increasing edges.
 
     Raises:
+        TypeError: If ``bins`` is neither an int nor a sequence of numbers.
         ValueError: If ``bins`` is < 1, or the edges are not strictly increasing, or
             ``0 < low < high < float32 max`` does not hold.
     """
+    expected, fix = "a positive int or a sequence of edges", "pass e.g. bins=128 or bins=[-1.0, 0.0, 1.0]"
+    if isinstance(bins, (bool, str, bytes)) or not isinstance(bins, (int, Iterable)):
+        raise TypeError(f"`bins` must be {expected}, got {bins!r} ({type(bins).__name__}): {fix}")
     if not isinstance(bins, int):
         try:
             edges = torch.as_tensor(list(bins), dtype=torch.float64)
         except (TypeError, ValueError):
-            raise ValueError(f"`bins` must be a positive int or a sequence of edges, got {bins!r}") from None
+            raise TypeError(f"`bins` must be {expected}, got {bins!r}: its items must be numbers; {fix}") from None
         as_float32 = edges.float()  # float32 values are binned against float32 edges
         if edges.ndim != 1 or edges.numel() < 2 or not bool((as_float32[1:] > as_float32[:-1]).all()):
             raise ValueError(
                 f"`bins` as edges must be >= 2 numbers, strictly increasing in float32, got {bins!r}"
             )
         return edges
-    if isinstance(bins, bool) or bins < 1:
-        raise ValueError(f"`bins` must be a positive int or a sequence of edges, got {bins!r}")
+    if bins < 1:
+        raise ValueError(f"`bins` must be {expected}, got {bins!r}: {fix}")
     if not 0 < low < high < FLOAT32_MAX:
         raise ValueError(f"histogram range must satisfy 0 < low < high < 3.4e38, got {low=}, {high=}")
     n_positive = (bins + 1) // 2  # positive edges, the outermost being float32 max
