@@ -9,6 +9,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from lightning_hooks.measure._native import DirectKernel
 from lightning_hooks.measure._stat_rows import SUM_FIELDS, new_rows, reduce_rows, reset_rows_
 from lightning_hooks.measure._tensor_values import as_float_values, iter_tensors
 from lightning_hooks.measure.stats import Binning, Bins, accumulate_, histogram_edges
@@ -36,7 +37,9 @@ class StatBlock:
         self.bins = bins
         self._binnings: dict[tuple[torch.device, torch.dtype], Binning] = {}
         # Filled for the rows' device up front: under torch.compile a first miss costs a recompile.
-        self._binning(self.rows.device, torch.float32)
+        native = self._binning(self.rows.device, torch.float32).native
+        # Eager float32 tensors on the CPU: the C kernel straight into the rows, without the dispatcher.
+        self._direct = DirectKernel(self.rows, *native) if native is not None and self.rows.is_cpu else None
         self.pending = False
         self._counted: dict[tuple[int, ...], tuple[Tensor, Tensor]] = {}  # for count: indices -> (index, ones)
 
@@ -52,6 +55,10 @@ class StatBlock:
 
         Returns whether the tensor was added: tensors we cannot summarise are skipped.
         """
+        if self._direct is not None and DirectKernel.takes(tensor):  # the usual case, in about 1.5 us
+            self._direct.accumulate_(index, tensor, calls)
+            self.pending = True
+            return True
         values = as_float_values(tensor)
         if values is None:
             return False

@@ -10,6 +10,7 @@ field (``tests/test_sinks.py`` compares them), at a few microseconds a histogram
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import numpy as np
@@ -24,8 +25,9 @@ _VALUE = b"\x0a"  # Summary field 1: repeated Value
 _HEAD = np.dtype([(f"k{i}", "u1") if j == 0 else (f"v{i}", "<f8") for i in range(5) for j in range(2)])
 
 
+@functools.lru_cache(maxsize=1 << 14)
 def _varint(n: int) -> bytes:
-    """``n`` as a protobuf base-128 varint."""
+    """``n`` as a protobuf base-128 varint (the lengths repeat step after step: cached)."""
     out = bytearray()
     while n > 0x7F:
         out.append((n & 0x7F) | 0x80)
@@ -37,6 +39,19 @@ def _varint(n: int) -> bytes:
 def _field(key: bytes, payload: bytes) -> bytes:
     """A length-delimited field: its key, the payload's length, the payload."""
     return key + _varint(len(payload)) + payload
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _tag_field(tag: str) -> bytes:
+    """``Summary.Value``'s tag field (the tags repeat step after step: each encoded once)."""
+    return _field(_TAG, tag.encode())
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _scalar_head(tag: str) -> bytes:
+    """Everything of a scalar's ``Summary.Value`` field but its 4-byte float: key, length, tag, value key."""
+    tag_field = _tag_field(tag)
+    return _VALUE + _varint(len(tag_field) + 5) + tag_field + _SIMPLE_VALUE
 
 
 def histogram_summary(tags: Sequence[str], figures: dict[str, np.ndarray], counts: np.ndarray,
@@ -64,10 +79,12 @@ def histogram_summary(tags: Sequence[str], figures: dict[str, np.ndarray], count
     values = []
     for i, first, last in spans:
         size = _varint(8 * (last - first))
-        histo = b"".join((heads[i * width : (i + 1) * width],
-                          _BUCKET_LIMIT, size, limits[8 * (first + 1) : 8 * (last + 1)],
-                          _BUCKET, size, buckets[8 * (i * bins + first) : 8 * (i * bins + last)]))
-        values.append(_field(_VALUE, _field(_TAG, tags[i].encode()) + _field(_HISTO, histo)))
+        length = width + 2 + 2 * (len(size) + 8 * (last - first))  # the HistogramProto's bytes
+        tag_field, histo_size = _tag_field(tags[i]), _varint(length)
+        values += (_VALUE, _varint(len(tag_field) + 1 + len(histo_size) + length), tag_field, _HISTO, histo_size,
+                   heads[i * width : (i + 1) * width],
+                   _BUCKET_LIMIT, size, limits[8 * (first + 1) : 8 * (last + 1)],
+                   _BUCKET, size, buckets[8 * (i * bins + first) : 8 * (i * bins + last)])
     return Summary.FromString(b"".join(values))
 
 
@@ -76,5 +93,4 @@ def scalar_summary(tags: Sequence[str], values: Sequence[float]) -> Summary:
     with np.errstate(over="ignore"):  # beyond float32 is +-inf, as protobuf stores it
         packed = np.asarray(values, dtype=np.float64).astype("<f4").tobytes()
     return Summary.FromString(b"".join(
-        _field(_VALUE, _field(_TAG, tag.encode()) + _SIMPLE_VALUE + packed[4 * i : 4 * i + 4])
-        for i, tag in enumerate(tags)))
+        _scalar_head(tag) + packed[4 * i : 4 * i + 4] for i, tag in enumerate(tags)))
