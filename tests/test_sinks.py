@@ -140,7 +140,7 @@ def test_histograms_laid_out_from_arrays_are_the_messages_histogram_raw_makes_by
     from tensorboard.compat.proto.summary_pb2 import Summary
     from torch.utils.tensorboard.summary import histogram_raw
 
-    from lightning_hooks.output._tensorboard_wire import histogram_summary, scalar_summary
+    from lightning_hooks.output._tensorboard_wire import histogram_summary, histogram_summary_bytes
 
     rng = np.random.default_rng(0)
     rows, bins = 300, 130  # 130 bins: a packed field over 127 doubles needs a two-byte length
@@ -149,18 +149,33 @@ def test_histograms_laid_out_from_arrays_are_the_messages_histogram_raw_makes_by
     counts[:, :3], counts[5], counts[5, 7], counts[6, -1] = 0, 0, 3e9, 2  # trimmed bins, one bin, a large count
     figures = {k: rng.normal(size=rows) for k in ("min", "max", "sum", "sum_sq")}
     figures["count_finite"] = counts.sum(1)
-    figures["min"][3], figures["max"][4] = -0.0, 0.0
+    # proto3 leaves out 0.0 (not -0.0): a ReLU's min, a zero sum, every figure but the count at once
+    figures["min"][3], figures["max"][4], figures["min"][7], figures["sum"][8] = -0.0, 0.0, 0.0, 0.0
+    figures["min"][9] = figures["max"][9] = figures["sum"][9] = figures["sum_sq"][9] = 0.0
     spans = [(i, int(np.flatnonzero(c)[0]), int(np.flatnonzero(c)[-1]) + 1) for i, c in enumerate(counts)][1:]
     tags = [f"activations/net.{i}/é" for i in range(rows)]
-    got = histogram_summary(tags, figures, counts, edges, spans)
     want = Summary(value=[v for i, a, b in spans for v in histogram_raw(
         tags[i], figures["min"][i], figures["max"][i], int(figures["count_finite"][i]), figures["sum"][i],
         figures["sum_sq"][i], edges[a + 1 : b + 1], [int(c) for c in counts[i, a:b]]).value])
-    assert got.SerializeToString() == want.SerializeToString()
-    values = [1.0, math.nan, 1e300, -3.5, 7, 0.1, True]
+    assert histogram_summary_bytes(tags, figures, counts, edges, spans) == want.SerializeToString()
+    assert histogram_summary(tags, figures, counts, edges, spans) == want
+
+
+def test_scalars_and_events_laid_out_as_bytes_are_what_protobuf_serializes():
+    from tensorboard.compat.proto.summary_pb2 import Summary
+
+    from lightning_hooks.output._tensorboard_wire import event_bytes, scalar_summary, scalar_summary_bytes
+
+    values = [1.0, math.nan, 1e300, -3.5, 7, 0.1, True, 0.0, -0.0, 1e-50, False]  # in a oneof: 0.0 is written
     scalars = [f"s/{i}" for i in range(len(values))]
-    assert scalar_summary(scalars, values).SerializeToString() == Summary(value=[
-        Summary.Value(tag=t, simple_value=float(v)) for t, v in zip(scalars, values)]).SerializeToString()
+    want = Summary(value=[Summary.Value(tag=t, simple_value=float(v)) for t, v in zip(scalars, values)])
+    assert scalar_summary_bytes(scalars, values) == want.SerializeToString()
+    assert scalar_summary(scalars, values).SerializeToString() == want.SerializeToString()
+    summary = want.SerializeToString()
+    for step, wall_time in [(0, 1.7e9), (1, 1.7e9), (127, 0.0), (128, -0.0), (2**40, 3.25), (-1, 1.0)]:
+        event = Event(summary=want, step=step, wall_time=wall_time)
+        assert event_bytes(summary, step, wall_time) == event.SerializeToString(), step
+    assert event_bytes(b"", 5, 1.0) == Event(summary=Summary(), step=5, wall_time=1.0).SerializeToString()
 
 
 @pytest.fixture(params=["c, sse4.2", "c, tables", "numpy"])

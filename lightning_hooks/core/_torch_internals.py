@@ -67,6 +67,15 @@ def event_file_writer(summary_writer: Any) -> Any:
     return summary_writer._get_file_writer()
 
 
+def enqueue_event(file_writer: Any, data: bytes) -> None:
+    """Hand an ``Event``'s wire bytes to the writer thread of torch's ``FileWriter``.
+
+    What ``EventFileWriter.add_event`` does once it has serialized the event
+    (``EventFileWriter._async_writer.write``): TensorBoard takes no event as bytes.
+    """
+    file_writer.event_writer._async_writer.write(data)
+
+
 def record_writer(event_file_writer: Any) -> Any:
     """The ``RecordWriter`` an ``EventFileWriter`` writes through, or None where it has none.
 
