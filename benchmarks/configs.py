@@ -1,5 +1,9 @@
 """What the CPU benchmark runs: the models (``WORKLOADS``) and the callback configurations (``build_configs``).
 
+The models: ``mlp`` and ``cnn`` (a few large modules each), and ``gpt2``, a GPT-2-style decoder built
+from its sizes (:class:`DecoderSizes`, no download), whose 87 small hooked modules are what a
+transformer's per-module costs look like (``scaling.py`` trains it too).
+
 Adding a model is one entry in ``WORKLOADS``; adding a configuration (or a peer from ``peers.py``)
 is one ``Config`` in ``build_configs``.
 """
@@ -11,6 +15,7 @@ import importlib
 import importlib.util
 import inspect
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import lightning.pytorch as pl
@@ -86,9 +91,75 @@ def _workload(net: Callable[[], nn.Module], batch: Callable[[torch.Generator], B
     return Workload(functools.partial(_seeded, net), functools.partial(_repeated, batch))
 
 
+@dataclass(frozen=True)
+class DecoderSizes:
+    """A GPT-2-style decoder's sizes, named as ``transformers.GPT2Config`` names them."""
+
+    n_layer: int = 12
+    n_embd: int = 64
+    n_head: int = 4
+    vocab_size: int = 512
+    n_positions: int = 64
+    batch: int = 8
+
+
+class Block(nn.Module):
+    """A GPT-2 block: pre-LayerNorm causal self-attention and a GELU MLP, as ``transformers`` lays it out."""
+
+    def __init__(self, width: int, heads: int) -> None:
+        super().__init__()
+        self.ln_1, self.ln_2 = nn.LayerNorm(width), nn.LayerNorm(width)
+        self.c_attn, self.c_proj = nn.Linear(width, 3 * width), nn.Linear(width, width)
+        self.c_fc, self.act, self.mlp_proj = nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width)
+        self.heads = heads
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, c = x.shape
+        q, k, v = self.c_attn(self.ln_1(x)).split(c, dim=2)
+        q, k, v = (z.view(b, t, self.heads, c // self.heads).transpose(1, 2) for z in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, c)
+        x = x + self.c_proj(y)
+        return x + self.mlp_proj(self.act(self.c_fc(self.ln_2(x))))
+
+
+class Decoder(pl.LightningModule):
+    """A GPT-2-style decoder built from its sizes (no download): token and position embeddings, blocks, tied head."""
+
+    def __init__(self, sizes: DecoderSizes = DecoderSizes()) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.wte, self.wpe = nn.Embedding(sizes.vocab_size, sizes.n_embd), nn.Embedding(sizes.n_positions, sizes.n_embd)
+        self.h = nn.ModuleList(Block(sizes.n_embd, sizes.n_head) for _ in range(sizes.n_layer))
+        self.ln_f = nn.LayerNorm(sizes.n_embd)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.wte(ids) + self.wpe(torch.arange(ids.shape[1], device=ids.device))
+        for block in self.h:
+            x = block(x)
+        return self.ln_f(x) @ self.wte.weight.T
+
+    def training_step(self, batch: Batch, batch_idx: int) -> torch.Tensor:
+        ids, targets = batch
+        loss = F.cross_entropy(self(ids).flatten(0, 1), targets.flatten())
+        self.log("loss", loss)
+        return loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=3e-4)
+
+
+def decoder_batches(n: int, sizes: DecoderSizes = DecoderSizes()) -> list[Batch]:
+    """``n`` batches of random tokens (4 distinct ones, repeated): inputs and next-token targets."""
+    gen = torch.Generator().manual_seed(1)
+    distinct = [torch.randint(0, sizes.vocab_size, (sizes.batch, sizes.n_positions + 1), generator=gen)
+                for _ in range(4)]
+    return [(d[:, :-1], d[:, 1:]) for d in (distinct[i % 4] for i in range(n))]
+
+
 WORKLOADS: dict[str, Workload] = {
     "mlp": _workload(_mlp, _mlp_batch),  # 4 Linear layers of width 1024 with ReLU, batch 256
     "cnn": _workload(_cnn, _cnn_batch),  # 3 conv layers on synthetic 3x32x32 images, batch 64
+    "gpt2": Workload(Decoder, decoder_batches),  # 12 blocks of width 64, 4 heads, 8 x 64 tokens: 87 hooked modules
 }
 MODELS = tuple(WORKLOADS)
 
@@ -116,15 +187,15 @@ def _wandb_every(n: int) -> Callable[[int], bool]:
 def build_configs(notes: list[str]) -> dict[str, Config]:
     """Every configuration this environment can run; what is missing goes to ``notes``."""
     grad_cls = optional("lightning_hooks.callbacks.gradients", "GradientMonitor")
+    stop_cls = optional("lightning_hooks.callbacks.stopping", "GradientAnomalyStopping")
     if grad_cls is None:
         notes.append("GradientMonitor is not importable yet: the monitor rows hold ActivationMonitor only.")
     configs = [
         Config("none", "no callbacks (baseline)", lambda tmp: []),
         Config("none (A/A)", "no callbacks again: the noise floor", lambda tmp: []),
         *_monitor_configs(grad_cls),
-        *_provenance_configs(
-            grad_cls, optional("lightning_hooks.callbacks.stopping", "GradientAnomalyStopping"), notes
-        ),
+        *_quick_start_configs(grad_cls, stop_cls),
+        *_provenance_configs(grad_cls, stop_cls, notes),
         Config("naive/1", "naive reference: per-module .cpu() + numpy histogram in forward hooks, every step",
                lambda tmp: [NaiveHistogramMonitor(1)], _every(1), 1),
         Config("detect_anomaly", "Trainer(detect_anomaly=True), i.e. torch.autograd.detect_anomaly",
@@ -163,6 +234,26 @@ def _monitor_configs(grad_cls: Any) -> list[Config]:
         configs.append(Config("gradients/1", "GradientMonitor(log_every_n_steps=1) alone",
                               lambda tmp: [grad_cls(log_every_n_steps=1)], _every(1), 1))
     return configs
+
+
+def _quick_start_configs(grad_cls: Any, stop_cls: Any) -> list[Config]:
+    """The README's quick start: ActivationMonitor, GradientMonitor and GradientAnomalyStopping(action="skip").
+
+    As written there (logging at the Trainer's ``log_every_n_steps``, ``LOG_EVERY`` here), and logging every step.
+    """
+    if grad_cls is None or stop_cls is None:
+        return []
+
+    def quick_start(every: int) -> Callable[[str], list[Callback]]:
+        return lambda tmp: [ActivationMonitor(log_every_n_steps=every), grad_cls(log_every_n_steps=every),
+                            stop_cls(action="skip")]
+
+    described = "ActivationMonitor() + GradientMonitor() + GradientAnomalyStopping(action='skip')"
+    return [
+        Config(f"quick start/{LOG_EVERY}", f"{described}, log_every_n_steps={LOG_EVERY}: the README's quick start",
+               quick_start(LOG_EVERY), _every(LOG_EVERY), LOG_EVERY, partner="quick start/1"),
+        Config("quick start/1", f"{described}, log_every_n_steps=1", quick_start(1), _every(1), 1),
+    ]
 
 
 def _provenance_configs(grad_cls: Any, stop_cls: Any, notes: list[str]) -> list[Config]:
