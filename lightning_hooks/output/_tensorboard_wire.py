@@ -65,6 +65,20 @@ def _scalar_head(tag: str) -> bytes:
     return _VALUE + _varint(len(tag_field) + 5) + tag_field + _SIMPLE_VALUE
 
 
+@functools.lru_cache(maxsize=1 << 12)
+def _bucket_keys(n_bins: int, figures: int) -> tuple[bytes, bytes, int]:
+    """The keys and lengths of ``n_bins`` bucket limits and counts, and the HistogramProto's length with them."""
+    size = _varint(8 * n_bins)
+    return _BUCKET_LIMIT + size, _BUCKET + size, figures + 2 * (1 + len(size) + 8 * n_bins)
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _histogram_head(tag: str, length: int) -> bytes:
+    """A histogram's ``Summary.Value`` field up to its HistogramProto of ``length`` bytes: key, length, tag, key, length."""
+    tag_field, histo_size = _tag_field(tag), _varint(length)
+    return _VALUE + _varint(len(tag_field) + 1 + len(histo_size) + length) + tag_field + _HISTO + histo_size
+
+
 def histogram_summary_bytes(tags: Sequence[str], figures: dict[str, np.ndarray], counts: np.ndarray,
                             edges: Sequence[float], spans: Sequence[tuple[int, int, int]]) -> bytes:
     """The wire bytes of a ``Summary`` holding a histogram per ``(row, first bin, one past the last)`` in ``spans``.
@@ -96,12 +110,9 @@ def histogram_summary_bytes(tags: Sequence[str], figures: dict[str, np.ndarray],
         figures_i = heads[i * width : (i + 1) * width]
         if any_zero[i]:
             figures_i = b"".join(figures_i[9 * j : 9 * j + 9] for j in range(5) if not zero[i, j])
-        size = _varint(8 * (last - first))
-        length = len(figures_i) + 2 + 2 * (len(size) + 8 * (last - first))  # the HistogramProto's bytes
-        tag_field, histo_size = _tag_field(tags[i]), _varint(length)
-        values += (_VALUE, _varint(len(tag_field) + 1 + len(histo_size) + length), tag_field, _HISTO, histo_size,
-                   figures_i, _BUCKET_LIMIT, size, limits[8 * (first + 1) : 8 * (last + 1)],
-                   _BUCKET, size, buckets[8 * (i * bins + first) : 8 * (i * bins + last)])
+        limit_key, bucket_key, length = _bucket_keys(last - first, len(figures_i))
+        values += (_histogram_head(tags[i], length), figures_i, limit_key, limits[8 * (first + 1) : 8 * (last + 1)],
+                   bucket_key, buckets[8 * (i * bins + first) : 8 * (i * bins + last)])
     return b"".join(values)
 
 
