@@ -74,7 +74,7 @@ def _bucket_keys(n_bins: int, figures: int) -> tuple[bytes, bytes, int]:
 
 @functools.lru_cache(maxsize=1 << 16)
 def _histogram_head(tag: str, length: int) -> bytes:
-    """A histogram's ``Summary.Value`` field up to its HistogramProto of ``length`` bytes: key, length, tag, key, length."""
+    """A histogram's ``Summary.Value`` up to its HistogramProto of ``length`` bytes: key, length, tag, key, length."""
     tag_field, histo_size = _tag_field(tag), _varint(length)
     return _VALUE + _varint(len(tag_field) + 1 + len(histo_size) + length) + tag_field + _HISTO + histo_size
 
