@@ -101,6 +101,22 @@ def test_inside_torch_func_and_under_a_torch_function_mode_the_op_sees_the_call(
     assert rows[:, stats._COL["sum"]].tolist() == [15.0, 6.0]
 
 
+@needs_native
+def test_many_tensors_at_once_give_what_adding_each_gives(op_calls):
+    x = _values()
+    tensors = [x, x.double(), torch.empty(0), x[:100].view(10, 10).t(), x[7:], torch.ones(3, requires_grad=True)]
+    one_by_one = StatBlock(["a", "b", "c"], 128, "cpu")
+    added = [one_by_one.add(i % 3, t, i % 2) for i, t in enumerate(tensors)]
+    many = StatBlock(["a", "b", "c"], 128, "cpu")
+    assert many.add_many([i % 3 for i in range(6)], tensors, [i % 2 for i in range(6)]) == added
+    assert added == [True, True, False, True, True, True]
+    assert many.rows.tolist() == one_by_one.rows.tolist()
+    calls = len(op_calls)
+    with _Passing():  # under a mode the op sees every call, as one by one
+        many.add_many([0, 1], [x, x], [1, 1])
+    assert len(op_calls) == calls + 2
+
+
 def test_without_the_c_kernel_the_block_uses_the_tensor_op_kernel(monkeypatch):
     monkeypatch.setattr(stats, "NATIVE_KERNEL", False)
     block = StatBlock(["m"], 16, "cpu")

@@ -46,16 +46,22 @@ def in_backward() -> bool:
     return not torch.compiler.is_compiling() and torch._C._current_graph_task_id() != -1
 
 
-def no_mode_or_transform(tensor: Tensor) -> bool:
-    """Whether ``tensor`` is outside every ``torch.func`` transform and no torch function or dispatch mode is on.
+def in_torch_func(tensor: Tensor) -> bool:
+    """Whether ``tensor`` is a ``torch.func`` transform's wrapper, which only the dispatcher unwraps.
 
-    Then code that reads the tensor's memory itself (the statistics kernel's eager path) sees
-    exactly what the dispatcher would give it; otherwise it must go through the dispatcher, where
-    transforms unwrap their tensors and modes see the call
-    (``torch._C._functorch.is_functorch_wrapped_tensor``, ``torch._C._len_torch_function_stack``,
-    ``torch._C._len_torch_dispatch_stack``: torch has no public way to ask).
+    ``torch._C._functorch.is_functorch_wrapped_tensor``: torch has no public way to ask.
     """
-    return not (_functorch_wrapped(tensor) or _function_modes() or _dispatch_modes())
+    return _functorch_wrapped(tensor)
+
+
+def torch_modes_on() -> bool:
+    """Whether a torch function mode or dispatch mode is on: it would see every call that goes through torch.
+
+    ``torch._C._len_torch_function_stack``, ``torch._C._len_torch_dispatch_stack``: torch has no
+    public way to ask. Code that reads a tensor's memory itself (the statistics kernel's eager
+    path) goes through the dispatcher instead while one is.
+    """
+    return bool(_function_modes() or _dispatch_modes())
 
 
 _functorch_wrapped = torch._C._functorch.is_functorch_wrapped_tensor

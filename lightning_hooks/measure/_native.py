@@ -16,7 +16,7 @@ import warnings
 import torch
 from torch import Tensor
 
-from lightning_hooks.core._torch_internals import no_mode_or_transform
+from lightning_hooks.core._torch_internals import in_torch_func, torch_modes_on
 
 __all__ = ["NATIVE_ABI", "NATIVE_KERNEL", "DirectKernel", "accumulate_native_", "cstats", "native_table"]
 
@@ -94,23 +94,36 @@ class DirectKernel:
         self.rows, self.table, self.right, self.fine = rows.numpy(), table.numpy(), right.numpy(), fine
 
     @staticmethod
-    def takes(tensor: Tensor) -> bool:
-        """Whether ``tensor`` goes to the kernel as it is (see the class); the dispatcher's checks, in Python."""
+    def eager() -> bool:
+        """Whether code runs eagerly: not traced by ``torch.compile``, and no torch function or dispatch mode on."""
+        return not torch.compiler.is_compiling() and not torch_modes_on()
+
+    @staticmethod
+    def readable(tensor: Tensor) -> bool:
+        """Whether the kernel reads ``tensor`` as it is: a plain, contiguous, non-empty float32 CPU tensor.
+
+        Not a negated view (its memory holds the values un-negated) nor a ``torch.func`` wrapper.
+        """
         return (
-            not torch.compiler.is_compiling()
-            and type(tensor) is Tensor
+            type(tensor) is Tensor
             and tensor.dtype is _FLOAT32
             and tensor.is_cpu
             and tensor.layout is _STRIDED
             and tensor.is_contiguous()
             and not tensor.is_neg()
             and tensor.numel() > 0
-            and no_mode_or_transform(tensor)
+            and not in_torch_func(tensor)
         )
+
+    @classmethod
+    def takes(cls, tensor: Tensor) -> bool:
+        """Whether ``tensor`` goes to the kernel as it is, here and now: :meth:`eager` and :meth:`readable`."""
+        return cls.eager() and cls.readable(tensor)
 
     def accumulate_(self, index: int, values: Tensor, calls: float) -> None:
         """Add ``values``' statistics, and ``calls``, to row ``index``; ``values`` as :meth:`takes` accepts."""
-        cstats.accumulate_f32(values.detach().numpy(), self.rows[index], self.table, self.right, self.fine, calls,
+        readable = values.detach() if values.requires_grad else values
+        cstats.accumulate_f32(readable.numpy(), self.rows[index], self.table, self.right, self.fine, calls,
                               torch.get_num_threads())
 
 

@@ -66,6 +66,26 @@ class StatBlock:
         self.pending = True
         return True
 
+    def add_many(self, indices: list[int], tensors: list[Tensor], calls: list[int]) -> list[bool]:
+        """:meth:`add` each of ``tensors`` to its row of ``indices`` with its ``calls``, in order.
+
+        What holds for them all (eager code, no torch mode) is checked once, not per tensor: a
+        step's gradients, two per module, cost about a microsecond less each.
+
+        Returns:
+            Per tensor, whether it was added.
+        """
+        direct = self._direct if self._direct is not None and DirectKernel.eager() else None
+        added = []
+        for index, tensor, call in zip(indices, tensors, calls):
+            if direct is not None and DirectKernel.readable(tensor):
+                direct.accumulate_(index, tensor, call)
+                self.pending = True
+                added.append(True)
+            else:
+                added.append(self.add(index, tensor, call))
+        return added
+
     def count(self, indices: list[int]) -> None:
         """Add a call and no values to each row in ``indices`` (a rank's empty parts of split gradients).
 

@@ -100,12 +100,12 @@ def histogram_summary_bytes(tags: Sequence[str], figures: dict[str, np.ndarray],
         head[f"k{i}"], head[f"v{i}"] = key, figures[name]
     heads, width = head.tobytes(), _HEAD.itemsize
     # proto3 leaves out a double whose bits are all 0 (0.0, not -0.0): so do these bytes.
-    zero = np.stack([head[f"v{i}"].view(np.uint64) == 0 for i in range(5)], 1)
-    any_zero = zero.any(1).tolist()
+    zero: np.ndarray = np.stack([head[f"v{i}"].view(np.uint64) == 0 for i in range(5)], 1)
+    any_zero: list[bool] = np.any(zero, axis=1).tolist()
     limits = np.asarray(edges, dtype="<f8").tobytes()
     bins = counts.shape[1]
     buckets = np.ascontiguousarray(counts, dtype="<f8").tobytes()
-    values = []
+    values: list[bytes] = []
     for i, first, last in spans:
         figures_i = heads[i * width : (i + 1) * width]
         if any_zero[i]:
