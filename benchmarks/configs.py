@@ -1,8 +1,8 @@
 """What the CPU benchmark runs: the models (``WORKLOADS``) and the callback configurations (``build_configs``).
 
-The models: ``mlp`` and ``cnn`` (a few large modules each), and ``gpt2``, a GPT-2-style decoder built
-from its sizes (:class:`DecoderSizes`, no download), whose 87 small hooked modules are what a
-transformer's per-module costs look like (``scaling.py`` trains it too).
+The models: ``mlp`` and ``cnn`` (a few large modules each), and ``gpt2``, ``scaling.py``'s GPT-2-style
+decoder built from its sizes (no download), whose 87 small hooked modules are what a
+transformer's per-module costs look like.
 
 Adding a model is one entry in ``WORKLOADS``; adding a configuration (or a peer from ``peers.py``)
 is one ``Config`` in ``build_configs``.
@@ -15,10 +15,10 @@ import importlib
 import importlib.util
 import inspect
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import lightning.pytorch as pl
+import scaling
 import torch
 import torch.nn.functional as F
 from harness import LOG_EVERY, Config, Workload
@@ -91,75 +91,11 @@ def _workload(net: Callable[[], nn.Module], batch: Callable[[torch.Generator], B
     return Workload(functools.partial(_seeded, net), functools.partial(_repeated, batch))
 
 
-@dataclass(frozen=True)
-class DecoderSizes:
-    """A GPT-2-style decoder's sizes, named as ``transformers.GPT2Config`` names them."""
-
-    n_layer: int = 12
-    n_embd: int = 64
-    n_head: int = 4
-    vocab_size: int = 512
-    n_positions: int = 64
-    batch: int = 8
-
-
-class Block(nn.Module):
-    """A GPT-2 block: pre-LayerNorm causal self-attention and a GELU MLP, as ``transformers`` lays it out."""
-
-    def __init__(self, width: int, heads: int) -> None:
-        super().__init__()
-        self.ln_1, self.ln_2 = nn.LayerNorm(width), nn.LayerNorm(width)
-        self.c_attn, self.c_proj = nn.Linear(width, 3 * width), nn.Linear(width, width)
-        self.c_fc, self.act, self.mlp_proj = nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width)
-        self.heads = heads
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, c = x.shape
-        q, k, v = self.c_attn(self.ln_1(x)).split(c, dim=2)
-        q, k, v = (z.view(b, t, self.heads, c // self.heads).transpose(1, 2) for z in (q, k, v))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, c)
-        x = x + self.c_proj(y)
-        return x + self.mlp_proj(self.act(self.c_fc(self.ln_2(x))))
-
-
-class Decoder(pl.LightningModule):
-    """A GPT-2-style decoder built from its sizes (no download): token and position embeddings, blocks, tied head."""
-
-    def __init__(self, sizes: DecoderSizes = DecoderSizes()) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.wte, self.wpe = nn.Embedding(sizes.vocab_size, sizes.n_embd), nn.Embedding(sizes.n_positions, sizes.n_embd)
-        self.h = nn.ModuleList(Block(sizes.n_embd, sizes.n_head) for _ in range(sizes.n_layer))
-        self.ln_f = nn.LayerNorm(sizes.n_embd)
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        x = self.wte(ids) + self.wpe(torch.arange(ids.shape[1], device=ids.device))
-        for block in self.h:
-            x = block(x)
-        return self.ln_f(x) @ self.wte.weight.T
-
-    def training_step(self, batch: Batch, batch_idx: int) -> torch.Tensor:
-        ids, targets = batch
-        loss = F.cross_entropy(self(ids).flatten(0, 1), targets.flatten())
-        self.log("loss", loss)
-        return loss
-
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.AdamW(self.parameters(), lr=3e-4)
-
-
-def decoder_batches(n: int, sizes: DecoderSizes = DecoderSizes()) -> list[Batch]:
-    """``n`` batches of random tokens (4 distinct ones, repeated): inputs and next-token targets."""
-    gen = torch.Generator().manual_seed(1)
-    distinct = [torch.randint(0, sizes.vocab_size, (sizes.batch, sizes.n_positions + 1), generator=gen)
-                for _ in range(4)]
-    return [(d[:, :-1], d[:, 1:]) for d in (distinct[i % 4] for i in range(n))]
-
-
 WORKLOADS: dict[str, Workload] = {
     "mlp": _workload(_mlp, _mlp_batch),  # 4 Linear layers of width 1024 with ReLU, batch 256
     "cnn": _workload(_cnn, _cnn_batch),  # 3 conv layers on synthetic 3x32x32 images, batch 64
-    "gpt2": Workload(Decoder, decoder_batches),  # 12 blocks of width 64, 4 heads, 8 x 64 tokens: 87 hooked modules
+    # scaling.py's GPT-2-style decoder, built from its sizes: 12 blocks of width 64, 4 heads, 8 x 64 tokens
+    "gpt2": scaling.workloads([], decoder=True)["gpt2-style"],
 }
 MODELS = tuple(WORKLOADS)
 

@@ -26,7 +26,6 @@ from typing import Any, Optional
 import lightning.pytorch as pl
 import torch
 import torch.nn.functional as F
-from configs import WORKLOADS
 from harness import Config, Schedule, Workload, timed_rounds
 from lightning.pytorch.callbacks import Callback
 from torch import nn
@@ -57,16 +56,65 @@ class Stack(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=1e-3)
 
 
+class Block(nn.Module):
+    """A GPT-2 block: pre-LayerNorm causal self-attention and a GELU MLP, as ``transformers`` lays it out."""
+
+    def __init__(self, width: int, heads: int) -> None:
+        super().__init__()
+        self.ln_1, self.ln_2 = nn.LayerNorm(width), nn.LayerNorm(width)
+        self.c_attn, self.c_proj = nn.Linear(width, 3 * width), nn.Linear(width, width)
+        self.c_fc, self.act, self.mlp_proj = nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width)
+        self.heads = heads
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, c = x.shape
+        q, k, v = self.c_attn(self.ln_1(x)).split(c, dim=2)
+        q, k, v = (z.view(b, t, self.heads, c // self.heads).transpose(1, 2) for z in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, c)
+        x = x + self.c_proj(y)
+        return x + self.mlp_proj(self.act(self.c_fc(self.ln_2(x))))
+
+
+class Decoder(pl.LightningModule):
+    """A GPT-2-style decoder built from its sizes (no download): token and position embeddings, blocks, tied head."""
+
+    def __init__(self, layers: int = 12, width: int = 64, heads: int = 4, vocab: int = 512, context: int = 64) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.wte, self.wpe = nn.Embedding(vocab, width), nn.Embedding(context, width)
+        self.h = nn.ModuleList(Block(width, heads) for _ in range(layers))
+        self.ln_f = nn.LayerNorm(width)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.wte(ids) + self.wpe(torch.arange(ids.shape[1], device=ids.device))
+        for block in self.h:
+            x = block(x)
+        return self.ln_f(x) @ self.wte.weight.T
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        ids, targets = batch
+        return F.cross_entropy(self(ids).flatten(0, 1), targets.flatten())
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=3e-4)
+
+
 def _stack_batches(n: int) -> list[Any]:
     gen = torch.Generator().manual_seed(1)
     distinct = [(torch.randn(64, 64, generator=gen), torch.randn(64, 64, generator=gen)) for _ in range(4)]
     return [distinct[i % 4] for i in range(n)]
 
 
+def _decoder_batches(n: int) -> list[Any]:
+    gen = torch.Generator().manual_seed(1)
+    distinct = [torch.randint(0, 512, (8, 65), generator=gen) for _ in range(4)]
+    return [(d[:, :-1], d[:, 1:]) for d in (distinct[i % 4] for i in range(n))]
+
+
 def workloads(depths: list[int], decoder: bool) -> dict[str, Workload]:
     out = {f"stack{d}": Workload(functools.partial(Stack, d), _stack_batches) for d in depths}
     if decoder:
-        out["gpt2-style"] = WORKLOADS["gpt2"]
+        out["gpt2-style"] = Workload(Decoder, _decoder_batches)
     return out
 
 
