@@ -1,5 +1,9 @@
 """What the CPU benchmark runs: the models (``WORKLOADS``) and the callback configurations (``build_configs``).
 
+The models: ``mlp`` and ``cnn`` (a few large modules each), and ``gpt2``, ``scaling.py``'s GPT-2-style
+decoder built from its sizes (no download), whose 87 small hooked modules are what a
+transformer's per-module costs look like.
+
 Adding a model is one entry in ``WORKLOADS``; adding a configuration (or a peer from ``peers.py``)
 is one ``Config`` in ``build_configs``.
 """
@@ -14,6 +18,7 @@ from collections.abc import Callable
 from typing import Any
 
 import lightning.pytorch as pl
+import scaling
 import torch
 import torch.nn.functional as F
 from harness import LOG_EVERY, Config, Workload
@@ -89,6 +94,8 @@ def _workload(net: Callable[[], nn.Module], batch: Callable[[torch.Generator], B
 WORKLOADS: dict[str, Workload] = {
     "mlp": _workload(_mlp, _mlp_batch),  # 4 Linear layers of width 1024 with ReLU, batch 256
     "cnn": _workload(_cnn, _cnn_batch),  # 3 conv layers on synthetic 3x32x32 images, batch 64
+    # scaling.py's GPT-2-style decoder, built from its sizes: 12 blocks of width 64, 4 heads, 8 x 64 tokens
+    "gpt2": scaling.workloads([], decoder=True)["gpt2-style"],
 }
 MODELS = tuple(WORKLOADS)
 
@@ -116,15 +123,15 @@ def _wandb_every(n: int) -> Callable[[int], bool]:
 def build_configs(notes: list[str]) -> dict[str, Config]:
     """Every configuration this environment can run; what is missing goes to ``notes``."""
     grad_cls = optional("lightning_hooks.callbacks.gradients", "GradientMonitor")
+    stop_cls = optional("lightning_hooks.callbacks.stopping", "GradientAnomalyStopping")
     if grad_cls is None:
         notes.append("GradientMonitor is not importable yet: the monitor rows hold ActivationMonitor only.")
     configs = [
         Config("none", "no callbacks (baseline)", lambda tmp: []),
         Config("none (A/A)", "no callbacks again: the noise floor", lambda tmp: []),
         *_monitor_configs(grad_cls),
-        *_provenance_configs(
-            grad_cls, optional("lightning_hooks.callbacks.stopping", "GradientAnomalyStopping"), notes
-        ),
+        *_quick_start_configs(grad_cls, stop_cls),
+        *_provenance_configs(grad_cls, stop_cls, notes),
         Config("naive/1", "naive reference: per-module .cpu() + numpy histogram in forward hooks, every step",
                lambda tmp: [NaiveHistogramMonitor(1)], _every(1), 1),
         Config("detect_anomaly", "Trainer(detect_anomaly=True), i.e. torch.autograd.detect_anomaly",
@@ -163,6 +170,26 @@ def _monitor_configs(grad_cls: Any) -> list[Config]:
         configs.append(Config("gradients/1", "GradientMonitor(log_every_n_steps=1) alone",
                               lambda tmp: [grad_cls(log_every_n_steps=1)], _every(1), 1))
     return configs
+
+
+def _quick_start_configs(grad_cls: Any, stop_cls: Any) -> list[Config]:
+    """The README's quick start: ActivationMonitor, GradientMonitor and GradientAnomalyStopping(action="skip").
+
+    As written there (logging at the Trainer's ``log_every_n_steps``, ``LOG_EVERY`` here), and logging every step.
+    """
+    if grad_cls is None or stop_cls is None:
+        return []
+
+    def quick_start(every: int) -> Callable[[str], list[Callback]]:
+        return lambda tmp: [ActivationMonitor(log_every_n_steps=every), grad_cls(log_every_n_steps=every),
+                            stop_cls(action="skip")]
+
+    described = "ActivationMonitor() + GradientMonitor() + GradientAnomalyStopping(action='skip')"
+    return [
+        Config(f"quick start/{LOG_EVERY}", f"{described}, log_every_n_steps={LOG_EVERY}: the README's quick start",
+               quick_start(LOG_EVERY), _every(LOG_EVERY), LOG_EVERY, partner="quick start/1"),
+        Config("quick start/1", f"{described}, log_every_n_steps=1", quick_start(1), _every(1), 1),
+    ]
 
 
 def _provenance_configs(grad_cls: Any, stop_cls: Any, notes: list[str]) -> list[Config]:

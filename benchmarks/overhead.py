@@ -2,7 +2,8 @@
 
 Runs real ``Trainer.fit`` calls, one per configuration and model, over several rounds, on the
 models of ``configs.py`` (``mlp``: 4 Linear layers of width 1024, batch 256; ``cnn``: 3 conv
-layers on synthetic 3x32x32 images, batch 64).
+layers on synthetic 3x32x32 images, batch 64; ``gpt2``: a GPT-2-style decoder built from its
+sizes, 12 blocks of width 64, 87 hooked modules).
 
 A step's wall (and CPU) time runs from one ``on_train_batch_start`` to the next, so it holds every
 callback hook, the optimizer step and the logger writes. Each round runs the configurations in a
@@ -17,7 +18,7 @@ the peak memory of a fresh subprocess that runs the same fits.
 
 Usage::
 
-    python benchmarks/overhead.py            # full run, 4-5 minutes on 2 cores
+    python benchmarks/overhead.py            # full run, 4-5 minutes on 2 cores before the decoder came
     python benchmarks/overhead.py --quick    # smoke run, under a minute, prints only
     python benchmarks/overhead.py --steps 30 --rounds 6 --models mlp --configs monitors/50
 
@@ -134,7 +135,7 @@ def _parse(argv: Optional[list[str]]) -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=1, help="untimed steps at the start of each fit")
     parser.add_argument("--threads", type=int, default=1,
                         help="torch threads (default 1: steadier on a shared machine; 0: torch's default)")
-    parser.add_argument("--models", default=",".join(MODELS), help="comma-separated subset of mlp,cnn")
+    parser.add_argument("--models", default=",".join(MODELS), help="comma-separated subset of mlp,cnn,gpt2")
     parser.add_argument("--configs", help="comma-separated subset of the configurations ('none' always runs)")
     parser.add_argument("--count-steps", type=int, help="steps of each host-transfer count (default 4)")
     parser.add_argument("--memory-steps", type=int, default=3, help="steps of each memory fit")

@@ -39,6 +39,9 @@ def check_targets(timing: dict[str, Any], transfers: dict[str, Any], models: lis
                                 f" (monitors/{LOG_EVERY} unchecked) {row['ratio_non_logged']:.3f}x none"])
         if row := t.get("monitors/1"):
             lines.append(_ratio_target(f"{kind}: logging every step (monitors/1)", row, "ratio", 1.5, aa))
+        if (row := t.get(f"quick start/{LOG_EVERY}")) and row["ratio_non_logged"] is not None:
+            lines.append([None, f"{kind}: the quick start's three callbacks, non-logged steps"
+                                f" (quick start/{LOG_EVERY}) {row['ratio_non_logged']:.3f}x none"])
         for name in ("provenance", "stopping+provenance"):
             if row := t.get(name):
                 lines.append(_ratio_target(f"{kind}: NaN provenance ({name})", row, "ratio", 1.1, aa))
@@ -61,8 +64,8 @@ def check_targets(timing: dict[str, Any], transfers: dict[str, Any], models: lis
 
 def _transfer_targets(kind: str, transfers: dict[str, Any]) -> list[list[Any]]:
     lines: list[list[Any]] = []
-    for name in (f"monitors/{LOG_EVERY}", "monitors/1", "activations/1", "gradients/1", "provenance",
-                 "stopping+provenance"):
+    for name in (f"monitors/{LOG_EVERY}", "monitors/1", "activations/1", "gradients/1", f"quick start/{LOG_EVERY}",
+                 "quick start/1", "provenance", "stopping+provenance"):
         for owner, v in transfers.get(kind, {}).get(name, {}).get("per_callback", {}).items():
             if v["logged"] is not None:
                 lines.append([v["logged"] <= 1, f"{kind}: {owner} in {name}: {v['logged']:g} host"

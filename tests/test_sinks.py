@@ -2,6 +2,7 @@
 
 import glob
 import math
+import os
 import warnings
 from collections import Counter
 from types import SimpleNamespace
@@ -140,7 +141,7 @@ def test_histograms_laid_out_from_arrays_are_the_messages_histogram_raw_makes_by
     from tensorboard.compat.proto.summary_pb2 import Summary
     from torch.utils.tensorboard.summary import histogram_raw
 
-    from lightning_hooks.output._tensorboard_wire import histogram_summary, scalar_summary
+    from lightning_hooks.output._tensorboard_wire import histogram_summary, histogram_summary_bytes
 
     rng = np.random.default_rng(0)
     rows, bins = 300, 130  # 130 bins: a packed field over 127 doubles needs a two-byte length
@@ -149,32 +150,87 @@ def test_histograms_laid_out_from_arrays_are_the_messages_histogram_raw_makes_by
     counts[:, :3], counts[5], counts[5, 7], counts[6, -1] = 0, 0, 3e9, 2  # trimmed bins, one bin, a large count
     figures = {k: rng.normal(size=rows) for k in ("min", "max", "sum", "sum_sq")}
     figures["count_finite"] = counts.sum(1)
-    figures["min"][3], figures["max"][4] = -0.0, 0.0
+    # proto3 leaves out 0.0 (not -0.0): a ReLU's min, a zero sum, every figure but the count at once
+    figures["min"][3], figures["max"][4], figures["min"][7], figures["sum"][8] = -0.0, 0.0, 0.0, 0.0
+    figures["min"][9] = figures["max"][9] = figures["sum"][9] = figures["sum_sq"][9] = 0.0
     spans = [(i, int(np.flatnonzero(c)[0]), int(np.flatnonzero(c)[-1]) + 1) for i, c in enumerate(counts)][1:]
     tags = [f"activations/net.{i}/é" for i in range(rows)]
-    got = histogram_summary(tags, figures, counts, edges, spans)
     want = Summary(value=[v for i, a, b in spans for v in histogram_raw(
         tags[i], figures["min"][i], figures["max"][i], int(figures["count_finite"][i]), figures["sum"][i],
         figures["sum_sq"][i], edges[a + 1 : b + 1], [int(c) for c in counts[i, a:b]]).value])
-    assert got.SerializeToString() == want.SerializeToString()
-    values = [1.0, math.nan, 1e300, -3.5, 7, 0.1, True]
+    assert histogram_summary_bytes(tags, figures, counts, edges, spans) == want.SerializeToString()
+    assert histogram_summary(tags, figures, counts, edges, spans) == want
+
+
+def test_scalars_and_events_laid_out_as_bytes_are_what_protobuf_serializes():
+    from tensorboard.compat.proto.summary_pb2 import Summary
+
+    from lightning_hooks.output._tensorboard_wire import event_bytes, scalar_summary, scalar_summary_bytes
+
+    values = [1.0, math.nan, 1e300, -3.5, 7, 0.1, True, 0.0, -0.0, 1e-50, False]  # in a oneof: 0.0 is written
     scalars = [f"s/{i}" for i in range(len(values))]
-    assert scalar_summary(scalars, values).SerializeToString() == Summary(value=[
-        Summary.Value(tag=t, simple_value=float(v)) for t, v in zip(scalars, values)]).SerializeToString()
+    want = Summary(value=[Summary.Value(tag=t, simple_value=float(v)) for t, v in zip(scalars, values)])
+    assert scalar_summary_bytes(scalars, values) == want.SerializeToString()
+    assert scalar_summary(scalars, values).SerializeToString() == want.SerializeToString()
+    summary = want.SerializeToString()
+    for step, wall_time in [(0, 1.7e9), (1, 1.7e9), (127, 0.0), (128, -0.0), (2**40, 3.25), (-1, 1.0)]:
+        event = Event(summary=want, step=step, wall_time=wall_time)
+        assert event_bytes(summary, step, wall_time) == event.SerializeToString(), step
+    assert event_bytes(b"", 5, 1.0) == Event(summary=Summary(), step=5, wall_time=1.0).SerializeToString()
 
 
-def test_the_vectorised_record_checksum_is_tensorboards_bit_for_bit():
-    from tensorboard.compat.tensorflow_stub.pywrap_tensorflow import masked_crc32c
+@pytest.fixture(params=["c, sse4.2", "c, tables", "numpy"])
+def checksum(request, monkeypatch):
+    """Each test that takes this runs with the C checksum (with and without SSE4.2) and with numpy's."""
+    from lightning_hooks.output import _crc32c
 
+    if request.param == "numpy":
+        monkeypatch.setattr(_crc32c, "native", None)
+    elif _crc32c.native is None:
+        pytest.skip("the C checksum was not built")
+    else:
+        before = _crc32c.native.set_sse42(request.param == "c, sse4.2")
+        request.addfinalizer(lambda: _crc32c.native.set_sse42(before))
+        if request.param == "c, sse4.2" and not _crc32c.native.set_sse42(True):
+            pytest.skip("this CPU has no SSE4.2")
+    return request.param
+
+
+def test_the_record_checksum_is_tensorboards_bit_for_bit(checksum):
+    from tensorboard.compat.tensorflow_stub.pywrap_tensorflow import crc32c, masked_crc32c
+
+    from lightning_hooks.output._crc32c import crc32c as ours
     from lightning_hooks.output._crc32c import masked
 
     rng = np.random.default_rng(1)
-    for size in [*range(12), 4095, 4096, 4097, 5003, 70001, 300000]:  # around the chunking's and padding's edges
+    # Around the chunking's, padding's and 8-byte words' edges, and where the C code releases the GIL.
+    for size in [*range(20), 4095, 4096, 4097, 5003, 65535, 65536, 70001, 300000]:
         data = rng.integers(0, 256, size, dtype=np.uint8).tobytes()
         assert masked(data) == masked_crc32c(data), size
+        assert ours(data) == crc32c(data), size
+    data = rng.integers(0, 256, 1001, dtype=np.uint8).tobytes()
+    assert ours(memoryview(data)[1:]) == crc32c(data[1:])  # an unaligned start
 
 
-def test_a_logged_steps_event_file_has_records_tensorboard_verifies(tmp_path):
+def test_the_c_checksum_is_built_where_required():
+    # CI sets LIGHTNING_HOOKS_REQUIRE_NATIVE=1: a failed build must not pass as the slow path.
+    if os.environ.get("LIGHTNING_HOOKS_REQUIRE_NATIVE") != "1":
+        pytest.skip("set LIGHTNING_HOOKS_REQUIRE_NATIVE=1 to require the C extensions")
+    from lightning_hooks.output import _crc32c
+
+    assert _crc32c.native is not None
+
+
+def test_the_c_checksum_refuses_what_is_not_bytes():
+    from lightning_hooks.output import _crc32c
+
+    if _crc32c.native is None:
+        pytest.skip("the C checksum was not built")
+    with pytest.raises(TypeError, match="must be a contiguous bytes-like object.*got str"):
+        _crc32c.native.crc32c("text")
+
+
+def test_a_logged_steps_event_file_has_records_tensorboard_verifies(tmp_path, checksum):
     import struct
 
     from tensorboard.compat.tensorflow_stub.pywrap_tensorflow import masked_crc32c

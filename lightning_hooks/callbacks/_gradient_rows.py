@@ -83,12 +83,12 @@ def row_figures(params: list[Tensor], norms: Tensor, rows: Rows, block: Optional
     position = {p: i for i, p in enumerate(params)}
     present = [[p for p in row_params if p in position] for _, row_params in rows]
     if block is not None:
-        uncounted: list[int] = []  # FSDP1 may leave the leading rank no part of a gradient: count it still
-        for index, row_params in enumerate(present):
-            for param in row_params:
-                calls = int(row_shards.leads[index])  # a sharded gradient counts once
-                if not block.add(index, local(grad_of(param)), calls) and calls:  # type: ignore[arg-type]
-                    uncounted.append(index)
+        pairs = [(index, param) for index, row_params in enumerate(present) for param in row_params]
+        calls = [int(row_shards.leads[index]) for index, _ in pairs]  # a sharded gradient counts once
+        grads = [local(grad_of(param)) for _, param in pairs]  # type: ignore[arg-type]
+        added = block.add_many([index for index, _ in pairs], grads, calls)  # type: ignore[arg-type]
+        # FSDP1 may leave the leading rank no part of a gradient: count it still
+        uncounted = [index for (index, _), done, call in zip(pairs, added, calls) if call and not done]
         if uncounted:
             block.count(uncounted)
         row_shards.reduce_stat_rows_(block.rows)  # a sharded row: whole-gradient figures

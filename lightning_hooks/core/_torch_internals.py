@@ -46,9 +46,40 @@ def in_backward() -> bool:
     return not torch.compiler.is_compiling() and torch._C._current_graph_task_id() != -1
 
 
+def in_torch_func(tensor: Tensor) -> bool:
+    """Whether ``tensor`` is a ``torch.func`` transform's wrapper, which only the dispatcher unwraps.
+
+    ``torch._C._functorch.is_functorch_wrapped_tensor``: torch has no public way to ask.
+    """
+    return _functorch_wrapped(tensor)
+
+
+def torch_modes_on() -> bool:
+    """Whether a torch function mode or dispatch mode is on: it would see every call that goes through torch.
+
+    ``torch._C._len_torch_function_stack``, ``torch._C._len_torch_dispatch_stack``: torch has no
+    public way to ask. Code that reads a tensor's memory itself (the statistics kernel's eager
+    path) goes through the dispatcher instead while one is.
+    """
+    return bool(_function_modes() or _dispatch_modes())
+
+
+_functorch_wrapped = torch._C._functorch.is_functorch_wrapped_tensor
+_function_modes, _dispatch_modes = torch._C._len_torch_function_stack, torch._C._len_torch_dispatch_stack
+
+
 def event_file_writer(summary_writer: Any) -> Any:
     """The ``FileWriter`` behind torch's ``SummaryWriter`` (``SummaryWriter._get_file_writer``)."""
     return summary_writer._get_file_writer()
+
+
+def enqueue_event(file_writer: Any, data: bytes) -> None:
+    """Hand an ``Event``'s wire bytes to the writer thread of torch's ``FileWriter``.
+
+    What ``EventFileWriter.add_event`` does once it has serialized the event
+    (``EventFileWriter._async_writer.write``): TensorBoard takes no event as bytes.
+    """
+    file_writer.event_writer._async_writer.write(data)
 
 
 def record_writer(event_file_writer: Any) -> Any:

@@ -9,6 +9,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from lightning_hooks.measure._native import DirectKernel
 from lightning_hooks.measure._stat_rows import SUM_FIELDS, new_rows, reduce_rows, reset_rows_
 from lightning_hooks.measure._tensor_values import as_float_values, iter_tensors
 from lightning_hooks.measure.stats import Binning, Bins, accumulate_, histogram_edges
@@ -36,7 +37,9 @@ class StatBlock:
         self.bins = bins
         self._binnings: dict[tuple[torch.device, torch.dtype], Binning] = {}
         # Filled for the rows' device up front: under torch.compile a first miss costs a recompile.
-        self._binning(self.rows.device, torch.float32)
+        native = self._binning(self.rows.device, torch.float32).native
+        # Eager float32 tensors on the CPU: the C kernel straight into the rows, without the dispatcher.
+        self._direct = DirectKernel(self.rows, *native) if native is not None and self.rows.is_cpu else None
         self.pending = False
         self._counted: dict[tuple[int, ...], tuple[Tensor, Tensor]] = {}  # for count: indices -> (index, ones)
 
@@ -52,12 +55,36 @@ class StatBlock:
 
         Returns whether the tensor was added: tensors we cannot summarise are skipped.
         """
+        if self._direct is not None and DirectKernel.takes(tensor):  # the usual case, in about 1.5 us
+            self._direct.accumulate_(index, tensor, calls)
+            self.pending = True
+            return True
         values = as_float_values(tensor)
         if values is None:
             return False
         accumulate_(self.rows[index], values, self._binning(values.device, values.dtype), calls)
         self.pending = True
         return True
+
+    def add_many(self, indices: list[int], tensors: list[Tensor], calls: list[int]) -> list[bool]:
+        """:meth:`add` each of ``tensors`` to its row of ``indices`` with its ``calls``, in order.
+
+        What holds for them all (eager code, no torch mode) is checked once, not per tensor: a
+        step's gradients, two per module, cost about a microsecond less each.
+
+        Returns:
+            Per tensor, whether it was added.
+        """
+        direct = self._direct if self._direct is not None and DirectKernel.eager() else None
+        added = []
+        for index, tensor, call in zip(indices, tensors, calls):
+            if direct is not None and DirectKernel.readable(tensor):
+                direct.accumulate_(index, tensor, call)
+                self.pending = True
+                added.append(True)
+            else:
+                added.append(self.add(index, tensor, call))
+        return added
 
     def count(self, indices: list[int]) -> None:
         """Add a call and no values to each row in ``indices`` (a rank's empty parts of split gradients).

@@ -18,7 +18,7 @@ from lightning_hooks.core._compat import TENSORBOARD_LOGGERS, WANDB_LOGGERS
 from lightning_hooks.core._torch_internals import event_file_writer
 from lightning_hooks.output._crc32c import speed_up
 from lightning_hooks.output._listeners import listeners
-from lightning_hooks.output._tensorboard_wire import histogram_summary, scalar_summary
+from lightning_hooks.output._tensorboard_wire import histogram_summary_bytes, scalar_summary_bytes, write_summary
 from lightning_hooks.output.figures import HistogramBlock, ScalarBlock, as_metrics
 
 
@@ -66,7 +66,7 @@ def _write_one_event(logger: Logger, metrics: Mapping[str, float], step: int) ->
     events = _event_writer(logger)
     if events is None:
         return False
-    events.add_summary(scalar_summary(list(metrics), list(metrics.values())), step)
+    write_summary(events, scalar_summary_bytes(list(metrics), list(metrics.values())), step)
     return True
 
 
@@ -136,7 +136,7 @@ def _tensorboard_histograms(logger: Logger, block: HistogramBlock, rows: list[tu
     """Write the ``(row, first bin, one past the last)`` histograms of ``block`` to TensorBoard, in one event."""
     events = _event_writer(logger)
     if events is not None:  # one event for all, as for scalars
-        events.add_summary(histogram_summary(block.tags, block.summary, block.counts, edges, rows), step)
+        write_summary(events, histogram_summary_bytes(block.tags, block.summary, block.counts, edges, rows), step)
         return
     s = {k: block.summary[k].tolist() for k in ("count_finite", "min", "max", "sum", "sum_sq")}
     counts = block.counts.tolist()
