@@ -66,7 +66,12 @@ def test_the_record_is_written_as_csv_and_tensorboard_text(tmp_path):
     assert rows[0][:3] == ["step", "loss", "grad_norm/net.0"] and len(rows) == 17
     assert [int(r[0]) for r in rows[1:]] == list(record.steps)
     texts = events(str(tmp_path / "tb")).Tensors("anomalies/flight_record/text_summary")
-    assert len(texts) == 1 and "net.0" in texts[0].tensor_proto.string_val[0].decode()
+    assert len(texts) == 1
+    lines = texts[0].tensor_proto.string_val[0].decode().splitlines()
+    # Markdown for the Text tab: the summary, then a table of the layers, the leader's row first.
+    assert lines[0].startswith("flight record of steps") and lines[2].startswith("| layer | left its range at step")
+    leader, at = record.onsets[0]
+    assert leader == "net.0" and lines[4].startswith(f"| net.0 | {at} | {record.step - at} | ")
 
 
 def test_the_record_carries_each_layers_usual_range_and_its_json_for_the_layers_tab(tmp_path):

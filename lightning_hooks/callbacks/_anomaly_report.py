@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import os
+import textwrap
 from dataclasses import asdict, dataclass, replace
 from typing import TYPE_CHECKING, Any, Optional
 
@@ -102,7 +103,19 @@ class AnomalyReport:
             lines.extend(["  diagnosis so far:", *("    " + line for line in self.diagnosis.splitlines())])
         if self.flight_record is not None:
             lines.append("  " + self.flight_record.summary())
-        return "\n".join(lines)
+        return "\n".join(_wrapped(line) for line in lines)
+
+
+def _wrapped(line: str, width: int = 100) -> str:
+    """``line`` folded at ``width`` between words, its continuations indented under it.
+
+    So that no line of a report runs off a console or TensorBoard's Text tab; names and paths are
+    never broken.
+    """
+    if len(line) <= width:
+        return line
+    indent = " " * (len(line) - len(line.lstrip(" ")) + 4)
+    return textwrap.fill(line, width, subsequent_indent=indent, break_long_words=False, break_on_hyphens=False)
 
 
 def report_step(

@@ -214,11 +214,25 @@ def write_record(trainer: pl.Trainer, record: FlightRecord) -> FlightRecord:
         for step, loss, row in zip(record.steps, record.losses, record.norms):
             writer.writerow([step, f"{loss:.6g}", *(f"{v:.6g}" for v in row)])
     record = replace(record, path=path)
-    lines = [record.summary(), "", "layer  left its range at step  steps before", *(
-        f"{layer}  {at}  {record.step - at}" for layer, at in record.onsets)]
-    log_text(trainer, "anomalies/flight_record", "\n".join("    " + line for line in lines), log_step(trainer))
+    log_text(trainer, "anomalies/flight_record", record_markdown(record), log_step(trainer))
     log_text(trainer, "anomalies/flight_record_data", json.dumps(record_json(record)), log_step(trainer))
     return record
+
+
+def record_markdown(record: FlightRecord) -> str:
+    """The record as the Text tab shows it (markdown): the summary, then the layers by when they left their range."""
+    lines = [record.summary().replace("_", "\\_")]
+    if record.onsets:
+        usual = dict(zip(record.layers, record.usual))
+        last = dict(zip(record.layers, record.norms[-1])) if record.norms else {}
+        head = "| layer | left its range at step | steps before the anomaly | usual norm | norm at the anomaly |"
+        lines += ["", head]
+        lines.append("|---|---:|---:|---:|---:|")
+        for layer, at in record.onsets:
+            level = usual.get(layer)
+            name, typical = layer.replace("_", "\\_"), "" if level is None else f"{level[0]:.4g}"
+            lines.append(f"| {name} | {at} | {record.step - at} | {typical} | {last.get(layer, math.nan):.4g} |")
+    return "\n".join(lines)
 
 
 def _number(value: float) -> Union[float, str]:
