@@ -30,7 +30,13 @@ from harness import Config, Schedule, Workload, timed_rounds
 from lightning.pytorch.callbacks import Callback
 from torch import nn
 
-from lightning_hooks import ActivationMonitor, GradientAnomalyStopping, GradientMonitor, TransformerStability
+from lightning_hooks import (
+    ActivationMonitor,
+    GradientAnomalyStopping,
+    GradientMonitor,
+    TransformerStability,
+    select_modules,
+)
 
 NEVER = 10**9  # a log interval no fit reaches: only the first step may log
 
@@ -128,6 +134,18 @@ def workloads(depths: list[int], decoder: bool) -> dict[str, Workload]:
     return out
 
 
+class EmptyForwardHooks(Callback):
+    """A forward hook that does nothing on each module ActivationMonitor hooks: PyTorch's own hook dispatch."""
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        modules = [module for _, module in select_modules(pl_module, ActivationMonitor(max_rows=None).modules)]
+        self._handles = [m.register_forward_hook(lambda module, args, output: None) for m in modules]
+
+    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        for handle in self._handles:
+            handle.remove()
+
+
 def configs() -> dict[str, Config]:
     """Plain training, the Quick start's three callbacks (never and always logged), and each monitor alone."""
 
@@ -141,6 +159,14 @@ def configs() -> dict[str, Config]:
         Config("none", "no callbacks (baseline)", lambda tmp: []),
         Config("quick start, not logged", "ActivationMonitor + GradientMonitor + GradientAnomalyStopping(skip)",
                quick_start(NEVER)),
+        Config("empty forward hooks", "a no-op forward hook per module: PyTorch's own hook dispatch",
+               lambda tmp: [EmptyForwardHooks()]),
+        Config("ActivationMonitor, not logged", "ActivationMonitor alone on steps it does not log",
+               lambda tmp: [ActivationMonitor(log_every_n_steps=NEVER, max_rows=None)]),
+        Config("GradientMonitor, not logged", "GradientMonitor alone on steps it does not log (its check reads"
+               " the gradients)", lambda tmp: [GradientMonitor(log_every_n_steps=NEVER, max_rows=None)]),
+        Config("gradient check alone", "GradientAnomalyStopping(skip) alone: one read of the gradients a step",
+               lambda tmp: [GradientAnomalyStopping(action="skip")]),
         Config("quick start, logged", "the same, logging every step", quick_start(1), always),
         Config("ActivationMonitor, logged", "ActivationMonitor alone, every step",
                lambda tmp: [ActivationMonitor(log_every_n_steps=1, max_rows=None)], always),
@@ -209,11 +235,19 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--fit-seconds", type=float, default=2.0)
     parser.add_argument("--threads", type=int, default=1, help="torch threads (0: torch's default)")
     parser.add_argument("--output", default=None, help="write the figures here as JSON")
+    parser.add_argument("--configs", default=None,
+                        help="configurations to time, names separated by semicolons (the baseline 'none' is always in)")
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     models = workloads([int(d) for d in args.depths.split(",") if d], not args.no_decoder)
     chosen = configs()
+    if args.configs:
+        wanted = {"none", *(name.strip() for name in args.configs.split(";"))}
+        unknown = wanted - set(chosen)
+        if unknown:
+            parser.error(f"unknown configurations {sorted(unknown)}: choose from {sorted(chosen)}")
+        chosen = {name: config for name, config in chosen.items() if name in wanted}
     schedule = Schedule(steps=args.steps, rounds=args.rounds, warmup=2, min_steps=3, fit_seconds=args.fit_seconds)
     with tempfile.TemporaryDirectory() as tmp:
         runs = timed_rounds(chosen, models, schedule, tmp)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 from typing import Any
@@ -75,3 +76,18 @@ def test_count_transfers_charges_each_callback_its_host_transfers_per_step(tmp_p
     counts = count_transfers(TINY, config, 4, str(tmp_path), "v", owners={"lightning_hooks": None})
     assert counts["per_callback"] == {"ActivationMonitor": {"logged": 1, "non_logged": 0}}
     assert counts["sites"] and all(site.startswith("ActivationMonitor | ") for site in counts["sites"])
+
+
+def test_scaling_times_the_chosen_configurations_beside_the_baseline(tmp_path: Path, capsys: Any) -> None:
+    """benchmarks/scaling.py runs end to end on a small stack, with only the configurations asked for."""
+    import scaling
+
+    out = tmp_path / "figures.json"
+    chosen = "empty forward hooks;gradient check alone"
+    assert scaling.main(["--depths", "4", "--no-decoder", "--rounds", "1", "--steps", "3", "--fit-seconds", "0",
+                         "--threads", "0", "--configs", chosen, "--output", str(out)]) == 0
+    table = capsys.readouterr().out
+    assert "empty forward hooks" in table and "gradient check alone" in table and "quick start" not in table
+    assert json.loads(out.read_text())
+    with pytest.raises(SystemExit):
+        scaling.main(["--depths", "4", "--no-decoder", "--threads", "0", "--configs", "no such configuration"])
