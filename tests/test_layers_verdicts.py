@@ -146,3 +146,17 @@ def test_tags_with_and_without_a_logger_prefix(tag, parts):
     found = TAG.match(tag)
     assert found is not None
     assert (found["prefix"] or "", found["kind"], found["name"], found["stat"]) == parts
+
+
+def test_every_problem_has_a_mark_colour_in_the_tab() -> None:
+    """The heatmap outlines each problem's cells in its colour: a problem missing from the map was drawn black,
+    the colour of NaN (as TransformerStability's four were)."""
+    import re
+    from pathlib import Path
+
+    from lightning_hooks.output._health_bands import PROBLEMS
+
+    script = (Path(__file__).resolve().parent.parent / "lightning_hooks" / "tensorboard_plugin" / "static"
+              / "heatmap.js").read_text()
+    colours = re.search(r"export const MARK_COLOURS = \{(.*?)\};", script, re.S)[1]
+    assert set(re.findall(r"(\w+):", colours)) == set(PROBLEMS)

@@ -4,8 +4,13 @@
 // where rows are the visible rows ({label, members: [figure rows]}), set by the caller; optional: top
 // (the space above the grid), labelOf(row) (a row's label), overlay(g, labelWidth, cell) (drawn last).
 
-export const MARK_COLOURS = {dead: "#ff1744", nonfinite: "#ff1744", nonfinite_grad: "#ff1744", exploding: "#ff1744",
-                             too_fast: "#ff1744", vanishing: "#00b0ff", too_slow: "#00b0ff"};
+// Each problem of output/_health_bands.py's PROBLEMS: red when a figure is too high, blue when too low (a test
+// checks that every problem has one; an unknown one is drawn red rather than in the canvas's default black).
+const HIGH = "#ff1744", LOW = "#00b0ff";
+export const MARK_COLOURS = {dead: HIGH, nonfinite: HIGH, nonfinite_grad: HIGH, exploding: HIGH, too_fast: HIGH,
+                             attention_logits: HIGH, output_logits: HIGH, massive: HIGH,
+                             vanishing: LOW, too_slow: LOW, entropy_collapse: LOW};
+export const markColour = (problem) => MARK_COLOURS[problem] || HIGH;
 export const NONFINITE = "#212121";  // the fill of a NaN or infinite value
 export const ROW_H = 14, TOP_GAP = 6;
 const BAR_W = 76, AXIS_H = 30, MAX_LABEL = 36;
@@ -93,12 +98,12 @@ export function draw(view) {
       g.fillStyle = Number.isFinite(v) ? viridis(scale.at(v)) : NONFINITE;
       g.fillRect(LABEL_W + c * cell, y, cell, ROW_H - 1);
       if (mark) {
-        g.strokeStyle = MARK_COLOURS[mark];
+        g.strokeStyle = markColour(mark);
         g.lineWidth = 2;
         g.strokeRect(LABEL_W + c * cell + 1, y + 1, Math.max(1, cell - 2), ROW_H - 3);
       }
     }
-    g.fillStyle = worst ? MARK_COLOURS[worst] === "#ff1744" ? "#d32f2f" : "#0277bd" : "#424242";
+    g.fillStyle = worst ? markColour(worst) === HIGH ? "#d32f2f" : "#0277bd" : "#424242";
     g.fillText(labels[r], 4, y + ROW_H / 2);
   });
   axis(g, view, steps, cell, LABEL_W, TOP);
