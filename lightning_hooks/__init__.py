@@ -44,14 +44,6 @@ _WHERE = {
     **dict.fromkeys(("DEFAULT_STATS", "DIVERGENCE_STATS", "STAT_NAMES"), "measure.stats"),
 }
 
-#: Names exported here before 0.2.0 that are internals now: still importable from here, with a
-#: deprecation warning, until 0.3.0; always from the module named.
-_DEPRECATED = {
-    "HookCallback": "callbacks._base",
-    **dict.fromkeys(("AnomalyDetector", "GradientFigures", "anomaly_flags", "gradient_figures"), "measure.anomalies"),
-    "histogram_edges": "measure.stats",
-}
-
 __all__ = [
     "ACTIVATION_NAMES",
     "ACTIVATION_TYPES",
@@ -80,13 +72,6 @@ __version__ = "0.1.0"
 
 def __getattr__(name: str) -> Any:
     """Import a public name from its module at first use, then keep it here."""
-    if name in _DEPRECATED:  # not kept in globals(): every use warns
-        from lightning_hooks.core._deprecation import deprecate
-
-        where = f"lightning_hooks.{_DEPRECATED[name]}"
-        deprecate(f"`lightning_hooks.{name}` is internal now and leaves the top-level API in 0.3.0;"
-                              f" import it from `{where}` (not a stable API).", stacklevel=6)
-        return getattr(importlib.import_module(where), name)
     if name not in _WHERE:
         raise AttributeError(f"module 'lightning_hooks' has no attribute {name!r}")
     value = getattr(importlib.import_module(f"lightning_hooks.{_WHERE[name]}"), name)

@@ -165,7 +165,7 @@ def test_every_callback_is_configured_from_yaml_and_fits(tmp_path, monkeypatch):
     assert got["val_activations/net.1/count"] == {1: 2 * 64}  # where Lightning logs val figures
     assert set(got["gradients/net.0/norm"]) == {0, 1} and got["anomalies/exploding"] == {0: 0, 1: 0}
     assert cli.trainer.global_step == 2
-    assert load_features(tmp_path / "features", "net.1", stage="fit").shape == (16, 8)
+    assert load_features(tmp_path / "features", "net.1", stage="train").shape == (16, 8)
 
 
 def test_the_saved_config_reproduces_the_run(tmp_path, monkeypatch):
@@ -203,7 +203,7 @@ def test_the_command_line(tmp_path):
     got = metric_series(tmp_path / "csv" / "version_0")
     assert got["activations/net.1/count"] == {0: 64, 1: 64}
     assert 0 < got["activations/net.1/zero_fraction"][0] < 1
-    assert load_features(tmp_path / "features", "net.1", stage="fit").shape == (16, 8)
+    assert load_features(tmp_path / "features", "net.1", stage="train").shape == (16, 8)
 
 
 def test_the_standalone_package_cli_takes_the_same_callbacks(tmp_path, monkeypatch):

@@ -90,7 +90,7 @@ class Watched(FeatureExtractor):
 
 
 def test_memory_stays_bounded_by_the_flush_size(tmp_path: Path) -> None:
-    extractor = Watched("encoder.2", tmp_path, flush_every_n_batches=4)
+    extractor = Watched("encoder.2", dirpath=tmp_path, flush_every_n_batches=4)
     extractor.held = []
     Trainer(callbacks=[extractor], **TRAINER).predict(Encoder(), loader(inputs(80), batch_size=2))
 
@@ -170,7 +170,7 @@ def test_hooks_live_only_during_the_stage_and_user_hooks_survive(tmp_path: Path)
         def on_predict_batch_end(self, trainer: Trainer, *args: object) -> None:
             counts.append(len(model.encoder[2]._forward_hooks))
 
-    counter = Count("head", tmp_path / "other")
+    counter = Count("head", dirpath=tmp_path / "other")
     Trainer(callbacks=[extractor, counter], **TRAINER).predict(model, loader(inputs(8)))
     assert counts == [2, 2]
     assert len(model.encoder[2]._forward_hooks) == 1 and len(model.encoder[0]._forward_hooks) == 0

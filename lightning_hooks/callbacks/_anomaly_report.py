@@ -121,7 +121,7 @@ def _wrapped(line: str, width: int = 100) -> str:
 def report_step(
     trainer: pl.Trainer, pl_module: pl.LightningModule, step: Step, check: Check, *, names: list[str],
     located: Optional[Located], traced: list[Tensor], module_names: list[str],
-    micro_batches: list[tuple[int, Any]], save_dir: Optional[str], flight_record: Optional[FlightRecord] = None,
+    micro_batches: list[tuple[int, Any]], dirpath: Optional[str], flight_record: Optional[FlightRecord] = None,
 ) -> AnomalyReport:
     """Build the report of an anomalous step, save the step when asked, and log the report as text.
 
@@ -135,7 +135,7 @@ def report_step(
         traced: The parameters the trace watched, after the ``module_names`` outputs in its indices.
         module_names: The watched modules, in the trace's order.
         micro_batches: The step's ``(batch_idx, batch)`` pairs (batch None when not kept).
-        save_dir: Where to save the step for replay; None to save nothing.
+        dirpath: Where to save the step for replay; None to save nothing.
         flight_record: The flight record of the steps up to this one, if one is kept.
 
     Returns:
@@ -162,17 +162,17 @@ def report_step(
         diagnosis=diagnosis_so_far(trainer),
         flight_record=flight_record,
     )
-    if save_dir is not None:
-        report = replace(report, saved_path=_save(save_dir, trainer, pl_module, report, batch, micro_batches))
+    if dirpath is not None:
+        report = replace(report, saved_path=_save(dirpath, trainer, pl_module, report, batch, micro_batches))
     text = "\n".join("    " + line for line in str(report).splitlines())  # markdown code block
     log_text(trainer, "anomalies/report", text, log_step(trainer))
     return report
 
 
-def _save(save_dir: str, trainer: pl.Trainer, pl_module: pl.LightningModule, report: AnomalyReport,
+def _save(dirpath: str, trainer: pl.Trainer, pl_module: pl.LightningModule, report: AnomalyReport,
           batch: Any, micro_batches: list[tuple[int, Any]]) -> str:
-    os.makedirs(save_dir, exist_ok=True)
-    path = os.path.join(save_dir, f"anomaly-step{report.step}-rank{trainer.global_rank}.pt")
+    os.makedirs(dirpath, exist_ok=True)
+    path = os.path.join(dirpath, f"anomaly-step{report.step}-rank{trainer.global_rank}.pt")
     payload = {"report": asdict(report), "batch": batch, "batches": [b for _, b in micro_batches],
                "state_dict": pl_module.state_dict()}
     torch.save(move_data_to_device(payload, "cpu"), path)

@@ -20,7 +20,6 @@ from lightning_hooks.callbacks._anomaly_report import AnomalyReport, report_step
 from lightning_hooks.callbacks._base import HookCallback
 from lightning_hooks.callbacks._flight_recorder import FlightRecord
 from lightning_hooks.core._compat import BarCount, show_whole, unshow_whole
-from lightning_hooks.core._deprecation import DeprecatedAttribute
 from lightning_hooks.core._validation import check_bool, check_path
 from lightning_hooks.core.selection import ModuleSelection, named_parameters
 from lightning_hooks.distributed._rank_agreement import Check
@@ -29,10 +28,6 @@ from lightning_hooks.distributed._step_measure import Step
 from lightning_hooks.measure._provenance import NonFiniteTrace
 from lightning_hooks.measure._sharding import note_flat_shards
 from lightning_hooks.measure.anomalies import AnomalyDetector
-
-#: The gradient callbacks' renamed arguments, old name -> new (the old ones work until 0.3.0, with a warning).
-#: ``max_norm`` only ever flagged, where torch's ``max_norm`` clips; ``dirpath`` as Lightning's ModelCheckpoint.
-RENAMED = {"max_norm": "norm_threshold", "save_dir": "dirpath"}
 
 
 class GradientCheck(HookCallback):
@@ -43,9 +38,6 @@ class GradientCheck(HookCallback):
     gradient norm, see :meth:`on_before_optimizer_step`), keeps the running median, traces NaN
     provenance and writes reports. Subclasses act on the result in :meth:`_handle`.
     """
-
-    max_norm = DeprecatedAttribute("max_norm", "norm_threshold")
-    save_dir = DeprecatedAttribute("save_dir", "dirpath")
 
     def __init__(
         self, modules: ModuleSelection, check_finite: bool, norm_threshold: Optional[float],
@@ -76,8 +68,7 @@ class GradientCheck(HookCallback):
 
     def _key(self) -> dict[str, Any]:
         """What tells two instances apart in a checkpoint, for ``state_key``."""
-        # `max_norm`: the argument's name when checkpoints were first written; the key must not change.
-        return dict(check_finite=self.check_finite, max_norm=self.norm_threshold,
+        return dict(check_finite=self.check_finite, norm_threshold=self.norm_threshold,
                     relative_threshold=self.relative_threshold, min_norm=self.min_norm)
 
     @property
@@ -220,7 +211,7 @@ class GradientCheck(HookCallback):
         names = [self._param_names.get(p, f"param{i}") for i, p in enumerate(step.params)]
         return report_step(trainer, pl_module, step, check, names=names, located=located, traced=self._traced,
                            module_names=self.module_names, micro_batches=self._micro_batches,
-                           save_dir=None if self.dirpath is None else os.fspath(self.dirpath),
+                           dirpath=None if self.dirpath is None else os.fspath(self.dirpath),
                            flight_record=flight_record)
 
     def _state(self) -> dict[str, Any]:

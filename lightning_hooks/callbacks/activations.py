@@ -20,7 +20,6 @@ from lightning_hooks.callbacks._base import (
     is_logged,
     log_step,
 )
-from lightning_hooks.core._deprecation import DeprecatedAttribute, deprecated_arguments
 from lightning_hooks.core._torch_internals import in_backward
 from lightning_hooks.core._validation import check_bool, check_names
 from lightning_hooks.core.selection import ModuleSelection, check_limit, validate_limit
@@ -104,7 +103,7 @@ class ActivationMonitor(HookCallback):
         max_rows: The most rows (modules; with ``inputs`` a module's input shares its row's
             count) the selection may hold (None: no limit), so that a default selection on a
             very large model fails before training with a hint instead of logging thousands of
-            tags a step. Was ``max_modules``, deprecated (GradientMonitor's is ``max_rows`` too).
+            tags a step. (GradientMonitor's is ``max_rows`` too).
 
     Raises:
         ValueError: For an unknown stat, ``bins`` < 1, ``log_every_n_steps`` < 1, an unknown
@@ -121,11 +120,6 @@ class ActivationMonitor(HookCallback):
         trainer = Trainer(callbacks=[ActivationMonitor(log_every_n_steps=10, modules="encoder.*")])
     """
 
-    max_modules = DeprecatedAttribute("max_modules", "max_rows")
-
-    @deprecated_arguments("ActivationMonitor", {"max_modules": "max_rows"}, old_order=(
-        "log_every_n_steps", "modules", "stats", "histogram", "bins", "inputs", "stages", "max_rows",
-    ), positional=1, old_positional=lambda args: isinstance(args[0], int))
     def __init__(
         self,
         modules: ModuleSelection = None,

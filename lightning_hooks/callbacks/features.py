@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any, Literal, Optional, Union, get_args
+from typing import Any, Optional, Union, get_args
 
 import lightning.pytorch as pl
 import torch
@@ -18,12 +18,10 @@ from torch.utils.hooks import RemovableHandle
 
 from lightning_hooks.callbacks._base import HookCallback, log_step
 from lightning_hooks.core._compat import TENSORBOARD_LOGGERS
-from lightning_hooks.core._deprecation import deprecated_arguments, renamed_value
 from lightning_hooks.core._torch_internals import in_backward
 from lightning_hooks.core._validation import check_int, check_names, check_path
 from lightning_hooks.core.selection import ModuleSelection
 from lightning_hooks.output._feature_store import (
-    RENAMED_STAGES,
     EmbeddingSample,
     ShardWriter,
     Stage,
@@ -34,10 +32,6 @@ from lightning_hooks.output._feature_store import (
 __all__ = ["FeatureExtractor", "Stage", "load_features"]
 
 _STAGES: tuple[str, ...] = get_args(Stage)
-
-#: What ``stages`` takes: a stage, or until 0.3.0 ``"fit"``, the deprecated name of ``"train"``
-#: (in the annotation, so that LightningCLI takes it from YAML too, and the warning says what to write).
-StageArg = Union[Stage, Literal["fit"]]
 
 #: The ``Trainer`` method that runs each stage's loop, where its name differs.
 _TRAINER_FN = {"train": "fit"}
@@ -55,7 +49,7 @@ class FeatureExtractor(HookCallback):
 
     Stages are named as Lightning's ``RunningStage`` names the loops (and as
     ``ActivationMonitor``'s ``stages``): ``"train"`` covers the training batches of
-    ``trainer.fit`` (it was ``"fit"``, a deprecated name now), ``"validate"`` the validation
+    ``trainer.fit``, ``"validate"`` the validation
     loop of ``trainer.validate`` (not the one inside ``fit``, nor its sanity check), ``"test"``
     and ``"predict"`` those of ``trainer.test`` and ``trainer.predict``. Hooks are attached at
     the start of each enabled stage and removed at its end. A new run of a stage first deletes
@@ -101,27 +95,19 @@ class FeatureExtractor(HookCallback):
 
     """
 
-    @deprecated_arguments("FeatureExtractor", old_order=(
-        "modules", "dirpath", "stages", "flush_every_n_batches", "embedding_samples"), positional=1)
     def __init__(
         self,
         modules: ModuleSelection,
         *,
         dirpath: Union[str, os.PathLike],
-        stages: Union[StageArg, tuple[StageArg, ...], list[StageArg]] = ("validate", "predict"),
+        stages: Union[Stage, tuple[Stage, ...], list[Stage]] = ("validate", "predict"),
         flush_every_n_batches: int = 16,
         embedding_samples: int = 0,
     ) -> None:
         if modules is None:
             raise ValueError("`modules` is required: name the layers to save, e.g. modules='encoder.*'")
         check_path("dirpath", dirpath)
-        named: Any = [stages] if isinstance(stages, str) else stages
-        if isinstance(named, (tuple, list)):
-            renamed = []
-            for stage in named:  # a loop, not a comprehension: the warning points at the user's line
-                renamed.append(renamed_value("FeatureExtractor", "stages", stage, RENAMED_STAGES, depth=3))
-            named = renamed
-        chosen = check_names("stages", named, _STAGES, what="stage")
+        chosen = check_names("stages", stages, _STAGES, what="stage")
         for arg, value, low in (("flush_every_n_batches", flush_every_n_batches, 1),
                                 ("embedding_samples", embedding_samples, 0)):
             check_int(arg, value, low=low)

@@ -23,10 +23,9 @@ from lightning_hooks.callbacks._base import (
     is_logged,
     log_step,
 )
-from lightning_hooks.callbacks._gradient_check import RENAMED, GradientCheck
+from lightning_hooks.callbacks._gradient_check import GradientCheck
 from lightning_hooks.callbacks._gradient_rows import Rows, row_figures, row_metrics, row_tags, select_rows
 from lightning_hooks.callbacks._update_ratio import UpdateRatio
-from lightning_hooks.core._deprecation import deprecated_arguments
 from lightning_hooks.core._validation import check_bool, check_choice
 from lightning_hooks.core.selection import ModuleSelection, check_limit, validate_limit
 from lightning_hooks.distributed._rank_agreement import Check
@@ -115,7 +114,7 @@ class GradientMonitor(GradientCheck):
         bins: Histogram bins, see :func:`lightning_hooks.measure.stats.histogram_edges`.
         check_finite: Flag gradients that hold a NaN or an Inf.
         norm_threshold: Flag a group or total norm above this as exploding (it only flags; to clip,
-            use the Trainer's ``gradient_clip_val``). Was ``max_norm``, deprecated.
+            use the Trainer's ``gradient_clip_val``).
         relative_threshold: Flag a norm above this multiple of its running median as exploding.
         min_norm: Flag a group or total norm below this as vanishing.
         window: How many clean steps the running median covers.
@@ -124,7 +123,7 @@ class GradientMonitor(GradientCheck):
             forward order whose output was non-finite, and the parameters whose gradients went
             non-finite in the order backward reached them.
         dirpath: Save the batch and the model state of each reported step in this directory, for
-            replay. Was ``save_dir``, deprecated.
+            replay.
         prog_bar: Show the count of anomalous steps in the progress bar.
         max_rows: The most rows (parameters, or modules with ``"module"``) to log (None: no
             limit), so that a very large model fails before training with a hint instead of
@@ -150,10 +149,6 @@ class GradientMonitor(GradientCheck):
 
     """
 
-    @deprecated_arguments("GradientMonitor", RENAMED, old_order=(
-        "log_every_n_steps", "granularity", "modules", "stats", "histogram", "bins", "check_finite", "norm_threshold",
-        "relative_threshold", "min_norm", "window", "provenance", "dirpath", "prog_bar", "max_rows", "update_ratio",
-    ), positional=1, old_positional=lambda args: isinstance(args[0], int))
     def __init__(
         self,
         modules: ModuleSelection = None,

@@ -16,7 +16,6 @@ from lightning_hooks.callbacks.activations import ActivationMonitor
 from lightning_hooks.callbacks.gradients import GradientMonitor
 from lightning_hooks.callbacks.stability import TransformerStability, param_groups
 from lightning_hooks.core._compat import CALLBACK_BASES, TENSORBOARD_LOGGERS
-from lightning_hooks.core._deprecation import deprecated_arguments
 from lightning_hooks.core._validation import check_int
 from lightning_hooks.output._diagnosis import diagnose
 from lightning_hooks.output._health_verdicts import JUDGED, STABILITY_BANDS, Bands, Verdicts, unjudged_ratios
@@ -105,9 +104,6 @@ class LayerHealth(FigureListener, *CALLBACK_BASES):  # type: ignore[misc]  # the
                                      LayerHealth(image_every_n_steps=500, max_zero_fraction=0.9)])
     """
 
-    @deprecated_arguments("LayerHealth", old_order=(
-        "image_every_n_steps", "max_images", "max_panels", "max_columns", "top_k", "max_zero_fraction",
-        "spike_factor", "spread_factor", "update_ratio_band", "window"))
     def __init__(self, *, image_every_n_steps: int = 500, max_images: int = 10, max_panels: int = 16,
                  max_columns: int = 100, top_k: int = 5, max_zero_fraction: float = 0.8,
                  spike_factor: float = 10.0, spread_factor: float = 1e5,

@@ -11,11 +11,10 @@ from torch import Tensor
 
 from lightning_hooks.callbacks._anomaly_report import AnomalyReport
 from lightning_hooks.callbacks._base import watch_closely
-from lightning_hooks.callbacks._gradient_check import RENAMED, GradientCheck
+from lightning_hooks.callbacks._gradient_check import GradientCheck
 from lightning_hooks.callbacks._rollback import Rollback, check_strategy, validate_rollback
 from lightning_hooks.callbacks._spike_check import SpikeWatch, validate_spikes
 from lightning_hooks.callbacks._update_drop import UpdateDrop
-from lightning_hooks.core._deprecation import deprecated_arguments
 from lightning_hooks.core._validation import check_bool, check_choice, check_int
 from lightning_hooks.core.selection import ModuleSelection
 from lightning_hooks.distributed._rank_agreement import Check
@@ -81,14 +80,14 @@ class GradientAnomalyStopping(GradientCheck):
         patience: How many anomalous optimizer steps in a row to tolerate before acting.
         check_finite: Flag gradients that hold a NaN or an Inf.
         norm_threshold: Flag a group or total norm above this as exploding (it only flags; to clip,
-            use the Trainer's ``gradient_clip_val``). Was ``max_norm``, deprecated.
+            use the Trainer's ``gradient_clip_val``).
         relative_threshold: Flag a norm above this multiple of its running median as exploding.
         min_norm: Flag a group or total norm below this as vanishing.
         window: How many clean steps the running median covers.
         provenance: Watch module outputs for NaN/Inf, to report the first module in forward
             order whose output was non-finite.
         dirpath: Save the offending batch and the model state in this directory when acting, for
-            replay. Was ``save_dir``, deprecated.
+            replay.
         prog_bar: Show the streak of anomalous steps in the progress bar as ``anomaly_streak``.
         rollback_every_n_steps: With ``"rollback"``: refresh the snapshot after this many clean
             steps in a row (None: 100).
@@ -123,10 +122,6 @@ class GradientAnomalyStopping(GradientCheck):
 
     """
 
-    @deprecated_arguments("GradientAnomalyStopping", RENAMED, old_order=(
-        "action", "patience", "check_finite", "norm_threshold", "relative_threshold", "min_norm", "window",
-        "provenance", "modules", "dirpath", "prog_bar", "rollback_every_n_steps", "skip_batches",
-    ), positional=1, old_positional=lambda args: args[0] in _ACTIONS)
     def __init__(
         self,
         modules: ModuleSelection = None,

@@ -21,7 +21,6 @@ from torch.utils.hooks import RemovableHandle
 from lightning_hooks.callbacks._base import HookCallback
 from lightning_hooks.callbacks._transform_plan import Plan, resolve_plan, validate_table
 from lightning_hooks.core._compat import configure_model_overridden
-from lightning_hooks.core._deprecation import deprecated_arguments
 from lightning_hooks.core._torch_internals import is_view
 from lightning_hooks.measure._sharding import (
     ShardGroupCache,
@@ -123,7 +122,6 @@ class GradientTransform(HookCallback):
 
     """
 
-    @deprecated_arguments("GradientTransform", old_order=("scale", "reverse", "clip_value", "clip_norm"))
     def __init__(
         self,
         *,

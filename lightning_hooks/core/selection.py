@@ -147,7 +147,7 @@ def select_modules(
 
 
 def validate_limit(argument: str, value: Any) -> None:
-    """Check a ``max_modules``-style argument: a positive int (not a bool) or None for no limit."""
+    """Check a ``max_rows``-style argument: a positive int (not a bool) or None for no limit."""
     check_int(argument, value, optional=True, none_means="no limit")
 
 
@@ -157,7 +157,7 @@ def check_limit(owner: str, argument: str, limit: Optional[int], rows: int, tags
 
     Args:
         owner: The callback, for the message (e.g. ``"ActivationMonitor"``).
-        argument: The limit's argument name (e.g. ``"max_modules"``).
+        argument: The limit's argument name (e.g. ``"max_rows"``).
         limit: The most rows allowed, or None for no limit.
         rows: How many rows (modules or parameters) the callback would log.
         tags_per_row: How many tags each row logs at a logged step.

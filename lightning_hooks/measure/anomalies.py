@@ -15,7 +15,6 @@ from typing import Any, NamedTuple, Optional
 import torch
 from torch import Tensor
 
-from lightning_hooks.core._deprecation import deprecated_arguments
 from lightning_hooks.core._validation import check_bool, check_int, check_number
 from lightning_hooks.measure._sharding import ShardGroups, local
 
@@ -140,7 +139,6 @@ def gradient_figures(
     return GradientFigures(norms, bad, torch.stack(group_norms), torch.stack(nonfinite))
 
 
-@deprecated_arguments("anomaly_flags", {"max_norm": "norm_threshold"}, method=False)
 @torch.no_grad()
 def anomaly_flags(
     group_norms: Tensor,
@@ -278,8 +276,3 @@ class AnomalyDetector:
         """Restore the running windows; they move to the gradients' device at the next step."""
         self._history = {int(k): h.clone() for k, h in state_dict["history"].items()}
         self._seen = {int(k): int(n) for k, n in state_dict["seen"].items()}
-
-
-# `max_norm` was the threshold's name while these were public: it works until 0.3.0, with a warning.
-AnomalyDetector.__init__ = deprecated_arguments(  # type: ignore[method-assign]
-    "AnomalyDetector", {"max_norm": "norm_threshold"})(AnomalyDetector.__init__)

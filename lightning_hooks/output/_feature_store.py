@@ -16,14 +16,11 @@ import torch
 from lightning.pytorch.loggers import TensorBoardLogger
 from torch import Tensor
 
-from lightning_hooks.core._deprecation import renamed_value
 from lightning_hooks.core.selection import close_matches
 
 Stage = Literal["train", "validate", "test", "predict"]
 """A stage by Lightning's ``RunningStage`` name; the folder its features go to."""
 
-#: Stage names renamed to Lightning's ``RunningStage`` names (the old ones work until 0.3.0, with a warning).
-RENAMED_STAGES = {"fit": "train"}
 _SHARD = re.compile(r"rank(\d+)-shard(\d+)\.pt")
 
 
@@ -111,7 +108,7 @@ def load_features(
     Args:
         dirpath: The extractor's ``dirpath``.
         layer: The layer's qualified name, as in ``FeatureExtractor.module_names``.
-        stage: The stage the features were extracted in (``"train"``; ``"fit"`` is its deprecated name).
+        stage: The stage the features were extracted in (``"train"``, ``"validate"``, ``"test"`` or ``"predict"``).
         rank: Load only this rank's shards; None (the default) loads every rank's.
 
     Returns:
@@ -127,7 +124,6 @@ def load_features(
         features = load_features("features", "encoder.2", stage="predict")
 
     """
-    stage = renamed_value("load_features", "stage", stage, RENAMED_STAGES, depth=2)
     folder = layer_dir(dirpath, stage, layer)
     shards = sorted(
         (int(match[1]), int(match[2]), path)
