@@ -2,7 +2,6 @@
 
 import glob
 import math
-import os
 import warnings
 from collections import Counter
 from types import SimpleNamespace
@@ -177,82 +176,6 @@ def test_scalars_and_events_laid_out_as_bytes_are_what_protobuf_serializes():
         event = Event(summary=want, step=step, wall_time=wall_time)
         assert event_bytes(summary, step, wall_time) == event.SerializeToString(), step
     assert event_bytes(b"", 5, 1.0) == Event(summary=Summary(), step=5, wall_time=1.0).SerializeToString()
-
-
-@pytest.fixture(params=["c, sse4.2", "c, tables", "numpy"])
-def checksum(request, monkeypatch):
-    """Each test that takes this runs with the C checksum (with and without SSE4.2) and with numpy's."""
-    from lightning_hooks.output import _crc32c
-
-    if request.param == "numpy":
-        monkeypatch.setattr(_crc32c, "native", None)
-    elif _crc32c.native is None:
-        pytest.skip("the C checksum was not built")
-    else:
-        before = _crc32c.native.set_sse42(request.param == "c, sse4.2")
-        request.addfinalizer(lambda: _crc32c.native.set_sse42(before))
-        if request.param == "c, sse4.2" and not _crc32c.native.set_sse42(True):
-            pytest.skip("this CPU has no SSE4.2")
-    return request.param
-
-
-def test_the_record_checksum_is_tensorboards_bit_for_bit(checksum):
-    from tensorboard.compat.tensorflow_stub.pywrap_tensorflow import crc32c, masked_crc32c
-
-    from lightning_hooks.output._crc32c import crc32c as ours
-    from lightning_hooks.output._crc32c import masked
-
-    rng = np.random.default_rng(1)
-    # Around the chunking's, padding's and 8-byte words' edges, and where the C code releases the GIL.
-    for size in [*range(20), 4095, 4096, 4097, 5003, 65535, 65536, 70001, 300000]:
-        data = rng.integers(0, 256, size, dtype=np.uint8).tobytes()
-        assert masked(data) == masked_crc32c(data), size
-        assert ours(data) == crc32c(data), size
-    data = rng.integers(0, 256, 1001, dtype=np.uint8).tobytes()
-    assert ours(memoryview(data)[1:]) == crc32c(data[1:])  # an unaligned start
-
-
-def test_the_c_checksum_is_built_where_required():
-    # CI sets LIGHTNING_HOOKS_REQUIRE_NATIVE=1: a failed build must not pass as the slow path.
-    if os.environ.get("LIGHTNING_HOOKS_REQUIRE_NATIVE") != "1":
-        pytest.skip("set LIGHTNING_HOOKS_REQUIRE_NATIVE=1 to require the C extensions")
-    from lightning_hooks.output import _crc32c
-
-    assert _crc32c.native is not None
-
-
-def test_the_c_checksum_refuses_what_is_not_bytes():
-    from lightning_hooks.output import _crc32c
-
-    if _crc32c.native is None:
-        pytest.skip("the C checksum was not built")
-    with pytest.raises(TypeError, match="must be a contiguous bytes-like object.*got str"):
-        _crc32c.native.crc32c("text")
-
-
-def test_a_logged_steps_event_file_has_records_tensorboard_verifies(tmp_path, checksum):
-    import struct
-
-    from tensorboard.compat.tensorflow_stub.pywrap_tensorflow import masked_crc32c
-
-    from lightning_hooks.output._crc32c import FastRecordWriter
-
-    logger = TensorBoardLogger(tmp_path, name="", version=0)
-    edges = np.linspace(-1.0, 1.0, 129).tolist()
-    histograms = [(f"{i}", {"count_finite": 128, "min": -1.0, "max": 1.0, "sum": 0.0, "sum_sq": 1.0},
-                   [1.0] * 128) for i in range(40)]  # a record well above the per-byte loop's size
-    log_histograms(_trainer(logger), HistogramBlock.of("a", histograms), edges, step=1)
-    logger.experiment.flush()
-    assert type(logger.experiment._get_file_writer().event_writer._async_writer._writer) is FastRecordWriter
-    (path,) = glob.glob(f"{logger.log_dir}/events.out.tfevents.*")
-    data, sizes = open(path, "rb").read(), []
-    while data:
-        (size,), header_crc = struct.unpack("<Q", data[:8]), struct.unpack("<I", data[8:12])[0]
-        record, crc = data[12 : 12 + size], struct.unpack("<I", data[12 + size : 16 + size])[0]
-        assert (header_crc, crc) == (masked_crc32c(data[:8]), masked_crc32c(record))
-        data, sizes = data[16 + size :], [*sizes, size]
-    assert max(sizes) > 4096
-    assert len(events(logger.log_dir).Histograms("a/39")) == 1
 
 
 # ---------------------------------------------------------------- W&B (where wandb is installed)

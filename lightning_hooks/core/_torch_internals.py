@@ -8,7 +8,8 @@ path of ``torch.nn.utils.clip_grad_norm_`` and of torch's optimizers.
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from typing import Any, Optional
 
 import torch
 from torch import Tensor, nn
@@ -68,28 +69,23 @@ _functorch_wrapped = torch._C._functorch.is_functorch_wrapped_tensor
 _function_modes, _dispatch_modes = torch._C._len_torch_function_stack, torch._C._len_torch_dispatch_stack
 
 
-def event_file_writer(summary_writer: Any) -> Any:
-    """The ``FileWriter`` behind torch's ``SummaryWriter`` (``SummaryWriter._get_file_writer``)."""
-    return summary_writer._get_file_writer()
+def event_queue(summary_writer: Any) -> Optional[Callable[[bytes], None]]:
+    """Where an ``Event``'s wire bytes go to be written by TensorBoard's writer thread; None where unsure.
 
-
-def enqueue_event(file_writer: Any, data: bytes) -> None:
-    """Hand an ``Event``'s wire bytes to the writer thread of torch's ``FileWriter``.
-
-    What ``EventFileWriter.add_event`` does once it has serialized the event
-    (``EventFileWriter._async_writer.write``): TensorBoard takes no event as bytes.
+    ``EventFileWriter.add_event`` serializes an event and hands the bytes to
+    ``EventFileWriter._async_writer.write``; this returns that ``write`` (TensorBoard takes no
+    event as bytes), reached through torch's ``SummaryWriter._get_file_writer``. Only for
+    TensorBoard's own ``EventFileWriter`` class (a subclass may change what ``add_event``
+    does), and only where every one of those names is found: anything else gets None, and the
+    caller writes through the writer's public methods. Nothing is changed on the writer.
     """
-    file_writer.event_writer._async_writer.write(data)
+    from tensorboard.summary.writer.event_file_writer import EventFileWriter
 
-
-def record_writer(event_file_writer: Any) -> Any:
-    """The ``RecordWriter`` an ``EventFileWriter`` writes through, or None where it has none.
-
-    ``EventFileWriter._async_writer._writer``: TensorBoard lets no caller choose it.
-    """
-    return getattr(getattr(event_file_writer, "_async_writer", None), "_writer", None)
-
-
-def record_file(writer: Any) -> Any:
-    """The open file a TensorBoard ``RecordWriter`` writes its bytes to (``RecordWriter._writer``)."""
-    return writer._writer
+    get_file_writer = getattr(summary_writer, "_get_file_writer", None)
+    if not callable(get_file_writer):
+        return None
+    event_writer = getattr(get_file_writer(), "event_writer", None)
+    if type(event_writer) is not EventFileWriter:
+        return None
+    write = getattr(getattr(event_writer, "_async_writer", None), "write", None)
+    return write if callable(write) else None

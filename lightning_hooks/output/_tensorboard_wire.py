@@ -15,13 +15,10 @@ from __future__ import annotations
 import functools
 import struct
 import time
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
 
 import numpy as np
 from tensorboard.compat.proto.summary_pb2 import Summary
-
-from lightning_hooks.core._torch_internals import enqueue_event
 
 # Wire keys, (field number << 3) | wire type: 1 is 64-bit, 2 length-delimited, 5 32-bit.
 _HISTOGRAM_FIGURES = ("min", "max", "count_finite", "sum", "sum_sq")  # HistogramProto fields 1-5, doubles
@@ -144,11 +141,12 @@ def event_bytes(summary: bytes, step: int, wall_time: float) -> bytes:
     return head + _SUMMARY + _varint(len(summary)) + summary
 
 
-def write_summary(file_writer: Any, summary: bytes, step: int) -> None:
+def write_summary(queue: Callable[[bytes], None], summary: bytes, step: int) -> None:
     """Write a ``Summary`` given as wire bytes at ``step``, as torch's ``FileWriter.add_summary`` would.
 
     ``add_summary`` parses nothing but copies the summary into an ``Event`` and serializes it
     again: about 5 us a histogram, on the training thread. Here the event's bytes are laid out
-    around the summary's and handed to the writer thread as ``add_event`` hands them.
+    around the summary's and handed to ``queue``, the writer thread's (see
+    :func:`~lightning_hooks.core._torch_internals.event_queue`), as ``add_event`` hands them.
     """
-    enqueue_event(file_writer, event_bytes(summary, step, time.time()))
+    queue(event_bytes(summary, step, time.time()))

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any, Optional
 from weakref import WeakKeyDictionary
 
 import lightning.pytorch as pl
@@ -15,8 +15,7 @@ from torch.utils.tensorboard import SummaryWriter
 from torch.utils.tensorboard.summary import custom_scalars
 
 from lightning_hooks.core._compat import TENSORBOARD_LOGGERS, WANDB_LOGGERS
-from lightning_hooks.core._torch_internals import event_file_writer
-from lightning_hooks.output._crc32c import speed_up
+from lightning_hooks.core._torch_internals import event_queue
 from lightning_hooks.output._listeners import listeners
 from lightning_hooks.output._tensorboard_wire import histogram_summary_bytes, scalar_summary_bytes, write_summary
 from lightning_hooks.output.figures import HistogramBlock, ScalarBlock, as_metrics
@@ -63,10 +62,10 @@ def _write_one_event(logger: Logger, metrics: Mapping[str, float], step: int) ->
         or not all(isinstance(value, (int, float)) for value in metrics.values())
     ):
         return False
-    events = _event_writer(logger)
-    if events is None:
+    queue = _event_queue(logger)
+    if queue is None:
         return False
-    write_summary(events, scalar_summary_bytes(list(metrics), list(metrics.values())), step)
+    write_summary(queue, scalar_summary_bytes(list(metrics), list(metrics.values())), step)
     return True
 
 
@@ -74,19 +73,15 @@ def _write_one_event(logger: Logger, metrics: Mapping[str, float], step: int) ->
 _TENSORBOARD_LOG_METRICS = tuple(cls.log_metrics for cls in TENSORBOARD_LOGGERS)
 
 
-def _event_writer(logger: TensorBoardLogger) -> Any:
-    """The event file writer behind torch's ``SummaryWriter``; None for tensorboardX's (other protos).
+def _event_queue(logger: TensorBoardLogger) -> Optional[Callable[[bytes], None]]:
+    """Where a whole event's bytes can go at once (the fast path), or None: then the writer's public methods.
 
-    Its records get their checksums from :mod:`lightning_hooks.output._crc32c` (the same bytes, about
-    ten times faster than TensorBoard's per-byte Python loop, which was most of a logged step's
-    host time on a model of many modules).
+    Only torch's ``SummaryWriter`` over TensorBoard's own ``EventFileWriter`` has one (see
+    :func:`~lightning_hooks.core._torch_internals.event_queue`); tensorboardX's writer (other
+    protos), a writer of another kind, or a TensorBoard whose internals moved get None.
     """
     writer = logger.experiment
-    if not isinstance(writer, SummaryWriter):
-        return None
-    file_writer = event_file_writer(writer)
-    speed_up(file_writer.event_writer)
-    return file_writer
+    return event_queue(writer) if isinstance(writer, SummaryWriter) else None
 
 
 #: Loggers that take histograms: TensorBoard, and W&B where wandb is installed.
@@ -134,13 +129,13 @@ def log_histograms(trainer: pl.Trainer | Any, block: HistogramBlock, edges: Sequ
 def _tensorboard_histograms(logger: Logger, block: HistogramBlock, rows: list[tuple[int, int, int]],
                             edges: list[float], step: int) -> None:
     """Write the ``(row, first bin, one past the last)`` histograms of ``block`` to TensorBoard, in one event."""
-    events = _event_writer(logger)
-    if events is not None:  # one event for all, as for scalars
-        write_summary(events, histogram_summary_bytes(block.tags, block.summary, block.counts, edges, rows), step)
+    queue = _event_queue(logger)
+    if queue is not None:  # one event for all, as for scalars
+        write_summary(queue, histogram_summary_bytes(block.tags, block.summary, block.counts, edges, rows), step)
         return
     s = {k: block.summary[k].tolist() for k in ("count_finite", "min", "max", "sum", "sum_sq")}
     counts = block.counts.tolist()
-    for i, a, b in rows:  # tensorboardX: its own method
+    for i, a, b in rows:  # the public method, one event each
         logger.experiment.add_histogram_raw(
             block.tags[i], global_step=step, min=s["min"][i], max=s["max"][i], num=int(s["count_finite"][i]),
             sum=s["sum"][i], sum_squares=s["sum_sq"][i], bucket_limits=edges[a + 1 : b + 1],
@@ -240,10 +235,10 @@ def log_layout(trainer: pl.Trainer | Any, categories: Mapping[str, Charts], step
             continue
         spec = {category_title(lead + name, charts): {chart: ["Multiline", tags] for chart, tags in charts.items()}
                 for name, charts in layout.items()}
-        events = _event_writer(logger)
-        if events is not None:
-            events.add_summary(custom_scalars(spec), step)
-        else:  # tensorboardX: its own method, same layout
+        queue = _event_queue(logger)
+        if queue is not None:
+            write_summary(queue, custom_scalars(spec).SerializeToString(), step)
+        else:  # the public method, same layout (at step 0)
             logger.experiment.add_custom_scalars(spec)
 
 
