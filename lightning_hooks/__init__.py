@@ -3,11 +3,17 @@
 The public names are imported when first used (PEP 562), so that importing a part of the
 package that needs neither torch nor Lightning, such as the Layers tab that TensorBoard loads
 at start-up, does not import them (about 6 s).
+
+Reports, verdicts and diagnoses go through Python's ``logging``, under the logger
+``"lightning_hooks"``: route or silence them there (``logging.getLogger("lightning_hooks")
+.setLevel(logging.WARNING)``). As Lightning does for its own, they are shown at INFO on stderr
+unless the application has configured logging, in which case they go to its handlers.
 """
 
 from __future__ import annotations
 
 import importlib
+import logging
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -69,6 +75,12 @@ __all__ = [
 ]
 __version__ = "0.1.0"
 
+_logger = logging.getLogger(__name__)
+_logger.setLevel(logging.INFO)
+if not logging.getLogger().hasHandlers():
+    _logger.addHandler(logging.StreamHandler())
+    _logger.propagate = False
+
 
 def __getattr__(name: str) -> Any:
     """Import a public name from its module at first use, then keep it here."""
@@ -80,4 +92,4 @@ def __getattr__(name: str) -> Any:
 
 
 def __dir__() -> list[str]:
-    return sorted({*globals(), *__all__})
+    return sorted([*__all__, "__version__"])

@@ -186,10 +186,17 @@ def test_it_warns_when_there_is_nothing_to_draw_from_or_to(tmp_path):
         trainer(tmp_path, [LayerHealth()], logger=logger, max_steps=1).fit(TinyNet(), loader())
 
 
-def test_without_matplotlib_it_says_what_to_install(monkeypatch):
-    monkeypatch.setattr("importlib.util.find_spec", lambda name: None)
-    with pytest.raises(ModuleNotFoundError, match=r"pip install 'lightning-hooks\[health\]'"):
-        LayerHealth()
+def test_without_matplotlib_the_verdict_is_still_given_and_the_warning_says_what_to_install(tmp_path, monkeypatch,
+                                                                                         caplog):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # what an environment without it gives: an ImportError
+    health = LayerHealth(image_every_n_steps=1)
+    logger = TensorBoardLogger(tmp_path, name="tb", version=0)
+    with pytest.warns(UserWarning, match="matplotlib is not installed, so no pictures.*pip install matplotlib"), \
+            caplog.at_level(logging.INFO, logger="lightning_hooks"):
+        torch.manual_seed(0)
+        trainer(tmp_path, [ActivationMonitor(), GradientMonitor(), health], logger=logger).fit(DeadNet(), loader())
+    assert "net.1" in health.summary() and caplog.text.count("Layer health at step") == 1
+    assert not [tag for tag in events(logger.log_dir).Tags()["images"] if tag.startswith("health/")]
 
 
 def test_only_what_the_monitors_log_is_drawn(tmp_path):

@@ -19,7 +19,7 @@ from lightning_hooks.callbacks import gradients
 from lightning_hooks.measure.aggregate import StatBlock
 from lightning_hooks.output.figures import HistogramBlock
 from lightning_hooks.output.sinks import category_title, log_histograms, log_layout, log_scalars
-from tests.helpers import TinyNet, events, loader, trainer
+from tests.helpers import TinyNet, csv_metrics, events, loader, trainer
 
 
 def _trainer(*loggers):
@@ -274,3 +274,12 @@ def test_with_no_logger_the_monitors_say_so_once_and_compute_nothing_that_would_
     trainer(tmp_path, [ActivationMonitor(log_every_n_steps=1), GradientMonitor(log_every_n_steps=1)],
             logger=CSVLogger(tmp_path), max_steps=1).fit(TinyNet(), loader())
     assert added and rows  # the counters see work where there is a logger
+
+
+def test_every_monitors_figures_of_a_logged_step_share_one_csv_row(tmp_path):
+    torch.manual_seed(0)
+    logger = CSVLogger(tmp_path, name="", version=0)
+    trainer(tmp_path, [ActivationMonitor(), GradientMonitor()], logger=logger, max_steps=4).fit(TinyNet(), loader())
+    rows = [row for row in csv_metrics(str(tmp_path)) if row["activations/net.0/mean"] or row["gradients/total_norm"]]
+    assert [int(row["step"]) for row in rows] == [0, 1, 2, 3]
+    assert all(row["activations/net.0/mean"] and row["gradients/total_norm"] for row in rows)

@@ -1,8 +1,10 @@
 """GradientAnomalyStopping: stop at the step, skip without a trace, raise, warn, resume, DDP."""
 
 import copy
+import logging
 import math
 import os
+import warnings
 from typing import Any
 
 import lightning as L
@@ -127,14 +129,26 @@ def test_raise_raises_before_the_update_with_the_report(tmp_path):
     assert all_finite(model) and forward_hook_count(model) == 0
 
 
-def test_warn_warns_once_per_run_of_bad_steps_and_trains_on(tmp_path):
+def test_warn_logs_the_report_once_per_run_of_bad_steps_through_logging_and_trains_on(tmp_path, caplog):
     torch.manual_seed(0)
     stopper = GradientAnomalyStopping(action="warn", patience=1)
-    with pytest.warns(UserWarning, match="Gradient anomaly at step 3") as record:
+    with caplog.at_level(logging.INFO, logger="lightning_hooks"), warnings.catch_warnings(record=True) as raised:
+        warnings.simplefilter("always")
         fit = trainer(tmp_path, [stopper], logger=False, max_steps=6)
         fit.fit(GradNet(nan_steps=(2,)), loader())
     assert fit.global_step == 6 and stopper.anomalous_steps == 4 and stopper.dropped_steps == 0
-    assert sum("Gradient anomaly" in str(w.message) for w in record) == 1
+    (report,) = [r for r in caplog.records if "Gradient anomaly" in r.getMessage()]
+    assert report.name == "lightning_hooks.callbacks.stopping" and report.levelno == logging.WARNING
+    assert report.getMessage().startswith("GradientAnomalyStopping: training on.\nGradient anomaly at step 3")
+    assert not [w for w in raised if "anomaly" in str(w.message)]  # a log record, not a warning with a source path
+
+
+def test_the_reports_can_be_silenced_where_a_user_routes_logging(tmp_path, caplog):
+    torch.manual_seed(0)
+    with caplog.at_level(logging.ERROR, logger="lightning_hooks"):
+        trainer(tmp_path, [GradientAnomalyStopping(action="warn")], logger=False, max_steps=4).fit(
+            GradNet(nan_steps=(2,)), loader())
+    assert "Gradient anomaly" not in caplog.text
 
 
 def test_a_relative_spike_and_a_vanishing_norm_are_caught(tmp_path):
@@ -243,12 +257,17 @@ def test_a_finite_gradient_whose_norm_overflows_is_not_taken_for_a_nonfinite_one
     assert stopper.last_report.flags == ("nonfinite",) and math.isnan(stopper.last_report.total_norm)
 
 
-@pytest.mark.parametrize(("prog_bar", "bar", "shown"), [(True, True, True), (False, True, False), (True, False, False)])
-def test_the_streak_shows_in_the_progress_bar_only_when_asked_and_there_is_one(tmp_path, prog_bar, bar, shown):
-    fit = trainer(tmp_path, [GradientAnomalyStopping(prog_bar=prog_bar), *[progress_bar("tqdm")] * bar],
-                  logger=False, max_steps=2, enable_progress_bar=bar)
-    fit.fit(GradNet(), loader())
+@pytest.mark.parametrize(("prog_bar", "bar", "bad", "shown"), [
+    (True, True, True, True), (True, True, False, False), (False, True, True, False), (True, False, True, False)])
+def test_the_streak_shows_in_the_progress_bar_once_non_zero_when_asked_and_there_is_one(tmp_path, prog_bar, bar,
+                                                                                          bad, shown):
+    stopper = GradientAnomalyStopping(action="warn", prog_bar=prog_bar)
+    fit = trainer(tmp_path, [stopper, *[progress_bar("tqdm")] * bar], logger=False, max_steps=3,
+                  enable_progress_bar=bar)
+    fit.fit(GradNet(nan_steps=(1,) if bad else ()), loader())
     assert ("anomaly_streak" in fit.progress_bar_metrics) is shown
+    if bar and not bad:  # a healthy run's bar carries no count
+        assert "anomal" not in bar_text(fit.progress_bar_callback)
 
 
 @pytest.mark.parametrize("kind", BARS)
@@ -267,7 +286,7 @@ def test_the_progress_bar_keeps_the_streak_though_it_is_logged_only_when_it_chan
     bar = progress_bar(kind)
     fit = trainer(tmp_path, [stopper, bar], logger=False, max_steps=6, enable_progress_bar=True)
     fit.fit(GradNet(nan_steps=(4,)), loader())  # the NaN poisons the weights: steps 4 and 5
-    assert logged == [(0, 0), (4, 1), (5, 2)]
+    assert logged == [(4, 1), (5, 2)]  # nothing while it is 0 from the start
     assert fit.progress_bar_metrics["anomaly_streak"] == 2
     assert bar_text(bar) in ("anomaly_streak=2", "anomaly_streak: 2")  # not 2.000
 
@@ -318,8 +337,7 @@ def test_two_stoppers_work_together_and_each_resumes_its_own_state(tmp_path):
     first = stoppers()
     checkpoint = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=4, save_top_k=-1)
     fit = trainer(tmp_path, [*first, checkpoint], logger=False, max_steps=4, enable_checkpointing=True)
-    with pytest.warns(UserWarning, match="Gradient anomaly at step 1"):
-        fit.fit(GradNet(nan_steps=(1,)), loader())
+    fit.fit(GradNet(nan_steps=(1,)), loader())
     assert [(s.anomalous_steps, s.dropped_steps) for s in first] == [(1, 1), (1, 0)]
     resumed = stoppers()[::-1]  # the order in `callbacks` does not matter
     fit = trainer(tmp_path, resumed, logger=False, max_steps=5, enable_checkpointing=True)

@@ -115,10 +115,11 @@ class GradientCheck(HookCallback):
     def _show(self, trainer: pl.Trainer, pl_module: pl.LightningModule, name: str, value: int) -> None:
         """Show ``value`` in the progress bar if there is one and it changed (the bar keeps it), as an int.
 
-        A ``log`` call costs a good part of a millisecond, and on an accelerator a host-to-device copy.
+        Not before it is first non-zero: a healthy run's bar carries no count. A ``log`` call
+        costs a good part of a millisecond, and on an accelerator a host-to-device copy.
         """
         bar = trainer.progress_bar_callback
-        if bar is not None and value != self._shown:
+        if bar is not None and value != self._shown and (value or self._shown is not None):
             if self._shown_in is None:
                 show_whole(bar, name)
                 self._shown_in = (bar, name)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import logging
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
@@ -10,7 +11,7 @@ from typing import TYPE_CHECKING, Any, Optional
 
 import lightning.pytorch as pl
 import numpy as np
-from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from lightning_hooks.callbacks.activations import ActivationMonitor
 from lightning_hooks.callbacks.gradients import GradientMonitor
@@ -25,6 +26,8 @@ from lightning_hooks.output.sinks import log_text
 if TYPE_CHECKING:
     from lightning_hooks.output._health_plots import Column
     from lightning_hooks.output.figures import HistogramBlock, ScalarBlock
+
+_log = logging.getLogger(__name__)
 
 #: The figures drawn against depth, as (tag prefix, stat), with each picture's name and y axis.
 PROFILES = {
@@ -73,8 +76,9 @@ class LayerHealth(FigureListener, *CALLBACK_BASES):  # type: ignore[misc]  # the
     earliest first, with their worst value and the step since which they are, and those that
     were and recovered; then the diagnosis of each layer unhealthy now: how far from its band,
     where it started, and what usually helps, with the evidence (see
-    ``lightning_hooks.output._diagnosis``). The record covers one ``fit`` and is not checkpointed. Needs matplotlib
-    (``pip install 'lightning-hooks[health]'``).
+    ``lightning_hooks.output._diagnosis``). The record covers one ``fit`` and is not checkpointed. The pictures
+    need matplotlib (``pip install 'lightning-hooks[health]'``); without it the verdict is still
+    written and printed.
 
     Every argument is keyword-only.
 
@@ -93,7 +97,6 @@ class LayerHealth(FigureListener, *CALLBACK_BASES):  # type: ignore[misc]  # the
     Raises:
         ValueError: If an image or ``top_k`` argument is not a positive int, or a band is not
             as documented on :class:`~lightning_hooks.output._health_bands.Bands`.
-        ModuleNotFoundError: If matplotlib is not installed.
 
     Example::
 
@@ -112,8 +115,7 @@ class LayerHealth(FigureListener, *CALLBACK_BASES):  # type: ignore[misc]  # the
                             ("max_panels", max_panels), ("max_columns", max_columns), ("top_k", top_k)):
             check_int(name, value)
         self._bands = Bands(max_zero_fraction, spike_factor, spread_factor, update_ratio_band, window)
-        if importlib.util.find_spec("matplotlib") is None:
-            raise ModuleNotFoundError("LayerHealth draws with matplotlib: pip install 'lightning-hooks[health]'")
+        self._drawable = _has_matplotlib()
         self.image_every_n_steps, self.max_images, self.max_panels = image_every_n_steps, max_images, max_panels
         self.max_columns, self.top_k = max_columns, top_k
         self.max_zero_fraction, self.spike_factor, self.spread_factor = max_zero_fraction, spike_factor, spread_factor
@@ -151,6 +153,9 @@ class LayerHealth(FigureListener, *CALLBACK_BASES):  # type: ignore[misc]  # the
             rank_zero_warn("LayerHealth: no ActivationMonitor or GradientMonitor in `callbacks`: nothing to show")
         if not any(isinstance(lg, TENSORBOARD_LOGGERS) for lg in trainer.loggers):
             rank_zero_warn("LayerHealth: no TensorBoardLogger, so no pictures; the summary is still printed")
+        elif not self._drawable:
+            rank_zero_warn("LayerHealth: matplotlib is not installed, so no pictures; the summary is still"
+                           " printed. To draw them: pip install matplotlib")
 
     def record_figures(self, figures: Sequence[ScalarBlock], metrics: Mapping[str, float], step: int) -> None:
         """Judge the watched figures, and keep each layer's latest value for the depth profiles.
@@ -213,7 +218,8 @@ class LayerHealth(FigureListener, *CALLBACK_BASES):  # type: ignore[misc]  # the
         """Draw when due, once every monitor has logged the last logged step."""
         step = self._last
         # Due as Lightning logs: at step n once n + 1 reaches a multiple (19, 39 … for 20), and at the first.
-        if self._fresh and step is not None and step + 1 >= self._next_image and self._images < self.max_images - 1:
+        due = step is not None and step + 1 >= self._next_image and self._images < self.max_images - 1
+        if self._drawable and self._fresh and due:
             self._draw(trainer, step)
             self._next_image = ((step + 1) // self.image_every_n_steps + 1) * self.image_every_n_steps
 
@@ -225,12 +231,12 @@ class LayerHealth(FigureListener, *CALLBACK_BASES):  # type: ignore[misc]  # the
         """Draw the last pictures, and write and print the summary (rank zero, once)."""
         if not trainer.is_global_zero or self._last is None:
             return
-        if self._fresh:  # else the last logged step is drawn already
+        if self._drawable and self._fresh:  # else the last logged step is drawn already
             self._draw(trainer, self._last)
         self._groups = param_groups(trainer, pl_module)
         text = self.summary()
         log_text(trainer, "health/summary", "\n".join("    " + line for line in text.splitlines()), self._last)
-        rank_zero_info(text)
+        _log.info(text)
 
     def _draw(self, trainer: pl.Trainer, step: int) -> None:
         from lightning_hooks.output._health_plots import Profile, heatmap_figure, profile_figure, to_rgb
@@ -269,3 +275,11 @@ class LayerHealth(FigureListener, *CALLBACK_BASES):  # type: ignore[misc]  # the
     def diagnosis(self) -> str:
         """The diagnosis so far, as :meth:`summary` (what an :class:`~lightning_hooks.AnomalyReport` carries)."""
         return self.summary()
+
+
+def _has_matplotlib() -> bool:
+    """Whether matplotlib can be imported (without importing it)."""
+    try:
+        return importlib.util.find_spec("matplotlib") is not None
+    except ValueError:  # blocked: None in sys.modules
+        return False

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Sequence
 from typing import Any, Optional
@@ -9,7 +10,7 @@ from typing import Any, Optional
 import lightning.pytorch as pl
 import numpy as np
 import torch
-from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor, nn
 
 from lightning_hooks.callbacks._base import HookCallback, _log_interval, _validate_interval, is_logged, log_step
@@ -21,6 +22,8 @@ from lightning_hooks.output._diagnosis import diagnose
 from lightning_hooks.output._health_verdicts import JUDGED, Bands, Verdicts
 from lightning_hooks.output.figures import ScalarBlock
 from lightning_hooks.output.sinks import log_scalars, log_text
+
+_log = logging.getLogger(__name__)
 
 #: Each signal's two logged stats: its peak (max over the step) and its mean.
 STATS = {"attention": ("attention_max_logit", "attention_entropy"),
@@ -210,7 +213,7 @@ class TransformerStability(HookCallback):
                  self._verdicts.last_step)
         # By name: LayerHealth imports this module. It prints the same diagnosis in its summary.
         if not any(type(cb).__name__ == "LayerHealth" for cb in getattr(trainer, "callbacks", ())):
-            rank_zero_info(text)
+            _log.info(text)
 
     def _flush(self, trainer: pl.Trainer) -> None:
         step, self._pending_step, self._collecting = self._pending_step, None, False

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
+import logging
 import os
 from typing import Any, Literal, Optional, Union
 
 import lightning.pytorch as pl
-from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import Tensor
 
 from lightning_hooks.callbacks._anomaly_report import AnomalyReport
@@ -25,6 +25,7 @@ Action = Literal["stop", "skip", "rollback", "raise", "warn"]
 _ACTIONS = ("stop", "skip", "rollback", "raise", "warn")
 _COUNTERS = ("streak", "anomalous_steps", "dropped_steps", "amp_overflows")
 _ROLLBACK_COUNTERS = ("rollbacks", "skipping")  # absent from checkpoints written before rollback existed
+_log = logging.getLogger(__name__)
 
 
 class GradientAnomalyError(RuntimeError):
@@ -207,8 +208,9 @@ class GradientAnomalyStopping(GradientCheck):
             self.rollbacks, self.streak = self.rollbacks + 1, 0
             step, to = trainer.global_step - 1, self._rollback.snapshot_step or 0
             self.last_rollback = (step, to)
-            rank_zero_info(f"GradientAnomalyStopping: step {step} rolled back to the state before step {to};"
-                           f" dropping the next {self.skip_batches} updates.")
+            if trainer.is_global_zero:
+                _log.info(f"GradientAnomalyStopping: step {step} rolled back to the state before step {to};"
+                         f" dropping the next {self.skip_batches} updates.")
 
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Tensor) -> None:
         """Note the loss about to be backpropagated, on device, for ``spikes`` and ``flight_recorder``."""
@@ -267,10 +269,9 @@ class GradientAnomalyStopping(GradientCheck):
             self.last_report = report = self._report(trainer, pl_module, step, check, record)
             if self.action == "raise":
                 raise GradientAnomalyError(report)
-            if self.action == "warn":
-                rank_zero_warn(str(report))
-            elif self.action == "stop":
-                rank_zero_info(f"GradientAnomalyStopping: stopping.\n{report}")
+            if self.action in ("warn", "stop") and trainer.is_global_zero:
+                _log.warning(f"GradientAnomalyStopping: {'stopping' if self.action == 'stop' else 'training on'}."
+                            f"\n{report}")
         if self.action in ("stop", "skip", "rollback"):
             self._dropper.drop(optimizer, self._evaluation)
             self.dropped_steps += 1

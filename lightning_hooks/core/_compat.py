@@ -33,6 +33,9 @@ LIGHTNING_MODULES: tuple[type[lp.LightningModule], ...] = tuple(package.Lightnin
 #: TensorBoardLogger of each installed package (Any: the classes are unrelated, their interfaces the same).
 TENSORBOARD_LOGGERS: tuple[type[Any], ...] = tuple(package.loggers.TensorBoardLogger for package in _PACKAGES)
 
+#: CSVLogger of each installed package.
+CSV_LOGGERS: tuple[type[Any], ...] = tuple(package.loggers.CSVLogger for package in _PACKAGES)
+
 #: WandbLogger of each installed package.
 WANDB_LOGGERS: tuple[type[Any], ...] = tuple(package.loggers.WandbLogger for package in _PACKAGES)
 

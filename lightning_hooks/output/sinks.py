@@ -14,7 +14,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.utils.tensorboard import SummaryWriter
 from torch.utils.tensorboard.summary import custom_scalars
 
-from lightning_hooks.core._compat import TENSORBOARD_LOGGERS, WANDB_LOGGERS
+from lightning_hooks.core._compat import CSV_LOGGERS, TENSORBOARD_LOGGERS, WANDB_LOGGERS
 from lightning_hooks.core._torch_internals import event_queue
 from lightning_hooks.output._listeners import listeners
 from lightning_hooks.output._tensorboard_wire import histogram_summary_bytes, scalar_summary_bytes, write_summary
@@ -45,8 +45,28 @@ def log_scalars(trainer: pl.Trainer | Any, metrics: Mapping[str, float], step: i
     for listener in listeners(trainer):
         listener.record_figures(figures, metrics, step)
     for logger in trainer.loggers:
-        if not _write_one_event(logger, metrics, step):
+        if not _write_one_event(logger, metrics, step) and not _add_to_row(logger, metrics, step):
             logger.log_metrics(dict(metrics), step=step)
+
+
+def _add_to_row(logger: Logger, metrics: Mapping[str, float], step: int) -> bool:
+    """Add ``metrics`` to a CSVLogger's unsaved row of ``step``, so that every callback's figures share one row.
+
+    ``CSVLogger.log_metrics`` starts a row per call, and each callback writes at its own hook of
+    the step. Only Lightning's own ``log_metrics``, without a prefix; False where there is no such row.
+    """
+    if (not isinstance(logger, CSV_LOGGERS) or type(logger).log_metrics not in _CSV_LOG_METRICS
+            or logger._prefix):
+        return False
+    rows = getattr(logger.experiment, "metrics", None)
+    if not isinstance(rows, list) or not rows or not isinstance(rows[-1], dict) or rows[-1].get("step") != step:
+        return False
+    rows[-1].update(metrics)
+    return True
+
+
+#: Each package's own ``CSVLogger.log_metrics``.
+_CSV_LOG_METRICS = tuple(cls.log_metrics for cls in CSV_LOGGERS)
 
 
 def _write_one_event(logger: Logger, metrics: Mapping[str, float], step: int) -> bool:
