@@ -25,7 +25,7 @@ def growing_logits() -> Verdicts:
 
 
 def test_every_problem_has_remedies_and_a_healthy_run_is_called_healthy():
-    assert set(REMEDIES) == set(PROBLEMS)
+    assert set(REMEDIES) == {*PROBLEMS, "dead_at_init"}
     verdicts = Verdicts(Bands())
     verdicts.add("attention_max_logit", 0, {"h.0.attn": 3.0})
     assert diagnose(verdicts, top_k=5) == ("Layer health at step 0: healthy (every layer inside the bands;"
@@ -49,6 +49,18 @@ def test_the_diagnosis_names_layer_signal_since_when_how_far_and_what_helps_with
     assert collapse == ("  h.1.attn: attention entropy collapse since step 30, worst 0.2, 1.25x below the bound 0.25;"
                         " it was 2.5 at step 0")
     assert "h.0.attn:" not in text
+
+
+def test_units_dead_from_the_start_point_at_the_init_and_units_that_died_later_at_the_learning_rate():
+    verdicts = Verdicts(Bands())
+    for step, later in enumerate([0.1, 0.2, 0.95, 1.0]):
+        verdicts.add("zero_fraction", step * 10, {"net.1": 1.0, "net.3": later})
+    lines = diagnose(verdicts, top_k=5, groups={"net.3": "param group 0 (lr 0.5)"}).splitlines()
+    born = lines.index("  net.1: dead units since step 0, worst 1, 1.25x the bound 0.8")
+    died = lines.index("  net.3: dead units since step 20, worst 1, 1.25x the bound 0.8; it was 0.1 at step 0")
+    assert lines[born + 1].startswith("    - look at the initialisation and the bias")
+    assert "learning rate is not the cause" in lines[born + 1]
+    assert lines[died + 1].startswith("    - a lower learning rate of param group 0 (lr 0.5), which holds net.3")
 
 
 def test_the_record_survives_a_checkpoint_and_the_episode_goes_on():

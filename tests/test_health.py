@@ -138,7 +138,7 @@ def test_the_summary_names_the_dead_layer_first_in_tensorboard_and_on_the_consol
     # The dead ReLU first; the gradients it cuts off (exactly 0 behind it) follow as vanishing;
     # then the diagnosis, in the same order, each with what usually helps.
     assert lines[lines.index("Diagnosis:") + 1] == "  net.1: dead units since step 0, worst 1, 1.25x the bound 0.8"
-    assert lines[lines.index("Diagnosis:") + 2].startswith("    - a lower learning rate")
+    assert lines[lines.index("Diagnosis:") + 2].startswith("    - look at the initialisation")  # dead from the start
     assert lines[:lines.index("Diagnosis:")] == ["Layer health at step 9: 4 layers unhealthy now",
                      "  dead units: zero fraction of outputs above 0.8",
                      "    net.1                    worst 1          since step 0",

@@ -40,8 +40,13 @@ REMEDIES: dict[str, tuple[tuple[str, str], ...]] = {
     "exploding": (_CLIP, _LOWER_LR, _WARMUP),
     "vanishing": (("look at the layers in front of it: a dead or saturated layer cuts the gradient off",
                    "a gradient five decades below its neighbours' does not come from the layer's own size"),),
-    "dead": (("a lower learning rate, or a leaky activation (LeakyReLU, GELU)",
-              "units pushed below zero by a large step never fire again under ReLU"),),
+    "dead": (("a lower learning rate{group} or a longer warm-up, or a leaky activation (LeakyReLU, GELU)",
+              "the units fired at first: a large step pushed them below zero, and under ReLU they never fire"
+              " again"),),
+    "dead_at_init": (("look at the initialisation and the bias of the layer in front: weights or a bias that"
+                      " put every pre-activation below zero; re-initialise, or use a leaky activation (LeakyReLU,"
+                      " GELU)", "the units gave zeros from the first logged step, before any update: the learning"
+                      " rate is not the cause"),),
     "too_fast": (_LOWER_LR, _CLIP),
     "too_slow": (("raise the learning rate{group}", "an update ratio near 1e-3 is the usual sign of a layer that"
                                                     " learns at a sensible pace"),),
@@ -69,14 +74,21 @@ def diagnose(verdicts: Verdicts, top_k: int, groups: Mapping[str, str] = {}) -> 
         return summary
     lines = [summary, "Diagnosis:"]
     shown = now[:top_k]
-    for problem in dict.fromkeys(p for p, _, _ in shown):  # problems in order; each one's remedies once
-        layers = [(layer, episode) for p, layer, episode in shown if p == problem]
-        lines.extend(f"  {layer}: {_said(problem, layer, episode, verdicts)}" for layer, episode in layers)
-        where = _group([layer for layer, _ in layers], groups)
-        lines.extend(f"    - {remedy.format(group=where)}: {why}" for remedy, why in REMEDIES[problem])
+    causes = [(_cause(p, layer, episode, verdicts), p, layer, episode) for p, layer, episode in shown]
+    for cause in dict.fromkeys(c for c, _, _, _ in causes):  # causes in order; each one's remedies once
+        layers = [(p, layer, episode) for c, p, layer, episode in causes if c == cause]
+        lines.extend(f"  {layer}: {_said(p, layer, episode, verdicts)}" for p, layer, episode in layers)
+        where = _group([layer for _, layer, _ in layers], groups)
+        lines.extend(f"    - {remedy.format(group=where)}: {why}" for remedy, why in REMEDIES[cause])
     if len(now) > top_k:
         lines.append(f"  ... and {len(now) - top_k} more (see the verdict above)")
     return "\n".join(lines)
+
+
+def _cause(problem: str, layer: str, episode: Episode, verdicts: Verdicts) -> str:
+    """The key of :data:`REMEDIES`: ``"dead_at_init"`` for units dead since the first logged step, else ``problem``."""
+    first = verdicts.first.get((_FIGURE[problem], layer))
+    return "dead_at_init" if problem == "dead" and first is not None and episode.first <= first[0] else problem
 
 
 def _said(problem: str, layer: str, episode: Episode, verdicts: Verdicts) -> str:
