@@ -60,8 +60,8 @@ def data(n: int = 1024) -> DataLoader:
 def main(log_dir: str = "runs/layer_health") -> None:
     if importlib.util.find_spec("matplotlib") is None:
         sys.exit("examples/layer_health.py: LayerHealth draws its pictures with matplotlib, an optional extra the"
-                 " Quick start leaves out. Install it with:  pip install -e '.[health]'  (from the repository root;"
-                 " or pip install 'lightning-hooks[health]'), then run this again.")
+                 " Quick start leaves out. Install it with:  pip install -e '.[health]'  (from the repository root),"
+                 " then run this again.")
     quiet_lightning()
     L.seed_everything(0, verbose=False)
     logger = TensorBoardLogger(log_dir, name="")

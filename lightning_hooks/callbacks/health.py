@@ -77,7 +77,7 @@ class LayerHealth(FigureListener, *CALLBACK_BASES):  # type: ignore[misc]  # the
     were and recovered; then the diagnosis of each layer unhealthy now: how far from its band,
     where it started, and what usually helps, with the evidence (see
     ``lightning_hooks.output._diagnosis``). The record covers one ``fit`` and is not checkpointed. The pictures
-    need matplotlib (``pip install 'lightning-hooks[health]'``); without it the verdict is still
+    need matplotlib (the ``health`` extra); without it the verdict is still
     written and printed.
 
     Every argument is keyword-only.
