@@ -19,7 +19,7 @@ from torch.utils.hooks import RemovableHandle
 from lightning_hooks.callbacks._anomaly_report import AnomalyReport, report_step
 from lightning_hooks.callbacks._base import HookCallback
 from lightning_hooks.callbacks._flight_recorder import FlightRecord
-from lightning_hooks.core._compat import BarCount, show_whole, unshow_whole
+from lightning_hooks.core._compat import BarCount
 from lightning_hooks.core._validation import check_bool, check_path
 from lightning_hooks.core.selection import ModuleSelection, named_parameters
 from lightning_hooks.distributed._rank_agreement import Check
@@ -58,7 +58,6 @@ class GradientCheck(HookCallback):
         self._param_names: dict[Tensor, str] = {}
         self._traced: list[Tensor] = []  # parameters whose gradients the trace checks
         self._shown: Optional[int] = None  # the value the progress bar shows
-        self._shown_in: Optional[tuple[Any, str]] = None  # (the progress bar, the name) it shows under
         self._bar = BarCount()  # carries it as an int
         self._state_key: Optional[str] = None
         self._shared: Optional[SharedMeasurement] = None  # the Trainer's one measurement per step
@@ -120,9 +119,6 @@ class GradientCheck(HookCallback):
         """
         bar = trainer.progress_bar_callback
         if bar is not None and value != self._shown and (value or self._shown is not None):
-            if self._shown_in is None:
-                show_whole(bar, name)
-                self._shown_in = (bar, name)
             self._bar(value)
             pl_module.log(name, self._bar, prog_bar=True, logger=False, on_step=True, on_epoch=False,
                           metric_attribute=name)
@@ -158,9 +154,6 @@ class GradientCheck(HookCallback):
         """
         super().detach()
         self._new_step()
-        if self._shown_in is not None:
-            unshow_whole(*self._shown_in)
-            self._shown_in = None
         self._collecting, self._param_names, self._traced, self._shown = False, {}, [], None
         self._evaluation = 0
         if self._shared is not None:

@@ -55,8 +55,9 @@ def configure_model_overridden(module: Any) -> bool:
 class BarCount(Metric):
     """The latest value of a count, carried to the progress bar as an int.
 
-    ``LightningModule.log`` turns every number and tensor into a float (the bar then shows
-    ``anomalies=0.000``); a torchmetrics Metric's result reaches the bar as it is. It lives on
+    ``LightningModule.log`` turns every number and tensor into a float; a torchmetrics Metric's
+    result reaches the bar as it is, an int (TQDM writes ``anomalies=3``; Rich writes every
+    number with its theme's ``metrics_format``, ``3.000`` by default). It lives on
     the CPU, so showing a new value never copies to an accelerator. Ranks agree on the counts
     this carries; where they would not, the sync takes the largest.
 
@@ -81,55 +82,3 @@ class BarCount(Metric):
     def compute(self) -> Tensor:
         """The latest value, an int64 tensor."""
         return self.count
-
-
-class WholeCount(int):
-    """A count that any progress bar writes whole: ``3``, not Rich's ``3.000`` (its ``.3f``) or TQDM's ``.3g``.
-
-    Formatted with a float presentation type it drops the precision and writes an int.
-    """
-
-    def __format__(self, spec: str) -> str:
-        if spec and spec[-1] in "eEfFgG%":
-            spec = spec[:-1].split(".")[0] + "d"
-        return int.__format__(int(self), spec)
-
-
-def show_whole(bar: Any, name: str) -> None:
-    """Make ``bar`` (either package's TQDM or Rich progress bar) write the metric ``name`` as a whole number.
-
-    The bars get ``trainer.progress_bar_metrics``, where a logged count is already an int, and
-    RichProgressBar writes every number with its theme's ``metrics_format`` (``.3f``); so the
-    bar's ``get_metrics`` is wrapped, once per bar, to hand those counts over as
-    :class:`WholeCount`. :func:`unshow_whole` undoes it.
-
-    Example::
-
-        show_whole(trainer.progress_bar_callback, "anomalies")  # "anomalies: 3" in the Rich bar too
-    """
-    if "_lightning_hooks_whole" not in bar.__dict__:
-        names: set[str] = set()
-        original = bar.get_metrics
-
-        def get_metrics(trainer: Any, pl_module: Any) -> dict[str, Any]:
-            items = original(trainer, pl_module)
-            return {key: WholeCount(value) if key in names and type(value) is int else value
-                    for key, value in items.items()}
-
-        bar._lightning_hooks_whole = (names, bar.__dict__.get("get_metrics"))  # and the instance's own, if any
-        bar.get_metrics = get_metrics
-    bar._lightning_hooks_whole[0].add(name)
-
-
-def unshow_whole(bar: Any, name: str) -> None:
-    """Undo :func:`show_whole` for ``name``; the bar's own ``get_metrics`` is back once no name is left."""
-    if "_lightning_hooks_whole" not in bar.__dict__:
-        return
-    names, own = bar._lightning_hooks_whole
-    names.discard(name)
-    if not names:
-        del bar.__dict__["_lightning_hooks_whole"]
-        if own is None:
-            del bar.__dict__["get_metrics"]
-        else:
-            bar.get_metrics = own
