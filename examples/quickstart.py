@@ -4,8 +4,8 @@ Runs in well under a minute, writes TensorBoard logs under ``./runs/quickstart``
 directory given as the first argument), and prints a few figures read back from them.
 
     python examples/quickstart.py
-    tensorboard --logdir runs/quickstart   # Histograms tab: activations/*, gradients/*
-                                           # Custom Scalars tab: one chart per stat across layers
+    tensorboard --logdir runs/quickstart   # LAYERS tab: every layer's figures as heatmaps
+                                           # Histograms and Custom Scalars tabs: the same figures
 """
 
 from __future__ import annotations
@@ -79,7 +79,7 @@ def main(log_dir: str = "runs/quickstart") -> None:
             first, last = events.Scalars(tag)[0], events.Scalars(tag)[-1]
             print(f"{tag}: step {first.step} -> {first.value:.3f}, step {last.step} -> {last.value:.3f}")
     print(f"Hooks left on the model after fit: {sum(len(m._forward_hooks) for m in trainer.model.modules())}")
-    print(f"Look: tensorboard --logdir {log_dir}")
+    print(f"Look: tensorboard --logdir {log_dir}   (then the LAYERS tab)")
 
 
 if __name__ == "__main__":
