@@ -4,6 +4,8 @@ import copy
 import logging
 import math
 import os
+import subprocess
+import sys
 import warnings
 from typing import Any
 
@@ -141,6 +143,25 @@ def test_warn_logs_the_report_once_per_run_of_bad_steps_through_logging_and_trai
     assert report.name == "lightning_hooks.callbacks.stopping" and report.levelno == logging.WARNING
     assert report.getMessage().startswith("GradientAnomalyStopping: training on.\nGradient anomaly at step 3")
     assert not [w for w in raised if "anomaly" in str(w.message)]  # a log record, not a warning with a source path
+
+
+_FIRST_RUN = """
+from tests.grad_helpers import GradNet
+from tests.helpers import loader, trainer
+from lightning_hooks import GradientAnomalyStopping
+fit = trainer({tmp!r}, [GradientAnomalyStopping(action="warn")], logger=False, max_steps=4)
+fit.fit(GradNet(nan_steps=(2,)), loader())
+"""
+
+
+@pytest.mark.slow
+def test_in_a_script_the_report_is_printed_to_stderr_once_without_a_source_path(tmp_path):
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    done = subprocess.run([sys.executable, "-c", _FIRST_RUN.format(tmp=str(tmp_path))], capture_output=True,
+                          text=True, timeout=120, cwd=root, env={**os.environ, "PYTHONPATH": root})
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stderr.count("GradientAnomalyStopping: training on.\nGradient anomaly at step 2") == 1, done.stderr
+    assert "stopping.py" not in done.stderr and "Warning" not in done.stderr, done.stderr[-3000:]
 
 
 def test_the_reports_can_be_silenced_where_a_user_routes_logging(tmp_path, caplog):
