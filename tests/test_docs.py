@@ -28,7 +28,7 @@ def blocks():
 def test_the_pages_have_python_blocks_and_few_are_marked_not_run():
     found = list(blocks())
     skipped = [p for p in found if p.marks]
-    assert len(found) >= 10 and len(skipped) <= 2, [p.id for p in skipped]
+    assert len(found) >= 10 and len(skipped) <= len(found) // 5, [p.id for p in skipped]  # rare
 
 
 @pytest.mark.parametrize(("code", "where"), list(blocks()))
