@@ -29,10 +29,10 @@ from tensorboard.plugins import base_plugin
 from werkzeug import wrappers
 
 from lightning_hooks.output._health_verdicts import Bands
+from lightning_hooks.output._plugin_data import PLUGIN_NAME
 from lightning_hooks.tensorboard_plugin.run_data import CACHED_RUNS, Figure, FigureCache, RunReader, cell
 from lightning_hooks.tensorboard_plugin.verdicts import Marks, bands_as_dict, bands_from_query, banner, judge
 
-PLUGIN_NAME = "lightning_hooks_layers"
 TAB_NAME = "Layers"
 _STATIC = {"/index.js": "application/javascript", "/heatmap.js": "application/javascript",
            "/flight.js": "application/javascript", "/style.css": "text/css"}
