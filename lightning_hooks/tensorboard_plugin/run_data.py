@@ -44,6 +44,9 @@ SKIPPED_STATS = frozenset({"count", "calls", "ratio"})
 #: The figures drawn first, in this order; any other figure the run has follows.
 FIRST = ("activations/std", "activations/zero_fraction", "activations/nonfinite_fraction",
          "gradients/norm", "updates/log10_ratio")
+#: The loss and the learning rate, drawn above the heatmaps: the first tag each pattern finds.
+CONTEXT_TAGS = (re.compile(r"^(train[_/-])?loss(_step)?$|^(train[_/-])?loss|loss$"),
+                re.compile(r"^lr-|^(train[_/-])?(lr|learning_rate)$"))
 #: How many points per tag to ask the provider for (TensorBoard keeps 1000 scalars per tag by default).
 MAX_POINTS = 100_000
 #: How many runs' figures a plugin keeps, to answer a reload of an unchanged run without reading it again.
@@ -192,6 +195,20 @@ class RunReader:
     def _flight_records(self, run: str) -> dict[int, Union[dict[str, Any], str]]:
         """The flight records by the step they were logged at: each the record, or why it cannot be drawn."""
         return {step: parse_record(text) for step, text in self._own_data(run, FLIGHT_RECORD_TAG).items()}
+
+    def context(self, run: str) -> list[dict[str, Any]]:
+        """The run's loss and learning rate, drawn above its heatmaps: ``{"tag", "steps", "values"}`` each.
+
+        The first tag of each that :data:`CONTEXT_TAGS` finds (``train_loss``, ``loss``,
+        ``train/loss``...; LearningRateMonitor's ``lr-<optimizer>``).
+        """
+        listing = self._data.list_scalars(self._ctx, experiment_id=self._experiment, plugin_name="scalars",
+                                          run_tag_filter=provider.RunTagFilter(runs=[run]))
+        tags = sorted(listing.get(run, {}), key=natural_key)
+        chosen = [next((tag for tag in tags if pattern.search(tag)), None) for pattern in CONTEXT_TAGS]
+        found = self._scalars(run, [tag for tag in chosen if tag]) if any(chosen) else {}
+        return [{"tag": tag, "steps": [p.step for p in found[tag]], "values": [cell(p.value) for p in found[tag]]}
+                for tag in chosen if tag in found]
 
     def forward_order(self, run: str) -> list[str]:
         """The modules in the order their forward hooks first fired, as ActivationMonitor recorded it."""
