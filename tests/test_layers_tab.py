@@ -256,7 +256,8 @@ def test_a_200_module_run_loads_and_draws_quickly(tmp_path):
 def canvas_box(tools: Any, figure: str) -> dict[str, Any]:
     """Where a heatmap's canvas is on the page, and its geometry (label width, cell size, rows)."""
     return tools.evaluate(f"""(() => {{ const canvas = document.querySelector('[data-figure="{figure}"] canvas');
-        canvas.scrollIntoView({{block: "start"}}); const box = canvas.getBoundingClientRect(); return {{x: box.left, y: box.top, ...canvas.dataset}}; }})()""")
+        canvas.scrollIntoView({{block: "start"}}); const box = canvas.getBoundingClientRect();
+        return {{x: box.left, y: box.top, ...canvas.dataset}}; }})()""")
 
 
 def canvas_rows(tools: Any, figure: str) -> list[str]:

@@ -89,14 +89,13 @@ def test_the_strip_puts_the_faulty_run_first_and_its_banner_names_the_culprit_fi
 
 
 def test_the_text_tab_lists_no_data_written_for_the_layers_tab(tmp_path):
+    import numpy as np
+    from torch.utils.tensorboard import SummaryWriter
+
     from lightning_hooks.callbacks._flight_recorder import analyse, record_json
     from lightning_hooks.output._plugin_data import FLIGHT_RECORD_TAG, FORWARD_ORDER_TAG, plugin_data_summary
 
     write_healthy_run(tmp_path / "run", 3)
-    from torch.utils.tensorboard import SummaryWriter
-
-    import numpy as np
-
     record = analyse(3, [0, 1, 2, 3], np.array([1.0, 1.0, 1.0, 2.0]), np.array([[1.0], [1.1], [0.9], [9.0]]),
                      ["a.weight"])
     with SummaryWriter(str(tmp_path / "run")) as writer:
