@@ -35,9 +35,10 @@ from lightning_hooks.tensorboard_plugin.scales import colour_scale
 from lightning_hooks.tensorboard_plugin.verdicts import Marks, bands_as_dict, bands_from_query, banner, judge, judged_as
 
 TAB_NAME = "Layers"
-_STATIC = {**{f"/{name}.js": "application/javascript"
-              for name in ("index", "heatmap", "flight", "host", "summary", "rows", "histogram", "compare")},
-           "/style.css": "text/css"}
+_TYPES = {".js": "application/javascript", ".css": "text/css"}
+#: The tab's files (ES modules and CSS), served as they are.
+_STATIC = {f"/{file.name}": _TYPES[suffix] for file in resources.files(__package__).joinpath("static").iterdir()
+           if (suffix := "." + file.name.rpartition(".")[2]) in _TYPES}
 
 
 class LayersPlugin(base_plugin.TBPlugin):

@@ -1,8 +1,9 @@
 """Each judged figure's colour scale, fixed and anchored to its healthy band, so that noise never looks like an event.
 
 A scale is a list of stops ``[value, position]`` (position 0-1 on the palette, linear between
-stops, clamped beyond the ends): the healthy band takes the middle colours and a value out of the
-band goes to the palette's ends, saturating beyond them. A figure with no fixed band (LayerHealth
+stops, clamped beyond the ends; a third item, if any, is the stop's label on the colour bar):
+the healthy band takes the middle colours and a value out of the band goes to the palette's
+ends, saturating beyond them. A figure with no fixed band (LayerHealth
 judges gradient norms against each layer's own history, and does not judge the rest) gets None:
 the browser colours it over its own range, with a least span, and states that range.
 """
@@ -30,7 +31,7 @@ def colour_scale(figure: Figure, bands: Bands) -> Optional[dict[str, Any]]:
         limit = bands.max_zero_fraction
         return _scale([[0.0, LOW_END], [limit, HIGH_END], [1.0, 1.0]], [None, limit])
     if kind == "nonfinite":  # any non-finite value is out of band: from 0 straight to the top colours
-        return _scale([[0.0, LOW_END], [1e-9, 0.9], [1.0, 1.0]], [None, 0.0])
+        return _scale([[0.0, LOW_END, "0"], [1e-9, 0.9, "> 0"], [1.0, 1.0, "1"]], [None, 0.0])
     if kind == "ratio" and figure.stat == "log10_ratio":
         low, high = (math.log10(end) for end in bands.update_ratio_band)
         return _scale([[low - 2, 0.0], [low, LOW_END], [high, HIGH_END], [high + 2, 1.0]], [low, high])
@@ -56,5 +57,5 @@ def _upper(limit: float) -> dict[str, Any]:
     return _scale([[0.0, LOW_END], [limit, HIGH_END], [2 * limit, 1.0]], [None, limit])
 
 
-def _scale(stops: list[list[float]], band: list[Optional[float]], log: bool = False) -> dict[str, Any]:
+def _scale(stops: list[list[Any]], band: list[Optional[float]], log: bool = False) -> dict[str, Any]:
     return {"stops": stops, "band": band, "log": log}

@@ -1,7 +1,7 @@
 // The Layers tab's heatmap: rows by steps on a <canvas>, viridis colours, marked cells outlined, a colour
 // bar. Used by the run figures (index.js) and the flight records (flight.js): one drawing code for both.
 // A view is {figure: {rows, steps, marks}, values, marks (Map "row,col" -> verdict), scale, canvas, rows}
-// where rows are the visible rows ({label, members: [figure rows]}), set by the caller; optional: top
+// where rows are the visible rows ({label, members: [figure rows], lead, note}), set by the caller; optional: top
 // (the space above the grid), labelOf(row) (a row's label), overlay(g, labelWidth, cell) (drawn last).
 
 // Each problem of output/_health_bands.py's PROBLEMS: red when a figure is too high, blue when too low (a test
@@ -98,7 +98,7 @@ export function draw(view) {
   const g = canvas.getContext("2d");
   g.font = "11px Roboto, Arial, sans-serif";
   const markedRows = new Set(figure.marks.map(([r]) => r));
-  const labels = view.rows.map((row) => fit(g, view.labelOf ? view.labelOf(row) : label(row, markedRows)));
+  const labels = view.rows.map((row) => (view.labelOf ? fit(g, "", view.labelOf(row), "") : label(g, row, markedRows)));
   const LABEL_W = view.labelWidth = 12 + Math.max(40, ...labels.map((text) => g.measureText(text).width));
   const width = LABEL_W + steps * cell + BAR_W, height = TOP + view.rows.length * ROW_H + AXIS_H;
   const ratio = window.devicePixelRatio || 1;
@@ -135,16 +135,19 @@ export function draw(view) {
   if (view.overlay) view.overlay(g, LABEL_W, cell);
 }
 
-function label(row, markedRows) {  // a row's label: a dot when some cell of it is marked
-  return (row.members.some((m) => markedRows.has(m)) ? "● " : "") + row.label;
+// A row's label: a dot when some cell of it is marked, then the row's lead (a group's ▸), its name cut at the
+// front when too long, and its note (a group's member count), which is never cut.
+function label(g, row, markedRows) {
+  return fit(g, (row.members.some((m) => markedRows.has(m)) ? "● " : "") + (row.lead || ""), row.label, row.note || "");
 }
 
-// A label cut at the front to `MAX_LABEL_PX` (measured, so that every cut label ends at the same width).
-function fit(g, text) {
-  if (g.measureText(text).width <= MAX_LABEL_PX) return text;
-  let keep = text.length;
-  while (keep > 4 && g.measureText("…" + text.slice(-keep)).width > MAX_LABEL_PX) keep--;
-  return "…" + text.slice(-keep);
+// `lead + name + note` in `MAX_LABEL_PX`, the name cut at the front (measured, so every cut label is as wide).
+function fit(g, lead, name, note) {
+  const room = MAX_LABEL_PX - g.measureText(lead + note).width;
+  if (g.measureText(name).width <= room) return lead + name + note;
+  let keep = name.length;
+  while (keep > 4 && g.measureText("…" + name.slice(-keep)).width > room) keep--;
+  return lead + "…" + name.slice(-keep) + note;
 }
 
 function axis(g, view, steps, cell, LABEL_W, TOP) {
@@ -163,13 +166,14 @@ function colourBar(g, view, plotRight, TOP) {
   const label = (t) => fmt(scale.log ? 10 ** t : t);
   if (scale.fixed) {  // the band's ends where they sit on the palette, and the scale's ends
     const y = (p) => TOP + (1 - p) * h;
+    const named = new Map(scale.stops.filter((stop) => stop[2]).map(([value, , name]) => [value, name]));
     const ticks = scale.stops.filter(([, p], i, all) => i === 0 || i === all.length - 1 || (p > 0 && p < 1));
     let last = -Infinity;
     for (const [value, p] of ticks) {
       if (Math.abs(y(p) - last) < 11) continue;
       last = y(p);
       g.fillRect(x + 10, y(p), 3, 1);
-      g.fillText(label(value), x + 15, Math.min(TOP + h - 4, Math.max(TOP + 4, y(p))));
+      g.fillText(named.get(value) || label(value), x + 15, Math.min(TOP + h - 4, Math.max(TOP + 4, y(p))));
     }
     return;
   }

@@ -6,12 +6,13 @@
 // TensorBoard's reload and run selector (host.js).
 
 import {CONTEXT_H, contextOverlay, depthProfile, ratioValues} from "./compare.js";
-import {flightView} from "./flight.js";
+import {flightView, timeline} from "./flight.js";
 import {MARK_COLOURS, NONFINITE, TOP_GAP, at, centredLogScale, colourScale, draw, el, fmt, num} from "./heatmap.js";
 import {histogramView} from "./histogram.js";
 import * as host from "./host.js";
 import {drawnMember, visibleRows} from "./rows.js";
 import {bannerOf, status, strip} from "./summary.js";
+import {thresholdToggle} from "./thresholds.js";
 
 const PLUGIN = "lightning_hooks_layers";
 const TITLES = {std: "activation std", zero_fraction: "zero fraction (dead units)",
@@ -30,7 +31,7 @@ export async function render() {
   reload.onclick = () => load();
   const filter = el("input", {type: "search", id: "lh-filter", placeholder: "filter runs and layers (regex)"});
   filter.oninput = () => { state.filter = filter.value; saveURL(); show(); };
-  const bar = el("div", {class: "lh-toolbar"}, [el("h1", {}, "Layers"), reload, filter, thresholdToggle(),
+  const bar = el("div", {class: "lh-toolbar"}, [el("h1", {}, "Layers"), reload, filter, thresholdToggle(state, load),
                                                   el("span", {class: "lh-timing", id: "lh-timing"})]);
   document.body.append(tip, bar, el("div", {id: "lh-thresholds"}), el("div", {id: "lh-strip"}), el("div", {id: "lh-runs"}));
   state.hosted = host.connect(PLUGIN);
@@ -112,25 +113,6 @@ function focusRun(run) {
   saveURL();
   const card = document.querySelector(`.lh-card[data-run="${CSS.escape(run)}"]`);
   if (card) card.scrollIntoView({block: "start"});
-}
-
-function thresholdToggle() {
-  const button = el("button", {title: "Where cells are marked: LayerHealth's bands"}, "Thresholds");
-  button.onclick = () => {
-    const box = document.getElementById("lh-thresholds");
-    if (box.firstChild) { box.innerHTML = ""; return; }
-    const card = el("div", {class: "lh-card lh-thresholds"});
-    for (const [name, value] of Object.entries(state.thresholds)) {
-      const input = el("input", {type: "number", step: "any", value: String(value), name});
-      input.onchange = () => { state.thresholds[name] = input.value; load(); };
-      card.append(el("label", {title: `default ${state.defaults[name]}`}, [`${name} `, input]));
-    }
-    const reset = el("button", {}, "Defaults");
-    reset.onclick = () => { state.thresholds = {...state.defaults}; box.innerHTML = ""; load(); };
-    card.append(reset);
-    box.append(card);
-  };
-  return button;
 }
 
 function runCard(data) {
@@ -313,26 +295,3 @@ function openLinked() {  // the selected cell (or a deep link ?run=&layer=&step=
   redrawRun(run);
   focusRun(run);
 }
-
-function timeline(data) {
-  const wrap = el("div", {class: "lh-anomaly"}, [el("b", {}, `Anomalies (${data.anomalies.length})`)]);
-  const steps = data.figures.flatMap((f) => [f.steps[0], f.steps[f.steps.length - 1]]).concat(data.anomalies.map((a) => a.step));
-  const lo = Math.min(...steps), hi = Math.max(...steps);
-  const line = el("div", {class: "lh-timeline"});
-  const report = el("pre", {}, "Click a marker to read its report.");
-  line.append(el("span", {class: "lh-axis", style: "left:0"}, `step ${lo}`), el("span", {class: "lh-axis", style: "right:0"}, `step ${hi}`));
-  for (const anomaly of data.anomalies) {
-    const x = hi > lo ? (100 * (anomaly.step - lo)) / (hi - lo) : 0;
-    const tick = el("span", {class: "lh-tick", style: `left:${x}%`, "data-step": String(anomaly.step),
-                             title: `step ${anomaly.step}: ${anomaly.flags.join(", ")}`});
-    tick.onclick = () => { report.textContent = `step ${anomaly.step}${flagsOf(anomaly)}\n\n${anomaly.report || "(no report)"}`; };
-    line.append(tick);
-  }
-  const first = data.anomalies[0];
-  report.textContent = `first at step ${first.step}${flagsOf(first)}\n\n${first.report || "(no report)"}`;
-  wrap.append(line, report);
-  return wrap;
-}
-
-// The flag scalars GradientMonitor logs; GradientAnomalyStopping alone logs none (its report names them).
-function flagsOf(anomaly) { return anomaly.flags.length ? ` · flags: ${anomaly.flags.join(", ")}` : ""; }

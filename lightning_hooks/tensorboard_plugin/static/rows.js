@@ -15,9 +15,9 @@ export function visibleRows(names, choices, marked) {
     const members = range(i, j);
     const open = choices.has(prefix) ? choices.get(prefix) : members.some((m) => marked.has(names[m]));
     if (j - i > 1 && !open) {
-      rows.push({label: `▸ ${prefix}.* (${j - i}, most abnormal drawn)`, members, group: prefix});
+      rows.push({lead: "▸ ", label: `${prefix}.*`, note: ` (${j - i}, most abnormal)`, members, group: prefix});
     } else {
-      for (const k of members) rows.push({label: (j - i > 1 ? "  " : "") + names[k], members: [k], group: j - i > 1 ? prefix : null, open: j - i > 1});
+      for (const k of members) rows.push({lead: j - i > 1 ? "  " : "", label: names[k], members: [k], group: j - i > 1 ? prefix : null, open: j - i > 1});
     }
     i = j;
   }
