@@ -152,3 +152,30 @@ def test_tensorboards_reload_button_updates_a_live_runs_tab_and_keeps_what_the_u
 def _tab_ready(tools: Any) -> Any:
     return tools.evaluate("(f => f && f.contentDocument && f.contentDocument.body"
                           " && f.contentDocument.body.dataset.ready)(document.querySelector('iframe'))")
+
+
+@needs_chromium
+def test_a_link_to_tensorboard_reproduces_the_view_run_baseline_and_selected_column(tmp_path):
+    write_healthy_run(tmp_path / "today", 12)
+    write_healthy_run(tmp_path / "yesterday", 12)
+    with tensorboard(tmp_path, tmp_path / "tensorboard.log", load_fast="true") as base:
+        wait_for_run(base, "today", 12)
+        wait_for_run(base, "yesterday", 12)
+        keys = {"run": "today", "baseline": "yesterday", "figure": "activations/std", "step": "6", "view": "profile"}
+        link = f"{base}/#lightning_hooks_layers&" + "&".join(f"p.lightning_hooks_layers.{k}={v.replace('/', '%2F')}"
+                                                                for k, v in keys.items())
+        with devtools(link, page_ready=_tab_ready) as tools:
+            frame = "document.querySelector('iframe').contentDocument"
+            card = f"{frame}.querySelector('.lh-card[data-run=\"today\"]')"
+            title = wait_for(lambda: tools.evaluate(f"({card}.querySelector('[data-figure=\"activations/std\"] h3')"
+                                                    " || {}).textContent"), 30, "the card")
+            picked = tools.evaluate(f"{card}.querySelector('select.lh-baseline').value")
+            profile = tools.evaluate(f"({card}.querySelector('[data-profile-step]') || {{dataset: {{}}}})"
+                                     ".dataset.profileStep")
+            # The user's next choice goes back into TensorBoard's URL.
+            tools.evaluate(f"(s => {{ s.value = ''; s.dispatchEvent(new Event('change')); }})"
+                           f"({card}.querySelector('select.lh-baseline'))")
+            address = tools.evaluate("location.hash")
+    assert title.endswith("÷ yesterday") and picked == "yesterday"
+    assert profile == "6"  # the depth profile at the linked step is open
+    assert "p.lightning_hooks_layers.run=today" in address and "p.lightning_hooks_layers.baseline=&" in address

@@ -55,15 +55,37 @@ export function onDataReloaded(callback) { handlers.set(`${PREFIX}DataReloaded`,
 // Runs that came or went: call `callback` with the run names TensorBoard now knows.
 export function onRunsChanged(callback) { handlers.set(`${PREFIX}RunsChanged`, (names) => { callback(names); }); }
 export const getRuns = () => ask("GetRuns");
-export const getURLData = () => ask("GetURLPluginData");
+// The URL's `p.<plugin>.<key>` entries, by key. TensorBoard answers GetURLPluginData from its hash dictionary,
+// which 2.21 fills only as its own code writes to it (a pasted link's entries are not in it): then the
+// parent's address is read, which a same-origin iframe can.
+export async function getURLData(pluginName) {
+  const answered = await ask("GetURLPluginData");
+  if (answered && Object.keys(answered).length) return answered;
+  let hash;
+  try { hash = window.parent !== window ? window.parent.location.hash : ""; } catch (error) { return null; }
+  const lead = `p.${pluginName}.`, found = {};
+  for (const part of hash.replace(/^#/, "").split("&")) {
+    const cut = part.indexOf("="), key = decodeURIComponent(cut < 0 ? part : part.slice(0, cut));
+    const value = cut < 0 ? "" : decodeURIComponent(part.slice(cut + 1));
+    if (key.startsWith(lead)) found[key.slice(lead.length)] = value;
+  }
+  return found;
+}
 
 // The view in TensorBoard's own URL (`#<tab>&p.<plugin>.<key>=<value>`), so that a link reproduces it;
 // standing alone, in the page's own query.
+// A key is written when it has a value or had one (then emptied): a key never used stays out of the URL.
+const written = new Set();
 export function writeURL(pluginName, values) {
   try {
     const storage = window.parent !== window && window.parent.tensorboard && window.parent.tensorboard.tf_storage;
     if (storage && storage.setString) {
-      for (const [key, value] of Object.entries(values)) storage.setString(`p.${pluginName}.${key}`, value ?? "", {useLocationReplace: true});
+      for (const [key, value] of Object.entries(values)) {
+        const name = `p.${pluginName}.${key}`;
+        if (!value && !written.has(key) && !window.parent.location.hash.includes(`${name}=`)) continue;
+        storage.setString(name, value || "", {useLocationReplace: true});
+        written.add(key);
+      }
       return;
     }
   } catch (error) { /* another origin or version: the page's own URL below */ }

@@ -272,7 +272,7 @@ function saveURL() {
 
 async function readURL(filter) {
   const own = Object.fromEntries(new URLSearchParams(window.location.search));
-  const given = {...own, ...((await host.getURLData().catch(() => null)) || {})};
+  const given = {...own, ...((await host.getURLData(PLUGIN).catch(() => null)) || {})};
   state.link = given;
   if (given.filter) { state.filter = filter.value = given.filter; }
   if (!given.run) return;
