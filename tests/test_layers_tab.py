@@ -180,6 +180,9 @@ def test_the_tab_in_a_browser_marks_the_dead_layer(tmp_path):
             fields, relaxed = widen_the_update_band(tools)
 
     assert 'data-ready="true"' in dom
+    # The strip names the planted dead layer as the run's first culprit, and so does the banner's first line.
+    assert re.search(r'<tr class="lh-strip-row rank1" data-run="version_0" data-rank="1" data-culprit="net\.3"', dom)
+    assert re.search(r'<ul><li data-layer="net\.3" data-verdict="dead"', dom)
     assert re.search(r'<li data-layer="net\.3" data-verdict="dead" data-since="\d+"', dom)
     # LayerHealth's verdicts: net.2 learns too slowly (update ratio below 1e-4) and says so; the
     # Thresholds panel edits LayerHealth's bands, by their names, and the banner follows.
