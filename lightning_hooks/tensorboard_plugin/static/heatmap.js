@@ -113,9 +113,10 @@ export function draw(view) {
   view.rows.forEach((row, r) => {
     const y = TOP + r * ROW_H;
     let worst = null;
+    const marked = row.members.filter((k) => markedRows.has(k));  // most rows have no mark: no lookups
     for (let c = 0; c < steps; c++) {
       const m = row.members.length > 1 && view.drawnMember ? view.drawnMember(row, c) : row.members[0];
-      const mark = row.members.map((k) => marks.get(`${k},${c}`)).find((v) => v);
+      const mark = marked.length ? marked.map((k) => marks.get(`${k},${c}`)).find((v) => v) : undefined;
       if (mark) worst = worst || mark;
       const v = m === null ? null : values[m][c];
       if (v === null) continue;

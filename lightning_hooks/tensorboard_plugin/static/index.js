@@ -182,6 +182,7 @@ function figureView(data, figure) {
   const view = {data, figure, values: shownValues, raw: values, marks, scale, canvas, hist: panel, title: TITLES[figure.stat] || figure.stat,
                 base: baseRun ? base : null, top: context.length ? TOP_GAP + CONTEXT_H + 6 : TOP_GAP};
   if (context.length) view.overlay = (g, labelWidth, cell) => contextOverlay(context, TOP_GAP)(g, view, labelWidth, cell);
+  view.markedRows = new Set(figure.marks.map(([r]) => r));
   view.drawnMember = (row, c) => drawnMember(view, row, c);
   view.rows = visibleRows(figure.rows, choices(data.run), markedNames(data));
   draw(view);

@@ -37,17 +37,20 @@ function groupDepth(names) {  // the finest module-prefix depth that fits MAX_VI
 }
 
 // The member a collapsed group's cell is drawn by: its most abnormal one at that step. A non-finite value first,
-// then a marked cell, then the value farthest from the group's middle on the figure's colour scale (a mean would
+// then a marked cell, then the value farthest from the members' mean colour position (a mean would
 // hide one layer 150x its peers). null when no member was logged at that step.
 export function drawnMember(view, row, c) {
-  let best = null, bestScore = -1;
-  const logged = row.members.filter((m) => view.values[m][c] !== null);
-  if (!logged.length) return null;
-  const positions = logged.map((m) => (Number.isFinite(view.values[m][c]) ? view.scale.at(view.values[m][c]) : 0)).sort((a, b) => a - b);
-  const middle = positions[Math.floor(positions.length / 2)];
-  for (const m of logged) {
+  let best = null, bestScore = -1, sum = 0, n = 0;
+  for (const m of row.members) {
     const v = view.values[m][c];
-    const score = !Number.isFinite(v) ? 3 : (view.marks.get(`${m},${c}`) ? 2 : 0) + Math.abs(view.scale.at(v) - middle);
+    if (v !== null && Number.isFinite(v)) { sum += view.scale.at(v); n++; }
+  }
+  const middle = n ? sum / n : 0;
+  for (const m of row.members) {
+    const v = view.values[m][c];
+    if (v === null) continue;
+    const marked = view.markedRows.has(m) && view.marks.has(`${m},${c}`);
+    const score = !Number.isFinite(v) ? 3 : (marked ? 2 : 0) + Math.abs(view.scale.at(v) - middle);
     if (score > bestScore) { best = m; bestScore = score; }
   }
   return best;
