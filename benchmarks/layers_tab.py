@@ -163,8 +163,13 @@ def page_timings(url: str, timeout: float = 120) -> dict[str, str]:
 
 
 @contextmanager
-def devtools(url: str, timeout: float = 120) -> Iterator[DevTools]:
-    """Open ``url`` in headless Chromium (real time); yield its DevTools once the tab says it is ready."""
+def devtools(url: str, timeout: float = 120,
+             page_ready: Optional[Callable[[DevTools], Any]] = None) -> Iterator[DevTools]:
+    """Open ``url`` in headless Chromium (real time); yield its DevTools once the page is ready.
+
+    Ready: the tab's page says so (``document.body.dataset.ready``), or ``page_ready(tools)`` is true
+    (for TensorBoard's own page, where the tab is an iframe).
+    """
     browser = chromium()
     if browser is None:
         raise FileNotFoundError("chromium is not installed (apt-get install chromium)")
@@ -179,7 +184,8 @@ def devtools(url: str, timeout: float = 120) -> Iterator[DevTools]:
             pages = wait_for(lambda: [t for t in json.loads(urllib.request.urlopen(
                 f"http://127.0.0.1:{port}/json/list").read()) if t["type"] == "page"], 30, "page")
             with DevTools(pages[0]["webSocketDebuggerUrl"]) as tools:
-                wait_for(lambda: tools.evaluate("document.body && document.body.dataset.ready"), timeout, "ready page")
+                ready = page_ready or (lambda t: t.evaluate("document.body && document.body.dataset.ready"))
+                wait_for(lambda: ready(tools), timeout, "ready page")
                 yield tools
         finally:  # the whole process group: Chromium's helpers outlive its main process
             os.killpg(proc.pid, signal.SIGTERM)

@@ -85,7 +85,11 @@ def test_the_record_carries_each_layers_usual_range_and_its_json_for_the_layers_
     assert data["norms"][-1][1] == pytest.approx(record.norms[-1][1], rel=1e-5)
     stopper = GradientAnomalyStopping(action="skip", spikes=TRIGGER, flight_recorder=16, prog_bar=False)
     fit(tmp_path, RampNet, stopper, logger=TensorBoardLogger(str(tmp_path), name="tb"))
-    (text,) = events(str(tmp_path / "tb")).Tensors("anomalies/flight_record_data/text_summary")
+    written_events = events(str(tmp_path / "tb"))
+    assert "anomalies/flight_record_data/text_summary" not in written_events.Tags()["tensors"]  # not in the Text tab
+    (text,) = written_events.Tensors("anomalies/flight_record_data")
+    assert written_events.SummaryMetadata("anomalies/flight_record_data").plugin_data.plugin_name == (
+        "lightning_hooks_layers")
     written = json.loads(text.tensor_proto.string_val[0])
     assert written == json.loads(json.dumps(record_json(stopper.last_report.flight_record)))
     assert written["leader"] == "net.0" and len(written["usual"]) == len(written["layers"])

@@ -180,6 +180,9 @@ def test_the_tab_in_a_browser_marks_the_dead_layer(tmp_path):
             fields, relaxed = widen_the_update_band(tools)
 
     assert 'data-ready="true"' in dom
+    # The strip names the planted dead layer as the run's first culprit, and so does the banner's first line.
+    assert re.search(r'<tr class="lh-strip-row rank1" data-run="version_0" data-rank="1" data-culprit="net\.3"', dom)
+    assert re.search(r'<ul><li data-layer="net\.3" data-verdict="dead"', dom)
     assert re.search(r'<li data-layer="net\.3" data-verdict="dead" data-since="\d+"', dom)
     # LayerHealth's verdicts: net.2 learns too slowly (update ratio below 1e-4) and says so; the
     # Thresholds panel edits LayerHealth's bands, by their names, and the banner follows.
@@ -240,20 +243,24 @@ def test_a_200_module_run_loads_and_draws_quickly(tmp_path):
         with devtools(tab_url(base)) as tools:
             timings = json.loads(tools.evaluate("JSON.stringify(document.body.dataset)"))
             collapsed = canvas_rows(tools, "activations/zero_fraction")
-            click_label(tools, "activations/zero_fraction", "encoder.layers.7.*")
+            click_label(tools, "activations/zero_fraction", "encoder.layers.6.*")
             expanded = canvas_rows(tools, "activations/zero_fraction")
     assert timings["ready"] == "true" and int(timings["renderMs"]) < 5000, timings
     marked = re.search(r'data-figure="activations/zero_fraction" data-marked-rows="([^"]*)"', dom)[1].split(",")
     assert marked == [DEAD]
-    # 200 rows start as 19: embed, 17 blocks, head; a click on a block's label opens it in place.
-    assert len(collapsed) == 19 and collapsed[8] == "encoder.layers.7.*" and DEAD not in collapsed
-    assert expanded[8:20] == [name for name in names if name.startswith("encoder.layers.7.")] and DEAD in expanded
+    # 200 rows start as 19 groups (embed, 17 blocks, head), the one holding the marked layer open: 30 rows.
+    block = [name for name in names if name.startswith("encoder.layers.7.")]
+    assert len(collapsed) == 30 and collapsed[7] == "encoder.layers.6.*" and collapsed[8:20] == block
+    # A click on a block's label opens it in place.
+    assert expanded[7:19] == [name for name in names if name.startswith("encoder.layers.6.")]
+    assert expanded[19:31] == block
 
 
 def canvas_box(tools: Any, figure: str) -> dict[str, Any]:
     """Where a heatmap's canvas is on the page, and its geometry (label width, cell size, rows)."""
     return tools.evaluate(f"""(() => {{ const canvas = document.querySelector('[data-figure="{figure}"] canvas');
-        const box = canvas.getBoundingClientRect(); return {{x: box.left, y: box.top, ...canvas.dataset}}; }})()""")
+        canvas.scrollIntoView({{block: "start"}}); const box = canvas.getBoundingClientRect();
+        return {{x: box.left, y: box.top, ...canvas.dataset}}; }})()""")
 
 
 def canvas_rows(tools: Any, figure: str) -> list[str]:
@@ -294,7 +301,7 @@ def test_rows_follow_the_forward_order_activation_monitor_records(tmp_path):
     logger = lp.loggers.TensorBoardLogger(str(tmp_path), name="run", version=0)
     package_trainer(lp, tmp_path, monitors(), logger=logger, max_steps=3).fit(HeadFirst(), loader())
     logger.experiment.flush()
-    (order,) = events(logger.log_dir).Tensors("layers/forward_order/text_summary")  # once per fit
+    (order,) = events(logger.log_dir).Tensors("layers/forward_order")  # once per fit, the tab's own summary
     assert (order.step, json.loads(order.tensor_proto.string_val[0])) == (0, ["trunk.0", "trunk.1", "head"])
 
     multiplexer = plugin_event_multiplexer.EventMultiplexer()

@@ -27,7 +27,8 @@ from torch import Tensor
 
 from lightning_hooks.callbacks._base import log_step
 from lightning_hooks.measure.spikes import _MAD_TO_STD, DeviceRing
-from lightning_hooks.output.sinks import log_text
+from lightning_hooks.output._plugin_data import FLIGHT_RECORD_TAG
+from lightning_hooks.output.sinks import log_plugin_data, log_text
 
 _BAND_Z = 3.0  # a layer's norm is out of its usual range beyond 3 robust standard deviations (of its log) ...
 _MIN_BAND = float(np.log(1.5))  # ... and beyond a factor 1.5 either way, however steady it was
@@ -199,7 +200,9 @@ class FlightRecorder:
 
 
 def write_record(trainer: pl.Trainer, record: FlightRecord) -> FlightRecord:
-    """Write the record next to the logs as CSV and to TensorBoard as text, from rank zero; return it with its path.
+    """Write the record next to the logs as CSV and to TensorBoard (a text table; JSON for the Layers tab); return it.
+
+    Written from rank zero; the returned record has its CSV path.
 
     Every rank must call it: ``trainer.log_dir`` is broadcast from rank zero.
     """
@@ -215,7 +218,7 @@ def write_record(trainer: pl.Trainer, record: FlightRecord) -> FlightRecord:
             writer.writerow([step, f"{loss:.6g}", *(f"{v:.6g}" for v in row)])
     record = replace(record, path=path)
     log_text(trainer, "anomalies/flight_record", record_markdown(record), log_step(trainer))
-    log_text(trainer, "anomalies/flight_record_data", json.dumps(record_json(record)), log_step(trainer))
+    log_plugin_data(trainer, FLIGHT_RECORD_TAG, json.dumps(record_json(record)), log_step(trainer))
     return record
 
 

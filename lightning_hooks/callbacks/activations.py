@@ -26,14 +26,15 @@ from lightning_hooks.core.selection import ModuleSelection, check_limit, validat
 from lightning_hooks.measure._stat_rows import DEFAULT_STATS, DIVERGENCE_STATS, N_FIELDS, STAT_NAMES, summarize_rows
 from lightning_hooks.measure.aggregate import StatBlock
 from lightning_hooks.measure.stats import Bins, histogram_edges
+from lightning_hooks.output._plugin_data import FORWARD_ORDER_TAG
 from lightning_hooks.output.figures import HistogramBlock, ScalarBlock
 from lightning_hooks.output.sinks import (
     Charts,
     destinations,
     log_histograms,
     log_layout,
+    log_plugin_data,
     log_scalars,
-    log_text,
 )
 
 Stage = Literal["train", "validate"]
@@ -290,7 +291,7 @@ class ActivationMonitor(HookCallback):
         assert step is not None
         self._log(trainer, self._blocks[stage], "activations", step)
         if self._forward_order:  # once per fit, for the Layers tab's row order (JSON: a list of names)
-            log_text(trainer, "layers/forward_order", json.dumps(list(self._forward_order)), step)
+            log_plugin_data(trainer, FORWARD_ORDER_TAG, json.dumps(list(self._forward_order)), step)
             self._forward_order = None
 
     def _log(self, trainer: pl.Trainer, block: StatBlock, prefix: str, step: int) -> None:

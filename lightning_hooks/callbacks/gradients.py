@@ -35,7 +35,7 @@ from lightning_hooks.measure.aggregate import StatBlock
 from lightning_hooks.measure.stats import STAT_NAMES, Bins, histogram_edges
 from lightning_hooks.output._health_verdicts import UNJUDGED_RATIOS_TAG, unjudged_ratios
 from lightning_hooks.output.figures import ScalarBlock
-from lightning_hooks.output.sinks import Charts, destinations, log_layout, log_scalars, log_text
+from lightning_hooks.output.sinks import Charts, destinations, log_layout, log_plugin_data, log_scalars
 
 Granularity = Literal["parameter", "module"]
 
@@ -235,7 +235,8 @@ class GradientMonitor(GradientCheck):
         self._row_shards = ShardGroups([params[0] for _, params in self._rows])
         log_layout(trainer, {"gradients": self._charts()}, trainer.global_step)
         if self.update_ratio:  # for the Layers tab: the rows whose ratio LayerHealth does not judge
-            log_text(trainer, UNJUDGED_RATIOS_TAG, json.dumps(sorted(self._vectors & set(names))), trainer.global_step)
+            log_plugin_data(trainer, UNJUDGED_RATIOS_TAG, json.dumps(sorted(self._vectors & set(names))),
+                            trainer.global_step)
 
     def _charts(self) -> Charts:
         """One Custom Scalars chart per stat drawing every row, one of the total norms, one of the flags."""

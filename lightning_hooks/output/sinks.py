@@ -17,6 +17,7 @@ from torch.utils.tensorboard.summary import custom_scalars
 from lightning_hooks.core._compat import CSV_LOGGERS, TENSORBOARD_LOGGERS, WANDB_LOGGERS
 from lightning_hooks.core._torch_internals import event_queue
 from lightning_hooks.output._listeners import listeners
+from lightning_hooks.output._plugin_data import plugin_data_summary
 from lightning_hooks.output._tensorboard_wire import histogram_summary_bytes, scalar_summary_bytes, write_summary
 from lightning_hooks.output.figures import HistogramBlock, ScalarBlock, as_metrics
 
@@ -205,6 +206,25 @@ def log_text(trainer: pl.Trainer | Any, tag: str, text: str, step: int) -> None:
         return
     for logger in trainer.loggers:
         if isinstance(logger, TENSORBOARD_LOGGERS):
+            logger.experiment.add_text(tag, text, global_step=step)
+
+
+def log_plugin_data(trainer: pl.Trainer | Any, tag: str, text: str, step: int) -> None:
+    """Write an entry only the Layers tab reads (JSON) to every TensorBoardLogger, from rank zero.
+
+    Written as a summary of the tab's own plugin (:mod:`lightning_hooks.output._plugin_data`), so
+    the Text tab does not list it. tensorboardX's writer has protos of its own: there it is written
+    as text, which the tab reads too.
+    """
+    if not trainer.is_global_zero:
+        return
+    for logger in trainer.loggers:
+        if not isinstance(logger, TENSORBOARD_LOGGERS):
+            continue
+        events = _event_writer(logger)
+        if events is not None:
+            write_summary(events, plugin_data_summary(tag, text).SerializeToString(), step)
+        else:
             logger.experiment.add_text(tag, text, global_step=step)
 
 

@@ -3,7 +3,7 @@
 TensorBoard finds :class:`LayersPlugin` through the ``tensorboard_plugins`` entry point this
 package declares, and shows a LAYERS tab when some run has layer figures or anomaly reports.
 The tab's page is an iframe that loads ``index.js`` (a plain ES module, no build step, nothing
-from the network; it imports ``heatmap.js`` and ``flight.js``), which fetches the routes below
+from the network; it imports the other modules of ``static/``), which fetches the routes below
 by relative URL:
 
 - ``runs``: the runs with layer figures or anomaly reports (GradientAnomalyStopping alone).
@@ -29,13 +29,16 @@ from tensorboard.plugins import base_plugin
 from werkzeug import wrappers
 
 from lightning_hooks.output._health_verdicts import Bands
+from lightning_hooks.output._plugin_data import PLUGIN_NAME
 from lightning_hooks.tensorboard_plugin.run_data import CACHED_RUNS, Figure, FigureCache, RunReader, cell
-from lightning_hooks.tensorboard_plugin.verdicts import Marks, bands_as_dict, bands_from_query, banner, judge
+from lightning_hooks.tensorboard_plugin.scales import colour_scale
+from lightning_hooks.tensorboard_plugin.verdicts import Marks, bands_as_dict, bands_from_query, banner, judge, judged_as
 
-PLUGIN_NAME = "lightning_hooks_layers"
 TAB_NAME = "Layers"
-_STATIC = {"/index.js": "application/javascript", "/heatmap.js": "application/javascript",
-           "/flight.js": "application/javascript", "/style.css": "text/css"}
+_TYPES = {".js": "application/javascript", ".css": "text/css"}
+#: The tab's files (ES modules and CSS), served as they are.
+_STATIC = {f"/{file.name}": _TYPES[suffix] for file in resources.files(__package__).joinpath("static").iterdir()
+           if (suffix := "." + file.name.rpartition(".")[2]) in _TYPES}
 
 
 class LayersPlugin(base_plugin.TBPlugin):
@@ -110,7 +113,8 @@ class LayersPlugin(base_plugin.TBPlugin):
         judged = [(figure, judge(figure, limits, unjudged)) for figure in figures]
         return {
             "run": run,
-            "figures": [_figure_json(figure, marks) for figure, marks in judged],
+            "figures": [_figure_json(figure, marks, limits) for figure, marks in judged],
+            "context": reader.context(run),
             "banner": banner(judged, limits),
             "anomalies": [vars(anomaly) for anomaly in reader.anomalies(run)],  # flight records as written
             "forward_order": bool(reader.forward_order(run)),
@@ -144,11 +148,12 @@ def _required(request: wrappers.Request, name: str) -> str:
     return value
 
 
-def _figure_json(figure: Figure, marks: Marks) -> dict[str, Any]:
+def _figure_json(figure: Figure, marks: Marks, limits: Bands) -> dict[str, Any]:
     return {
         "key": figure.key, "prefix": figure.prefix, "kind": figure.kind, "stat": figure.stat,
         "rows": figure.rows, "steps": figure.steps,
         # Four significant digits keep a 200-layer run's answer small (judged before, unrounded).
         "values": [[None if v is None else cell(v) for v in row] for row in figure.values],
         "marks": marks, "histograms": [figure.histogram_tag(row) for row in range(len(figure.rows))],
+        "scale": colour_scale(figure, limits), "judged": judged_as(figure),
     }

@@ -5,8 +5,12 @@ steps on the next request. The tags are those the monitors write, with or withou
 prefix (Lightning's ``TensorBoardLogger(prefix="p")`` writes ``p-activations/...``):
 ``activations/<module>/<stat>``, ``val_activations/<module>/<stat>``,
 ``gradients/<param or module>/<stat>``, ``updates/<name>/log10_ratio`` and ``anomalies/<flag>``,
-and the texts ``anomalies/report`` and ``anomalies/flight_record_data`` (GradientAnomalyStopping's
-flight record, one JSON object: see ``lightning_hooks.callbacks._flight_recorder.record_json``).
+the text ``anomalies/report``, and the tab's own data (summaries of its plugin, which the Text tab
+does not list: :mod:`lightning_hooks.output._plugin_data`): ``anomalies/flight_record_data``
+(GradientAnomalyStopping's flight record, one JSON object: see
+``lightning_hooks.callbacks._flight_recorder.record_json``), ``layers/forward_order`` and
+``layers/unjudged_ratios``. Runs written before the tab had its own summaries hold these as text;
+they are read too.
 """
 
 from __future__ import annotations
@@ -16,23 +20,23 @@ import math
 import re
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 from tensorboard.data import provider
 
 from lightning_hooks.output._health_verdicts import UNJUDGED_RATIOS_TAG
+from lightning_hooks.output._plugin_data import FLIGHT_RECORD_TAG, FORWARD_ORDER_TAG, PLUGIN_NAME
+from lightning_hooks.tensorboard_plugin.flight_records import parse_record
 
 #: Scalar tags the tab draws: an optional logger prefix, the kind, the layer, the statistic.
 TAG = re.compile(r"^(?:(?P<prefix>.+)-)?(?P<kind>activations|val_activations|gradients|updates)"
                  r"/(?P<name>.+)/(?P<stat>[^/]+)$")
 #: Anomaly flags GradientMonitor logs (1 on a step where the flag fired).
 ANOMALY_TAG = re.compile(r"^(?:(?P<prefix>.+)-)?anomalies/(?P<flag>[^/]+)$")
-#: The text tags (TensorBoard's text plugin adds ``/text_summary``) of anomaly reports and the forward order.
+#: The text tag (TensorBoard's text plugin adds ``/text_summary``) of anomaly reports.
 REPORT_TAG = "anomalies/report/text_summary"
-FLIGHT_TAG = "anomalies/flight_record_data/text_summary"
-_FLIGHT_KEYS = frozenset({"step", "steps", "losses", "layers", "norms", "onsets"})  # what the tab draws from
-ORDER_TAG = "layers/forward_order/text_summary"
-UNJUDGED_TAG = f"{UNJUDGED_RATIOS_TAG}/text_summary"
+#: The tab's own data (the plugin's summaries); older runs hold each as text under ``<tag>/text_summary``.
+DATA_TAGS = (FLIGHT_RECORD_TAG, FORWARD_ORDER_TAG, UNJUDGED_RATIOS_TAG)
 #: Names under a kind that are not layers.
 NOT_LAYERS = frozenset({"total_norm"})
 #: Statistics that are not drawn: bookkeeping, or the same figure as another (``ratio`` is ``log10_ratio``).
@@ -40,6 +44,9 @@ SKIPPED_STATS = frozenset({"count", "calls", "ratio"})
 #: The figures drawn first, in this order; any other figure the run has follows.
 FIRST = ("activations/std", "activations/zero_fraction", "activations/nonfinite_fraction",
          "gradients/norm", "updates/log10_ratio")
+#: The loss and the learning rate, drawn above the heatmaps: the first tag each pattern finds.
+CONTEXT_TAGS = (re.compile(r"^(train[_/-])?loss(_step)?$|^(train[_/-])?loss|loss$"),
+                re.compile(r"^lr-|^(train[_/-])?(lr|learning_rate)$"))
 #: How many points per tag to ask the provider for (TensorBoard keeps 1000 scalars per tag by default).
 MAX_POINTS = 100_000
 #: How many runs' figures a plugin keeps, to answer a reload of an unchanged run without reading it again.
@@ -76,6 +83,7 @@ class Anomaly:
     flags: list[str]
     report: str = ""
     flight_record: Optional[dict[str, Any]] = None
+    flight_error: str = ""  # why the flight record written at this step cannot be drawn
 
 
 def natural_key(name: str) -> list[Any]:
@@ -125,9 +133,12 @@ class RunReader:
         """
         listing = self._data.list_scalars(self._ctx, experiment_id=self._experiment, plugin_name="scalars")
         counts = {run: sum(1 for tag in tags if _is_layer_tag(tag)) for run, tags in listing.items()}
-        texts = self._data.list_tensors(self._ctx, experiment_id=self._experiment, plugin_name="text",
-                                        run_tag_filter=provider.RunTagFilter(tags=[REPORT_TAG, FLIGHT_TAG]))
-        reported = {run for run, tags in texts.items() if tags}
+        texts = self._data.list_tensors(
+            self._ctx, experiment_id=self._experiment, plugin_name="text",
+            run_tag_filter=provider.RunTagFilter(tags=[REPORT_TAG, _as_text(FLIGHT_RECORD_TAG)]))
+        own = self._data.list_tensors(self._ctx, experiment_id=self._experiment, plugin_name=PLUGIN_NAME,
+                                      run_tag_filter=provider.RunTagFilter(tags=[FLIGHT_RECORD_TAG]))
+        reported = {run for found in (texts, own) for run, tags in found.items() if tags}
         return {run: counts.get(run, 0) for run in sorted(set(counts) | reported) if counts.get(run) or run in reported}
 
     def figures(self, run: str) -> list[Figure]:
@@ -178,23 +189,30 @@ class RunReader:
                     fired[point.step].append(flag)
         reports, records = self._texts(run, REPORT_TAG), self._flight_records(run)
         steps = sorted(set(fired) | set(reports) | set(records))
-        return [Anomaly(step, fired.get(step, []), reports.get(step, ""), records.get(step)) for step in steps]
+        return [Anomaly(step, fired.get(step, []), reports.get(step, ""), *_record_or_error(records.get(step)))
+                for step in steps]
 
-    def _flight_records(self, run: str) -> dict[int, dict[str, Any]]:
-        """The flight records (JSON) by the step they were logged at; one that cannot be read is left out."""
-        records = {}
-        for step, text in self._texts(run, FLIGHT_TAG).items():
-            try:
-                record = json.loads(text)
-            except ValueError:
-                continue
-            if isinstance(record, dict) and _FLIGHT_KEYS <= set(record):
-                records[step] = record
-        return records
+    def _flight_records(self, run: str) -> dict[int, Union[dict[str, Any], str]]:
+        """The flight records by the step they were logged at: each the record, or why it cannot be drawn."""
+        return {step: parse_record(text) for step, text in self._own_data(run, FLIGHT_RECORD_TAG).items()}
+
+    def context(self, run: str) -> list[dict[str, Any]]:
+        """The run's loss and learning rate, drawn above its heatmaps: ``{"tag", "steps", "values"}`` each.
+
+        The first tag of each that :data:`CONTEXT_TAGS` finds (``train_loss``, ``loss``,
+        ``train/loss``...; LearningRateMonitor's ``lr-<optimizer>``).
+        """
+        listing = self._data.list_scalars(self._ctx, experiment_id=self._experiment, plugin_name="scalars",
+                                          run_tag_filter=provider.RunTagFilter(runs=[run]))
+        tags = sorted(listing.get(run, {}), key=natural_key)
+        chosen = [next((tag for tag in tags if pattern.search(tag)), None) for pattern in CONTEXT_TAGS]
+        found = self._scalars(run, [tag for tag in chosen if tag]) if any(chosen) else {}
+        return [{"tag": tag, "steps": [p.step for p in found[tag]], "values": [cell(p.value) for p in found[tag]]}
+                for tag in chosen if tag in found]
 
     def forward_order(self, run: str) -> list[str]:
         """The modules in the order their forward hooks first fired, as ActivationMonitor recorded it."""
-        texts = self._texts(run, ORDER_TAG)
+        texts = self._own_data(run, FORWARD_ORDER_TAG)
         if not texts:
             return []
         try:
@@ -205,7 +223,7 @@ class RunReader:
 
     def unjudged_ratios(self, run: str) -> frozenset[str]:
         """The update rows whose ratio LayerHealth does not judge, as GradientMonitor recorded them (latest fit)."""
-        texts = self._texts(run, UNJUDGED_TAG)
+        texts = self._own_data(run, UNJUDGED_RATIOS_TAG)
         try:
             names = json.loads(texts[max(texts)]) if texts else []
         except ValueError:
@@ -229,9 +247,13 @@ class RunReader:
                                         run_tag_filter=provider.RunTagFilter(runs=[run], tags=tags))
         return found.get(run, {})
 
-    def _texts(self, run: str, tag: str) -> dict[int, str]:
-        """The text entries logged under ``tag``, by step."""
-        found = self._data.read_tensors(self._ctx, experiment_id=self._experiment, plugin_name="text",
+    def _own_data(self, run: str, tag: str) -> dict[int, str]:
+        """The tab's own entries logged under ``tag``, by step; an older run's text entries under that name."""
+        return self._texts(run, tag, PLUGIN_NAME) or self._texts(run, _as_text(tag))
+
+    def _texts(self, run: str, tag: str, plugin: str = "text") -> dict[int, str]:
+        """The string entries logged under ``tag`` for ``plugin``, by step."""
+        found = self._data.read_tensors(self._ctx, experiment_id=self._experiment, plugin_name=plugin,
                                         downsample=MAX_POINTS,
                                         run_tag_filter=provider.RunTagFilter(runs=[run], tags=[tag]))
         texts = {}
@@ -239,6 +261,15 @@ class RunReader:
             value = point.numpy.item() if point.numpy.size == 1 else b"\n".join(point.numpy.ravel().tolist())
             texts[point.step] = value.decode("utf-8", "replace") if isinstance(value, bytes) else str(value)
         return texts
+
+
+def _as_text(tag: str) -> str:
+    """The tag TensorBoard's text plugin gives a text entry written under ``tag``."""
+    return f"{tag}/text_summary"
+
+
+def _record_or_error(found: Union[dict[str, Any], str, None]) -> tuple[Optional[dict[str, Any]], str]:
+    return (None, found) if isinstance(found, str) else (found, "")
 
 
 def _is_layer_tag(tag: str) -> bool:

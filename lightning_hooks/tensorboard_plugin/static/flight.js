@@ -1,4 +1,5 @@
-// A flight record (GradientAnomalyStopping(flight_recorder=N)) as a heatmap: the recorded layers by the
+// A run's anomalies: a timeline of the steps where flags fired (click one for its report), and each flight
+// record (GradientAnomalyStopping(flight_recorder=N)) as a heatmap: the recorded layers by the
 // steps up to the anomaly, each cell the layer's gradient norm over its usual level (the median over the
 // record's first half: the recorder's own usual range, lightning_hooks/callbacks/_flight_recorder.py),
 // rows in the order the layers left that range (the leader first, its leave step outlined), the loss drawn
@@ -129,3 +130,26 @@ function hover(view, record, left, event) {
   box.textContent = text;
   Object.assign(box.style, {display: "block", left: `${event.clientX + 14}px`, top: `${event.clientY + 10}px`});
 }
+
+export function timeline(data) {
+  const wrap = el("div", {class: "lh-anomaly"}, [el("b", {}, `Anomalies (${data.anomalies.length})`)]);
+  const steps = data.figures.flatMap((f) => [f.steps[0], f.steps[f.steps.length - 1]]).concat(data.anomalies.map((a) => a.step));
+  const lo = Math.min(...steps), hi = Math.max(...steps);
+  const line = el("div", {class: "lh-timeline"});
+  const report = el("pre", {}, "Click a marker to read its report.");
+  line.append(el("span", {class: "lh-axis", style: "left:0"}, `step ${lo}`), el("span", {class: "lh-axis", style: "right:0"}, `step ${hi}`));
+  for (const anomaly of data.anomalies) {
+    const x = hi > lo ? (100 * (anomaly.step - lo)) / (hi - lo) : 0;
+    const tick = el("span", {class: "lh-tick", style: `left:${x}%`, "data-step": String(anomaly.step),
+                             title: `step ${anomaly.step}: ${anomaly.flags.join(", ")}`});
+    tick.onclick = () => { report.textContent = `step ${anomaly.step}${flagsOf(anomaly)}\n\n${anomaly.report || "(no report)"}`; };
+    line.append(tick);
+  }
+  const first = data.anomalies[0];
+  report.textContent = `first at step ${first.step}${flagsOf(first)}\n\n${first.report || "(no report)"}`;
+  wrap.append(line, report);
+  return wrap;
+}
+
+// The flag scalars GradientMonitor logs; GradientAnomalyStopping alone logs none (its report names them).
+function flagsOf(anomaly) { return anomaly.flags.length ? ` · flags: ${anomaly.flags.join(", ")}` : ""; }

@@ -1,7 +1,7 @@
 // The Layers tab's heatmap: rows by steps on a <canvas>, viridis colours, marked cells outlined, a colour
 // bar. Used by the run figures (index.js) and the flight records (flight.js): one drawing code for both.
 // A view is {figure: {rows, steps, marks}, values, marks (Map "row,col" -> verdict), scale, canvas, rows}
-// where rows are the visible rows ({label, members: [figure rows]}), set by the caller; optional: top
+// where rows are the visible rows ({label, members: [figure rows], lead, note}), set by the caller; optional: top
 // (the space above the grid), labelOf(row) (a row's label), overlay(g, labelWidth, cell) (drawn last).
 
 // Each problem of output/_health_bands.py's PROBLEMS: red when a figure is too high, blue when too low (a test
@@ -13,7 +13,7 @@ export const MARK_COLOURS = {dead: HIGH, nonfinite: HIGH, nonfinite_grad: HIGH, 
 export const markColour = (problem) => MARK_COLOURS[problem] || HIGH;
 export const NONFINITE = "#212121";  // the fill of a NaN or infinite value
 export const ROW_H = 14, TOP_GAP = 6;
-const BAR_W = 76, AXIS_H = 30, MAX_LABEL = 36;
+const BAR_W = 84, AXIS_H = 30, MAX_LABEL_PX = 230;
 const LOG_STATS = new Set(["std", "norm", "abs_max"]);
 // Viridis, nine stops: perceptually uniform, readable in grey.
 const VIRIDIS = [[68, 1, 84], [71, 44, 122], [59, 81, 139], [44, 113, 142], [33, 144, 141],
@@ -38,14 +38,39 @@ export function fmt(value) {
   return Math.abs(value) >= 1e4 || (value !== 0 && Math.abs(value) < 1e-3) ? value.toExponential(3) : String(+value.toPrecision(4));
 }
 
-export function colourScale(values, stat) {
+// A fixed scale (the server's stops for a judged figure: its healthy band in the middle colours, out of band at
+// the ends) or, for a figure without a fixed band, this figure's own range, at least `LEAST_SPAN` wide so that
+// noise is not spread over the whole palette. `at(v)` is the palette position; `stated` says what the colours mean.
+const LEAST_SPAN = 0.1;  // of the level (linear), or a tenth of a decade (log)
+export function colourScale(values, stat, fixed) {
+  if (fixed) return stopScale(fixed);
   const log = LOG_STATS.has(stat) && values.every((row) => row.every((v) => v === null || !Number.isFinite(v) || v > 0));
   const t = (v) => (log ? Math.log10(v) : v);
   let lo = Infinity, hi = -Infinity;
   for (const row of values) for (const v of row) if (v !== null && Number.isFinite(v)) { lo = Math.min(lo, t(v)); hi = Math.max(hi, t(v)); }
-  if (stat.endsWith("_fraction")) { lo = 0; hi = hi > 0 ? hi : 1; }
-  if (!(hi > lo)) { hi = lo + 1; }
-  return {log, lo, hi, t, at: (v) => Math.min(1, Math.max(0, (t(v) - lo) / (hi - lo)))};
+  if (!Number.isFinite(lo)) { lo = 0; hi = 1; }
+  const least = log ? LEAST_SPAN : LEAST_SPAN * Math.max(Math.abs(lo), Math.abs(hi), 1e-12);
+  if (hi - lo < least) { const mid = (lo + hi) / 2; lo = mid - least / 2; hi = mid + least / 2; }
+  const shown = (x) => fmt(log ? 10 ** x : x);
+  return {log, lo, hi, t, at: (v) => Math.min(1, Math.max(0, (t(v) - lo) / (hi - lo))),
+          stated: `colours span this figure's ${shown(lo)} to ${shown(hi)}${log ? " (log)" : ""}`};
+}
+
+function stopScale({stops, band, log}) {
+  const t = (v) => (log ? (v > 0 ? Math.log10(v) : -Infinity) : v);
+  const at = (v) => {
+    const x = t(v);
+    if (x <= stops[0][0]) return stops[0][1];
+    for (let i = 1; i < stops.length; i++) {
+      const [x0, p0] = stops[i - 1], [x1, p1] = stops[i];
+      if (x <= x1) return p0 + ((p1 - p0) * (x - x0)) / (x1 - x0);
+    }
+    return stops[stops.length - 1][1];
+  };
+  const ends = band.map((end) => (end === null ? null : fmt(end)));
+  const healthy = ends[0] !== null && ends[1] !== null ? `${ends[0]} to ${ends[1]}` : ends[1] !== null ? `≤ ${ends[1]}` : `≥ ${ends[0]}`;
+  return {log, fixed: true, stops, band, t, at, lo: stops[0][0], hi: stops[stops.length - 1][0],
+          stated: `fixed scale: healthy ${healthy} in the middle colours, out of band at the ends`};
 }
 
 // A log scale centred on 1 (the middle colour), reaching at least `least` and at most `most` either way (beyond
@@ -73,7 +98,7 @@ export function draw(view) {
   const g = canvas.getContext("2d");
   g.font = "11px Roboto, Arial, sans-serif";
   const markedRows = new Set(figure.marks.map(([r]) => r));
-  const labels = view.rows.map((row) => (view.labelOf ? view.labelOf(row) : label(row, markedRows)));
+  const labels = view.rows.map((row) => (view.labelOf ? fit(g, "", view.labelOf(row), "") : label(g, row, markedRows)));
   const LABEL_W = view.labelWidth = 12 + Math.max(40, ...labels.map((text) => g.measureText(text).width));
   const width = LABEL_W + steps * cell + BAR_W, height = TOP + view.rows.length * ROW_H + AXIS_H;
   const ratio = window.devicePixelRatio || 1;
@@ -88,13 +113,13 @@ export function draw(view) {
   view.rows.forEach((row, r) => {
     const y = TOP + r * ROW_H;
     let worst = null;
+    const marked = row.members.filter((k) => markedRows.has(k));  // most rows have no mark: no lookups
     for (let c = 0; c < steps; c++) {
-      const cellValues = row.members.map((m) => values[m][c]).filter((v) => v !== null);
-      const mark = row.members.map((m) => marks.get(`${m},${c}`)).find((v) => v);
+      const m = row.members.length > 1 && view.drawnMember ? view.drawnMember(row, c) : row.members[0];
+      const mark = marked.length ? marked.map((k) => marks.get(`${k},${c}`)).find((v) => v) : undefined;
       if (mark) worst = worst || mark;
-      if (!cellValues.length) continue;
-      const bad = cellValues.find((v) => !Number.isFinite(v));
-      const v = bad !== undefined ? bad : cellValues.reduce((a, b) => a + b, 0) / cellValues.length;
+      const v = m === null ? null : values[m][c];
+      if (v === null) continue;
       g.fillStyle = Number.isFinite(v) ? viridis(scale.at(v)) : NONFINITE;
       g.fillRect(LABEL_W + c * cell, y, cell, ROW_H - 1);
       if (mark) {
@@ -111,9 +136,19 @@ export function draw(view) {
   if (view.overlay) view.overlay(g, LABEL_W, cell);
 }
 
-function label(row, markedRows) {  // a row's label: a dot when some cell of it is marked, long names cut at the front
-  const text = (row.members.some((m) => markedRows.has(m)) ? "● " : "") + row.label;
-  return text.length > MAX_LABEL ? "…" + text.slice(-(MAX_LABEL - 1)) : text;
+// A row's label: a dot when some cell of it is marked, then the row's lead (a group's ▸), its name cut at the
+// front when too long, and its note (a group's member count), which is never cut.
+function label(g, row, markedRows) {
+  return fit(g, (row.members.some((m) => markedRows.has(m)) ? "● " : "") + (row.lead || ""), row.label, row.note || "");
+}
+
+// `lead + name + note` in `MAX_LABEL_PX`, the name cut at the front (measured, so every cut label is as wide).
+function fit(g, lead, name, note) {
+  const room = MAX_LABEL_PX - g.measureText(lead + note).width;
+  if (g.measureText(name).width <= room) return lead + name + note;
+  let keep = name.length;
+  while (keep > 4 && g.measureText("…" + name.slice(-keep)).width > room) keep--;
+  return lead + "…" + name.slice(-keep) + note;
 }
 
 function axis(g, view, steps, cell, LABEL_W, TOP) {
@@ -130,6 +165,19 @@ function colourBar(g, view, plotRight, TOP) {
   for (let i = 0; i < h; i++) { g.fillStyle = viridis(1 - i / h); g.fillRect(x, TOP + i, 10, 1); }
   g.fillStyle = "#424242"; g.textBaseline = "middle";
   const label = (t) => fmt(scale.log ? 10 ** t : t);
+  if (scale.fixed) {  // the band's ends where they sit on the palette, and the scale's ends
+    const y = (p) => TOP + (1 - p) * h;
+    const named = new Map(scale.stops.filter((stop) => stop[2]).map(([value, , name]) => [value, name]));
+    const ticks = scale.stops.filter(([, p], i, all) => i === 0 || i === all.length - 1 || (p > 0 && p < 1));
+    let last = -Infinity;
+    for (const [value, p] of ticks) {
+      if (Math.abs(y(p) - last) < 11) continue;
+      last = y(p);
+      g.fillRect(x + 10, y(p), 3, 1);
+      g.fillText(named.get(value) || label(value), x + 15, Math.min(TOP + h - 4, Math.max(TOP + 4, y(p))));
+    }
+    return;
+  }
   g.fillText((scale.clipped ? "≥ " : "") + label(scale.hi), x + 13, TOP + 5);
   g.fillText(label((scale.lo + scale.hi) / 2), x + 13, TOP + h / 2);
   g.fillText((scale.clipped ? "≤ " : "") + label(scale.lo), x + 13, TOP + h - 5);
@@ -140,5 +188,6 @@ export function at(view, event) {
   const box = view.canvas.getBoundingClientRect();
   const x = event.clientX - box.left, y = event.clientY - box.top;
   const r = Math.floor((y - (view.top || TOP_GAP)) / ROW_H), c = Math.floor((x - view.labelWidth) / view.cell);
-  return {row: view.rows[r], c, inLabel: x < view.labelWidth, valid: r >= 0 && r < view.rows.length};
+  return {row: view.rows[r], c, inLabel: x < view.labelWidth, valid: r >= 0 && r < view.rows.length,
+          above: r < 0, below: r >= view.rows.length};
 }
