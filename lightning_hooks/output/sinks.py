@@ -221,9 +221,9 @@ def log_plugin_data(trainer: pl.Trainer | Any, tag: str, text: str, step: int) -
     for logger in trainer.loggers:
         if not isinstance(logger, TENSORBOARD_LOGGERS):
             continue
-        events = _event_writer(logger)
-        if events is not None:
-            write_summary(events, plugin_data_summary(tag, text).SerializeToString(), step)
+        queue = _event_queue(logger)
+        if queue is not None:
+            write_summary(queue, plugin_data_summary(tag, text).SerializeToString(), step)
         else:
             logger.experiment.add_text(tag, text, global_step=step)
 
