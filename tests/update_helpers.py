@@ -63,3 +63,39 @@ def fit(tmp_path: Any, model: L.LightningModule, callbacks: Sequence[L.Callback]
 def largest_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     """The largest element difference between two sets of parameters."""
     return max((a[k].double() - b[k].double()).abs().max().item() for k in a)
+
+
+class NaNAtStep(BackboneHead):
+    """BackboneHead whose loss is NaN at optimizer step ``nan_step``."""
+
+    def __init__(self, optimizer: str = "adamw", backbone_lr: float = 1.0, nan_step: int = 10) -> None:
+        super().__init__(optimizer, backbone_lr)
+        self.nan_step = nan_step
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss = super().training_step(batch, batch_idx)
+        return loss * float("nan") if self.trainer.global_step == self.nan_step else loss
+
+
+class Updates(L.Callback):
+    """Each step's update ``w_after - w_before`` per parameter, taken around the training batch."""
+
+    def __init__(self) -> None:
+        self.deltas: list[dict[str, torch.Tensor]] = []
+        self.before: dict[str, torch.Tensor] = {}
+        self.weights: list[dict[str, torch.Tensor]] = []
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        self.before = {n: p.detach().clone() for n, p in pl_module.named_parameters()}
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: Any, *args: Any) -> None:
+        self.deltas.append({n: p.detach() - self.before[n] for n, p in pl_module.named_parameters()})
+        self.weights.append(self.before)
+
+    def ratios(self, name: str) -> list[float]:
+        """``||Δw|| / ||w_before||`` of parameter ``name`` at each step."""
+        return [(d[name].norm() / w[name].norm()).item() for d, w in zip(self.deltas, self.weights)]
+
+    def norms(self) -> list[float]:
+        """The whole model's update norm at each step."""
+        return [torch.cat([t.reshape(-1) for t in d.values()]).norm().item() for d in self.deltas]
