@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import math
+import warnings
 
 import pytest
 import torch
 
-from lightning_hooks import GradientAnomalyStopping, UpdateTransform
+from lightning_hooks import GradientTransform, UpdateTransform
 from lightning_hooks.callbacks._update_step import NormHistory
-from tests.update_helpers import BackboneHead, Updates, data, fit, largest_difference
+from tests.update_helpers import BackboneHead, Updates, fit, largest_difference
 
 
 @pytest.mark.parametrize("optimizer", ["sgd", "momentum", "adam", "adamw"])
@@ -127,3 +128,30 @@ def test_bad_arguments_raise_in_the_constructor(kwargs, error, match):
 def test_patterns_are_checked_against_the_model_before_training(tmp_path, kwargs, match):
     with pytest.raises(ValueError, match=match):
         fit(tmp_path, BackboneHead(), [UpdateTransform(**kwargs)], steps=1)
+
+
+def _backbone_update(tmp_path, optimizer, callbacks):
+    updates = Updates()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fit(tmp_path, BackboneHead(optimizer), [*callbacks, updates], steps=10)
+    said = [str(w.message) for w in caught if "GradientTransform: `scale`" in str(w.message)]
+    return [d["backbone.0.weight"].norm().item() for d in updates.deltas], said
+
+
+@pytest.mark.parametrize("optimizer", ["adam", "adamw"])
+def test_a_gradient_scale_under_adam_leaves_the_update_as_it_was_and_says_so_once(tmp_path, optimizer):
+    plain, _ = _backbone_update(tmp_path, optimizer, [])
+    scaled, said = _backbone_update(tmp_path, optimizer, [GradientTransform(scale={"backbone": 0.1})])
+    assert scaled == pytest.approx(plain, rel=1e-3)  # Adam divides the scale away, step after step
+    name = {"adam": "Adam", "adamw": "AdamW"}[optimizer]
+    assert len(said) == 1 and "UpdateTransform(scale=" in said[0] and f"but {name} does not" in said[0]
+    updated, _ = _backbone_update(tmp_path, optimizer, [UpdateTransform(scale={"backbone": 0.1})])
+    assert updated[0] == pytest.approx(0.1 * plain[0], rel=1e-4)  # the first step, from the same weights
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "momentum"])
+def test_a_gradient_scale_under_sgd_scales_the_update_without_a_warning(tmp_path, optimizer):
+    plain, _ = _backbone_update(tmp_path, optimizer, [])
+    scaled, said = _backbone_update(tmp_path, optimizer, [GradientTransform(scale={"backbone": 0.1})])
+    assert scaled[0] == pytest.approx(0.1 * plain[0], rel=1e-4) and not said

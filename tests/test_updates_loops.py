@@ -17,7 +17,8 @@ def test_a_step_the_amp_scaler_skips_is_left_alone(tmp_path):
     for model, callbacks in ((BackboneHead("adamw"), [UpdateTransform(scale={"backbone": 0.1})]),
                              (BackboneHead("adamw", backbone_lr=0.1), [])):
         scaler = torch.amp.GradScaler("cpu", init_scale=2.0**40)  # fp16 overflows at first: skipped steps
-        runs.append(fit(tmp_path, model, callbacks, steps=30, plugins=[MixedPrecision("16-mixed", "cpu", scaler=scaler)]))
+        amp = MixedPrecision("16-mixed", "cpu", scaler=scaler)
+        runs.append(fit(tmp_path, model, callbacks, steps=30, plugins=[amp]))
         scalers.append(scaler.get_scale())
     assert scalers[0] == scalers[1] < 2.0**30  # both backed off through the same skipped steps
     assert largest_difference(*runs) < 1e-5
