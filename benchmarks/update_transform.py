@@ -12,6 +12,7 @@ Usage::
 
     python benchmarks/update_transform.py            # 5 rounds of 20 steps, about a minute on 2 cores
     python benchmarks/update_transform.py --quick    # 2 rounds of 5 steps
+    python benchmarks/update_transform.py --rounds 9 --steps 20
 """
 
 from __future__ import annotations
@@ -127,9 +128,11 @@ def hook_bytes(config: dict[str, Any]) -> tuple[int, int]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--quick", action="store_true", help="2 rounds of 5 steps")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=20)
     args = parser.parse_args()
-    rounds, steps = (2, 5) if args.quick else (5, 20)
+    rounds, steps = (2, 5) if args.quick else (args.rounds, args.steps)
     torch.set_num_threads(1)
     ratios: dict[str, list[float]] = {name: [] for name in CONFIGS if name != "plain"}
     for _ in range(rounds):
