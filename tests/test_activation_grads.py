@@ -12,6 +12,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from lightning_hooks import ActivationMonitor
+from lightning_hooks.tensorboard_plugin.run_data import TAG, Figure
 from tests.helpers import csv_metrics, events, loader, trainer
 
 MODULES = ["block.fc", "block.act", "block", "head"]
@@ -120,3 +121,11 @@ def test_histograms_and_forward_figures_come_together_only_when_asked(tmp_path):
 def test_gradients_must_be_a_bool():
     with pytest.raises(TypeError, match="gradients"):
         ActivationMonitor(gradients="yes")
+
+
+def test_the_layers_tab_draws_them_as_heatmaps_whose_cells_open_their_histograms():
+    match = TAG.match("activation_grads/block.fc/std")
+    assert match is not None
+    assert (match["kind"], match["name"], match["stat"]) == ("activation_grads", "block.fc", "std")
+    figure = Figure("activation_grads/std", "", "activation_grads", "std", ["block.fc"], [0], [[1.0]])
+    assert figure.histogram_tag(0) == "activation_grads/block.fc"
