@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import importlib
 import math
+import sys
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -84,6 +87,14 @@ def test_the_history_survives_a_checkpoint_and_refuses_another_shape():
     assert restored._rewrite.histories[0].norms[0, 0].item() == 3.0 and restored._rewrite.histories[0].index == 1
     with pytest.raises(ValueError, match="history_window"):
         UpdateTransform(clip_to_history="*", history_window=8).load_state_dict(transform.state_dict())
+
+
+@pytest.mark.parametrize("config", ["scale", "scale + max_ratio + clip_to_history"])
+def test_the_step_hooks_allocate_one_copy_of_the_selected_parameters_and_a_few_figures(config):
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    benchmark = importlib.import_module("update_transform")
+    allocated, selected = benchmark.hook_bytes(benchmark.CONFIGS[config])  # counted by a TorchDispatchMode
+    assert selected > 10 * 2**20 and selected <= allocated < selected + 2**14
 
 
 def test_one_copy_of_the_selected_parameters_a_step_and_no_hook_left_after_fit(tmp_path):
