@@ -79,7 +79,8 @@ def expected_gradients(batches: list[Any], scale: float = 1.0) -> dict[str, torc
 
 
 def test_each_module_gets_the_gradient_of_its_output_through_inplace_ops_and_dicts(tmp_path):
-    monitor = ActivationMonitor(MODULES, gradients=True, histogram=False, stats=("mean", "min", "max", "abs_max", "count", "calls"))
+    stats = ("mean", "min", "max", "abs_max", "count", "calls")
+    monitor = ActivationMonitor(MODULES, gradients=True, histogram=False, stats=stats)
     trainer(tmp_path, [monitor], logger=CSVLogger(tmp_path), max_steps=1).fit(Net(), loader())
     row = csv_metrics(str(tmp_path))[0]
     for name, grad in expected_gradients([next(iter(loader()))]).items():
