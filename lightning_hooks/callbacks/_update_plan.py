@@ -60,7 +60,7 @@ class UpdatePlan:
         if self.measures:
             device = params[0].device
 
-            def numbers(values: list[float], dtype: torch.dtype = torch.float32) -> Tensor:
+            def numbers(values: Sequence[float], dtype: torch.dtype = torch.float32) -> Tensor:
                 return torch.tensor([values[i] for i in chosen], dtype=dtype, device=device)
 
             part.scales, part.max_ratios = numbers(self.scales), numbers(self.max_ratios)
@@ -92,15 +92,16 @@ def resolve_update_plan(
     scales = _combine(root, "scale", scale, lambda a, b: a * b) if scale else {}
     ratios = _combine(root, "max_ratio", max_ratio, min) if max_ratio else {}
     groups: dict[nn.Parameter, int] = {}
-    for index, pattern in enumerate(clip_to_history or ()):
+    patterns = list(clip_to_history or ())
+    for index, pattern in enumerate(patterns):
         for param in _trainable(root, "clip_to_history", pattern):
             if param in groups:
                 raise ValueError(
-                    f"`clip_to_history` patterns {clip_to_history[groups[param]]!r} and {pattern!r} both reach"
+                    f"`clip_to_history` patterns {patterns[groups[param]]!r} and {pattern!r} both reach"
                     " a parameter: each parameter's update is clipped in one group; make the patterns disjoint"
                 )
             groups[param] = index
-    plan = UpdatePlan(group_names=list(clip_to_history or ()))
+    plan = UpdatePlan(group_names=patterns)
     for name, param in root.named_parameters():
         if param in scales or param in ratios or param in groups:
             plan.params.append(param)

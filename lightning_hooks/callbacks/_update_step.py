@@ -120,7 +120,10 @@ class StepRewrite:
 
     def forget(self) -> None:
         """Drop the plans and any snapshot (the histories stay: they are part of the callback's state)."""
-        self.plans.clear(), self._index.clear(), self._before.clear(), self._shard_groups.clear()
+        self.plans.clear()
+        self._index.clear()
+        self._before.clear()
+        self._shard_groups.clear()
 
     @torch.no_grad()
     def before_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
