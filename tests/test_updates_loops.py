@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 from lightning.pytorch.plugins import MixedPrecision
@@ -61,3 +63,22 @@ def test_an_lbfgs_step_dropped_at_its_second_closure_call_is_undone_whole(tmp_pa
     assert stopper.dropped_steps == 1
     assert all(torch.equal(a, b) for a, b in zip(starts.params[1], starts.params[2]))
     assert not all(torch.equal(a, b) for a, b in zip(starts.params[2], starts.params[3]))  # and trains on
+
+
+class Manual(BackboneHead):
+    def __init__(self, backbone_lr: float = 1.0) -> None:
+        super().__init__("adamw", backbone_lr)
+        self.automatic_optimization = False
+
+    def training_step(self, batch: Any, batch_idx: int) -> None:
+        optimizer = self.optimizers()
+        optimizer.zero_grad()
+        self.manual_backward(super().training_step(batch, batch_idx))
+        optimizer.step()
+
+
+def test_manual_optimization_gets_its_steps_scaled(tmp_path):
+    scaled = fit(tmp_path, Manual(), [UpdateTransform(scale={"backbone": 0.1})], steps=20)
+    reference = fit(tmp_path, Manual(backbone_lr=0.1), steps=20)
+    assert largest_difference(scaled, reference) < 5e-6
+    assert largest_difference(fit(tmp_path, Manual(), steps=20), reference) > 1e-2
