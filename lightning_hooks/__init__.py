@@ -26,6 +26,7 @@ if TYPE_CHECKING:
     from lightning_hooks.callbacks.stability import TransformerStability
     from lightning_hooks.callbacks.stopping import GradientAnomalyError, GradientAnomalyStopping
     from lightning_hooks.callbacks.transforms import GradientTransform
+    from lightning_hooks.callbacks.updates import UpdateTransform
     from lightning_hooks.core.selection import ACTIVATION_NAMES, ACTIVATION_TYPES, ModuleSelection, select_modules
     from lightning_hooks.measure.anomalies import FLAG_NAMES
     from lightning_hooks.measure.spikes import SpikeTrigger
@@ -44,6 +45,7 @@ _WHERE = {
     "LayerHealth": "callbacks.health",
     **dict.fromkeys(("GradientAnomalyError", "GradientAnomalyStopping"), "callbacks.stopping"),
     "GradientTransform": "callbacks.transforms",
+    "UpdateTransform": "callbacks.updates",
     "TransformerStability": "callbacks.stability",
     **dict.fromkeys(("ACTIVATION_NAMES", "ACTIVATION_TYPES", "ModuleSelection", "select_modules"), "core.selection"),
     "FLAG_NAMES": "measure.anomalies",
@@ -70,6 +72,7 @@ __all__ = [
     "ModuleSelection",
     "SpikeTrigger",
     "TransformerStability",
+    "UpdateTransform",
     "load_features",
     "select_modules",
 ]

@@ -1,4 +1,4 @@
-"""Run by tests/test_ddp.py: a 2-process CPU DDP fit with ActivationMonitor (gloo)."""
+"""Run by tests/test_ddp.py: a 2-process CPU DDP fit with ActivationMonitor (gloo), activation gradients too."""
 
 from __future__ import annotations
 
@@ -36,7 +36,8 @@ def main(out_dir: str) -> None:
     record = RecordLocal(out_dir)
     trainer = L.Trainer(
         accelerator="cpu", devices=2, strategy="ddp", max_steps=3, log_every_n_steps=2,
-        logger=TensorBoardLogger(out_dir, name="", version=""), callbacks=[ActivationMonitor(stats=STAT_NAMES), record],
+        logger=TensorBoardLogger(out_dir, name="", version=""),
+        callbacks=[ActivationMonitor(stats=STAT_NAMES, gradients=True), record],
         enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
     )
     trainer.fit(model, loader(n=64, batch_size=4))

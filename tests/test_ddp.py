@@ -56,6 +56,26 @@ def test_histogram_counts_add_across_ranks_and_moments_match_the_global_batch(dd
     assert list(hist.bucket) == expected.tolist()
 
 
+def test_activation_gradients_are_each_ranks_local_gradient_combined_as_statistics(ddp_run):
+    out, _ = ddp_run
+    acc = events(str(out))
+    model = TinyNet()
+    model.load_state_dict(torch.load(out / "initial.pt"))
+    local = []
+    for rank in (0, 1):  # each rank's own loss over its 4 samples, before DDP averages anything
+        x = torch.load(out / f"batch0-rank{rank}.pt")
+        output = model(x)
+        output.retain_grad()
+        torch.nn.functional.mse_loss(output, x.sum(1, keepdim=True)).backward()
+        local.append(output.grad.reshape(-1))
+    grads = torch.cat(local)
+    scalars = {stat: acc.Scalars(f"activation_grads/net.2/{stat}")[0].value
+               for stat in ("count", "calls", "abs_max", "mean")}
+    assert scalars["count"] == 8 and scalars["calls"] == 1
+    assert scalars["abs_max"] == pytest.approx(grads.abs().max().item(), rel=1e-5)
+    assert scalars["mean"] == pytest.approx(grads.mean().item(), rel=1e-5, abs=1e-7)
+
+
 def test_hooks_attach_on_every_rank_and_are_removed_after_fit(ddp_run):
     _, ranks = ddp_run
     assert [r["hooks_during"] for r in ranks] == [3, 3]  # on the LightningModule, not the DDP wrapper

@@ -66,6 +66,8 @@ def run_example(name: str, out_dir, hide: str = "") -> subprocess.CompletedProce
             r"health/activation_histograms/net\.3\s+4 images of 480x320 px, at steps \[0, 19, 39, 59\]",
         ]),
         ("update_ratio", [r"net\.0\.weight .* too fast", r"net\.2\.weight .* ok", r"net\.4\.weight .* too slow"]),
+        ("layerwise_lr", [r"GradientTransform +\S+ +\S+ +1\.\dx", r"UpdateTransform +\S+ +\S+ +(9|1\d)\.\dx",
+                          r"under UpdateTransform: 0\.(08|09|10|11|12)x", r"warned: GradientTransform: `scale`"]),
     ],
 )
 def test_example_prints_what_the_readme_promises(tmp_path, name, expected):

@@ -31,7 +31,8 @@ class UpdateRatio:
     :meth:`discard` drops its snapshot.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, norms: bool = False) -> None:
+        self.norms = norms  # also the update's norm and, where the optimizer keeps them, Adam's moments' norms
         self._rows: Rows = []
         self._before: Optional[list[Tensor]] = None
         self._optimizer: Any = None
@@ -84,10 +85,11 @@ class UpdateRatio:
         shards = self._shard_groups([p for _, params in rows for p in params])
         if not to_host and not shards.sharded:
             return []
-        squares = _row_squares(rows, before, shards)  # sharded: every rank takes part in the sum
+        moments = _moment_squares(optimizer, rows) if self.norms else None
+        squares = _row_squares(rows, before, shards, moments)  # sharded: every rank takes part in the sum
         if not to_host:
             return []
-        deltas, weights = squares.cpu().tolist()  # the one transfer
+        deltas, weights, *moment_sums = squares.cpu().tolist()  # the one transfer
         names, ratios = [], []
         # A dropped update leaves no gradient at all; FSDP1 leaves none where this rank's part is empty.
         kept = any(p.grad is not None for _, params in rows for p in params)
@@ -97,12 +99,57 @@ class UpdateRatio:
                 names.append(name)
                 ratios.append(math.sqrt(delta / weight))
         logs = [math.log10(ratio) if ratio > 0 else -math.inf for ratio in ratios]
-        return [ScalarBlock("updates", "ratio", names, ratios, [f"updates/{n}/ratio" for n in names]),
-                ScalarBlock("updates", "log10_ratio", names, logs, [f"updates/{n}/log10_ratio" for n in names])]
+        blocks = [ScalarBlock("updates", "ratio", names, ratios, [f"updates/{n}/ratio" for n in names]),
+                  ScalarBlock("updates", "log10_ratio", names, logs, [f"updates/{n}/log10_ratio" for n in names])]
+        if self.norms and kept:
+            blocks += _norm_blocks(rows, deltas, moment_sums, optimizer)
+        return blocks
 
 
-def _row_squares(rows: Rows, before: list[Tensor], shards: ShardGroups) -> Tensor:
+def _norm_blocks(rows: Rows, deltas: list[float], moments: list[list[float]], optimizer: Any) -> list[ScalarBlock]:
+    """``updates/<row>/norm``; with Adam's moments, ``exp_avg_norm`` and ``exp_avg_sq_sqrt_norm`` (``||sqrt(v)||``)."""
+    present = [i for i, (_, params) in enumerate(rows) if all(p.grad is not None or p.numel() == 0 for p in params)]
+    names = [rows[i].name for i in present]
+    blocks = [ScalarBlock("updates", "norm", names, [math.sqrt(deltas[i]) for i in present],
+                          [f"updates/{n}/norm" for n in names])]
+    if moments:
+        with_state = [i for i in present if all(_moments(optimizer, p) is not None for p in rows[i].params)]
+        names = [rows[i].name for i in with_state]
+        for stat, sums in (("exp_avg_norm", moments[0]), ("exp_avg_sq_sqrt_norm", moments[1])):
+            blocks.append(ScalarBlock("updates", stat, names, [math.sqrt(sums[i]) for i in with_state],
+                                      [f"updates/{n}/{stat}" for n in names]))
+    return blocks
+
+
+def _moments(optimizer: Any, param: Tensor) -> Optional[tuple[Tensor, Tensor]]:
+    state = optimizer.state.get(param, {})
+    if "exp_avg" in state and "exp_avg_sq" in state:
+        return local(state["exp_avg"]), local(state["exp_avg_sq"])
+    return None
+
+
+def _moment_squares(optimizer: Any, rows: Rows) -> Optional[Tensor]:
+    """Per parameter, ``||m||²`` and ``||sqrt(v)||² = sum(v)`` of Adam's moments (no copy of ``v``): ``(2, params)``.
+
+    None when no parameter has them (not an Adam-family optimizer); zeros where one has none.
+    """
+    found = [_moments(optimizer, p) for _, params in rows for p in params]
+    if not any(found):
+        return None
+    with torch.no_grad():
+        where = [i for i, m in enumerate(found) if m is not None]
+        firsts = torch.stack(torch._foreach_norm([found[i][0] for i in where], 2, dtype=torch.float32))  # type: ignore[index]
+        seconds = torch.stack([found[i][1].sum(dtype=torch.float32) for i in where])  # type: ignore[index]
+        squares = torch.zeros(2, len(found), dtype=torch.float64, device=firsts.device)
+        index = torch.tensor(where, device=firsts.device)
+        squares[:, index] = torch.stack([firsts.double().square(), seconds.double()])
+        return squares
+
+
+def _row_squares(rows: Rows, before: list[Tensor], shards: ShardGroups, moments: Optional[Tensor] = None) -> Tensor:
     """Per row, the squared norms of the update and of the weights before it: a ``(2, rows)`` tensor.
+
+    With ``moments`` (``(2, params)``: Adam's ``||m||²`` and ``sum(v)`` per parameter), two rows more.
 
     The rows' parameters lie one after another in ``before``, so each row is a slice (views,
     no index goes to the device). Sharded parameters' squares are summed over their shards
@@ -113,7 +160,10 @@ def _row_squares(rows: Rows, before: list[Tensor], shards: ShardGroups) -> Tenso
         deltas = torch._foreach_sub(after, before)
         norms = torch.stack([torch.stack(torch._foreach_norm(tensors, 2, dtype=torch.float32))
                              for tensors in (deltas, before)])
-        squares = shards.sum_(norms.double().square().T.contiguous()).T
+        squares = norms.double().square()
+        if moments is not None:
+            squares = torch.cat([squares, moments])
+        squares = shards.sum_(squares.T.contiguous()).T
         bounds, start = [], 0
         for _, params in rows:
             bounds.append((start, start + len(params)))

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from lightning_hooks.callbacks._activation_grads import GRAD_PREFIX, watch_output_gradients
 from lightning_hooks.callbacks._base import (
     HookCallback,
     _log_interval,
@@ -105,6 +106,16 @@ class ActivationMonitor(HookCallback):
             count) the selection may hold (None: no limit), so that a default selection on a
             very large model fails before training with a hint instead of logging thousands of
             tags a step. (GradientMonitor's is ``max_rows`` too).
+        gradients: Also log, per selected module, the gradient of the loss with respect to its
+            output, ``dL/d(output)`` (``activation_grads/<module>/<stat>`` and the histogram
+            ``activation_grads/<module>``), with the same stats, bins, steps and host transfer as
+            the forward figures, through a tensor hook on each output tensor (in-place ops, dict
+            and dataclass outputs and modules returning their input work; a forward recomputed by
+            gradient checkpointing is not watched twice, and the reentrant variant, whose first
+            forward runs without grad, gives no gradient for the modules inside it). Summed over
+            micro-batches. Under DDP each rank's local gradient (of its own loss, before any
+            averaging), combined across ranks as statistics (counts and sums add, extremes max).
+            Training steps only.
 
     Raises:
         ValueError: For an unknown stat, ``bins`` < 1, ``log_every_n_steps`` < 1, an unknown
@@ -132,6 +143,7 @@ class ActivationMonitor(HookCallback):
         inputs: bool = False,
         stages: Union[Stage, Sequence[Stage]] = ("train",),
         max_rows: Optional[int] = 1000,
+        gradients: bool = False,
     ) -> None:
         super().__init__(modules)
         _validate_interval(log_every_n_steps)
@@ -140,6 +152,7 @@ class ActivationMonitor(HookCallback):
         chosen = check_names("stages", stages, get_args(Stage), what="stage")
         check_bool("histogram", histogram)
         check_bool("inputs", inputs)
+        check_bool("gradients", gradients)
         histogram_edges(bins)  # validates `bins`
         self.log_every_n_steps = log_every_n_steps
         self.stats = None if stats is None else tuple(stats)
@@ -153,6 +166,7 @@ class ActivationMonitor(HookCallback):
         self.histogram = histogram
         self.bins = bins
         self.inputs = inputs
+        self.gradients = gradients
         self.stages = chosen
         self.max_rows = max_rows
         self._every = 1
@@ -179,18 +193,24 @@ class ActivationMonitor(HookCallback):
         names = self.module_names + ([f"{n}.input" for n in self.module_names] if self.inputs else [])
         written, _ = destinations(trainer, type(self).__name__, self.histogram, listened_histograms=True,
                                   skipped="it computes nothing")
-        self._blocks = {s: StatBlock(names, self.bins, pl_module.device) for s in self.stages} if written else {}
+        self._blocks = {s: StatBlock(names + self._grad_names(s), self.bins, pl_module.device)
+                        for s in self.stages} if written else {}
         self._block, self._pending_step, self._diverged, self._zeroed = None, None, {}, {}
         self._forward_order = {}
         self._tag_cache, self._edges = {}, histogram_edges(self.bins).tolist()
         self._nonfinite_seen = set()
-        for stage in self.stages:
-            log_layout(trainer, self._charts(_PREFIXES[stage]), trainer.global_step)
+        grads = [GRAD_PREFIX] if self._grad_names("train") else []
+        for prefix in [_PREFIXES[stage] for stage in self.stages] + grads:
+            log_layout(trainer, self._charts(prefix), trainer.global_step)
+
+    def _grad_names(self, stage: str) -> list[str]:
+        """The gradient rows of ``stage``'s block (training only): one per module, after the others."""
+        return list(self.module_names) if self.gradients and stage == "train" else []
 
     def _check_size(self) -> None:
         """Refuse a selection of more than ``max_rows`` modules, before training."""
         stats = len(self._always + self._from_first_zero) + ("nonfinite_fraction" in self._while_nonzero)
-        tags = (stats + self.histogram) * (1 + self.inputs)
+        tags = (stats + self.histogram) * (1 + self.inputs + self.gradients)
         check_limit(type(self).__name__, "max_rows", self.max_rows, len(self._targets), tags,
                     self.module_names)
 
@@ -214,10 +234,13 @@ class ActivationMonitor(HookCallback):
 
     def _register(self, index: int, name: str, module: nn.Module) -> list[RemovableHandle]:
         input_index = index + len(self._targets)
+        grad_index = index + len(self._targets) * (1 + self.inputs)
 
         def record(mod: nn.Module, args: tuple[Any, ...], output: Any) -> None:
             if self._block is not None and not in_backward():
                 self._block.add_all(index, output)
+                if self.gradients and self._block is self._blocks.get("train") and torch.is_grad_enabled():
+                    watch_output_gradients(output, self._block, grad_index)
                 # Not while torch.compile traces: a dict that changes, then goes, would cost a third graph.
                 if not torch.compiler.is_compiling() and self._forward_order is not None:
                     self._forward_order.setdefault(name)
@@ -295,15 +318,25 @@ class ActivationMonitor(HookCallback):
             self._forward_order = None
 
     def _log(self, trainer: pl.Trainer, block: StatBlock, prefix: str, step: int) -> None:
-        rows = block.drain(trainer)
+        rows = block.drain(trainer)  # the forward's rows and the gradients', in one transfer
         if not trainer.is_global_zero:
             return
+        grads = len(self._grad_names("train")) if prefix == _PREFIXES["train"] else 0
+        forward = len(block.names) - grads
+        figures = self._log_rows(trainer, rows[:forward], block.names[:forward], prefix, step)
+        if grads:
+            figures += self._log_rows(trainer, rows[forward:], block.names[forward:], GRAD_PREFIX, step)
+        log_scalars(trainer, {}, step, figures)
+
+    def _log_rows(self, trainer: pl.Trainer, rows: np.ndarray, names: list[str], prefix: str,
+                  step: int) -> list[ScalarBlock]:
+        """Log the histograms (and any new chart) of ``rows`` under ``prefix``; return their scalars."""
         summary = summarize_rows(rows)
         called = summary["calls"] != 0
-        tags, names = self._tags(prefix, block.names), block.names
+        tags = self._tags(prefix, names)
         figures = [ScalarBlock.where(prefix, stat, names, tags[stat], summary[stat], called) for stat in self._always]
         if self._from_first_zero:  # zero_fraction from a module's first exact zero on
-            zeroed = self._zeroed.get(prefix, np.zeros(len(block.names), dtype=bool))
+            zeroed = self._zeroed.get(prefix, np.zeros(len(names), dtype=bool))
             self._zeroed[prefix] = zeroed = zeroed | (called & (summary["zero_fraction"] > 0))
             figures.append(ScalarBlock.where(prefix, "zero_fraction", names, tags["zero_fraction"],
                                              summary["zero_fraction"], called & zeroed))
@@ -312,7 +345,7 @@ class ActivationMonitor(HookCallback):
         # (its module was not called) stays due.
         due = self._diverged.setdefault(prefix, {})
         for stat in self._while_nonzero:
-            nonzero, was_due = called & (summary[stat] > 0), due.get(stat, np.zeros(len(block.names), dtype=bool))
+            nonzero, was_due = called & (summary[stat] > 0), due.get(stat, np.zeros(len(names), dtype=bool))
             logged = nonzero | (called & was_due)
             figures.append(ScalarBlock.where(prefix, stat, names, tags[stat], summary[stat], logged))
             due[stat] = nonzero | (was_due & ~called)
@@ -325,7 +358,7 @@ class ActivationMonitor(HookCallback):
             log_histograms(trainer, HistogramBlock(prefix, [names[i] for i in index], [tags[""][i] for i in index],
                                                    {k: v[shown] for k, v in summary.items()},
                                                    rows[shown, N_FIELDS:]), self._edges, step)
-        log_scalars(trainer, {}, step, figures)
+        return figures
 
     def _tags(self, prefix: str, names: list[str]) -> dict[str, list[str]]:
         """Every tag of ``prefix`` by stat (``""``: the histogram's), one per module, made once per fit."""

@@ -130,6 +130,11 @@ class GradientMonitor(GradientCheck):
             logging thousands of tags a step.
         update_ratio: Log each row's update-to-weight ratio on logged steps (costs, on those
             steps, a copy of the rows' parameters on their device until the update is made).
+        update_norms: With ``update_ratio``, also log each row's update norm ``||Δw||``
+            (``updates/<name>/norm``) and, for optimizers keeping Adam's moments (``exp_avg``,
+            ``exp_avg_sq``: Adam, AdamW, NAdam, RAdam, ...), ``updates/<name>/exp_avg_norm`` and
+            ``updates/<name>/exp_avg_sq_sqrt_norm`` (``||sqrt(v)||``, read as ``sqrt(sum(v))``:
+            no copy), in the ratios' one collective and one transfer.
 
     Raises:
         ValueError: For a bad ``log_every_n_steps``, ``granularity``, stat, ``bins``,
@@ -168,6 +173,7 @@ class GradientMonitor(GradientCheck):
         prog_bar: bool = True,
         max_rows: Optional[int] = 1000,
         update_ratio: bool = False,
+        update_norms: bool = False,
     ) -> None:
         super().__init__(modules, check_finite, norm_threshold, relative_threshold, min_norm, window,
                          provenance, dirpath)
@@ -175,11 +181,15 @@ class GradientMonitor(GradientCheck):
         check_choice("granularity", granularity, ("parameter", "module"))
         _validate_stats(stats, GRADIENT_STAT_NAMES)
         histogram_edges(bins)  # validates `bins`
-        for name, flag in (("histogram", histogram), ("prog_bar", prog_bar), ("update_ratio", update_ratio)):
+        for name, flag in (("histogram", histogram), ("prog_bar", prog_bar), ("update_ratio", update_ratio),
+                           ("update_norms", update_norms)):
             check_bool(name, flag)
+        if update_norms and not update_ratio:
+            raise ValueError("`update_norms=True` reads the snapshot `update_ratio` takes, got update_ratio=False:"
+                             " pass update_ratio=True too")
         validate_limit("max_rows", max_rows)
-        self.update_ratio = update_ratio
-        self._updates = UpdateRatio()
+        self.update_ratio, self.update_norms = update_ratio, update_norms
+        self._updates = UpdateRatio(norms=update_norms)
         self._vectors: set[str] = set()  # 1-D parameters: their update ratios are not judged (LayerHealth, the tab)
         self.log_every_n_steps, self.granularity, self.stats = log_every_n_steps, granularity, tuple(stats)
         self.histogram, self.bins, self.prog_bar, self.max_rows = histogram, bins, prog_bar, max_rows

@@ -13,13 +13,14 @@ from typing import Any, Optional
 
 import lightning.pytorch as pl
 import torch
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor, nn
 from torch.optim import Optimizer
 from torch.utils.hooks import RemovableHandle
 
 from lightning_hooks.callbacks._base import HookCallback
-from lightning_hooks.callbacks._transform_plan import Plan, resolve_plan, validate_table
+from lightning_hooks.callbacks._transform_plan import Plan, Scaled, resolve_plan, validate_table
 from lightning_hooks.core._compat import configure_model_overridden
 from lightning_hooks.core._torch_internals import is_view
 from lightning_hooks.measure._sharding import (
@@ -43,7 +44,11 @@ class GradientTransform(HookCallback):
     Mechanisms, and why:
 
     * ``scale``: a tensor hook on each parameter (``param.register_hook``) multiplies the
-      gradient of that parameter by the factor, before it is accumulated into ``.grad``. Only
+      gradient of that parameter by the factor, before it is accumulated into ``.grad``. It
+      scales the *gradient*, which scales the update only under plain SGD: Adam, AdamW, Adagrad,
+      RMSprop, Lion and their kin divide the gradient by their own running scale, so the update
+      stays as it was (up to ``eps``); a warning says so once per fit. To make a layer learn
+      slower under any optimizer, scale its update with :class:`~lightning_hooks.UpdateTransform`. Only
       the parameters' own gradients change; the gradient flowing on to earlier layers does not.
       (A parameter shared with an unselected module has one gradient: it is scaled too.)
       FSDP (FSDP2's DTensors, FSDP1's flat views) hands its parameters their gradients
@@ -92,7 +97,8 @@ class GradientTransform(HookCallback):
 
     Args:
         scale: Pattern to factor multiplying the gradients of the selected parameters
-            (e.g. ``{"backbone.*": 0.1}``; 0 freezes, a negative factor flips them).
+            (e.g. ``{"backbone.*": 0.1}``; 0 stops their gradients, a negative factor flips them).
+            Their updates follow only under SGD; see :class:`~lightning_hooks.UpdateTransform`.
         reverse: Pattern to positive ``scale``: the gradient flowing back through the
             selected module's output is multiplied by ``-scale``.
         clip_value: Pattern to positive bound ``v``: gradient elements are clamped to ``[-v, v]``.
@@ -157,6 +163,12 @@ class GradientTransform(HookCallback):
             self._plan = self._resolve(pl_module)
         super().setup(trainer, pl_module, stage)
 
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Register the hooks; warn once if ``scale`` meets an optimizer whose update does not follow the gradient."""
+        super().on_fit_start(trainer, pl_module)
+        if self._plan is not None and self._plan.scaled:
+            warn_if_scale_is_normalised_away(trainer.optimizers, self._plan.scaled)
+
     def attach(self, model: nn.Module) -> None:
         """Register the reversal hooks on modules and the scaling hooks on parameters."""
         self._plan = self._resolve(model)
@@ -200,6 +212,33 @@ class GradientTransform(HookCallback):
 
     def _resolve(self, root: nn.Module) -> Plan:
         return resolve_plan(root, self.scale, self.reverse, self.clip_value, self.clip_norm)
+
+
+#: Optimizers whose update is the learning rate times a linear function of the gradient (and of the
+#: weights, with weight decay): a scaled gradient scales the gradient's part of the update.
+_FOLLOWS_GRADIENT = (torch.optim.SGD, torch.optim.ASGD)
+
+
+def warn_if_scale_is_normalised_away(optimizers: list[Optimizer], scaled: list[Scaled]) -> None:
+    """Warn (rank zero) when an optimizer that steps a scaled parameter does not scale its update with the gradient.
+
+    Adam-family optimizers, Adagrad, RMSprop, Rprop, LBFGS, and any optimizer not known to
+    follow the gradient linearly (Lion, Adafactor, ...): naming them one by one would miss the next one.
+    """
+    params = {s.param for s in scaled if s.factor != 1.0}
+    for optimizer in optimizers:
+        if isinstance(optimizer, _FOLLOWS_GRADIENT):
+            continue
+        if any(p in params for group in optimizer.param_groups for p in group["params"]):
+            name = type(optimizer).__name__
+            rank_zero_warn(
+                f"GradientTransform: `scale` multiplies gradients, but {name} does not scale its update with the"
+                f" gradient (it divides by its own running scale, or is not known to follow it), so the scaled"
+                f" parameters learn about as fast as before. To scale their updates under {name}, use"
+                " `UpdateTransform(scale={...})` instead (exactly a per-layer learning-rate multiplier).",
+                category=UserWarning,
+            )
+            return
 
 
 def _clip_norm_(params: list[Tensor], max_norm: float, shards: ShardGroups) -> None:

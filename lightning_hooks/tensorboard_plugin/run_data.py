@@ -3,7 +3,7 @@
 Everything is read through TensorBoard's data provider, so a run still training shows its new
 steps on the next request. The tags are those the monitors write, with or without a logger
 prefix (Lightning's ``TensorBoardLogger(prefix="p")`` writes ``p-activations/...``):
-``activations/<module>/<stat>``, ``val_activations/<module>/<stat>``,
+``activations/<module>/<stat>``, ``val_activations/<module>/<stat>``, ``activation_grads/<module>/<stat>``,
 ``gradients/<param or module>/<stat>``, ``updates/<name>/log10_ratio`` and ``anomalies/<flag>``,
 the text ``anomalies/report``, and the tab's own data (summaries of its plugin, which the Text tab
 does not list: :mod:`lightning_hooks.output._plugin_data`): ``anomalies/flight_record_data``
@@ -29,7 +29,7 @@ from lightning_hooks.output._plugin_data import FLIGHT_RECORD_TAG, FORWARD_ORDER
 from lightning_hooks.tensorboard_plugin.flight_records import parse_record
 
 #: Scalar tags the tab draws: an optional logger prefix, the kind, the layer, the statistic.
-TAG = re.compile(r"^(?:(?P<prefix>.+)-)?(?P<kind>activations|val_activations|gradients|updates)"
+TAG = re.compile(r"^(?:(?P<prefix>.+)-)?(?P<kind>activations|val_activations|activation_grads|gradients|updates)"
                  r"/(?P<name>.+)/(?P<stat>[^/]+)$")
 #: Anomaly flags GradientMonitor logs (1 on a step where the flag fired).
 ANOMALY_TAG = re.compile(r"^(?:(?P<prefix>.+)-)?anomalies/(?P<flag>[^/]+)$")

@@ -1,0 +1,162 @@
+"""How UpdateTransform changes one optimizer step's update: a snapshot before, a rewrite after.
+
+The step pre-hook copies the selected parameters (this rank's shards) on their device: the one
+copy a step holds. The step post-hook turns the copy into ``w_before - w_after`` in place,
+works out a factor ``f`` per parameter on the device (:func:`update_factors`), and moves each
+parameter to ``w_after + (1 - f) (w_before - w_after) = w_before + f Δw``: a factor of 1 leaves
+the optimizer's result exactly as it was. No figure leaves the device and, with sharded
+parameters, the norms are summed over the shards in one collective.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+from torch import Tensor
+
+from lightning_hooks.callbacks._update_plan import OptimizerPlan
+from lightning_hooks.measure._sharding import ShardGroupCache, local
+
+_TINY = 1e-6  # the floor of a history's standard deviation and of a clipped norm, as Levanter's
+
+
+class NormHistory:
+    """The last ``window`` update norms of each ``clip_to_history`` group, on the device.
+
+    A norm above ``mean + sigmas * std`` of its group's history is clipped to that bound; no
+    clipping until the history holds ``max(2, window // 2)`` norms. The history keeps the norms
+    before clipping (a clipped history would only shrink), and no non-finite one.
+    """
+
+    def __init__(self, groups: int, window: int, sigmas: float) -> None:
+        self.groups, self.window, self.sigmas = groups, window, sigmas
+        self.norms: Optional[Tensor] = None  # (groups, window), NaN where empty
+        self.index = 0
+
+    def _buffer(self, device: torch.device) -> Tensor:
+        if self.norms is None:
+            self.norms = torch.full((self.groups, self.window), float("nan"), dtype=torch.float64, device=device)
+        elif self.norms.device != device:
+            self.norms = self.norms.to(device)
+        return self.norms
+
+    def clip(self, norms: Tensor) -> Tensor:
+        """The factor (at most 1) bringing each group's ``norms`` within its history's bound; then remember them."""
+        history = self._buffer(norms.device)
+        valid = ~history.isnan()
+        count = valid.sum(1)
+        mean = history.nan_to_num().sum(1) / count.clamp(min=1)
+        spread = torch.where(valid, history - mean[:, None], 0.0).square().sum(1) / count.clamp(min=1)
+        bound = mean + self.sigmas * spread.sqrt().clamp(min=_TINY)
+        bound = torch.where(count >= max(2, self.window // 2), bound, torch.inf)
+        norms = norms.double()
+        factor = torch.where(norms > bound, bound / norms.clamp(min=_TINY), 1.0)
+        history[:, self.index] = torch.where(norms.isfinite(), norms, torch.nan)
+        self.index = (self.index + 1) % self.window
+        return factor
+
+    def state_dict(self) -> dict[str, Any]:
+        """The norms (on the host) and where the next one goes."""
+        return {"norms": None if self.norms is None else self.norms.cpu(), "index": self.index}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Take back what :meth:`state_dict` gave (moved to the device at the next step)."""
+        norms = state.get("norms")
+        if norms is not None and tuple(norms.shape) != (self.groups, self.window):
+            raise ValueError(f"UpdateTransform: the checkpoint's history is {tuple(norms.shape)}, this callback"
+                             f" keeps {(self.groups, self.window)}: keep `clip_to_history` and `history_window`"
+                             " as they were, or start the history afresh")
+        self.norms, self.index = norms, int(state.get("index", 0))
+
+
+def update_factors(plan: OptimizerPlan, weight_sq: Tensor, delta_sq: Tensor, history: Optional[NormHistory]) -> Tensor:
+    """Each parameter's update factor: its scale, then its ratio cap, then its group's clip against history.
+
+    Args:
+        plan: The optimizer's part of the plan (with its tensors).
+        weight_sq: Each parameter's ``||w_before||²`` (summed over shards), float64.
+        delta_sq: Each parameter's ``||Δw||²`` as the optimizer made it, float64.
+        history: The groups' norm history; None without ``clip_to_history``.
+
+    Returns:
+        A float64 tensor of one factor per parameter. A parameter that was all zeros before the
+        step has no ratio (``||w|| = 0``): it is not capped.
+    """
+    assert plan.scales is not None and plan.max_ratios is not None and plan.groups is not None
+    factor = plan.scales.double()
+    delta = delta_sq.sqrt() * factor.abs()
+    bound = plan.max_ratios.double() * weight_sq.sqrt()
+    cap = torch.where((weight_sq > 0) & (delta > bound), bound / delta.clamp(min=torch.finfo(torch.float64).tiny), 1.0)
+    factor, delta = factor * cap, delta * cap
+    if history is not None:
+        grouped = plan.groups >= 0
+        index = plan.groups.clamp(min=0)
+        group_sq = torch.zeros(plan.group_count, dtype=torch.float64, device=delta.device)
+        group_sq.index_add_(0, index, torch.where(grouped, delta.square(), 0.0))
+        clip = history.clip(group_sq.sqrt())
+        factor = factor * torch.where(grouped, clip[index], 1.0)
+    return factor
+
+
+class StepRewrite:
+    """The snapshot of one step and its rewrite, for each optimizer of a fit."""
+
+    def __init__(self, window: int, sigmas: float) -> None:
+        self.window, self.sigmas = window, sigmas
+        self.plans: dict[int, OptimizerPlan] = {}  # by id of optimizer
+        self.histories: dict[int, NormHistory] = {}  # by index of optimizer in the trainer
+        self._index: dict[int, int] = {}
+        self._before: dict[int, list[Tensor]] = {}
+        self._shard_groups = ShardGroupCache()
+
+    def add(self, index: int, optimizer: Any, plan: Optional[OptimizerPlan]) -> None:
+        """Take charge of ``optimizer`` (the ``index``-th of the trainer) with its part of the plan."""
+        if plan is None:
+            return
+        self.plans[id(optimizer)], self._index[id(optimizer)] = plan, index
+        if plan.group_count and index not in self.histories:
+            self.histories[index] = NormHistory(plan.group_count, self.window, self.sigmas)
+
+    def forget(self) -> None:
+        """Drop the plans and any snapshot (the histories stay: they are part of the callback's state)."""
+        self.plans.clear()
+        self._index.clear()
+        self._before.clear()
+        self._shard_groups.clear()
+
+    @torch.no_grad()
+    def before_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        """Step pre-hook: copy the parameters the step may move (one copy, on their device)."""
+        plan = self.plans.get(id(optimizer))
+        if plan is not None:
+            self._before[id(optimizer)] = [local(p).detach().clone() for p in plan.params]
+
+    @torch.no_grad()
+    def after_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        """Step post-hook: rewrite the update; a dropped update (every gradient None) is left alone."""
+        before = self._before.pop(id(optimizer), None)
+        plan = self.plans.get(id(optimizer))
+        if before is None or plan is None:
+            return
+        if all(p.grad is None for group in optimizer.param_groups for p in group["params"]):
+            return  # GradientAnomalyStopping dropped it: nothing moved, no norm to remember
+        after = [local(p).detach() for p in plan.params]
+        if plan.scales is None:
+            torch._foreach_sub_(before, after)  # w_before - w_after
+            torch._foreach_mul_(before, [1.0 - s for s in plan.scale_list])
+        else:
+            factor = self._factors(optimizer, plan, before, after)
+            torch._foreach_mul_(before, list((1.0 - factor).unbind()))  # 0-dim float64: each keeps its dtype
+        torch._foreach_add_(after, before)
+
+    def _factors(self, optimizer: Any, plan: OptimizerPlan, before: list[Tensor], after: list[Tensor]) -> Tensor:
+        weight = torch._foreach_norm(before, 2, dtype=torch.float32)
+        torch._foreach_sub_(before, after)  # now w_before - w_after
+        delta = torch._foreach_norm(before, 2, dtype=torch.float32)
+        squares = torch.stack([torch.stack(weight), torch.stack(delta)]).double().square()
+        shards = self._shard_groups(plan.params)
+        if shards.sharded:  # one collective: every rank gets the whole parameters' norms
+            squares = shards.sum_(squares.T.contiguous()).T
+        history = self.histories.get(self._index[id(optimizer)])
+        return update_factors(plan, squares[0], squares[1], history)

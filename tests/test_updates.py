@@ -1,0 +1,168 @@
+"""UpdateTransform: the update itself scaled, capped and clipped, for any optimizer."""
+
+from __future__ import annotations
+
+import importlib
+import math
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+from lightning_hooks import GradientTransform, UpdateTransform
+from lightning_hooks.callbacks._update_step import NormHistory
+from tests.update_helpers import BackboneHead, Updates, fit, largest_difference
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "momentum", "adam", "adamw"])
+def test_scale_is_the_param_groups_lr_multiplied_over_50_steps(tmp_path, optimizer):
+    scaled = fit(tmp_path, BackboneHead(optimizer), [UpdateTransform(scale={"backbone": 0.1})])
+    reference = fit(tmp_path, BackboneHead(optimizer, backbone_lr=0.1))
+    plain = fit(tmp_path, BackboneHead(optimizer))
+    assert largest_difference(scaled, reference) < 5e-6  # float32 rounding over 50 steps
+    assert largest_difference(plain, reference) > 1e-2  # and the lr does change the run
+
+
+@pytest.mark.parametrize("optimizer", ["adam", "adamw"])
+def test_in_float64_the_match_is_to_rounding(tmp_path, optimizer):
+    scaled = fit(tmp_path, BackboneHead(optimizer, dtype=torch.float64), [UpdateTransform(scale={"backbone.*": 0.1})])
+    reference = fit(tmp_path, BackboneHead(optimizer, backbone_lr=0.1, dtype=torch.float64))
+    assert largest_difference(scaled, reference) < 1e-12
+
+
+def test_scale_with_gradient_accumulation_is_the_lr_multiplied(tmp_path):
+    scaled = fit(tmp_path, BackboneHead("adamw"), [UpdateTransform(scale={"backbone": 0.1})], steps=25,
+                 accumulate_grad_batches=2)
+    reference = fit(tmp_path, BackboneHead("adamw", backbone_lr=0.1), steps=25, accumulate_grad_batches=2)
+    assert largest_difference(scaled, reference) < 5e-6
+
+
+def test_max_ratio_caps_each_selected_parameter_and_only_those(tmp_path):
+    updates = Updates()
+    fit(tmp_path, BackboneHead("adamw"), [UpdateTransform(max_ratio={"backbone.0": 1e-3}), updates], steps=20)
+    for name in ("backbone.0.weight", "backbone.0.bias"):
+        ratios = updates.ratios(name)
+        assert max(ratios) <= 1e-3 * (1 + 1e-4) and min(ratios) > 0.99e-3  # capped at every step: it binds
+    assert max(updates.ratios("backbone.2.weight")) > 3e-3  # not selected: uncapped
+
+
+def test_clip_to_history_bounds_a_spike_by_the_norms_before_it(tmp_path):
+    x = torch.randn(240, 8, generator=torch.Generator().manual_seed(1))
+    y = x[:, :1].clone()
+    y[200:208] *= 100  # step 25's batch: a loss spike
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=8)
+    updates, transform = Updates(), UpdateTransform(clip_to_history="*", history_window=16, history_sigmas=3.0)
+    fit(tmp_path, BackboneHead("sgd"), [transform, updates], steps=26, loader=loader)
+    history = transform._rewrite.histories[0]
+    spike = (history.index - 1) % 16  # the last norm remembered: step 25's, unclipped
+    before = torch.cat([history.norms[0, :spike], history.norms[0, spike + 1:]])
+    bound = (before.mean() + 3 * before.std(unbiased=False)).item()
+    assert history.norms[0, spike].item() > 20 * bound  # the spike as the optimizer made it
+    assert updates.norms()[25] == pytest.approx(bound, rel=2e-3)  # clipped to the bound of the 16 before it (float32)
+    assert max(updates.norms()[:25]) < 3 * bound
+
+
+def test_history_waits_for_half_its_window_and_keeps_unclipped_finite_norms():
+    history = NormHistory(groups=1, window=8, sigmas=2.0)
+    for norm in (1.0, 2.0, 3.0):
+        assert history.clip(torch.tensor([100.0 * norm])).item() == 1.0  # fewer than 4 norms: no clip
+    history = NormHistory(groups=2, window=8, sigmas=2.0)
+    for norm in (1.0, 2.0, 3.0, 4.0):
+        history.clip(torch.tensor([norm, 1.0]))
+    factor = history.clip(torch.tensor([10.0, float("nan")]))
+    assert factor[0].item() == pytest.approx((2.5 + 2 * math.sqrt(1.25)) / 10)
+    norms = history.norms
+    assert norms[0, 4].item() == 10.0 and torch.isnan(norms[1, 4])  # unclipped kept, non-finite not
+
+
+def test_the_history_survives_a_checkpoint_and_refuses_another_shape():
+    history = NormHistory(groups=1, window=4, sigmas=2.0)
+    history.clip(torch.tensor([3.0]))
+    transform = UpdateTransform(clip_to_history="*", history_window=4)
+    transform._rewrite.histories[0] = history
+    restored = UpdateTransform(clip_to_history="*", history_window=4)
+    restored.load_state_dict(transform.state_dict())
+    assert restored._rewrite.histories[0].norms[0, 0].item() == 3.0 and restored._rewrite.histories[0].index == 1
+    with pytest.raises(ValueError, match="history_window"):
+        UpdateTransform(clip_to_history="*", history_window=8).load_state_dict(transform.state_dict())
+
+
+@pytest.mark.parametrize("config", ["scale", "scale + max_ratio + clip_to_history"])
+def test_the_step_hooks_allocate_one_copy_of_the_selected_parameters_and_a_few_figures(config):
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    benchmark = importlib.import_module("update_transform")
+    allocated, selected = benchmark.hook_bytes(benchmark.CONFIGS[config])  # counted by a TorchDispatchMode
+    assert selected > 10 * 2**20 and selected <= allocated < selected + 2**14
+
+
+def test_one_copy_of_the_selected_parameters_a_step_and_no_hook_left_after_fit(tmp_path):
+    transform = UpdateTransform(scale={"head": 0.5}, max_ratio={"head": 0.1})
+    copies = []
+    before_step = transform._rewrite.before_step
+
+    def counting(optimizer, *args):
+        before_step(optimizer, *args)
+        copies.append(sum(t.numel() for t in transform._rewrite._before[id(optimizer)]))
+
+    transform._rewrite.before_step = counting
+    model = BackboneHead("adam")
+    trainer_fit = fit(tmp_path, model, [transform], steps=3)
+    assert trainer_fit and copies == [17, 17, 17]  # the head's 16 weights and 1 bias, once a step
+    optimizer = model.trainer.optimizers[0]
+    assert not optimizer._optimizer_step_pre_hooks and not optimizer._optimizer_step_post_hooks
+    assert not transform._rewrite._before
+
+
+@pytest.mark.parametrize(("kwargs", "error", "match"), [
+    ({}, ValueError, "at least one of"),
+    ({"scale": {}}, ValueError, "is empty"),
+    ({"scale": {"head": float("nan")}}, ValueError, "finite"),
+    ({"max_ratio": {"head": 0}}, ValueError, "positive"),
+    ({"max_ratio": [0.1]}, TypeError, "dict of name patterns"),
+    ({"clip_to_history": []}, ValueError, "non-empty list"),
+    ({"clip_to_history": 3}, TypeError, "name glob"),
+    ({"clip_to_history": ["*", ""]}, TypeError, "non-empty name globs"),
+    ({"clip_to_history": "*", "history_window": 1}, ValueError, "history_window"),
+    ({"clip_to_history": "*", "history_sigmas": -1.0}, ValueError, "history_sigmas"),
+])
+def test_bad_arguments_raise_in_the_constructor(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        UpdateTransform(**kwargs)
+
+
+@pytest.mark.parametrize(("kwargs", "match"), [
+    ({"scale": {"backbon.*": 0.1}}, "backbon"),
+    ({"clip_to_history": ["backbone", "backbone.0"]}, "both reach a parameter"),
+])
+def test_patterns_are_checked_against_the_model_before_training(tmp_path, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        fit(tmp_path, BackboneHead(), [UpdateTransform(**kwargs)], steps=1)
+
+
+def _backbone_update(tmp_path, optimizer, callbacks):
+    updates = Updates()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fit(tmp_path, BackboneHead(optimizer), [*callbacks, updates], steps=10)
+    said = [str(w.message) for w in caught if "GradientTransform: `scale`" in str(w.message)]
+    return [d["backbone.0.weight"].norm().item() for d in updates.deltas], said
+
+
+@pytest.mark.parametrize("optimizer", ["adam", "adamw"])
+def test_a_gradient_scale_under_adam_leaves_the_update_as_it_was_and_says_so_once(tmp_path, optimizer):
+    plain, _ = _backbone_update(tmp_path, optimizer, [])
+    scaled, said = _backbone_update(tmp_path, optimizer, [GradientTransform(scale={"backbone": 0.1})])
+    assert scaled == pytest.approx(plain, rel=1e-3)  # Adam divides the scale away, step after step
+    name = {"adam": "Adam", "adamw": "AdamW"}[optimizer]
+    assert len(said) == 1 and "UpdateTransform(scale=" in said[0] and f"but {name} does not" in said[0]
+    updated, _ = _backbone_update(tmp_path, optimizer, [UpdateTransform(scale={"backbone": 0.1})])
+    assert updated[0] == pytest.approx(0.1 * plain[0], rel=1e-4)  # the first step, from the same weights
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "momentum"])
+def test_a_gradient_scale_under_sgd_scales_the_update_without_a_warning(tmp_path, optimizer):
+    plain, _ = _backbone_update(tmp_path, optimizer, [])
+    scaled, said = _backbone_update(tmp_path, optimizer, [GradientTransform(scale={"backbone": 0.1})])
+    assert scaled[0] == pytest.approx(0.1 * plain[0], rel=1e-4) and not said

@@ -1,0 +1,84 @@
+"""UpdateTransform in the training loops that bend the step: AMP, GradientAnomalyStopping, LBFGS."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from lightning.pytorch.plugins import MixedPrecision
+
+from lightning_hooks import GradientAnomalyStopping, UpdateTransform
+from tests.helpers import loader, trainer
+from tests.test_lbfgs import LBFGSNet, StepStarts
+from tests.update_helpers import BackboneHead, NaNAtStep, Updates, fit, largest_difference
+
+
+def test_a_step_the_amp_scaler_skips_is_left_alone(tmp_path):
+    runs, scalers = [], []
+    for model, callbacks in ((BackboneHead("adamw"), [UpdateTransform(scale={"backbone": 0.1})]),
+                             (BackboneHead("adamw", backbone_lr=0.1), [])):
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**40)  # fp16 overflows at first: skipped steps
+        amp = MixedPrecision("16-mixed", "cpu", scaler=scaler)
+        runs.append(fit(tmp_path, model, callbacks, steps=30, plugins=[amp]))
+        scalers.append(scaler.get_scale())
+    assert scalers[0] == scalers[1] < 2.0**30  # both backed off through the same skipped steps
+    assert largest_difference(*runs) < 1e-5
+
+
+@pytest.mark.parametrize("action", ["skip", "rollback"])
+@pytest.mark.parametrize("transform_first", [True, False])
+def test_a_dropped_update_is_left_alone_and_not_remembered(tmp_path, action, transform_first):
+    runs = []
+    for backbone_lr, transform in ((1.0, UpdateTransform(scale={"backbone": 0.1}, clip_to_history="*",
+                                                         history_sigmas=1e6)), (0.1, None)):
+        stopper = GradientAnomalyStopping(action=action, prog_bar=False)
+        callbacks = [c for c in ((transform, stopper) if transform_first else (stopper, transform)) if c]
+        runs.append(fit(tmp_path, NaNAtStep("adamw", backbone_lr, nan_step=10), callbacks, steps=30))
+        assert stopper.dropped_steps == 1
+        if transform is not None:
+            assert (~transform._rewrite.histories[0].norms.isnan()).sum() == 29  # 30 steps, one dropped
+    assert largest_difference(*runs) < 5e-6
+
+
+def test_lbfgs_gets_its_whole_step_scaled(tmp_path):
+    deltas = []
+    for callbacks in ([], [UpdateTransform(scale={"net.2": 0.5})]):
+        torch.manual_seed(0)
+        updates = Updates()
+        trainer(tmp_path, [*callbacks, updates], logger=False, max_steps=1).fit(LBFGSNet(), loader())
+        deltas.append(updates.deltas[0])
+    assert torch.allclose(deltas[1]["net.2.weight"], 0.5 * deltas[0]["net.2.weight"], atol=1e-7)
+    assert torch.equal(deltas[1]["net.0.weight"], deltas[0]["net.0.weight"])  # not selected: as LBFGS made it
+    assert deltas[0]["net.2.weight"].abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("transform_first", [True, False])
+def test_an_lbfgs_step_dropped_at_its_second_closure_call_is_undone_whole(tmp_path, transform_first):
+    torch.manual_seed(0)
+    starts, stopper = StepStarts(), GradientAnomalyStopping(action="skip", prog_bar=False)
+    transform = UpdateTransform(scale={"net.2": 0.5}, max_ratio={"net.0": 0.01})
+    callbacks = [transform, stopper] if transform_first else [stopper, transform]
+    trainer(tmp_path, [*callbacks, starts], logger=False, max_steps=4).fit(LBFGSNet(nan_at=((1, 2),)), loader())
+    assert stopper.dropped_steps == 1
+    assert all(torch.equal(a, b) for a, b in zip(starts.params[1], starts.params[2]))
+    assert not all(torch.equal(a, b) for a, b in zip(starts.params[2], starts.params[3]))  # and trains on
+
+
+class Manual(BackboneHead):
+    def __init__(self, backbone_lr: float = 1.0) -> None:
+        super().__init__("adamw", backbone_lr)
+        self.automatic_optimization = False
+
+    def training_step(self, batch: Any, batch_idx: int) -> None:
+        optimizer = self.optimizers()
+        optimizer.zero_grad()
+        self.manual_backward(super().training_step(batch, batch_idx))
+        optimizer.step()
+
+
+def test_manual_optimization_gets_its_steps_scaled(tmp_path):
+    scaled = fit(tmp_path, Manual(), [UpdateTransform(scale={"backbone": 0.1})], steps=20)
+    reference = fit(tmp_path, Manual(backbone_lr=0.1), steps=20)
+    assert largest_difference(scaled, reference) < 5e-6
+    assert largest_difference(fit(tmp_path, Manual(), steps=20), reference) > 1e-2
