@@ -160,7 +160,8 @@ def write_manifest(dirpath: Union[str, os.PathLike], stage: str, world_size: int
             merged["ids"] = merged["ids"] and entry["ids"]
             merged["ranks"].append(part["rank"])
     manifest = {
-        "format": FORMAT, "stage": stage, "complete": True, "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "format": FORMAT, "stage": stage, "complete": True,
+        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "world_size": world_size, "ranks": list(range(world_size)), "outputs": dict(sorted(outputs.items())),
         "shards": [shard for part in parts for shard in part["shards"]], "versions": versions(), **about,
     }
