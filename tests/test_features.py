@@ -1,13 +1,13 @@
 from __future__ import annotations
 
 import json
-from importlib import metadata
 import os
 import subprocess
 import sys
 import warnings
 import zlib
 from dataclasses import dataclass
+from importlib import metadata
 from pathlib import Path
 
 import pytest
@@ -95,6 +95,7 @@ def test_the_manifest_describes_the_set(tmp_path: Path) -> None:
                                                 "ranks": [0]}
     assert [s["rows"] for s in manifest["shards"]] == [{"encoder.0": 8, "encoder.2": 8}] * 2 + [
         {"encoder.0": 4, "encoder.2": 4}]
+    assert manifest["shards"][0]["ids"] == {"encoder.0": "ids", "encoder.2": "ids"}  # one ids tensor, shared
     for shard in manifest["shards"]:
         data = (tmp_path / "predict" / shard["file"]).read_bytes()
         assert shard["bytes"] == len(data) and shard["crc32"] == zlib.crc32(data)

@@ -37,7 +37,7 @@ class Shard:
     shard: int
     dataloader: int
     rows: dict[str, int]
-    ids: frozenset[str]
+    ids: dict[str, str]
 
 
 @dataclass
@@ -98,8 +98,8 @@ def _few(names: list[str]) -> str:
     return ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
 
 
-def _shard(path: Path, rank: int, shard: int, dataloader: int, rows: dict[str, int], ids: Any) -> Shard:
-    return Shard(path, int(rank), int(shard), int(dataloader), dict(rows), frozenset(ids))
+def _shard(path: Path, rank: int, shard: int, dataloader: int, rows: dict[str, int], ids: dict[str, str]) -> Shard:
+    return Shard(path, int(rank), int(shard), int(dataloader), dict(rows), dict(ids))
 
 
 def _header(path: Path) -> tuple[dict[str, Any], int]:
@@ -128,8 +128,7 @@ def _scan(path: Path) -> Optional[Shard]:
         if path.stat().st_size < start + end:
             return None
         rows = {k.split("/", 1)[1]: t["shape"][0] for k, t in header.items() if k.startswith("features/")}
-        ids = [k.split("/", 1)[1] for k in header if k.startswith("ids/")]
-        return _shard(path, meta["rank"], meta["shard"], meta["dataloader"], rows, ids)
+        return _shard(path, meta["rank"], meta["shard"], meta["dataloader"], rows, json.loads(meta["ids"]))
     except (OSError, ValueError, KeyError, IndexError):
         return None
 
@@ -160,5 +159,5 @@ def iter_shards(index: StageIndex, output: str, rank: Optional[int], dataloader_
             continue
         if dataloader_idx is not None and shard.dataloader != dataloader_idx:
             continue
-        ids = read_tensor(shard.path, f"ids/{output}", mmap=False) if output in shard.ids else None
+        ids = read_tensor(shard.path, shard.ids[output], mmap=False) if output in shard.ids else None
         yield shard, read_tensor(shard.path, f"features/{output}", mmap), ids

@@ -3,8 +3,9 @@
 The layout of one stage is ``<dirpath>/<stage>/``:
 
 - ``rank<r>-shard<k>.safetensors``: one file per rank and flush, holding for each saved output
-  ``features/<name>`` (its rows) and, where the loop said which samples they are,
-  ``ids/<name>`` (int64 dataset indices); its ``__metadata__`` says rank, shard and dataloader.
+  ``features/<name>`` (its rows) and, where the loop said which samples they are, their int64
+  dataset indices: ``ids`` (shared by the outputs with the same ids, normally all) or ``ids/<name>``;
+  its ``__metadata__`` says rank, shard, dataloader and which ids key each output's rows have.
   Each is written to a hidden temporary name and renamed, so a shard is whole or absent.
 - ``manifest.json``: written by rank zero when the stage ends on every rank: outputs with their
   shapes, dtypes and rows, every shard with its rows, size and CRC-32, the ranks, the package,
@@ -121,14 +122,16 @@ class ShardWriter:
     def write(self, features: dict[str, Tensor], ids: dict[str, Tensor], dataloader: int) -> None:
         """Save each output's rows (and their sample ids, where known) as this rank's next shard."""
         tensors = {f"features/{name}": rows.contiguous() for name, rows in features.items()}
-        tensors.update({f"ids/{name}": rows.to(torch.int64) for name, rows in ids.items()})
-        meta = {"rank": str(self.rank), "shard": str(len(self.shards)), "dataloader": str(dataloader)}
+        id_keys = _id_keys(ids)
+        tensors.update({key: ids[name].to(torch.int64) for name, key in id_keys.items() if key not in tensors})
+        meta = {"rank": str(self.rank), "shard": str(len(self.shards)), "dataloader": str(dataloader),
+                "ids": json.dumps(id_keys)}
         data = safetensors_bytes(tensors, metadata=meta)
         name = shard_name(self.rank, len(self.shards))
         atomic_write(self.folder / name, data)
         self.shards.append({"file": name, "rank": self.rank, "shard": len(self.shards), "dataloader": dataloader,
                             "bytes": len(data), "crc32": zlib.crc32(data),
-                            "rows": {n: len(r) for n, r in features.items()}, "ids": sorted(ids)})
+                            "rows": {n: len(r) for n, r in features.items()}, "ids": id_keys})
         for output, rows in features.items():
             entry = self.outputs.setdefault(output, {"shape": list(rows.shape[1:]), "dtype": str(rows.dtype),
                                                      "rows": 0, "ids": True})
@@ -139,6 +142,13 @@ class ShardWriter:
         """Write this rank's part of the manifest, ``rank<r>.json``, for rank zero to merge."""
         part = {"rank": self.rank, "shards": self.shards, "outputs": self.outputs}
         atomic_write(self.folder / f"rank{self.rank}.json", json.dumps(part).encode())
+
+
+def _id_keys(ids: dict[str, Tensor]) -> dict[str, str]:
+    """Where each output's ids go in a shard: ``"ids"``, shared by those with the first one's ids; else ``ids/<name>``."""
+    shared = next(iter(ids.values()), None)
+    return {name: "ids" if rows is shared or torch.equal(rows, shared) else f"ids/{name}"
+            for name, rows in ids.items()}
 
 
 def write_manifest(dirpath: Union[str, os.PathLike], stage: str, world_size: int, about: dict[str, Any]) -> Path:
