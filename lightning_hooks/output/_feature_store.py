@@ -145,7 +145,7 @@ class ShardWriter:
 
 
 def _id_keys(ids: dict[str, Tensor]) -> dict[str, str]:
-    """Where each output's ids go in a shard: ``"ids"``, shared by those with the first one's ids; else ``ids/<name>``."""
+    """Where each output's ids go: ``"ids"``, shared by those with the first one's ids; else ``ids/<name>``."""
     shared = next(iter(ids.values()), None)
     return {name: "ids" if rows is shared or torch.equal(rows, shared) else f"ids/{name}"
             for name, rows in ids.items()}
