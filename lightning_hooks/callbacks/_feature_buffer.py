@@ -1,9 +1,13 @@
-"""FeatureExtractor's host buffer: each output's rows since the last shard, their sample ids, the row limit."""
+"""FeatureExtractor's host buffer: each output's rows since the last shard, their sample ids, the row limit.
+
+The ids come from Lightning's prediction loop (:func:`batch_indices`).
+"""
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Optional
 
+import lightning.pytorch as pl
 import torch
 from torch import Tensor
 
@@ -94,3 +98,19 @@ def _cut(chunks: list[Tensor], excess: int) -> None:
         if len(last) > excess:
             chunks.append(last[: len(last) - excess])
         excess -= len(last)
+
+
+def batch_indices(trainer: pl.Trainer, batch_idx: int, dataloader_idx: int) -> Optional[list[int]]:
+    """The dataset indices of this predict batch's samples, as Lightning records them for prediction writers.
+
+    Lightning wraps each predict dataloader's batch sampler so that it keeps the indices of every
+    batch it yields (``seen_batch_indices``); None where the loader is not a wrapped DataLoader.
+    """
+    loaders: Any = trainer.predict_dataloaders
+    if isinstance(loaders, dict):
+        loaders = list(loaders.values())
+    loader = loaders[dataloader_idx] if isinstance(loaders, (list, tuple)) else loaders
+    seen = getattr(getattr(loader, "batch_sampler", None), "seen_batch_indices", None)
+    if seen is None or batch_idx >= len(seen):
+        return None
+    return [int(i) for i in seen[batch_idx]]

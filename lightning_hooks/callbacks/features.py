@@ -17,7 +17,7 @@ from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
 from lightning_hooks.callbacks._base import HookCallback, log_step
-from lightning_hooks.callbacks._feature_buffer import FeatureBuffer
+from lightning_hooks.callbacks._feature_buffer import FeatureBuffer, batch_indices
 from lightning_hooks.callbacks._feature_outputs import (
     Reduce,
     check_dtype,
@@ -29,6 +29,7 @@ from lightning_hooks.callbacks._feature_outputs import (
     split_selection,
     wanted,
 )
+from lightning_hooks.callbacks._feature_stages import StageHooks
 from lightning_hooks.core._compat import TENSORBOARD_LOGGERS
 from lightning_hooks.core._deprecation import deprecated_arguments, renamed_value
 from lightning_hooks.core._torch_internals import in_backward
@@ -41,6 +42,7 @@ from lightning_hooks.output._feature_store import (
     ShardWriter,
     Stage,
     check_writable,
+    model_record,
     write_manifest,
 )
 
@@ -56,34 +58,31 @@ StageArg = Union[Stage, Literal["fit"]]
 _TRAINER_FN = {"train": "fit"}
 
 
-class FeatureExtractor(HookCallback):
+class FeatureExtractor(StageHooks, HookCallback):
     """Save chosen layers' outputs during ``predict`` (or ``validate``/``test``/training) as a dataset.
 
     Forward hooks pool and cast each selected output on its device, then copy it to host memory
-    (asynchronously from CUDA). Every ``flush_every_n_batches`` batches the buffered rows become
-    one safetensors shard per rank, ``<dirpath>/<stage>/rank<r>-shard<k>.safetensors``, written
-    to a temporary name and renamed; when the stage ends on every rank, rank zero writes
-    ``<dirpath>/<stage>/manifest.json`` (outputs, shapes, dtypes, rows per shard, ranks, CRC-32s,
-    package and model versions). A set without a manifest did not finish, and
-    :func:`load_features` refuses it unless told ``allow_partial=True``. A new run of a stage
-    first deletes that stage's old files; batches still buffered when a run raises are dropped.
+    (asynchronously from CUDA). Every ``flush_every_n_batches`` batches the rows become one
+    safetensors shard per rank, ``<dirpath>/<stage>/rank<r>-shard<k>.safetensors`` (written to a
+    temporary name, then renamed); when the stage ends on every rank, rank zero writes
+    ``<dirpath>/<stage>/manifest.json``. A set without it did not finish: :func:`load_features`
+    refuses it unless ``allow_partial=True``. A new run of a stage first deletes its old files.
+    See ``docs/features.md``.
 
-    Names: a tensor output is saved under the module's name (``"encoder.2"``); every tensor of a
+    Names: a tensor output is saved under the module's name (``"encoder.2"``), every tensor of a
     tuple, list, dict or dataclass output under ``"<module>:<key>"`` (``"lstm:0"``,
-    ``"encoder:hidden"``, ``"lstm:1.0"`` when nested). A ``modules`` entry ``"encoder:hidden"``
-    hooks ``encoder`` and keeps only the outputs it names (globs work: ``"lstm:0"``, ``"enc.*:h*"``).
+    ``"encoder:hidden"``, ``"lstm:1.0"`` nested). A ``modules`` entry ``"encoder:hidden"`` hooks
+    ``encoder`` and keeps only the outputs it names (a glob).
 
-    Sample ids: in ``predict`` each row carries the dataset index of its sample, from the batch
-    indices Lightning's prediction loop records, so :func:`load_features` returns rows in dataset
-    order on one process or under DDP's sampler (repeats it pads with dropped), and ``ids``
-    with ``return_ids=True``. A tensor whose dim 0 is not the batch (an LSTM's ``h_n``) is not
-    saved there, with a warning; an output whose module runs several times per batch keeps its
-    rows in call order without ids. Other stages record no ids: rows come by rank, then batch.
+    Sample ids: in ``predict`` each row carries its sample's dataset index (from the batch indices
+    Lightning's prediction loop records), so :func:`load_features` returns rows in dataset order,
+    also under DDP's sampler, with their ``ids``. There a tensor whose dim 0 is not the batch (an
+    LSTM's ``h_n``) is not saved, with a warning; a module run several times per batch saves its
+    rows in call order, without ids. Other stages record no ids: rows come by rank, then batch.
 
-    Stages are named as Lightning's ``RunningStage`` names the loops: ``"train"`` (the training
-    batches of ``fit``), ``"validate"`` (``trainer.validate``, not the loop inside ``fit``),
-    ``"test"``, ``"predict"``. Hooks are attached at the start of each enabled stage and removed
-    at its end. ``dirpath`` is checked for writing in ``setup``, before the first batch.
+    Stages, as Lightning's ``RunningStage`` names the loops: ``"train"`` (the training batches of
+    ``fit``), ``"validate"`` (``trainer.validate``, not the loop inside ``fit``), ``"test"``,
+    ``"predict"``. Hooks are on only while an enabled stage runs.
 
     Args:
         modules: The layers to save, as globs over qualified names (``"encoder.*"``), module
@@ -221,76 +220,6 @@ class FeatureExtractor(HookCallback):
         if any(_TRAINER_FN.get(s, s) == trainer.state.fn for s in self.stages):
             check_writable(self.dirpath)
 
-    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        """Attach nothing yet: hooks go on at the start of each enabled stage."""
-
-    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        """Start extracting training batches, if ``"train"`` is enabled."""
-        self._begin(trainer, pl_module, "train")
-
-    def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        """Start extracting, if this is ``trainer.validate`` and ``"validate"`` is enabled."""
-        self._begin(trainer, pl_module, "validate")
-
-    def on_test_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        """Start extracting, if ``"test"`` is enabled."""
-        self._begin(trainer, pl_module, "test")
-
-    def on_predict_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        """Start extracting, if ``"predict"`` is enabled."""
-        self._begin(trainer, pl_module, "predict")
-
-    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: Any, batch: Any, batch_idx: int) -> None:
-        """Open the hooks for this batch."""
-        self._batch_start(trainer, "train", batch_idx, 0)
-
-    def on_validation_batch_start(self, trainer: pl.Trainer, pl_module: Any, batch: Any, batch_idx: int,
-                                  dataloader_idx: int = 0) -> None:
-        """Open the hooks for this batch."""
-        self._batch_start(trainer, "validate", batch_idx, dataloader_idx)
-
-    def on_test_batch_start(self, trainer: pl.Trainer, pl_module: Any, batch: Any, batch_idx: int,
-                            dataloader_idx: int = 0) -> None:
-        """Open the hooks for this batch."""
-        self._batch_start(trainer, "test", batch_idx, dataloader_idx)
-
-    def on_predict_batch_start(self, trainer: pl.Trainer, pl_module: Any, batch: Any, batch_idx: int,
-                               dataloader_idx: int = 0) -> None:
-        """Open the hooks for this batch; note its samples' dataset indices."""
-        self._batch_start(trainer, "predict", batch_idx, dataloader_idx)
-
-    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
-        """Close the hooks; write a shard every ``flush_every_n_batches`` batches."""
-        self._batch_end("train")
-
-    def on_validation_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
-        """Close the hooks; write a shard every ``flush_every_n_batches`` batches."""
-        self._batch_end("validate")
-
-    def on_test_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
-        """Close the hooks; write a shard every ``flush_every_n_batches`` batches."""
-        self._batch_end("test")
-
-    def on_predict_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
-        """Close the hooks; write a shard every ``flush_every_n_batches`` batches."""
-        self._batch_end("predict")
-
-    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        """Write the last shard and the manifest; remove the hooks."""
-        self._finish(trainer, pl_module, "train")
-
-    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        """Write the last shard and the manifest; remove the hooks."""
-        self._finish(trainer, pl_module, "validate")
-
-    def on_test_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        """Write the last shard and the manifest; remove the hooks."""
-        self._finish(trainer, pl_module, "test")
-
-    def on_predict_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        """Write the last shard and the manifest; remove the hooks."""
-        self._finish(trainer, pl_module, "predict")
-
     def on_exception(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
     ) -> None:
@@ -324,7 +253,7 @@ class FeatureExtractor(HookCallback):
         if dataloader_idx != self._loader:  # a shard holds one dataloader's rows
             self._flush()
             self._loader = dataloader_idx
-        self._indices = _batch_indices(trainer, batch_idx, dataloader_idx) if stage == "predict" else None
+        self._indices = batch_indices(trainer, batch_idx, dataloader_idx) if stage == "predict" else None
 
     def _batch_end(self, stage: str) -> None:
         if self._stage != stage:
@@ -366,28 +295,7 @@ class FeatureExtractor(HookCallback):
 
     def _describe(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, Any]:
         """What the manifest says of the run besides the shards: what was watched, how, by which model."""
-        model = type(pl_module)
-        return {
-            "watched": self.module_names,
-            "settings": {"reduce": getattr(self.reduce, "__name__", self.reduce), "reduce_dim": self._dims,
-                         "dtype": None if self.dtype is None else str(self.dtype), "max_rows": self.max_rows},
-            "model": {"class": f"{model.__module__}.{model.__qualname__}", "version": self.model_version,
-                      "parameters": sum(p.numel() for p in pl_module.parameters()),
-                      "checkpoint": trainer.ckpt_path, "hparams": dict(pl_module.hparams)},
-        }
-
-
-def _batch_indices(trainer: pl.Trainer, batch_idx: int, dataloader_idx: int) -> Optional[list[int]]:
-    """The dataset indices of this predict batch's samples, as Lightning records them for prediction writers.
-
-    Lightning wraps each predict dataloader's batch sampler so that it keeps the indices of every
-    batch it yields (``seen_batch_indices``); None where the loader is not a wrapped DataLoader.
-    """
-    loaders: Any = trainer.predict_dataloaders
-    if isinstance(loaders, dict):
-        loaders = list(loaders.values())
-    loader = loaders[dataloader_idx] if isinstance(loaders, (list, tuple)) else loaders
-    seen = getattr(getattr(loader, "batch_sampler", None), "seen_batch_indices", None)
-    if seen is None or batch_idx >= len(seen):
-        return None
-    return [int(i) for i in seen[batch_idx]]
+        settings = {"reduce": getattr(self.reduce, "__name__", self.reduce), "reduce_dim": self._dims,
+                    "dtype": None if self.dtype is None else str(self.dtype), "max_rows": self.max_rows}
+        return {"watched": self.module_names, "settings": settings,
+                "model": model_record(pl_module, trainer.ckpt_path, self.model_version)}

@@ -182,6 +182,14 @@ def write_manifest(dirpath: Union[str, os.PathLike], stage: str, world_size: int
     return path
 
 
+def model_record(model: Any, checkpoint: Optional[str], version: Optional[str]) -> dict[str, Any]:
+    """What the manifest records of the model: class, parameter count, checkpoint, the user's version, hparams."""
+    kind = type(model)
+    return {"class": f"{kind.__module__}.{kind.__qualname__}", "version": version,
+            "parameters": sum(p.numel() for p in model.parameters()), "checkpoint": checkpoint,
+            "hparams": dict(getattr(model, "hparams", {}))}
+
+
 def versions() -> dict[str, Optional[str]]:
     """The versions of this package and of the libraries that wrote the set."""
     found = {}
