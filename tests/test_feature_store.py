@@ -48,8 +48,8 @@ def test_a_truncated_shard_is_named_and_skipped_on_request(tmp_path: Path) -> No
     model = extract(tmp_path)
     shard = tmp_path / "predict" / "rank0-shard00001.safetensors"
     shard.write_bytes(shard.read_bytes()[:100])
-    with pytest.raises(FileNotFoundError, match=r"incomplete: 1 of the 3 shards its manifest lists are missing or"
-                                                 r" truncated: rank0-shard00001.safetensors. Pass allow_partial"):
+    with pytest.raises(FileNotFoundError, match=r"incomplete: 1 of the 3 shards its manifest lists are missing,"
+                                                 r" truncated or corrupt: rank0-shard00001.safetensors."):
         load_features(tmp_path, "encoder.2")
     with pytest.warns(UserWarning, match="skipping 1 incomplete shards .*: rank0-shard00001.safetensors"):
         features, ids = load_features(tmp_path, "encoder.2", return_ids=True, allow_partial=True)
@@ -63,6 +63,17 @@ def test_a_truncated_shard_is_named_and_skipped_on_request(tmp_path: Path) -> No
         load_features(tmp_path, "encoder.2")
     with pytest.warns(UserWarning, match="skipping 1 incomplete shards"):
         assert torch.equal(load_features(tmp_path, "encoder.2", return_ids=True, allow_partial=True)[1], kept)
+
+
+def test_verify_checks_each_shard_against_its_checksum(tmp_path: Path) -> None:
+    extract(tmp_path)
+    shard = tmp_path / "predict" / "rank0-shard00002.safetensors"
+    data = bytearray(shard.read_bytes())
+    data[-1] ^= 0xFF  # one flipped byte, same size: only the checksum tells
+    shard.write_bytes(bytes(data))
+    assert load_features(tmp_path, "encoder.2").shape == (24, 3)
+    with pytest.raises(FileNotFoundError, match=r"1 of the 3 .* corrupt: rank0-shard00002.safetensors"):
+        load_features(tmp_path, "encoder.2", verify=True)
 
 
 def test_one_output_is_read_without_the_others(tmp_path: Path) -> None:
@@ -102,6 +113,25 @@ def test_iter_features_streams_shard_by_shard(tmp_path: Path) -> None:
     torch.testing.assert_close(torch.cat([rows for rows, _ in parts]), encoded(model, inputs(24)))
     with pytest.raises(FileNotFoundError, match="No features saved for 'head'"):
         iter_features(tmp_path, "head")
+
+
+class TwoLoaders(Encoder):
+    def predict_step(self, batch: list[torch.Tensor], batch_idx: int, dataloader_idx: int = 0) -> torch.Tensor:
+        return self(batch[0])
+
+
+def test_each_dataloader_has_its_own_shards_and_ids(tmp_path: Path) -> None:
+    model, first, second = TwoLoaders(), inputs(10), inputs(6, seed=2)
+    extractor = FeatureExtractor("encoder.2", dirpath=tmp_path, flush_every_n_batches=8)
+    Trainer(callbacks=[extractor], **TRAINER).predict(model, [loader(first), loader(second)])
+    rows, ids = load_features(tmp_path, "encoder.2", dataloader_idx=1, return_ids=True)
+    assert torch.equal(ids, torch.arange(6))
+    torch.testing.assert_close(rows, encoded(model, second))
+    both, ids = load_features(tmp_path, "encoder.2", return_ids=True)  # by dataloader, then id
+    assert torch.equal(ids, torch.cat([torch.arange(10), torch.arange(6)]))
+    torch.testing.assert_close(both, encoded(model, torch.cat([first, second])))
+    manifest = json.loads((tmp_path / "predict" / "manifest.json").read_text())
+    assert [s["dataloader"] for s in manifest["shards"]] == [0, 1]  # a shard holds one dataloader's rows
 
 
 def test_float16_halves_the_disk(tmp_path: Path) -> None:

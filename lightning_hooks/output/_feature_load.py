@@ -78,6 +78,7 @@ class MappedFeatures:
 def load_features(
     dirpath: Union[str, os.PathLike], layer: str, stage: Stage = "predict", rank: Optional[int] = None, *,
     dataloader_idx: Optional[int] = None, return_ids: bool = False, mmap: bool = False, allow_partial: bool = False,
+    verify: bool = False,
 ) -> Any:
     """Load the rows a :class:`FeatureExtractor` saved for one output, in dataset order where it can.
 
@@ -97,6 +98,8 @@ def load_features(
         mmap: Return a :class:`MappedFeatures` that reads rows from disk when indexed, instead of a tensor.
         allow_partial: Read the whole shards of a set that did not finish (no manifest) or lost
             shards, with a warning naming those skipped, instead of refusing it.
+        verify: Check each shard against the CRC-32 in the manifest (reads every file whole);
+            a shard that fails counts as missing.
 
     Returns:
         The rows, on CPU (a :class:`MappedFeatures` with ``mmap``); with ``return_ids``, ``(rows, ids)``.
@@ -112,7 +115,7 @@ def load_features(
 
     """
     stage = renamed_value("load_features", "stage", stage, RENAMED_STAGES, depth=2)
-    index = read_index(dirpath, stage, allow_partial)
+    index = read_index(dirpath, stage, allow_partial, verify)
     parts = list(iter_shards(index, layer, rank, dataloader_idx, mmap))
     if not parts:
         raise FileNotFoundError(_not_saved_message(index, dirpath, stage, layer, rank))
@@ -130,7 +133,7 @@ def load_features(
 
 def iter_features(
     dirpath: Union[str, os.PathLike], layer: str, stage: Stage = "predict", rank: Optional[int] = None, *,
-    dataloader_idx: Optional[int] = None, mmap: bool = False, allow_partial: bool = False,
+    dataloader_idx: Optional[int] = None, mmap: bool = False, allow_partial: bool = False, verify: bool = False,
 ) -> Iterator[tuple[Tensor, Optional[Tensor]]]:
     """Stream one output's rows shard by shard, for sets bigger than memory: ``(rows, ids)`` per shard.
 
@@ -146,7 +149,7 @@ def iter_features(
 
     """
     stage = renamed_value("iter_features", "stage", stage, RENAMED_STAGES, depth=2)
-    index = read_index(dirpath, stage, allow_partial)
+    index = read_index(dirpath, stage, allow_partial, verify)
     if not any(s.rows.get(layer) and (rank is None or s.rank == rank) for s in index.shards):
         raise FileNotFoundError(_not_saved_message(index, dirpath, stage, layer, rank))
     return ((rows, ids) for _, rows, ids in iter_shards(index, layer, rank, dataloader_idx, mmap))

@@ -12,6 +12,7 @@ import json
 import os
 import struct
 import warnings
+import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -53,8 +54,10 @@ class StageIndex:
         return sorted({n for s in self.shards if rank is None or s.rank == rank for n, k in s.rows.items() if k})
 
 
-def read_index(dirpath: Union[str, os.PathLike], stage: str, allow_partial: bool) -> StageIndex:
+def read_index(dirpath: Union[str, os.PathLike], stage: str, allow_partial: bool, verify: bool = False) -> StageIndex:
     """Find the whole shards of ``stage``; refuse an incomplete set unless ``allow_partial``.
+
+    With ``verify`` each listed shard's CRC-32 is checked too (the whole file is read).
 
     Raises:
         FileNotFoundError: If the set has no manifest, or misses or has truncated shards the
@@ -66,11 +69,12 @@ def read_index(dirpath: Union[str, os.PathLike], stage: str, allow_partial: bool
     if manifest_path.is_file():
         manifest = json.loads(manifest_path.read_text())
         listed = [(folder / s["file"], s) for s in manifest["shards"]]
-        bad = [p.name for p, s in listed if not p.is_file() or p.stat().st_size != s["bytes"]]
+        bad = [p.name for p, s in listed if not p.is_file() or p.stat().st_size != s["bytes"]
+               or (verify and zlib.crc32(p.read_bytes()) != s["crc32"])]
         if bad and not allow_partial:
             raise FileNotFoundError(
                 f"The feature set in {str(folder)!r} is incomplete: {len(bad)} of the {len(listed)} shards its"
-                f" manifest lists are missing or truncated: {_few(bad)}. Pass allow_partial=True to read"
+                f" manifest lists are missing, truncated or corrupt: {_few(bad)}. Pass allow_partial=True to read"
                 f" the {len(listed) - len(bad)} whole ones."
             )
         whole = [_shard(p, s["rank"], s["shard"], s["dataloader"], s["rows"], s["ids"]) for p, s in listed
