@@ -146,7 +146,9 @@ class ShardWriter:
 
 def _id_keys(ids: dict[str, Tensor]) -> dict[str, str]:
     """Where each output's ids go: ``"ids"``, shared by those with the first one's ids; else ``ids/<name>``."""
-    shared = next(iter(ids.values()), None)
+    if not ids:
+        return {}
+    shared = next(iter(ids.values()))
     return {name: "ids" if rows is shared or torch.equal(rows, shared) else f"ids/{name}"
             for name, rows in ids.items()}
 
@@ -182,17 +184,18 @@ def write_manifest(dirpath: Union[str, os.PathLike], stage: str, world_size: int
     return path
 
 
-def model_record(model: Any, checkpoint: Optional[str], version: Optional[str]) -> dict[str, Any]:
+def model_record(model: Any, checkpoint: Optional[Union[str, os.PathLike]], version: Optional[str]) -> dict[str, Any]:
     """What the manifest records of the model: class, parameter count, checkpoint, the user's version, hparams."""
     kind = type(model)
     return {"class": f"{kind.__module__}.{kind.__qualname__}", "version": version,
-            "parameters": sum(p.numel() for p in model.parameters()), "checkpoint": checkpoint,
+            "parameters": sum(p.numel() for p in model.parameters()),
+            "checkpoint": None if checkpoint is None else os.fspath(checkpoint),
             "hparams": dict(getattr(model, "hparams", {}))}
 
 
 def versions() -> dict[str, Optional[str]]:
     """The versions of this package and of the libraries that wrote the set."""
-    found = {}
+    found: dict[str, Optional[str]] = {}
     for package in ("lightning-hooks", "torch", "lightning", "safetensors"):
         try:
             found[package] = metadata.version(package)
