@@ -106,6 +106,7 @@ def test_the_manifest_describes_the_set(tmp_path: Path) -> None:
     assert set(manifest["versions"]) == {"lightning-hooks", "torch", "lightning", "safetensors"}
 
 
+@pytest.mark.filterwarnings("ignore:Your `predict_dataloader`'s sampler has shuffling enabled")
 def test_rows_come_back_in_dataset_order_from_a_shuffled_loader(tmp_path: Path) -> None:
     model, x = Encoder(), inputs(30)
     shuffled = DataLoader(TensorDataset(x), batch_size=4, shuffle=True, generator=torch.Generator().manual_seed(3))
