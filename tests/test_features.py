@@ -106,6 +106,17 @@ def test_the_manifest_describes_the_set(tmp_path: Path) -> None:
     assert set(manifest["versions"]) == {"lightning-hooks", "torch", "lightning", "safetensors"}
 
 
+def test_sample_ids_from_the_batch_work_in_any_stage(tmp_path: Path) -> None:
+    model, x = Encoder(), inputs(12)
+    keys = torch.randperm(12, generator=torch.Generator().manual_seed(0)) + 1000  # the dataset's own ids
+    extractor = FeatureExtractor("encoder.2", dirpath=tmp_path, stages="validate", sample_ids=lambda batch: batch[1])
+    Trainer(callbacks=[extractor], **TRAINER).validate(model, DataLoader(TensorDataset(x, keys), batch_size=4))
+    features, ids = load_features(tmp_path, "encoder.2", stage="validate", return_ids=True)
+    assert torch.equal(ids, torch.arange(1000, 1012))
+    with torch.no_grad():
+        torch.testing.assert_close(features, model.encoder(x[keys.argsort()]))
+
+
 @pytest.mark.filterwarnings("ignore:Your `predict_dataloader`'s sampler has shuffling enabled")
 def test_rows_come_back_in_dataset_order_from_a_shuffled_loader(tmp_path: Path) -> None:
     model, x = Encoder(), inputs(30)
@@ -359,6 +370,7 @@ def test_embedding_samples_go_to_the_tensorboard_projector(tmp_path: Path) -> No
         ({"reduce_dim": [1]}, TypeError, r"`reduce_dim` must be an int or a tuple of ints, got \[1\]"),
         ({"dtype": "float16"}, TypeError, r"`dtype` must be a torch.dtype or None, got 'float16' \(str\)"),
         ({"max_rows": 0}, ValueError, "`max_rows` must be a positive int, or None for no limit, got 0"),
+        ({"sample_ids": "id"}, TypeError, r"`sample_ids` must be a function of the batch or None, got 'id'"),
         ({"model_version": 3}, TypeError, "`model_version` must be a str or None, got 3"),
     ],
 )

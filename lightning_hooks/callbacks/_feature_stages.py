@@ -17,7 +17,7 @@ class StageHooks:
     def _begin(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         raise NotImplementedError
 
-    def _batch_start(self, trainer: pl.Trainer, stage: str, batch_idx: int, dataloader_idx: int) -> None:
+    def _batch_start(self, trainer: pl.Trainer, stage: str, batch: Any, batch_idx: int, dataloader_idx: int) -> None:
         raise NotImplementedError
 
     def _batch_end(self, stage: str) -> None:
@@ -47,22 +47,22 @@ class StageHooks:
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: Any, batch: Any, batch_idx: int) -> None:
         """Open the hooks for this batch."""
-        self._batch_start(trainer, "train", batch_idx, 0)
+        self._batch_start(trainer, "train", batch, batch_idx, 0)
 
     def on_validation_batch_start(self, trainer: pl.Trainer, pl_module: Any, batch: Any, batch_idx: int,
                                   dataloader_idx: int = 0) -> None:
         """Open the hooks for this batch."""
-        self._batch_start(trainer, "validate", batch_idx, dataloader_idx)
+        self._batch_start(trainer, "validate", batch, batch_idx, dataloader_idx)
 
     def on_test_batch_start(self, trainer: pl.Trainer, pl_module: Any, batch: Any, batch_idx: int,
                             dataloader_idx: int = 0) -> None:
         """Open the hooks for this batch."""
-        self._batch_start(trainer, "test", batch_idx, dataloader_idx)
+        self._batch_start(trainer, "test", batch, batch_idx, dataloader_idx)
 
     def on_predict_batch_start(self, trainer: pl.Trainer, pl_module: Any, batch: Any, batch_idx: int,
                                dataloader_idx: int = 0) -> None:
         """Open the hooks for this batch; note its samples' dataset indices."""
-        self._batch_start(trainer, "predict", batch_idx, dataloader_idx)
+        self._batch_start(trainer, "predict", batch, batch_idx, dataloader_idx)
 
     def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
         """Close the hooks; write a shard every ``flush_every_n_batches`` batches."""

@@ -8,7 +8,7 @@ they become shards and a manifest on disk, ``output/_feature_store``; how they a
 from __future__ import annotations
 
 import os
-from typing import Any, Literal, Optional, Union, get_args
+from typing import Any, Callable, Literal, Optional, Union, get_args
 
 import lightning.pytorch as pl
 import torch
@@ -78,7 +78,8 @@ class FeatureExtractor(StageHooks, HookCallback):
     Lightning's prediction loop records), so :func:`load_features` returns rows in dataset order,
     also under DDP's sampler, with their ``ids``. There a tensor whose dim 0 is not the batch (an
     LSTM's ``h_n``) is not saved, with a warning; a module run several times per batch saves its
-    rows in call order, without ids. Other stages record no ids: rows come by rank, then batch.
+    rows in call order, without ids. Other stages record no ids (rows come by rank, then batch),
+    unless ``sample_ids`` reads them from the batch (one ``.tolist()`` per batch).
 
     Stages, as Lightning's ``RunningStage`` names the loops: ``"train"`` (the training batches of
     ``fit``), ``"validate"`` (``trainer.validate``, not the loop inside ``fit``), ``"test"``,
@@ -99,6 +100,9 @@ class FeatureExtractor(StageHooks, HookCallback):
             ``(2, 3)`` for the pixels of ``(N, C, H, W)``.
         dtype: Cast saved tensors to this dtype (``torch.float16`` halves the disk); None keeps theirs.
         max_rows: The most rows saved per output per stage run on each rank; None for all.
+        sample_ids: A function of the batch returning its samples' ids (``lambda batch: batch["id"]``,
+            one per sample), used instead of Lightning's batch indices and in every stage; None
+            takes the batch indices in ``predict`` and records no ids elsewhere.
         model_version: A version string for the model (a checkpoint tag), kept in the manifest.
         embedding_samples: If positive and a ``TensorBoardLogger`` is attached, at the end of
             each stage rank zero logs a uniform random sample of this many of its rows per output
@@ -134,6 +138,7 @@ class FeatureExtractor(StageHooks, HookCallback):
         reduce_dim: Union[int, tuple[int, ...]] = 1,
         dtype: Optional[torch.dtype] = None,
         max_rows: Optional[int] = None,
+        sample_ids: Optional[Callable[[Any], Any]] = None,
         model_version: Optional[str] = None,
         embedding_samples: int = 0,
     ) -> None:
@@ -152,13 +157,16 @@ class FeatureExtractor(StageHooks, HookCallback):
         check_int("max_rows", max_rows, low=1, optional=True, none_means="no limit")
         self._dims = check_reduce(reduce, reduce_dim)
         check_dtype(dtype)
+        if sample_ids is not None and not callable(sample_ids):
+            raise TypeError(f"`sample_ids` must be a function of the batch or None, got {sample_ids!r}:"
+                            " pass e.g. sample_ids=lambda batch: batch['id']")
         if model_version is not None and not isinstance(model_version, str):
             raise TypeError(f"`model_version` must be a str or None, got {model_version!r}: pass e.g. 'v3-epoch12'")
         selection, self._keyed = split_selection(modules)
         super().__init__(selection)
         self.dirpath, self.stages, self.flush_every_n_batches = dirpath, chosen, flush_every_n_batches
         self.reduce, self.reduce_dim, self.dtype, self.max_rows = reduce, reduce_dim, dtype, max_rows
-        self.model_version, self.embedding_samples = model_version, embedding_samples
+        self.sample_ids, self.model_version, self.embedding_samples = sample_ids, model_version, embedding_samples
         self._stage: Optional[str] = None
         self._writer: Optional[ShardWriter] = None
         self._buffer = FeatureBuffer(max_rows)
@@ -246,14 +254,17 @@ class FeatureExtractor(StageHooks, HookCallback):
             return None
         return EmbeddingSample(found, self.embedding_samples)
 
-    def _batch_start(self, trainer: pl.Trainer, stage: str, batch_idx: int, dataloader_idx: int) -> None:
+    def _batch_start(self, trainer: pl.Trainer, stage: str, batch: Any, batch_idx: int, dataloader_idx: int) -> None:
         self._collecting = self._stage == stage and not trainer.sanity_checking
         if not self._collecting:
             return
         if dataloader_idx != self._loader:  # a shard holds one dataloader's rows
             self._flush()
             self._loader = dataloader_idx
-        self._indices = batch_indices(trainer, batch_idx, dataloader_idx) if stage == "predict" else None
+        if self.sample_ids is not None:
+            self._indices = [int(i) for i in torch.as_tensor(self.sample_ids(batch)).reshape(-1).tolist()]
+        else:
+            self._indices = batch_indices(trainer, batch_idx, dataloader_idx) if stage == "predict" else None
 
     def _batch_end(self, stage: str) -> None:
         if self._stage != stage:
