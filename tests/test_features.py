@@ -328,7 +328,7 @@ def test_reduce_pools_tokens_on_the_fly(tmp_path: Path, reduce: object, expected
 
 def test_dtype_and_max_rows_shrink_what_is_saved(tmp_path: Path) -> None:
     model, x = Encoder(), inputs(30)
-    extractor = FeatureExtractor("encoder.0", dirpath=tmp_path, dtype=torch.float16, max_rows=13,
+    extractor = FeatureExtractor("encoder.0", dirpath=tmp_path, dtype="float16", max_rows=13,
                                  flush_every_n_batches=2)
     Trainer(callbacks=[extractor], **TRAINER).predict(model, loader(x))
     features, ids = load_features(tmp_path, "encoder.0", return_ids=True)
@@ -368,7 +368,8 @@ def test_embedding_samples_go_to_the_tensorboard_projector(tmp_path: Path) -> No
         ({"reduce": 1}, TypeError, r"`reduce` must be one of .* got 1 \(int\): pass e.g. reduce='mean'"),
         ({"reduce_dim": 0}, ValueError, r"`reduce_dim` must name dims from 1 up \(dim 0 holds the samples\)"),
         ({"reduce_dim": [1]}, TypeError, r"`reduce_dim` must be an int or a tuple of ints, got \[1\]"),
-        ({"dtype": "float16"}, TypeError, r"`dtype` must be a torch.dtype or None, got 'float16' \(str\)"),
+        ({"dtype": "float61"}, TypeError, r"`dtype` must be a torch.dtype, its name or None, got 'float61' \(str\)"),
+        ({"dtype": "nn"}, TypeError, r"`dtype` must be a torch.dtype, its name or None, got 'nn' \(str\)"),
         ({"max_rows": 0}, ValueError, "`max_rows` must be a positive int, or None for no limit, got 0"),
         ({"sample_ids": "id"}, TypeError, r"`sample_ids` must be a function of the batch or None, got 'id'"),
         ({"model_version": 3}, TypeError, "`model_version` must be a str or None, got 3"),

@@ -129,8 +129,14 @@ def check_reduce(reduce: Any, reduce_dim: Any) -> tuple[int, ...]:
     return dims
 
 
-def check_dtype(dtype: Any) -> None:
-    """Raise ``TypeError`` unless ``dtype`` is None or a ``torch.dtype``."""
-    if dtype is not None and not isinstance(dtype, torch.dtype):
-        raise TypeError(f"`dtype` must be a torch.dtype or None, got {dtype!r} ({type(dtype).__name__}):"
-                        " pass e.g. dtype=torch.float16")
+def check_dtype(dtype: Any) -> Optional[torch.dtype]:
+    """Return ``dtype`` as a ``torch.dtype`` (a name such as ``"float16"`` too, for YAML), or None.
+
+    Raises:
+        TypeError: If it is neither None, a ``torch.dtype`` nor the name of one.
+    """
+    found = getattr(torch, dtype, None) if isinstance(dtype, str) else dtype
+    if dtype is not None and not isinstance(found, torch.dtype):
+        raise TypeError(f"`dtype` must be a torch.dtype, its name or None, got {dtype!r} ({type(dtype).__name__}):"
+                        " pass e.g. dtype=torch.float16 or dtype='float16'")
+    return found

@@ -98,7 +98,8 @@ class FeatureExtractor(StageHooks, HookCallback):
             without that dim is saved as is. None saves whole outputs.
         reduce_dim: The dim (or tuple of dims) to pool: 1 for the tokens of ``(N, L, D)``,
             ``(2, 3)`` for the pixels of ``(N, C, H, W)``.
-        dtype: Cast saved tensors to this dtype (``torch.float16`` halves the disk); None keeps theirs.
+        dtype: Cast saved tensors to this dtype (``torch.float16`` or ``"float16"`` halves the disk);
+            None keeps theirs.
         max_rows: The most rows saved per output per stage run on each rank; None for all.
         sample_ids: A function of the batch returning its samples' ids (``lambda batch: batch["id"]``,
             one per sample), used instead of Lightning's batch indices and in every stage; None
@@ -136,7 +137,7 @@ class FeatureExtractor(StageHooks, HookCallback):
         flush_every_n_batches: int = 16,
         reduce: Optional[Reduce] = None,
         reduce_dim: Union[int, tuple[int, ...]] = 1,
-        dtype: Optional[torch.dtype] = None,
+        dtype: Optional[Union[torch.dtype, str]] = None,
         max_rows: Optional[int] = None,
         sample_ids: Optional[Callable[[Any], Any]] = None,
         model_version: Optional[str] = None,
@@ -156,7 +157,7 @@ class FeatureExtractor(StageHooks, HookCallback):
         check_int("embedding_samples", embedding_samples, low=0)
         check_int("max_rows", max_rows, low=1, optional=True, none_means="no limit")
         self._dims = check_reduce(reduce, reduce_dim)
-        check_dtype(dtype)
+        cast = check_dtype(dtype)
         if sample_ids is not None and not callable(sample_ids):
             raise TypeError(f"`sample_ids` must be a function of the batch or None, got {sample_ids!r}:"
                             " pass e.g. sample_ids=lambda batch: batch['id']")
@@ -165,7 +166,7 @@ class FeatureExtractor(StageHooks, HookCallback):
         selection, self._keyed = split_selection(modules)
         super().__init__(selection)
         self.dirpath, self.stages, self.flush_every_n_batches = dirpath, chosen, flush_every_n_batches
-        self.reduce, self.reduce_dim, self.dtype, self.max_rows = reduce, reduce_dim, dtype, max_rows
+        self.reduce, self.reduce_dim, self.dtype, self.max_rows = reduce, reduce_dim, cast, max_rows
         self.sample_ids, self.model_version, self.embedding_samples = sample_ids, model_version, embedding_samples
         self._stage: Optional[str] = None
         self._writer: Optional[ShardWriter] = None
