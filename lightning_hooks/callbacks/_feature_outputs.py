@@ -140,3 +140,12 @@ def check_dtype(dtype: Any) -> Optional[torch.dtype]:
         raise TypeError(f"`dtype` must be a torch.dtype, its name or None, got {dtype!r} ({type(dtype).__name__}):"
                         " pass e.g. dtype=torch.float16 or dtype='float16'")
     return found
+
+
+def check_ids_and_version(sample_ids: Any, model_version: Any) -> None:
+    """Raise ``TypeError`` unless ``sample_ids`` is None or callable and ``model_version`` None or a str."""
+    if sample_ids is not None and not callable(sample_ids):
+        raise TypeError(f"`sample_ids` must be a function of the batch or None, got {sample_ids!r}:"
+                        " pass e.g. sample_ids=lambda batch: batch['id']")
+    if model_version is not None and not isinstance(model_version, str):
+        raise TypeError(f"`model_version` must be a str or None, got {model_version!r}: pass e.g. 'v3-epoch12'")

@@ -21,6 +21,7 @@ from lightning_hooks.callbacks._feature_buffer import FeatureBuffer, batch_indic
 from lightning_hooks.callbacks._feature_outputs import (
     Reduce,
     check_dtype,
+    check_ids_and_version,
     check_reduce,
     key_filter,
     named_tensors,
@@ -158,11 +159,7 @@ class FeatureExtractor(StageHooks, HookCallback):
         check_int("max_rows", max_rows, low=1, optional=True, none_means="no limit")
         self._dims = check_reduce(reduce, reduce_dim)
         cast = check_dtype(dtype)
-        if sample_ids is not None and not callable(sample_ids):
-            raise TypeError(f"`sample_ids` must be a function of the batch or None, got {sample_ids!r}:"
-                            " pass e.g. sample_ids=lambda batch: batch['id']")
-        if model_version is not None and not isinstance(model_version, str):
-            raise TypeError(f"`model_version` must be a str or None, got {model_version!r}: pass e.g. 'v3-epoch12'")
+        check_ids_and_version(sample_ids, model_version)
         selection, self._keyed = split_selection(modules)
         super().__init__(selection)
         self.dirpath, self.stages, self.flush_every_n_batches = dirpath, chosen, flush_every_n_batches
@@ -176,7 +173,6 @@ class FeatureExtractor(StageHooks, HookCallback):
         self._warned: set[str] = set()
         self._async_copies = False
         self._embeddings: Optional[EmbeddingSample] = None
-        self._about: dict[str, Any] = {}
 
     @property
     def buffered_batches(self) -> int:
