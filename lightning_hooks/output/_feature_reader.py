@@ -22,11 +22,9 @@ import torch
 from safetensors import safe_open
 from torch import Tensor
 
-from lightning_hooks.output._feature_store import MANIFEST, stage_dir
+from lightning_hooks.output._feature_store import DTYPE_NAMES, MANIFEST, stage_dir
 
-_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-           "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-           "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
+_DTYPES = {name: dtype for dtype, name in DTYPE_NAMES.items()}
 
 
 @dataclass
