@@ -15,7 +15,8 @@ import torch
 from lightning.pytorch import Trainer
 
 from lightning_hooks.callbacks.features import FeatureExtractor, MappedFeatures, iter_features, load_features
-from tests.test_features import TRAINER, Encoder, Tokens, inputs, loader
+from tests.test_feature_outputs import Tokens
+from tests.test_features import TRAINER, Encoder, inputs, loader
 
 HERE = Path(__file__).parent
 
