@@ -1,13 +1,16 @@
 """Feature extraction: train a small classifier on CPU, then save its embeddings with predict.
 
-Runs in a few seconds, writes shards under ``./runs/feature_extraction`` (or the directory
-given as the first argument), loads them back and checks them against the model.
+Runs in a few seconds, writes safetensors shards and a manifest under ``./runs/feature_extraction``
+(or the directory given as the first argument), loads them back in dataset order with their sample
+ids and checks them against the model, then looks a sample up by its id in the memory-mapped
+features and finds its nearest neighbours.
 
     python examples/feature_extraction.py
 """
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -60,14 +63,20 @@ def main(out_dir: str = "runs/feature_extraction") -> None:
     L.Trainer(max_epochs=3, **quiet).fit(model, train_loader)
 
     features_dir = Path(out_dir) / "features"
-    extractor = FeatureExtractor(["encoder.2", "head"], dirpath=features_dir, flush_every_n_batches=4)
+    extractor = FeatureExtractor(["encoder.2", "head"], dirpath=features_dir, flush_every_n_batches=4,
+                                 model_version="classifier-3-epochs")
     test_set = clusters(200, seed=2)
+    # Each row carries its sample's dataset index (from Lightning's batch indices), so rows come back
+    # in dataset order even where the sampler reorders them (DDP's, or a shuffled loader).
     L.Trainer(callbacks=[extractor], **quiet).predict(model, DataLoader(test_set, batch_size=16))
 
-    embeddings, logits = load_features(features_dir, "encoder.2"), load_features(features_dir, "head")
-    shards = sorted(p.name for p in (features_dir / "predict" / "encoder.2").iterdir())
-    print(f"encoder.2: {tuple(embeddings.shape)} from {len(shards)} shards ({shards[0]} ... {shards[-1]})")
-    print(f"head:      {tuple(logits.shape)}")
+    embeddings, ids = load_features(features_dir, "encoder.2", return_ids=True)
+    logits = load_features(features_dir, "head")
+    manifest = json.loads((features_dir / "predict" / "manifest.json").read_text())
+    shards = [shard["file"] for shard in manifest["shards"]]
+    print(f"encoder.2: {tuple(embeddings.shape)} from {len(shards)} shards ({shards[0]} ... {shards[-1]});"
+          f" ids 0..{ids.max().item()} in dataset order: {torch.equal(ids, torch.arange(len(test_set)))}")
+    print(f"head:      {tuple(logits.shape)}; manifest: {manifest['outputs']['head']}")
 
     x, y = test_set.tensors
     with torch.no_grad():
@@ -76,6 +85,22 @@ def main(out_dir: str = "runs/feature_extraction") -> None:
     print(f"saved features equal the encoder's output: {same}; accuracy from saved logits: {accuracy:.2%}")
     if not same:
         raise SystemExit("the saved features do not match the model")
+    nearest_neighbours(features_dir, y, query_id=17)
+
+
+def nearest_neighbours(features_dir: Path, labels: torch.Tensor, query_id: int, k: int = 5) -> None:
+    """Look up a sample by its id in the memory-mapped features; find its nearest neighbours by cosine."""
+    mapped = load_features(features_dir, "encoder.2", mmap=True)
+    query = nn.functional.normalize(mapped.by_id([query_id]), dim=1)
+    similarity = nn.functional.normalize(mapped[:], dim=1) @ query[0]
+    similarity[mapped.ids == query_id] = -1  # not itself
+    best = similarity.topk(k)
+    neighbour_ids = mapped.ids[best.indices]
+    share = (labels[neighbour_ids] == labels[query_id]).float().mean().item()
+    print(f"sample {query_id} (blob {labels[query_id].item()}): nearest {neighbour_ids.tolist()},"
+          f" cosine {[round(v, 4) for v in best.values.tolist()]}, {share:.0%} from the same blob")
+    if share < 0.8:
+        raise SystemExit("the nearest neighbours are not from the query's blob")
 
 
 if __name__ == "__main__":

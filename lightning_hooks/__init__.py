@@ -20,7 +20,7 @@ if TYPE_CHECKING:
     from lightning_hooks.callbacks._anomaly_report import AnomalyReport
     from lightning_hooks.callbacks._flight_recorder import FlightRecord
     from lightning_hooks.callbacks.activations import ActivationMonitor
-    from lightning_hooks.callbacks.features import FeatureExtractor, load_features
+    from lightning_hooks.callbacks.features import FeatureExtractor, MappedFeatures, iter_features, load_features
     from lightning_hooks.callbacks.gradients import GRADIENT_STAT_NAMES, GradientMonitor
     from lightning_hooks.callbacks.health import LayerHealth
     from lightning_hooks.callbacks.stability import TransformerStability
@@ -40,7 +40,7 @@ _WHERE = {
     "FlightRecord": "callbacks._flight_recorder",
     "SpikeTrigger": "measure.spikes",
     "ActivationMonitor": "callbacks.activations",
-    **dict.fromkeys(("FeatureExtractor", "load_features"), "callbacks.features"),
+    **dict.fromkeys(("FeatureExtractor", "MappedFeatures", "iter_features", "load_features"), "callbacks.features"),
     **dict.fromkeys(("GRADIENT_STAT_NAMES", "GradientMonitor"), "callbacks.gradients"),
     "LayerHealth": "callbacks.health",
     **dict.fromkeys(("GradientAnomalyError", "GradientAnomalyStopping"), "callbacks.stopping"),
@@ -69,10 +69,12 @@ __all__ = [
     "GradientMonitor",
     "GradientTransform",
     "LayerHealth",
+    "MappedFeatures",
     "ModuleSelection",
     "SpikeTrigger",
     "TransformerStability",
     "UpdateTransform",
+    "iter_features",
     "load_features",
     "select_modules",
 ]

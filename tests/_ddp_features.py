@@ -1,4 +1,4 @@
-"""Run by tests/test_features.py: a 2-process CPU DDP predict with FeatureExtractor (gloo)."""
+"""Run by tests/test_features.py: a 2-process CPU DDP predict with FeatureExtractor (gloo), shuffled."""
 
 from __future__ import annotations
 
@@ -27,13 +27,14 @@ class Encoder(L.LightningModule):
 def main(out_dir: str) -> None:
     L.seed_everything(0, verbose=False)
     model = Encoder()
-    x = torch.randn(32, 4, generator=torch.Generator().manual_seed(1))
+    x = torch.randn(30, 4, generator=torch.Generator().manual_seed(1))  # 30: the sampler pads to 32
     trainer = L.Trainer(
         accelerator="cpu", devices=2, strategy="ddp", logger=False, enable_progress_bar=False,
         enable_model_summary=False, enable_checkpointing=False,
         callbacks=[FeatureExtractor("encoder.2", dirpath=os.path.join(out_dir, "features"), flush_every_n_batches=2)],
     )
-    trainer.predict(model, DataLoader(TensorDataset(x), batch_size=4), return_predictions=False)
+    loader = DataLoader(TensorDataset(x), batch_size=4, shuffle=True)  # Lightning's sampler keeps the shuffle
+    trainer.predict(model, loader, return_predictions=False)
     if trainer.is_global_zero:
         torch.save({"state": model.state_dict(), "x": x}, os.path.join(out_dir, "inputs.pt"))
 

@@ -53,7 +53,8 @@ def run_example(name: str, out_dir, hide: str = "") -> subprocess.CompletedProce
             r"anomalies/vanishing\s+flagged on\s+0 of \d+ steps",
         ]),
         ("dead_relu", [r"net\.3\s+1\.000\s+1\.000\s+DEAD", r"Dead ReLUs: net\.3\."]),
-        ("feature_extraction", [r"saved features equal the encoder's output: True"]),
+        ("feature_extraction", [r"saved features equal the encoder's output: True", r"in dataset order: True",
+                                r"sample 17 \(blob \d\): nearest \[.*\], 100% from the same blob"]),
         ("loss_spike_rollback", [
             r"unprotected: .* parameters finite: False", r"rollback: .* parameters finite: True",
             r"step 45 went back to the state before step 40; updates dropped: 4",

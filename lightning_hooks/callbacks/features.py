@@ -1,14 +1,14 @@
-"""FeatureExtractor: which layers' outputs to save and when: the stages, the hooks, the host buffer.
+"""FeatureExtractor: which outputs to save and when: the stages, the hooks, pooling, sample ids.
 
-How the buffered outputs become shards on disk, and how ``load_features`` reads them back, is
-in ``_feature_store``.
+The host buffer is ``_feature_buffer``; how tensors are named and pooled, ``_feature_outputs``; how
+they become shards and a manifest on disk, ``output/_feature_store``; how they are read back,
+``output/_feature_load``.
 """
 
 from __future__ import annotations
 
 import os
-from pathlib import Path
-from typing import Any, Optional, Union, get_args
+from typing import Any, Callable, Optional, Union, get_args
 
 import lightning.pytorch as pl
 import torch
@@ -17,19 +17,35 @@ from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
 from lightning_hooks.callbacks._base import HookCallback, log_step
+from lightning_hooks.callbacks._feature_buffer import FeatureBuffer, batch_indices
+from lightning_hooks.callbacks._feature_outputs import (
+    Reduce,
+    check_dtype,
+    check_ids_and_version,
+    check_reduce,
+    key_filter,
+    named_tensors,
+    output_name,
+    pool,
+    split_selection,
+    wanted,
+)
+from lightning_hooks.callbacks._feature_stages import StageHooks
 from lightning_hooks.core._compat import TENSORBOARD_LOGGERS
 from lightning_hooks.core._torch_internals import in_backward
 from lightning_hooks.core._validation import check_int, check_names, check_path
 from lightning_hooks.core.selection import ModuleSelection
+from lightning_hooks.output._feature_load import MappedFeatures, iter_features, load_features
 from lightning_hooks.output._feature_store import (
     EmbeddingSample,
     ShardWriter,
     Stage,
-    layer_dir,
-    load_features,
+    check_writable,
+    model_record,
+    write_manifest,
 )
 
-__all__ = ["FeatureExtractor", "Stage", "load_features"]
+__all__ = ["FeatureExtractor", "MappedFeatures", "Stage", "iter_features", "load_features"]
 
 _STAGES: tuple[str, ...] = get_args(Stage)
 
@@ -37,61 +53,71 @@ _STAGES: tuple[str, ...] = get_args(Stage)
 _TRAINER_FN = {"train": "fit"}
 
 
-class FeatureExtractor(HookCallback):
-    """Save the outputs of chosen layers during ``validate``/``test``/``predict`` (or training).
+class FeatureExtractor(StageHooks, HookCallback):
+    """Save chosen layers' outputs during ``predict`` (or ``validate``/``test``/training) as a dataset.
 
-    Forward hooks copy each selected layer's output, detached, to host memory (one copy per
-    layer per batch; from CUDA it is asynchronous, with one synchronize per shard). Every
-    ``flush_every_n_batches`` batches the buffered outputs of each layer are concatenated
-    along dim 0 and written to ``<dirpath>/<stage>/<layer>/rank<r>-shard<k>.pt`` (``k``
-    zero-padded, counting from 0 in each run), so at most that many outputs per layer are ever
-    held on host. Read them back with :func:`load_features`.
+    Forward hooks pool and cast each selected output on its device, then copy it to host memory
+    (asynchronously from CUDA). Every ``flush_every_n_batches`` batches the rows become one
+    safetensors shard per rank, ``<dirpath>/<stage>/rank<r>-shard<k>.safetensors`` (written to a
+    temporary name, then renamed); when the stage ends on every rank, rank zero writes
+    ``<dirpath>/<stage>/manifest.json``. A set without it did not finish: :func:`load_features`
+    refuses it unless ``allow_partial=True``. A new run of a stage first deletes its old files.
+    See ``docs/features.md``.
 
-    Stages are named as Lightning's ``RunningStage`` names the loops (and as
-    ``ActivationMonitor``'s ``stages``): ``"train"`` covers the training batches of
-    ``trainer.fit``, ``"validate"`` the validation
-    loop of ``trainer.validate`` (not the one inside ``fit``, nor its sanity check), ``"test"``
-    and ``"predict"`` those of ``trainer.test`` and ``trainer.predict``. Hooks are attached at
-    the start of each enabled stage and removed at its end. A new run of a stage first deletes
-    this rank's old shards of the selected layers for that stage; batches still buffered when a run raises are dropped.
+    Names: a tensor output is saved under the module's name (``"encoder.2"``), every tensor of a
+    tuple, list, dict or dataclass output under ``"<module>:<key>"`` (``"lstm:0"``,
+    ``"encoder:hidden"``, ``"lstm:1.0"`` nested). A ``modules`` entry ``"encoder:hidden"`` hooks
+    ``encoder`` and keeps only the outputs it names (a glob).
 
-    Layer outputs: a tensor is saved as is; from a tuple, list or dict output (an LSTM's
-    ``(output, (h, c))``) the first tensor found is saved, with a warning once per layer. The
-    shape past dim 0 must stay the same from batch to batch; a layer that changes it, or
-    returns no tensor, is skipped from then on with a warning. A layer called several times in
-    one batch saves one output per call, in call order (and so fills the buffer sooner).
+    Sample ids: in ``predict`` each row carries its sample's dataset index (from the batch indices
+    Lightning's prediction loop records), so :func:`load_features` returns rows in dataset order,
+    also under DDP's sampler, with their ``ids``. There a tensor whose dim 0 is not the batch (an
+    LSTM's ``h_n``) is not saved, with a warning; a module run several times per batch saves its
+    rows in call order, without ids. Other stages record no ids (rows come by rank, then batch),
+    unless ``sample_ids`` reads them from the batch (one ``.tolist()`` per batch).
 
-    Under DDP every rank writes its own shards (``rank<r>`` in the name). With Lightning's
-    distributed sampler rank ``r`` of ``W`` sees samples ``r, r + W, r + 2W, ...`` of an
-    unshuffled dataset, so ``load_features(..., rank=r)`` lines up with ``dataset[r::W]``
-    (padded with repeats when the dataset does not split evenly); across several dataloaders
-    the features are concatenated in loop order.
+    Stages, as Lightning's ``RunningStage`` names the loops: ``"train"`` (the training batches of
+    ``fit``), ``"validate"`` (``trainer.validate``, not the loop inside ``fit``), ``"test"``,
+    ``"predict"``. Hooks are on only while an enabled stage runs.
 
     Args:
         modules: The layers to save, as globs over qualified names (``"encoder.*"``), module
-            types, a predicate or a list; see :func:`~lightning_hooks.select_modules`. The only
-            argument taken by position; the others are keyword-only.
-        dirpath: Directory to write the shards under; created if needed.
+            types, a predicate or a list; ``"module:key"`` entries pick outputs (see above). The
+            only argument taken by position; the others are keyword-only.
+        dirpath: Directory to write under; created if needed. One extractor per ``dirpath``.
         stages: The loops to extract in (a name or a list): any of ``"train"``, ``"validate"``,
             ``"test"``, ``"predict"``.
         flush_every_n_batches: Batches to buffer on host before writing a shard.
+        reduce: Pool each saved tensor over ``reduce_dim`` on its device: ``"mean"``, ``"max"``,
+            ``"cls"`` (index 0: the first token), or a callable taking the rows to rows; a tensor
+            without that dim is saved as is. None saves whole outputs.
+        reduce_dim: The dim (or tuple of dims) to pool: 1 for the tokens of ``(N, L, D)``,
+            ``(2, 3)`` for the pixels of ``(N, C, H, W)``.
+        dtype: Cast saved tensors to this dtype (``torch.float16`` or ``"float16"`` halves the disk);
+            None keeps theirs.
+        max_rows: The most rows saved per output per stage run on each rank; None for all.
+        sample_ids: A function of the batch returning its samples' ids (``lambda batch: batch["id"]``,
+            one per sample), used instead of Lightning's batch indices and in every stage; None
+            takes the batch indices in ``predict`` and records no ids elsewhere.
+        model_version: A version string for the model (a checkpoint tag), kept in the manifest.
         embedding_samples: If positive and a ``TensorBoardLogger`` is attached, at the end of
-            each stage rank zero logs a uniform random sample of this many of its rows per layer
+            each stage rank zero logs a uniform random sample of this many of its rows per output
             (flattened to vectors) to the TensorBoard embedding projector.
 
     Raises:
-        TypeError: If ``dirpath`` is not a path, ``stages`` not a name or a list of names, or
-            ``flush_every_n_batches`` or ``embedding_samples`` not an int.
+        TypeError: If an argument has the wrong type.
         ValueError: If ``modules`` is None, ``dirpath`` is empty, ``stages`` is empty or holds an
-            unknown name, or ``flush_every_n_batches`` < 1 or ``embedding_samples`` < 0; in ``setup``, if a
-            pattern matches no module.
+            unknown name, ``flush_every_n_batches`` or ``max_rows`` < 1, ``embedding_samples`` < 0,
+            ``reduce`` is an unknown name or ``reduce_dim`` < 1; in ``setup``, if a pattern matches no module.
+        OSError: In ``setup``, if ``dirpath`` cannot be written ("read-only", "disk full"); while
+            writing, naming the shard that could not be written.
 
     Example::
 
-        extractor = FeatureExtractor(modules=["encoder.2", "head"], dirpath="features")
+        extractor = FeatureExtractor(["encoder.2", "head"], dirpath="features", reduce="mean")
         trainer = pl.Trainer(callbacks=[extractor])
         trainer.predict(model, dataloaders=loader)
-        embeddings = load_features("features", "encoder.2")  # (n_samples, ...)
+        embeddings, ids = load_features("features", "encoder.2", return_ids=True)
 
     """
 
@@ -102,153 +128,105 @@ class FeatureExtractor(HookCallback):
         dirpath: Union[str, os.PathLike],
         stages: Union[Stage, tuple[Stage, ...], list[Stage]] = ("validate", "predict"),
         flush_every_n_batches: int = 16,
+        reduce: Optional[Reduce] = None,
+        reduce_dim: Union[int, tuple[int, ...]] = 1,
+        dtype: Optional[Union[torch.dtype, str]] = None,
+        max_rows: Optional[int] = None,
+        sample_ids: Optional[Callable[[Any], Any]] = None,
+        model_version: Optional[str] = None,
         embedding_samples: int = 0,
     ) -> None:
         if modules is None:
             raise ValueError("`modules` is required: name the layers to save, e.g. modules='encoder.*'")
         check_path("dirpath", dirpath)
         chosen = check_names("stages", stages, _STAGES, what="stage")
-        for arg, value, low in (("flush_every_n_batches", flush_every_n_batches, 1),
-                                ("embedding_samples", embedding_samples, 0)):
-            check_int(arg, value, low=low)
-        super().__init__(modules)
-        self.dirpath = dirpath
-        self.stages = chosen
-        self.flush_every_n_batches = flush_every_n_batches
-        self.embedding_samples = embedding_samples
+        check_int("flush_every_n_batches", flush_every_n_batches, low=1)
+        check_int("embedding_samples", embedding_samples, low=0)
+        check_int("max_rows", max_rows, low=1, optional=True, none_means="no limit")
+        self._dims = check_reduce(reduce, reduce_dim)
+        cast = check_dtype(dtype)
+        check_ids_and_version(sample_ids, model_version)
+        selection, self._keyed = split_selection(modules)
+        super().__init__(selection)
+        self.dirpath, self.stages, self.flush_every_n_batches = dirpath, chosen, flush_every_n_batches
+        self.reduce, self.reduce_dim, self.dtype, self.max_rows = reduce, reduce_dim, cast, max_rows
+        self.sample_ids, self.model_version, self.embedding_samples = sample_ids, model_version, embedding_samples
         self._stage: Optional[str] = None
         self._writer: Optional[ShardWriter] = None
-        self._buffer: dict[str, list[Tensor]] = {}
-        self._shapes: dict[str, torch.Size] = {}
+        self._buffer = FeatureBuffer(max_rows)
+        self._indices: Optional[list[int]] = None
+        self._loader = 0
         self._warned: set[str] = set()
         self._async_copies = False
         self._embeddings: Optional[EmbeddingSample] = None
 
     @property
     def buffered_batches(self) -> int:
-        """The most outputs any layer holds on host now: one per buffered batch and call."""
-        return max((len(chunks) for chunks in self._buffer.values()), default=0)
-
-    def layer_dir(self, stage: str, layer: str) -> Path:
-        """Return the directory holding the shards of ``layer`` for ``stage``."""
-        return layer_dir(self.dirpath, stage, layer)
+        """The most outputs any saved output holds on host now: one per buffered batch and call."""
+        return self._buffer.batches
 
     def _register(self, index: int, name: str, module: nn.Module) -> list[RemovableHandle]:
         return [module.register_forward_hook(self._guard(name, self._make_hook(name)))]
 
-    def _make_hook(self, name: str) -> Any:
+    def _make_hook(self, module_name: str) -> Any:
+        globs = key_filter(module_name, self._keyed)
+
         def save_output(module: nn.Module, args: Any, output: Any) -> None:
             if in_backward():  # gradient checkpointing recomputing an output already saved
                 return
-            tensor = self._as_tensor(name, output)
-            expected = self._shapes.setdefault(name, tensor.shape[1:])
-            if tensor.shape[1:] != expected:
-                raise ValueError(
-                    f"its output shape {tuple(tensor.shape)} differs past dim 0 from earlier batches'"
-                    f" (N, {', '.join(map(str, expected))}), so the outputs cannot be concatenated"
-                )
-            self._async_copies |= tensor.is_cuda
-            copy = tensor.detach().to("cpu", non_blocking=tensor.is_cuda, copy=True)
-            self._buffer.setdefault(name, []).append(copy)
+            found = named_tensors(output)
+            if not found:
+                raise TypeError(f"it returned {type(output).__name__}, with no tensor that has a batch dim")
+            for path, tensor in found:
+                name = output_name(module_name, path)
+                if wanted(name, globs) and not self._buffer.full(name) and self._is_batch(name, tensor):
+                    self._keep(name, tensor)
 
         return save_output
 
-    def _as_tensor(self, name: str, output: Any) -> Tensor:
-        tensor = _first_tensor(output)
-        if tensor is None or tensor.dim() == 0:
-            raise TypeError(f"it returned {type(output).__name__}, with no tensor that has a batch dim")
-        if not isinstance(output, Tensor) and name not in self._warned:
+    def _is_batch(self, name: str, tensor: Tensor) -> bool:
+        """Whether ``tensor``'s dim 0 is the batch's samples (always, where the batch size is unknown)."""
+        if self._indices is None or tensor.shape[0] == len(self._indices):
+            return True
+        self._warn_once(name, f"FeatureExtractor: {name!r} has {tensor.shape[0]} rows for a batch of"
+                              f" {len(self._indices)} samples (its dim 0 is not the batch), so it is not saved.")
+        return False
+
+    @torch.no_grad()
+    def _keep(self, name: str, tensor: Tensor) -> None:
+        tensor = pool(tensor.detach(), self.reduce, self._dims)
+        if self.dtype is not None:
+            tensor = tensor.to(self.dtype)
+        self._async_copies |= tensor.is_cuda
+        self._buffer.add(name, tensor.to("cpu", non_blocking=tensor.is_cuda, copy=True))
+
+    def _warn_once(self, name: str, message: str) -> None:
+        if name not in self._warned:
             self._warned.add(name)
-            rank_zero_warn(
-                f"FeatureExtractor: module {name!r} returns a {type(output).__name__}; saving its"
-                f" first tensor, of shape {tuple(tensor.shape)}."
-            )
-        return tensor
+            rank_zero_warn(message)
 
-    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        """Attach nothing yet: hooks go on at the start of each enabled stage."""
-
-    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        """Start extracting training batches, if ``"train"`` is enabled."""
-        self._begin(trainer, pl_module, "train")
-
-    def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        """Start extracting, if this is ``trainer.validate`` and ``"validate"`` is enabled."""
-        self._begin(trainer, pl_module, "validate")
-
-    def on_test_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        """Start extracting, if ``"test"`` is enabled."""
-        self._begin(trainer, pl_module, "test")
-
-    def on_predict_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        """Start extracting, if ``"predict"`` is enabled."""
-        self._begin(trainer, pl_module, "predict")
-
-    def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
-        """Open the hooks for this batch."""
-        self._batch_start(trainer, "train")
-
-    def on_validation_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
-        """Open the hooks for this batch."""
-        self._batch_start(trainer, "validate")
-
-    def on_test_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
-        """Open the hooks for this batch."""
-        self._batch_start(trainer, "test")
-
-    def on_predict_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
-        """Open the hooks for this batch."""
-        self._batch_start(trainer, "predict")
-
-    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
-        """Close the hooks; write a shard every ``flush_every_n_batches`` batches."""
-        self._batch_end("train")
-
-    def on_validation_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
-        """Close the hooks; write a shard every ``flush_every_n_batches`` batches."""
-        self._batch_end("validate")
-
-    def on_test_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
-        """Close the hooks; write a shard every ``flush_every_n_batches`` batches."""
-        self._batch_end("test")
-
-    def on_predict_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
-        """Close the hooks; write a shard every ``flush_every_n_batches`` batches."""
-        self._batch_end("predict")
-
-    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        """Write the last shard and remove the hooks."""
-        self._finish(trainer, "train")
-
-    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        """Write the last shard and remove the hooks."""
-        self._finish(trainer, "validate")
-
-    def on_test_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        """Write the last shard and remove the hooks."""
-        self._finish(trainer, "test")
-
-    def on_predict_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        """Write the last shard and remove the hooks."""
-        self._finish(trainer, "predict")
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        """Resolve the selection and, if this run extracts, check ``dirpath`` can be written: before any batch."""
+        super().setup(trainer, pl_module, stage)
+        if any(_TRAINER_FN.get(s, s) == trainer.state.fn for s in self.stages):
+            check_writable(self.dirpath)
 
     def on_exception(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
     ) -> None:
-        """Remove the hooks and drop what is buffered."""
+        """Remove the hooks and drop what is buffered (the set stays without a manifest: incomplete)."""
         super().on_exception(trainer, pl_module, exception)
         self._stage, self._collecting = None, False
-        self._buffer.clear()
+        self._buffer = FeatureBuffer(self.max_rows)
 
     def _begin(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage not in self.stages or trainer.state.fn != _TRAINER_FN.get(stage, stage):
             return
-        self._stage = stage
-        self._buffer.clear()
-        self._shapes.clear()
+        self._stage, self._loader, self._indices = stage, 0, None
+        self._buffer = FeatureBuffer(self.max_rows)
         self._embeddings = self._embedding_sample(trainer)
         self.attach(pl_module)
-        self._writer = ShardWriter(self.dirpath, stage, self.module_names, trainer.global_rank, trainer.world_size)
+        self._writer = ShardWriter(self.dirpath, stage, trainer.global_rank, trainer.world_size)
 
     def _embedding_sample(self, trainer: pl.Trainer) -> Optional[EmbeddingSample]:
         if not self.embedding_samples or not trainer.is_global_zero:
@@ -259,20 +237,38 @@ class FeatureExtractor(HookCallback):
             return None
         return EmbeddingSample(found, self.embedding_samples)
 
-    def _batch_start(self, trainer: pl.Trainer, stage: str) -> None:
+    def _batch_start(self, trainer: pl.Trainer, stage: str, batch: Any, batch_idx: int, dataloader_idx: int) -> None:
         self._collecting = self._stage == stage and not trainer.sanity_checking
+        if not self._collecting:
+            return
+        if dataloader_idx != self._loader:  # a shard holds one dataloader's rows
+            self._flush()
+            self._loader = dataloader_idx
+        if self.sample_ids is not None:
+            self._indices = [int(i) for i in torch.as_tensor(self.sample_ids(batch)).reshape(-1).tolist()]
+        else:
+            self._indices = batch_indices(trainer, batch_idx, dataloader_idx) if stage == "predict" else None
 
     def _batch_end(self, stage: str) -> None:
         if self._stage != stage:
             return
         self._collecting = False
-        if self.buffered_batches >= self.flush_every_n_batches:
+        for name in self._buffer.end_batch(self._indices):
+            self._warn_once(name, f"FeatureExtractor: {name!r} got a row count other than the batch's (its"
+                                  " module runs several times per batch?): its rows carry no sample ids.")
+        if self._buffer.batches >= self.flush_every_n_batches:
             self._flush()
 
-    def _finish(self, trainer: pl.Trainer, stage: str) -> None:
+    def _finish(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if self._stage != stage:
             return
         self._flush()
+        assert self._writer is not None  # made by `_begin`, which set `self._stage` to `stage`
+        self._writer.finish()
+        if trainer.world_size > 1:
+            trainer.strategy.barrier("lightning_hooks.features")
+        if trainer.is_global_zero:
+            write_manifest(self.dirpath, stage, trainer.world_size, self._describe(trainer, pl_module))
         if self._embeddings is not None:
             self._embeddings.log(stage, log_step(trainer))
         self.detach()
@@ -282,20 +278,18 @@ class FeatureExtractor(HookCallback):
         if self._async_copies:  # the device-to-host copies must land before the host reads them
             torch.cuda.synchronize()
             self._async_copies = False
-        assert self._writer is not None  # made by `_begin`, which set `self._stage` to `stage`
-        written = self._writer.write(self._buffer)
+        assert self._writer is not None
+        features, ids = self._buffer.take()
+        if not features:
+            return
+        self._writer.write(features, ids, self._loader)
         if self._embeddings is not None:
-            for layer, features in written.items():
-                self._embeddings.add(layer, features)
-        self._buffer.clear()
+            for name, rows in features.items():
+                self._embeddings.add(name, rows)
 
-
-def _first_tensor(output: Any) -> Optional[Tensor]:
-    """Return ``output`` if it is a tensor, else the first tensor inside it, depth first."""
-    if isinstance(output, Tensor):
-        return output
-    if isinstance(output, dict):
-        output = list(output.values())
-    if not isinstance(output, (tuple, list)):
-        return None
-    return next((t for t in map(_first_tensor, output) if t is not None), None)
+    def _describe(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, Any]:
+        """What the manifest says of the run besides the shards: what was watched, how, by which model."""
+        settings = {"reduce": getattr(self.reduce, "__name__", self.reduce), "reduce_dim": self._dims,
+                    "dtype": None if self.dtype is None else str(self.dtype), "max_rows": self.max_rows}
+        return {"watched": self.module_names, "settings": settings,
+                "model": model_record(pl_module, trainer.ckpt_path, self.model_version)}
