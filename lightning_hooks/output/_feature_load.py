@@ -9,10 +9,9 @@ from typing import Any, Optional, Union
 import torch
 from torch import Tensor
 
-from lightning_hooks.core._deprecation import renamed_value
 from lightning_hooks.core.selection import close_matches
 from lightning_hooks.output._feature_reader import StageIndex, iter_shards, read_index
-from lightning_hooks.output._feature_store import RENAMED_STAGES, Stage, stage_dir
+from lightning_hooks.output._feature_store import Stage, stage_dir
 
 #: Keys of (dataloader, sample id) pairs: dataloader * _LOADER + id.
 _LOADER = 2**40
@@ -114,7 +113,6 @@ def load_features(
         features, ids = load_features("features", "encoder.2", return_ids=True)
 
     """
-    stage = renamed_value("load_features", "stage", stage, RENAMED_STAGES, depth=2)
     index = read_index(dirpath, stage, allow_partial, verify)
     parts = list(iter_shards(index, layer, rank, dataloader_idx, mmap))
     if not parts:
@@ -148,7 +146,6 @@ def iter_features(
         total = sum(rows.double().sum(0) for rows, _ in iter_features("features", "encoder.2"))
 
     """
-    stage = renamed_value("iter_features", "stage", stage, RENAMED_STAGES, depth=2)
     index = read_index(dirpath, stage, allow_partial, verify)
     if not any(s.rows.get(layer) and (rank is None or s.rank == rank) for s in index.shards):
         raise FileNotFoundError(_not_saved_message(index, dirpath, stage, layer, rank))
