@@ -44,6 +44,9 @@ class GradientCheck(HookCallback):
     provenance and writes reports. Subclasses act on the result in :meth:`_handle`.
     """
 
+    # Provenance watches every step: its hooks stay on for the whole fit.
+    _hooks_follow_gate = False
+
     max_norm = DeprecatedAttribute("max_norm", "norm_threshold")
     save_dir = DeprecatedAttribute("save_dir", "dirpath")
 

@@ -101,6 +101,9 @@ class FeatureExtractor(HookCallback):
 
     """
 
+    # Its hooks are on for its stage only, and collect at every batch of it.
+    _hooks_follow_gate = False
+
     @deprecated_arguments("FeatureExtractor", old_order=(
         "modules", "dirpath", "stages", "flush_every_n_batches", "embedding_samples"), positional=1)
     def __init__(

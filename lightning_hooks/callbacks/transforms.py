@@ -123,6 +123,9 @@ class GradientTransform(HookCallback):
 
     """
 
+    # Its hooks change every step's gradients.
+    _hooks_follow_gate = False
+
     @deprecated_arguments("GradientTransform", old_order=("scale", "reverse", "clip_value", "clip_norm"))
     def __init__(
         self,
