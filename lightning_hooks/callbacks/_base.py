@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable, Sequence
-from typing import Any, Optional
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any, NamedTuple, Optional
 from weakref import WeakKeyDictionary
 
 import lightning.pytorch as pl
@@ -51,10 +52,42 @@ def log_step(trainer: pl.Trainer) -> int:
     ``self.log``, ``LearningRateMonitor`` and ``DeviceStatsMonitor`` write at): it counts each
     batch that ends an optimizer step once (``accumulate_grad_batches`` batches count once,
     several optimizers in one batch count once) and goes up only after ``on_train_batch_end``.
-    ``trainer.global_step`` where the loop has no such count.
+    ``trainer.global_step`` where the loop has no such count. While a step's check is acted on
+    a step late (:func:`acting_late`), that step's.
     """
+    late = _LATE.get(trainer)
+    if late is not None:
+        return late.log_step
     loop = getattr(getattr(trainer, "fit_loop", None), "epoch_loop", None)
     return int(getattr(loop, "_batches_that_stepped", trainer.global_step))
+
+
+class Moment(NamedTuple):
+    """Where training was when a step was measured: what its late reader logs and reports it at."""
+
+    log_step: int
+    global_step: int
+    epoch: int
+
+
+# Per Trainer: the step whose check is acted on now, a step late (see `acting_late`).
+_LATE: WeakKeyDictionary[Any, Moment] = WeakKeyDictionary()
+
+
+def moment(trainer: pl.Trainer) -> Moment:
+    """The step running now (or the one acted on late): its log step, global step and epoch."""
+    late = _LATE.get(trainer)
+    return late if late is not None else Moment(log_step(trainer), trainer.global_step, trainer.current_epoch)
+
+
+@contextmanager
+def acting_late(trainer: pl.Trainer, at: Moment) -> Iterator[None]:
+    """Within it, :func:`log_step` and :func:`moment` give the step ``at``: a check read a step late logs there."""
+    _LATE[trainer] = at
+    try:
+        yield
+    finally:
+        _LATE.pop(trainer, None)
 
 
 def _is_logged_step(step: int, every: int) -> bool:

@@ -272,6 +272,10 @@ class GradientMonitor(GradientCheck):
         flags = bool(self._detector.enabled_flags)
         return flags or self.provenance or (self._written and is_logged(trainer, self._every))
 
+    def _may_wait(self, trainer: pl.Trainer) -> bool:
+        """A step not logged: its flags (and a report) can come a step late; a logged step's figures are read now."""
+        return super()._may_wait(trainer) and not is_logged(trainer, self._every)
+
     def _extra(self, trainer: pl.Trainer, step: Step) -> dict[str, Tensor]:
         """Row norms, and the rows' stats and histograms, on logged steps."""
         self._logged = is_logged(trainer, self._every) and bool(step.params) and self._written
