@@ -19,7 +19,7 @@ from lightning.pytorch.loggers import CSVLogger
 from lightning_hooks import GradientAnomalyError, GradientAnomalyStopping, GradientMonitor
 from lightning_hooks.distributed import _rank_agreement
 from tests.grad_helpers import GradNet
-from tests.helpers import csv_metrics, loader, trainer
+from tests.helpers import csv_metrics, loader, run_ddp, trainer
 
 
 class Transfers(L.Callback):
@@ -118,3 +118,12 @@ def test_gradient_monitor_logs_late_flags_at_their_own_step(tmp_path, monkeypatc
     late = flags(tmp_path / "late")
     assert late[0] == 0.0 and 1 not in late and late[2] == 1.0  # no logger call on a quiet step
     assert late == flags(tmp_path / "now", provenance=True)  # provenance reads every step at once
+
+
+@pytest.mark.slow
+def test_ddp_both_ranks_read_late_and_stop_together(tmp_path):
+    ranks = run_ddp("_ddp_late.py", tmp_path, timeout=90)
+    for rank in ranks:  # step 0 is logged by the monitor: read at once; the NaN of rank 1 at step 3 stops both
+        assert rank["reads"] == [[0, 0], [1, 2], [2, 3], [3, 4], [4, "end"]]
+        assert (rank["global_step"], rank["report_step"], rank["dropped_steps"]) == (5, 3, 1)
+    assert ranks[0] == ranks[1]

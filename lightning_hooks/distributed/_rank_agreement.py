@@ -45,8 +45,9 @@ class HostTransfer:
     """
 
     def __init__(self, parts: Mapping[str, Tensor], device: torch.device) -> None:
-        self._flat = [(name, parts[name].reshape(-1).to(device, torch.float64)) for name in parts]
-        joined = torch.cat([t for _, t in self._flat]) if self._flat else torch.zeros(0, dtype=torch.float64)
+        flat = [parts[name].reshape(-1).to(device, torch.float64) for name in parts]
+        self._sizes = [(name, t.numel()) for name, t in zip(parts, flat)]
+        joined = torch.cat(flat) if flat else torch.zeros(0, dtype=torch.float64)
         self._ready: Optional[torch.cuda.Event] = None
         if joined.is_cuda:
             self._host = torch.empty(joined.shape, dtype=joined.dtype, pin_memory=True)
@@ -65,10 +66,10 @@ class HostTransfer:
             self._ready.synchronize()
         host = self._host.cpu().numpy()
         out, start = {}, 0
-        for name, part in self._flat:
-            piece = host[start : start + part.numel()]
+        for name, size in self._sizes:
+            piece = host[start : start + size]
             out[name] = piece if name in arrays else piece.tolist()
-            start += part.numel()
+            start += size
         return out
 
 
