@@ -127,3 +127,25 @@ def test_ddp_both_ranks_read_late_and_stop_together(tmp_path):
         assert rank["reads"] == [[0, 0], [1, 2], [2, 3], [3, 4], [4, "end"]]
         assert (rank["global_step"], rank["report_step"], rank["dropped_steps"]) == (5, 3, 1)
     assert ranks[0] == ranks[1]
+
+
+class NoSyncStopper(GradientAnomalyStopping):
+    """Its step check runs with any synchronizing CUDA call raising, from the second step on."""
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        if trainer.global_step == 0:  # the first: nothing pending yet, and the first allocations
+            return super().on_before_optimizer_step(trainer, pl_module, optimizer)
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            super().on_before_optimizer_step(trainer, pl_module, optimizer)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_a_gpu_a_clean_step_checked_late_never_synchronizes(tmp_path):
+    stopper = NoSyncStopper(action="warn", prog_bar=False)
+    torch.manual_seed(0)
+    fit = trainer(tmp_path, [stopper], logger=False, max_steps=6, accelerator="gpu", devices=1)
+    fit.fit(GradNet(), loader())
+    assert fit.global_step == 6 and stopper.anomalous_steps == 0

@@ -42,6 +42,10 @@ class HostTransfer:
     read one step later has long landed. On the CPU there is nothing to copy; on another
     accelerator the copy is made when read. The one place where a step's transfer is packed and
     unpacked, so that no reader counts positions in a flat list.
+
+    Args:
+        parts: The tensors to bring, by name (any shape; each is read back flat, as float64).
+        device: Where they are put together before the copy: the step's device.
     """
 
     def __init__(self, parts: Mapping[str, Tensor], device: torch.device) -> None:
@@ -53,7 +57,7 @@ class HostTransfer:
             self._host = torch.empty(joined.shape, dtype=joined.dtype, pin_memory=True)
             self._host.copy_(joined, non_blocking=True)
             self._ready = torch.cuda.Event()
-            self._ready.record()
+            self._ready.record(torch.cuda.current_stream(joined.device))
         else:
             self._host = joined
 
