@@ -150,3 +150,16 @@ def test_a_compiled_module_is_seen_wherever_it_is():
     inner = nn.Sequential(nn.Linear(2, 2))
     inner.compile(backend="eager")
     assert is_compiled(nn.Sequential(nn.Linear(2, 2), inner))
+
+
+def test_on_a_compiled_model_the_hooks_stay_for_the_whole_fit(tmp_path):
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = TinyNet()
+    model.net = torch.compile(model.net, backend="eager")
+    counter = HookCounter()
+    monitor = ActivationMonitor(log_every_n_steps=3, histogram=False, stats=["count"])
+    trainer(tmp_path, [monitor, counter], logger=CSVLogger(tmp_path), max_steps=4).fit(model, loader(64, 8))
+    assert counter.train == [3] * 4  # a graph compiled without them would never run hooks added later
+    assert {step for tag, step in metrics(str(tmp_path)) if tag == "activations/net.0/count"} == {0, 2}
+    assert forward_hook_count(model) == 0
