@@ -149,3 +149,28 @@ def test_on_a_gpu_a_clean_step_checked_late_never_synchronizes(tmp_path):
     fit = trainer(tmp_path, [stopper], logger=False, max_steps=6, accelerator="gpu", devices=1)
     fit.fit(GradNet(), loader())
     assert fit.global_step == 6 and stopper.anomalous_steps == 0
+
+
+class Params(L.Callback):
+    """The parameters at the start of each training batch."""
+
+    def __init__(self) -> None:
+        self.at: dict[int, list[torch.Tensor]] = {}
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self.at[trainer.global_step] = [p.detach().clone() for p in pl_module.parameters()]
+
+
+def test_a_late_stop_drops_the_next_update_though_that_step_is_read_at_once(tmp_path, monkeypatch):
+    # Step 3 is logged by the monitor, so it is read before its update, right after step 2 is read late.
+    params = Params()
+    stopper = GradientAnomalyStopping(action="stop", prog_bar=False, norm_threshold=1e3)
+    monitor = GradientMonitor(log_every_n_steps=4, histogram=False, prog_bar=False)
+    fit, transfers = run(tmp_path, monkeypatch, [params, stopper, monitor], lambda: GradNet(lr=1e-4, spike_steps=(2,)),
+                         steps=20, logger=CSVLogger(tmp_path))
+    assert transfers.reads == [(0, 0), (1, 2), (2, 3), (3, 3)]
+    assert stopper.last_report.step == 2 and stopper.anomalous_steps == 1 and fit.global_step == 4
+    assert not all(torch.equal(a, b) for a, b in zip(params.at[2], params.at[3]))  # step 2's update applied
+    assert stopper.dropped_steps == 1
+    after = [p.detach() for p in fit.lightning_module.parameters()]
+    assert all(torch.equal(a, b) for a, b in zip(params.at[3], after))  # step 3's update dropped

@@ -184,6 +184,7 @@ class GradientAnomalyStopping(GradientCheck):
         self._dropper = UpdateDrop()
         self._streak_before = 0  # the streak before the current step
         self._settled = False  # the current step is counted anomalous: its later evaluations change nothing
+        self._decided_for: Optional[tuple[int, int]] = None  # the optimizer step whose update decisions are made
         self.spikes, self.flight_recorder, self.watch_after = spikes, flight_recorder, watch_after
         self._watch = SpikeWatch(spikes, flight_recorder)
         self._flags: tuple[str, ...] = ()
@@ -240,6 +241,7 @@ class GradientAnomalyStopping(GradientCheck):
     def detach(self) -> None:
         """Remove the hooks; free the rollback snapshot."""
         super().detach()
+        self._decided_for = None
         self._watch.clear()
         self._dropper.release()
         if self._rollback is not None:
@@ -250,7 +252,10 @@ class GradientAnomalyStopping(GradientCheck):
         """Count the step at its first evaluation, or at a later one that finds it anomalous (LBFGS)."""
         check = self._watch.conclude(trainer, step, check)
         self._flags = tuple(name for name, on in check.flags.items() if on)
-        self._dropper.new_evaluation(first=self._evaluation == 1)
+        step_now = (id(optimizer), trainer.global_step)
+        if self._evaluation != 1 or self._decided_for != step_now:  # not right after a late read decided for it
+            self._dropper.new_evaluation(first=self._evaluation == 1)
+        self._decided_for = step_now
         if self._evaluation == 1:
             self._streak_before, self._settled = self.streak, False
         else:
