@@ -146,6 +146,12 @@ class EmptyForwardHooks(Callback):
             handle.remove()
 
 
+class KeptActivationMonitor(ActivationMonitor):
+    """ActivationMonitor with its hooks registered for the whole fit, gated by a flag alone (as before #35)."""
+
+    _hooks_follow_gate = False
+
+
 def configs() -> dict[str, Config]:
     """Plain training, the Quick start's three callbacks (never and always logged), and each monitor alone."""
 
@@ -154,11 +160,23 @@ def configs() -> dict[str, Config]:
                             GradientMonitor(log_every_n_steps=every, max_rows=None),
                             GradientAnomalyStopping(action="skip")]
 
+    def kept_quick_start(tmp: str) -> list[Callback]:
+        return [KeptActivationMonitor(log_every_n_steps=NEVER, max_rows=None),
+                GradientMonitor(log_every_n_steps=NEVER, max_rows=None), GradientAnomalyStopping(action="skip")]
+
     always = lambda step: True  # noqa: E731
     return {c.name: c for c in [
         Config("none", "no callbacks (baseline)", lambda tmp: []),
         Config("quick start, not logged", "ActivationMonitor + GradientMonitor + GradientAnomalyStopping(skip)",
                quick_start(NEVER)),
+        Config("quick start, not logged, hooks kept", "the same with ActivationMonitor's hooks registered for the"
+               " whole fit (before #35)", kept_quick_start),
+        Config("ActivationMonitor, not logged, hooks kept", "ActivationMonitor alone, its hooks registered for the"
+               " whole fit (before #35)", lambda tmp: [KeptActivationMonitor(log_every_n_steps=NEVER, max_rows=None)]),
+        Config("quick start (warn), not logged", "the three with GradientAnomalyStopping(action='warn'): its check"
+               " read a step late", lambda tmp: [ActivationMonitor(log_every_n_steps=NEVER, max_rows=None),
+                                                 GradientMonitor(log_every_n_steps=NEVER, max_rows=None),
+                                                 GradientAnomalyStopping(action="warn")]),
         Config("empty forward hooks", "a no-op forward hook per module: PyTorch's own hook dispatch",
                lambda tmp: [EmptyForwardHooks()]),
         Config("ActivationMonitor, not logged", "ActivationMonitor alone on steps it does not log",

@@ -130,7 +130,10 @@ def held_out(model: Decoder) -> float:
 def main(log_dir: str = "runs/spike_flight_recorder") -> None:
     quiet_lightning()
     clean, _ = train(log_dir, "clean", broken=False, callbacks=[])
-    watcher = GradientAnomalyStopping(action="warn", spikes=TRIGGER, flight_recorder=64, prog_bar=False)
+    # act_late=False: each step's flags read before its update, so `last_flags` at a batch's end are its own
+    # (and the step at which SpikeDetection raises is read too).
+    watcher = GradientAnomalyStopping(action="warn", spikes=TRIGGER, flight_recorder=64, prog_bar=False,
+                                      act_late=False)
     seen: dict[str, list[int]] = {}
     watcher_flags = _StepFlags(watcher, seen)
     _, lightning_step = train(log_dir, "watch", broken=True, callbacks=[

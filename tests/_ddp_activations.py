@@ -24,7 +24,7 @@ class RecordLocal(L.Callback):
         self.hooks_during = -1
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        self.hooks_during = forward_hook_count(pl_module)
+        self.hooks_during = max(self.hooks_during, forward_hook_count(pl_module))  # on at logged steps only
         if trainer.global_step == 0:
             torch.save(batch[0], os.path.join(self.out_dir, f"batch0-rank{trainer.global_rank}.pt"))
 

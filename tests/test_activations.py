@@ -115,10 +115,10 @@ class _HookCounter(L.Callback):
 def test_hooks_removed_after_fit_and_never_doubled_by_a_second_fit(tmp_path):
     model = TinyNet()
     model.net[0].register_forward_hook(lambda *args: None)  # the user's own hook
-    monitor, counter = ActivationMonitor(log_every_n_steps=1), _HookCounter()
-    trainer(tmp_path, [monitor, counter], logger=False).fit(model, loader())
+    monitor, counter = ActivationMonitor(log_every_n_steps=1, histogram=False), _HookCounter()
+    trainer(tmp_path, [monitor, counter], logger=CSVLogger(tmp_path)).fit(model, loader())
     assert forward_hook_count(model) == 1
-    trainer(tmp_path, [monitor, counter], logger=False, max_steps=3).fit(model, loader())
+    trainer(tmp_path, [monitor, counter], logger=CSVLogger(tmp_path), max_steps=3).fit(model, loader())
     assert forward_hook_count(model) == 1
     assert set(counter.during) == {1 + 3}  # the user's hook plus one per module, in both fits
     assert not monitor.is_attached

@@ -106,7 +106,7 @@ class NanAt2(Decoder):
 
 
 def test_the_anomaly_report_carries_the_diagnosis_so_far(tmp_path):
-    stopper = GradientAnomalyStopping(action="raise")
+    stopper = GradientAnomalyStopping(action="raise", act_late=False)  # raised at step 2, before its figures
     stability = TransformerStability(log_every_n_steps=1, max_attention_logit=0.01)
     with pytest.raises(GradientAnomalyError) as info:
         trainer(tmp_path, [stability, stopper], logger=False, max_steps=5).fit(NanAt2(SdpaAttention),

@@ -34,7 +34,11 @@ def quick_start(every: int) -> list[Any]:
 
 @pytest.mark.parametrize("names", [("GradientMonitor",), ("GradientMonitor", "GradientAnomalyStopping")])
 def test_the_step_is_read_once_with_one_host_transfer(tmp_path: Path, names: tuple[str, ...]) -> None:
-    """Non-logged steps: one transfer in all, whichever callback it is charged to."""
+    """One transfer per step in all, whichever callback it is charged to.
+
+    GradientMonitor alone reads a step not logged a step late (the transfer counts where it is
+    read); with GradientAnomalyStopping(action="skip") every step is read before its update.
+    """
     def callbacks(tmp: str) -> list[Any]:
         return [c for c in quick_start(4) if type(c).__name__ in (*names, "ActivationMonitor")]
 
@@ -42,9 +46,11 @@ def test_the_step_is_read_once_with_one_host_transfer(tmp_path: Path, names: tup
     config = Config("quick", "quick start", callbacks, logged=lambda step: step == 0 or (step + 1) % 4 == 0)
     counts = count_transfers(workload, config, 8, str(tmp_path), "v", owners={"lightning_hooks": None})
     per_step = {when: sum(c[when] or 0 for c in counts["per_callback"].values()) for when in ("non_logged", "logged")}
-    assert per_step["non_logged"] == 1
-    # A logged step adds ActivationMonitor's one transfer, and GradientMonitor's rows join the check's.
-    assert per_step["logged"] == 2
+    # 8 steps (3 logged: 0, 3, 7): a transfer each, and ActivationMonitor's one at each logged step
+    # (GradientMonitor's rows join the check's); the last step's read a step late at the end of training.
+    assert per_step["non_logged"] * 5 + per_step["logged"] * 3 == pytest.approx(8 + 3)
+    if "GradientAnomalyStopping" in names:  # read before each update
+        assert (per_step["non_logged"], per_step["logged"]) == (1, 2)
 
 
 def _run(tmp_path: Path, callbacks: list[Any]) -> tuple[Any, dict[int, dict[str, str]]]:

@@ -181,8 +181,8 @@ def test_the_grad_norm_fires_before_the_loss_and_the_record_names_the_layer_that
 
 def test_spikes_add_no_host_transfer_and_the_loss_is_the_mean_over_accumulated_batches(tmp_path, monkeypatch):
     transfers: list[int] = []
-    original = _rank_agreement.to_host
-    monkeypatch.setattr(_rank_agreement, "to_host", lambda *a, **k: transfers.append(1) or original(*a, **k))
+    original = _rank_agreement.HostTransfer.read
+    monkeypatch.setattr(_rank_agreement.HostTransfer, "read", lambda *a, **k: transfers.append(1) or original(*a, **k))
     stopper = GradientAnomalyStopping(action="warn", spikes=TRIGGER, flight_recorder=4, prog_bar=False)
     model = fit(tmp_path, LossNet, stopper, steps=10, accumulate_grad_batches=2)
     assert len(transfers) == 10  # one per optimizer step, as without spikes

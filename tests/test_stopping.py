@@ -75,7 +75,7 @@ def test_arguments_of_the_wrong_type_fail_at_construction(kwargs, match):
 def test_an_exploding_run_stops_patience_steps_after_the_first_bad_gradient(tmp_path, patience):
     torch.manual_seed(0)
     recorder = GradRecorder()
-    stopper = GradientAnomalyStopping(patience=patience, norm_threshold=1e3)
+    stopper = GradientAnomalyStopping(patience=patience, norm_threshold=1e3, act_late=False)
     model = GradNet(lr=0.5, act=nn.Identity)
     fit = trainer(tmp_path, [recorder, stopper], logger=False, max_steps=50)
     fit.fit(model, loader())
@@ -174,11 +174,11 @@ def test_the_reports_can_be_silenced_where_a_user_routes_logging(tmp_path, caplo
 
 def test_a_relative_spike_and_a_vanishing_norm_are_caught(tmp_path):
     torch.manual_seed(0)
-    spike = GradientAnomalyStopping(relative_threshold=20.0, window=3)
+    spike = GradientAnomalyStopping(relative_threshold=20.0, window=3, act_late=False)
     fit = trainer(tmp_path, [spike], logger=False, max_steps=20)
     fit.fit(GradNet(spike_steps=(5,)), loader())
     assert fit.global_step == 6 and spike.last_report.flags == ("exploding",)
-    vanish = GradientAnomalyStopping(check_finite=False, min_norm=1e3)
+    vanish = GradientAnomalyStopping(check_finite=False, min_norm=1e3, act_late=False)
     fit = trainer(tmp_path, [vanish], logger=False, max_steps=20)
     fit.fit(GradNet(), loader())
     assert fit.global_step == 1 and vanish.last_report.flags == ("vanishing",)
@@ -247,13 +247,13 @@ def test_an_amp_overflow_between_two_anomalous_steps_leaves_the_streak_as_it_was
 
 def test_stop_works_beside_early_stopping_and_waits_for_min_steps(tmp_path):
     torch.manual_seed(0)
-    stopper = GradientAnomalyStopping()
+    stopper = GradientAnomalyStopping(act_late=False)
     early = EarlyStopping(monitor="val_loss", patience=100)
     fit = trainer(tmp_path, [stopper, early], logger=False, max_steps=20, limit_val_batches=2)
     fit.fit(GradNet(nan_steps=(3,)), loader(), loader(n=16))
     assert fit.global_step == 4 and math.isfinite(fit.callback_metrics["val_loss"])
     # Lightning trains on until min_steps (and, with min_steps, min_epochs=1: 8 steps here).
-    stopper = GradientAnomalyStopping()
+    stopper = GradientAnomalyStopping(act_late=False)
     fit = trainer(tmp_path, [stopper], logger=False, max_steps=20, min_steps=10)
     fit.fit(GradNet(nan_steps=(3,)), loader())
     assert fit.global_step == 10 and stopper.dropped_steps == 1
@@ -261,7 +261,7 @@ def test_stop_works_beside_early_stopping_and_waits_for_min_steps(tmp_path):
 
 def test_with_check_finite_off_a_nan_gradient_counts_as_exploding(tmp_path):
     torch.manual_seed(0)
-    stopper = GradientAnomalyStopping(check_finite=False, norm_threshold=1e6)
+    stopper = GradientAnomalyStopping(check_finite=False, norm_threshold=1e6, act_late=False)
     fit = trainer(tmp_path, [stopper], logger=False, max_steps=20)
     model = GradNet(nan_steps=(2,))
     fit.fit(model, loader())
@@ -271,7 +271,7 @@ def test_with_check_finite_off_a_nan_gradient_counts_as_exploding(tmp_path):
 
 def test_a_finite_gradient_whose_norm_overflows_is_not_taken_for_a_nonfinite_one(tmp_path):
     torch.manual_seed(0)
-    stopper = GradientAnomalyStopping()  # NaN and Inf only
+    stopper = GradientAnomalyStopping(act_late=False)  # NaN and Inf only: measured again before the update
     fit = trainer(tmp_path, [stopper], logger=False, max_steps=20)
     fit.fit(GradNet(spike_steps=(3,)), loader())  # step 6: norms overflow, values up to 1.5e26; step 7: NaN
     assert fit.global_step == 8 and stopper.last_report.step == 7
@@ -303,7 +303,7 @@ def test_the_progress_bar_keeps_the_streak_though_it_is_logged_only_when_it_chan
         original(self, name, value, *args, **kwargs)
 
     monkeypatch.setattr(L.LightningModule, "log", spy)
-    stopper = GradientAnomalyStopping(action="warn", patience=10)
+    stopper = GradientAnomalyStopping(action="warn", patience=10, act_late=False)
     bar = progress_bar(kind)
     fit = trainer(tmp_path, [stopper, bar], logger=False, max_steps=6, enable_progress_bar=True)
     fit.fit(GradNet(nan_steps=(4,)), loader())  # the NaN poisons the weights: steps 4 and 5

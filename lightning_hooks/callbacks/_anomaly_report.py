@@ -19,7 +19,7 @@ import torch
 from lightning.fabric.utilities.apply_func import move_data_to_device
 from torch import Tensor
 
-from lightning_hooks.callbacks._base import log_step
+from lightning_hooks.callbacks._base import log_step, moment
 from lightning_hooks.callbacks._diagnosis_source import diagnosis_so_far
 from lightning_hooks.callbacks._flight_recorder import FlightRecord
 from lightning_hooks.measure._provenance import NEVER, Located
@@ -152,7 +152,7 @@ def report_step(
     micro = located.micro_batch if located and located.micro_batch is not None else -1
     batch_idx, batch = micro_batches[micro] if micro_batches else (None, None)
     report = AnomalyReport(
-        step=trainer.global_step, epoch=trainer.current_epoch, batch_idx=batch_idx,
+        step=moment(trainer).global_step, epoch=moment(trainer).epoch, batch_idx=batch_idx,  # read late: its step
         flags=tuple(name for name, fired in check.flags.items() if fired),
         total_norm=check.norms[-1], group_norms=tuple(check.norms[:-1]),
         first_nonfinite_module=None if module is None else module_names[module],

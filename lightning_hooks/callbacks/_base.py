@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable, Sequence
-from typing import Any, Optional
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any, NamedTuple, Optional
 from weakref import WeakKeyDictionary
 
 import lightning.pytorch as pl
@@ -13,6 +14,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from lightning_hooks.core._compat import CALLBACK_BASES, configure_model_overridden
+from lightning_hooks.core._torch_internals import is_compiled
 from lightning_hooks.core._validation import check_int, check_names
 from lightning_hooks.core.selection import ModuleSelection, select_modules, validate_selection
 from lightning_hooks.measure._sharding import note_flat_shards
@@ -50,10 +52,42 @@ def log_step(trainer: pl.Trainer) -> int:
     ``self.log``, ``LearningRateMonitor`` and ``DeviceStatsMonitor`` write at): it counts each
     batch that ends an optimizer step once (``accumulate_grad_batches`` batches count once,
     several optimizers in one batch count once) and goes up only after ``on_train_batch_end``.
-    ``trainer.global_step`` where the loop has no such count.
+    ``trainer.global_step`` where the loop has no such count. While a step's check is acted on
+    a step late (:func:`acting_late`), that step's.
     """
+    late = _LATE.get(trainer)
+    if late is not None:
+        return late.log_step
     loop = getattr(getattr(trainer, "fit_loop", None), "epoch_loop", None)
     return int(getattr(loop, "_batches_that_stepped", trainer.global_step))
+
+
+class Moment(NamedTuple):
+    """Where training was when a step was measured: what its late reader logs and reports it at."""
+
+    log_step: int
+    global_step: int
+    epoch: int
+
+
+# Per Trainer: the step whose check is acted on now, a step late (see `acting_late`).
+_LATE: WeakKeyDictionary[Any, Moment] = WeakKeyDictionary()
+
+
+def moment(trainer: pl.Trainer) -> Moment:
+    """The step running now (or the one acted on late): its log step, global step and epoch."""
+    late = _LATE.get(trainer)
+    return late if late is not None else Moment(log_step(trainer), trainer.global_step, trainer.current_epoch)
+
+
+@contextmanager
+def acting_late(trainer: pl.Trainer, at: Moment) -> Iterator[None]:
+    """Within it, :func:`log_step` and :func:`moment` give the step ``at``: a check read a step late logs there."""
+    _LATE[trainer] = at
+    try:
+        yield
+    finally:
+        _LATE.pop(trainer, None)
 
 
 def _is_logged_step(step: int, every: int) -> bool:
@@ -83,6 +117,13 @@ def is_logged(trainer: pl.Trainer, every: int) -> bool:
     return _is_logged_step(step, every) or (every > 0 and step <= _WATCHED_UNTIL.get(trainer, -1))
 
 
+def _remove(handles: list[RemovableHandle]) -> None:
+    """Remove ``handles`` from their modules and forget them."""
+    for handle in handles:
+        handle.remove()
+    handles.clear()
+
+
 class HookCallback(*CALLBACK_BASES):  # type: ignore[misc]  # the Callback of each Lightning package
     """Base class: resolve a module selection, register hooks on fit start, remove them on exit.
 
@@ -95,6 +136,17 @@ class HookCallback(*CALLBACK_BASES):  # type: ignore[misc]  # the Callback of ea
     Every observing hook goes through :meth:`_guard`: it returns at once while the callback is
     not collecting, and an exception inside it warns once and disables that module's hook
     instead of killing the run.
+
+    The hooks of :meth:`_register` are on the modules only while the callback collects (its gate,
+    ``_collecting``, is open: a logged step, a validation run when asked), and removed when it
+    stops: a registered hook alone puts every call of its module on PyTorch's slow path, so the
+    steps not logged run the modules bare. Registering costs a few microseconds per module, on
+    the steps that log only. Where the model holds a module compiled with ``torch.compile`` the
+    hooks stay registered for the whole fit, gated by the flag alone: a compiled graph either
+    recompiles when its hooks change or (torch's default, ``skip_nnmodule_hook_guards``) keeps
+    running without the hooks added after it was compiled, so their figures would be lost.
+    Subclasses whose hooks act on every step (gradient transforms) or only exist for a whole
+    stage set ``_hooks_follow_gate = False``.
 
     Subclasses implement :meth:`_register`, which returns the handles of the hooks it added.
 
@@ -110,11 +162,29 @@ class HookCallback(*CALLBACK_BASES):  # type: ignore[misc]  # the Callback of ea
         validate_selection(modules)
         self.modules = modules
         self._targets: list[tuple[str, nn.Module]] = []
-        self._handles: list[RemovableHandle] = []
+        self._handles: list[RemovableHandle] = []  # on the model for the whole fit
+        self._gated: list[RemovableHandle] = []  # on the model while the gate is open
+        self._armed = False  # attached, with the gated hooks registered whenever the gate opens
         self._failed: set[str] = set()
-        # Gated hooks return at once while this is False; a plain attribute, so that
-        # torch.compile guards on it instead of seeing hooks come and go.
-        self._collecting = False
+        # Gated hooks return at once while this is False. Read through `_collecting`, whose
+        # setter registers and removes the gated hooks; torch.compile guards on the flag alone.
+        self._gate = False
+
+    #: Whether the hooks of :meth:`_register` are on the modules only while the gate is open.
+    _hooks_follow_gate = True
+
+    @property
+    def _collecting(self) -> bool:
+        """Whether the gate is open: the observing hooks run (and are registered) only then."""
+        return self._gate
+
+    @_collecting.setter
+    def _collecting(self, value: bool) -> None:
+        self._gate = value
+        if value and self._armed and not self._gated:
+            self._gated = self._register_all()
+        elif not value and self._gated:
+            _remove(self._gated)
 
     @property
     def module_names(self) -> list[str]:
@@ -123,8 +193,8 @@ class HookCallback(*CALLBACK_BASES):  # type: ignore[misc]  # the Callback of ea
 
     @property
     def is_attached(self) -> bool:
-        """Whether this callback's hooks are registered right now."""
-        return bool(self._handles)
+        """Whether this callback is attached to a model (its gated hooks registered there or not right now)."""
+        return self._armed or bool(self._handles)
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         """Resolve the module selection, so a bad pattern fails before any training.
@@ -159,14 +229,27 @@ class HookCallback(*CALLBACK_BASES):  # type: ignore[misc]  # the Callback of ea
         self.detach()
         self._targets = select_modules(model, self.modules)
         self._failed.clear()
-        for index, (name, module) in enumerate(self._targets):
-            self._handles.extend(self._register(index, name, module))
+        self._hook_targets(model)
+
+    def _hook_targets(self, model: nn.Module) -> None:
+        """Register the hooks of :meth:`_register_all`: now for the whole fit, or whenever the gate opens."""
+        if self._hooks_follow_gate and not is_compiled(model):
+            self._armed = True
+            if self._gate:
+                self._gated = self._register_all()
+        else:
+            self._handles.extend(self._register_all())
+
+    def _register_all(self) -> list[RemovableHandle]:
+        """Register the hooks of every target, and return their handles."""
+        return [handle for index, (name, module) in enumerate(self._targets)
+                for handle in self._register(index, name, module)]
 
     def detach(self) -> None:
         """Remove every hook this callback registered. Safe to call any number of times."""
-        for handle in self._handles:
-            handle.remove()
-        self._handles.clear()
+        self._armed = False
+        _remove(self._handles)
+        _remove(self._gated)
 
     def _register(self, index: int, name: str, module: nn.Module) -> list[RemovableHandle]:
         """Register the hooks for one selected module and return their handles."""
@@ -175,13 +258,13 @@ class HookCallback(*CALLBACK_BASES):  # type: ignore[misc]  # the Callback of ea
     def _guard(self, name: str, hook: Callable[..., Any]) -> Callable[..., Optional[Any]]:
         """Wrap an observing ``hook``: skipped while not collecting, disabled once it raises.
 
-        The hook returns at once while ``self._collecting`` is False. An exception warns once
+        The hook returns at once while the gate (``self._collecting``) is closed. An exception warns once
         and disables the hook registered under ``name`` for the rest of the fit. Hooks that
         change training (gradient transforms) are never wrapped: they must fail loudly.
         """
 
         def guarded(*args: Any) -> Optional[Any]:
-            if not self._collecting or name in self._failed:
+            if not self._gate or name in self._failed:
                 return None
             try:
                 return hook(*args)

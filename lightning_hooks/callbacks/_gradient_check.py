@@ -17,7 +17,7 @@ from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
 from lightning_hooks.callbacks._anomaly_report import AnomalyReport, report_step
-from lightning_hooks.callbacks._base import HookCallback
+from lightning_hooks.callbacks._base import HookCallback, Moment, acting_late, moment
 from lightning_hooks.callbacks._flight_recorder import FlightRecord
 from lightning_hooks.core._compat import BarCount
 from lightning_hooks.core._validation import check_bool, check_path
@@ -39,6 +39,9 @@ class GradientCheck(HookCallback):
     provenance and writes reports. Subclasses act on the result in :meth:`_handle`.
     """
 
+    # Provenance watches every step: its hooks stay on for the whole fit.
+    _hooks_follow_gate = False
+
     def __init__(
         self, modules: ModuleSelection, check_finite: bool, norm_threshold: Optional[float],
         relative_threshold: Optional[float], min_norm: Optional[float], window: int,
@@ -59,6 +62,7 @@ class GradientCheck(HookCallback):
         self._traced: list[Tensor] = []  # parameters whose gradients the trace checks
         self._shown: Optional[int] = None  # the value the progress bar shows
         self._bar = BarCount()  # carries it as an int
+        self._at_end = False  # acting late at the end of training: no update follows, Lightning takes no `log`
         self._state_key: Optional[str] = None
         self._shared: Optional[SharedMeasurement] = None  # the Trainer's one measurement per step
 
@@ -118,7 +122,7 @@ class GradientCheck(HookCallback):
         costs a good part of a millisecond, and on an accelerator a host-to-device copy.
         """
         bar = trainer.progress_bar_callback
-        if bar is not None and value != self._shown and (value or self._shown is not None):
+        if bar is not None and value != self._shown and (value or self._shown is not None) and not self._at_end:
             self._bar(value)
             pl_module.log(name, self._bar, prog_bar=True, logger=False, on_step=True, on_epoch=False,
                           metric_attribute=name)
@@ -180,6 +184,37 @@ class GradientCheck(HookCallback):
             self._handle(trainer, pl_module, optimizer, *read)
         self._trace.clear()
         self._stepped = True
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Act on the last step if its check was left to be read a step late."""
+        if self._shared is not None:
+            self._shared.finish(at_end=True)
+
+    def _may_wait(self, trainer: pl.Trainer) -> bool:
+        """Whether this step's check can be read and acted on a step late, without a blocking read now.
+
+        Not with ``provenance`` or ``dirpath``: the NaN trace and the step's batches are gone by then.
+        """
+        return not self.provenance and self.dirpath is None
+
+    def _moment(self, trainer: pl.Trainer) -> tuple[Moment, list[tuple[int, Any]]]:
+        return moment(trainer), list(self._micro_batches)
+
+    def _late(self, trainer: pl.Trainer, optimizer: Any, step: Step, check: Check,
+              at: tuple[Moment, list[tuple[int, Any]]], at_end: bool) -> None:
+        """Act on a step read a step late, as at that step: its log step, global step, epoch and batches.
+
+        What drops an update (``stop``) drops the update about to be made: the step's own is applied.
+        At the end of training the progress bar is left as it is (Lightning takes no ``self.log`` there).
+        """
+        when, batches = at
+        current, self._micro_batches, self._evaluation = self._micro_batches, batches, 1
+        self._at_end = at_end
+        try:
+            with acting_late(trainer, when):
+                self._handle(trainer, trainer.lightning_module, optimizer, step, check)
+        finally:
+            self._micro_batches, self._at_end = current, False
 
     def _checks(self, trainer: pl.Trainer, evaluation: int) -> bool:
         """Whether this callback checks evaluation ``evaluation`` (from 1) of the current step's closure."""

@@ -62,7 +62,7 @@ class ActivationMonitor(HookCallback):
     its last training batch) the rows are reduced across ranks once, copied to the host once,
     and logged at that step (where ``self.log`` writes the batch's figures) as
     ``activations/<module>/<stat>`` scalars to every logger and as ``activations/<module>``
-    histograms to TensorBoard and W&B. On other steps the hooks return at once. Each
+    histograms to TensorBoard and W&B. On other steps the hooks are off the modules. Each
     TensorBoardLogger also gets a Custom Scalars layout with one chart per stat that draws
     every module (``std by layer``); a chart is added (the layout rewritten) when its first
     figure is logged, so that no chart is empty.

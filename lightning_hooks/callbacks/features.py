@@ -121,6 +121,9 @@ class FeatureExtractor(StageHooks, HookCallback):
 
     """
 
+    # Its hooks are on for its stage only, and collect at every batch of it.
+    _hooks_follow_gate = False
+
     def __init__(
         self,
         modules: ModuleSelection,

@@ -90,7 +90,11 @@ class GradientMonitor(GradientCheck):
     measured and ``anomalies/amp_overflow`` shows on logged steps only.
 
     All figures of a step are computed batched on the gradients' device and reach the host in
-    one transfer, at every step, as a step's report must be made at that step. The per-step
+    one transfer per step. On a step it does not log, that transfer is started without blocking
+    and read at the next step (or at the end of training), where the flags are logged and the
+    report made at their own step, unless a callback beside it needs the step read before its
+    update (``GradientAnomalyStopping`` with ``skip`` or ``rollback``) or ``provenance`` or
+    ``dirpath`` is set (see docs/cost.md). The per-step
     check reads every gradient once (an L2 norm); only a step with an infinite norm, which a
     finite gradient whose float32 norm overflows also gives, is measured again to tell the
     two apart (a second transfer). With several optimizers each is checked at its own step.
@@ -277,6 +281,10 @@ class GradientMonitor(GradientCheck):
             return False
         flags = bool(self._detector.enabled_flags)
         return flags or self.provenance or (self._written and is_logged(trainer, self._every))
+
+    def _may_wait(self, trainer: pl.Trainer) -> bool:
+        """A step not logged: its flags (and a report) can come a step late; a logged step's figures are read now."""
+        return super()._may_wait(trainer) and not is_logged(trainer, self._every)
 
     def _extra(self, trainer: pl.Trainer, step: Step) -> dict[str, Tensor]:
         """Row norms, and the rows' stats and histograms, on logged steps."""

@@ -12,6 +12,7 @@ import numpy as np
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor, nn
+from torch.utils.hooks import RemovableHandle
 
 from lightning_hooks.callbacks._base import HookCallback, _log_interval, _validate_interval, is_logged, log_step
 from lightning_hooks.callbacks._stability_hooks import Selection, register, resolve, validate_signal
@@ -172,8 +173,12 @@ class TransformerStability(HookCallback):
         self._targets = [(name, module) for targets in found.values() for name, module in targets]
         self._signals = [(signal, name) for signal, targets in found.items() for name, _ in targets]
         self._failed.clear()
-        for index, ((signal, name), (_, module)) in enumerate(zip(self._signals, self._targets)):
-            self._handles.extend(register(index, signal, name, module, self._add, self._guard, self._sample))
+        self._hook_targets(model)
+
+    def _register_all(self) -> list[RemovableHandle]:
+        """Register the hooks of every signal, and return their handles."""
+        return [handle for index, ((signal, name), (_, module)) in enumerate(zip(self._signals, self._targets))
+                for handle in register(index, signal, name, module, self._add, self._guard, self._sample)]
 
     def detach(self) -> None:
         """Remove the hooks and drop the step's rows not yet logged (device tensors), on every way out of fit."""

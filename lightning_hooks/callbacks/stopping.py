@@ -51,7 +51,8 @@ class GradientAnomalyStopping(GradientCheck):
     so ``patience=0`` acts on the first. Then, with an :class:`~lightning_hooks.AnomalyReport`
     (logged as text, kept in :attr:`last_report`):
 
-    - ``"stop"``: drops that step's update and sets ``trainer.should_stop``, so ``fit`` ends
+    - ``"stop"``: drops that step's update (the next one with ``act_late``, the default) and
+      sets ``trainer.should_stop``, so ``fit`` ends
       after this step (the dropped step still counts in ``trainer.global_step``), as with
       ``EarlyStopping``; until Lightning's ``min_steps`` and ``min_epochs`` are met it trains
       on, and every further anomalous step is dropped too.
@@ -65,7 +66,8 @@ class GradientAnomalyStopping(GradientCheck):
       hand after a loss spike. ``trainer.global_step`` keeps counting every step; the LR
       schedules go back with the snapshot. One device or DDP, one optimizer. Details: README,
       "Rollback after a loss spike".
-    - ``"raise"``: raises :class:`GradientAnomalyError` carrying the report, before the update.
+    - ``"raise"``: raises :class:`GradientAnomalyError` carrying the report, before the update
+      (before the next one with ``act_late``).
     - ``"warn"``: warns with the report, on rank zero, and applies the update.
 
     The report is built once per run of anomalous steps, when the action starts;
@@ -104,6 +106,12 @@ class GradientAnomalyStopping(GradientCheck):
         watch_after: After each step acted on, have the Trainer's GradientMonitor,
             ActivationMonitor and TransformerStability log every step, whatever their interval,
             for this many steps.
+        act_late: With ``"warn"``, ``"raise"`` and ``"stop"`` (and neither ``provenance`` nor
+            ``dirpath``), read each step's check a step later, with no blocking host read per
+            step, and act there (the report names the anomalous step): its update is then
+            applied, and ``"stop"`` drops the next one. False: read it before the update, which
+            ``"stop"`` and ``"raise"`` then never apply. ``"skip"`` and ``"rollback"`` always read
+            it before the update. See docs/cost.md.
 
     Raises:
         ValueError: For an unknown ``action``, a negative ``patience``, a bad threshold, no check
@@ -142,6 +150,7 @@ class GradientAnomalyStopping(GradientCheck):
         spikes: Optional[SpikeTrigger] = None,
         flight_recorder: int = 0,
         watch_after: int = 0,
+        act_late: bool = True,
     ) -> None:
         super().__init__(modules, check_finite, norm_threshold, relative_threshold, min_norm, window,
                          provenance, dirpath)
@@ -154,6 +163,8 @@ class GradientAnomalyStopping(GradientCheck):
                 " `relative_threshold`, `min_norm`, `spikes`"
             )
         check_bool("prog_bar", prog_bar)
+        check_bool("act_late", act_late)
+        self.act_late = act_late
         validate_rollback(action, rollback_every_n_steps, skip_batches)
         self.action, self.patience, self.prog_bar = action, patience, prog_bar
         self.rollback_every_n_steps, self.skip_batches = rollback_every_n_steps, skip_batches
@@ -169,6 +180,7 @@ class GradientAnomalyStopping(GradientCheck):
         self._dropper = UpdateDrop()
         self._streak_before = 0  # the streak before the current step
         self._settled = False  # the current step is counted anomalous: its later evaluations change nothing
+        self._decided_for: Optional[tuple[int, int]] = None  # the optimizer step whose update decisions are made
         self.spikes, self.flight_recorder, self.watch_after = spikes, flight_recorder, watch_after
         self._watch = SpikeWatch(spikes, flight_recorder)
         self._flags: tuple[str, ...] = ()
@@ -219,9 +231,14 @@ class GradientAnomalyStopping(GradientCheck):
     def _votes(self, trainer: pl.Trainer, step: Step) -> dict[str, Tensor]:
         return self._watch.votes(step, first=self._shared is None or self._shared.evaluation == 1)
 
+    def _may_wait(self, trainer: pl.Trainer) -> bool:
+        """``warn``, ``raise`` and ``stop`` act a step late; ``skip`` and ``rollback`` need the answer at once."""
+        return self.act_late and super()._may_wait(trainer) and self.action in ("warn", "raise", "stop")
+
     def detach(self) -> None:
         """Remove the hooks; free the rollback snapshot."""
         super().detach()
+        self._decided_for = None
         self._watch.clear()
         self._dropper.release()
         if self._rollback is not None:
@@ -232,7 +249,10 @@ class GradientAnomalyStopping(GradientCheck):
         """Count the step at its first evaluation, or at a later one that finds it anomalous (LBFGS)."""
         check = self._watch.conclude(trainer, step, check)
         self._flags = tuple(name for name, on in check.flags.items() if on)
-        self._dropper.new_evaluation(first=self._evaluation == 1)
+        step_now = (id(optimizer), trainer.global_step)
+        if self._evaluation != 1 or self._decided_for != step_now:  # not right after a late read decided for it
+            self._dropper.new_evaluation(first=self._evaluation == 1)
+        self._decided_for = step_now
         if self._evaluation == 1:
             self._streak_before, self._settled = self.streak, False
         else:
@@ -272,7 +292,7 @@ class GradientAnomalyStopping(GradientCheck):
             if self.action in ("warn", "stop") and trainer.is_global_zero:
                 _log.warning(f"GradientAnomalyStopping: {'stopping' if self.action == 'stop' else 'training on'}."
                             f"\n{report}")
-        if self.action in ("stop", "skip", "rollback"):
+        if self.action in ("stop", "skip", "rollback") and not self._at_end:  # at the end no update follows
             self._dropper.drop(optimizer, self._evaluation)
             self.dropped_steps += 1
         if self.action == "stop":

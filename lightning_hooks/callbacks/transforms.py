@@ -128,6 +128,9 @@ class GradientTransform(HookCallback):
 
     """
 
+    # Its hooks change every step's gradients.
+    _hooks_follow_gate = False
+
     def __init__(
         self,
         *,

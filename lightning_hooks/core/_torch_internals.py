@@ -47,6 +47,22 @@ def in_backward() -> bool:
     return not torch.compiler.is_compiling() and torch._C._current_graph_task_id() != -1
 
 
+def is_compiled(model: nn.Module) -> bool:
+    """Whether ``torch.compile`` compiles ``model`` or a module inside it.
+
+    A ``torch.compile(module)`` wrapper (``torch._dynamo.eval_frame.OptimizedModule``), a module
+    compiled in place (``nn.Module.compile``, which sets ``_compiled_call_impl``), or a
+    LightningModule that Lightning compiles (``_compiler_ctx``). A compiled function that calls
+    the model is not seen.
+    """
+    if getattr(model, "_compiler_ctx", None):
+        return True
+    from torch._dynamo.eval_frame import OptimizedModule
+
+    return any(isinstance(m, OptimizedModule) or getattr(m, "_compiled_call_impl", None) is not None
+               for m in model.modules())
+
+
 def in_torch_func(tensor: Tensor) -> bool:
     """Whether ``tensor`` is a ``torch.func`` transform's wrapper, which only the dispatcher unwraps.
 

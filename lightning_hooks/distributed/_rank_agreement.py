@@ -1,11 +1,12 @@
 """How the ranks agree on a checked step, and the step's one host transfer.
 
-:func:`conclude` sums every rank's flags (those of each callback reading the step) and votes
-(the scaler skipped the step, a rank had no gradient, a norm was infinite, and each callback's
-own, such as GradientAnomalyStopping's spike flags) in one collective on device, then brings
-them to the host in one transfer (:func:`to_host`, named parts) together with the norms and
-whatever figures each callback adds: a :class:`Check` per callback, the same on every rank, so
-that no rank decides alone and no rank waits alone.
+:func:`agree` sums every rank's flags (those of each callback reading the step) and votes (the
+scaler skipped the step, a rank had no gradient, a norm was infinite, and each callback's own,
+such as GradientAnomalyStopping's spike flags) in one collective on device, then starts them on
+their way to the host in one transfer (:class:`HostTransfer`, named parts) together with the norms
+and whatever figures each callback adds. :meth:`Agreed.checks` reads it, at once or a step later:
+a :class:`Check` per callback, the same on every rank, so that no rank decides alone and no rank
+waits alone.
 """
 
 from __future__ import annotations
@@ -33,23 +34,47 @@ def _agree(trainer: pl.Trainer, votes: Tensor) -> Tensor:
     return trainer.strategy.reduce(votes, reduce_op="sum")
 
 
-def to_host(parts: Mapping[str, Tensor], device: torch.device,
-            arrays: Collection[str] = ()) -> dict[str, Any]:
-    """Bring named device tensors to the host in one transfer, as float64; each comes back flat, by name.
+class HostTransfer:
+    """Named device tensors on their way to the host in one copy: started at once, read when needed.
 
-    The one place where the step's transfer is packed and unpacked, so that no reader counts
-    positions in a flat list. Each part is a list of floats, or for the names in ``arrays`` a
-    numpy array (a block of stat rows is read as arrays: a list would be a Python float per value).
+    On CUDA the copy goes into pinned host memory without blocking (an event marks its end), so
+    the host waits only when it reads a transfer the device has not finished, and a transfer
+    read one step later has long landed. On the CPU there is nothing to copy; on another
+    accelerator the copy is made when read. The one place where a step's transfer is packed and
+    unpacked, so that no reader counts positions in a flat list.
+
+    Args:
+        parts: The tensors to bring, by name (any shape; each is read back flat, as float64).
+        device: Where they are put together before the copy: the step's device.
     """
-    names = list(parts)
-    flat = [parts[name].reshape(-1).to(device, torch.float64) for name in names]
-    host = torch.cat(flat).cpu().numpy() if flat else np.zeros(0)
-    out, start = {}, 0
-    for name, part in zip(names, flat):
-        piece = host[start : start + part.numel()]
-        out[name] = piece if name in arrays else piece.tolist()
-        start += part.numel()
-    return out
+
+    def __init__(self, parts: Mapping[str, Tensor], device: torch.device) -> None:
+        flat = [parts[name].reshape(-1).to(device, torch.float64) for name in parts]
+        self._sizes = [(name, t.numel()) for name, t in zip(parts, flat)]
+        joined = torch.cat(flat) if flat else torch.zeros(0, dtype=torch.float64)
+        self._ready: Optional[torch.cuda.Event] = None
+        if joined.is_cuda:
+            self._host = torch.empty(joined.shape, dtype=joined.dtype, pin_memory=True)
+            self._host.copy_(joined, non_blocking=True)
+            self._ready = torch.cuda.Event()
+            self._ready.record(torch.cuda.current_stream(joined.device))
+        else:
+            self._host = joined
+
+    def read(self, arrays: Collection[str] = ()) -> dict[str, Any]:
+        """Each part as a list of floats, or for the names in ``arrays`` a flat float64 numpy array, by name.
+
+        A block of stat rows is read as arrays: a list would be a Python float per value.
+        """
+        if self._ready is not None:
+            self._ready.synchronize()
+        host = self._host.cpu().numpy()
+        out, start = {}, 0
+        for name, size in self._sizes:
+            piece = host[start : start + size]
+            out[name] = piece if name in arrays else piece.tolist()
+            start += size
+        return out
 
 
 @dataclass
@@ -75,10 +100,19 @@ def conclude(trainer: pl.Trainer, detectors: Sequence[AnomalyDetector], steps: S
              own_votes: Sequence[Mapping[str, Tensor]] = ()) -> list[Check]:
     """Agree on every callback's flags across ranks on device, then read everything in one transfer.
 
+    :func:`agree`, then :meth:`Agreed.checks` at once: see those.
+    """
+    return agree(trainer, detectors, steps, extras, own_votes).checks(remember)
+
+
+def agree(trainer: pl.Trainer, detectors: Sequence[AnomalyDetector], steps: Sequence[Step],
+          extras: Sequence[Mapping[str, Tensor]], own_votes: Sequence[Mapping[str, Tensor]] = ()) -> Agreed:
+    """Agree on every callback's flags across ranks on device, and start the step's one transfer to the host.
+
     Every rank reaches the one collective at every optimizer step, a rank without
     gradients too, so a decision one rank alone made is everyone's and no rank waits alone.
-    However many callbacks read the step, there is one collective and one host transfer. A
-    clean, settled step's norms join each detector's running median (with ``remember``).
+    However many callbacks read the step, there is one collective and one host transfer. The
+    host does not wait here: it reads the transfer in :meth:`Agreed.checks`, now or a step later.
 
     Args:
         trainer: The trainer, for the world size and the strategy.
@@ -86,13 +120,11 @@ def conclude(trainer: pl.Trainer, detectors: Sequence[AnomalyDetector], steps: S
         steps: Per callback, the step as :func:`~lightning_hooks.distributed._step_measure.measure_step` gives
             it (the same figures, each with its own flags).
         extras: Per callback, more device figures to bring to the host in the same transfer, by name.
-        remember: Whether a clean step's norms join the running medians: not for a closure's
-            later evaluations within one optimizer step (LBFGS), so that the medians count steps.
         own_votes: Per callback (or none), more device figures to sum over the ranks in the same
             collective, by name: each must have the same shape on every rank.
 
     Returns:
-        Per callback, the step's figures on the host, agreed across ranks.
+        The agreed step, on its way to the host.
     """
     shared = steps[0]
     norms = shared.figures.group_norms
@@ -105,28 +137,58 @@ def conclude(trainer: pl.Trainer, detectors: Sequence[AnomalyDetector], steps: S
     agreed = _agree(trainer, torch.cat([v.reshape(-1).double() for v in votes.values()]))
     parts = {"votes": agreed, "norms": norms}
     parts.update({f"{i}/{name}": t for i, extra in enumerate(extras) for name, t in extra.items()})
-    host = to_host(parts, device, arrays={f"{i}/{name}" for i, extra in enumerate(extras) for name in extra})
     offsets, start = {}, 0
     for name, vote in votes.items():
         offsets[name], start = start, start + vote.numel()
-    voted = host["votes"]
-    overflowed = voted[offsets["overflow"]] > 0
-    skipped = overflowed or voted[offsets["empty"]] > 0
-    checks = []
-    for i, (detector, step) in enumerate(zip(detectors, steps)):
-        flags = _flags(detector, voted[offsets[f"flags{i}"] : offsets[f"flags{i}"] + step.flags.numel()],
-                       len(host["norms"]))
-        # Settled without an exact measure when no flag could hinge on it, or the scaler skips the step.
-        unsure = voted[offsets["unsure"]] > 0 and bool(detector.enabled_flags) and not overflowed
-        anomalous = any(flags.values())
-        if remember and not anomalous and not skipped and not unsure:
-            detector.remember(norms, step.key)
-        amp = overflowed if step.overflow is not None else None
-        extra = {name: host[f"{i}/{name}"] for name in extras[i]}
-        mine = own_votes[i] if own_votes else {}
-        summed = {name: voted[offsets[f"{i}/{name}"] : offsets[f"{i}/{name}"] + t.numel()] for name, t in mine.items()}
-        checks.append(Check(flags, amp, host["norms"], anomalous, extra, skipped, unsure, summed))
-    return checks
+    sizes = {name: vote.numel() for name, vote in votes.items()}
+    return Agreed(HostTransfer(parts, device), list(detectors), list(steps), [list(e) for e in extras],
+                  [list(own) for own in own_votes], offsets, sizes)
+
+
+@dataclass
+class Agreed:
+    """A step agreed across ranks on device, its one transfer to the host started: read by :meth:`checks`."""
+
+    transfer: HostTransfer
+    detectors: list[AnomalyDetector]
+    steps: list[Step]
+    extras: list[list[str]]
+    """Per callback, the names of its own figures in the transfer."""
+    own_votes: list[list[str]]
+    """Per callback (or none), the names of its own votes."""
+    offsets: dict[str, int]
+    """Where each vote starts in the agreed votes."""
+    sizes: dict[str, int]
+
+    def checks(self, remember: bool = True) -> list[Check]:
+        """Read the transfer (the host waits only if the device has not finished it): a :class:`Check` per callback.
+
+        A clean, settled step's norms join each detector's running median (with ``remember``:
+        not for a closure's later evaluations within one optimizer step, LBFGS, so that the
+        medians count steps).
+        """
+        arrays = {f"{i}/{name}" for i, names in enumerate(self.extras) for name in names}
+        host = self.transfer.read(arrays)
+        offsets, voted = self.offsets, host["votes"]
+        overflowed = voted[offsets["overflow"]] > 0
+        skipped = overflowed or voted[offsets["empty"]] > 0
+        norms = self.steps[0].figures.group_norms
+        checks = []
+        for i, (detector, step) in enumerate(zip(self.detectors, self.steps)):
+            flags = _flags(detector, voted[offsets[f"flags{i}"] : offsets[f"flags{i}"] + step.flags.numel()],
+                           len(host["norms"]))
+            # Settled without an exact measure when no flag could hinge on it, or the scaler skips the step.
+            unsure = voted[offsets["unsure"]] > 0 and bool(detector.enabled_flags) and not overflowed
+            anomalous = any(flags.values())
+            if remember and not anomalous and not skipped and not unsure:
+                detector.remember(norms, step.key)
+            amp = overflowed if step.overflow is not None else None
+            extra = {name: host[f"{i}/{name}"] for name in self.extras[i]}
+            mine = self.own_votes[i] if self.own_votes else []
+            summed = {name: voted[offsets[f"{i}/{name}"] : offsets[f"{i}/{name}"] + self.sizes[f"{i}/{name}"]]
+                      for name in mine}
+            checks.append(Check(flags, amp, host["norms"], anomalous, extra, skipped, unsure, summed))
+        return checks
 
 
 def _flags(detector: AnomalyDetector, votes: list[float], n_cols: int) -> dict[str, bool]:

@@ -5,17 +5,24 @@ GradientMonitor, GradientAnomalyStopping (and whatever reads the gradients next)
 runs measures the step for all: the norms once, each reader's flags and own figures, one
 collective and one host transfer. The others then take their part of that result. So the Quick
 start's three callbacks read every gradient once per step, however many of them are attached.
+
+The host does not wait for that transfer where every reader can act a step late
+(:meth:`StepReader._may_wait`): the transfer is started without blocking and read at the next
+step's measurement (or at the end of training, :meth:`SharedMeasurement.finish`), where each
+reader acts on it (:meth:`StepReader._late`) before the new step is measured.
 """
 
 from __future__ import annotations
 
 import weakref
+from dataclasses import dataclass
 from typing import Any, Optional, Protocol
 
 import lightning.pytorch as pl
+import torch
 from torch import Tensor
 
-from lightning_hooks.distributed._rank_agreement import Check, conclude
+from lightning_hooks.distributed._rank_agreement import Agreed, Check, agree
 from lightning_hooks.distributed._step_measure import Step, measure_step
 from lightning_hooks.measure._sharding import ShardGroupCache
 from lightning_hooks.measure.anomalies import AnomalyDetector
@@ -34,6 +41,29 @@ class StepReader(Protocol):
 
     def _votes(self, trainer: pl.Trainer, step: Step) -> dict[str, Tensor]:
         """Its own device figures to sum over the ranks in the step's one collective (before ``_extra``)."""
+
+    def _may_wait(self, trainer: pl.Trainer) -> bool:
+        """Whether it can act on this step's figures a step late; the same answer on every rank."""
+
+    def _moment(self, trainer: pl.Trainer) -> Any:
+        """Where training is now, kept with a step read late and given back to :meth:`_late`."""
+
+    def _late(self, trainer: pl.Trainer, optimizer: Any, step: Step, check: Check, moment: Any, at_end: bool) -> None:
+        """Act on a step read a step late (``moment``: what :meth:`_moment` said when it was measured).
+
+        ``at_end``: at the end of training, where no update follows and Lightning takes no ``self.log``.
+        """
+
+
+@dataclass
+class _Pending:
+    """A step measured and agreed, its transfer on the way: read and acted on at the next measurement."""
+
+    trainer: pl.Trainer
+    optimizer: Any
+    readers: list[StepReader]
+    agreed: Agreed
+    moment: Any
 
 
 _BY_TRAINER: weakref.WeakKeyDictionary[Any, SharedMeasurement] = weakref.WeakKeyDictionary()
@@ -54,6 +84,7 @@ class SharedMeasurement:
         self._token: Optional[Token] = None
         self._shard_groups = ShardGroupCache()  # how the optimizer's gradients are split across ranks
         self._results: dict[int, tuple[Token, Result]] = {}
+        self._pending: Optional[_Pending] = None
 
     @staticmethod
     def of(trainer: pl.Trainer) -> SharedMeasurement:
@@ -74,7 +105,7 @@ class SharedMeasurement:
         self._results.pop(id(reader), None)
         if not self.readers:
             self._shard_groups.clear()
-            self._token, self.evaluation = None, 0
+            self._token, self.evaluation, self._pending = None, 0, None
 
     def read(self, trainer: pl.Trainer, optimizer: Any, reader: StepReader) -> Result:
         """``reader``'s part of this evaluation's measurement, measured now if it is the first to ask.
@@ -92,6 +123,7 @@ class SharedMeasurement:
 
     def _evaluate(self, trainer: pl.Trainer, optimizer: Any, token: Token) -> None:
         """Start the next evaluation: measure it for the readers that check it."""
+        self.finish()
         self.evaluation = self.evaluation + 1 if token == self._token else 1
         self._token = token
         readers = [r for r in self.readers if r._checks(trainer, self.evaluation)]
@@ -99,22 +131,40 @@ class SharedMeasurement:
         if readers:
             self._measure(trainer, optimizer, readers, token)
 
+    def finish(self, at_end: bool = False) -> None:
+        """Read the step left pending, if any, and have its readers act on it now (a step late).
+
+        ``at_end``: at the end of training, where no update follows.
+        """
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return
+        checks = pending.agreed.checks(remember=True)
+        for reader, step, check in zip(pending.readers, pending.agreed.steps, checks):
+            reader._late(pending.trainer, pending.optimizer, step, check, pending.moment, at_end)
+
     def _measure(self, trainer: pl.Trainer, optimizer: Any, readers: list[StepReader], token: Token) -> None:
         """Measure the step for ``readers``, in one collective and one host transfer.
 
         The L2 norms alone tell whether gradients are finite unless a norm is infinite, which a
         finite gradient whose float32 norm overflows also gives; only then (agreed across
         ranks) are the gradients measured again exactly, in a second collective and transfer.
-        Only the first evaluation of a step joins the running medians.
+        A step read a step late is not measured again (its gradients are gone): there a finite
+        gradient whose norm overflows counts as non-finite. Only the first evaluation of a step
+        joins the running medians; a closure evaluated several times (LBFGS) is read at once.
         """
         detectors = [r._detector for r in readers]
         remember = self.evaluation == 1
         steps = measure_step(trainer, optimizer, detectors, self._shard_groups, exact=False)
         votes = [r._votes(trainer, step) for r, step in zip(readers, steps)]
         extras = [r._extra(trainer, step) for r, step in zip(readers, steps)]
-        checks = conclude(trainer, detectors, steps, extras, remember, votes)
+        agreed = agree(trainer, detectors, steps, extras, votes)
+        self.rounds += 1
+        if remember and not isinstance(optimizer, torch.optim.LBFGS) and all(r._may_wait(trainer) for r in readers):
+            self._pending = _Pending(trainer, optimizer, readers, agreed, readers[0]._moment(trainer))
+            return
+        checks = agreed.checks(remember)
         if any(check.unsure for check in checks):
             steps = measure_step(trainer, optimizer, detectors, self._shard_groups, exact=True)
-            checks = conclude(trainer, detectors, steps, extras, remember, votes)
-        self.rounds += 1
+            checks = agree(trainer, detectors, steps, extras, votes).checks(remember)
         self._results.update({id(r): (token, (step, check)) for r, step, check in zip(readers, steps, checks)})
