@@ -11,6 +11,7 @@ are summed over the ranks in it: any rank's spike is every rank's.
 
 from __future__ import annotations
 
+import copy
 import math
 from dataclasses import replace
 from typing import Any, Optional
@@ -24,6 +25,7 @@ from lightning_hooks.callbacks._flight_recorder import FlightRecord, FlightRecor
 from lightning_hooks.core._validation import check_int
 from lightning_hooks.distributed._rank_agreement import Check
 from lightning_hooks.distributed._step_measure import Step
+from lightning_hooks.measure.anomalies import AnomalyDetector
 from lightning_hooks.measure.spikes import SPIKE_SIGNALS, SpikeTrigger, SpikeWindows
 
 
@@ -90,8 +92,8 @@ class SpikeCheck:
         self._judged = (values, step.key)
         return {"spikes": flags.double()}
 
-    def conclude(self, check: Check) -> Check:
-        """``check`` with the spike flags agreed across ranks; the step's values join the windows.
+    def conclude(self, check: Check, keep: bool = True) -> Check:
+        """``check`` with the spike flags agreed across ranks; the step's values join the windows (with ``keep``).
 
         A step the AMP scaler skips (or where a rank had no gradient) says nothing: its values
         stay out of the windows and it is never a spike.
@@ -99,7 +101,8 @@ class SpikeCheck:
         judged, self._judged = self._judged, None
         if judged is None or "spikes" not in check.votes or check.skipped:
             return check
-        self.windows.remember(*judged)
+        if keep:
+            self.windows.remember(*judged)
         watched = (self.trigger.loss, self.trigger.grad_norm)
         flags = {f"{signal}_spike": votes > 0 for signal, votes, threshold
                  in zip(SPIKE_SIGNALS, check.votes["spikes"], watched) if threshold is not None}
@@ -135,11 +138,19 @@ class SpikeWatch:
         self._step_loss = loss if first else None
         return self.spikes.votes(step, self._step_loss) if self.spikes is not None else {}
 
-    def conclude(self, trainer: pl.Trainer, step: Step, check: Check) -> Check:
-        """``check`` with the agreed spike flags; the step's figures kept by its optimizer's recorder."""
+    def conclude(self, trainer: pl.Trainer, step: Step, check: Check, keep: bool = True) -> Check:
+        """``check`` with the agreed spike flags; the step's figures kept by the windows and its optimizer's recorder.
+
+        Args:
+            trainer: The Trainer.
+            step: The step's figures.
+            check: The step's agreed check.
+            keep: Whether the step's figures are kept: not those of a step whose update a
+                rollback drops (a run that never saw those batches would not judge by them).
+        """
         if self.spikes is not None:
-            check = self.spikes.conclude(check)
-        if self.flight_recorder and self._step_loss is not None and not check.skipped:
+            check = self.spikes.conclude(check, keep)
+        if keep and self.flight_recorder and self._step_loss is not None and not check.skipped:
             recorder = self.recorders.setdefault(step.key, FlightRecorder(self.flight_recorder))
             recorder.record(log_step(trainer), self._step_loss, step.figures.norms)
         return check
@@ -158,6 +169,18 @@ class SpikeWatch:
         self._loss.clear()
         self._step_loss = None
 
+    def copy_judges(self) -> dict[str, Any]:
+        """A copy of what judges the steps (the spike windows, the flight recorders), on device, for a rollback."""
+        return copy.deepcopy({"windows": self.spikes.windows if self.spikes is not None else None,
+                              "recorders": self.recorders})
+
+    def restore_judges(self, judges: dict[str, Any]) -> None:
+        """Put back a :meth:`copy_judges` (copied again: a later rollback to it finds it untouched)."""
+        judges = copy.deepcopy(judges)
+        if self.spikes is not None:
+            self.spikes.windows = judges["windows"]
+        self.recorders = judges["recorders"]
+
     def state_dict(self) -> dict[str, Any]:
         """The spike windows, if any."""
         return {"spikes": self.spikes.windows.state_dict()} if self.spikes is not None else {}
@@ -166,3 +189,30 @@ class SpikeWatch:
         """Restore the spike windows, if both the checkpoint and this instance have them."""
         if self.spikes is not None and "spikes" in state_dict:
             self.spikes.windows.load_state_dict(state_dict["spikes"])
+
+
+class StepJudges:
+    """What judges GradientAnomalyStopping's steps: the running medians, the spike windows, the flight recorders.
+
+    A rollback copies them with its snapshot and puts them back with it (see
+    :class:`~lightning_hooks.callbacks._rollback.Rollback`): copies on device, no host transfer.
+
+    Args:
+        detector: The gradient check's detector (its running medians).
+        watch: The spike windows and flight recorders.
+    """
+
+    def __init__(self, detector: AnomalyDetector, watch: SpikeWatch) -> None:
+        self.detector, self.watch = detector, watch
+
+    def copy_judges(self) -> dict[str, Any]:
+        """Copies of the running medians' windows, the spike windows and the flight recorders."""
+        # The detector's own state_dict is for checkpoints (on the CPU); these copies stay on device.
+        medians = {"history": {k: h.clone() for k, h in self.detector._history.items()},
+                   "seen": dict(self.detector._seen)}
+        return {"medians": medians, "watch": self.watch.copy_judges()}
+
+    def restore_judges(self, judges: dict[str, Any]) -> None:
+        """Put back what :meth:`copy_judges` returned (copied again: the snapshot stays untouched)."""
+        self.detector.load_state_dict(judges["medians"])  # clones the windows, on their device
+        self.watch.restore_judges(judges["watch"])

@@ -12,8 +12,8 @@ from torch import Tensor
 from lightning_hooks.callbacks._anomaly_report import AnomalyReport
 from lightning_hooks.callbacks._base import watch_closely
 from lightning_hooks.callbacks._gradient_check import RENAMED, GradientCheck
-from lightning_hooks.callbacks._rollback import Rollback, check_strategy, validate_rollback
-from lightning_hooks.callbacks._spike_check import SpikeWatch, validate_spikes
+from lightning_hooks.callbacks._rollback import Rollback, check_strategy, rolled_back, validate_rollback
+from lightning_hooks.callbacks._spike_check import SpikeWatch, StepJudges, validate_spikes
 from lightning_hooks.callbacks._update_drop import UpdateDrop
 from lightning_hooks.core._deprecation import deprecated_arguments
 from lightning_hooks.core._validation import check_bool, check_choice, check_int
@@ -161,7 +161,10 @@ class GradientAnomalyStopping(GradientCheck):
         validate_rollback(action, rollback_every_n_steps, skip_batches)
         self.action, self.patience, self.prog_bar = action, patience, prog_bar
         self.rollback_every_n_steps, self.skip_batches = rollback_every_n_steps, skip_batches
-        self._rollback = Rollback(rollback_every_n_steps or 100, skip_batches) if action == "rollback" else None
+        self.spikes, self.flight_recorder, self.watch_after = spikes, flight_recorder, watch_after
+        self._watch = SpikeWatch(spikes, flight_recorder)
+        self._rollback = Rollback(rollback_every_n_steps or 100, skip_batches, StepJudges(self._detector, self._watch)
+                                  ) if action == "rollback" else None
         self.rollbacks = 0
         #: With ``"rollback"``: (the step rolled back, the step whose starting state it went back to).
         self.last_rollback: Optional[tuple[int, int]] = None
@@ -173,8 +176,6 @@ class GradientAnomalyStopping(GradientCheck):
         self._dropper = UpdateDrop()
         self._streak_before = 0  # the streak before the current step
         self._settled = False  # the current step is counted anomalous: its later evaluations change nothing
-        self.spikes, self.flight_recorder, self.watch_after = spikes, flight_recorder, watch_after
-        self._watch = SpikeWatch(spikes, flight_recorder)
         self._flags: tuple[str, ...] = ()
 
     def _key(self) -> dict[str, Any]:
@@ -206,14 +207,23 @@ class GradientAnomalyStopping(GradientCheck):
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        """After the step and the LR schedulers': refresh the snapshot, or roll back to it."""
+        """After the step and the LR schedulers': refresh the snapshot, or roll back to it (a third time: stop)."""
         super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
         if self._rollback is not None and self._rollback.end_of_batch(trainer, pl_module):
             self.rollbacks, self.streak = self.rollbacks + 1, 0
-            step, to = trainer.global_step - 1, self._rollback.snapshot_step or 0
-            self.last_rollback = (step, to)
-            rank_zero_info(f"GradientAnomalyStopping: step {step} rolled back to the state before step {to};"
-                           f" dropping the next {self.skip_batches} updates.")
+            self.last_rollback = (trainer.global_step - 1, self._rollback.snapshot_step or 0)
+            stop = rolled_back(self._rollback, self.last_report)
+            if stop is not None:
+                rank_zero_warn(stop)
+                trainer.should_stop = True
+
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        """With ``"rollback"``: snapshot again if the optimizer's param groups changed (a backbone unfrozen)."""
+        super().on_train_batch_start(trainer, pl_module, batch, batch_idx)
+        if self._rollback is not None:
+            self._rollback.follow_groups(trainer, pl_module)
 
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Tensor) -> None:
         """Note the loss about to be backpropagated, on device, for ``spikes`` and ``flight_recorder``."""
@@ -233,7 +243,7 @@ class GradientAnomalyStopping(GradientCheck):
     def _handle(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any, step: Step,
                 check: Check) -> None:
         """Count the step at its first evaluation, or at a later one that finds it anomalous (LBFGS)."""
-        check = self._watch.conclude(trainer, step, check)
+        check = self._watch.conclude(trainer, step, check, keep=not self.skipping)  # a dropped batch: not seen
         self._flags = tuple(name for name, on in check.flags.items() if on)
         self._dropper.new_evaluation(first=self._evaluation == 1)
         if self._evaluation == 1:
