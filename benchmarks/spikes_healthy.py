@@ -96,7 +96,7 @@ def judge_before(values: Tensor, trigger: SpikeTrigger) -> list[int]:
             continue
         median = window.nanmedian(0).values
         spread = torch.maximum((window - median).abs().nanmedian(0).values * _MAD_TO_STD,
-                               median.abs() * trigger.min_spread)
+                               median.abs() * 0.01)  # the default min_spread then
         z = torch.where(spread > 0, (values[step] - median) / spread, 0.0)
         if (z > thresholds).any():
             flagged.append(step)

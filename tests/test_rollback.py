@@ -8,7 +8,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Subset, TensorDataset
 
-from lightning_hooks import GradientAnomalyStopping
+from lightning_hooks import GradientAnomalyStopping, SpikeTrigger
 from tests.helpers import run_ddp, trainer
 
 BATCH = 8
@@ -167,3 +167,88 @@ def test_ddp_both_ranks_roll_back_at_the_same_step(tmp_path):
     assert ranks[0]["params"] == ranks[1]["params"]
     assert ranks[0]["ratio_steps"] == [0, 1, 2, 3, 6, 7]  # no update ratio for dropped updates
     assert [rank["health_images"] for rank in ranks] == [2, 0]  # LayerHealth draws on rank zero only
+
+
+class Falling(L.LightningModule):
+    """A regression MLP on batches of 64 with Adam at a constant LR: the loss falls fast and smoothly for 40 steps."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 1))
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return nn.functional.mse_loss(self.net(x), y)
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.Adam(self.parameters(), lr=0.02)
+
+
+def test_with_spikes_a_rolled_back_run_whose_level_moved_ends_as_one_that_never_saw_the_batches(tmp_path):
+    # Snapshots before steps 0, 10, 20; the loss falls several-fold from step 20 to the corrupt batch at 27.
+    # The model restored to step 20 must be judged by the windows of step 20, not by the discarded steps'.
+    batch, bad, steps = 64, 27, 40
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(steps * batch, 8, generator=gen)
+    x[bad * batch : (bad + 1) * batch] *= 1e3
+    data = TensorDataset(x, torch.sin(x[:, :4]).sum(1, keepdim=True))
+    stopper = GradientAnomalyStopping(action="rollback", spikes=SpikeTrigger(window=16, warmup=8),
+                                      rollback_every_n_steps=10, skip_batches=2, flight_recorder=16, prog_bar=False)
+    torch.manual_seed(0)
+    rolled = Falling()
+    trainer(tmp_path, [stopper], logger=False, max_steps=steps).fit(rolled, DataLoader(data, batch_size=batch))
+    kept = [i for b in [*range(20), *range(bad + 3, steps)] for i in range(b * batch, (b + 1) * batch)]
+    torch.manual_seed(0)
+    control = Falling()
+    trainer(tmp_path, [], logger=False, max_steps=len(kept) // batch).fit(
+        control, DataLoader(Subset(data, kept), batch_size=batch))
+    assert (stopper.rollbacks, stopper.last_rollback, stopper.dropped_steps) == (1, (bad, 20), 3)
+    assert all(torch.equal(p, q) for p, q in zip(rolled.parameters(), control.parameters()))
+    windows = stopper._watch.spikes.windows._rings[0]
+    assert windows.count == 20 + steps - (bad + 3)  # the discarded steps' values are not in the windows
+    assert list(stopper._watch.recorders[0].steps) == [*range(14, 20), *range(30, 40)]  # nor in the record
+
+
+def test_a_second_rollback_to_the_same_snapshot_warns_and_a_third_stops_with_a_report(tmp_path):
+    stopper = GradientAnomalyStopping(action="rollback", norm_threshold=1e3, rollback_every_n_steps=10)
+    torch.manual_seed(0)
+    initial = [p.detach().clone() for p in AdamNet().parameters()]
+    with pytest.warns(UserWarning) as caught:
+        rolled, fit = run(tmp_path, [stopper], dataset("spike", bad_batches=(5, 8, 11)), STEPS)
+    said = [str(w.message) for w in caught if "GradientAnomalyStopping" in str(w.message)]
+    assert any("step 8 rolled back to the state before step 0" in s and "The second rollback" in s for s in said)
+    stop = [s for s in said if "stopping at step 11: the third rollback to the state before step 0" in s]
+    assert len(stop) == 1 and "steps 5, 8, 11" in stop[0] and "Gradient anomaly at step 11" in stop[0]
+    assert fit.global_step == 12 and stopper.rollbacks == 3  # stopped after the third, not looping on
+    assert all(torch.equal(p, q) for p, q in zip(rolled.parameters(), initial))  # left at the snapshot
+
+
+class Finetuned(L.LightningModule):
+    """A backbone that Lightning's BackboneFinetuning unfreezes at epoch 1 (a param group added), and a head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.backbone = nn.Sequential(nn.Linear(8, 16), nn.Tanh())
+        self.head = nn.Linear(16, 1)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return nn.functional.mse_loss(self.head(self.backbone(x)), y)
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.Adam(filter(lambda p: p.requires_grad, self.parameters()), lr=0.01)
+
+
+def test_rollback_after_backbone_finetuning_added_a_param_group_goes_back_to_a_snapshot_with_it(tmp_path):
+    from lightning.pytorch.callbacks import BackboneFinetuning
+
+    stopper = GradientAnomalyStopping(action="rollback", norm_threshold=1e3, rollback_every_n_steps=100)
+    data = dataset("spike", bad_batches=(3,))  # the fourth batch of each epoch: one group in epoch 0, two in 1
+    bad = trainer(tmp_path, [BackboneFinetuning(unfreeze_backbone_at_epoch=1), stopper], logger=False,
+                  max_epochs=2, max_steps=-1)
+    torch.manual_seed(0)
+    model = Finetuned()
+    bad.fit(model, DataLoader(data, batch_size=BATCH))  # before: ValueError, a different number of param groups
+    assert len(bad.optimizers[0].param_groups) == 2  # the backbone's group, added at epoch 1
+    assert stopper.rollbacks == 2 and stopper.last_rollback == (STEPS + 3, STEPS)  # to the snapshot with both groups
+    assert bad.global_step == 2 * STEPS and all(torch.isfinite(p).all() for p in model.parameters())
