@@ -373,3 +373,14 @@ def test_each_optimizer_has_its_own_record_and_the_acting_one_is_read(tmp_path, 
     expected = [norms.norms[step] for step in record.steps]  # the second optimizer's, none of the first's
     assert torch.allclose(*(torch.tensor(v, dtype=torch.float64) for v in (record.norms, expected)), rtol=1e-4)
     assert record.path.endswith(f"flight-record-step{JUMP}.csv")
+
+
+def test_a_healthy_small_batch_adam_regression_raises_no_flag_and_a_batch_of_wrong_targets_one_at_once():
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    from spikes_healthy import FAULTS, judge_before, judge_now, train  # benchmarks/spikes_healthy.py
+
+    healthy = train("mlp", seed=0, steps=450)  # each step's loss (1e-3 and falling) and total gradient norm
+    assert len(judge_before(healthy, SpikeTrigger())) >= 2  # on the linear scale: ordinary batches flagged
+    assert judge_now(healthy, SpikeTrigger()) == []
+    faulty = train("mlp", seed=0, steps=405, fault=FAULTS[1], at=400)  # one batch of wrong targets
+    assert judge_now(faulty, SpikeTrigger())[0] == 400
