@@ -63,8 +63,9 @@ class GradientAnomalyStopping(GradientCheck):
       after every ``rollback_every_n_steps`` clean steps in a row), drops the updates of the
       next ``skip_batches`` optimizer steps and trains on, as large-model pretraining does by
       hand after a loss spike. ``trainer.global_step`` keeps counting every step; the LR
-      schedules go back with the snapshot. One device or DDP, one optimizer. Details: README,
-      "Rollback after a loss spike".
+      schedules go back with the snapshot, and so do the spike windows, the running medians and
+      the flight recorders. A second rollback to the same snapshot warns; a third stops. One
+      device or DDP, one optimizer. Details: ``docs/spikes_and_rollback.md``.
     - ``"raise"``: raises :class:`GradientAnomalyError` carrying the report, before the update.
     - ``"warn"``: warns with the report, on rank zero, and applies the update.
 
