@@ -185,8 +185,9 @@ class Falling(L.LightningModule):
 
 
 def _spike_run(tmp_path: Any, data: Any, steps: int) -> tuple[Falling, GradientAnomalyStopping]:
-    stopper = GradientAnomalyStopping(action="rollback", spikes=SpikeTrigger(window=16, warmup=8),
-                                      rollback_every_n_steps=6, skip_batches=2, flight_recorder=16, prog_bar=False)
+    stopper = GradientAnomalyStopping(action="rollback", spikes=SpikeTrigger(window=16, warmup=8), window=8,
+                                      relative_threshold=1e6, rollback_every_n_steps=6, skip_batches=2,
+                                      flight_recorder=16, prog_bar=False)
     torch.manual_seed(0)
     model = Falling()
     trainer(tmp_path, [stopper], logger=False, max_steps=steps).fit(model, DataLoader(data, batch_size=64))
@@ -211,6 +212,8 @@ def test_with_spikes_a_rolled_back_run_whose_level_moved_ends_as_one_that_never_
                        (stopper._watch.recorders[0].ring, judged._watch.recorders[0].ring)]:
         assert ring.count == same.count == len(kept) // 64  # the discarded steps' values are in neither
         assert torch.equal(ring.ordered(), same.ordered())
+    medians = [s._detector.state_dict() for s in (stopper, judged)]  # the running medians' windows too
+    assert medians[0]["seen"] == medians[1]["seen"] and torch.equal(*(m["history"][0] for m in medians))
 
 
 def test_a_second_rollback_to_the_same_snapshot_warns_and_a_third_stops_with_a_report(tmp_path):

@@ -132,12 +132,12 @@ class Rollback:
             pl_module.load_state_dict(self._state["model"])  # copies into the parameters, in place
             trainer.optimizers[0].load_state_dict(_host_copy(self._state["optimizer"]))  # no alias of ours
             self._restore_schedules(trainer)
-            if self.judges is not None and self._state["judges"] is not None:
-                self.judges.restore_judges(self._state["judges"])
+            self._restore_judges()
             self.skipping, self._clean = self.skip_batches, 0
             self.returns.append(trainer.global_step - 1)
         elif outcome == "skipped":  # nothing moved but the LR schedules, stepped by Lightning: back they go
             self._restore_schedules(trainer)
+            self._restore_judges()  # and the judges: a run that never saw the batch did not judge by it
             groups = self._state["optimizer"]["param_groups"]
             for group, saved in zip(trainer.optimizers[0].param_groups, groups):
                 group.update({key: value for key, value in saved.items() if key != "params"})
@@ -148,6 +148,10 @@ class Rollback:
         elif outcome == "kept":  # an anomalous step tolerated (patience): the count starts again
             self._clean = 0
         return outcome == "rollback"
+
+    def _restore_judges(self) -> None:
+        if self.judges is not None and self._state["judges"] is not None:
+            self.judges.restore_judges(self._state["judges"])
 
     def _restore_schedules(self, trainer: pl.Trainer) -> None:
         for config, state in zip(trainer.lr_scheduler_configs, self._state["schedulers"]):

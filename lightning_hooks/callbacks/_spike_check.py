@@ -92,8 +92,8 @@ class SpikeCheck:
         self._judged = (values, step.key)
         return {"spikes": flags.double()}
 
-    def conclude(self, check: Check, keep: bool = True) -> Check:
-        """``check`` with the spike flags agreed across ranks; the step's values join the windows (with ``keep``).
+    def conclude(self, check: Check) -> Check:
+        """``check`` with the spike flags agreed across ranks; the step's values join the windows.
 
         A step the AMP scaler skips (or where a rank had no gradient) says nothing: its values
         stay out of the windows and it is never a spike.
@@ -101,8 +101,7 @@ class SpikeCheck:
         judged, self._judged = self._judged, None
         if judged is None or "spikes" not in check.votes or check.skipped:
             return check
-        if keep:
-            self.windows.remember(*judged)
+        self.windows.remember(*judged)
         watched = (self.trigger.loss, self.trigger.grad_norm)
         flags = {f"{signal}_spike": votes > 0 for signal, votes, threshold
                  in zip(SPIKE_SIGNALS, check.votes["spikes"], watched) if threshold is not None}
@@ -138,19 +137,11 @@ class SpikeWatch:
         self._step_loss = loss if first else None
         return self.spikes.votes(step, self._step_loss) if self.spikes is not None else {}
 
-    def conclude(self, trainer: pl.Trainer, step: Step, check: Check, keep: bool = True) -> Check:
-        """``check`` with the agreed spike flags; the step's figures kept by the windows and its optimizer's recorder.
-
-        Args:
-            trainer: The Trainer.
-            step: The step's figures.
-            check: The step's agreed check.
-            keep: Whether the step's figures are kept: not those of a step whose update a
-                rollback drops (a run that never saw those batches would not judge by them).
-        """
+    def conclude(self, trainer: pl.Trainer, step: Step, check: Check) -> Check:
+        """``check`` with the agreed spike flags; the step's figures kept by its optimizer's recorder."""
         if self.spikes is not None:
-            check = self.spikes.conclude(check, keep)
-        if keep and self.flight_recorder and self._step_loss is not None and not check.skipped:
+            check = self.spikes.conclude(check)
+        if self.flight_recorder and self._step_loss is not None and not check.skipped:
             recorder = self.recorders.setdefault(step.key, FlightRecorder(self.flight_recorder))
             recorder.record(log_step(trainer), self._step_loss, step.figures.norms)
         return check

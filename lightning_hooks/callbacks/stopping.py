@@ -244,7 +244,7 @@ class GradientAnomalyStopping(GradientCheck):
     def _handle(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any, step: Step,
                 check: Check) -> None:
         """Count the step at its first evaluation, or at a later one that finds it anomalous (LBFGS)."""
-        check = self._watch.conclude(trainer, step, check, keep=not self.skipping)  # a dropped batch: not seen
+        check = self._watch.conclude(trainer, step, check)
         self._flags = tuple(name for name, on in check.flags.items() if on)
         self._dropper.new_evaluation(first=self._evaluation == 1)
         if self._evaluation == 1:
