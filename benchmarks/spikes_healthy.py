@@ -11,21 +11,31 @@ the package's own). Then faults injected at step 2,000 of each run, replayed the
 corrupt batch (inputs x10), one batch of wrong targets (+3), and the learning rate x30 from there
 on; the delay is from the fault's step to the first flag (0: caught at once).
 
-    python benchmarks/spikes_healthy.py            # about 4 minutes on 2 loaded cores
+With ``--rollback`` the healthy runs are also trained by Lightning with the real
+``GradientAnomalyStopping(action="rollback", spikes=SpikeTrigger(), skip_batches=10)``: how many
+steps were flagged, rollbacks made, updates dropped, and the final loss (the mean of the last
+10%) beside a run without it. Run it with ``PYTHONPATH`` at another checkout for its figures.
+
+    python benchmarks/spikes_healthy.py            # about 5 minutes on 2 loaded cores
     python benchmarks/spikes_healthy.py --steps 1200 --seeds 1   # a quick look
+    python benchmarks/spikes_healthy.py --rollback --seeds 1     # the stopper itself, in Lightning
 """
 
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
+import tempfile
 from collections.abc import Iterator
-from typing import Optional
+from typing import Any, Optional
 
+import lightning.pytorch as pl
 import torch
 from torch import Tensor, nn
+from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_hooks import SpikeTrigger
+from lightning_hooks import GradientAnomalyStopping, SpikeTrigger
 from lightning_hooks.measure.spikes import _MAD_TO_STD, SpikeWindows
 
 FAULTS = ("corrupt batch (x10)", "wrong targets (+3)", "lr x30")
@@ -132,12 +142,67 @@ def rows(kind: str, seed: int, steps: int, trigger: SpikeTrigger) -> Iterator[st
         yield f"| {kind} seed {seed} | {fault} at step {at} | delay {_delay(before, at)} | delay {_delay(now, at)} | |"
 
 
+class Regression(pl.LightningModule):
+    """The healthy recipe of :func:`train` as a LightningModule: the student, Adam at 1e-3."""
+
+    def __init__(self, kind: str, seed: int) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.student = model(kind)
+
+    def training_step(self, batch: Any, batch_idx: int) -> Tensor:
+        return nn.functional.mse_loss(self.student(batch[0]), batch[1])
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.Adam(self.student.parameters(), lr=1e-3)
+
+
+class Losses(pl.Callback):
+    """Every step's loss, and the steps whose flags were not empty."""
+
+    def __init__(self, stopper: Optional[GradientAnomalyStopping]) -> None:
+        self.stopper, self.losses, self.flagged = stopper, [], 0
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: Any, outputs: Any, *args: Any) -> None:
+        self.losses.append(float(outputs["loss"]))
+        self.flagged += bool(self.stopper is not None and self.stopper.last_flags)
+
+
+def rollback_row(kind: str, seed: int, steps: int) -> str:
+    """One healthy recipe in Lightning, with and without the rollback stopper."""
+    torch.manual_seed(1000 + seed)
+    teacher = model(kind)
+    data = [b for _, b in zip(range(steps), batches(kind, teacher, seed))]
+    x, y = torch.cat([b[0] for b in data]), torch.cat([b[1] for b in data])
+    finals = []
+    for stopper in (None, GradientAnomalyStopping(action="rollback", spikes=SpikeTrigger(), skip_batches=10,
+                                                  prog_bar=False)):
+        seen = Losses(stopper)
+        with tempfile.TemporaryDirectory() as tmp:
+            pl.Trainer(accelerator="cpu", max_steps=steps, logger=False, enable_checkpointing=False,
+                       enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp,
+                       callbacks=[c for c in (stopper, seen) if c is not None]).fit(
+                Regression(kind, seed), DataLoader(TensorDataset(x, y), batch_size=8))
+        finals.append(sum(seen.losses[-steps // 10:]) / (steps // 10))
+    return (f"| {kind} seed {seed} | {seen.flagged} | {stopper.rollbacks} | {stopper.dropped_steps} |"
+            f" {finals[1]:.2e} | {finals[0]:.2e} |")
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=3000)
     parser.add_argument("--seeds", type=int, default=2)
+    parser.add_argument("--rollback", action="store_true", help="the healthy runs in Lightning, with rollback")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
+    if args.rollback:
+        logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)  # the Trainer's start-up lines
+        print("| model | steps flagged | rollbacks | updates dropped | final loss | without the stopper |")
+        print("|---|---:|---:|---:|---:|---:|")
+        for kind in ("mlp", "attention"):
+            for seed in range(args.seeds):
+                print(rollback_row(kind, seed, args.steps), flush=True)
+        return 0
     trigger = SpikeTrigger()
     print(f"Default {trigger}: steps flagged (healthy) or delay from the fault to the first flag, in steps\n")
     print("| model | run | before (linear) | now | steps flagged now |")
