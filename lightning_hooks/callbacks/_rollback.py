@@ -158,7 +158,6 @@ class Rollback:
             config.scheduler.load_state_dict(copy.deepcopy(state))
 
 
-
 def rolled_back(rollback: Rollback, report: Any) -> Optional[str]:
     """Say that a rollback happened; return why training must stop, or None.
 
