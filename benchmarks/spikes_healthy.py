@@ -196,7 +196,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     if args.rollback:
-        logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)  # the Trainer's start-up lines
+        for name in ("lightning.pytorch", "pytorch_lightning"):  # the Trainer's start-up lines
+            logging.getLogger(name).setLevel(logging.ERROR)
         print("| model | steps flagged | rollbacks | updates dropped | final loss | without the stopper |")
         print("|---|---:|---:|---:|---:|---:|")
         for kind in ("mlp", "attention"):

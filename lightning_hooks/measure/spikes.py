@@ -238,10 +238,11 @@ class SpikeWindows:
         """
         ring = self._rings.get(key)
         values = values.double()
-        if ring is None or ring.rows is None or ring.count < self._warmup:
+        rows = ring.ordered() if ring is not None and ring.count >= self._warmup else None
+        if rows is None:
             z = torch.zeros_like(values)
         else:
-            rows = ring.ordered().to(values.device)  # moved once, at push
+            rows = rows.to(values.device)  # moved once, at push
             z = robust_zscore(rows, values, self.trigger.min_spread, max(MIN_WINDOW, self.trigger.window // 8))
             warm = rows.isfinite().sum(0) >= self._warmup  # counted in finite values: a NaN step is a gap
             z = torch.where(values.isnan() | ~warm, 0.0, z)  # a signal without a value, or too few: no verdict
