@@ -224,7 +224,7 @@ def test_a_second_rollback_to_the_same_snapshot_warns_and_a_third_stops_with_a_r
         rolled, fit = run(tmp_path, [stopper], dataset("spike", bad_batches=(5, 8, 11)), STEPS)
     said = [str(w.message) for w in caught if "GradientAnomalyStopping" in str(w.message)]
     assert any("step 8 rolled back to the state before step 0" in s and "The second rollback" in s for s in said)
-    stop = [s for s in said if "stopping at step 11: the third rollback to the state before step 0" in s]
+    stop = [s for s in said if "stopping at step 11: 3 rollbacks to the state before step 0" in s]
     assert len(stop) == 1 and "steps 5, 8, 11" in stop[0] and "Gradient anomaly at step 11" in stop[0]
     assert fit.global_step == 12 and stopper.rollbacks == 3  # stopped after the third, not looping on
     assert all(torch.equal(p, q) for p, q in zip(rolled.parameters(), initial))  # left at the snapshot

@@ -182,7 +182,7 @@ def rolled_back(rollback: Rollback, report: Any) -> Optional[str]:
         rank_zero_warn(f"{said} The second rollback to that state (steps {steps}): training from it met another"
                        " anomaly before a new snapshot; a third stops training.")
         return None
-    return (f"GradientAnomalyStopping: stopping at step {step}: the third rollback to the state before step {to}"
-            f" (steps {steps}); rolling back again would loop. The model is left in that state. Look at the"
+    return (f"GradientAnomalyStopping: stopping at step {step}: {len(returns)} rollbacks to the state before step"
+            f" {to} (steps {steps}); rolling back again would loop. The model is left in that state. Look at the"
             f" batches after step {to}, or the thresholds (a `spikes` trigger flagging ordinary steps?)."
             f"\nThe last report:\n{report}")
