@@ -62,13 +62,13 @@ def robust_zscore(window: Tensor, value: Tensor, min_spread: float = 0.0, recent
 
         z = robust_zscore(torch.tensor([1.0, 1.1, 0.9, 1.0]), torch.tensor(3.0), min_spread=0.05)  # about 10
     """
-    window, value = window.double(), value.double()
-    log = ((window > 0) | window.isnan()).all(0) & (value > 0)  # per signal: on the log scale
-    window = torch.where(log, window.clamp(min=0).log(), window)
+    both = torch.cat([window.double(), value.double().unsqueeze(0)])  # the window, then the value: one log
+    log = ~(both <= 0).any(0)  # per signal: on the log scale (a NaN is a gap, not a sign)
+    both = torch.where(log, both.clamp(min=0).log(), both)
+    window, value = both[:-1], both[-1]
     level = window[-recent:].nanmedian(0).values
     steps = (window[1:] - window[:-1]).abs().nanmedian(0).values * (_MAD_TO_STD / math.sqrt(2))
     spread = torch.maximum(steps, torch.where(log, min_spread, level.abs() * min_spread))
-    value = torch.where(log, value.clamp(min=0).log(), value)
     z = torch.where(spread > 0, (value - level) / spread, 0.0)  # no spread (or no value, NaN): no verdict
     return torch.where(value.isfinite(), z, math.inf)
 
