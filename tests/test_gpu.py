@@ -77,3 +77,24 @@ def test_a_bf16_fit_syncs_only_where_the_design_says():
         assert counts.get("model", 0) == without[step].get("model", 0), step  # the hooks add none
         assert counts.get("ActivationMonitor", 0) == (1 if step % 2 == 0 else 0), step
         assert counts.get("GradientMonitor", 0) == 1, step  # the anomaly flags, every optimizer step
+
+
+def test_the_spike_judge_and_the_rollback_copy_of_the_judges_need_no_sync():
+    from lightning_hooks.callbacks._spike_check import SpikeWatch, StepJudges
+    from lightning_hooks.measure.anomalies import AnomalyDetector
+    from lightning_hooks.measure.spikes import SpikeTrigger
+
+    watch = SpikeWatch(SpikeTrigger(window=16, warmup=8), flight_recorder=0)
+    judges = StepJudges(AnomalyDetector(relative_threshold=10.0, window=8), watch)
+    values = torch.tensor([1.0, 2.0], dtype=torch.float64, device="cuda")
+    watch.spikes.windows.judge(values)  # made once (the thresholds' copy to the device), outside
+    for _ in range(12):
+        watch.spikes.windows.remember(values)
+        judges.detector.remember(values)
+    with no_sync():
+        z, flags = watch.spikes.windows.judge(values * 100)
+        saved = judges.copy_judges()
+        watch.spikes.windows.remember(values * 100)
+        judges.restore_judges(saved)
+        again = watch.spikes.windows.judge(values * 100)[0]
+    assert flags.cpu().tolist() == [True, True] and torch.equal(z, again)

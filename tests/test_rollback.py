@@ -1,5 +1,6 @@
 """GradientAnomalyStopping(action="rollback"): back to the last good state, skip batches, train on; DDP."""
 
+import logging
 from typing import Any
 
 import lightning as L
@@ -8,7 +9,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Subset, TensorDataset
 
-from lightning_hooks import GradientAnomalyStopping
+from lightning_hooks import GradientAnomalyStopping, SpikeTrigger
 from tests.helpers import run_ddp, trainer
 
 BATCH = 8
@@ -167,3 +168,96 @@ def test_ddp_both_ranks_roll_back_at_the_same_step(tmp_path):
     assert ranks[0]["params"] == ranks[1]["params"]
     assert ranks[0]["ratio_steps"] == [0, 1, 2, 3, 6, 7]  # no update ratio for dropped updates
     assert [rank["health_images"] for rank in ranks] == [2, 0]  # LayerHealth draws on rank zero only
+
+
+class Falling(L.LightningModule):
+    """A regression MLP on batches of 64 with SGD and momentum: its loss falls 4x from step 6 to step 11."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return nn.functional.mse_loss(self.net(x), y)
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=0.02, momentum=0.9)
+
+
+def _spike_run(tmp_path: Any, data: Any, steps: int) -> tuple[Falling, GradientAnomalyStopping]:
+    stopper = GradientAnomalyStopping(action="rollback", spikes=SpikeTrigger(window=16, warmup=8), window=8,
+                                      relative_threshold=1e6, rollback_every_n_steps=6, skip_batches=2,
+                                      flight_recorder=16, prog_bar=False)
+    torch.manual_seed(0)
+    model = Falling()
+    trainer(tmp_path, [stopper], logger=False, max_steps=steps).fit(model, DataLoader(data, batch_size=64))
+    return model, stopper
+
+
+def test_with_spikes_a_rolled_back_run_whose_level_moved_ends_as_one_that_never_saw_the_batches(tmp_path):
+    # Snapshots before steps 0 and 6; the loss falls 4x from step 6 to the corrupt batch at step 11. The restored
+    # model goes on with the windows, medians and record of step 6, and never sees the discarded steps' values.
+    bad, steps = 11, 40
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(steps * 64, 8, generator=gen)
+    x[bad * 64 : (bad + 1) * 64] *= 1e3
+    data = TensorDataset(x, 0.5 * x[:, :2].sum(1, keepdim=True))
+    rolled, stopper = _spike_run(tmp_path, data, steps)
+    kept = [i for b in [*range(6), *range(bad + 3, steps)] for i in range(b * 64, (b + 1) * 64)]
+    control, judged = _spike_run(tmp_path, Subset(data, kept), len(kept) // 64)  # never saw steps 6-13
+    assert (stopper.rollbacks, stopper.last_rollback, stopper.dropped_steps) == (1, (bad, 6), 3)
+    assert (judged.rollbacks, judged.anomalous_steps) == (0, 0)
+    assert all(torch.equal(p, q) for p, q in zip(rolled.parameters(), control.parameters()))
+    for ring, same in [(stopper._watch.spikes.windows._rings[0], judged._watch.spikes.windows._rings[0]),
+                       (stopper._watch.recorders[0].ring, judged._watch.recorders[0].ring)]:
+        assert ring.count == same.count == len(kept) // 64  # the discarded steps' values are in neither
+        assert torch.equal(ring.ordered(), same.ordered())
+    medians = [s._detector.state_dict() for s in (stopper, judged)]  # the running medians' windows too
+    assert medians[0]["seen"] == medians[1]["seen"] and torch.equal(*(m["history"][0] for m in medians))
+
+
+def test_a_second_rollback_to_the_same_snapshot_warns_and_a_third_stops_with_a_report(tmp_path, caplog):
+    stopper = GradientAnomalyStopping(action="rollback", norm_threshold=1e3, rollback_every_n_steps=10)
+    torch.manual_seed(0)
+    initial = [p.detach().clone() for p in AdamNet().parameters()]
+    with caplog.at_level(logging.WARNING, logger="lightning_hooks"):
+        rolled, fit = run(tmp_path, [stopper], dataset("spike", bad_batches=(5, 8, 11)), STEPS)
+    said = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING
+            and "GradientAnomalyStopping" in r.getMessage()]
+    assert any("step 8 rolled back to the state before step 0" in s and "The second rollback" in s for s in said)
+    stop = [s for s in said if "stopping at step 11: 3 rollbacks to the state before step 0" in s]
+    assert len(stop) == 1 and "steps 5, 8, 11" in stop[0] and "Gradient anomaly at step 11" in stop[0]
+    assert fit.global_step == 12 and stopper.rollbacks == 3  # stopped after the third, not looping on
+    assert all(torch.equal(p, q) for p, q in zip(rolled.parameters(), initial))  # left at the snapshot
+
+
+class Finetuned(L.LightningModule):
+    """A backbone that Lightning's BackboneFinetuning unfreezes at epoch 1 (a param group added), and a head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.backbone = nn.Sequential(nn.Linear(8, 16), nn.Tanh())
+        self.head = nn.Linear(16, 1)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return nn.functional.mse_loss(self.head(self.backbone(x)), y)
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.Adam(filter(lambda p: p.requires_grad, self.parameters()), lr=0.01)
+
+
+def test_rollback_after_backbone_finetuning_added_a_param_group_goes_back_to_a_snapshot_with_it(tmp_path):
+    from lightning.pytorch.callbacks import BackboneFinetuning
+
+    stopper = GradientAnomalyStopping(action="rollback", norm_threshold=1e3, rollback_every_n_steps=100)
+    data = dataset("spike", bad_batches=(3,))  # the fourth batch of each epoch: one group in epoch 0, two in 1
+    bad = trainer(tmp_path, [BackboneFinetuning(unfreeze_backbone_at_epoch=1), stopper], logger=False,
+                  max_epochs=2, max_steps=-1)
+    torch.manual_seed(0)
+    model = Finetuned()
+    bad.fit(model, DataLoader(data, batch_size=BATCH))  # before: ValueError, a different number of param groups
+    assert len(bad.optimizers[0].param_groups) == 2  # the backbone's group, added at epoch 1
+    assert stopper.rollbacks == 2 and stopper.last_rollback == (STEPS + 3, STEPS)  # to the snapshot with both groups
+    assert bad.global_step == 2 * STEPS and all(torch.isfinite(p).all() for p in model.parameters())

@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 import copy
-from typing import Any, Literal, Optional
+import logging
+from typing import Any, Literal, Optional, Protocol
 
 import lightning.pytorch as pl
 from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, SingleDeviceStrategy
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor
 
 from lightning_hooks.core._validation import check_int
+
+_log = logging.getLogger(__name__)
 
 Outcome = Literal["clean", "kept", "rollback", "skipped"]
 
@@ -51,35 +55,65 @@ def validate_rollback(action: str, every_n_steps: Any, skip_batches: Any) -> Non
         )
 
 
+class Judges(Protocol):
+    """Whatever judges the steps (spike windows, running medians, flight rings): copied and restored with a snapshot."""
+
+    def copy_judges(self) -> Any:
+        """A copy of the judges' state, which later steps do not change."""
+
+    def restore_judges(self, judges: Any) -> None:
+        """Put a :meth:`copy_judges` back."""
+
+
+def _groups(trainer: pl.Trainer) -> tuple[int, ...]:
+    """The optimizer's param groups, as the number of parameters in each: a snapshot restores into the same."""
+    return tuple(len(group["params"]) for group in trainer.optimizers[0].param_groups)
+
+
 class Rollback:
     """One snapshot of model, optimizer and LR scheduler state on the host, refreshed every N clean steps.
 
     :meth:`decide` is called at each optimizer step (the flags agreed across ranks) and says
     whether to drop its update; :meth:`end_of_batch`, once the step and the LR schedulers' step
     are done, refreshes the snapshot, restores it, or holds the schedules still while batches
-    are passed over.
+    are passed over. What judges the steps goes back with the snapshot: the restored model's
+    values are judged against the windows of its own time, not those of the discarded steps.
 
     Args:
         every_n_steps: Refresh the snapshot after this many clean optimizer steps in a row.
         skip_batches: After a restore, drop the updates of this many optimizer steps.
+        judges: What judges the steps, copied with each snapshot and restored with it.
     """
 
-    def __init__(self, every_n_steps: int, skip_batches: int) -> None:
-        self.every_n_steps, self.skip_batches = every_n_steps, skip_batches
+    def __init__(self, every_n_steps: int, skip_batches: int, judges: Optional[Judges] = None) -> None:
+        self.every_n_steps, self.skip_batches, self.judges = every_n_steps, skip_batches, judges
         self.skipping = 0  # optimizer steps still to pass over
         self.snapshot_step: Optional[int] = None  # the global step the snapshot was taken before
+        self.returns: list[int] = []  # the steps rolled back to this snapshot
         self._state: dict[str, Any] = {}
         self._clean = 0  # clean steps in a row since the snapshot
         self._outcome: Optional[Outcome] = None
 
     def take(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        """Copy the model, the optimizer and the LR schedulers' states to the host."""
+        """Copy the model, the optimizer and the LR schedulers' states to the host, and the judges' state."""
         self._state = {
             "model": _host_copy(pl_module.state_dict()),
             "optimizer": _host_copy(trainer.optimizers[0].state_dict()),
             "schedulers": [copy.deepcopy(config.scheduler.state_dict()) for config in trainer.lr_scheduler_configs],
+            "groups": _groups(trainer),
+            "judges": self.judges.copy_judges() if self.judges is not None else None,
         }
-        self.snapshot_step, self._clean = trainer.global_step, 0
+        self.snapshot_step, self._clean, self.returns = trainer.global_step, 0, []
+
+    def follow_groups(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> bool:
+        """Take a new snapshot if the optimizer's param groups changed since (a backbone unfrozen); return whether.
+
+        Called before a step: the old snapshot could not be loaded into the optimizer any more.
+        """
+        if not self._state or self._state["groups"] == _groups(trainer):
+            return False
+        self.take(trainer, pl_module)
+        return True
 
     def release(self) -> None:
         """Free the snapshot (at the end of ``fit``)."""
@@ -101,9 +135,12 @@ class Rollback:
             pl_module.load_state_dict(self._state["model"])  # copies into the parameters, in place
             trainer.optimizers[0].load_state_dict(_host_copy(self._state["optimizer"]))  # no alias of ours
             self._restore_schedules(trainer)
+            self._restore_judges()
             self.skipping, self._clean = self.skip_batches, 0
+            self.returns.append(trainer.global_step - 1)
         elif outcome == "skipped":  # nothing moved but the LR schedules, stepped by Lightning: back they go
             self._restore_schedules(trainer)
+            self._restore_judges()  # and the judges: a run that never saw the batch did not judge by it
             groups = self._state["optimizer"]["param_groups"]
             for group, saved in zip(trainer.optimizers[0].param_groups, groups):
                 group.update({key: value for key, value in saved.items() if key != "params"})
@@ -115,7 +152,40 @@ class Rollback:
             self._clean = 0
         return outcome == "rollback"
 
+    def _restore_judges(self) -> None:
+        if self.judges is not None and self._state["judges"] is not None:
+            self.judges.restore_judges(self._state["judges"])
+
     def _restore_schedules(self, trainer: pl.Trainer) -> None:
         for config, state in zip(trainer.lr_scheduler_configs, self._state["schedulers"]):
             config.scheduler.load_state_dict(copy.deepcopy(state))
 
+
+def rolled_back(rollback: Rollback, report: Any) -> Optional[str]:
+    """Say that a rollback happened; return why training must stop, or None.
+
+    Once back to a snapshot is routine (info); twice is a warning: training from that state met
+    another anomaly before ``every_n_steps`` clean steps made a new snapshot. The third time,
+    the rollbacks would only go round in a loop, discarding the same steps: training stops,
+    with the last report, at the restored state.
+
+    Args:
+        rollback: The rollback, just restored.
+        report: The last anomaly report (printed when it stops).
+    """
+    to, returns = rollback.snapshot_step or 0, rollback.returns
+    step = returns[-1]
+    said = (f"GradientAnomalyStopping: step {step} rolled back to the state before step {to}; dropping the next"
+            f" {rollback.skip_batches} updates.")
+    if len(returns) == 1:
+        rank_zero_only(_log.info)(said)
+        return None
+    steps = ", ".join(map(str, returns))
+    if len(returns) == 2:
+        rank_zero_only(_log.warning)(f"{said} The second rollback to that state (steps {steps}): training from it"
+                                     " met another anomaly before a new snapshot; a third stops training.")
+        return None
+    return (f"GradientAnomalyStopping: stopping at step {step}: {len(returns)} rollbacks to the state before step"
+            f" {to} (steps {steps}); rolling back again would loop. The model is left in that state. Look at the"
+            f" batches after step {to}, or the thresholds (a `spikes` trigger flagging ordinary steps?)."
+            f"\nThe last report:\n{report}")

@@ -11,6 +11,7 @@ are summed over the ranks in it: any rank's spike is every rank's.
 
 from __future__ import annotations
 
+import copy
 import math
 from dataclasses import replace
 from typing import Any, Optional
@@ -24,6 +25,7 @@ from lightning_hooks.callbacks._flight_recorder import FlightRecord, FlightRecor
 from lightning_hooks.core._validation import check_int
 from lightning_hooks.distributed._rank_agreement import Check
 from lightning_hooks.distributed._step_measure import Step
+from lightning_hooks.measure.anomalies import AnomalyDetector
 from lightning_hooks.measure.spikes import SPIKE_SIGNALS, SpikeTrigger, SpikeWindows
 
 
@@ -158,6 +160,18 @@ class SpikeWatch:
         self._loss.clear()
         self._step_loss = None
 
+    def copy_judges(self) -> dict[str, Any]:
+        """A copy of what judges the steps (the spike windows, the flight recorders), on device, for a rollback."""
+        return copy.deepcopy({"windows": self.spikes.windows if self.spikes is not None else None,
+                              "recorders": self.recorders})
+
+    def restore_judges(self, judges: dict[str, Any]) -> None:
+        """Put back a :meth:`copy_judges` (copied again: a later rollback to it finds it untouched)."""
+        judges = copy.deepcopy(judges)
+        if self.spikes is not None:
+            self.spikes.windows = judges["windows"]
+        self.recorders = judges["recorders"]
+
     def state_dict(self) -> dict[str, Any]:
         """The spike windows, if any."""
         return {"spikes": self.spikes.windows.state_dict()} if self.spikes is not None else {}
@@ -166,3 +180,30 @@ class SpikeWatch:
         """Restore the spike windows, if both the checkpoint and this instance have them."""
         if self.spikes is not None and "spikes" in state_dict:
             self.spikes.windows.load_state_dict(state_dict["spikes"])
+
+
+class StepJudges:
+    """What judges GradientAnomalyStopping's steps: the running medians, the spike windows, the flight recorders.
+
+    A rollback copies them with its snapshot and puts them back with it (see
+    :class:`~lightning_hooks.callbacks._rollback.Rollback`): copies on device, no host transfer.
+
+    Args:
+        detector: The gradient check's detector (its running medians).
+        watch: The spike windows and flight recorders.
+    """
+
+    def __init__(self, detector: AnomalyDetector, watch: SpikeWatch) -> None:
+        self.detector, self.watch = detector, watch
+
+    def copy_judges(self) -> dict[str, Any]:
+        """Copies of the running medians' windows, the spike windows and the flight recorders."""
+        # The detector's own state_dict is for checkpoints (on the CPU); these copies stay on device.
+        medians = {"history": {k: h.clone() for k, h in self.detector._history.items()},
+                   "seen": dict(self.detector._seen)}
+        return {"medians": medians, "watch": self.watch.copy_judges()}
+
+    def restore_judges(self, judges: dict[str, Any]) -> None:
+        """Put back what :meth:`copy_judges` returned (copied again: the snapshot stays untouched)."""
+        self.detector.load_state_dict(judges["medians"])  # clones the windows, on their device
+        self.watch.restore_judges(judges["watch"])

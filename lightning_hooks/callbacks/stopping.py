@@ -12,8 +12,8 @@ from torch import Tensor
 from lightning_hooks.callbacks._anomaly_report import AnomalyReport
 from lightning_hooks.callbacks._base import watch_closely
 from lightning_hooks.callbacks._gradient_check import GradientCheck
-from lightning_hooks.callbacks._rollback import Rollback, check_strategy, validate_rollback
-from lightning_hooks.callbacks._spike_check import SpikeWatch, validate_spikes
+from lightning_hooks.callbacks._rollback import Rollback, check_strategy, rolled_back, validate_rollback
+from lightning_hooks.callbacks._spike_check import SpikeWatch, StepJudges, validate_spikes
 from lightning_hooks.callbacks._update_drop import UpdateDrop
 from lightning_hooks.core._validation import check_bool, check_choice, check_int
 from lightning_hooks.core.selection import ModuleSelection
@@ -64,8 +64,9 @@ class GradientAnomalyStopping(GradientCheck):
       after every ``rollback_every_n_steps`` clean steps in a row), drops the updates of the
       next ``skip_batches`` optimizer steps and trains on, as large-model pretraining does by
       hand after a loss spike. ``trainer.global_step`` keeps counting every step; the LR
-      schedules go back with the snapshot. One device or DDP, one optimizer. Details: README,
-      "Rollback after a loss spike".
+      schedules go back with the snapshot, and so do the spike windows, the running medians and
+      the flight recorders. A second rollback to the same snapshot warns; a third stops. One
+      device or DDP, one optimizer. Details: ``docs/spikes_and_rollback.md``.
     - ``"raise"``: raises :class:`GradientAnomalyError` carrying the report, before the update
       (before the next one with ``act_late``).
     - ``"warn"``: warns with the report, on rank zero, and applies the update.
@@ -168,7 +169,10 @@ class GradientAnomalyStopping(GradientCheck):
         validate_rollback(action, rollback_every_n_steps, skip_batches)
         self.action, self.patience, self.prog_bar = action, patience, prog_bar
         self.rollback_every_n_steps, self.skip_batches = rollback_every_n_steps, skip_batches
-        self._rollback = Rollback(rollback_every_n_steps or 100, skip_batches) if action == "rollback" else None
+        self.spikes, self.flight_recorder, self.watch_after = spikes, flight_recorder, watch_after
+        self._watch = SpikeWatch(spikes, flight_recorder)
+        self._rollback = Rollback(rollback_every_n_steps or 100, skip_batches, StepJudges(self._detector, self._watch)
+                                  ) if action == "rollback" else None
         self.rollbacks = 0
         #: With ``"rollback"``: (the step rolled back, the step whose starting state it went back to).
         self.last_rollback: Optional[tuple[int, int]] = None
@@ -181,8 +185,6 @@ class GradientAnomalyStopping(GradientCheck):
         self._streak_before = 0  # the streak before the current step
         self._settled = False  # the current step is counted anomalous: its later evaluations change nothing
         self._decided_for: Optional[tuple[int, int]] = None  # the optimizer step whose update decisions are made
-        self.spikes, self.flight_recorder, self.watch_after = spikes, flight_recorder, watch_after
-        self._watch = SpikeWatch(spikes, flight_recorder)
         self._flags: tuple[str, ...] = ()
 
     def _key(self) -> dict[str, Any]:
@@ -214,15 +216,24 @@ class GradientAnomalyStopping(GradientCheck):
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        """After the step and the LR schedulers': refresh the snapshot, or roll back to it."""
+        """After the step and the LR schedulers': refresh the snapshot, or roll back to it (a third time: stop)."""
         super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
         if self._rollback is not None and self._rollback.end_of_batch(trainer, pl_module):
             self.rollbacks, self.streak = self.rollbacks + 1, 0
-            step, to = trainer.global_step - 1, self._rollback.snapshot_step or 0
-            self.last_rollback = (step, to)
-            if trainer.is_global_zero:
-                _log.info(f"GradientAnomalyStopping: step {step} rolled back to the state before step {to};"
-                         f" dropping the next {self.skip_batches} updates.")
+            self.last_rollback = (trainer.global_step - 1, self._rollback.snapshot_step or 0)
+            stop = rolled_back(self._rollback, self.last_report)
+            if stop is not None:
+                if trainer.is_global_zero:
+                    _log.warning(stop)
+                trainer.should_stop = True
+
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        """With ``"rollback"``: snapshot again if the optimizer's param groups changed (a backbone unfrozen)."""
+        super().on_train_batch_start(trainer, pl_module, batch, batch_idx)
+        if self._rollback is not None:
+            self._rollback.follow_groups(trainer, pl_module)
 
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Tensor) -> None:
         """Note the loss about to be backpropagated, on device, for ``spikes`` and ``flight_recorder``."""

@@ -22,35 +22,54 @@ __all__ = ["SPIKE_SIGNALS", "SpikeTrigger", "SpikeWindows", "robust_zscore"]
 #: The signals a :class:`SpikeTrigger` watches, in the order of its flags: the flag names are ``<signal>_spike``.
 SPIKE_SIGNALS = ("loss", "grad_norm")
 
+#: The fewest and the most values a spike window may hold: a median and a spread of fewer than 8
+#: values call ordinary noise a spike (window=2 flagged 57-72% of a healthy run's steps); a median
+#: over more than 10,000 is a sort of that many values at every step, and takes thousands of steps
+#: to accept a new level.
+MIN_WINDOW, MAX_WINDOW = 8, 10_000
+
 #: MAD times this is the standard deviation of normally distributed values: a z of 6 means what it does for a std.
 _MAD_TO_STD = 1.4826
 
 
 @torch.no_grad()
-def robust_zscore(window: Tensor, value: Tensor, min_spread: float = 0.0) -> Tensor:
-    """How many robust standard deviations ``value`` is above the median of ``window``, on device.
+def robust_zscore(window: Tensor, value: Tensor, min_spread: float = 0.0, recent: int = 8) -> Tensor:
+    """How many robust standard deviations ``value`` is above the recent level of ``window``, on device.
 
-    The spread is the median absolute deviation times 1.4826 (the standard deviation for normal
-    noise), at least ``min_spread`` times the median's magnitude, so that a signal that has
-    flattened out does not call a tiny wobble a spike. NaNs in ``window`` are gaps and skipped.
+    A signal whose values (the window's and ``value``) are all positive is judged on a log
+    scale: a loss near convergence wanders by factors (a minibatch 4x the median is ordinary
+    at 1e-4), and a spike is a factor too. A signal that is ever 0 or negative is judged as it
+    is. The level is the median of the last ``recent`` values; the spread is the median of the
+    absolute differences between successive values, times 1.4826 / sqrt(2) (the standard
+    deviation for normal noise), so that a trend (a loss falling 1000x in the window) widens
+    neither: a spike is a jump from where the signal was, not from where it was 100 steps ago.
+    The spread is at least ``min_spread`` (on the log scale, where 0.05 is about a 5% change; on
+    the linear one, times the level's magnitude), so that a signal that has flattened out
+    (full batch) does not call a wobble a spike. NaNs in ``window`` are gaps and skipped.
 
     Args:
-        window: The past values along dim 0: ``(W,)``, or ``(W, S)`` for ``S`` signals at once.
+        window: The past values along dim 0, oldest first: ``(W,)``, or ``(W, S)`` for ``S``
+            signals at once.
         value: The new value: a 0-d tensor, or ``(S,)``.
-        min_spread: The smallest spread, as a fraction of the median's magnitude.
+        min_spread: The smallest spread (of the log, or as a fraction of the level).
+        recent: How many of the last values the level is the median of.
 
     Returns:
-        Float64, of the shape of ``value``: 0 where the window holds no value (or one value
-        repeated), +inf for a non-finite ``value``.
+        Float64, of the shape of ``value``: 0 where the window holds no value (or a constant
+        and ``min_spread`` is 0), +inf for a non-finite ``value``.
 
     Example::
 
-        z = robust_zscore(torch.tensor([1.0, 1.1, 0.9, 1.0]), torch.tensor(3.0))  # about 27
+        z = robust_zscore(torch.tensor([1.0, 1.1, 0.9, 1.0]), torch.tensor(3.0), min_spread=0.05)  # about 10
     """
-    window, value = window.double(), value.double()
-    median = window.nanmedian(0).values
-    spread = torch.maximum((window - median).abs().nanmedian(0).values * _MAD_TO_STD, median.abs() * min_spread)
-    z = torch.where(spread > 0, (value - median) / spread, 0.0)  # no spread (or no value, NaN): no verdict
+    both = torch.cat([window.double(), value.double().unsqueeze(0)])  # the window, then the value: one log
+    log = ~(both <= 0).any(0)  # per signal: on the log scale (a NaN is a gap, not a sign)
+    both = torch.where(log, both.clamp(min=0).log(), both)
+    window, value = both[:-1], both[-1]
+    level = window[-recent:].nanmedian(0).values
+    steps = (window[1:] - window[:-1]).abs().nanmedian(0).values * (_MAD_TO_STD / math.sqrt(2))
+    spread = torch.maximum(steps, torch.where(log, min_spread, level.abs() * min_spread))
+    z = torch.where(spread > 0, (value - level) / spread, 0.0)  # no spread (or no value, NaN): no verdict
     return torch.where(value.isfinite(), z, math.inf)
 
 
@@ -58,35 +77,44 @@ def robust_zscore(window: Tensor, value: Tensor, min_spread: float = 0.0) -> Ten
 class SpikeTrigger:
     """When a step's loss or gradient norm is a spike: a robust z-score above a threshold.
 
-    The z-score of a step's value is how far it lies above the median of the last ``window``
-    steps' values, in units of their median absolute deviation (times 1.4826, so that it equals
-    the standard deviation for normal noise). No step is judged before ``warmup`` values are in
-    the window. Every step's finite value joins the window after it is judged, a spike's too.
+    The z-score of a step's value is how far it lies above the signal's recent level (the median
+    of the last ``window // 8`` values, at least 8), in robust standard deviations of its
+    step-to-step changes over the last ``window`` values, on a log scale for a signal that is
+    positive (see :func:`robust_zscore`). No signal is judged before its window holds ``warmup``
+    finite values (a NaN step is a gap). Every step's finite value joins the window after it is
+    judged, a spike's too.
 
     Why these defaults: OLMo-core's ``SkipStepOptimizer`` skips a step whose loss or gradient
     norm is more than 6 standard deviations above the mean of the last 128 steps, and judges
     nothing before 64 (half the window); the same numbers here mean the same for normal noise.
-    The median and the MAD replace the mean and the standard deviation because a spike in the
-    window would inflate the standard deviation for the next 128 steps and hide the next spike,
-    and the median is not dragged by the ramp that often leads into one. A lasting change of
-    level (a new data mix) becomes the new normal once it fills half the window, instead of
-    being flagged for ever. The spread is taken as at least ``min_spread`` of the median (1%),
-    so that a loss that has flattened out does not call a tiny wobble a spike.
+    Medians replace the mean and the standard deviation because a spike in the window would
+    inflate the standard deviation for the next 128 steps and hide the next spike. The log
+    scale, because a small-batch loss near convergence wanders by factors (at 1e-4, a batch at
+    4x the median is ordinary: 6 MADs and more on the linear scale, 2 to 4 on the log scale),
+    while a spike is a large factor at any level. The spread from step-to-step changes and the
+    level from the last steps, because early in training the loss falls 1000x within a window:
+    measured around the window's median, a x1000 spike there is 2 spreads high; measured from
+    where the loss just was, 40. A lasting change of level becomes the new normal once it fills
+    half of the recent steps. The spread is at least ``min_spread`` (5%, on the log scale), so
+    that a signal that has flattened out or moves smoothly (full batch) does not call a wobble a
+    spike. Measured on healthy and faulty runs: ``benchmarks/spikes_healthy.py``.
 
     Args:
         loss: Flag ``loss_spike`` above this z-score (None: do not watch the loss).
         grad_norm: Flag ``grad_norm_spike`` above this z-score of the total gradient norm (None:
             do not watch it).
-        window: How many past steps the median covers.
-        warmup: How many values the window must hold before a step is judged (None: half the
-            window, 64 by default).
-        min_spread: The smallest spread, as a fraction of the median.
+        window: How many past steps the median covers: 8 to 10,000.
+        warmup: How many finite values a signal's window must hold before it is judged: 8 to
+            ``window`` (None: half the window, 64 by default).
+        min_spread: The smallest spread: of the log, or, for a signal that is not positive, as a
+            fraction of the median.
 
     Raises:
         TypeError: For a threshold or ``min_spread`` that is not a number, or a ``window`` or
             ``warmup`` that is not an int.
         ValueError: For a threshold that is not finite and > 0, neither signal watched, a
-            ``window`` or ``warmup`` below 1, ``warmup > window``, or a ``min_spread`` outside [0, 1].
+            ``window`` outside [8, 10000], a ``warmup`` below 8 or above ``window``, or a
+            ``min_spread`` outside [0, 1].
 
     Example::
 
@@ -99,7 +127,7 @@ class SpikeTrigger:
     grad_norm: Optional[float] = 6.0
     window: int = 128
     warmup: Optional[int] = None
-    min_spread: float = 0.01
+    min_spread: float = 0.05
 
     def __post_init__(self) -> None:
         check_number("loss", self.loss, low=0, optional=True)
@@ -107,8 +135,15 @@ class SpikeTrigger:
         if self.loss is None and self.grad_norm is None:
             raise ValueError("SpikeTrigger watches nothing: set `loss` or `grad_norm` (z-scores, e.g. 6.0)")
         check_int("window", self.window)
+        if not MIN_WINDOW <= self.window <= MAX_WINDOW:
+            raise ValueError(f"`window` must be an int in [{MIN_WINDOW}, {MAX_WINDOW}], got {self.window!r}: a median"
+                             f" and a spread of fewer than {MIN_WINDOW} values call ordinary noise a spike; pass"
+                             " e.g. window=128 (the default)")
         check_int("warmup", self.warmup, optional=True, none_means="half the window")
-        warmup = max(1, self.window // 2) if self.warmup is None else self.warmup  # half the window, as OLMo-core
+        warmup = max(MIN_WINDOW, self.window // 2) if self.warmup is None else self.warmup  # half, as OLMo-core
+        if warmup < MIN_WINDOW:
+            raise ValueError(f"`warmup` must be at least {MIN_WINDOW} (or None for half the window), got {warmup!r}:"
+                             f" no step is judged on fewer than {MIN_WINDOW} values; pass warmup={MIN_WINDOW} or more")
         if warmup > self.window:
             raise ValueError(f"`warmup` ({warmup}) must not exceed `window` ({self.window}): the window"
                              " could never hold enough values")
@@ -198,16 +233,19 @@ class SpikeWindows:
             key: The optimizer's index.
 
         Returns:
-            ``(z, flags)``: float64 z-scores (0 before the warm-up) and bool flags, both of the
-            shape of ``values``.
+            ``(z, flags)``: float64 z-scores (0 until the signal's window holds ``warmup`` finite
+            values) and bool flags, both of the shape of ``values``.
         """
         ring = self._rings.get(key)
         values = values.double()
-        if ring is None or ring.rows is None or ring.count < self._warmup:
+        rows = ring.ordered() if ring is not None and ring.count >= self._warmup else None
+        if rows is None:
             z = torch.zeros_like(values)
         else:
-            z = robust_zscore(ring.rows.to(values.device), values, self.trigger.min_spread)  # moved once, at push
-            z = torch.where(values.isnan(), 0.0, z)  # a signal without a value: no verdict
+            rows = rows.to(values.device)  # moved once, at push
+            z = robust_zscore(rows, values, self.trigger.min_spread, max(MIN_WINDOW, self.trigger.window // 8))
+            warm = rows.isfinite().sum(0) >= self._warmup  # counted in finite values: a NaN step is a gap
+            z = torch.where(values.isnan() | ~warm, 0.0, z)  # a signal without a value, or too few: no verdict
         if self._thresholds is None or self._thresholds.device != values.device:
             self._thresholds = torch.tensor(self.trigger.thresholds, dtype=torch.float64, device=values.device)
         return z, z > self._thresholds
