@@ -21,7 +21,7 @@ from lightning_hooks.callbacks._base import HookCallback
 from lightning_hooks.callbacks._flight_recorder import FlightRecord
 from lightning_hooks.core._compat import BarCount, show_whole, unshow_whole
 from lightning_hooks.core._deprecation import DeprecatedAttribute
-from lightning_hooks.core._validation import check_bool, check_path
+from lightning_hooks.core._validation import check_bool, check_path, check_writable_dir
 from lightning_hooks.core.selection import ModuleSelection, named_parameters
 from lightning_hooks.distributed._rank_agreement import Check
 from lightning_hooks.distributed._shared_measurement import SharedMeasurement
@@ -91,7 +91,13 @@ class GradientCheck(HookCallback):
         return self._state_key
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        """Resolve the module selection when it is used."""
+        """Resolve the module selection when it is used; check that ``dirpath`` can be written, before training.
+
+        Raises:
+            ValueError: If ``dirpath`` cannot be created or written to (read-only, no permission).
+        """
+        if self.dirpath is not None:
+            check_writable_dir("dirpath", self.dirpath)
         if self._uses_modules():
             super().setup(trainer, pl_module, stage)
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import os
+import tempfile
 from collections.abc import Collection
 from typing import Any, Optional
 
@@ -127,3 +128,23 @@ def check_path(name: str, value: Any, optional: bool = False) -> None:
         raise TypeError(f"`{name}` must be {expected}, {_got(value)}: pass a str or an os.PathLike")
     if not os.fspath(value):
         raise ValueError(f"`{name}` is empty: pass a directory" + (", or None to save nothing" if optional else ""))
+
+
+def check_writable_dir(name: str, value: str | os.PathLike[str]) -> None:
+    """Create the directory ``value`` if needed and write a file in it, so one that cannot be written fails now.
+
+    Called in ``setup``: a read-only or missing mount fails before training, not at the first
+    anomaly hours in.
+
+    Raises:
+        ValueError: If the directory cannot be created or written to; the message gives the reason.
+    """
+    path = os.fspath(value)
+    try:
+        os.makedirs(path, exist_ok=True)
+        handle, probe = tempfile.mkstemp(prefix=".lightning_hooks-probe-", dir=path)
+        os.close(handle)
+        os.remove(probe)
+    except OSError as err:
+        raise ValueError(f"`{name}`={path!r} cannot be written ({type(err).__name__}: {err.strerror or err}):"
+                         f" pass a directory this process can write to, or {name}=None to save nothing") from err
