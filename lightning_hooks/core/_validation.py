@@ -31,7 +31,13 @@ def check_bool(name: str, value: Any) -> None:
         raise TypeError(f"`{name}` must be a bool, {_got(value)}: pass {name}=True or {name}=False")
 
 
-def check_int(name: str, value: Any, low: int = 1, optional: bool = False, none_means: str = "") -> None:
+#: The longest window (steps, or logged norms) a running median or a history may cover: far
+#: beyond any training's need, and small enough that its buffer fits in memory.
+MAX_WINDOW = 100_000
+
+
+def check_int(name: str, value: Any, low: int = 1, optional: bool = False, none_means: str = "",
+              high: Optional[int] = None) -> None:
     """Check an int argument of at least ``low`` (a bool is not an int here); None too where ``optional``.
 
     Args:
@@ -40,13 +46,18 @@ def check_int(name: str, value: Any, low: int = 1, optional: bool = False, none_
         low: The smallest value allowed.
         optional: Whether None is allowed.
         none_means: What None means, for the message (``"no limit"``: "or None for no limit").
+        high: The largest value allowed, if any (a size that must fit in memory).
 
     Raises:
         TypeError: If ``value`` is not an int (or None, where allowed).
-        ValueError: If it is below ``low``.
+        ValueError: If it is below ``low`` or above ``high``.
     """
     if optional and value is None:
         return
+    if high is not None and isinstance(value, int) and not isinstance(value, bool) and value > high:
+        # repr of a huge int is long, or refused past 4300 digits: say its size instead
+        shown = f"{value!r}" if value < 10**12 else f"an int of about {int(value.bit_length() * 0.30103) + 1} digits"
+        raise ValueError(f"`{name}` must be at most {high}, got {shown}: pass {name}={high} or less")
     kind = {1: "a positive int", 0: "a non-negative int"}.get(low, f"an int of at least {low}")
     expected = f"{kind}, or None for {none_means}" if optional and none_means else (
         f"{kind} or None" if optional else kind)
