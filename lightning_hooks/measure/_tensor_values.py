@@ -16,27 +16,38 @@ from torch import Tensor
 from torch.nn.utils.rnn import PackedSequence
 
 
-def iter_tensors(value: Any, _depth: int = 0) -> Iterator[Tensor]:
-    """Every tensor inside a module's output: tuples, lists, dicts, dataclasses; others skipped.
+def iter_tensors(value: Any) -> Iterator[Tensor]:
+    """Every tensor inside a module's output, in order: tuples, lists, dicts, dataclasses; others skipped.
 
     A ``PackedSequence`` (what an RNN fed ``pack_padded_sequence`` returns) gives its ``data``
-    alone: its ``batch_sizes`` and sort indices are bookkeeping, not values.
+    alone: its ``batch_sizes`` and sort indices are bookkeeping, not values. Any depth of
+    nesting is walked (with a stack, not recursion), and each container once: a list that holds
+    itself gives its tensors once, not once per level.
     """
-    if isinstance(value, Tensor):
+    if isinstance(value, Tensor):  # the usual output: no walk
         yield value
-    elif isinstance(value, PackedSequence):
-        yield value.data
-    elif _depth > 8:
         return
-    elif isinstance(value, (tuple, list)):
-        for item in value:
-            yield from iter_tensors(item, _depth + 1)
-    elif isinstance(value, dict):
-        for item in value.values():
-            yield from iter_tensors(item, _depth + 1)
-    elif is_dataclass(value) and not isinstance(value, type):
-        for field in fields(value):
-            yield from iter_tensors(getattr(value, field.name, None), _depth + 1)
+    stack, seen = [value], set()
+    while stack:
+        value = stack.pop()
+        if isinstance(value, Tensor):
+            yield value
+        elif isinstance(value, PackedSequence):
+            yield value.data
+        elif id(value) in seen:
+            continue
+        elif isinstance(value, (tuple, list, dict)) or (is_dataclass(value) and not isinstance(value, type)):
+            seen.add(id(value))
+            stack.extend(reversed(_items(value)))
+
+
+def _items(container: Any) -> list[Any]:
+    """A container's items, in order: a dict's values, a dataclass's fields."""
+    if isinstance(container, dict):
+        return list(container.values())
+    if isinstance(container, (tuple, list)):
+        return list(container)
+    return [getattr(container, field.name, None) for field in fields(container)]
 
 
 def as_float_values(tensor: Tensor) -> Tensor | None:
