@@ -5,7 +5,7 @@ from __future__ import annotations
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any, Optional
-from weakref import WeakKeyDictionary
+from weakref import WeakKeyDictionary, ref
 
 import lightning.pytorch as pl
 import torch
@@ -83,6 +83,34 @@ def is_logged(trainer: pl.Trainer, every: int) -> bool:
     return _is_logged_step(step, every) or (every > 0 and step <= _WATCHED_UNTIL.get(trainer, -1))
 
 
+def claim(callback: Any, trainer: Any) -> None:
+    """Note that ``trainer`` runs ``callback`` from its ``setup`` on; one Trainer at a time.
+
+    Raises:
+        RuntimeError: If another Trainer still runs it (a ``fit`` inside a ``fit``: one instance
+            holds one run's hooks and state, and the inner run would take them from the outer).
+    """
+    if not owns(callback, trainer):
+        raise RuntimeError(
+            f"{type(callback).__name__}: this instance is attached to another Trainer that is still running (a"
+            " `fit` called inside a `fit`, from a callback or a training_step?). Give each Trainer its own instance:"
+            " an instance holds one run's hooks and state.")
+    callback._owner = ref(trainer)
+
+
+def owns(callback: Any, trainer: Any) -> bool:
+    """Whether ``trainer`` may run ``callback``: no other live Trainer has claimed it."""
+    owner = getattr(callback, "_owner", None)
+    current = owner() if owner is not None else None
+    return current is None or current is trainer
+
+
+def release(callback: Any, trainer: Any) -> None:
+    """Let another Trainer run ``callback`` (``teardown`` or ``on_exception`` of the Trainer that claimed it)."""
+    if owns(callback, trainer):
+        callback._owner = None
+
+
 class HookCallback(*CALLBACK_BASES):  # type: ignore[misc]  # the Callback of each Lightning package
     """Base class: resolve a module selection, register hooks on fit start, remove them on exit.
 
@@ -115,6 +143,7 @@ class HookCallback(*CALLBACK_BASES):  # type: ignore[misc]  # the Callback of ea
         # Gated hooks return at once while this is False; a plain attribute, so that
         # torch.compile guards on it instead of seeing hooks come and go.
         self._collecting = False
+        self._owner: Optional[ref[Any]] = None  # the Trainer running it, from `setup` to `teardown`
 
     @property
     def module_names(self) -> list[str]:
@@ -132,6 +161,7 @@ class HookCallback(*CALLBACK_BASES):  # type: ignore[misc]  # the Callback of ea
         A LightningModule that builds its layers in ``configure_model`` (which Lightning runs
         after ``setup``) is resolved in ``on_fit_start`` instead, still before the first step.
         """
+        claim(self, trainer)
         if not configure_model_overridden(pl_module):
             self._targets = select_modules(pl_module, self.modules)
 
@@ -147,12 +177,16 @@ class HookCallback(*CALLBACK_BASES):  # type: ignore[misc]  # the Callback of ea
     def on_exception(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
     ) -> None:
-        """Remove the hooks when ``fit`` raises (Lightning skips ``on_fit_end`` then)."""
-        self.detach()
+        """Remove the hooks when ``fit`` raises (Lightning skips ``on_fit_end`` then); not another Trainer's."""
+        if owns(self, trainer):  # a nested fit refused in `setup` must leave the outer run its hooks
+            self.detach()
+            release(self, trainer)
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        """Remove the hooks on every way out."""
-        self.detach()
+        """Remove the hooks on every way out; free the instance for another Trainer."""
+        if owns(self, trainer):
+            self.detach()
+            release(self, trainer)
 
     def attach(self, model: nn.Module) -> None:
         """Register this callback's hooks on ``model``, replacing any it registered before."""

@@ -17,7 +17,7 @@ from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
 from lightning_hooks.callbacks._anomaly_report import AnomalyReport, report_step
-from lightning_hooks.callbacks._base import HookCallback
+from lightning_hooks.callbacks._base import HookCallback, claim
 from lightning_hooks.callbacks._flight_recorder import FlightRecord
 from lightning_hooks.core._compat import BarCount, show_whole, unshow_whole
 from lightning_hooks.core._deprecation import DeprecatedAttribute
@@ -96,6 +96,7 @@ class GradientCheck(HookCallback):
         Raises:
             ValueError: If ``dirpath`` cannot be created or written to (read-only, no permission).
         """
+        claim(self, trainer)
         if self.dirpath is not None:
             check_writable_dir("dirpath", self.dirpath)
         if self._uses_modules():

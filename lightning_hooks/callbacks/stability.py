@@ -12,7 +12,7 @@ import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import Tensor, nn
 
-from lightning_hooks.callbacks._base import HookCallback, _log_interval, _validate_interval, is_logged, log_step
+from lightning_hooks.callbacks._base import HookCallback, _log_interval, _validate_interval, claim, is_logged, log_step
 from lightning_hooks.callbacks._stability_hooks import Selection, register, resolve, validate_signal
 from lightning_hooks.core._compat import configure_model_overridden
 from lightning_hooks.core._validation import check_int
@@ -147,6 +147,7 @@ class TransformerStability(HookCallback):
 
         A checkpoint's record, when ``fit`` resumes from one, is loaded after this.
         """
+        claim(self, trainer)
         self._every = _log_interval(self.log_every_n_steps, trainer)
         if not configure_model_overridden(pl_module):  # else its layers exist only from on_fit_start
             resolve(pl_module, self.attention, self.logits, self.blocks)
