@@ -65,7 +65,39 @@ def as_float_values(tensor: Tensor) -> Tensor | None:
     if values.is_complex():
         values = values.abs()
     values = values.reshape(-1)
+    if values.dtype in _ROUNDED and torch.compiler.is_compiling():
+        return torch.ops.lightning_hooks.as_float32(values)
     return values if values.dtype == torch.float64 else values.float()
 
 
+def as_stored(tensor: Tensor) -> Tensor:
+    """``tensor`` with the values it holds, as float32 under ``torch.compile`` when it is bfloat16 or float16.
+
+    Inductor fuses a module's computation with the hook that reads its output: a read of a bf16
+    output in float32 (``.float()``, ``amax``) is then taken from the float32 value before it was
+    rounded to bf16 (a GELU's max read as 2.6938 where the module's output holds 2.6875). The
+    read goes through an opaque op instead, so the output is rounded and stored first, and the
+    figures are those of the output, as in eager mode. Eager code gets ``tensor`` as it is.
+    """
+    if tensor.dtype in _ROUNDED and torch.compiler.is_compiling():
+        return torch.ops.lightning_hooks.as_float32(tensor)
+    return tensor
+
+
+def _as_float32(tensor: Tensor) -> Tensor:
+    return tensor.to(torch.float32, copy=True)
+
+
+def _as_float32_fake(tensor: Tensor) -> Tensor:
+    return torch.empty_like(tensor, dtype=torch.float32)
+
+
 _FLOAT32, _STRIDED = torch.float32, torch.strided
+_ROUNDED = (torch.bfloat16, torch.float16)
+
+# An op of our own (not decomposed: inductor calls it as a kernel) that makes a float32 copy.
+_LIBRARY = torch.library.Library("lightning_hooks", "FRAGMENT")
+_LIBRARY.define("as_float32(Tensor tensor) -> Tensor")
+_LIBRARY.impl("as_float32", _as_float32, "CompositeExplicitAutograd")
+(getattr(torch.library, "register_fake", None) or torch.library.impl_abstract)(
+    "lightning_hooks::as_float32", _as_float32_fake, lib=_LIBRARY)
