@@ -83,6 +83,11 @@ def is_logged(trainer: pl.Trainer, every: int) -> bool:
     return _is_logged_step(step, every) or (every > 0 and step <= _WATCHED_UNTIL.get(trainer, -1))
 
 
+#: The Trainer running each callback instance, from its ``setup`` to its ``teardown``; kept apart from the
+#: instance, so that copying or pickling a callback is not affected.
+_OWNERS: WeakKeyDictionary[Any, ref[Any]] = WeakKeyDictionary()
+
+
 def claim(callback: Any, trainer: Any) -> None:
     """Note that ``trainer`` runs ``callback`` from its ``setup`` on; one Trainer at a time.
 
@@ -95,12 +100,12 @@ def claim(callback: Any, trainer: Any) -> None:
             f"{type(callback).__name__}: this instance is attached to another Trainer that is still running (a"
             " `fit` called inside a `fit`, from a callback or a training_step?). Give each Trainer its own instance:"
             " an instance holds one run's hooks and state.")
-    callback._owner = ref(trainer)
+    _OWNERS[callback] = ref(trainer)
 
 
 def owns(callback: Any, trainer: Any) -> bool:
     """Whether ``trainer`` may run ``callback``: no other live Trainer has claimed it."""
-    owner = getattr(callback, "_owner", None)
+    owner = _OWNERS.get(callback)
     current = owner() if owner is not None else None
     return current is None or current is trainer
 
@@ -108,7 +113,7 @@ def owns(callback: Any, trainer: Any) -> bool:
 def release(callback: Any, trainer: Any) -> None:
     """Let another Trainer run ``callback`` (``teardown`` or ``on_exception`` of the Trainer that claimed it)."""
     if owns(callback, trainer):
-        callback._owner = None
+        _OWNERS.pop(callback, None)
 
 
 class HookCallback(*CALLBACK_BASES):  # type: ignore[misc]  # the Callback of each Lightning package
@@ -143,7 +148,6 @@ class HookCallback(*CALLBACK_BASES):  # type: ignore[misc]  # the Callback of ea
         # Gated hooks return at once while this is False; a plain attribute, so that
         # torch.compile guards on it instead of seeing hooks come and go.
         self._collecting = False
-        self._owner: Optional[ref[Any]] = None  # the Trainer running it, from `setup` to `teardown`
 
     @property
     def module_names(self) -> list[str]:
