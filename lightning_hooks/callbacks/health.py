@@ -247,6 +247,27 @@ class LayerHealth(FigureListener, *CALLBACK_BASES):  # type: ignore[misc]  # the
         rank_zero_info(text)
 
     def _draw(self, trainer: pl.Trainer, step: int) -> None:
+        """Draw the pictures of ``step`` to TensorBoard; a drawing that fails warns and ends this fit's pictures.
+
+        Pictures are side work: whatever matplotlib raises, the run, the verdicts and the summary go on.
+        """
+        import matplotlib
+
+        try:
+            with matplotlib.rc_context({"text.parse_math": False}):  # names are text, not TeX: "$" is a legal name
+                pixels = self._pictures()
+        except Exception as err:
+            rank_zero_warn(f"LayerHealth: drawing the pictures of step {step} failed ({type(err).__name__}: {err});"
+                           " no more pictures this fit. The verdicts and the summary go on.")
+            self._images, self._fresh = self.max_images, False
+            return
+        for logger in trainer.loggers:
+            if isinstance(logger, TENSORBOARD_LOGGERS):
+                for tag, rgb in pixels:
+                    logger.experiment.add_image(tag, rgb, global_step=step, dataformats="HWC")
+        self._images, self._fresh = self._images + 1, False
+
+    def _pictures(self) -> list[tuple[str, np.ndarray]]:
         from lightning_hooks.output._health_plots import Profile, heatmap_figure, profile_figure, to_rgb
 
         figures = [(f"health/activation_histograms/{name}",
@@ -260,12 +281,7 @@ class LayerHealth(FigureListener, *CALLBACK_BASES):  # type: ignore[misc]  # the
                 limit = self._bands.max_zero_fraction if tag == "zero_fraction" else None
                 profile = Profile(title, list(layers), kinds, list(layers.values()), log)
                 figures.append((f"health/depth_profile/{tag}", profile_figure(profile, band, limit)))
-        pixels = [(tag, to_rgb(fig)) for tag, fig in figures]
-        for logger in trainer.loggers:
-            if isinstance(logger, TENSORBOARD_LOGGERS):
-                for tag, rgb in pixels:
-                    logger.experiment.add_image(tag, rgb, global_step=step, dataformats="HWC")
-        self._images, self._fresh = self._images + 1, False
+        return [(tag, to_rgb(fig)) for tag, fig in figures]
 
     def _kind(self, name: str) -> str:
         """The class name of the module a row belongs to (a parameter's: its owner's)."""
