@@ -116,8 +116,10 @@ class GradientMonitor(GradientCheck):
     Args:
         modules: The modules whose parameters get rows (None: every parameter, or with
             ``"module"`` every leaf module with parameters); also the modules whose outputs
-            ``provenance`` watches. The only argument taken by position; the others are
-            keyword-only.
+            ``provenance`` watches. Rows follow what the optimizers train: a parameter in no
+            param group has none until one is added (``BackboneFinetuning``), and a selection
+            with nothing trained warns at fit start. The only argument taken by position; the
+            others are keyword-only.
         log_every_n_steps: Log norms and histograms every this many optimizer steps. None: the
             Trainer's ``log_every_n_steps``.
         granularity: One row per ``"parameter"`` or per selected ``"module"``.
