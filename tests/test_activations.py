@@ -1,5 +1,6 @@
 import copy
 import warnings
+from typing import Any
 
 import lightning as L
 import pytest
@@ -297,3 +298,34 @@ def test_attention_is_watched_whole_by_default(tmp_path):
     row = csv_metrics(str(tmp_path))[0]
     assert float(row["activations/layer.self_attn/calls"]) == 1
     assert float(row["activations/layer.self_attn/count"]) == 8 * 2 * 8  # the attention output
+
+
+class _Nested(torch.nn.Module):
+    """Returns its input wrapped in 12 lists, and beside it a list that holds itself."""
+
+    def forward(self, x: torch.Tensor) -> Any:
+        deep: Any = x
+        for _ in range(12):
+            deep = [deep]
+        looped: list[Any] = [x * 2]
+        looped.append(looped)
+        return deep, looped
+
+
+class _NestedNet(TinyNet):
+    def __init__(self) -> None:
+        super().__init__()
+        self.nested = _Nested()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.nested(x)
+        return super().forward(x)
+
+
+def test_an_output_nested_deep_or_holding_itself_is_counted_once_per_tensor(tmp_path):
+    monitor = ActivationMonitor(log_every_n_steps=1, modules="nested", stats=["count", "max"])
+    trainer(tmp_path, [monitor], logger=CSVLogger(tmp_path), max_steps=1).fit(_NestedNet(), loader())
+    row = csv_metrics(str(tmp_path))[0]
+    x = next(iter(loader()))[0]
+    assert float(row["activations/nested/count"]) == 2 * 8 * 8  # the deep tensor and the looped one, once each
+    assert float(row["activations/nested/max"]) == pytest.approx(2 * x.max().item())

@@ -169,3 +169,36 @@ def test_the_compiled_kernel_equals_the_eager_kernel(dtype):
         kernel(want, output)
         compiled(got, output)
         torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6, equal_nan=True, msg=f"{n} values, {bad}")
+
+
+class GeluNet(Net):
+    """Linear -> GELU -> Linear, compiled; a hook of the test's own keeps a copy of each GELU output (bf16)."""
+
+    def __init__(self) -> None:
+        L.LightningModule.__init__(self)
+        torch.manual_seed(0)
+        net = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 4))
+        self.outputs: list[Tensor] = []
+        net[1].register_forward_hook(lambda module, args, out: self.outputs.append(out.detach().clone()))
+        self.net = torch.compile(net, backend="inductor")
+
+
+def test_compiled_bf16_figures_are_those_of_the_rounded_output_not_of_the_float32_before_it(tmp_path):
+    # Inductor fuses GELU with the hook's read: read in float32 before rounding, the max was 4.68749 where
+    # the output holds 4.6875. The read goes through an opaque op, so the output is rounded first.
+    torch._dynamo.reset()
+    model = GeluNet()
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(24, 32, generator=gen) * 3
+    monitor = ActivationMonitor(modules="net.1", log_every_n_steps=1, stats=["abs_max", "min", "max"])
+    L.Trainer(accelerator="cpu", devices=1, max_steps=3, precision="bf16-mixed", callbacks=[monitor],
+              logger=CSVLogger(tmp_path, name="csv", version=0), log_every_n_steps=1, enable_progress_bar=False,
+              enable_model_summary=False, enable_checkpointing=False,
+              ).fit(model, DataLoader(TensorDataset(x, x[:, :4]), batch_size=8))
+    logged = metric_series(tmp_path / "csv" / "version_0")
+    assert [out.dtype for out in model.outputs] == [torch.bfloat16] * 3
+    for step, out in enumerate(model.outputs):
+        out = out.float()
+        want = {"abs_max": out.abs().max(), "min": out.min(), "max": out.max()}
+        assert {stat: logged[f"activations/net.1/{stat}"][step] for stat in want} == {
+            stat: value.item() for stat, value in want.items()}, step

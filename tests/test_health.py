@@ -262,3 +262,27 @@ def test_the_layers_tab_names_the_layers_and_problems_the_summary_names(tmp_path
             [(f, judge(f, Bands())) for f in reader.figures("version_0")], Bands())}
         assert {layer for layer, _ in judged - {(layer, problem) for layer, problem, _ in tab}} <= unjudged
         assert len(judged) > len(tab)
+
+
+class _TeXName(TinyNet):
+    """A first layer whose name holds ``$``: legal for a module, and TeX to matplotlib by default."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential()
+        self.net.add_module("a$\\undefined{$", nn.Linear(8, 16))
+        self.net.add_module("act", nn.ReLU())
+        self.net.add_module("out", nn.Linear(16, 1))
+
+
+def test_a_module_name_that_reads_as_tex_is_drawn_as_text_and_the_run_goes_on(tmp_path):
+    import warnings
+
+    callbacks = [ActivationMonitor(log_every_n_steps=1), GradientMonitor(log_every_n_steps=1),
+                 LayerHealth(image_every_n_steps=2)]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer(tmp_path, callbacks, max_steps=4).fit(_TeXName(), loader())
+    assert not [w for w in caught if "drawing the pictures" in str(w.message)]
+    images = events(str(tmp_path)).Tags()["images"]
+    assert any("undefined" in tag for tag in images) and "health/depth_profile/zero_fraction" in images

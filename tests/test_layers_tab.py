@@ -7,6 +7,7 @@ import re
 import subprocess
 import sys
 import urllib.error
+import urllib.parse
 import urllib.request
 from pathlib import Path
 from typing import Any
@@ -129,6 +130,16 @@ def test_the_routes_through_a_real_tensorboard(tmp_path):
                  " e.g. update_ratio_band=(1e-4, 1e-2)")
         assert status(base, "run?run=nothing")[0] == 404
         assert status(base, "histogram?run=plain/version_0&tag=activations/net.3")[0] == 400
+        # Hostile values: a message and 400, never a 500.
+        histogram = "histogram?run=plain/version_0&tag=activations/net.3&step="
+        for step in ("--1", urllib.parse.quote("²"), "9" * 5000):
+            code, text = status(base, histogram + step)
+            assert code == 400 and "`step` must be an integer of at most 18 digits" in text, (step[:9], code, text)
+        assert status(base, "run?run=plain/version_0&window=" + "1" + "0" * 30) == (
+            400, "Invalid argument: `window` must be at most 100000, got an int of about 31 digits: pass window=100000"
+                 " or less")
+        code, text = status(base, "run?run=plain/version_0&window=" + "9" * 5000)
+        assert code == 400 and "`window` must be an int" in text and len(text) < 200
 
         # A logger prefix: the same figures under the prefix; histograms keep their plain tags.
         prefixed = get(base, "run", run="prefixed/version_0")

@@ -5,9 +5,10 @@ from typing import Any
 import pytest
 import torch
 from lightning.pytorch.loggers import TensorBoardLogger
+from torch import nn
 
 from lightning_hooks import GradientAnomalyError, GradientAnomalyStopping, LayerHealth, TransformerStability
-from tests.helpers import events, forward_hook_count, trainer
+from tests.helpers import TinyNet, events, forward_hook_count, loader, trainer
 from tests.test_diagnosis import NanAt2
 from tests.test_stability import Decoder, SdpaAttention, token_loader
 
@@ -54,3 +55,25 @@ def test_the_report_mid_fit_names_the_param_group_and_comes_from_the_first_callb
     diagnosis = info.value.report.diagnosis
     assert diagnosis == health.diagnosis() == health.summary()  # LayerHealth comes first in `callbacks`
     assert "lower the learning rate of param group 0 (lr 0.001), which holds h.0.attn and h.1.attn: " in diagnosis
+
+
+class _CallsItsNet(TinyNet):
+    """An MLP whose training_step calls its submodule, never the model itself: its own output is never made."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return nn.functional.mse_loss(self.net(x), y)
+
+
+def test_on_a_model_without_attention_it_says_so_before_training_and_what_it_still_reads(tmp_path):
+    with pytest.warns(UserWarning, match=r"no attention module in the model .* reads only the output logits of"
+                                         r" \['output'\]") as caught:
+        trainer(tmp_path, [TransformerStability(log_every_n_steps=1)], max_steps=2).fit(TinyNet(), loader())
+    assert not [w for w in caught if "read nothing" in str(w.message)]  # self(x): the output is read
+    assert "activations/output/logit_abs_max" in events(str(tmp_path)).Tags()["scalars"]
+
+
+def test_targets_that_are_never_called_are_named_at_the_first_logged_step(tmp_path):
+    with pytest.warns(UserWarning, match=r"read nothing at the first logged step \(0\): none of \['output'\] was"
+                                         r" called in the training step"):
+        trainer(tmp_path, [TransformerStability(log_every_n_steps=1)], max_steps=2).fit(_CallsItsNet(), loader())

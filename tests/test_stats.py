@@ -253,9 +253,12 @@ def test_iter_tensors_finds_tensors_in_nested_outputs():
     assert [float(x) for x in iter_tensors(value)] == [0, 1, 2, 3, 4]  # sets are not walked
     assert list(iter_tensors(None)) == []
     deep: object = t[0]
-    for _ in range(20):
+    for _ in range(5000):  # far deeper than Python's recursion limit
         deep = [deep]
-    assert list(iter_tensors(deep)) == []  # nesting beyond 8 levels is not walked
+    assert [float(x) for x in iter_tensors(deep)] == [0]
+    looped: list = [t[1], {"again": t[2]}]
+    looped.append(looped)  # a list that holds itself: each tensor once
+    assert [float(x) for x in iter_tensors(looped)] == [1, 2]
 
 
 # ---------------------------------------------------------------- histogram

@@ -14,7 +14,16 @@ from lightning_hooks import (
     GradientMonitor,
     LayerHealth,
 )
-from lightning_hooks.core._validation import check_bool, check_choice, check_int, check_names, check_number, check_path
+from lightning_hooks.core._validation import (
+    MAX_WINDOW,
+    check_bool,
+    check_choice,
+    check_int,
+    check_names,
+    check_number,
+    check_path,
+)
+from lightning_hooks.measure.stats import MAX_BINS
 
 #: Every bool flag of every callback.
 FLAGS = [
@@ -109,3 +118,26 @@ def test_values_that_fit_pass_and_a_bare_name_is_a_list_of_one():
     check_number("x", 0.0, 0.0, strict=False)
     check_path("x", Path("out"))
     assert check_names("stages", "train", ("train", "validate")) == ("train",)
+
+
+#: Sizes that must fit in memory, bounded at construction: (callback, arguments).
+HUGE = [
+    *[(cls, {"window": 10**30}) for cls in (GradientMonitor, GradientAnomalyStopping, LayerHealth)],
+    *[(cls, {"bins": bins}) for cls in (ActivationMonitor, GradientMonitor) for bins in (10**6, 10**12)],
+]
+
+
+@pytest.mark.parametrize(("callback", "arguments"), HUGE)
+def test_a_window_or_bin_count_too_large_to_hold_fails_at_construction_not_in_fit(callback, arguments):
+    ((name, value),) = arguments.items()
+    limit = MAX_WINDOW if name == "window" else MAX_BINS
+    with pytest.raises(ValueError, match=rf"`{name}` must be at most {limit}, got .*: pass {name}={limit} or less"):
+        callback(**arguments)
+    callback(**{name: limit})  # the bound itself is accepted
+
+
+def test_a_huge_int_is_described_by_its_size_and_edges_are_bounded_as_bins():
+    with pytest.raises(ValueError, match=r"^`window` must be at most 100000, got an int of about 5001 digits"):
+        check_int("window", 10**5000, high=MAX_WINDOW)  # its repr would be refused (over 4300 digits)
+    with pytest.raises(ValueError, match=r"at most 4097 numbers \(4096 bins\), got 5000"):
+        ActivationMonitor(bins=[float(i) for i in range(5000)])

@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 import os
 import textwrap
+import warnings
 from dataclasses import asdict, dataclass, replace
 from typing import TYPE_CHECKING, Any, Optional
 
@@ -21,7 +22,7 @@ from torch import Tensor
 
 from lightning_hooks.callbacks._base import log_step, moment
 from lightning_hooks.callbacks._diagnosis_source import diagnosis_so_far
-from lightning_hooks.callbacks._flight_recorder import FlightRecord
+from lightning_hooks.callbacks._flight_recorder import FlightRecord, discard_file
 from lightning_hooks.measure._provenance import NEVER, Located
 from lightning_hooks.output.sinks import log_text
 
@@ -170,10 +171,22 @@ def report_step(
 
 
 def _save(dirpath: str, trainer: pl.Trainer, pl_module: pl.LightningModule, report: AnomalyReport,
-          batch: Any, micro_batches: list[tuple[int, Any]]) -> str:
-    os.makedirs(dirpath, exist_ok=True)
+          batch: Any, micro_batches: list[tuple[int, Any]]) -> Optional[str]:
+    """Save the step for replay; return its path.
+
+    None, with a warning, when it cannot be saved (a full disk, a batch that does not pickle):
+    the report is still kept, logged and acted on.
+    """
     path = os.path.join(dirpath, f"anomaly-step{report.step}-rank{trainer.global_rank}.pt")
     payload = {"report": asdict(report), "batch": batch, "batches": [b for _, b in micro_batches],
                "state_dict": pl_module.state_dict()}
-    torch.save(move_data_to_device(payload, "cpu"), path)
+    try:
+        os.makedirs(dirpath, exist_ok=True)
+        torch.save(move_data_to_device(payload, "cpu"), path)
+    except Exception as err:  # a side write must never end the run, nor lose the report
+        discard_file(path)
+        warnings.warn(f"the batch and model state of anomalous step {report.step} could not be saved to {path}"
+                      f" ({type(err).__name__}: {err}); the report is kept (`last_report`, the loggers'"
+                      " anomalies/report), the action goes ahead and training goes on.", stacklevel=2)
+        return None
     return path

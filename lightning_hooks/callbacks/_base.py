@@ -6,7 +6,7 @@ import warnings
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any, NamedTuple, Optional
-from weakref import WeakKeyDictionary
+from weakref import WeakKeyDictionary, ref
 
 import lightning.pytorch as pl
 import torch
@@ -124,6 +124,39 @@ def _remove(handles: list[RemovableHandle]) -> None:
     handles.clear()
 
 
+#: The Trainer running each callback instance, from its ``setup`` to its ``teardown``; kept apart from the
+#: instance, so that copying or pickling a callback is not affected.
+_OWNERS: WeakKeyDictionary[Any, ref[Any]] = WeakKeyDictionary()
+
+
+def claim(callback: Any, trainer: Any) -> None:
+    """Note that ``trainer`` runs ``callback`` from its ``setup`` on; one Trainer at a time.
+
+    Raises:
+        RuntimeError: If another Trainer still runs it (a ``fit`` inside a ``fit``: one instance
+            holds one run's hooks and state, and the inner run would take them from the outer).
+    """
+    if not owns(callback, trainer):
+        raise RuntimeError(
+            f"{type(callback).__name__}: this instance is attached to another Trainer that is still running (a"
+            " `fit` called inside a `fit`, from a callback or a training_step?). Give each Trainer its own instance:"
+            " an instance holds one run's hooks and state.")
+    _OWNERS[callback] = ref(trainer)
+
+
+def owns(callback: Any, trainer: Any) -> bool:
+    """Whether ``trainer`` may run ``callback``: no other live Trainer has claimed it."""
+    owner = _OWNERS.get(callback)
+    current = owner() if owner is not None else None
+    return current is None or current is trainer
+
+
+def release(callback: Any, trainer: Any) -> None:
+    """Let another Trainer run ``callback`` (``teardown`` or ``on_exception`` of the Trainer that claimed it)."""
+    if owns(callback, trainer):
+        _OWNERS.pop(callback, None)
+
+
 class HookCallback(*CALLBACK_BASES):  # type: ignore[misc]  # the Callback of each Lightning package
     """Base class: resolve a module selection, register hooks on fit start, remove them on exit.
 
@@ -202,6 +235,7 @@ class HookCallback(*CALLBACK_BASES):  # type: ignore[misc]  # the Callback of ea
         A LightningModule that builds its layers in ``configure_model`` (which Lightning runs
         after ``setup``) is resolved in ``on_fit_start`` instead, still before the first step.
         """
+        claim(self, trainer)
         if not configure_model_overridden(pl_module):
             self._targets = select_modules(pl_module, self.modules)
 
@@ -217,12 +251,16 @@ class HookCallback(*CALLBACK_BASES):  # type: ignore[misc]  # the Callback of ea
     def on_exception(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
     ) -> None:
-        """Remove the hooks when ``fit`` raises (Lightning skips ``on_fit_end`` then)."""
-        self.detach()
+        """Remove the hooks when ``fit`` raises (Lightning skips ``on_fit_end`` then); not another Trainer's."""
+        if owns(self, trainer):  # a nested fit refused in `setup` must leave the outer run its hooks
+            self.detach()
+            release(self, trainer)
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        """Remove the hooks on every way out."""
-        self.detach()
+        """Remove the hooks on every way out; free the instance for another Trainer."""
+        if owns(self, trainer):
+            self.detach()
+            release(self, trainer)
 
     def attach(self, model: nn.Module) -> None:
         """Register this callback's hooks on ``model``, replacing any it registered before."""

@@ -15,6 +15,7 @@ import csv
 import json
 import math
 import os
+import warnings
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
@@ -209,17 +210,35 @@ def write_record(trainer: pl.Trainer, record: FlightRecord) -> FlightRecord:
     folder = trainer.log_dir or trainer.default_root_dir
     if not trainer.is_global_zero:
         return record
-    os.makedirs(folder, exist_ok=True)
     path = os.path.join(folder, f"flight-record-step{record.step}.csv")
+    try:
+        _write_csv(folder, path, record)
+        record = replace(record, path=path)
+    except OSError as err:  # a full disk, a read-only log dir: the record is still kept, logged and acted on
+        discard_file(path)
+        warnings.warn(f"the flight record of step {record.step} could not be written to {path}"
+                      f" ({type(err).__name__}: {err}); it is kept in the report (`flight_record`) and in"
+                      " TensorBoard (anomalies/flight_record); training goes on.", stacklevel=2)
+    log_text(trainer, "anomalies/flight_record", record_markdown(record), log_step(trainer))
+    log_plugin_data(trainer, FLIGHT_RECORD_TAG, json.dumps(record_json(record)), log_step(trainer))
+    return record
+
+
+def _write_csv(folder: str, path: str, record: FlightRecord) -> None:
+    os.makedirs(folder, exist_ok=True)
     with open(path, "w", newline="") as f:
         writer = csv.writer(f)
         writer.writerow(["step", "loss", *(f"grad_norm/{layer}" for layer in record.layers)])
         for step, loss, row in zip(record.steps, record.losses, record.norms):
             writer.writerow([step, f"{loss:.6g}", *(f"{v:.6g}" for v in row)])
-    record = replace(record, path=path)
-    log_text(trainer, "anomalies/flight_record", record_markdown(record), log_step(trainer))
-    log_plugin_data(trainer, FLIGHT_RECORD_TAG, json.dumps(record_json(record)), log_step(trainer))
-    return record
+
+
+def discard_file(path: str) -> None:
+    """Remove what a failed write left at ``path``, if anything (a partial file)."""
+    try:
+        os.remove(path)
+    except OSError:
+        pass
 
 
 def record_markdown(record: FlightRecord) -> str:

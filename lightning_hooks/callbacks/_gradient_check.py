@@ -17,10 +17,10 @@ from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
 from lightning_hooks.callbacks._anomaly_report import AnomalyReport, report_step
-from lightning_hooks.callbacks._base import HookCallback, Moment, acting_late, moment
+from lightning_hooks.callbacks._base import HookCallback, Moment, acting_late, claim, moment
 from lightning_hooks.callbacks._flight_recorder import FlightRecord
 from lightning_hooks.core._compat import BarCount
-from lightning_hooks.core._validation import check_bool, check_path
+from lightning_hooks.core._validation import check_bool, check_path, check_writable_dir
 from lightning_hooks.core.selection import ModuleSelection, named_parameters
 from lightning_hooks.distributed._rank_agreement import Check
 from lightning_hooks.distributed._shared_measurement import SharedMeasurement
@@ -85,7 +85,14 @@ class GradientCheck(HookCallback):
         return self._state_key
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        """Resolve the module selection when it is used."""
+        """Resolve the module selection when it is used; check that ``dirpath`` can be written, before training.
+
+        Raises:
+            ValueError: If ``dirpath`` cannot be created or written to (read-only, no permission).
+        """
+        claim(self, trainer)
+        if self.dirpath is not None:
+            check_writable_dir("dirpath", self.dirpath)
         if self._uses_modules():
             super().setup(trainer, pl_module, stage)
 

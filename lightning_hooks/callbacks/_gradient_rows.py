@@ -12,14 +12,15 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Sequence
-from typing import NamedTuple, Optional
+from typing import Any, NamedTuple, Optional
 
 import lightning.pytorch as pl
 import torch
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor, nn
 
 from lightning_hooks.callbacks._base import log_step
-from lightning_hooks.core.selection import ModuleSelection, named_parameters
+from lightning_hooks.core.selection import ModuleSelection, check_limit, named_parameters
 from lightning_hooks.distributed._rank_agreement import Check
 from lightning_hooks.measure._sharding import ShardGroups, grad_of, local
 from lightning_hooks.measure._stat_rows import N_FIELDS, summarize_rows
@@ -40,29 +41,77 @@ Rows = list[Row]
 
 
 def select_rows(pl_module: pl.LightningModule, granularity: str, modules: ModuleSelection,
-                targets: list[tuple[str, nn.Module]]) -> Rows:
-    """The rows: each trainable parameter once, under its first name, or each target module with parameters.
+                targets: list[tuple[str, nn.Module]], trained: Optional[set[Tensor]]) -> Rows:
+    """The rows: each trained parameter once, under its first name, or each target module with trained parameters.
 
     Args:
         pl_module: The model.
         granularity: ``"parameter"`` or ``"module"``.
         modules: The module selection; None for every parameter.
         targets: The modules it selected, with their names.
+        trained: The parameters the optimizers hold (:func:`trained_parameters`); None when
+            there is no optimizer: then those that require a gradient.
 
     Returns:
         One :class:`Row` per row.
     """
+
+    def is_trained(param: Tensor) -> bool:
+        return param.requires_grad if trained is None else param in trained
+
     if granularity == "module":
-        rows = [Row(name, [p for p in m.parameters() if p.requires_grad]) for name, m in targets]
+        rows = [Row(name, [p for p in m.parameters() if is_trained(p)]) for name, m in targets]
         return [row for row in rows if row.params]
     named = named_parameters(pl_module) if modules is None else (
         (f"{mname}.{pname}", p) for mname, m in targets for pname, p in named_parameters(m)
     )
     first_name: dict[Tensor, str] = {}
     for name, param in named:
-        if param.requires_grad:
+        if is_trained(param):
             first_name.setdefault(param, name)
     return [Row(name, [param]) for param, name in first_name.items()]
+
+
+def trained_parameters(optimizers: Sequence[Any]) -> Optional[set[Tensor]]:
+    """The parameters in the optimizers' param groups (frozen ones too: they may be unfrozen); None: no optimizer."""
+    if not optimizers:
+        return None
+    return {p for optimizer in optimizers for group in optimizer.param_groups for p in group["params"]}
+
+
+def limit_rows(owner: str, rows: Rows, granularity: str, max_rows: Optional[int], tags_per_row: int,
+               starting: bool) -> Rows:
+    """``rows``, checked against ``max_rows``: over it, raise before training, or keep the first ones later.
+
+    Rows added during training (a param group added by ``BackboneFinetuning``) past the limit
+    are left out with a warning: a monitor never ends a run.
+
+    Raises:
+        ValueError: When ``starting`` and there are more than ``max_rows`` rows.
+    """
+    if starting:
+        names = [name for name, _ in rows]
+        owners = names if granularity == "module" else [n.rpartition(".")[0] for n in names]
+        check_limit(owner, "max_rows", max_rows, len(rows), tags_per_row, owners)
+    elif max_rows is not None and len(rows) > max_rows:
+        rank_zero_warn(f"{owner}: the optimizers now train {len(rows)} rows, over `max_rows`={max_rows}: the first"
+                       f" {max_rows} are logged. Raise `max_rows` to see them all.")
+        return rows[:max_rows]
+    return rows
+
+
+def untrained_message(owner: str, modules: ModuleSelection) -> str:
+    """The warning for a selection of which no parameter is trained now (a frozen backbone, a ReLU)."""
+    what = "the model" if modules is None else repr(modules)
+    return (f"{owner}: no parameter of {what} is trained (frozen, in no optimizer's param groups, or none at all),"
+            " so it has no gradient row now. Rows follow the optimizers: a parameter gets one from the first logged"
+            " step at which it is trained (`requires_grad` set again, a param group added, as BackboneFinetuning"
+            " does). The total norm and the anomaly flags cover every gradient the optimizers apply.")
+
+
+def optimizer_layout(optimizers: Sequence[Any]) -> tuple[int, ...]:
+    """How many parameters each param group of each optimizer holds: it changes when a param group is added."""
+    return tuple(len(group["params"]) for optimizer in optimizers for group in optimizer.param_groups)
 
 
 def row_figures(params: list[Tensor], norms: Tensor, rows: Rows, block: Optional[StatBlock],
@@ -150,6 +199,8 @@ def row_metrics(trainer: pl.Trainer, check: Check, names: Sequence[str], tags: d
     if len(check.norms) > 2:
         metrics.update({f"gradients/total_norm/group{g}": n for g, n in enumerate(check.norms[:-1])})
     index = [i for i, here in enumerate(present) if here]  # rows without a gradient this step: unused or frozen
+    if not index:
+        return metrics, []
     present_names = [names[i] for i in index]
     figures = []
     if "norm" in stats:

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from typing import Any, Literal, Optional, Union
 
 import lightning.pytorch as pl
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
 
 from lightning_hooks.callbacks._anomaly_report import AnomalyReport
@@ -24,10 +25,20 @@ from lightning_hooks.callbacks._base import (
     log_step,
 )
 from lightning_hooks.callbacks._gradient_check import GradientCheck
-from lightning_hooks.callbacks._gradient_rows import Rows, row_figures, row_metrics, row_tags, select_rows
+from lightning_hooks.callbacks._gradient_rows import (
+    Rows,
+    limit_rows,
+    optimizer_layout,
+    row_figures,
+    row_metrics,
+    row_tags,
+    select_rows,
+    trained_parameters,
+    untrained_message,
+)
 from lightning_hooks.callbacks._update_ratio import UpdateRatio
 from lightning_hooks.core._validation import check_bool, check_choice
-from lightning_hooks.core.selection import ModuleSelection, check_limit, validate_limit
+from lightning_hooks.core.selection import ModuleSelection, validate_limit
 from lightning_hooks.distributed._rank_agreement import Check
 from lightning_hooks.distributed._step_measure import Step
 from lightning_hooks.measure._sharding import ShardGroups
@@ -108,8 +119,10 @@ class GradientMonitor(GradientCheck):
     Args:
         modules: The modules whose parameters get rows (None: every parameter, or with
             ``"module"`` every leaf module with parameters); also the modules whose outputs
-            ``provenance`` watches. The only argument taken by position; the others are
-            keyword-only.
+            ``provenance`` watches. Rows follow what the optimizers train: a parameter in no
+            param group has none until one is added (``BackboneFinetuning``), and a selection
+            with nothing trained warns at fit start. The only argument taken by position; the
+            others are keyword-only.
         log_every_n_steps: Log norms and histograms every this many optimizer steps. None: the
             Trainer's ``log_every_n_steps``.
         granularity: One row per ``"parameter"`` or per selected ``"module"``.
@@ -211,6 +224,7 @@ class GradientMonitor(GradientCheck):
         self._present: list[bool] = []  # which rows had gradients this step
         self._block: Optional[StatBlock] = None
         self._row_shards = ShardGroups([])  # how each row's gradients are split across ranks
+        self._layout: tuple[int, ...] = ()  # the optimizers' param group sizes the rows were chosen for
 
     @property
     def anomalous_steps(self) -> int:
@@ -234,20 +248,30 @@ class GradientMonitor(GradientCheck):
         """Register the hooks, choose the rows, allocate their buffers on the module's device, write the layout."""
         super().on_fit_start(trainer, pl_module)
         self._raised = False
-        self._rows = select_rows(pl_module, self.granularity, self.modules, self._targets)
-        self._tags = row_tags(self._rows, self.stats)
-        self._names = [name for name, _ in self._rows]
         self._written, self._histograms = destinations(
             trainer, type(self).__name__, self.histogram, listened_histograms=False,
             skipped="it computes no norm, histogram or update ratio (the anomaly flags, reports and count still run)")
-        names = self._names
-        owners = names if self.granularity == "module" else [n.rpartition(".")[0] for n in names]
-        check_limit(type(self).__name__, "max_rows", self.max_rows, len(names), len(self.stats) + self._histograms,
-                    owners)
+        self._choose_rows(trainer, pl_module, starting=True)
+        if not any(p.requires_grad for _, params in self._rows for p in params):
+            rank_zero_warn(untrained_message(type(self).__name__, self.modules))
+        log_layout(trainer, {"gradients": self._charts()}, trainer.global_step)
+
+    def _choose_rows(self, trainer: pl.Trainer, pl_module: pl.LightningModule, starting: bool) -> None:
+        """Rows for what the optimizers hold, their tags and buffers; again at a step whose param groups changed.
+
+        Too many rows raise before training; rows added later (a param group added by
+        ``BackboneFinetuning``) past ``max_rows`` are left out, with a warning, not ended on.
+        """
+        self._layout = optimizer_layout(trainer.optimizers)
+        rows = select_rows(pl_module, self.granularity, self.modules, self._targets,
+                           trained_parameters(trainer.optimizers))
+        rows = limit_rows(type(self).__name__, rows, self.granularity, self.max_rows,
+                          len(self.stats) + self._histograms, starting)
+        names = [name for name, _ in rows]
+        self._rows, self._names, self._tags = rows, names, row_tags(rows, self.stats)
         needs_rows = self._histograms or any(s != "norm" for s in self.stats)
         self._block = StatBlock(names, self.bins, pl_module.device) if needs_rows and names else None
-        self._row_shards = ShardGroups([params[0] for _, params in self._rows])
-        log_layout(trainer, {"gradients": self._charts()}, trainer.global_step)
+        self._row_shards = ShardGroups([params[0] for _, params in rows])
         if self.update_ratio:  # for the Layers tab: the rows whose ratio LayerHealth does not judge
             log_plugin_data(trainer, UNJUDGED_RATIOS_TAG, json.dumps(sorted(self._vectors & set(names))),
                             trainer.global_step)
@@ -289,6 +313,8 @@ class GradientMonitor(GradientCheck):
     def _extra(self, trainer: pl.Trainer, step: Step) -> dict[str, Tensor]:
         """Row norms, and the rows' stats and histograms, on logged steps."""
         self._logged = is_logged(trainer, self._every) and bool(step.params) and self._written
+        if self._logged and optimizer_layout(trainer.optimizers) != self._layout:  # a param group added
+            self._choose_rows(trainer, trainer.lightning_module, starting=False)
         if not self._logged or not self._rows:
             self._present = []
             return {}

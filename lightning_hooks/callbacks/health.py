@@ -13,6 +13,7 @@ import lightning.pytorch as pl
 import numpy as np
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
+from lightning_hooks.callbacks._base import claim, release
 from lightning_hooks.callbacks.activations import ActivationMonitor
 from lightning_hooks.callbacks.gradients import GradientMonitor
 from lightning_hooks.callbacks.stability import TransformerStability, param_groups
@@ -140,6 +141,7 @@ class LayerHealth(FigureListener, *CALLBACK_BASES):  # type: ignore[misc]  # the
         """Start a new record; warn when there is nothing to draw from, or nowhere to draw to."""
         if stage != "fit":
             return
+        claim(self, trainer)
         self._reset()
         self._kinds = {name: type(module).__name__ for name, module in pl_module.named_modules()}
         self._vectors = unjudged_ratios(pl_module)
@@ -156,6 +158,14 @@ class LayerHealth(FigureListener, *CALLBACK_BASES):  # type: ignore[misc]  # the
         elif not self._drawable:
             rank_zero_warn("LayerHealth: matplotlib is not installed, so no pictures; the summary is still"
                            " printed. To draw them: pip install matplotlib")
+
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        """Free the instance for another Trainer."""
+        release(self, trainer)
+
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        """Free the instance for another Trainer when ``fit`` raises."""
+        release(self, trainer)
 
     def record_figures(self, figures: Sequence[ScalarBlock], metrics: Mapping[str, float], step: int) -> None:
         """Judge the watched figures, and keep each layer's latest value for the depth profiles.
@@ -239,6 +249,27 @@ class LayerHealth(FigureListener, *CALLBACK_BASES):  # type: ignore[misc]  # the
         _log.info(text)
 
     def _draw(self, trainer: pl.Trainer, step: int) -> None:
+        """Draw the pictures of ``step`` to TensorBoard; a drawing that fails warns and ends this fit's pictures.
+
+        Pictures are side work: whatever matplotlib raises, the run, the verdicts and the summary go on.
+        """
+        import matplotlib
+
+        try:
+            with matplotlib.rc_context({"text.parse_math": False}):  # names are text, not TeX: "$" is a legal name
+                pixels = self._pictures()
+        except Exception as err:
+            rank_zero_warn(f"LayerHealth: drawing the pictures of step {step} failed ({type(err).__name__}: {err});"
+                           " no more pictures this fit. The verdicts and the summary go on.")
+            self._images, self._fresh = self.max_images, False
+            return
+        for logger in trainer.loggers:
+            if isinstance(logger, TENSORBOARD_LOGGERS):
+                for tag, rgb in pixels:
+                    logger.experiment.add_image(tag, rgb, global_step=step, dataformats="HWC")
+        self._images, self._fresh = self._images + 1, False
+
+    def _pictures(self) -> list[tuple[str, np.ndarray]]:
         from lightning_hooks.output._health_plots import Profile, heatmap_figure, profile_figure, to_rgb
 
         figures = [(f"health/activation_histograms/{name}",
@@ -252,12 +283,7 @@ class LayerHealth(FigureListener, *CALLBACK_BASES):  # type: ignore[misc]  # the
                 limit = self._bands.max_zero_fraction if tag == "zero_fraction" else None
                 profile = Profile(title, list(layers), kinds, list(layers.values()), log)
                 figures.append((f"health/depth_profile/{tag}", profile_figure(profile, band, limit)))
-        pixels = [(tag, to_rgb(fig)) for tag, fig in figures]
-        for logger in trainer.loggers:
-            if isinstance(logger, TENSORBOARD_LOGGERS):
-                for tag, rgb in pixels:
-                    logger.experiment.add_image(tag, rgb, global_step=step, dataformats="HWC")
-        self._images, self._fresh = self._images + 1, False
+        return [(tag, to_rgb(fig)) for tag, fig in figures]
 
     def _kind(self, name: str) -> str:
         """The class name of the module a row belongs to (a parameter's: its owner's)."""

@@ -14,7 +14,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
-from lightning_hooks.callbacks._base import HookCallback, _log_interval, _validate_interval, is_logged, log_step
+from lightning_hooks.callbacks._base import HookCallback, _log_interval, _validate_interval, claim, is_logged, log_step
 from lightning_hooks.callbacks._stability_hooks import Selection, register, resolve, validate_signal
 from lightning_hooks.core._compat import configure_model_overridden
 from lightning_hooks.core._validation import check_int
@@ -151,6 +151,7 @@ class TransformerStability(HookCallback):
 
         A checkpoint's record, when ``fit`` resumes from one, is loaded after this.
         """
+        claim(self, trainer)
         self._every = _log_interval(self.log_every_n_steps, trainer)
         if not configure_model_overridden(pl_module):  # else its layers exist only from on_fit_start
             resolve(pl_module, self.attention, self.logits, self.blocks)
@@ -170,6 +171,8 @@ class TransformerStability(HookCallback):
         """Register the hooks of every signal on ``model``, replacing any registered before."""
         self.detach()
         found = resolve(model, self.attention, self.logits, self.blocks)
+        if self.attention is None and not found["attention"]:
+            _warn_no_attention([name for name, _ in found["logits"]])
         self._targets = [(name, module) for targets in found.values() for name, module in targets]
         self._signals = [(signal, name) for signal, targets in found.items() for name, _ in targets]
         self._failed.clear()
@@ -223,6 +226,12 @@ class TransformerStability(HookCallback):
     def _flush(self, trainer: pl.Trainer) -> None:
         step, self._pending_step, self._collecting = self._pending_step, None, False
         rows, self._rows = self._rows, []
+        if not rows and step is not None and not self._warned:
+            self._warned = True
+            rank_zero_warn(f"TransformerStability: read nothing at the first logged step ({step}): none of"
+                           f" {sorted(set(self.module_names))} was called in the training step (the model's own"
+                           " output is read when training_step calls the model, `self(x)`, not a submodule). Select"
+                           " modules that run with `attention=`, `logits=`, `blocks=`.")
         if not rows or step is None:
             return
         if not self._warned:
@@ -263,6 +272,15 @@ class TransformerStability(HookCallback):
         """Restore the verdicts of :meth:`state_dict`."""
         self._verdicts.load_state_dict(state_dict["verdicts"])
         self._groups = dict(state_dict.get("groups", {}))
+
+
+def _warn_no_attention(logits: list[str]) -> None:
+    """Warn, before training, that the default selection found no attention module: little is left to read."""
+    rank_zero_warn(
+        "TransformerStability: no attention module in the model (no nn.MultiheadAttention, no class named"
+        f" *Attention): it reads only the output logits of {logits}, and no attention logit, entropy or block."
+        " Name the modules that compute attention with `attention=`; for a model without attention (a CNN, an"
+        " MLP) ActivationMonitor and LayerHealth are the callbacks that watch it.")
 
 
 def figures(targets: list[tuple[str, str]], values: np.ndarray) -> list[ScalarBlock]:

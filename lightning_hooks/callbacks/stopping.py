@@ -316,13 +316,16 @@ class GradientAnomalyStopping(GradientCheck):
         resumed state is the first snapshot.
         """
         counters = {name: getattr(self, name) for name in (*_COUNTERS, *_ROLLBACK_COUNTERS)}
-        return {**counters, **self._state(), **self._watch.state_dict()}
+        last = {"last_rollback": list(self.last_rollback)} if self.last_rollback is not None else {}
+        return {**counters, **last, **self._state(), **self._watch.state_dict()}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore what :meth:`state_dict` returned."""
         for name in _COUNTERS:
             setattr(self, name, int(state_dict[name]))
         self.rollbacks = int(state_dict.get("rollbacks", 0))
+        last = state_dict.get("last_rollback")
+        self.last_rollback = (int(last[0]), int(last[1])) if last is not None else None
         if self._rollback is not None:
             self._rollback.skipping = int(state_dict.get("skipping", 0))
         self._watch.load_state_dict(state_dict)

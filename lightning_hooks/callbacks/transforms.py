@@ -19,7 +19,7 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 from torch.utils.hooks import RemovableHandle
 
-from lightning_hooks.callbacks._base import HookCallback
+from lightning_hooks.callbacks._base import HookCallback, claim
 from lightning_hooks.callbacks._transform_plan import Plan, Scaled, resolve_plan, validate_table
 from lightning_hooks.core._compat import configure_model_overridden
 from lightning_hooks.core._torch_internals import is_view
@@ -162,6 +162,7 @@ class GradientTransform(HookCallback):
 
         As in the base class, a model built in ``configure_model`` is resolved in ``on_fit_start``.
         """
+        claim(self, trainer)
         if not configure_model_overridden(pl_module):
             self._plan = self._resolve(pl_module)
         super().setup(trainer, pl_module, stage)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import os
+import tempfile
 from collections.abc import Collection
 from typing import Any, Optional
 
@@ -30,7 +31,13 @@ def check_bool(name: str, value: Any) -> None:
         raise TypeError(f"`{name}` must be a bool, {_got(value)}: pass {name}=True or {name}=False")
 
 
-def check_int(name: str, value: Any, low: int = 1, optional: bool = False, none_means: str = "") -> None:
+#: The longest window (steps, or logged norms) a running median or a history may cover: far
+#: beyond any training's need, and small enough that its buffer fits in memory.
+MAX_WINDOW = 100_000
+
+
+def check_int(name: str, value: Any, low: int = 1, optional: bool = False, none_means: str = "",
+              high: Optional[int] = None) -> None:
     """Check an int argument of at least ``low`` (a bool is not an int here); None too where ``optional``.
 
     Args:
@@ -39,13 +46,18 @@ def check_int(name: str, value: Any, low: int = 1, optional: bool = False, none_
         low: The smallest value allowed.
         optional: Whether None is allowed.
         none_means: What None means, for the message (``"no limit"``: "or None for no limit").
+        high: The largest value allowed, if any (a size that must fit in memory).
 
     Raises:
         TypeError: If ``value`` is not an int (or None, where allowed).
-        ValueError: If it is below ``low``.
+        ValueError: If it is below ``low`` or above ``high``.
     """
     if optional and value is None:
         return
+    if high is not None and isinstance(value, int) and not isinstance(value, bool) and value > high:
+        # repr of a huge int is long, or refused past 4300 digits: say its size instead
+        shown = f"{value!r}" if value < 10**12 else f"an int of about {int(value.bit_length() * 0.30103) + 1} digits"
+        raise ValueError(f"`{name}` must be at most {high}, got {shown}: pass {name}={high} or less")
     kind = {1: "a positive int", 0: "a non-negative int"}.get(low, f"an int of at least {low}")
     expected = f"{kind}, or None for {none_means}" if optional and none_means else (
         f"{kind} or None" if optional else kind)
@@ -127,3 +139,23 @@ def check_path(name: str, value: Any, optional: bool = False) -> None:
         raise TypeError(f"`{name}` must be {expected}, {_got(value)}: pass a str or an os.PathLike")
     if not os.fspath(value):
         raise ValueError(f"`{name}` is empty: pass a directory" + (", or None to save nothing" if optional else ""))
+
+
+def check_writable_dir(name: str, value: str | os.PathLike[str]) -> None:
+    """Create the directory ``value`` if needed and write a file in it, so one that cannot be written fails now.
+
+    Called in ``setup``: a read-only or missing mount fails before training, not at the first
+    anomaly hours in.
+
+    Raises:
+        ValueError: If the directory cannot be created or written to; the message gives the reason.
+    """
+    path = os.fspath(value)
+    try:
+        os.makedirs(path, exist_ok=True)
+        handle, probe = tempfile.mkstemp(prefix=".lightning_hooks-probe-", dir=path)
+        os.close(handle)
+        os.remove(probe)
+    except OSError as err:
+        raise ValueError(f"`{name}`={path!r} cannot be written ({type(err).__name__}: {err.strerror or err}):"
+                         f" pass a directory this process can write to, or {name}=None to save nothing") from err

@@ -23,6 +23,8 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from lightning_hooks.measure._tensor_values import as_stored
+
 
 @dataclass(frozen=True)
 class Sample:
@@ -99,7 +101,7 @@ def attention_row(q: Tensor, k: Tensor, *, scale: Optional[float] = None, causal
 @torch.no_grad()
 def logit_row(logits: Tensor, sample: Sample = Sample()) -> Tensor:
     """``(max |logit|, sum of log-sum-exps, rows)``: the max over every logit, log-sum-exps of ``sample.rows`` rows."""
-    x = logits.detach()
+    x = as_stored(logits.detach())
     peak = torch.maximum(x.amax(), -x.amin()).float()
     rows = x.reshape(-1, x.shape[-1])
     rows = rows[spread(rows.shape[0], sample.rows, x.device)].float()
@@ -117,7 +119,7 @@ def massive_row(hidden: Tensor, sample: Sample = Sample()) -> Tensor:
     not finite (non-finite outputs, which the non-finite counts report), and the kurtosis of
     values with no variance gets a count of 0 (left out of the mean).
     """
-    x = hidden.detach()
+    x = as_stored(hidden.detach())
     peak = torch.maximum(x.amax(), -x.amin()).float()
     flat = x.reshape(-1)
     flat = flat[:: max(1, flat.numel() // sample.elements)].float()

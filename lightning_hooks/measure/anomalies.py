@@ -15,7 +15,7 @@ from typing import Any, NamedTuple, Optional
 import torch
 from torch import Tensor
 
-from lightning_hooks.core._validation import check_bool, check_int, check_number
+from lightning_hooks.core._validation import MAX_WINDOW, check_bool, check_int, check_number
 from lightning_hooks.measure._sharding import ShardGroups, local
 
 __all__ = [
@@ -231,7 +231,7 @@ class AnomalyDetector:
         if self.min_norm is not None and self.norm_threshold is not None and self.min_norm >= self.norm_threshold:
             raise ValueError(f"`min_norm` ({self.min_norm}) must be below `norm_threshold` ({self.norm_threshold}):"
                              " a norm cannot be both vanishing and exploding; lower one of them")
-        check_int("window", self.window)
+        check_int("window", self.window, high=MAX_WINDOW)
         self._history: dict[int, Tensor] = {}
         self._seen: dict[int, int] = {}
 

@@ -35,7 +35,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from lightning_hooks.core._validation import check_int, check_number
+from lightning_hooks.core._validation import MAX_WINDOW, check_int, check_number
 
 #: The problems, in the order the summary lists them, with how each is written.
 PROBLEMS = {
@@ -85,7 +85,7 @@ class Bands:
             raise TypeError(f"`update_ratio_band` must be {expected}, two numbers, got {band!r}: {fix}")
         if not all(math.isfinite(v) for v in band) or not 0 < band[0] < band[1]:
             raise ValueError(f"`update_ratio_band` must be {expected}, got {band!r}: {fix}")
-        check_int("window", self.window, low=3)
+        check_int("window", self.window, low=3, high=MAX_WINDOW)
         for name in ("max_attention_logit", "max_output_logit", "max_massive_ratio"):
             check_number(name, getattr(self, name), 0.0)
         check_number("min_entropy_fraction", self.min_entropy_fraction, 0.0, high=1.0)

@@ -17,6 +17,7 @@ by relative URL:
 
 from __future__ import annotations
 
+import re
 import time
 from collections import OrderedDict
 from importlib import resources
@@ -124,8 +125,8 @@ class LayersPlugin(base_plugin.TBPlugin):
 
     def _histogram_route(self, request: wrappers.Request) -> wrappers.Response:
         run, tag, step = _required(request, "run"), _required(request, "tag"), _required(request, "step")
-        if not step.lstrip("-").isdigit():
-            raise errors.InvalidArgumentError(f"`step` must be an integer, got {step!r}")
+        if not re.fullmatch(r"-?[0-9]{1,18}", step):  # ASCII only ("²" passes isdigit), and few
+            raise errors.InvalidArgumentError(f"`step` must be an integer of at most 18 digits, got {step[:40]!r}")
         found = self._reader(request).histogram(run, tag, int(step))
         if found is None:
             raise errors.NotFoundError(f"run {run!r} has no histogram {tag!r}")

@@ -37,7 +37,7 @@ def bands_from_query(args: Mapping[str, str]) -> Bands:
                 given[name] = kind(args[name])
             except ValueError:
                 raise ValueError(f"`{name}` must be a{'n int' if kind is int else ' number'}, "
-                                 f"got {args[name]!r}") from None
+                                 f"got {args[name][:40]!r}") from None
     low, high = Bands.update_ratio_band
     band = (given.pop("update_ratio_low", low), given.pop("update_ratio_high", high))
     return Bands(update_ratio_band=band, **given)
