@@ -130,3 +130,44 @@ def test_the_layers_tab_draws_them_as_heatmaps_whose_cells_open_their_histograms
     assert (match["kind"], match["name"], match["stat"]) == ("activation_grads", "block.fc", "std")
     figure = Figure("activation_grads/std", "", "activation_grads", "std", ["block.fc"], [0], [[1.0]])
     assert figure.histogram_tag(0) == "activation_grads/block.fc"
+
+
+class UnusedFirst(nn.Module):
+    """Returns a dict whose first entry the loss never uses (it gets no gradient)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        h = self.fc(x)
+        return {"unused": h * 2, "used": h}
+
+
+class LastStateOnly(L.LightningModule):
+    """A dict module whose first output is unused, and an LSTM read through ``h_n`` only."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.two, self.lstm, self.head = UnusedFirst(), nn.LSTM(8, 8, batch_first=True), nn.Linear(8, 1)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        _, (h_n, _) = self.lstm(self.two(x)["used"][:, None, :])
+        return nn.functional.mse_loss(self.head(h_n[-1]), y)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+def test_a_call_counts_with_whichever_output_gets_a_gradient(tmp_path):
+    monitor = ActivationMonitor(["two", "lstm"], gradients=True, histogram=False, stats=("std", "count", "calls"))
+    trainer(tmp_path, [monitor], logger=CSVLogger(tmp_path), max_steps=1,
+            accumulate_grad_batches=2).fit(LastStateOnly(), loader())
+    row = csv_metrics(str(tmp_path))[0]
+    assert float(row["activation_grads/two/calls"]) == 2
+    assert float(row["activation_grads/two/count"]) == 2 * 8 * 8  # "used" only, in each micro-batch
+    assert float(row["activation_grads/lstm/calls"]) == 2
+    assert float(row["activation_grads/lstm/count"]) == 2 * 8 * 8  # h_n (1, 8, 8): not `output`, not c_n
+    assert float(row["activation_grads/lstm/std"]) > 0

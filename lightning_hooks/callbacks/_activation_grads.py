@@ -25,17 +25,18 @@ GRAD_PREFIX = "activation_grads"
 def watch_output_gradients(output: Any, block: StatBlock, row: int) -> None:
     """Put a tensor hook on each tensor of ``output`` that requires grad, adding its gradient to ``block``'s ``row``.
 
-    The call counts once: with the gradient of the first tensor that gets one.
+    The call counts once: with whichever of its tensors gets a gradient first (one that gets none,
+    as an unused entry of a dict or an LSTM's ``c_n``, does not take the count with it).
     """
-    first = True
+    pending = [True]  # shared by the call's hooks: the first to fire takes the count
     for tensor in iter_tensors(output):
         if tensor.requires_grad:
-            tensor.register_hook(_recorder(block, row, 1 if first else 0))
-            first = False
+            tensor.register_hook(_recorder(block, row, pending))
 
 
-def _recorder(block: StatBlock, row: int, calls: int) -> Callable[[Tensor], None]:
+def _recorder(block: StatBlock, row: int, pending: list[bool]) -> Callable[[Tensor], None]:
     def record(grad: Tensor) -> None:
-        block.add(row, grad.detach(), calls)
+        if block.add(row, grad.detach(), int(pending[0])):
+            pending[0] = False
 
     return record
