@@ -104,6 +104,24 @@ def test_micro_batches_add_up_and_a_checkpointed_forward_is_watched_once(tmp_pat
         assert float(row[f"activation_grads/{name}/abs_max"]) == pytest.approx(grad.abs().max().item(), rel=1e-5)
 
 
+def test_under_amp_they_are_unscaled_as_the_parameters_gradients_are(tmp_path):
+    from lightning.pytorch.plugins.precision import MixedPrecision
+
+    rows = {}
+    for run, kwargs in (("fp32", {}), ("amp", {"plugins": [MixedPrecision(
+            "16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu", init_scale=1024.0))]})):
+        monitor = ActivationMonitor(MODULES, gradients=True, histogram=False, stats=("std", "abs_max"))
+        trainer(tmp_path / run, [monitor], logger=CSVLogger(tmp_path / run), max_steps=2, **kwargs).fit(
+            Net(), loader())
+        rows[run] = csv_metrics(str(tmp_path / run))
+    for step in (0, 1):  # the scale is taken as each backward runs (a tensor, no sync)
+        for name in MODULES:
+            for stat in ("std", "abs_max"):
+                tag = f"activation_grads/{name}/{stat}"
+                fp32, amp = float(rows["fp32"][step][tag]), float(rows["amp"][step][tag])
+                assert amp == pytest.approx(fp32, rel=0.05), (step, tag)  # float16 rounding, not 1024x
+
+
 def test_histograms_and_forward_figures_come_together_only_when_asked(tmp_path):
     logger = TensorBoardLogger(str(tmp_path), name="", version="")
     trainer(tmp_path, [ActivationMonitor(["block", "head"], gradients=True, log_every_n_steps=2)], logger=logger,

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from lightning_hooks.callbacks._activation_grads import GRAD_PREFIX, watch_output_gradients
+from lightning_hooks.callbacks._activation_grads import GRAD_PREFIX, inverse_loss_scale, watch_output_gradients
 from lightning_hooks.callbacks._base import (
     HookCallback,
     _log_interval,
@@ -113,9 +113,13 @@ class ActivationMonitor(HookCallback):
             and dataclass outputs and modules returning their input work; a forward recomputed by
             gradient checkpointing is not watched twice, and the reentrant variant, whose first
             forward runs without grad, gives no gradient for the modules inside it). Summed over
-            micro-batches. Under DDP each rank's local gradient (of its own loss, before any
-            averaging), combined across ranks as statistics (counts and sums add, extremes max).
-            Training steps only.
+            micro-batches. Under AMP with a GradScaler (``precision="16-mixed"``) they are
+            unscaled as they are recorded (times ``1 / loss_scale``, as the parameters' gradients
+            are measured); on a step where the scaler finds an Inf or a NaN and skips the
+            optimizer step they are still logged, their non-finite values counted in
+            ``nan_count``/``posinf_count``/``neginf_count``. Under DDP each rank's local gradient
+            (of its own loss, before any averaging), combined across ranks as statistics (counts
+            and sums add, extremes max). Training steps only.
 
     Raises:
         ValueError: For an unknown stat, ``bins`` < 1, ``log_every_n_steps`` < 1, an unknown
@@ -179,6 +183,7 @@ class ActivationMonitor(HookCallback):
         self._pending_step: Optional[int] = None  # the log step being collected
         self._pending_global = 0  # ``trainer.global_step`` when it began: its optimizer step is done once this moves
         self._forward_order: Optional[dict[str, None]] = None  # modules as their hooks first fire, once per fit
+        self._grad_scale: list[Optional[torch.Tensor]] = [None]  # AMP's 1 / loss_scale for this backward
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         """Resolve modules and the logging interval before training starts."""
@@ -240,7 +245,7 @@ class ActivationMonitor(HookCallback):
             if self._block is not None and not in_backward():
                 self._block.add_all(index, output)
                 if self.gradients and self._block is self._blocks.get("train") and torch.is_grad_enabled():
-                    watch_output_gradients(output, self._block, grad_index)
+                    watch_output_gradients(output, self._block, grad_index, self._grad_scale)
                 # Not while torch.compile traces: a dict that changes, then goes, would cost a third graph.
                 if not torch.compiler.is_compiling() and self._forward_order is not None:
                     self._forward_order.setdefault(name)
@@ -267,6 +272,11 @@ class ActivationMonitor(HookCallback):
             if self._pending_step is None:
                 self._pending_global = trainer.global_step
             self._block, self._collecting, self._pending_step = self._blocks["train"], True, step
+
+    def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor) -> None:
+        """On a logged step, take AMP's ``1 / loss_scale`` for the gradients about to be recorded (no sync)."""
+        if self.gradients and self._block is not None and self._block is self._blocks.get("train"):
+            self._grad_scale[0] = inverse_loss_scale(trainer, loss.device)
 
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
@@ -310,7 +320,7 @@ class ActivationMonitor(HookCallback):
 
     def _flush(self, trainer: pl.Trainer, stage: str) -> None:
         step, self._pending_step = self._pending_step, None
-        self._collecting, self._block = False, None
+        self._collecting, self._block, self._grad_scale[0] = False, None, None
         assert step is not None
         self._log(trainer, self._blocks[stage], "activations", step)
         if self._forward_order:  # once per fit, for the Layers tab's row order (JSON: a list of names)
