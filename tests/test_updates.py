@@ -13,7 +13,8 @@ import torch
 
 from lightning_hooks import GradientTransform, UpdateTransform
 from lightning_hooks.callbacks._update_step import NormHistory
-from tests.update_helpers import BackboneHead, Updates, fit, largest_difference
+from tests.helpers import trainer
+from tests.update_helpers import BackboneHead, Updates, data, fit, largest_difference
 
 
 @pytest.mark.parametrize("optimizer", ["sgd", "momentum", "adam", "adamw"])
@@ -75,6 +76,21 @@ def test_history_waits_for_half_its_window_and_keeps_unclipped_finite_norms():
     assert factor[0].item() == pytest.approx((2.5 + 2 * math.sqrt(1.25)) / 10)
     norms = history.norms
     assert norms[0, 4].item() == 10.0 and torch.isnan(norms[1, 4])  # unclipped kept, non-finite not
+
+
+def test_two_instances_in_one_trainer_compose_and_keep_their_own_state(tmp_path):
+    halve = UpdateTransform(scale={"backbone": 0.5})
+    fifth = UpdateTransform(scale={"backbone": 0.2}, clip_to_history="backbone", history_window=4, history_sigmas=1e6)
+    model = BackboneHead("adamw")
+    run = trainer(tmp_path, [halve, fifth], max_steps=20, logger=False)
+    run.fit(model, data())
+    reference = fit(tmp_path, BackboneHead("adamw", backbone_lr=0.1), steps=20)
+    assert largest_difference({k: p.detach() for k, p in model.named_parameters()}, reference) < 5e-6
+    assert halve.state_key != fifth.state_key and halve.state_key.startswith("UpdateTransform{")
+    run.save_checkpoint(tmp_path / "two.ckpt")
+    saved = torch.load(tmp_path / "two.ckpt", weights_only=False)["callbacks"]
+    assert saved[halve.state_key] == {"histories": {}}
+    assert saved[fifth.state_key]["histories"][0]["index"] == 20 % 4
 
 
 def test_the_history_survives_a_checkpoint_and_refuses_another_shape():

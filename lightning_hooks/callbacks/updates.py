@@ -114,6 +114,19 @@ class UpdateTransform(HookCallback):
         super().__init__(modules=sorted(patterns))
         self._plan: Optional[UpdatePlan] = None
         self._rewrite = StepRewrite(history_window, history_sigmas)
+        self._state_key: Optional[str] = None
+
+    @property
+    def state_key(self) -> str:
+        """Identifies this instance's state in a checkpoint, so several can be used in one Trainer.
+
+        Made once from the arguments: Lightning reads it at every hook call, for its profiler's labels.
+        """
+        if self._state_key is None:
+            self._state_key = self._generate_state_key(
+                scale=self.scale, max_ratio=self.max_ratio, clip_to_history=self.clip_to_history,
+                history_window=self.history_window, history_sigmas=self.history_sigmas)
+        return self._state_key
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         """Resolve every pattern, so a typo fails before training (``configure_model``: at fit start)."""
