@@ -120,7 +120,7 @@ def hook_bytes(config: dict[str, Any]) -> tuple[int, int]:
     transform.detach()
     optimizer.register_step_pre_hook(wrap(rewrite.before_step))
     optimizer.register_step_post_hook(wrap(rewrite.after_step))
-    rewrite.add(0, optimizer, transform._plan.for_optimizer(optimizer))  # type: ignore[union-attr]
+    rewrite.add(0, optimizer, transform._plan.for_optimizer)  # type: ignore[union-attr]
     _step(model, optimizer, torch.randn(256, 1024))
     selected = sum(p.numel() * p.element_size() for p in transform._plan.params)  # type: ignore[union-attr]
     return counted.bytes, selected

@@ -6,12 +6,13 @@ from typing import Any
 
 import pytest
 import torch
+from lightning.pytorch.callbacks import BackboneFinetuning
 from lightning.pytorch.plugins import MixedPrecision
 
 from lightning_hooks import GradientAnomalyStopping, UpdateTransform
 from tests.helpers import loader, trainer
 from tests.test_lbfgs import LBFGSNet, StepStarts
-from tests.update_helpers import BackboneHead, NaNAtStep, Updates, fit, largest_difference
+from tests.update_helpers import BackboneHead, NaNAtStep, Updates, data, fit, largest_difference
 
 
 def test_a_step_the_amp_scaler_skips_is_left_alone(tmp_path):
@@ -82,3 +83,26 @@ def test_manual_optimization_gets_its_steps_scaled(tmp_path):
     reference = fit(tmp_path, Manual(backbone_lr=0.1), steps=20)
     assert largest_difference(scaled, reference) < 5e-6
     assert largest_difference(fit(tmp_path, Manual(), steps=20), reference) > 1e-2
+
+
+class OnlyTrainable(BackboneHead):
+    """BackboneHead whose optimizer takes only what requires grad (the backbone joins when unfrozen)."""
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW([p for p in self.parameters() if p.requires_grad], lr=1e-2, weight_decay=0.1)
+
+
+@pytest.mark.parametrize("transform_first", [True, False])
+def test_a_backbone_unfrozen_later_by_backbone_finetuning_is_transformed_from_then_on(tmp_path, transform_first):
+    runs = []
+    for ratio, transform in ((1.0, UpdateTransform(scale={"backbone": 0.1}, max_ratio={"backbone": 1.0})),
+                             (0.1, None)):
+        finetuning = BackboneFinetuning(unfreeze_backbone_at_epoch=1, backbone_initial_ratio_lr=ratio,
+                                        should_align=False, verbose=False)
+        callbacks = [c for c in ((transform, finetuning) if transform_first else (finetuning, transform)) if c]
+        model = OnlyTrainable("adamw")
+        start = model.backbone[0].weight.detach().clone()
+        trainer(tmp_path, callbacks, max_epochs=3, max_steps=-1, logger=False).fit(model, data(n=64))
+        assert not torch.equal(model.backbone[0].weight, start)  # unfrozen at epoch 1: it trained
+        runs.append({name: p.detach().clone() for name, p in model.named_parameters()})
+    assert largest_difference(*runs) < 5e-6  # the added group's update scaled: its lr times 0.1

@@ -134,23 +134,27 @@ def _ancestors(name: str) -> list[str]:
     return [".".join(parts[:i]) for i in range(1, len(parts))]
 
 
-def _trainable(root: nn.Module, arg: str, pattern: str) -> dict[nn.Parameter, str]:
-    """Parameters under the modules ``pattern`` selects, once each, with a qualified name."""
+def _trainable(root: nn.Module, arg: str, pattern: str, frozen: bool = False) -> dict[nn.Parameter, str]:
+    """Parameters under the modules ``pattern`` selects, once each, with a qualified name.
+
+    Only those that require grad, unless ``frozen`` (UpdateTransform: a frozen parameter may be
+    unfrozen later in the fit).
+    """
     found: dict[nn.Parameter, str] = {}
     for module_name, module in _outermost(root, arg, pattern):
         for param_name, param in module.named_parameters():
-            if param.requires_grad:
+            if frozen or param.requires_grad:
                 found.setdefault(param, f"{module_name}.{clean_name(param_name)}")
     return found
 
 
 def _combine(
-    root: nn.Module, arg: str, table: Mapping[str, float], merge: Any
+    root: nn.Module, arg: str, table: Mapping[str, float], merge: Any, frozen: bool = False
 ) -> dict[nn.Parameter, tuple[str, float]]:
-    """Each parameter's value, merging the values of every pattern that reaches it."""
+    """Each parameter's value, merging the values of every pattern that reaches it (``frozen``: as ``_trainable``)."""
     combined: dict[nn.Parameter, tuple[str, float]] = {}
     for pattern, value in table.items():
-        for param, name in _trainable(root, arg, pattern).items():
+        for param, name in _trainable(root, arg, pattern, frozen).items():
             combined[param] = (name, merge(combined[param][1], value)) if param in combined else (name, value)
     return combined
 

@@ -89,12 +89,13 @@ def resolve_update_plan(
         ValueError: If a pattern matches no module (the message lists close names), or a
             parameter falls in two ``clip_to_history`` groups.
     """
-    scales = _combine(root, "scale", scale, lambda a, b: a * b) if scale else {}
-    ratios = _combine(root, "max_ratio", max_ratio, min) if max_ratio else {}
+    # Frozen parameters too: one unfrozen later (BackboneFinetuning) is transformed from then on.
+    scales = _combine(root, "scale", scale, lambda a, b: a * b, frozen=True) if scale else {}
+    ratios = _combine(root, "max_ratio", max_ratio, min, frozen=True) if max_ratio else {}
     groups: dict[nn.Parameter, int] = {}
     patterns = list(clip_to_history or ())
     for index, pattern in enumerate(patterns):
-        for param in _trainable(root, "clip_to_history", pattern):
+        for param in _trainable(root, "clip_to_history", pattern, frozen=True):
             if param in groups:
                 raise ValueError(
                     f"`clip_to_history` patterns {patterns[groups[param]]!r} and {pattern!r} both reach"

@@ -10,13 +10,16 @@ parameters, the norms are summed over the shards in one collective.
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 from torch import Tensor
 
 from lightning_hooks.callbacks._update_plan import OptimizerPlan
 from lightning_hooks.measure._sharding import ShardGroupCache, local
+
+#: Makes an optimizer's part of the plan (None: the plan reaches none of its parameters).
+Planner = Callable[[Any], Optional[OptimizerPlan]]
 
 _TINY = 1e-6  # the floor of a history's standard deviation and of a clipped norm, as Levanter's
 
@@ -100,35 +103,52 @@ def update_factors(plan: OptimizerPlan, weight_sq: Tensor, delta_sq: Tensor, his
 
 
 class StepRewrite:
-    """The snapshot of one step and its rewrite, for each optimizer of a fit."""
+    """The snapshot of one step and its rewrite, for each optimizer of a fit.
+
+    Each optimizer's part of the plan is made again when its param groups change (a group added,
+    as Lightning's ``BackboneFinetuning`` adds the unfrozen backbone's; a group's parameters
+    changed in number): checked at each step by the groups' sizes, a few Python operations.
+    """
 
     def __init__(self, window: int, sigmas: float) -> None:
         self.window, self.sigmas = window, sigmas
-        self.plans: dict[int, OptimizerPlan] = {}  # by id of optimizer
+        self.plans: dict[int, Optional[OptimizerPlan]] = {}  # by id of optimizer
         self.histories: dict[int, NormHistory] = {}  # by index of optimizer in the trainer
         self._index: dict[int, int] = {}
+        self._planners: dict[int, Planner] = {}
+        self._layouts: dict[int, tuple[int, ...]] = {}  # the sizes of the param groups each plan was made for
         self._before: dict[int, list[Tensor]] = {}
         self._shard_groups = ShardGroupCache()
 
-    def add(self, index: int, optimizer: Any, plan: Optional[OptimizerPlan]) -> None:
-        """Take charge of ``optimizer`` (the ``index``-th of the trainer) with its part of the plan."""
-        if plan is None:
-            return
-        self.plans[id(optimizer)], self._index[id(optimizer)] = plan, index
-        if plan.group_count and index not in self.histories:
-            self.histories[index] = NormHistory(plan.group_count, self.window, self.sigmas)
+    def add(self, index: int, optimizer: Any, planner: Planner) -> None:
+        """Take charge of ``optimizer`` (the ``index``-th of the trainer); ``planner`` makes its part of the plan."""
+        self._index[id(optimizer)], self._planners[id(optimizer)] = index, planner
+        self._plan(optimizer)
+
+    def _plan(self, optimizer: Any) -> Optional[OptimizerPlan]:
+        """``optimizer``'s part of the plan, made again if its param groups changed since it was made."""
+        layout = tuple(len(group["params"]) for group in optimizer.param_groups)
+        if self._layouts.get(id(optimizer)) != layout:
+            self._layouts[id(optimizer)] = layout
+            plan = self.plans[id(optimizer)] = self._planners[id(optimizer)](optimizer)
+            index = self._index[id(optimizer)]
+            if plan is not None and plan.group_count and index not in self.histories:
+                self.histories[index] = NormHistory(plan.group_count, self.window, self.sigmas)
+        return self.plans[id(optimizer)]
 
     def forget(self) -> None:
         """Drop the plans and any snapshot (the histories stay: they are part of the callback's state)."""
         self.plans.clear()
         self._index.clear()
+        self._planners.clear()
+        self._layouts.clear()
         self._before.clear()
         self._shard_groups.clear()
 
     @torch.no_grad()
     def before_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         """Step pre-hook: copy the parameters the step may move (one copy, on their device)."""
-        plan = self.plans.get(id(optimizer))
+        plan = self._plan(optimizer) if id(optimizer) in self._planners else None
         if plan is not None:
             self._before[id(optimizer)] = [local(p).detach().clone() for p in plan.params]
 

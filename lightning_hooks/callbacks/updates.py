@@ -53,7 +53,10 @@ class UpdateTransform(HookCallback):
     happens); DDP (every rank rewrites its identical update identically); FSDP2 and FSDP1 shards
     (the norms of the whole parameters are summed over the shards in one collective per step,
     only when ``max_ratio`` or ``clip_to_history`` needs them); LBFGS (its whole step, all its
-    closure evaluations, is one update); manual optimization (``opt.step()``); and
+    closure evaluations, is one update); manual optimization (``opt.step()``); parameters
+    unfrozen or param groups added during the fit (Lightning's ``BackboneFinetuning``: patterns
+    reach frozen parameters too, and an optimizer's plan is made again when its param groups
+    change); and
     :class:`~lightning_hooks.GradientAnomalyStopping`: an update it drops (every gradient None)
     is left alone and not remembered, and its rollback restores parameters and optimizer as
     they were. The norm history is saved in checkpoints (``state_dict``); a rollback does not
@@ -138,11 +141,10 @@ class UpdateTransform(HookCallback):
         """Resolve the plan against the model as it trains, and put the step hooks on its optimizers."""
         super().on_fit_start(trainer, pl_module)
         assert self._plan is not None
-        for index, optimizer in enumerate(trainer.optimizers):
-            self._rewrite.add(index, optimizer, self._plan.for_optimizer(optimizer))
-            if id(optimizer) in self._rewrite.plans:
-                self._handles += [optimizer.register_step_pre_hook(self._rewrite.before_step),
-                                  optimizer.register_step_post_hook(self._rewrite.after_step)]
+        for index, optimizer in enumerate(trainer.optimizers):  # every one: a param group may come later
+            self._rewrite.add(index, optimizer, self._plan.for_optimizer)
+            self._handles += [optimizer.register_step_pre_hook(self._rewrite.before_step),
+                              optimizer.register_step_post_hook(self._rewrite.after_step)]
 
     def attach(self, model: nn.Module) -> None:
         """Resolve the plan against ``model`` (no module hook: the work is done at the optimizer's step)."""
