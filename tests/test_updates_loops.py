@@ -37,9 +37,23 @@ def test_a_dropped_update_is_left_alone_and_not_remembered(tmp_path, action, tra
         callbacks = [c for c in ((transform, stopper) if transform_first else (stopper, transform)) if c]
         runs.append(fit(tmp_path, NaNAtStep("adamw", backbone_lr, nan_step=10), callbacks, steps=30))
         assert stopper.dropped_steps == 1
-        if transform is not None:
-            assert (~transform._rewrite.histories[0].norms.isnan()).sum() == 29  # 30 steps, one dropped
+        if transform is not None:  # 30 steps, one dropped; a rollback also takes back those since its snapshot
+            discarded = 10 - stopper._rollback.snapshot_step if action == "rollback" else 0
+            assert (~transform._rewrite.histories[0].norms.isnan()).sum() == 29 - discarded
     assert largest_difference(*runs) < 5e-6
+
+
+@pytest.mark.parametrize("transform_first", [True, False])
+def test_a_rollback_restores_the_norm_history_of_its_snapshot(tmp_path, transform_first):
+    transform = UpdateTransform(clip_to_history="*", history_window=64)
+    stopper = GradientAnomalyStopping(action="rollback", rollback_every_n_steps=4, prog_bar=False)
+    callbacks = [transform, stopper] if transform_first else [stopper, transform]
+    fit(tmp_path, NaNAtStep("adamw", nan_step=10), callbacks, steps=13)  # no new snapshot after the rollback
+    rollback = stopper._rollback
+    assert rollback.returns == [10] and rollback.snapshot_step is not None and rollback.snapshot_step < 10
+    discarded = 10 - rollback.snapshot_step  # clean updates after the snapshot, undone by the rollback
+    # 13 steps, the NaN one dropped, and the discarded ones' norms gone with them.
+    assert (~transform._rewrite.histories[0].norms.isnan()).sum() == 13 - 1 - discarded
 
 
 def test_lbfgs_gets_its_whole_step_scaled(tmp_path):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import copy
 import logging
-from typing import Any, Literal, Optional, Protocol
+from typing import Any, Literal, Optional, Protocol, runtime_checkable
 
 import lightning.pytorch as pl
 from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, SingleDeviceStrategy
@@ -55,8 +55,13 @@ def validate_rollback(action: str, every_n_steps: Any, skip_batches: Any) -> Non
         )
 
 
+@runtime_checkable
 class Judges(Protocol):
-    """Whatever judges the steps (spike windows, running medians, flight rings): copied and restored with a snapshot."""
+    """Whatever judges the steps (spike windows, running medians, flight rings): copied and restored with a snapshot.
+
+    A callback of the Trainer that has these two methods opts in: its judges go back with every
+    rollback too (UpdateTransform's norm history).
+    """
 
     def copy_judges(self) -> Any:
         """A copy of the judges' state, which later steps do not change."""
@@ -95,13 +100,17 @@ class Rollback:
         self._outcome: Optional[Outcome] = None
 
     def take(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        """Copy the model, the optimizer and the LR schedulers' states to the host, and the judges' state."""
+        """Copy the model, the optimizer and the LR schedulers' states to the host, and the judges' states.
+
+        The judges: ours, and those of the Trainer's callbacks that opt in (see :class:`Judges`).
+        """
         self._state = {
             "model": _host_copy(pl_module.state_dict()),
             "optimizer": _host_copy(trainer.optimizers[0].state_dict()),
             "schedulers": [copy.deepcopy(config.scheduler.state_dict()) for config in trainer.lr_scheduler_configs],
             "groups": _groups(trainer),
             "judges": self.judges.copy_judges() if self.judges is not None else None,
+            "callbacks": [(c, c.copy_judges()) for c in trainer.callbacks if isinstance(c, Judges)],
         }
         self.snapshot_step, self._clean, self.returns = trainer.global_step, 0, []
 
@@ -155,6 +164,8 @@ class Rollback:
     def _restore_judges(self) -> None:
         if self.judges is not None and self._state["judges"] is not None:
             self.judges.restore_judges(self._state["judges"])
+        for callback, judges in self._state["callbacks"]:
+            callback.restore_judges(judges)
 
     def _restore_schedules(self, trainer: pl.Trainer) -> None:
         for config, state in zip(trainer.lr_scheduler_configs, self._state["schedulers"]):

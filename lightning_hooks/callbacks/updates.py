@@ -6,7 +6,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any, Optional, Union
 
 import lightning.pytorch as pl
-from torch import nn
+from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
 from lightning_hooks.callbacks._base import HookCallback
@@ -59,8 +59,8 @@ class UpdateTransform(HookCallback):
     change); and
     :class:`~lightning_hooks.GradientAnomalyStopping`: an update it drops (every gradient None)
     is left alone and not remembered, and its rollback restores parameters and optimizer as
-    they were. The norm history is saved in checkpoints (``state_dict``); a rollback does not
-    rewind it (the norms it holds were of real updates).
+    they were, and the norm history as it was at its snapshot (the norms of the discarded
+    updates go with them). The norm history is saved in checkpoints (``state_dict``).
 
     Every argument is keyword-only.
 
@@ -169,6 +169,17 @@ class UpdateTransform(HookCallback):
             history = NormHistory(len(self.clip_to_history or ()), self.history_window, self.history_sigmas)
             history.load_state_dict(state)
             self._rewrite.histories[int(index)] = history
+
+    def copy_judges(self) -> dict[int, tuple[Optional[Tensor], int]]:
+        """Copies of the norm histories (on their device), for GradientAnomalyStopping's rollback snapshot."""
+        return {index: (None if h.norms is None else h.norms.clone(), h.index)
+                for index, h in self._rewrite.histories.items()}
+
+    def restore_judges(self, judges: dict[int, tuple[Optional[Tensor], int]]) -> None:
+        """Put back a :meth:`copy_judges` at a rollback (a history begun since starts afresh)."""
+        for index, history in self._rewrite.histories.items():
+            norms, history.index = judges.get(index, (None, 0))
+            history.norms = None if norms is None else norms.clone()  # the snapshot stays untouched
 
     def _resolve(self, root: nn.Module) -> UpdatePlan:
         return resolve_update_plan(root, self.scale, self.max_ratio, self.clip_to_history)
