@@ -218,3 +218,14 @@ def test_only_the_padding_of_a_distributed_sampler_is_dropped() -> None:
     assert [d.tolist() for d in destinations] == [[0, 3, 5], [2, 4, 1]]
     same_rank = [part(0, [0, 1, 0])]  # a repeat on one rank is no padding: kept, even in predict
     assert torch.equal(_dataset_order(same_rank, "predict")[1], torch.tensor([0, 0, 1]))
+
+
+def test_a_stage_not_of_the_four_is_refused_by_name(tmp_path: Path) -> None:
+    extract(tmp_path, n=4)
+    with pytest.raises(ValueError, match=r"`stage` must be one of \['train', 'validate', 'test', 'predict'\], got"
+                                         r" 'fit': the rows `Trainer.fit` saves are under stage='train'"):
+        load_features(tmp_path, "encoder.2", stage="fit")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"must be one of .*, got 'Predict'"):
+        iter_features(tmp_path, "encoder.2", stage="Predict")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"`stage` must be one of .*list"):
+        load_features(tmp_path, "encoder.2", stage=["predict"])  # type: ignore[arg-type]

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator, Sequence
-from typing import Any, Optional, Union
+from typing import Any, Optional, Union, get_args
 
 import torch
 from torch import Tensor
 
+from lightning_hooks.core._validation import check_choice
 from lightning_hooks.core.selection import close_matches
 from lightning_hooks.output._feature_reader import StageIndex, iter_shards, read_index
 from lightning_hooks.output._feature_store import Stage, stage_dir
@@ -93,7 +94,7 @@ def load_features(
         dirpath: The extractor's ``dirpath``.
         layer: The output's name: a module's qualified name, or ``"<module>:<key>"`` for a tensor
             inside a structured output (``"lstm:0"``, ``"encoder:hidden"``).
-        stage: The stage the features were extracted in (``"train"``; ``"fit"`` is its deprecated name).
+        stage: The stage the features were extracted in: ``"train"``, ``"validate"``, ``"test"`` or ``"predict"``.
         rank: Load only this rank's rows; None (the default) loads every rank's.
         dataloader_idx: Load only the rows of this dataloader; None loads every dataloader's.
         return_ids: Also return the sample ids: ``(features, ids)``; ids is None where unknown.
@@ -107,6 +108,7 @@ def load_features(
         The rows, on CPU (a :class:`MappedFeatures` with ``mmap``); with ``return_ids``, ``(rows, ids)``.
 
     Raises:
+        ValueError: If ``stage`` is not one of the four stages (``TypeError`` if not a string).
         FileNotFoundError: If the set is incomplete (the message says what is missing) and not
             ``allow_partial``; or nothing was saved for this output: the message says whether the
             module was watched but never called, suggests close names and lists what was saved.
@@ -116,6 +118,7 @@ def load_features(
         features, ids = load_features("features", "encoder.2", return_ids=True)
 
     """
+    _check_stage(stage)
     index = read_index(dirpath, stage, allow_partial, verify)
     parts = list(iter_shards(index, layer, rank, dataloader_idx, mmap))
     if not parts:
@@ -143,6 +146,7 @@ def iter_features(
     Arguments as :func:`load_features`; one shard is in memory at a time (none with ``mmap``).
 
     Raises:
+        ValueError: If ``stage`` is not one of the four stages (``TypeError`` if not a string).
         FileNotFoundError: As :func:`load_features`, when the iteration starts.
 
     Example::
@@ -150,10 +154,19 @@ def iter_features(
         total = sum(rows.double().sum(0) for rows, _ in iter_features("features", "encoder.2"))
 
     """
+    _check_stage(stage)
     index = read_index(dirpath, stage, allow_partial, verify)
     if not any(s.rows.get(layer) and (rank is None or s.rank == rank) for s in index.shards):
         raise FileNotFoundError(_not_saved_message(index, dirpath, stage, layer, rank))
     return ((rows, ids) for _, rows, ids in iter_shards(index, layer, rank, dataloader_idx, mmap))
+
+
+def _check_stage(stage: Any) -> None:
+    """Raise unless ``stage`` names one of the four stages; ``"fit"`` is told where its rows are."""
+    if stage == "fit":
+        raise ValueError("`stage` must be one of ['train', 'validate', 'test', 'predict'], got 'fit': the rows"
+                         " `Trainer.fit` saves are under stage='train'")
+    check_choice("stage", stage, get_args(Stage))
 
 
 def _dataset_order(parts: list[Any], stage: str) -> tuple[list[Tensor], Optional[Tensor]]:
