@@ -56,6 +56,8 @@ def _add_to_row(logger: Logger, metrics: Mapping[str, float], step: int) -> bool
 
     ``CSVLogger.log_metrics`` starts a row per call, and each callback writes at its own hook of
     the step. Only Lightning's own ``log_metrics``, without a prefix; False where there is no such row.
+    The LightningModule's own ``self.log`` values are not merged: Lightning writes them in a row of
+    their own after the callbacks' hooks of the step, with the same ``step``.
     """
     if (not isinstance(logger, CSV_LOGGERS) or type(logger).log_metrics not in _CSV_LOG_METRICS
             or logger._prefix):
