@@ -6,14 +6,16 @@ at start-up, does not import them (about 6 s).
 
 Reports, verdicts and diagnoses go through Python's ``logging``, under the logger
 ``"lightning_hooks"``: route or silence them there (``logging.getLogger("lightning_hooks")
-.setLevel(logging.WARNING)``). As Lightning does for its own, they are shown at INFO on stderr
-unless the application has configured logging, in which case they go to its handlers.
+.setLevel(logging.WARNING)``). They are shown at INFO on stderr while the root logger has no
+handler; once the application configures logging (before or after the import) they go to its
+handlers instead, as every logger's records do.
 """
 
 from __future__ import annotations
 
 import importlib
 import logging
+import sys
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -80,11 +82,25 @@ __all__ = [
 ]
 __version__ = "0.1.0"
 
+
+class _StderrUntilConfigured(logging.StreamHandler):  # type: ignore[type-arg]
+    """Write a record to stderr only while the root logger has no handler, checked at each record.
+
+    The records still propagate: once the application configures logging (``logging.basicConfig``,
+    before or after importing the package) its handlers show them, and this one stays quiet, so
+    nothing is printed twice.
+    """
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if not logging.getLogger().handlers:
+            self.setStream(sys.stderr)  # the current one (a test's or a notebook's capture)
+            super().emit(record)
+
+
 _logger = logging.getLogger(__name__)
 _logger.setLevel(logging.INFO)
-if not logging.getLogger().hasHandlers():
-    _logger.addHandler(logging.StreamHandler())
-    _logger.propagate = False
+if not any(type(h).__name__ == "_StderrUntilConfigured" for h in _logger.handlers):  # once, even if reloaded
+    _logger.addHandler(_StderrUntilConfigured())
 
 
 def __getattr__(name: str) -> Any:

@@ -78,3 +78,20 @@ def test_no_module_of_the_package_takes_part_in_an_import_cycle():
 
     for module in sorted(graph):
         visit(module)
+
+
+_CONFIGURED_AFTER = """
+import logging, sys
+import lightning_hooks
+report = logging.getLogger("lightning_hooks.callbacks.stopping")
+report.info("before basicConfig")
+logging.basicConfig(stream=sys.stdout, level=logging.INFO, format="APP %(name)s: %(message)s")
+report.info("after basicConfig")
+"""
+
+
+def test_logging_configured_after_the_import_gets_the_reports_and_they_print_once():
+    done = subprocess.run([sys.executable, "-c", _CONFIGURED_AFTER], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stderr == "before basicConfig\n"  # no handler of the application's yet: ours, on stderr
+    assert done.stdout == "APP lightning_hooks.callbacks.stopping: after basicConfig\n"  # theirs only

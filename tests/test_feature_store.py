@@ -13,8 +13,11 @@ from pathlib import Path
 import pytest
 import torch
 from lightning.pytorch import Trainer
+from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_hooks.callbacks.features import FeatureExtractor, MappedFeatures, iter_features, load_features
+from lightning_hooks.output._feature_load import _dataset_order
+from lightning_hooks.output._feature_reader import Shard
 from tests.test_feature_outputs import Tokens
 from tests.test_features import TRAINER, Encoder, inputs, loader
 
@@ -184,3 +187,45 @@ def test_a_read_only_dirpath_fails_before_the_first_batch(small_disk: Path) -> N
     with pytest.raises(OSError, match=r"could not create the directory '.*/features': read-only file system"):
         trainer.predict(model, loader(inputs(8)))
     assert model.predicted == 0
+
+
+def test_every_epoch_of_train_comes_back_each_id_in_saved_order(tmp_path: Path) -> None:
+    x, keys = inputs(16), torch.arange(16)
+    extractor = FeatureExtractor("encoder.2", dirpath=tmp_path, stages="train", sample_ids=lambda batch: batch[1])
+    Trainer(callbacks=[extractor], max_epochs=3, **TRAINER).fit(
+        Encoder(), DataLoader(TensorDataset(x, keys), batch_size=4, shuffle=True))
+    features, ids = load_features(tmp_path, "encoder.2", stage="train", return_ids=True)
+    assert torch.equal(ids, torch.arange(16).repeat_interleave(3))  # 48 rows: none merged
+    saved = list(iter_features(tmp_path, "encoder.2", stage="train"))
+    saved_rows, saved_ids = torch.cat([r for r, _ in saved]), torch.cat([i for _, i in saved])
+    assert torch.equal(features, saved_rows[torch.sort(saved_ids, stable=True).indices])
+    assert not torch.equal(features[0], features[1])  # id 0 in epochs 0 and 1: the model has learnt between
+    mapped = load_features(tmp_path, "encoder.2", stage="train", mmap=True)
+    assert torch.equal(mapped[:], features) and torch.equal(mapped.by_id([5]), features[15:16])
+
+
+def test_only_the_padding_of_a_distributed_sampler_is_dropped() -> None:
+    """Rank 1 repeats sample 0, as a DistributedSampler pads 5 samples to 6; only ``predict`` drops it."""
+    def part(rank: int, ids: list[int]) -> tuple[Shard, torch.Tensor, torch.Tensor]:
+        return Shard(Path(f"rank{rank}"), rank, 0, 0, {}, {}), torch.tensor(ids).float(), torch.tensor(ids)
+
+    parts = [part(0, [0, 2, 4]), part(1, [1, 3, 0])]
+    destinations, ids = _dataset_order(parts, "predict")
+    assert torch.equal(ids, torch.arange(5))
+    assert [d.tolist() for d in destinations] == [[0, 2, 4], [1, 3, -1]]
+    destinations, ids = _dataset_order(parts, "validate")
+    assert torch.equal(ids, torch.tensor([0, 0, 1, 2, 3, 4]))
+    assert [d.tolist() for d in destinations] == [[0, 3, 5], [2, 4, 1]]
+    same_rank = [part(0, [0, 1, 0])]  # a repeat on one rank is no padding: kept, even in predict
+    assert torch.equal(_dataset_order(same_rank, "predict")[1], torch.tensor([0, 0, 1]))
+
+
+def test_a_stage_not_of_the_four_is_refused_by_name(tmp_path: Path) -> None:
+    extract(tmp_path, n=4)
+    with pytest.raises(ValueError, match=r"`stage` must be one of \['train', 'validate', 'test', 'predict'\], got"
+                                         r" 'fit': the rows `Trainer.fit` saves are under stage='train'"):
+        load_features(tmp_path, "encoder.2", stage="fit")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"must be one of .*, got 'Predict'"):
+        iter_features(tmp_path, "encoder.2", stage="Predict")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"`stage` must be one of .*list"):
+        load_features(tmp_path, "encoder.2", stage=["predict"])  # type: ignore[arg-type]

@@ -283,3 +283,20 @@ def test_every_monitors_figures_of_a_logged_step_share_one_csv_row(tmp_path):
     rows = [row for row in csv_metrics(str(tmp_path)) if row["activations/net.0/mean"] or row["gradients/total_norm"]]
     assert [int(row["step"]) for row in rows] == [0, 1, 2, 3]
     assert all(row["activations/net.0/mean"] and row["gradients/total_norm"] for row in rows)
+
+
+class LogsItsLoss(TinyNet):
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        self.log("train_loss", loss)
+        return loss
+
+
+def test_the_modules_own_self_log_values_are_lightnings_own_row_of_the_same_step(tmp_path):
+    """As docs/how_it_works.md says: two rows a logged step, the package's first, mergeable by step."""
+    torch.manual_seed(0)
+    logger = CSVLogger(tmp_path, name="", version=0)
+    trainer(tmp_path, [GradientMonitor()], logger=logger, max_steps=3).fit(LogsItsLoss(), loader())
+    rows = [(int(row["step"]), bool(row["gradients/total_norm"]), bool(row["train_loss"]))
+            for row in csv_metrics(str(tmp_path)) if row["gradients/total_norm"] or row["train_loss"]]
+    assert rows == [(step, ours, not ours) for step in range(3) for ours in (True, False)]

@@ -92,6 +92,13 @@ def _figures(acc):
     return scalars, histograms, layout
 
 
+def _text_tags(acc):
+    try:
+        return acc.PluginTagToContent("text")
+    except KeyError:  # no text at all
+        return {}
+
+
 @pytest.mark.parametrize("make_writer", [RenamedInternals, PublicMethods], ids=["renamed internals", "public only"])
 def test_a_writer_without_the_private_names_gets_the_same_figures_through_its_public_methods(tmp_path, make_writer):
     fast = TensorBoardLogger(tmp_path / "fast", name="", version=0)
@@ -102,6 +109,9 @@ def test_a_writer_without_the_private_names_gets_the_same_figures_through_its_pu
 
     assert got == want
     scalars, histograms, layout = got
+    for acc in (events(fast.log_dir), events(public.log_dir)):  # the Layers tab's data, not the Text tab's
+        assert "layers/forward_order" in acc.PluginTagToContent("lightning_hooks_layers")
+        assert "layers/forward_order" not in _text_tags(acc)
     assert len(scalars["gradients/net.0.weight/norm"]) == 6 and len(histograms["activations/net.0"]) == 6
     assert b"activations" in layout
 

@@ -13,6 +13,7 @@ from lightning.pytorch.loggers import Logger, TensorBoardLogger
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.utils.tensorboard import SummaryWriter
 from torch.utils.tensorboard.summary import custom_scalars
+from torch.utils.tensorboard.writer import FileWriter
 
 from lightning_hooks.core._compat import CSV_LOGGERS, TENSORBOARD_LOGGERS, WANDB_LOGGERS
 from lightning_hooks.core._torch_internals import event_queue
@@ -55,6 +56,8 @@ def _add_to_row(logger: Logger, metrics: Mapping[str, float], step: int) -> bool
 
     ``CSVLogger.log_metrics`` starts a row per call, and each callback writes at its own hook of
     the step. Only Lightning's own ``log_metrics``, without a prefix; False where there is no such row.
+    The LightningModule's own ``self.log`` values are not merged: Lightning writes them in a row of
+    their own after the callbacks' hooks of the step, with the same ``step``.
     """
     if (not isinstance(logger, CSV_LOGGERS) or type(logger).log_metrics not in _CSV_LOG_METRICS
             or logger._prefix):
@@ -213,7 +216,8 @@ def log_plugin_data(trainer: pl.Trainer | Any, tag: str, text: str, step: int) -
     """Write an entry only the Layers tab reads (JSON) to every TensorBoardLogger, from rank zero.
 
     Written as a summary of the tab's own plugin (:mod:`lightning_hooks.output._plugin_data`), so
-    the Text tab does not list it. tensorboardX's writer has protos of its own: there it is written
+    the Text tab does not list it: through the fast path, else through torch's public
+    ``file_writer.add_summary``. tensorboardX's writer has protos of its own: there it is written
     as text, which the tab reads too.
     """
     if not trainer.is_global_zero:
@@ -222,10 +226,21 @@ def log_plugin_data(trainer: pl.Trainer | Any, tag: str, text: str, step: int) -
         if not isinstance(logger, TENSORBOARD_LOGGERS):
             continue
         queue = _event_queue(logger)
+        file_writer = None if queue is not None else _torch_file_writer(logger.experiment)
         if queue is not None:
             write_summary(queue, plugin_data_summary(tag, text).SerializeToString(), step)
+        elif file_writer is not None:
+            file_writer.add_summary(plugin_data_summary(tag, text), step)
         else:
             logger.experiment.add_text(tag, text, global_step=step)
+
+
+def _torch_file_writer(writer: Any) -> Optional[FileWriter]:
+    """The ``FileWriter`` of torch under ``writer`` (it takes TensorBoard's protos), or None (tensorboardX's)."""
+    file_writer = getattr(writer, "file_writer", None)
+    if file_writer is None and isinstance(writer, SummaryWriter):
+        file_writer = writer._get_file_writer()  # reopened after `close()`, as its own `add_*` methods do
+    return file_writer if isinstance(file_writer, FileWriter) else None
 
 
 Charts = Mapping[str, Sequence[str]]
