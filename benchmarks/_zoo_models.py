@@ -14,7 +14,7 @@ from typing import Callable
 import torch
 from torch import Tensor, nn
 
-VOCAB, SEQ, WIDTH, DEPTH = 64, 32, 64, 6
+VOCAB, SEQ, WIDTH, DEPTH = 64, 16, 64, 6
 
 
 def lm_batches(seed: int, batch: int) -> Callable[[int], tuple[Tensor, Tensor]]:
@@ -66,7 +66,8 @@ class LM(nn.Module):
 
         if kind == "gpt2":
             config = transformers.GPT2Config(vocab_size=VOCAB, n_positions=SEQ, n_embd=WIDTH, n_layer=DEPTH,
-                                             n_head=4, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+                                             n_head=4, activation_function="gelu", resid_pdrop=0.0,
+                                             embd_pdrop=0.0, attn_pdrop=0.0)
             self.net = transformers.GPT2LMHeadModel(config)
         else:
             config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=WIDTH, intermediate_size=4 * WIDTH,
@@ -138,10 +139,10 @@ def _lm_targets(block: str, mlp_in: str, mlp_out: str, query: str) -> dict[str, 
 
 
 RECIPES = {
-    "gpt2": Recipe("gpt2", lambda: LM("gpt2"), lm_batches, "lm", "adamw", 1e-3, 16, _lm_targets(
+    "gpt2": Recipe("gpt2", lambda: LM("gpt2"), lm_batches, "lm", "adamw", 1e-3, 8, _lm_targets(
         "net.transformer.h.2", "net.transformer.h.2.mlp.c_fc", "net.transformer.h.2.mlp.c_proj",
         "net.transformer.h.2.attn.c_attn")),
-    "llama": Recipe("llama", lambda: LM("llama"), lm_batches, "lm", "adamw", 6e-4, 16, _lm_targets(
+    "llama": Recipe("llama", lambda: LM("llama"), lm_batches, "lm", "adamw", 6e-4, 8, _lm_targets(
         "net.model.layers.2", "net.model.layers.2.mlp.up_proj", "net.model.layers.2.mlp.down_proj",
         "net.model.layers.2.self_attn.q_proj")),
     "cnn": Recipe("cnn", CNN, image_batches, "ce", "sgd", 0.05, 32, {

@@ -21,7 +21,6 @@ in its output, once), ``data`` (the batch goes bad: inputs x30, or random labels
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import sys
 import time
@@ -210,7 +209,8 @@ def judge_case(case: Case, healthy: Optional[Case]) -> dict[str, Any]:
         row.update(first=first, first_step=first_step, delay=None if at is None else at - case.onset,
                    named_at_once=len(case.named[at]) if at is not None else 0)
     else:
-        hit = next((s for s in steps if any(is_culprit(n, case.culprit) for n in case.named[s])), None)
+        hit = next((s for s in steps if s >= case.onset and any(is_culprit(n, case.culprit) for n in case.named[s])),
+                   None)
         before: list[str] = []
         for s in steps:
             for n in case.named[s]:
@@ -227,14 +227,18 @@ def judge_case(case: Case, healthy: Optional[Case]) -> dict[str, Any]:
     return row
 
 
-def loss_moved(case: Case, healthy: Optional[Case], rel: float = 0.05, smooth: int = 5) -> Optional[int]:
-    """Steps from the onset until the loss (a 5-step mean) is 5% away from the healthy run's; None if never."""
+def loss_moved(case: Case, healthy: Optional[Case], rel: float = 0.05, smooth: int = 3) -> Optional[int]:
+    """Steps from the onset until the loss is 5% above the same run's without the fault (a trailing 3-step mean).
+
+    The same seed draws the same batches, so the ratio of the two losses is free of minibatch
+    noise; a non-finite loss has moved. None if it never moved.
+    """
     if healthy is None:
         return None
     a, b = np.array(case.losses), np.array(healthy.losses)
-    for s in range(case.onset, min(len(a), len(b)) - smooth + 1):
-        x, y = a[s:s + smooth].mean(), b[s:s + smooth].mean()
-        if not math.isfinite(x) or abs(x - y) > rel * abs(y):
+    for s in range(case.onset, min(len(a), len(b))):
+        ratio = a[max(case.onset, s - smooth + 1):s + 1] / b[max(case.onset, s - smooth + 1):s + 1]
+        if not np.isfinite(ratio).all() or ratio.mean() > 1 + rel:
             return s - case.onset
     return None
 
@@ -273,8 +277,8 @@ def format_row(row: dict[str, Any]) -> str:
     """One markdown table line."""
     if row["fault"] == "healthy":
         lines = "; ".join(row["lines"]) + (" ..." if row["alarms"] > len(row["lines"]) else "")
-        return (f"| {row['model']} | healthy | {row['alarms']} verdict lines after 10%"
-                f"{' (first at ' + str(row['first_alarm']) + '): ' + lines if row['alarms'] else ''} | | | | | {row['s']} |")
+        found = f" (first at step {row['first_alarm']}): {lines}" if row["alarms"] else ""
+        return f"| {row['model']} | healthy | {row['alarms']} verdict lines after 10%{found} | | | | | {row['s']} |"
     before = row.get("before")
     said = f"{before} ({'; '.join(row['before_names'])})" if before else ("-" if before is None else "0")
     if row["fault"] == "data":

@@ -237,6 +237,8 @@ class LayerHealth(FigureListener, *CALLBACK_BASES):  # type: ignore[misc]  # the
         rank_zero_info(text)
 
     def _draw(self, trainer: pl.Trainer, step: int) -> None:
+        if not any(isinstance(logger, TENSORBOARD_LOGGERS) for logger in trainer.loggers):
+            return  # nowhere to draw to (setup warned)
         from lightning_hooks.output._health_plots import Profile, heatmap_figure, profile_figure, to_rgb
 
         figures = [(f"health/activation_histograms/{name}",
