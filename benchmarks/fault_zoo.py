@@ -45,8 +45,9 @@ GROWTH, JUMP, SHRINK, LR_FACTOR, DATA_SCALE = 1.04, 20.0, 1e-3, 100.0, 30.0
 class Lit(pl.LightningModule):
     """A recipe's model, trained as the recipe says, with one fault injected from step ``onset``."""
 
-    def __init__(self, recipe: Recipe, fault: Optional[str], onset: int, steps: int, seed: int) -> None:
+    def __init__(self, recipe: Recipe, fault: Optional[str], onset: int, steps: int, seed: int, every: int) -> None:
         super().__init__()
+        self.every = every
         torch.manual_seed(seed)
         self.recipe, self.fault, self.onset, self.steps = recipe, fault, onset, steps
         self.model = recipe.build()
@@ -69,8 +70,8 @@ class Lit(pl.LightningModule):
             return out * JUMP
         if self.fault == "dead":
             return out * 0.0
-        if self.fault == "nan":
-            if t > 0:
+        if self.fault == "nan":  # born at the first logged step from the onset on, where the figures can see it
+            if (self._step() + 1) % self.every or t >= self.every:
                 return None
             out = out.clone()
             out.view(-1)[0] = float("nan")
@@ -165,7 +166,7 @@ def run_case(model: str, fault: Optional[str], steps: int, onset: int, every: in
     """Train one case and return what the verdicts said at each step."""
     recipe = RECIPES[model]
     start = time.perf_counter()
-    lit = Lit(recipe, fault, onset, steps, seed)
+    lit = Lit(recipe, fault, onset, steps, seed, every)
     health = LayerHealth()
     probe = Probe(health)
     callbacks = [ActivationMonitor(histogram=False), GradientMonitor(histogram=False, update_ratio=True), health, probe]

@@ -1,0 +1,291 @@
+"""The one judge: which layer went wrong at a logged step, told apart from the layers it hurt (host-side, torch-free).
+
+LayerHealth, the Layers tab and ``AnomalyReport.diagnosis`` all call :class:`Judge`, one logged
+step at a time, with every judged figure of that step. How it decides (docs/verdicts.md):
+
+- Each row (a module's activation std, a parameter's gradient norm or update ratio) against its
+  own history, on a log scale: a robust level (the median of its last ``window`` logged values)
+  and noise (their median absolute deviation, floored), and a two-sided CUSUM of its deviation
+  from that level, so that a jump is caught at once and a slow ramp within a few points. While a
+  row drifts away its level is frozen (a ramp cannot widen its own range); a drift too slow to
+  add up to a finding within ``min_points`` points is learning, and becomes the row's level.
+- Gradient norms and update ratios are judged against their peers too: the step's median change
+  over all rows (the learning-rate schedule, the loss falling, the batch's own noise) is taken
+  out first, so no fixed band judges the recipe. Activations are judged against their own
+  history only, where a single layer's fault would move every row downstream of it.
+- Every layer at once is the batch, not a layer: the first module in forward order and most of
+  the others out together (activations), or every gradient moving together while no activation
+  is out (the labels): ``data``.
+- Culprit and victims: at a step, the first module in forward order whose outputs are out of
+  their range is named (its inputs, the modules before it, are in range); the modules after it,
+  and the gradients and update ratios of other layers, are its victims, not named. Without an
+  activation finding, the row that moved most among update ratios, then gradient norms, is
+  named. While a named layer is still out, every other layer that goes out is counted as
+  affected, not named: one cause, then its consequences.
+- Absolute rules where the physics gives a bound: a NaN or Inf; more than ``max_zero_fraction``
+  exact zeros (dead units); TransformerStability's logit, entropy and massive-activation bounds.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections import deque
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from lightning_hooks.output._health_bands import Bands
+
+#: The relative figures, each with its (up, down) problems.
+RELATIVE = {"level": ("blowup", "collapse"), "norm": ("exploding", "vanishing"), "ratio": ("too_fast", "too_slow")}
+#: The relative figures whose step's common change over all rows is taken out (peers).
+COMMON_MODE = ("norm", "ratio")
+#: The problems seen in a module's own outputs: the evidence a culprit is named from, in forward order.
+OUTPUT_PROBLEMS = ("nonfinite", "dead", "blowup", "collapse")
+#: The layer a data fault is reported on.
+EVERY_LAYER = "(every layer)"
+_MIN_NOISE = {"level": math.log(1.05), "norm": math.log(1.25), "ratio": math.log(1.1)}
+
+
+def _range(logs: Sequence[float]) -> tuple[float, float, float]:
+    """A row's usual range from its history (log values, oldest first): its level, its trend carried to now, its noise.
+
+    The level is the median of the newer half; the trend, the move from the older half's median
+    to the newer half's, carried on to the next point; the noise, the median absolute deviation
+    of the points from that line (times 1.4826: a standard deviation for Gaussian noise).
+    """
+    values = list(logs)
+    half = len(values) // 2
+    old, new = statistics.median(values[:half]), statistics.median(values[half:])
+    slope = (new - old) / max(1, len(values) - half)
+    centre = (len(values) + half - 1) / 2  # where the newer half's median sits
+    noise = 1.4826 * statistics.median(abs(v - new - slope * (i - centre)) for i, v in enumerate(values))
+    return new, new + slope * (len(values) - centre), noise
+
+
+def layer_of(row: str, modules: Mapping[str, int]) -> str:
+    """The module a row belongs to: the row itself if it is a known module, else its name without the last part."""
+    if row in modules or "." not in row:
+        return row
+    return row.rsplit(".", 1)[0]
+
+
+@dataclass
+class Track:
+    """One row's history on a log scale and its CUSUM sums; ``frozen`` counts the points its level is held."""
+
+    logs: deque[float]
+    up: float = 0.0
+    down: float = 0.0
+    frozen: int = 0
+    worst: float = 0.0
+
+
+@dataclass
+class Finding:
+    """A row out of its range at a step: its layer, the problem, the value, and how far (log units) it moved."""
+
+    row: str
+    layer: str
+    problem: str
+    value: float
+    figure: str
+    moved: float = 0.0
+
+
+@dataclass
+class Judged:
+    """One step's judgement: the findings named, those counted as victims, and the common move by figure."""
+
+    named: list[Finding] = field(default_factory=list)
+    victims: list[Finding] = field(default_factory=list)
+
+
+class Judge:
+    """Judge each logged step's figures, layer by layer, against each layer's own history and its peers.
+
+    Args:
+        bands: The thresholds (see :class:`~lightning_hooks.output._health_bands.Bands`).
+        order: The modules in forward order, if known; else the order their rows first come in.
+    """
+
+    def __init__(self, bands: Bands, order: Sequence[str] = ()) -> None:
+        self.bands = bands
+        self.depth: dict[str, int] = {name: i for i, name in enumerate(order)}
+        self.tracks: dict[str, dict[str, Track]] = {}
+        self.last: dict[str, dict[str, float]] = {}  # by figure: each row's last finite log value
+        self.offset: dict[str, float] = {}  # by figure: the peers' common path so far (log), taken out
+        self.named: set[str] = set()  # layers named and still out
+        self.affected: set[str] = set()  # rows out as victims, not named while they stay out
+        self.first_entropy: dict[str, float] = {}
+
+    def step(self, figures: Mapping[str, Mapping[str, float]]) -> Judged:
+        """Judge one logged step.
+
+        Args:
+            figures: Per figure (``level``, ``norm``, ``ratio``, ``zero_fraction``, ``nonfinite`` or
+                a TransformerStability figure), each row's value at the step.
+        """
+        for rows in figures.values():
+            for row in rows:
+                self.depth.setdefault(layer_of(row, self.depth), len(self.depth))
+        found: list[Finding] = []
+        common: dict[str, float] = {}
+        for figure, values in figures.items():
+            if figure in RELATIVE:
+                found.extend(self._relative(figure, values, common))
+            else:
+                found.extend(self._absolute(figure, values))
+        return self._sort(found, self._is_data(found, figures))
+
+    def _relative(self, figure: str, values: Mapping[str, float], common: dict[str, float]) -> list[Finding]:
+        tracks, last = self.tracks.setdefault(figure, {}), self.last.setdefault(figure, {})
+        logs = {row: (math.log(v) if v > 0 else -math.inf) for row, v in values.items() if math.isfinite(v) and v >= 0}
+        moves = [logs[r] - last[r] for r in logs if r in last and math.isfinite(logs[r])]
+        common[figure] = statistics.median(moves) if figure in COMMON_MODE and len(moves) >= 3 else 0.0
+        self.offset[figure] = self.offset.get(figure, 0.0) + common[figure]  # the peers' path, taken out
+        found = [Finding(row, layer_of(row, self.depth), "nonfinite_grad", v, figure)
+                 for row, v in values.items() if figure == "norm" and not math.isfinite(v)]
+        for row, x in logs.items():
+            if math.isfinite(x):
+                last[row] = x
+            track = tracks.setdefault(row, Track(deque(maxlen=self.bands.window)))
+            moved = self._cusum(figure, track, x - self.offset[figure])
+            if moved is not None:
+                up, down = RELATIVE[figure]
+                found.append(Finding(row, layer_of(row, self.depth), up if moved > 0 else down, values[row], figure,
+                                     moved))
+        return found
+
+    def _cusum(self, figure: str, track: Track, x: float) -> float | None:
+        """Add one log value to a row's track; its deviation from its range if that is a finding, else None."""
+        logs = track.logs
+        if len(logs) < self.bands.min_points:
+            if math.isfinite(x):
+                logs.append(x)
+            return None
+        level, ahead, noise = _range(logs)
+        noise = max(noise, _MIN_NOISE[figure])
+        if not math.isfinite(x):
+            deviation = -math.inf
+        else:  # the range spans the flat level and the row's own trend carried on: learning is not a fault
+            deviation = max(0.0, x - max(level, ahead)) + min(0.0, x - min(level, ahead))
+        track.up = max(0.0, track.up + deviation - noise)
+        track.down = max(0.0, track.down - deviation - noise)
+        floor = math.log(getattr(self.bands, f"{figure}_factor"))
+        if max(track.up, track.down) > self.bands.cusum * noise and abs(deviation) > floor:
+            track.frozen += 1
+            if abs(deviation) > abs(track.worst) + max(noise, floor):  # still moving away: held
+                track.worst, track.frozen = deviation, 0
+            if track.frozen < self.bands.min_points:
+                return deviation
+            track.logs = deque(maxlen=self.bands.window)  # settled at a new level: learnt afresh
+            track.worst = 0.0
+        if track.up or track.down:
+            track.frozen += 1
+            if track.frozen < self.bands.min_points:
+                return None
+        track.up = track.down = 0.0  # in range (or a drift that never added up): its level follows
+        track.frozen = 0
+        if math.isfinite(x):
+            track.logs.append(x)
+        return None
+
+    def _is_data(self, found: list[Finding], figures: Mapping[str, Mapping[str, float]]) -> bool:
+        """Every layer at once, the batch rather than a layer (see the module docstring)."""
+        levels = figures.get("level", {})
+        if len(levels) >= 3:
+            first = min(levels, key=lambda r: self.depth.get(layer_of(r, self.depth), 0))
+            for problem in RELATIVE["level"]:
+                side = {f.row for f in found if f.problem == problem}
+                if first in side and len(side) >= len(levels) / 2:
+                    return True
+        if len(figures.get("norm", ())) < 3 or any(f.problem in OUTPUT_PROBLEMS for f in found):
+            return False
+        track = self.tracks.setdefault("common", {}).setdefault("norm", Track(deque(maxlen=self.bands.window)))
+        return self._cusum("norm", track, self.offset.get("norm", 0.0)) is not None  # the peers' path jumped
+
+    def _absolute(self, figure: str, values: Mapping[str, float]) -> list[Finding]:
+        b = self.bands
+        if figure == "nonfinite":
+            return [self._finding(r, "nonfinite", v, "level") for r, v in values.items() if v != 0]
+        if figure == "zero_fraction":
+            return [self._finding(r, "dead", v, "level") for r, v in values.items() if v > b.max_zero_fraction]
+        if figure == "attention_entropy":
+            for row, v in values.items():
+                if math.isfinite(v) and v > 0:
+                    self.first_entropy.setdefault(row, v)
+            return [self._finding(r, "entropy_collapse", v, figure) for r, v in values.items()
+                    if r in self.first_entropy and v < b.min_entropy_fraction * self.first_entropy[r]]
+        limit, problem = {"attention_max_logit": (b.max_attention_logit, "attention_logits"),
+                          "logit_abs_max": (b.max_output_logit, "output_logits"),
+                          "massive_ratio": (b.max_massive_ratio, "massive")}[figure]
+        return [self._finding(r, problem, v, figure) for r, v in values.items() if v > limit]
+
+    def _finding(self, row: str, problem: str, value: float, figure: str) -> Finding:
+        return Finding(row, layer_of(row, self.depth), problem, value, figure)
+
+    def _sort(self, found: list[Finding], data: bool) -> Judged:
+        """Name the culprit, count the victims (see the module docstring)."""
+        judged = Judged()
+        rows_out = {f.row for f in found}
+        self.affected &= rows_out
+        if self.named:  # a named layer still out keeps its name; the rest is what it did
+            self.named &= {f.layer for f in found}
+        fresh = [f for f in found if f.row not in self.affected]
+        stability = [f for f in fresh if f.figure not in ("level", "norm", "ratio")]
+        if data and not self.named:
+            judged.named.append(Finding(EVERY_LAYER, EVERY_LAYER, "data", len(found), "level"))
+            judged.victims = fresh
+        elif self.named:  # ... unless a module before every named one goes out: the cause is further up
+            top = min(self.depth.get(layer, 0) for layer in self.named)
+            upstream = [f for f in fresh if f.problem in OUTPUT_PROBLEMS and self.depth.get(f.layer, 0) < top]
+            culprit = self._culprit(upstream) if upstream else None
+            judged.named = [f for f in fresh if f.layer in self.named or f.layer == culprit]
+            judged.victims = [f for f in fresh if f not in judged.named and f not in stability]
+        elif fresh:
+            culprit = self._culprit([f for f in fresh if f not in stability])
+            if culprit is not None:
+                judged.named = [f for f in fresh if f.layer == culprit and f not in stability]
+                judged.victims = [f for f in fresh if f.layer != culprit and f not in stability]
+        judged.named += [f for f in stability if f not in judged.named]
+        self.named |= {f.layer for f in judged.named if f.layer != EVERY_LAYER}
+        self.affected |= {f.row for f in judged.victims}
+        return judged
+
+    def _culprit(self, fresh: list[Finding]) -> str | None:
+        outputs = [f for f in fresh if f.problem in OUTPUT_PROBLEMS]
+        if outputs:
+            return min(outputs, key=lambda f: self.depth.get(f.layer, 0)).layer
+        for figure in ("ratio", "norm"):
+            rows = [f for f in fresh if f.figure == figure]
+            if rows:
+                return max(rows, key=lambda f: abs(f.moved)).layer
+        return None
+
+    def usual(self, figure: str, row: str) -> float | None:
+        """A row's usual value of a relative figure (its level, with the peers' path put back), or None."""
+        track = self.tracks.get(figure, {}).get(row)
+        if track is None or len(track.logs) < self.bands.min_points:
+            return None
+        return math.exp(statistics.median(track.logs) + self.offset.get(figure, 0.0))
+
+    def state_dict(self) -> dict[str, Any]:
+        """The judge's memory, as plain values."""
+        return {"depth": dict(self.depth), "last": {f: dict(v) for f, v in self.last.items()},
+                "offset": dict(self.offset),
+                "tracks": {f: {r: [list(t.logs), t.up, t.down, t.frozen, t.worst] for r, t in rows.items()}
+                           for f, rows in self.tracks.items()},
+                "named": sorted(self.named), "affected": sorted(self.affected),
+                "first_entropy": dict(self.first_entropy)}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore :meth:`state_dict`."""
+        self.depth = dict(state["depth"])
+        self.last = {f: dict(v) for f, v in state["last"].items()}
+        self.offset = dict(state["offset"])
+        self.tracks = {f: {r: Track(deque(t[0], maxlen=self.bands.window), *t[1:]) for r, t in rows.items()}
+                       for f, rows in state["tracks"].items()}
+        self.named, self.affected = set(state["named"]), set(state["affected"])
+        self.first_entropy = dict(state["first_entropy"])
