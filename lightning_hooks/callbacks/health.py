@@ -110,13 +110,13 @@ class LayerHealth(FigureListener, *CALLBACK_BASES):  # type: ignore[misc]  # the
         "level_factor", "norm_factor", "ratio_factor", "window"))
     def __init__(self, *, image_every_n_steps: int = 500, max_images: int = 10, max_panels: int = 16,
                  max_columns: int = 100, top_k: int = 5, max_zero_fraction: float = 0.8,
-                 level_factor: float = 1.25, norm_factor: float = 2.0, ratio_factor: float = 2.0,
+                 level_factor: float = 1.25, norm_factor: float = 4.0, ratio_factor: float = 4.0,
                  window: int = 32) -> None:
         for name, value in (("image_every_n_steps", image_every_n_steps), ("max_images", max_images),
                             ("max_panels", max_panels), ("max_columns", max_columns), ("top_k", top_k)):
             check_int(name, value)
         self._bands = Bands(max_zero_fraction, level_factor, norm_factor, ratio_factor, window=window,
-                            min_points=min(12, window))
+                            min_points=min(24, window))
         if importlib.util.find_spec("matplotlib") is None:
             raise ModuleNotFoundError("LayerHealth draws with matplotlib: pip install 'lightning-hooks[health]'")
         self.image_every_n_steps, self.max_images, self.max_panels = image_every_n_steps, max_images, max_panels

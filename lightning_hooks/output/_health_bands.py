@@ -9,7 +9,8 @@ Host-side and torch-free (the TensorBoard plugin imports it).
   gradient norms and update ratios, against the step's common move of all layers (the schedule,
   the loss falling, the batch): a two-sided CUSUM in units of the layer's own noise
   (``cusum``) and a change of at least ``level_factor`` (outputs, 1.25), ``norm_factor``
-  (gradients, 2) or ``ratio_factor`` (update ratios, 2). No fixed band: Adam's update ratio is
+  (gradients, 4) or ``ratio_factor`` (update ratios, 4) up, its square down (a layer settling
+  is common, a layer dying is far below), once the row has ``min_points`` (24) logged values. No fixed band: Adam's update ratio is
   about ``lr / rms(w)``, so a band judges the recipe, not the layer (docs/verdicts.md).
 - non-finite: any NaN or Inf in a layer's outputs, or in its gradient norm.
 - attention logit growth (TransformerStability): the largest ``q·k·scale`` above
@@ -64,11 +65,11 @@ class Bands:
 
     max_zero_fraction: float = 0.8
     level_factor: float = 1.25
-    norm_factor: float = 2.0
-    ratio_factor: float = 2.0
+    norm_factor: float = 4.0
+    ratio_factor: float = 4.0
     cusum: float = 5.0
     window: int = 32
-    min_points: int = 12
+    min_points: int = 24
     max_attention_logit: float = 30.0
     min_entropy_fraction: float = 0.1
     max_output_logit: float = 100.0

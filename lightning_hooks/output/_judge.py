@@ -43,6 +43,8 @@ RELATIVE = {"level": ("blowup", "collapse"), "norm": ("exploding", "vanishing"),
 COMMON_MODE = ("norm", "ratio")
 #: The problems seen in a module's own outputs: the evidence a culprit is named from, in forward order.
 OUTPUT_PROBLEMS = ("nonfinite", "dead", "blowup", "collapse")
+#: The figures whose rows are parameters (or modules, with GradientMonitor's ``granularity="module"``).
+PARAMETER_FIGURES = ("norm", "ratio")
 #: The layer a data fault is reported on.
 EVERY_LAYER = "(every layer)"
 _MIN_NOISE = {"level": math.log(1.05), "norm": math.log(1.25), "ratio": math.log(1.1)}
@@ -65,7 +67,10 @@ def _range(logs: Sequence[float]) -> tuple[float, float, float]:
 
 
 def layer_of(row: str, modules: Mapping[str, int]) -> str:
-    """The module a row belongs to: the row itself if it is a known module, else its name without the last part."""
+    """The module a row belongs to: the row itself if it is a known module, else its name without the last part.
+
+    Module figures come first in each step, so that every watched module is known.
+    """
     if row in modules or "." not in row:
         return row
     return row.rsplit(".", 1)[0]
@@ -80,6 +85,8 @@ class Track:
     down: float = 0.0
     frozen: int = 0
     worst: float = 0.0
+    held: deque[float] = field(default_factory=lambda: deque(maxlen=64))
+    deviation: float = 0.0
 
 
 @dataclass
@@ -116,6 +123,8 @@ class Judge:
         self.tracks: dict[str, dict[str, Track]] = {}
         self.last: dict[str, dict[str, float]] = {}  # by figure: each row's last finite log value
         self.offset: dict[str, float] = {}  # by figure: the peers' common path so far (log), taken out
+        self.moves: dict[str, float] = {}  # by figure: the step's common move (log)
+        self.levels: Mapping[str, float] = {}  # the step's activation std by module
         self.named: set[str] = set()  # layers named and still out
         self.affected: set[str] = set()  # rows out as victims, not named while they stay out
         self.first_entropy: dict[str, float] = {}
@@ -127,25 +136,26 @@ class Judge:
             figures: Per figure (``level``, ``norm``, ``ratio``, ``zero_fraction``, ``nonfinite`` or
                 a TransformerStability figure), each row's value at the step.
         """
-        for rows in figures.values():
-            for row in rows:
-                self.depth.setdefault(layer_of(row, self.depth), len(self.depth))
+        for figure, rows in sorted(figures.items(), key=lambda item: item[0] in PARAMETER_FIGURES):
+            for row in rows:  # a module figure's rows are modules; a parameter's belongs to its module
+                self.depth.setdefault(self._layer(figure, row), len(self.depth))
         found: list[Finding] = []
-        common: dict[str, float] = {}
+        self.moves, self.levels = {}, figures.get("level", {})
         for figure, values in figures.items():
             if figure in RELATIVE:
-                found.extend(self._relative(figure, values, common))
+                found.extend(self._relative(figure, values))
             else:
                 found.extend(self._absolute(figure, values))
         return self._sort(found, self._is_data(found, figures))
 
-    def _relative(self, figure: str, values: Mapping[str, float], common: dict[str, float]) -> list[Finding]:
+    def _relative(self, figure: str, values: Mapping[str, float]) -> list[Finding]:
         tracks, last = self.tracks.setdefault(figure, {}), self.last.setdefault(figure, {})
         logs = {row: (math.log(v) if v > 0 else -math.inf) for row, v in values.items() if math.isfinite(v) and v >= 0}
         moves = [logs[r] - last[r] for r in logs if r in last and math.isfinite(logs[r])]
-        common[figure] = statistics.median(moves) if figure in COMMON_MODE and len(moves) >= 3 else 0.0
-        self.offset[figure] = self.offset.get(figure, 0.0) + common[figure]  # the peers' path, taken out
-        found = [Finding(row, layer_of(row, self.depth), "nonfinite_grad", v, figure)
+        common = statistics.median(moves) if figure in COMMON_MODE and len(moves) >= 3 else 0.0
+        self.moves[figure] = common
+        self.offset[figure] = self.offset.get(figure, 0.0) + common  # the peers' path, taken out
+        found = [Finding(row, self._layer(figure, row), "nonfinite_grad", v, figure)
                  for row, v in values.items() if figure == "norm" and not math.isfinite(v)]
         for row, x in logs.items():
             if math.isfinite(x):
@@ -154,57 +164,78 @@ class Judge:
             moved = self._cusum(figure, track, x - self.offset[figure])
             if moved is not None:
                 up, down = RELATIVE[figure]
-                found.append(Finding(row, layer_of(row, self.depth), up if moved > 0 else down, values[row], figure,
+                found.append(Finding(row, self._layer(figure, row), up if moved > 0 else down, values[row], figure,
                                      moved))
         return found
 
     def _cusum(self, figure: str, track: Track, x: float) -> float | None:
-        """Add one log value to a row's track; its deviation from its range if that is a finding, else None."""
-        logs = track.logs
-        if len(logs) < self.bands.min_points:
+        """Add one log value to a row's track; its deviation from its range if that is a finding, else None.
+
+        A finding needs the CUSUM past ``cusum`` noises, and the deviation past the figure's factor.
+        Values seen while the row leans out are held back from its level: let in if it comes back or
+        the drift never adds up to a finding, or as its new level if it drifted just past its range
+        and settled there (learning); a row that went out by a step stays out until it comes back.
+        """
+        if len(track.logs) < self.bands.min_points:
             if math.isfinite(x):
-                logs.append(x)
+                track.logs.append(x)
             return None
-        level, ahead, noise = _range(logs)
+        level, ahead, noise = _range(track.logs)
         noise = max(noise, _MIN_NOISE[figure])
+        floor = math.log(getattr(self.bands, f"{figure}_factor"))
+        if abs(ahead - level) > floor / 2 and not (track.up or track.down) and math.isfinite(x):
+            track.logs.append(x)  # still learning fast on its own: its own history cannot judge it yet
+            return None
         if not math.isfinite(x):
             deviation = -math.inf
         else:  # the range spans the flat level and the row's own trend carried on: learning is not a fault
             deviation = max(0.0, x - max(level, ahead)) + min(0.0, x - min(level, ahead))
+        track.deviation = deviation
         track.up = max(0.0, track.up + deviation - noise)
         track.down = max(0.0, track.down - deviation - noise)
-        floor = math.log(getattr(self.bands, f"{figure}_factor"))
-        if max(track.up, track.down) > self.bands.cusum * noise and abs(deviation) > floor:
+        leaning = bool(track.up or track.down)
+        if max(track.up, track.down) > self.bands.cusum * noise and (deviation > floor or deviation < -2 * floor):
             track.frozen += 1
-            if abs(deviation) > abs(track.worst) + max(noise, floor):  # still moving away: held
+            if abs(deviation) > abs(track.worst) + max(noise, floor):  # still moving away
                 track.worst, track.frozen = deviation, 0
-            if track.frozen < self.bands.min_points:
+            track.held.append(x)
+            if track.frozen < self.bands.min_points or abs(track.worst) > 2 * floor:
                 return deviation
-            track.logs = deque(maxlen=self.bands.window)  # settled at a new level: learnt afresh
-            track.worst = 0.0
-        if track.up or track.down:
+            track.logs = deque(track.held, maxlen=self.bands.window)  # settled: learning, at a new level
+        elif leaning:
+            track.held.append(x)
             track.frozen += 1
             if track.frozen < self.bands.min_points:
                 return None
-        track.up = track.down = 0.0  # in range (or a drift that never added up): its level follows
-        track.frozen = 0
-        if math.isfinite(x):
+            track.logs.extend(track.held)  # a drift too slow to add up: the level follows it
+        else:
+            track.logs.extend(track.held)
             track.logs.append(x)
+        track.logs = deque((v for v in track.logs if math.isfinite(v)), maxlen=self.bands.window)
+        track.held.clear()
+        track.up = track.down = track.worst = 0.0
+        track.frozen = 0
         return None
 
     def _is_data(self, found: list[Finding], figures: Mapping[str, Mapping[str, float]]) -> bool:
         """Every layer at once, the batch rather than a layer (see the module docstring)."""
         levels = figures.get("level", {})
         if len(levels) >= 3:
-            first = min(levels, key=lambda r: self.depth.get(layer_of(r, self.depth), 0))
+            first = min(levels, key=lambda r: self.depth.get(r, 0))
             for problem in RELATIVE["level"]:
                 side = {f.row for f in found if f.problem == problem}
                 if first in side and len(side) >= len(levels) / 2:
                     return True
         if len(figures.get("norm", ())) < 3 or any(f.problem in OUTPUT_PROBLEMS for f in found):
             return False
-        track = self.tracks.setdefault("common", {}).setdefault("norm", Track(deque(maxlen=self.bands.window)))
-        return self._cusum("norm", track, self.offset.get("norm", 0.0)) is not None  # the peers' path jumped
+        # Every gradient jumped together, far beyond the batch-to-batch move they share.
+        moves = self.tracks.setdefault("common", {}).setdefault("norm", Track(deque(maxlen=self.bands.window))).logs
+        move = self.moves.get("norm", 0.0)
+        jumped = len(moves) >= self.bands.min_points and move > max(
+            math.log(self.bands.norm_factor), self.bands.cusum * 1.4826 * statistics.median(abs(m) for m in moves))
+        if not jumped:
+            moves.append(move)
+        return jumped
 
     def _absolute(self, figure: str, values: Mapping[str, float]) -> list[Finding]:
         b = self.bands
@@ -224,7 +255,10 @@ class Judge:
         return [self._finding(r, problem, v, figure) for r, v in values.items() if v > limit]
 
     def _finding(self, row: str, problem: str, value: float, figure: str) -> Finding:
-        return Finding(row, layer_of(row, self.depth), problem, value, figure)
+        return Finding(row, self._layer(figure, row), problem, value, figure)
+
+    def _layer(self, figure: str, row: str) -> str:
+        return layer_of(row, self.depth) if figure in PARAMETER_FIGURES else row
 
     def _sort(self, found: list[Finding], data: bool) -> Judged:
         """Name the culprit, count the victims (see the module docstring)."""
@@ -246,6 +280,10 @@ class Judge:
             judged.victims = [f for f in fresh if f not in judged.named and f not in stability]
         elif fresh:
             culprit = self._culprit([f for f in fresh if f not in stability])
+            if culprit is not None and all(f.layer != culprit for f in fresh):  # leaning, not yet out: named
+                problem = next(f.problem for f in fresh if f.problem in RELATIVE["level"])
+                fresh.append(Finding(culprit, culprit, problem, self.levels[culprit], "level",
+                                     self.tracks["level"][culprit].deviation))
             if culprit is not None:
                 judged.named = [f for f in fresh if f.layer == culprit and f not in stability]
                 judged.victims = [f for f in fresh if f.layer != culprit and f not in stability]
@@ -257,7 +295,8 @@ class Judge:
     def _culprit(self, fresh: list[Finding]) -> str | None:
         outputs = [f for f in fresh if f.problem in OUTPUT_PROBLEMS]
         if outputs:
-            return min(outputs, key=lambda f: self.depth.get(f.layer, 0)).layer
+            first = min(outputs, key=lambda f: self.depth.get(f.layer, 0))
+            return self._leaning(first) or first.layer
         for figure in ("ratio", "norm"):
             rows = [f for f in fresh if f.figure == figure]
             if rows:
@@ -271,12 +310,27 @@ class Judge:
             return None
         return math.exp(statistics.median(track.logs) + self.offset.get(figure, 0.0))
 
+    def _leaning(self, first: Finding) -> str | None:
+        """The first module before ``first`` already leaning out the same way, or None.
+
+        A ramp crosses its victims' ranges in any order, its own not always first.
+        """
+        if first.problem not in RELATIVE["level"]:
+            return None
+        up = first.problem == RELATIVE["level"][0]
+        # Half the way out already, and half as far as ``first``: the same move, not a drift of its own.
+        least = max(math.log(self.bands.level_factor) / 2, abs(first.moved) / 2)
+        leaning = [row for row, track in self.tracks.get("level", {}).items()
+                   if self.depth.get(row, 0) < self.depth.get(first.layer, 0) and row in self.levels
+                   and (track.deviation > least and track.up if up else track.deviation < -least and track.down)]
+        return min(leaning, key=lambda row: self.depth.get(row, 0)) if leaning else None
+
     def state_dict(self) -> dict[str, Any]:
         """The judge's memory, as plain values."""
         return {"depth": dict(self.depth), "last": {f: dict(v) for f, v in self.last.items()},
                 "offset": dict(self.offset),
-                "tracks": {f: {r: [list(t.logs), t.up, t.down, t.frozen, t.worst] for r, t in rows.items()}
-                           for f, rows in self.tracks.items()},
+                "tracks": {f: {r: [list(t.logs), t.up, t.down, t.frozen, t.worst, list(t.held), t.deviation]
+                               for r, t in rows.items()} for f, rows in self.tracks.items()},
                 "named": sorted(self.named), "affected": sorted(self.affected),
                 "first_entropy": dict(self.first_entropy)}
 
@@ -285,7 +339,8 @@ class Judge:
         self.depth = dict(state["depth"])
         self.last = {f: dict(v) for f, v in state["last"].items()}
         self.offset = dict(state["offset"])
-        self.tracks = {f: {r: Track(deque(t[0], maxlen=self.bands.window), *t[1:]) for r, t in rows.items()}
+        self.tracks = {f: {r: Track(deque(t[0], maxlen=self.bands.window), *t[1:5], deque(t[5], maxlen=64), t[6])
+                           for r, t in rows.items()}
                        for f, rows in state["tracks"].items()}
         self.named, self.affected = set(state["named"]), set(state["affected"])
         self.first_entropy = dict(state["first_entropy"])
