@@ -12,7 +12,7 @@ every verdict line after the first 10% of the run is a false alarm.
 Faults: ``ramp`` (the module's output grows 4% a step), ``jump`` (x20 at once), ``dead`` (its
 output becomes 0), ``vanish`` (its weights shrunk 1000x once), ``lr100`` (its param group's LR
 x100), ``attn`` (one block's queries grow 4% a step: its attention logits grow), ``nan`` (one NaN
-in its output, once), ``data`` (the batch goes bad: inputs x30, or random labels for the LMs).
+in its output, once), ``data`` (the batch goes bad: its inputs x30, the LMs' embedded tokens x30).
 
     python benchmarks/fault_zoo.py                      # the whole zoo, a table
     python benchmarks/fault_zoo.py --models gpt2 --faults ramp jump --steps 200
@@ -56,9 +56,14 @@ class Lit(pl.LightningModule):
         self.mult = schedule(recipe, steps)
         if self.culprit and fault in ("ramp", "jump", "dead", "nan", "attn"):
             self.get_submodule(self.culprit).register_forward_hook(self._hurt)
+        if fault == "data" and recipe.loss == "lm":  # the batch's embedded tokens out of range, x30
+            self.model.net.get_input_embeddings().register_forward_hook(self._bad_batch)
 
     def _step(self) -> int:
         return self.trainer.global_step
+
+    def _bad_batch(self, module: nn.Module, args: Any, out: Tensor) -> Optional[Tensor]:
+        return out * DATA_SCALE if self.training and self._step() >= self.onset else None
 
     def _hurt(self, module: nn.Module, args: Any, out: Tensor) -> Optional[Tensor]:
         t = self._step() - self.onset
@@ -102,11 +107,8 @@ class Lit(pl.LightningModule):
 
     def training_step(self, batch: Any, batch_idx: int) -> Tensor:
         x, y = self.draw(self._step())
-        if self.fault == "data" and self._step() >= self.onset:
-            if self.recipe.loss == "lm":
-                y = torch.randint(0, int(y.max()) + 1, y.shape, generator=torch.Generator().manual_seed(self._step()))
-            else:
-                x = x * DATA_SCALE
+        if self.fault == "data" and self._step() >= self.onset and self.recipe.loss != "lm":
+            x = x * DATA_SCALE
         out = self.model(x)
         if self.recipe.loss == "lm":
             loss = nn.functional.cross_entropy(out.flatten(0, 1).float(), y.flatten())

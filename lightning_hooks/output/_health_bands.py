@@ -10,8 +10,9 @@ Host-side and torch-free (the TensorBoard plugin imports it).
   the loss falling, the batch): a two-sided CUSUM in units of the layer's own noise
   (``cusum``) and a change of at least ``level_factor`` (outputs, 1.25), ``norm_factor``
   (gradients, 4) or ``ratio_factor`` (update ratios, 4) up, its square down (a layer settling
-  is common, a layer dying is far below), once the row has ``min_points`` (24) logged values. No fixed band: Adam's update ratio is
-  about ``lr / rms(w)``, so a band judges the recipe, not the layer (docs/verdicts.md).
+  is common, a layer dying is far below), once the row has ``min_points`` (24) logged values.
+  No fixed band: Adam's update ratio is about ``lr / rms(w)``, so a band judges the recipe, not
+  the layer (docs/verdicts.md).
 - non-finite: any NaN or Inf in a layer's outputs, or in its gradient norm.
 - attention logit growth (TransformerStability): the largest ``q·k·scale`` above
   ``max_attention_logit`` (30): at a logit gap of 30 the top key takes all but ``e^-30`` of its

@@ -50,12 +50,13 @@ EVERY_LAYER = "(every layer)"
 _MIN_NOISE = {"level": math.log(1.05), "norm": math.log(1.25), "ratio": math.log(1.1)}
 
 
-def _range(logs: Sequence[float]) -> tuple[float, float, float]:
-    """A row's usual range from its history (log values, oldest first): its level, its trend carried to now, its noise.
+def _range(logs: Sequence[float]) -> tuple[float, float, float, float]:
+    """A row's usual range from its history (log values, oldest first): level, slope, lag and noise.
 
-    The level is the median of the newer half; the trend, the move from the older half's median
-    to the newer half's, carried on to the next point; the noise, the median absolute deviation
-    of the points from that line (times 1.4826: a standard deviation for Gaussian noise).
+    The level is the median of the newer half, ``lag`` points behind the next point; the slope,
+    per point, the move from the older half's median to the newer half's; the noise, the median
+    absolute deviation of the points from that line (times 1.4826: a standard deviation for
+    Gaussian noise).
     """
     values = list(logs)
     half = len(values) // 2
@@ -63,7 +64,7 @@ def _range(logs: Sequence[float]) -> tuple[float, float, float]:
     slope = (new - old) / max(1, len(values) - half)
     centre = (len(values) + half - 1) / 2  # where the newer half's median sits
     noise = 1.4826 * statistics.median(abs(v - new - slope * (i - centre)) for i, v in enumerate(values))
-    return new, new + slope * (len(values) - centre), noise
+    return new, slope, len(values) - centre, noise
 
 
 def layer_of(row: str, modules: Mapping[str, int]) -> str:
@@ -180,11 +181,12 @@ class Judge:
             if math.isfinite(x):
                 track.logs.append(x)
             return None
-        level, ahead, noise = _range(track.logs)
+        level, slope, lag, noise = _range(track.logs)
+        ahead = level + slope * (lag + len(track.held))  # the row's own trend, carried on to this point
         noise = max(noise, _MIN_NOISE[figure])
         floor = math.log(getattr(self.bands, f"{figure}_factor"))
-        if abs(ahead - level) > floor / 2 and not (track.up or track.down) and math.isfinite(x):
-            track.logs.append(x)  # still learning fast on its own: its own history cannot judge it yet
+        if abs(ahead - level) > floor / 2 and not (track.up or track.down) and abs(x - level) < 2 * floor:
+            track.logs.append(x)  # still learning fast on its own: its own history judges only a step
             return None
         if not math.isfinite(x):
             deviation = -math.inf
@@ -221,7 +223,7 @@ class Judge:
         """Every layer at once, the batch rather than a layer (see the module docstring)."""
         levels = figures.get("level", {})
         if len(levels) >= 3:
-            first = min(levels, key=lambda r: self.depth.get(r, 0))
+            first = self._first()
             for problem in RELATIVE["level"]:
                 side = {f.row for f in found if f.problem == problem}
                 if first in side and len(side) >= len(levels) / 2:
@@ -263,34 +265,38 @@ class Judge:
     def _sort(self, found: list[Finding], data: bool) -> Judged:
         """Name the culprit, count the victims (see the module docstring)."""
         judged = Judged()
-        rows_out = {f.row for f in found}
-        self.affected &= rows_out
-        if self.named:  # a named layer still out keeps its name; the rest is what it did
-            self.named &= {f.layer for f in found}
+        self.affected &= {f.row for f in found}
+        self.named &= {f.layer for f in found}  # a named layer still out keeps its name; the rest is what it did
         fresh = [f for f in found if f.row not in self.affected]
-        stability = [f for f in fresh if f.figure not in ("level", "norm", "ratio")]
-        if data and not self.named:
-            judged.named.append(Finding(EVERY_LAYER, EVERY_LAYER, "data", len(found), "level"))
-            judged.victims = fresh
-        elif self.named:  # ... unless a module before every named one goes out: the cause is further up
+        stability = [f for f in fresh if f.figure not in RELATIVE]
+        layered = [f for f in fresh if f not in stability]
+        if self.named:  # ... unless a module before every named one goes out: the cause is further up
             top = min(self.depth.get(layer, 0) for layer in self.named)
-            upstream = [f for f in fresh if f.problem in OUTPUT_PROBLEMS and self.depth.get(f.layer, 0) < top]
+            upstream = [f for f in layered if f.problem in OUTPUT_PROBLEMS and self.depth.get(f.layer, 0) < top]
             culprit = self._culprit(upstream) if upstream else None
-            judged.named = [f for f in fresh if f.layer in self.named or f.layer == culprit]
-            judged.victims = [f for f in fresh if f not in judged.named and f not in stability]
-        elif fresh:
-            culprit = self._culprit([f for f in fresh if f not in stability])
-            if culprit is not None and all(f.layer != culprit for f in fresh):  # leaning, not yet out: named
-                problem = next(f.problem for f in fresh if f.problem in RELATIVE["level"])
-                fresh.append(Finding(culprit, culprit, problem, self.levels[culprit], "level",
-                                     self.tracks["level"][culprit].deviation))
-            if culprit is not None:
-                judged.named = [f for f in fresh if f.layer == culprit and f not in stability]
-                judged.victims = [f for f in fresh if f.layer != culprit and f not in stability]
-        judged.named += [f for f in stability if f not in judged.named]
+            judged.named = [f for f in layered if f.layer in self.named or f.layer == culprit]
+        elif layered and not data:
+            culprit = self._culprit(layered)
+            if culprit is not None and culprit == self._first() and any(
+                    f.layer == culprit and f.problem in OUTPUT_PROBLEMS for f in layered):
+                data = True  # the first module's inputs are the batch
+            elif culprit is not None:
+                if all(f.layer != culprit for f in layered):  # leaning, not yet out: named for the move it leads
+                    problem = next(f.problem for f in layered if f.problem in RELATIVE["level"])
+                    layered.append(Finding(culprit, culprit, problem, self.levels[culprit], "level",
+                                           self.tracks["level"][culprit].deviation))
+                judged.named = [f for f in layered if f.layer == culprit]
+        if data and not self.named:
+            judged.named = [Finding(EVERY_LAYER, EVERY_LAYER, "data", len(found), "level")]
+        judged.victims = [f for f in layered if f not in judged.named]
+        judged.named += stability
         self.named |= {f.layer for f in judged.named if f.layer != EVERY_LAYER}
         self.affected |= {f.row for f in judged.victims}
         return judged
+
+    def _first(self) -> str | None:
+        """The first module in forward order whose outputs are judged."""
+        return min(self.levels, key=lambda row: self.depth.get(row, 0)) if self.levels else None
 
     def _culprit(self, fresh: list[Finding]) -> str | None:
         outputs = [f for f in fresh if f.problem in OUTPUT_PROBLEMS]
