@@ -9,6 +9,9 @@ step at a time, with every judged figure of that step. How it decides (docs/verd
   from that level, so that a jump is caught at once and a slow ramp within a few points. While a
   row drifts away its level is frozen (a ramp cannot widen its own range); a drift too slow to
   add up to a finding within ``min_points`` points is learning, and becomes the row's level.
+- An update ratio more than ``ratio_factor`` cubed (64) times the step's median ratio is too fast
+  from the first logged step on: one param group's learning rate far above the others'. A cause
+  of its own (a fault elsewhere does not change Adam's ``lr / rms(w)``), named beside the culprit.
 - Gradient norms and update ratios are judged against their peers too: the step's median change
   over all rows (the learning-rate schedule, the loss falling, the batch's own noise) is taken
   out first, so no fixed band judges the recipe. Activations are judged against their own
@@ -98,7 +101,7 @@ class Finding:
     layer: str
     problem: str
     value: float
-    figure: str
+    figure: str  # the relative figure it was judged from, "peers" (a ratio far above the others'), or the stat
     moved: float = 0.0
 
 
@@ -158,6 +161,10 @@ class Judge:
         self.offset[figure] = self.offset.get(figure, 0.0) + common  # the peers' path, taken out
         found = [Finding(row, self._layer(figure, row), "nonfinite_grad", v, figure)
                  for row, v in values.items() if figure == "norm" and not math.isfinite(v)]
+        if figure == "ratio" and len(logs) >= 3:  # far above its peers from the start: no history needed
+            typical = statistics.median(x for x in logs.values() if math.isfinite(x))
+            found += [Finding(row, self._layer(figure, row), "too_fast", values[row], "peers", x - typical)
+                      for row, x in logs.items() if x - typical > 3 * math.log(self.bands.ratio_factor)]
         for row, x in logs.items():
             if math.isfinite(x):
                 last[row] = x
@@ -289,7 +296,7 @@ class Judge:
         if data and not self.named:
             judged.named = [Finding(EVERY_LAYER, EVERY_LAYER, "data", len(found), "level")]
         judged.victims = [f for f in layered if f not in judged.named]
-        judged.named += stability
+        judged.named = list({(f.row, f.problem): f for f in [*judged.named, *stability]}.values())
         self.named |= {f.layer for f in judged.named if f.layer != EVERY_LAYER}
         self.affected |= {f.row for f in judged.victims}
         return judged
