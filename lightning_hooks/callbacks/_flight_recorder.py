@@ -54,7 +54,7 @@ class FlightRecord:
             range at, earliest first (ties: the larger change first).
         leader: The first of ``onsets``, or None.
         tied: The layers that left their range at the same step as ``leader``: a tie, said as one
-            (more than half the layers at once: the batch, not a layer).
+            (every layer at once: the batch, not a layer).
         lead: How many steps before the anomaly ``leader`` left its range.
         rise: ``leader``'s norm at the anomaly over its usual norm.
         usual: Per layer, its usual range as ``(norm, factor)``: the median of its norm before it
@@ -88,14 +88,15 @@ class FlightRecord:
         else:
             start = self.step - (self.lead or 0)
             then = ", ".join(f"{layer!r} at step {at}" for layer, at in self.onsets[1 + len(self.tied):4])
-            if 2 * (1 + len(self.tied)) > len(self.layers) and self.tied:
-                text = (f"{span}: {1 + len(self.tied)} of {len(self.layers)} layers left their usual gradient norm"
-                        f" range at the same step {start}, {self.lead} steps before: every layer at once, look at"
-                        f" the batch")
+            if self.tied and 1 + len(self.tied) == sum(u is not None for u in self.usual):
+                text = (f"{span}: all {1 + len(self.tied)} layers left their usual gradient norm range at the same"
+                        f" step {start}, {self.lead} steps before: every layer at once, look at the batch")
             elif self.tied:
                 names = ", ".join(repr(layer) for layer in (self.leader, *self.tied))
                 text = (f"{span}: a tie, {1 + len(self.tied)} layers left their usual gradient norm range at the same"
-                        f" step {start}, {self.lead} steps before: {names}" + (f"; then {then}" if then else ""))
+                        f" step {start}, {self.lead} steps before: {names} (a gradient flows through every layer"
+                        f" before it: LayerHealth's verdict, from the outputs, names the layer)"
+                        + (f"; then {then}" if then else ""))
             else:
                 text = (f"{span}: layer {self.leader!r} left its usual gradient norm range first, {self.lead} steps"
                         f" before (at step {start}; x{self.rise:.3g} at step {self.step})"
