@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from lightning_hooks.output._health_bands import Bands
+from lightning_hooks.output._row_range import Track, judge_value
 
 #: The relative figures, each with its (up, down) problems.
 RELATIVE = {"level": ("blowup", "collapse"), "norm": ("exploding", "vanishing"), "ratio": ("too_fast", "too_slow")}
@@ -50,24 +51,6 @@ OUTPUT_PROBLEMS = ("nonfinite", "dead", "blowup", "collapse")
 PARAMETER_FIGURES = ("norm", "ratio")
 #: The layer a data fault is reported on.
 EVERY_LAYER = "(every layer)"
-_MIN_NOISE = {"level": math.log(1.05), "norm": math.log(1.25), "ratio": math.log(1.1)}
-
-
-def _range(logs: Sequence[float]) -> tuple[float, float, float, float]:
-    """A row's usual range from its history (log values, oldest first): level, slope, lag and noise.
-
-    The level is the median of the newer half, ``lag`` points behind the next point; the slope,
-    per point, the move from the older half's median to the newer half's; the noise, the median
-    absolute deviation of the points from that line (times 1.4826: a standard deviation for
-    Gaussian noise).
-    """
-    values = list(logs)
-    half = len(values) // 2
-    old, new = statistics.median(values[:half]), statistics.median(values[half:])
-    slope = (new - old) / max(1, len(values) - half)
-    centre = (len(values) + half - 1) / 2  # where the newer half's median sits
-    noise = 1.4826 * statistics.median(abs(v - new - slope * (i - centre)) for i, v in enumerate(values))
-    return new, slope, len(values) - centre, noise
 
 
 def layer_of(row: str, modules: Mapping[str, int]) -> str:
@@ -78,19 +61,6 @@ def layer_of(row: str, modules: Mapping[str, int]) -> str:
     if row in modules or "." not in row:
         return row
     return row.rsplit(".", 1)[0]
-
-
-@dataclass
-class Track:
-    """One row's history on a log scale and its CUSUM sums; ``frozen`` counts the points its level is held."""
-
-    logs: deque[float]
-    up: float = 0.0
-    down: float = 0.0
-    frozen: int = 0
-    worst: float = 0.0
-    held: deque[float] = field(default_factory=lambda: deque(maxlen=64))
-    deviation: float = 0.0
 
 
 @dataclass
@@ -169,62 +139,12 @@ class Judge:
             if math.isfinite(x):
                 last[row] = x
             track = tracks.setdefault(row, Track(deque(maxlen=self.bands.window)))
-            moved = self._cusum(figure, track, x - self.offset[figure])
+            moved = judge_value(track, x - self.offset[figure], figure, self.bands)
             if moved is not None:
                 up, down = RELATIVE[figure]
                 found.append(Finding(row, self._layer(figure, row), up if moved > 0 else down, values[row], figure,
                                      moved))
         return found
-
-    def _cusum(self, figure: str, track: Track, x: float) -> float | None:
-        """Add one log value to a row's track; its deviation from its range if that is a finding, else None.
-
-        A finding needs the CUSUM past ``cusum`` noises, and the deviation past the figure's factor.
-        Values seen while the row leans out are held back from its level: let in if it comes back or
-        the drift never adds up to a finding, or as its new level if it drifted just past its range
-        and settled there (learning); a row that went out by a step stays out until it comes back.
-        """
-        if len(track.logs) < self.bands.min_points:
-            if math.isfinite(x):
-                track.logs.append(x)
-            return None
-        level, slope, lag, noise = _range(track.logs)
-        ahead = level + slope * (lag + len(track.held))  # the row's own trend, carried on to this point
-        noise = max(noise, _MIN_NOISE[figure])
-        floor = math.log(getattr(self.bands, f"{figure}_factor"))
-        if abs(ahead - level) > floor / 2 and not (track.up or track.down) and abs(x - level) < 2 * floor:
-            track.logs.append(x)  # still learning fast on its own: its own history judges only a step
-            return None
-        if not math.isfinite(x):
-            deviation = -math.inf
-        else:  # the range spans the flat level and the row's own trend carried on: learning is not a fault
-            deviation = max(0.0, x - max(level, ahead)) + min(0.0, x - min(level, ahead))
-        track.deviation = deviation
-        track.up = max(0.0, track.up + deviation - noise)
-        track.down = max(0.0, track.down - deviation - noise)
-        leaning = bool(track.up or track.down)
-        if max(track.up, track.down) > self.bands.cusum * noise and (deviation > floor or deviation < -2 * floor):
-            track.frozen += 1
-            if abs(deviation) > abs(track.worst) + max(noise, floor):  # still moving away
-                track.worst, track.frozen = deviation, 0
-            track.held.append(x)
-            if track.frozen < self.bands.min_points or abs(track.worst) > 2 * floor:
-                return deviation
-            track.logs = deque(track.held, maxlen=self.bands.window)  # settled: learning, at a new level
-        elif leaning:
-            track.held.append(x)
-            track.frozen += 1
-            if track.frozen < self.bands.min_points:
-                return None
-            track.logs.extend(track.held)  # a drift too slow to add up: the level follows it
-        else:
-            track.logs.extend(track.held)
-            track.logs.append(x)
-        track.logs = deque((v for v in track.logs if math.isfinite(v)), maxlen=self.bands.window)
-        track.held.clear()
-        track.up = track.down = track.worst = 0.0
-        track.frozen = 0
-        return None
 
     def _is_data(self, found: list[Finding], figures: Mapping[str, Mapping[str, float]]) -> bool:
         """Every layer at once, the batch rather than a layer (see the module docstring)."""
