@@ -16,9 +16,9 @@ step at a time, with every judged figure of that step. How it decides (docs/verd
   over all rows (the learning-rate schedule, the loss falling, the batch's own noise) is taken
   out first, so no fixed band judges the recipe. Activations are judged against their own
   history only, where a single layer's fault would move every row downstream of it.
-- Every layer at once is the batch, not a layer: the first module in forward order and most of
-  the others out together (activations), or every gradient moving together while no activation
-  is out (the labels): ``data``.
+- Every layer at once is the batch, not a layer: the first module in forward order out (its
+  input is the batch), or every gradient moving together while no activation and no update
+  ratio singles a layer out (the labels): ``data``.
 - Culprit and victims: at a step, the first module in forward order whose outputs are out of
   their range is named (its inputs, the modules before it, are in range); the modules after it,
   and the gradients and update ratios of other layers, are its victims, not named. Without an
@@ -155,8 +155,9 @@ class Judge:
                 side = {f.row for f in found if f.problem == problem}
                 if first in side and len(side) >= len(levels) / 2:
                     return True
-        if len(figures.get("norm", ())) < 3 or any(f.problem in OUTPUT_PROBLEMS for f in found):
-            return False
+        if len(figures.get("norm", ())) < 3 or any(f.problem in OUTPUT_PROBLEMS or f.problem == "too_fast"
+                                                   for f in found):
+            return False  # a layer's outputs or its update ratio single it out
         # Every gradient jumped together, far beyond the batch-to-batch move they share.
         moves = self.tracks.setdefault("common", {}).setdefault("norm", Track(deque(maxlen=self.bands.window))).logs
         move = self.moves.get("norm", 0.0)
