@@ -255,9 +255,11 @@ def main(argv: Optional[list[str]] = None) -> list[dict[str, Any]]:
     parser.add_argument("--onset", type=int, default=100)
     parser.add_argument("--every", type=int, default=2, help="log every this many steps")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--growth", type=float, default=GROWTH, help="the ramps' factor per step")
     parser.add_argument("--verbose", action="store_true", help="print LayerHealth's summary of each case")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
+    globals()["GROWTH"] = args.growth
     rows = []
     print("| model | fault | first named | delay | named before culprit | loss moved 5% | flight leader (ties) | s |")
     print("|---|---|---|---:|---:|---:|---|---:|")
