@@ -111,6 +111,15 @@ def test_verdicts_judge_a_steps_figures_together_and_summarise_the_culprit_with_
     assert restored.summary(top_k=3) == verdicts.summary(top_k=3)
 
 
+def test_zeros_nans_and_infinities_are_judged_without_error():
+    judge = Judge(Bands())
+    for _ in range(30):
+        judged = judge.step({"ratio": {"a.weight": 0.0, "b.weight": 0.0, "c.weight": math.inf},
+                             "norm": {"a.weight": math.nan, "b.weight": 0.0, "c.weight": 1.0},
+                             "level": {"a": 1.0, "b": math.nan, "c": 0.0}, "nonfinite": {"b": 1.0}})
+    assert ("b", "nonfinite") in [(f.layer, f.problem) for f in judged.named]
+
+
 @pytest.mark.parametrize("kwargs, match", [
     ({"level_factor": 1.0}, r"`level_factor` must be a finite number > 1, got 1"),
     ({"window": 3}, r"`window` must be"),

@@ -131,8 +131,9 @@ class Judge:
         self.offset[figure] = self.offset.get(figure, 0.0) + common  # the peers' path, taken out
         found = [Finding(row, self._layer(figure, row), "nonfinite_grad", v, figure)
                  for row, v in values.items() if figure == "norm" and not math.isfinite(v)]
-        if figure == "ratio" and len(logs) >= 3:  # far above its peers from the start: no history needed
-            typical = statistics.median(x for x in logs.values() if math.isfinite(x))
+        finite = [x for x in logs.values() if math.isfinite(x)]
+        if figure == "ratio" and len(finite) >= 3:  # far above its peers from the start: no history needed
+            typical = statistics.median(finite)
             found += [Finding(row, self._layer(figure, row), "too_fast", values[row], "peers", x - typical)
                       for row, x in logs.items() if x - typical > 3 * math.log(self.bands.ratio_factor)]
         for row, x in logs.items():
