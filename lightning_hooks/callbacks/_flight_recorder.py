@@ -169,12 +169,12 @@ def analyse(step: int, steps: Sequence[int], losses: Union[Sequence[float], np.n
     """
     layers, layer_norms = _layer_norms(norms, names)
     found = {layer: _onset(layer_norms[:, i]) for i, layer in enumerate(layers)}
+    starts = {layer: None if onset is None else onset[0] for layer, onset in found.items()}
     onsets = sorted(((layer, steps[at], change) for layer, (at, change, _) in
                      ((k, v) for k, v in found.items() if v is not None)), key=lambda o: (o[1], -abs(o[2])))
     record = FlightRecord(step=step, steps=tuple(steps), losses=tuple(float(x) for x in losses),
                           layers=tuple(layers), norms=tuple(tuple(map(float, row)) for row in layer_norms),
-                          usual=tuple(_usual(layer_norms[:, i], found[layer][0] if found[layer] else None)
-                                      for i, layer in enumerate(layers)),
+                          usual=tuple(_usual(layer_norms[:, i], starts[layer]) for i, layer in enumerate(layers)),
                           onsets=tuple((layer, at) for layer, at, _ in onsets))
     if not onsets:
         return record

@@ -274,8 +274,8 @@ class Judge:
         self.depth = dict(state["depth"])
         self.last = {f: dict(v) for f, v in state["last"].items()}
         self.offset = dict(state["offset"])
-        self.tracks = {f: {r: Track(deque(t[0], maxlen=self.bands.window), *t[1:5], deque(t[5], maxlen=64), t[6])
-                           for r, t in rows.items()}
+        self.tracks = {f: {r: Track(deque(t[0], maxlen=self.bands.window), up=t[1], down=t[2], frozen=t[3], worst=t[4],
+                                    held=deque(t[5], maxlen=64), deviation=t[6]) for r, t in rows.items()}
                        for f, rows in state["tracks"].items()}
         self.named, self.affected = set(state["named"]), set(state["affected"])
         self.first_entropy = dict(state["first_entropy"])
