@@ -28,8 +28,8 @@ def test_every_problem_has_remedies_and_a_healthy_run_is_called_healthy():
     assert set(REMEDIES) == {*PROBLEMS, "dead_at_init"}
     verdicts = Verdicts(Bands())
     verdicts.add("attention_max_logit", 0, {"h.0.attn": 3.0})
-    assert diagnose(verdicts, top_k=5) == ("Layer health at step 0: healthy (every layer inside the bands;"
-                                           " see LayerHealth's docstring).")
+    assert diagnose(verdicts, top_k=5) == ("Layer health at step 0: healthy (no layer out of its usual range;"
+                                           " see docs/verdicts.md).")
 
 
 def test_the_diagnosis_names_layer_signal_since_when_how_far_and_what_helps_with_the_evidence():
@@ -76,8 +76,8 @@ def test_the_record_survives_a_checkpoint_and_the_episode_goes_on():
 def test_the_layers_tab_marks_the_cells_layer_health_judges():
     figure = Figure("activations/attention_max_logit", "", "activations", "attention_max_logit",
                     ["h.0.attn", "h.1.attn"], [0, 10, 20], [[2.0, 2.0, 2.0], [2.0, 31.0, 80.0]])
-    assert judge(figure, Bands()) == [(1, 1, "attention_logits"), (1, 2, "attention_logits")]
-    assert judge(figure, bands_from_query({"max_attention_logit": "50"})) == [(1, 2, "attention_logits")]
+    assert judge([figure], Bands()) == [(figure, [(1, 1, "attention_logits"), (1, 2, "attention_logits")])]
+    assert judge([figure], bands_from_query({"max_attention_logit": "50"})) == [(figure, [(1, 2, "attention_logits")])]
 
 
 def test_layer_health_takes_the_bands_of_transformer_stability_and_prints_the_diagnosis_once(tmp_path, caplog):

@@ -61,9 +61,9 @@ def run_example(name: str, out_dir, hide: str = "") -> subprocess.CompletedProce
         ]),
         ("layer_health", [
             # The verdict, once: the planted dead layer first, then the fast one; nothing about ordinary norms.
-            r"Layer health at step \d+: \d layers unhealthy now\n  dead units: zero fraction of outputs above 0\.8\n"
+            r"Layer health at step \d+: \d layers unhealthy now.*\n  dead units: zero fraction of outputs above 0\.8\n"
             r"    net\.3 .* since step 0\n",
-            r"learning too fast: update ratio above 0\.01\n\s+net\.6 ",
+            r"learning too fast: update ratio above its usual range.*\n\s+net\.6 ",
             r"health/activation_histograms/net\.3\s+4 images of 480x320 px, at steps \[0, 19, 39, 59\]",
         ]),
         ("update_ratio", [r"net\.0\.weight .* too fast", r"net\.2\.weight .* ok", r"net\.4\.weight .* too slow"]),

@@ -33,6 +33,28 @@ def test_the_layer_whose_norm_left_its_range_first_leads_and_a_steady_one_is_not
     assert "layer 'early' left its usual gradient norm range first, 9 steps before (at step 130" in record.summary()
 
 
+def test_a_slow_ramp_from_the_record_s_first_half_leads_against_its_range_from_before_it_began():
+    """A ramp of 4% a step from step 110 would widen a range taken over the record's first half; a layer that
+    fell to x0.6 at step 136 is not the leader."""
+    ramp = np.array([1.04 ** max(0, step - 110) for step in STEPS]) * (1 + 0.02 * np.sin(np.arange(40) * 1.7))
+    fell = series(10**6) * np.where(np.array(STEPS) >= 136, 0.6, 1.0)
+    record = analyse(139, STEPS, [1.0] * 40, np.stack([fell, ramp], 1), ["fell.weight", "ramp.weight"])
+    assert record.leader == "ramp" and 110 <= record.onsets[0][1] <= 124  # out by x1.5, its least band
+    assert record.usual[1][0] == pytest.approx(1.0, rel=0.05)  # its range from before it began
+
+
+def test_layers_that_leave_at_the_same_step_are_a_tie_and_all_of_them_the_batch():
+    three = np.stack([series(130), series(130, 2.0), series(10**6)], 1)
+    record = analyse(139, STEPS, [1.0] * 40, three, ["a.weight", "b.weight", "c.weight"])
+    assert (record.leader, record.tied) in ((("a", ("b",))), ("b", ("a",)))
+    assert "a tie, 2 layers left their usual gradient norm range at the same step 130" in record.summary()
+    assert record_json(record)["tied"] == list(record.tied)
+    every = np.stack([series(130), series(130, 2.0), series(130, 3.0)], 1)
+    record = analyse(139, STEPS, [1.0] * 40, every, ["a.weight", "b.weight", "c.weight"])
+    assert "all 3 layers left their usual gradient norm range at the same step 130" in record.summary()
+    assert "every layer at once, look at the batch" in record.summary()
+
+
 def test_without_a_departure_nobody_is_named():
     record = analyse(139, STEPS, [1.0] * 40, series(10**6)[:, None], ["net.weight"])
     assert record.leader is None and record.onsets == () and "no layer" in record.summary()

@@ -1,76 +1,130 @@
-"""LayerHealth's verdicts: values outside documented bands are flagged, ordinary ones are not, since when."""
+"""The one judge: each layer against its own history and its peers; the culprit named, its victims not."""
 
 import math
+import random
 
-from lightning_hooks.output._health_verdicts import Bands, Verdicts, judge, judge_norm, judge_ratio
+import pytest
 
+from lightning_hooks.output._health_verdicts import EVERY_LAYER, Bands, Verdicts
+from lightning_hooks.output._judge import Judge
 
-def test_ordinary_norms_small_or_large_are_not_flagged_but_a_jump_against_the_layers_own_history_is():
-    verdicts = Verdicts(Bands())
-    for step in range(5):  # 0.08 and 42.9 are just two layers' sizes
-        verdicts.add("norm", step, {"net.0": 0.08, "net.6": 42.9})
-    assert verdicts.summary(top_k=3) == ("Layer health at step 4: healthy (every layer inside the bands;"
-                                         " see LayerHealth's docstring).")
-    verdicts.add("norm", 5, {"net.0": 0.08, "net.6": 429.1 + 1})  # > 10x its own median
-    verdicts.add("norm", 6, {"net.0": 0.08, "net.6": 43.0})
-    assert verdicts.summary(top_k=3).splitlines() == [
-        "Layer health at step 6: healthy now",
-        "  earlier, healthy since:",
-        "    net.6                    exploding gradients, steps 5-5 (worst 430.1)",
-    ]
+LAYERS = [f"net.{i}" for i in range(6)]
 
 
-def test_vanishing_is_judged_against_the_neighbours_and_non_finite_norms_are_their_own_problem():
-    verdicts = Verdicts(Bands(spread_factor=1e4))
-    verdicts.add("norm", 0, {"net.0": 1e-7, "net.2": 1e-2, "net.4": 1.0, "net.6": math.nan})
-    verdicts.add("norm", 1, {"net.0": 1e-9, "net.2": 1e-2, "net.4": 1.0, "net.6": math.inf})
-    assert verdicts.summary(top_k=3).splitlines() == [
-        "Layer health at step 1: 2 layers unhealthy now",
-        "  non-finite gradients",
-        "    net.6                    worst nan        since step 0",
-        "  vanishing gradients: norm below the largest layer's / 10000",
-        "    net.0                    worst 1e-09      since step 0",
-    ]
+def healthy(rng: random.Random, step: int) -> dict[str, dict[str, float]]:
+    """Six layers learning: outputs drifting slowly with noise, gradients and update ratios following one
+    warm-up-then-cosine schedule with minibatch noise shared by every layer."""
+    lr = min(1.0, (step + 1) / 20) * (0.55 + 0.45 * math.cos(math.pi * step / 400))
+    batch = math.exp(rng.gauss(0, 0.3))
+    return {"level": {name: (1 + i) * (1 + step / 400) * math.exp(rng.gauss(0, 0.03)) for i, name in enumerate(LAYERS)},
+            "norm": {f"{n}.weight": batch * (0.1 + i) / (1 + step / 50) * math.exp(rng.gauss(0, 0.1))
+                     for i, n in enumerate(LAYERS)},
+            "ratio": {f"{n}.weight": lr * 1e-2 * (1 + i) * math.exp(rng.gauss(0, 0.05)) for i, n in enumerate(LAYERS)}}
 
 
-def test_update_ratios_far_from_1e3_are_flagged_an_undefined_one_is_not_and_the_list_is_capped():
-    verdicts = Verdicts(Bands(update_ratio_band=(1e-4, 1e-2)))
-    ratios = {"a": 1e-3, "b": 5e-3, "zero_init": math.inf, **{f"fast{i}": 0.5 for i in range(4)}, "slow": 1e-6}
-    verdicts.add("ratio", 3, ratios)
-    assert verdicts.summary(top_k=2).splitlines() == [
-        "Layer health at step 3: 5 layers unhealthy now",
-        "  learning too fast: update ratio above 0.01",
-        "    fast0                    worst 0.5        since step 3",
-        "    fast1                    worst 0.5        since step 3",
-        "    ... and 2 more",
-        "  learning too slowly: update ratio below 0.0001",
-        "    slow                     worst 1e-06      since step 3",
-    ]
+def run(fault, steps: int = 120, seed: int = 0) -> list[tuple[int, list[tuple[str, str]]]]:
+    """Feed ``steps`` logged steps to a Judge, ``fault(step, figures)`` changing them; each step's named layers."""
+    rng, judge, named = random.Random(seed), Judge(Bands()), []
+    for step in range(steps):
+        figures = healthy(rng, step)
+        fault(step, figures)
+        named.append((step, [(f.layer, f.problem) for f in judge.step(figures).named]))
+    return named
 
 
-def test_problems_are_listed_by_kind_then_by_when_they_began_then_by_depth():
-    verdicts = Verdicts(Bands())
-    verdicts.add("zero_fraction", 0, {"net.1": 0.5, "net.3": 0.9, "net.5": 0.5})
-    verdicts.add("zero_fraction", 5, {"net.1": 0.5, "net.3": 0.9, "net.5": 0.95})
-    verdicts.add("nonfinite", 5, {"net.5": 0.25})
-    lines = verdicts.summary(top_k=5).splitlines()
-    assert lines[1:] == [
-        "  non-finite outputs",
-        "    net.5                    worst 0.25       since step 5",
-        "  dead units: zero fraction of outputs above 0.8",
-        "    net.3                    worst 0.9        since step 0",  # the first to die comes first
-        "    net.5                    worst 0.95       since step 5",
-    ]
+def first_named(named):
+    return next(((step, layers) for step, layers in named if layers), None)
 
 
-def test_the_norm_rule_keeps_window_recent_norms_and_is_one_function_for_layer_health_and_the_tab():
-    norms = [1.0, 1.0, 1.0, 20.0, 20.0, 20.0]
+def scale(figure: str, rows: list[str], by) -> callable:
+    def fault(step, figures):
+        for row in rows:
+            figures[figure][row] *= by(step)
+    return fault
 
-    def exploding(bands: Bands) -> list[int]:
-        history: dict = {}
-        return [step for step, norm in enumerate(norms) if judge("norm", {"a": norm}, bands, history)]
 
-    assert exploding(Bands(window=3)) == [3, 4]  # by step 5 its last 3 norms are 1, 20, 20: median 20
-    assert exploding(Bands()) == [3, 4, 5]  # its last 20: median 1 still
-    assert judge_norm({"a": 20.0}, Bands(), {"a": [1.0, 1.0]}) == {}  # fewer than 3 earlier norms
-    assert judge_ratio({"a": 5e-5, "b": 1e-3, "c": 0.0}, Bands()) == {"a": "too_slow"}
+def test_a_healthy_run_on_a_schedule_is_never_judged():
+    assert first_named(run(lambda step, figures: None, steps=300)) is None
+
+
+def test_a_jump_in_a_middle_layer_names_it_at_once_and_not_the_layers_after_it_it_moved():
+    jump = scale("level", LAYERS[2:], lambda s: 20.0 if s >= 60 else 1.0)  # net.2, and what follows it
+    assert first_named(run(jump)) == (60, [("net.2", "blowup")])
+
+
+def test_a_slow_ramp_is_named_within_a_few_points_and_does_not_widen_its_own_range():
+    ramp = scale("level", LAYERS[3:], lambda s: 1.08 ** max(0, s - 60))
+    step, layers = first_named(run(ramp))
+    assert layers == [("net.3", "blowup")] and 60 < step <= 66
+    named = dict(run(ramp))
+    assert all(("net.3", "blowup") in named[s] for s in range(step, step + 10))  # still named as it keeps rising
+
+
+def test_outputs_that_vanish_in_one_layer_name_it_and_not_the_gradients_upstream():
+    def vanish(step, figures):
+        if step >= 60:
+            for i, name in enumerate(LAYERS):
+                if i >= 2:
+                    figures["level"][name] *= 1e-3
+                else:
+                    figures["norm"][f"{name}.weight"] *= 1e-3
+    assert first_named(run(vanish)) == (60, [("net.2", "collapse")])
+
+
+def test_a_learning_rate_raised_in_one_group_is_judged_against_the_others_not_a_fixed_band():
+    fast = scale("ratio", ["net.4.weight"], lambda s: 100.0 if s >= 60 else 1.0)
+    assert first_named(run(fast)) == (60, [("net.4", "too_fast")])
+
+
+def test_every_layer_at_once_is_the_batch_not_a_layer():
+    data = scale("level", LAYERS, lambda s: 30.0 if s >= 60 else 1.0)
+    assert first_named(run(data)) == (60, [(EVERY_LAYER, "data")])
+    labels = scale("norm", [f"{n}.weight" for n in LAYERS], lambda s: 10.0 if s >= 60 else 1.0)
+    assert first_named(run(labels)) == (60, [(EVERY_LAYER, "data")])
+
+
+def test_a_nan_born_in_one_module_names_that_module_not_those_after_it_or_the_gradients():
+    def nan(step, figures):
+        if step >= 60:
+            figures["nonfinite"] = {name: float(i >= 3) for i, name in enumerate(LAYERS)}
+            figures["norm"] = {row: math.nan for row in figures["norm"]}
+    step, layers = first_named(run(nan))
+    assert step == 60 and ("net.3", "nonfinite") in layers and {layer for layer, _ in layers} == {"net.3"}
+
+
+def test_verdicts_judge_a_steps_figures_together_and_summarise_the_culprit_with_its_victims_counted():
+    rng, verdicts = random.Random(1), Verdicts(Bands())
+    for step in range(80):
+        figures = healthy(rng, step)
+        if step >= 60:
+            for name in LAYERS[2:]:
+                figures["level"][name] *= 20.0
+        for figure, values in figures.items():  # in several calls, as the monitors deliver them
+            verdicts.add(figure, step, values)
+    summary = verdicts.summary(top_k=3).splitlines()
+    assert summary[0].startswith("Layer health at step 79: 1 layer unhealthy now (3 other rows out since step 60")
+    assert summary[1:3] == ["  outputs blowing up: activation std above its usual range",
+                            "    net.2                    worst " + summary[2].split("worst ")[1]]
+    assert summary[2].endswith("since step 60")
+    restored = Verdicts(Bands())
+    restored.load_state_dict(verdicts.state_dict())
+    assert restored.summary(top_k=3) == verdicts.summary(top_k=3)
+
+
+def test_zeros_nans_and_infinities_are_judged_without_error():
+    judge = Judge(Bands())
+    for _ in range(30):
+        judged = judge.step({"ratio": {"a.weight": 0.0, "b.weight": 0.0, "c.weight": math.inf},
+                             "norm": {"a.weight": math.nan, "b.weight": 0.0, "c.weight": 1.0},
+                             "level": {"a": 1.0, "b": math.nan, "c": 0.0}, "nonfinite": {"b": 1.0}})
+    assert ("b", "nonfinite") in [(f.layer, f.problem) for f in judged.named]
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"level_factor": 1.0}, r"`level_factor` must be a finite number > 1, got 1"),
+    ({"window": 3}, r"`window` must be"),
+    ({"min_points": 40}, r"`min_points` must be at most `window` \(32\), got 40"),
+])
+def test_bands_are_validated(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        Bands(**kwargs)

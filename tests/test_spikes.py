@@ -294,8 +294,9 @@ def test_the_example_catches_the_shard_by_its_gradient_norm_rolls_back_and_names
     assert ("gradient-norm trigger fired at step 80, loss trigger at step 95 (steps flagged: gradient norm"
             " [80, 95], loss [95])") in out, out[-3000:]  # every step's flags, not only the reports
     assert "Lightning's SpikeDetection (loss only) raised at step 95" in out
-    assert re.search(r"the flight record of steps \d+-95: layer '[\w.]+' left its usual gradient norm range first,"
-                     r" 15 steps before \(at step 80", out)
+    # The broken shard moved several layers' gradients at step 80 at once: a tie, said as one.
+    assert re.search(r"the flight record of steps \d+-95: a tie, \d+ layers left their usual gradient norm range at"
+                     r" the same\s+step 80, 15 steps before", out)
     assert "rollback: step 80 went back to the state before step 80; updates dropped: 16" in out
     clean, rolled_back = map(float, re.search(r"Held-out loss: clean ([\d.]+), rolled back ([\d.]+)", out).groups())
     assert abs(rolled_back - clean) < 0.02 * clean

@@ -41,10 +41,10 @@ class FlightRecord:
     """The loss and the per-layer gradient norms of the steps up to an anomaly, and which layer led.
 
     A layer is a module: the gradient norms of its parameters are combined (the root of the sum
-    of their squares). Its usual range is the median and the spread of the logarithm of its norm
-    over the first half of the record; a layer "left" it at the first step of the unbroken run
-    of steps, ending at the anomaly, whose norm was out of that range (more than 3 robust
-    standard deviations and a factor of 1.5 away, up or down).
+    of their squares). A layer "left" its usual range at the earliest step from which its norm
+    stayed out, to the anomaly, of the range of its norms before that step (the median and the
+    spread of their logarithm: more than 3 robust standard deviations and a factor of 1.5 away,
+    up or down), so a ramp does not widen its own range.
 
     Attributes:
         step: The log step of the anomalous step (the last row): the loggers' step, as in TensorBoard.
@@ -55,11 +55,14 @@ class FlightRecord:
         onsets: The layers whose norm was out of range at the anomaly, with the step it left its
             range at, earliest first (ties: the larger change first).
         leader: The first of ``onsets``, or None.
+        tied: The layers that left their range at the same step as ``leader``: a tie, said as one
+            (every layer at once: the batch, not a layer).
         lead: How many steps before the anomaly ``leader`` left its range.
         rise: ``leader``'s norm at the anomaly over its usual norm.
-        usual: Per layer, its usual range as ``(norm, factor)``: the median of its norm over the
-            record's first half, and how far (a factor, either way) the norm may stray from it
-            before it is out of range; None for a layer without enough finite norms to tell.
+        usual: Per layer, its usual range as ``(norm, factor)``: the median of its norm before it
+            left its range (over the record's first half for a layer that did not), and how far (a
+            factor, either way) the norm may stray from it before it is out of range; None for a
+            layer without enough finite norms to tell.
         path: Where the record was written (CSV), if it was.
 
     """
@@ -74,6 +77,7 @@ class FlightRecord:
     lead: Optional[int] = None
     rise: Optional[float] = None
     usual: tuple[Optional[tuple[float, float]], ...] = ()
+    tied: tuple[str, ...] = ()
     path: Optional[str] = None
 
     def summary(self) -> str:
@@ -85,12 +89,20 @@ class FlightRecord:
             text = f"{span}: no layer's gradient norm was out of its usual range at step {self.step}"
         else:
             start = self.step - (self.lead or 0)
-            tied = sum(at == start for _, at in self.onsets[1:])
-            others = f" with {tied} other layer(s) at the same step, it changed most" if tied else ""
-            then = ", ".join(f"{layer!r} at step {at}" for layer, at in self.onsets[1:4])
-            text = (f"{span}: layer {self.leader!r} left its usual gradient norm range first, {self.lead} steps"
-                    f" before (at step {start}; x{self.rise:.3g} at step {self.step}{';' if tied else ''}{others})"
-                    + (f"; then {then}" if then else ""))
+            then = ", ".join(f"{layer!r} at step {at}" for layer, at in self.onsets[1 + len(self.tied):4])
+            if self.tied and 1 + len(self.tied) == sum(u is not None for u in self.usual):
+                text = (f"{span}: all {1 + len(self.tied)} layers left their usual gradient norm range at the same"
+                        f" step {start}, {self.lead} steps before: every layer at once, look at the batch")
+            elif self.tied:
+                names = ", ".join(repr(layer) for layer in (self.leader, *self.tied))
+                text = (f"{span}: a tie, {1 + len(self.tied)} layers left their usual gradient norm range at the same"
+                        f" step {start}, {self.lead} steps before: {names} (a gradient flows through every layer"
+                        f" before it: LayerHealth's verdict, from the outputs, names the layer)"
+                        + (f"; then {then}" if then else ""))
+            else:
+                text = (f"{span}: layer {self.leader!r} left its usual gradient norm range first, {self.lead} steps"
+                        f" before (at step {start}; x{self.rise:.3g} at step {self.step})"
+                        + (f"; then {then}" if then else ""))
         return text + (f"; written to {self.path}" if self.path else "")
 
 
@@ -109,34 +121,37 @@ def _layer_norms(norms: np.ndarray, names: Sequence[str]) -> tuple[list[str], np
 
 
 def _usual_range(logs: np.ndarray) -> Optional[tuple[float, float]]:
-    """The median and the half-width of the usual range of a log series, from its first half; None if too short."""
-    base = logs[: len(logs) // 2]
-    base = base[np.isfinite(base)]
+    """The median and the half-width of the usual range of a log series; None if it has too few finite points."""
+    base = logs[np.isfinite(logs)]
     if len(base) < _MIN_BASELINE:
         return None
     median = float(np.median(base))
     return median, max(_BAND_Z * _MAD_TO_STD * float(np.median(np.abs(base - median))), _MIN_BAND)
 
 
-def _onset(series: np.ndarray, steps: Sequence[int]) -> Optional[tuple[int, float]]:
-    """The step the series left its usual range at (in a run lasting to its end), and its log change at the end."""
+def _onset(series: np.ndarray) -> Optional[tuple[int, float, tuple[float, float]]]:
+    """Where the series left its usual range, measured before it left: the row, the log change at the end, the range.
+
+    The earliest row ``t`` from which every point to the end is out of the range of the points
+    before ``t`` (a ramp cannot widen its own range); None if the last point is in range.
+    """
     logs = np.log(np.where(series > 0, series, np.nan))
-    usual = _usual_range(logs)
-    if usual is None or not np.isfinite(logs[-1]):
+    if not np.isfinite(logs[-1]):
         return None
-    median, band = usual
-    out = ~(np.abs(logs - median) <= band)  # a NaN (no gradient) counts as out of range
-    if not out[-1]:
-        return None
-    start = len(out) - 1
-    while start > 0 and out[start - 1]:
-        start -= 1
-    return steps[start], float(logs[-1] - median)
+    for t in range(_MIN_BASELINE, len(logs)):
+        usual = _usual_range(logs[:t])
+        if usual is None:
+            continue
+        median, band = usual
+        if not (np.abs(logs[t:] - median) <= band).any():  # a NaN (no gradient) counts as out of range
+            return t, float(logs[-1] - median), usual
+    return None
 
 
-def _usual(series: np.ndarray) -> Optional[tuple[float, float]]:
-    """A layer's usual range as ``(norm, factor)``, or None."""
-    usual = _usual_range(np.log(np.where(series > 0, series, np.nan)))
+def _usual(series: np.ndarray, onset: Optional[int]) -> Optional[tuple[float, float]]:
+    """A layer's usual range as ``(norm, factor)``, from before its onset (else the record's first half), or None."""
+    logs = np.log(np.where(series > 0, series, np.nan))
+    usual = _usual_range(logs[: onset if onset is not None else len(logs) // 2])
     return None if usual is None else (float(np.exp(usual[0])), float(np.exp(usual[1])))
 
 
@@ -155,17 +170,19 @@ def analyse(step: int, steps: Sequence[int], losses: Union[Sequence[float], np.n
         The record, with its ``onsets`` and ``leader``.
     """
     layers, layer_norms = _layer_norms(norms, names)
-    found = {layer: _onset(layer_norms[:, i], steps) for i, layer in enumerate(layers)}
-    onsets = sorted(((layer, at, change) for layer, (at, change) in
+    found = {layer: _onset(layer_norms[:, i]) for i, layer in enumerate(layers)}
+    starts = {layer: None if onset is None else onset[0] for layer, onset in found.items()}
+    onsets = sorted(((layer, steps[at], change) for layer, (at, change, _) in
                      ((k, v) for k, v in found.items() if v is not None)), key=lambda o: (o[1], -abs(o[2])))
     record = FlightRecord(step=step, steps=tuple(steps), losses=tuple(float(x) for x in losses),
                           layers=tuple(layers), norms=tuple(tuple(map(float, row)) for row in layer_norms),
-                          usual=tuple(_usual(layer_norms[:, i]) for i in range(len(layers))),
+                          usual=tuple(_usual(layer_norms[:, i], starts[layer]) for i, layer in enumerate(layers)),
                           onsets=tuple((layer, at) for layer, at, _ in onsets))
     if not onsets:
         return record
     leader, at, change = onsets[0]
-    return replace(record, leader=leader, lead=step - at, rise=float(np.exp(change)))
+    tied = tuple(layer for layer, other, _ in onsets[1:] if other == at)
+    return replace(record, leader=leader, lead=step - at, rise=float(np.exp(change)), tied=tied)
 
 
 class FlightRecorder:
@@ -272,11 +289,13 @@ def record_json(record: FlightRecord) -> dict[str, Any]:
     Keys: ``step`` (the anomalous log step), ``steps``, ``losses`` (one per row), ``layers``,
     ``norms`` (per row, one per layer), ``usual`` (per layer ``[norm, factor]`` or null: see
     :attr:`FlightRecord.usual`), ``onsets`` (``[layer, step]``, earliest first), ``leader``,
-    ``lead``. Non-finite numbers are the strings ``"NaN"``, ``"Infinity"``, ``"-Infinity"``.
+    ``lead``, ``tied`` (the layers that left at the leader's step). Non-finite numbers are the strings
+    ``"NaN"``, ``"Infinity"``, ``"-Infinity"``.
     """
     return {
         "step": record.step, "steps": list(record.steps), "losses": [_number(v) for v in record.losses],
         "layers": list(record.layers), "norms": [[_number(v) for v in row] for row in record.norms],
         "usual": [None if u is None else [_number(u[0]), _number(u[1])] for u in record.usual],
         "onsets": [[layer, at] for layer, at in record.onsets], "leader": record.leader, "lead": record.lead,
+        "tied": list(record.tied),
     }

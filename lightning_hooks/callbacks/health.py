@@ -61,17 +61,17 @@ class LayerHealth(FigureListener, *CALLBACK_BASES):  # type: ignore[misc]  # the
       gradient ``norm`` and update ``ratio`` (those that are logged) against the layer's place
       in forward order, one line per kind of module (Linear, ReLU...), with the healthy band.
 
-    A layer is unhealthy while a logged figure is outside its band (see
-    ``lightning_hooks.output._health_bands`` for where each comes from): more than
-    ``max_zero_fraction`` of its outputs exactly 0 (dead units); a gradient norm above
-    ``spike_factor`` times the median of its own last ``window`` logged norms (exploding) or below the
-    largest layer's divided by ``spread_factor`` (vanishing); an update ratio outside
-    ``update_ratio_band`` (not judged for a 1-D parameter row, a bias or a norm's scale, whose
-    few small entries give large, noisy ratios on healthy runs; a module row holds its weights
-    too); a NaN or Inf in its outputs or gradients; and, from a
-    :class:`~lightning_hooks.TransformerStability` in the same ``callbacks`` (whose bands it then
-    takes), attention logits or output logits too large, attention entropy collapsed, massive
-    activations. At the end of training it
+    A layer is named when it goes out of its own usual range while the layers before it in
+    forward order stay in theirs (docs/verdicts.md; ``lightning_hooks.output._judge``): its
+    outputs' std (``level_factor``), its gradient norm (``norm_factor``) or its update ratio
+    (``ratio_factor``, not judged for a 1-D parameter row, a bias or a norm's scale) against its
+    own last ``window`` logged values, the last two net of the step's common move of every layer;
+    more than ``max_zero_fraction`` of its outputs exactly 0 (dead units); a NaN or Inf in its
+    outputs or gradients; and, from a :class:`~lightning_hooks.TransformerStability` in the same
+    ``callbacks`` (whose bands it then takes), attention logits or output logits too large,
+    attention entropy collapsed, massive activations. The layers it hurt are counted, not named;
+    every layer moving at once is reported as the batch (``every layer at once: look at the
+    batch``). At the end of training it
     writes ``health/summary`` (TensorBoard text) and prints once, on rank zero, the verdict
     (:meth:`summary` returns it): ``healthy``, or per problem the layers unhealthy now, the
     earliest first, with their worst value and the step since which they are, and those that
@@ -90,10 +90,10 @@ class LayerHealth(FigureListener, *CALLBACK_BASES):  # type: ignore[misc]  # the
         max_columns: The most steps one histogram picture keeps.
         top_k: The most layers the summary lists per problem (the rest are counted).
         max_zero_fraction: Dead units above this share of exact zeros in a layer's outputs.
-        spike_factor: Exploding above this multiple of the layer's own median norm.
-        spread_factor: Vanishing below the largest layer's norm divided by this.
-        update_ratio_band: The healthy ``(low, high)`` update-to-weight ratio.
-        window: How many of a row's last logged gradient norms its median is taken over.
+        level_factor: The least change of a layer's output std, either way, that names it.
+        norm_factor: The least change of a gradient norm (net of the other layers') that names it.
+        ratio_factor: The least change of an update ratio (net of the other layers') that names it.
+        window: How many of a row's last logged values its usual range is taken over.
 
     Raises:
         ValueError: If an image or ``top_k`` argument is not a positive int, or a band is not
@@ -105,22 +105,23 @@ class LayerHealth(FigureListener, *CALLBACK_BASES):  # type: ignore[misc]  # the
         from lightning_hooks import ActivationMonitor, GradientMonitor, LayerHealth
 
         trainer = Trainer(callbacks=[ActivationMonitor(), GradientMonitor(update_ratio=True),
-                                     LayerHealth(image_every_n_steps=500, max_zero_fraction=0.9)])
+                                     LayerHealth(image_every_n_steps=500, norm_factor=3.0)])
     """
 
     def __init__(self, *, image_every_n_steps: int = 500, max_images: int = 10, max_panels: int = 16,
                  max_columns: int = 100, top_k: int = 5, max_zero_fraction: float = 0.8,
-                 spike_factor: float = 10.0, spread_factor: float = 1e5,
-                 update_ratio_band: tuple[float, float] = (1e-4, 1e-2), window: int = 20) -> None:
+                 level_factor: float = 1.25, norm_factor: float = 4.0, ratio_factor: float = 4.0,
+                 window: int = 32) -> None:
         for name, value in (("image_every_n_steps", image_every_n_steps), ("max_images", max_images),
                             ("max_panels", max_panels), ("max_columns", max_columns), ("top_k", top_k)):
             check_int(name, value)
-        self._bands = Bands(max_zero_fraction, spike_factor, spread_factor, update_ratio_band, window)
+        self._bands = Bands(max_zero_fraction, level_factor, norm_factor, ratio_factor, window=window,
+                            min_points=min(24, window))
         self._drawable = _has_matplotlib()
         self.image_every_n_steps, self.max_images, self.max_panels = image_every_n_steps, max_images, max_panels
         self.max_columns, self.top_k = max_columns, top_k
-        self.max_zero_fraction, self.spike_factor, self.spread_factor = max_zero_fraction, spike_factor, spread_factor
-        self.update_ratio_band, self.window = update_ratio_band, window
+        self.max_zero_fraction, self.level_factor = max_zero_fraction, level_factor
+        self.norm_factor, self.ratio_factor, self.window = norm_factor, ratio_factor, window
         self._kinds: dict[str, str] = {}
         self._vectors: set[str] = set()  # 1-D parameters (biases, norm scales): ratios not judged
         self._groups: dict[str, str] = {}  # each module's optimizer param group, for the diagnosis
@@ -185,8 +186,8 @@ class LayerHealth(FigureListener, *CALLBACK_BASES):  # type: ignore[misc]  # the
             for name, value in zip(block.rows, block.values):
                 if figure == "nonfinite":  # the worst of the non-finite share and counts
                     values[name] = max(values.get(name, 0.0), value)
-                elif not (figure == "ratio" and name in self._vectors):
-                    values[name] = value
+                elif not (figure in ("ratio", "norm") and name in self._vectors and math.isfinite(value)):
+                    values[name] = value  # a 1-D row's few entries are too noisy to judge, but a NaN is a NaN
         for figure, values in judged.items():
             self._verdicts.add(figure, step, values)
         self._last, self._fresh = step, True
@@ -253,6 +254,8 @@ class LayerHealth(FigureListener, *CALLBACK_BASES):  # type: ignore[misc]  # the
 
         Pictures are side work: whatever matplotlib raises, the run, the verdicts and the summary go on.
         """
+        if not any(isinstance(logger, TENSORBOARD_LOGGERS) for logger in trainer.loggers):
+            return  # nowhere to draw to (setup warned)
         import matplotlib
 
         try:
@@ -279,7 +282,7 @@ class LayerHealth(FigureListener, *CALLBACK_BASES):  # type: ignore[misc]  # the
             layers = self._latest.get(key)
             if layers:
                 kinds = [self._kind(name) for name in layers]
-                band = self._bands.update_ratio_band if tag == "update_ratio" else None
+                band = None  # no fixed band: each layer against its own range (docs/verdicts.md)
                 limit = self._bands.max_zero_fraction if tag == "zero_fraction" else None
                 profile = Profile(title, list(layers), kinds, list(layers.values()), log)
                 figures.append((f"health/depth_profile/{tag}", profile_figure(profile, band, limit)))

@@ -37,9 +37,16 @@ REMEDIES: dict[str, tuple[tuple[str, str], ...]] = {
     "massive": (("keep the residual stream in float32, or give attention an explicit sink (a learned bias or"
                  " key)", "massive activations act as attention sinks and are common in trained LLMs"
                  " (Sun et al. 2024); they hurt mostly in low precision"),),
+    "data": (("look at the batch of that step: its inputs, labels, padding and loss mask; skip or fix it",
+              "every layer moved at once, the first one too, so the cause came in with the batch, not from a layer"),),
+    "blowup": (("look at this layer first (its inputs were in range, its outputs were not): its weights, its learning"
+                " rate, what feeds its norm or its residual add", "the layers before it were in their usual range"),
+               _CLIP, _LOWER_LR),
+    "collapse": (("look at this layer's weights and its learning rate: its outputs shrank while its inputs did not",
+                  "a layer whose weights collapse cuts the signal, and the gradient, of everything after it"),),
     "exploding": (_CLIP, _LOWER_LR, _WARMUP),
     "vanishing": (("look at the layers in front of it: a dead or saturated layer cuts the gradient off",
-                   "a gradient five decades below its neighbours' does not come from the layer's own size"),),
+                   "its gradient fell against its own history while the other layers' did not"),),
     "dead": (("a lower learning rate{group} or a longer warm-up, or a leaky activation (LeakyReLU, GELU)",
               "the units fired at first: a large step pushed them below zero, and under ReLU they never fire"
               " again"),),
@@ -48,8 +55,8 @@ REMEDIES: dict[str, tuple[tuple[str, str], ...]] = {
                       " GELU)", "the units gave zeros from the first logged step, before any update: the learning"
                       " rate is not the cause"),),
     "too_fast": (_LOWER_LR, _CLIP),
-    "too_slow": (("raise the learning rate{group}", "an update ratio near 1e-3 is the usual sign of a layer that"
-                                                    " learns at a sensible pace"),),
+    "too_slow": (("raise the learning rate{group}", "its update ratio fell against its own history while the"
+                                                    " other layers' did not"),),
     "nonfinite": (("find the first module that made it: GradientMonitor's AnomalyReport names it", _CLIP[1]),
                   _LOWER_LR),
     "nonfinite_grad": (_CLIP, _LOWER_LR),
@@ -94,8 +101,14 @@ def _cause(problem: str, layer: str, episode: Episode, verdicts: Verdicts) -> st
 def _said(problem: str, layer: str, episode: Episode, verdicts: Verdicts) -> str:
     """One problem of one layer: the signal, since when, its worst value, how far from the band, where it started."""
     title = verdicts.bands.titles()[problem].partition(":")[0]
+    if problem == "data":
+        return f"{title} at step {episode.first}: {episode.worst:.0f} rows out of their range together"
     first = verdicts.first.get((_FIGURE[problem], layer))
     bound = _bound(problem, verdicts.bands, first[1] if first else None)
+    usual = verdicts.judge.usual(_FIGURE[problem], layer)
+    if usual is not None and problem not in ("dead", "nonfinite", "nonfinite_grad"):
+        return (f"{title} since step {episode.first}, worst {episode.worst:.4g}, x{episode.worst / usual:.3g} its usual"
+                f" {usual:.4g}" + (f"; it was {first[1]:.4g} at step {first[0]}" if first else ""))
     far = ""
     if bound is not None and bound > 0 and math.isfinite(episode.worst):
         if episode.worst >= bound:
@@ -109,9 +122,8 @@ def _said(problem: str, layer: str, episode: Episode, verdicts: Verdicts) -> str
 
 def _bound(problem: str, bands: Bands, first: float | None) -> float | None:
     """The edge of the healthy band a problem's value crossed, where there is one number."""
-    low, high = bands.update_ratio_band
     fixed = {"attention_logits": bands.max_attention_logit, "output_logits": bands.max_output_logit,
-             "massive": bands.max_massive_ratio, "dead": bands.max_zero_fraction, "too_fast": high, "too_slow": low}
+             "massive": bands.max_massive_ratio, "dead": bands.max_zero_fraction}
     if problem == "entropy_collapse" and first is not None:
         return bands.min_entropy_fraction * first
     return fixed.get(problem)

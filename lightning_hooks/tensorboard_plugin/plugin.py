@@ -111,7 +111,7 @@ class LayersPlugin(base_plugin.TBPlugin):
     def _answer(self, reader: RunReader, run: str, figures: list[Figure], limits: Bands) -> dict[str, Any]:
         """The run route's answer: the figures with their marks, the banner, the anomalies."""
         unjudged = reader.unjudged_ratios(run)
-        judged = [(figure, judge(figure, limits, unjudged)) for figure in figures]
+        judged = judge(figures, limits, unjudged)  # every figure of a step together, as LayerHealth judges
         return {
             "run": run,
             "figures": [_figure_json(figure, marks, limits) for figure, marks in judged],

@@ -3,8 +3,8 @@
 A scale is a list of stops ``[value, position]`` (position 0-1 on the palette, linear between
 stops, clamped beyond the ends; a third item, if any, is the stop's label on the colour bar):
 the healthy band takes the middle colours and a value out of the band goes to the palette's
-ends, saturating beyond them. A figure with no fixed band (LayerHealth
-judges gradient norms against each layer's own history, and does not judge the rest) gets None:
+ends, saturating beyond them. A figure with no fixed band (LayerHealth judges gradient norms and
+update ratios against each layer's own history and its peers, and does not judge the rest) gets None:
 the browser colours it over its own range, with a least span, and states that range.
 """
 
@@ -32,9 +32,6 @@ def colour_scale(figure: Figure, bands: Bands) -> Optional[dict[str, Any]]:
         return _scale([[0.0, LOW_END], [limit, HIGH_END], [1.0, 1.0]], [None, limit])
     if kind == "nonfinite":  # any non-finite value is out of band: from 0 straight to the top colours
         return _scale([[0.0, LOW_END, "0"], [1e-9, 0.9, "> 0"], [1.0, 1.0, "1"]], [None, 0.0])
-    if kind == "ratio" and figure.stat == "log10_ratio":
-        low, high = (math.log10(end) for end in bands.update_ratio_band)
-        return _scale([[low - 2, 0.0], [low, LOW_END], [high, HIGH_END], [high + 2, 1.0]], [low, high])
     if kind == "attention_max_logit":
         return _upper(bands.max_attention_logit)
     if kind == "logit_abs_max":

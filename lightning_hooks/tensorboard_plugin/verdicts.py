@@ -1,26 +1,26 @@
-"""Verdicts, not rankings: which cells of a run's figures are outside a healthy band, and since when.
+"""Verdicts, not rankings: which layer of a run went wrong, and since when.
 
-The tab judges with LayerHealth's rules and defaults, from one place: the bands are
-:class:`~lightning_hooks.output._health_verdicts.Bands` (its module docstring says where each default
-comes from) and each logged step (a column) is judged by the same functions LayerHealth calls,
-so the banner names the layers, with the problems, that LayerHealth's summary names. The routes
-take any band as a query parameter named as in :data:`QUERY`, e.g. ``?max_zero_fraction=0.9``.
+The tab judges with LayerHealth's judge and defaults, from one place: the thresholds are
+:class:`~lightning_hooks.output._health_verdicts.Bands` and each logged step, every judged figure
+of it together, goes through the same :class:`~lightning_hooks.output._judge.Judge` LayerHealth
+feeds, so the banner names the layer, with the problem, that LayerHealth's summary names; the
+layers it hurt are not marked. The routes take any threshold as a query parameter named as in
+:data:`QUERY`, e.g. ``?norm_factor=3``.
 """
 
 from __future__ import annotations
 
-from collections import deque
+import math
 from collections.abc import Mapping
 from typing import Any, Optional
 
-from lightning_hooks.output._health_verdicts import JUDGED, STABILITY_BANDS, Bands
-from lightning_hooks.output._health_verdicts import judge as judge_column
+from lightning_hooks.output._health_verdicts import JUDGED, STABILITY_BANDS, Bands, _figure_of
+from lightning_hooks.output._judge import Judge
 from lightning_hooks.tensorboard_plugin.run_data import Figure
 
 #: The query parameters, each a field of :class:`Bands` (the band's two ends apart), with its type.
-QUERY = {"max_zero_fraction": float, "spike_factor": float, "spread_factor": float,
-         "update_ratio_low": float, "update_ratio_high": float, "window": int,
-         **dict.fromkeys(STABILITY_BANDS, float)}
+QUERY = {"max_zero_fraction": float, "level_factor": float, "norm_factor": float, "ratio_factor": float,
+         "cusum": float, "window": int, "min_points": int, **dict.fromkeys(STABILITY_BANDS, float)}
 
 
 def bands_from_query(args: Mapping[str, str]) -> Bands:
@@ -38,17 +38,12 @@ def bands_from_query(args: Mapping[str, str]) -> Bands:
             except ValueError:
                 raise ValueError(f"`{name}` must be a{'n int' if kind is int else ' number'}, "
                                  f"got {args[name][:40]!r}") from None
-    low, high = Bands.update_ratio_band
-    band = (given.pop("update_ratio_low", low), given.pop("update_ratio_high", high))
-    return Bands(update_ratio_band=band, **given)
+    return Bands(**given)
 
 
 def bands_as_dict(bands: Bands) -> dict[str, float]:
     """The bands by query parameter name, as the routes report them."""
-    low, high = bands.update_ratio_band
-    return {"max_zero_fraction": bands.max_zero_fraction, "spike_factor": bands.spike_factor,
-            "spread_factor": bands.spread_factor, "update_ratio_low": low, "update_ratio_high": high,
-            "window": bands.window, **{name: getattr(bands, name) for name in STABILITY_BANDS}}
+    return {name: getattr(bands, name) for name in QUERY}
 
 
 Marks = list[tuple[int, int, str]]
@@ -61,27 +56,45 @@ def judged_as(figure: Figure) -> Optional[str]:
     return JUDGED.get((figure.kind, stat))
 
 
-def judge(figure: Figure, bands: Bands, unjudged: frozenset[str] = frozenset()) -> Marks:
-    """The cells of ``figure`` outside the healthy band, judged step by step as LayerHealth judges them.
+def judge(figures: list[Figure], bands: Bands, unjudged: frozenset[str] = frozenset()) -> list[tuple[Figure, Marks]]:
+    """Each figure with its marked cells: the run replayed step by step through LayerHealth's judge.
 
     Args:
-        figure: One figure of a run.
-        bands: The healthy bands.
-        unjudged: Update rows whose ratio is not judged (1-D parameters, as LayerHealth skips them).
+        figures: A run's figures (those not judged come back unmarked).
+        bands: The thresholds.
+        unjudged: 1-D parameter rows: their update ratio and finite gradient norm are not judged
+            (as LayerHealth leaves them out).
     """
-    kind = judged_as(figure)
-    if kind is None:
-        return []
-    log10 = figure.stat == "log10_ratio"
-    norms: dict[str, deque[float]] = {}  # each row's recent norms, as LayerHealth keeps them
-    index = {name: row for row, name in enumerate(figure.rows)}
-    marks: Marks = []
-    for col in range(len(figure.steps)):
-        column = {name: (10.0 ** v if log10 else v) for name, values in zip(figure.rows, figure.values)
-                  if (v := values[col]) is not None and not (kind == "ratio" and name in unjudged)}
-        marks.extend((index[name], col, problem)
-                     for name, problem in judge_column(kind, column, bands, norms).items())
-    return sorted(marks)
+    kinds = [(figure, judged_as(figure)) for figure in figures]
+    columns: dict[int, list[tuple[Figure, str, int]]] = {}
+    for figure, kind in kinds:
+        for col, step in enumerate(figure.steps):
+            if kind is not None:
+                columns.setdefault(step, []).append((figure, kind, col))
+    marks: dict[int, Marks] = {id(figure): [] for figure in figures}
+    referee = Judge(bands)
+    for step in sorted(columns):
+        values: dict[str, dict[str, float]] = {}
+        where: dict[tuple[str, str], tuple[Figure, int]] = {}
+        for figure, kind, col in columns[step]:
+            log10 = figure.stat == "log10_ratio"
+            for row, series in enumerate(figure.values):
+                v, name = series[col], figure.rows[row]
+                if v is None or (kind in ("ratio", "norm") and name in unjudged and math.isfinite(v)):
+                    continue
+                value = 10.0 ** v if log10 else v
+                if kind == "nonfinite":
+                    value = max(values.get(kind, {}).get(name, 0.0), value)
+                values.setdefault(kind, {})[name] = value
+                where.setdefault((kind, name), (figure, row))
+        for finding in referee.step(values).named:
+            rows = [(finding.row, _figure_of(finding.problem))] if finding.problem != "data" else \
+                [(name, "level") for name in values.get("level", {})]
+            for name, kind in rows:
+                if (kind, name) in where:
+                    figure, row = where[(kind, name)]
+                    marks[id(figure)].append((row, figure.steps.index(step), finding.problem))
+    return [(figure, sorted(marks[id(figure)])) for figure in figures]
 
 
 def banner(judged: list[tuple[Figure, Marks]], bands: Bands) -> list[dict[str, Any]]:

@@ -9,7 +9,8 @@
 const HIGH = "#ff1744", LOW = "#00b0ff";
 export const MARK_COLOURS = {dead: HIGH, nonfinite: HIGH, nonfinite_grad: HIGH, exploding: HIGH, too_fast: HIGH,
                              attention_logits: HIGH, output_logits: HIGH, massive: HIGH,
-                             vanishing: LOW, too_slow: LOW, entropy_collapse: LOW};
+                             blowup: HIGH, data: HIGH, vanishing: LOW, too_slow: LOW, entropy_collapse: LOW,
+                             collapse: LOW};
 export const markColour = (problem) => MARK_COLOURS[problem] || HIGH;
 export const NONFINITE = "#212121";  // the fill of a NaN or infinite value
 export const ROW_H = 14, TOP_GAP = 6;

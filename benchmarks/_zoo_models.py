@@ -1,0 +1,163 @@
+"""The fault zoo's models, data and recipes: small real networks on data with learnable structure.
+
+A GPT-2 and a LLaMA built from ``transformers`` configs (6 layers, width 64), a hand-written CNN
+with BatchNorm and residual adds, and a plain MLP. Each has a healthy standard recipe (optimizer
+and schedule), and names the module in the *middle* of the network that each fault is injected in.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from torch import Tensor, nn
+
+VOCAB, SEQ, WIDTH, DEPTH = 64, 16, 64, 6
+
+
+def lm_batches(seed: int, batch: int) -> Callable[[int], tuple[Tensor, Tensor]]:
+    """Token sequences from a fixed sparse Markov chain (each token has 3 likely successors): learnable."""
+    g = torch.Generator().manual_seed(seed)
+    nexts = torch.randint(0, VOCAB, (VOCAB, 3), generator=g)
+
+    def draw(step: int) -> tuple[Tensor, Tensor]:
+        gs = torch.Generator().manual_seed(seed * 100003 + step)
+        tokens = torch.empty(batch, SEQ + 1, dtype=torch.long)
+        tokens[:, 0] = torch.randint(0, VOCAB, (batch,), generator=gs)
+        choice = torch.randint(0, 3, (batch, SEQ), generator=gs)
+        for t in range(SEQ):
+            tokens[:, t + 1] = nexts[tokens[:, t], choice[:, t]]
+        return tokens[:, :-1], tokens[:, 1:]
+    return draw
+
+
+def image_batches(seed: int, batch: int) -> Callable[[int], tuple[Tensor, Tensor]]:
+    """8x8 three-channel images: one of 10 fixed class patterns plus noise."""
+    g = torch.Generator().manual_seed(seed)
+    patterns = torch.randn(10, 3, 8, 8, generator=g)
+
+    def draw(step: int) -> tuple[Tensor, Tensor]:
+        gs = torch.Generator().manual_seed(seed * 100003 + step)
+        labels = torch.randint(0, 10, (batch,), generator=gs)
+        return patterns[labels] + 0.8 * torch.randn(batch, 3, 8, 8, generator=gs), labels
+    return draw
+
+
+def regression_batches(seed: int, batch: int) -> Callable[[int], tuple[Tensor, Tensor]]:
+    """``y = teacher(x)`` with a fixed random two-layer teacher, plus a little noise."""
+    g = torch.Generator().manual_seed(seed)
+    w1, w2 = torch.randn(16, 32, generator=g) / 4, torch.randn(32, 1, generator=g) / 6
+
+    def draw(step: int) -> tuple[Tensor, Tensor]:
+        gs = torch.Generator().manual_seed(seed * 100003 + step)
+        x = torch.randn(batch, 16, generator=gs)
+        return x, torch.tanh(x @ w1) @ w2 + 0.01 * torch.randn(batch, 1, generator=gs)
+    return draw
+
+
+class LM(nn.Module):
+    """A causal LM from ``transformers`` that returns its logits."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        import transformers
+
+        if kind == "gpt2":
+            config = transformers.GPT2Config(vocab_size=VOCAB, n_positions=SEQ, n_embd=WIDTH, n_layer=DEPTH,
+                                             n_head=4, activation_function="gelu", resid_pdrop=0.0,
+                                             embd_pdrop=0.0, attn_pdrop=0.0)
+            self.net = transformers.GPT2LMHeadModel(config)
+        else:
+            config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=WIDTH, intermediate_size=4 * WIDTH,
+                                              num_hidden_layers=DEPTH, num_attention_heads=4, num_key_value_heads=4,
+                                              max_position_embeddings=SEQ)
+            self.net = transformers.LlamaForCausalLM(config)
+        self.net.config.use_cache = False
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        return self.net(input_ids=tokens).logits
+
+
+class Block(nn.Module):
+    """A residual block: conv, BatchNorm, ReLU, conv, BatchNorm, then the residual add and a ReLU."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.conv1, self.bn1 = nn.Conv2d(width, width, 3, padding=1, bias=False), nn.BatchNorm2d(width)
+        self.relu1 = nn.ReLU()
+        self.conv2, self.bn2 = nn.Conv2d(width, width, 3, padding=1, bias=False), nn.BatchNorm2d(width)
+        self.relu2 = nn.ReLU()
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.relu2(x + self.bn2(self.conv2(self.relu1(self.bn1(self.conv1(x))))))
+
+
+class CNN(nn.Module):
+    """A stem, four residual blocks and a linear head, on 8x8 images."""
+
+    def __init__(self, width: int = 16) -> None:
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(3, width, 3, padding=1, bias=False), nn.BatchNorm2d(width), nn.ReLU())
+        self.blocks = nn.Sequential(*(Block(width) for _ in range(4)))
+        self.pool, self.head = nn.AdaptiveAvgPool2d(1), nn.Linear(width, 10)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.head(self.pool(self.blocks(self.stem(x))).flatten(1))
+
+
+def mlp() -> nn.Module:
+    """Six Linear layers with ReLUs between, 16 -> 1."""
+    sizes = [16, 64, 64, 64, 64, 64, 1]
+    layers: list[nn.Module] = []
+    for i in range(6):
+        layers.append(nn.Linear(sizes[i], sizes[i + 1]))
+        if i < 5:
+            layers.append(nn.ReLU())
+    return nn.Sequential(*layers)
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """A model with its data, loss, optimizer and schedule, and the middle modules its faults go in."""
+
+    name: str
+    build: Callable[[], nn.Module]
+    data: Callable[[int, int], Callable[[int], tuple[Tensor, Tensor]]]
+    loss: str  # "lm", "ce" or "mse"
+    optimizer: str  # "adamw", "sgd" or "adam"
+    lr: float
+    batch: int
+    targets: dict[str, str]  # fault -> the module it is injected in (the culprit)
+    precision: str = "32-true"
+
+
+def _lm_targets(block: str, mlp_in: str, mlp_out: str, query: str) -> dict[str, str]:
+    return {"ramp": mlp_out, "jump": mlp_out, "dead": mlp_out, "nan": mlp_out, "vanish": mlp_in,
+            "lr100": mlp_in, "attn": query, "data": ""}
+
+
+RECIPES = {
+    "gpt2": Recipe("gpt2", lambda: LM("gpt2"), lm_batches, "lm", "adamw", 1e-3, 8, _lm_targets(
+        "net.transformer.h.2", "net.transformer.h.2.mlp.c_fc", "net.transformer.h.2.mlp.c_proj",
+        "net.transformer.h.2.attn.c_attn")),
+    "llama": Recipe("llama", lambda: LM("llama"), lm_batches, "lm", "adamw", 6e-4, 8, _lm_targets(
+        "net.model.layers.2", "net.model.layers.2.mlp.up_proj", "net.model.layers.2.mlp.down_proj",
+        "net.model.layers.2.self_attn.q_proj")),
+    "cnn": Recipe("cnn", CNN, image_batches, "ce", "sgd", 0.05, 32, {
+        **dict.fromkeys(("ramp", "jump", "dead", "nan", "vanish", "lr100"), "blocks.1.conv1"), "data": ""}),
+    "mlp": Recipe("mlp", mlp, regression_batches, "mse", "adam", 1e-3, 32, {
+        **dict.fromkeys(("ramp", "jump", "dead", "nan", "vanish", "lr100"), "4"), "data": ""}),
+}
+RECIPES["gpt2-bf16"] = Recipe(**{**vars(RECIPES["gpt2"]), "name": "gpt2-bf16", "precision": "bf16-mixed"})
+
+
+def schedule(recipe: Recipe, steps: int) -> Callable[[int], float]:
+    """The LR multiplier: warm-up (10%) and cosine for the transformers, step decay for the CNN, flat else."""
+    if recipe.optimizer == "adamw":
+        warm = max(1, steps // 10)
+        return lambda s: (s + 1) / warm if s < warm else 0.1 + 0.45 * (1 + math.cos(math.pi * (s - warm) / steps))
+    if recipe.optimizer == "sgd":
+        return lambda s: 0.1 ** (s // max(1, steps // 3))
+    return lambda s: 1.0

@@ -1,0 +1,296 @@
+"""The fault zoo: does LayerHealth name the layer that went wrong, first, and soon enough?
+
+One fault is injected into one module in the middle of a small real network at a known step
+(``--onset``), so that upstream and downstream layers exist; the run is watched by the package's
+own ActivationMonitor, GradientMonitor(update_ratio=True) and LayerHealth, and a probe notes, at
+every step, the layers the verdict names (in the order it lists them). Per case it reports the
+layer named first, the delay from the onset to the step the culprit is first named, the layers
+named before it, the step the loss moved 5% from where the same run without the fault is, and
+the flight record's leader (read ``--flight`` steps after the onset). On the healthy recipes
+every verdict line after the first 10% of the run is a false alarm.
+
+Faults: ``ramp`` (the module's output grows 4% a step), ``jump`` (x20 at once), ``dead`` (its
+output becomes 0), ``vanish`` (its weights shrunk 1000x once), ``lr100`` (its param group's LR
+x100), ``attn`` (one block's queries grow 4% a step: its attention logits grow), ``nan`` (one NaN
+in its output, once), ``data`` (the batch goes bad: its inputs x30, the LMs' embedded tokens x30).
+
+    python benchmarks/fault_zoo.py                      # the whole zoo, a table
+    python benchmarks/fault_zoo.py --models gpt2 --faults ramp jump --steps 200
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+import warnings
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import lightning.pytorch as pl
+import numpy as np
+import torch
+from torch import Tensor, nn
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks._zoo_models import RECIPES, Recipe, schedule  # noqa: E402
+from lightning_hooks import ActivationMonitor, GradientMonitor, LayerHealth  # noqa: E402
+from lightning_hooks.callbacks._flight_recorder import analyse  # noqa: E402
+
+FAULTS = ("ramp", "jump", "dead", "vanish", "lr100", "attn", "nan", "data")
+GROWTH, JUMP, SHRINK, LR_FACTOR, DATA_SCALE = 1.04, 20.0, 1e-3, 100.0, 30.0
+
+
+class Lit(pl.LightningModule):
+    """A recipe's model, trained as the recipe says, with one fault injected from step ``onset``."""
+
+    def __init__(self, recipe: Recipe, fault: Optional[str], onset: int, steps: int, seed: int, every: int) -> None:
+        super().__init__()
+        self.every = every
+        torch.manual_seed(seed)
+        self.recipe, self.fault, self.onset, self.steps = recipe, fault, onset, steps
+        self.model = recipe.build()
+        self.draw = recipe.data(seed, recipe.batch)
+        self.culprit = "model." + recipe.targets[fault] if fault and recipe.targets.get(fault) else ""
+        self.mult = schedule(recipe, steps)
+        if self.culprit and fault in ("ramp", "jump", "dead", "nan", "attn"):
+            self.get_submodule(self.culprit).register_forward_hook(self._hurt)
+        if fault == "data" and recipe.loss == "lm":  # the batch's embedded tokens out of range, x30
+            self.model.net.get_input_embeddings().register_forward_hook(self._bad_batch)
+
+    def _step(self) -> int:
+        return self.trainer.global_step
+
+    def _bad_batch(self, module: nn.Module, args: Any, out: Tensor) -> Optional[Tensor]:
+        return out * DATA_SCALE if self.training and self._step() >= self.onset else None
+
+    def _hurt(self, module: nn.Module, args: Any, out: Tensor) -> Optional[Tensor]:
+        t = self._step() - self.onset
+        if t < 0 or not self.training:
+            return None
+        if self.fault == "ramp":
+            return out * GROWTH ** t
+        if self.fault == "jump":
+            return out * JUMP
+        if self.fault == "dead":
+            return out * 0.0
+        if self.fault == "nan":  # born at the first logged step from the onset on, where the figures can see it
+            if (self._step() + 1) % self.every or t >= self.every:
+                return None
+            out = out.clone()
+            out.view(-1)[0] = float("nan")
+            return out
+        out = out.clone()  # attn: the queries (GPT-2: the first third of c_attn's output) grow
+        width = out.shape[-1] // 3 if out.shape[-1] % 3 == 0 and "c_attn" in self.culprit else out.shape[-1]
+        out[..., :width] *= GROWTH ** t
+        return out
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        own = set(map(id, self.model.get_submodule(self.recipe.targets["lr100"]).parameters()))
+        groups = [{"params": [p for p in self.model.parameters() if id(p) not in own]},
+                  {"params": [p for p in self.model.parameters() if id(p) in own]}]
+        if self.recipe.optimizer == "adamw":
+            return torch.optim.AdamW(groups, lr=self.recipe.lr, weight_decay=0.1, betas=(0.9, 0.95))
+        if self.recipe.optimizer == "sgd":
+            return torch.optim.SGD(groups, lr=self.recipe.lr, momentum=0.9, weight_decay=5e-4)
+        return torch.optim.Adam(groups, lr=self.recipe.lr)
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        step = self._step()
+        for i, group in enumerate(self.optimizers().optimizer.param_groups):
+            boost = LR_FACTOR if self.fault == "lr100" and i == 1 and step >= self.onset else 1.0
+            group["lr"] = self.recipe.lr * self.mult(step) * boost
+        if self.fault == "vanish" and step == self.onset:
+            with torch.no_grad():
+                self.get_submodule(self.culprit).weight.mul_(SHRINK)
+
+    def training_step(self, batch: Any, batch_idx: int) -> Tensor:
+        x, y = self.draw(self._step())
+        if self.fault == "data" and self._step() >= self.onset and self.recipe.loss != "lm":
+            x = x * DATA_SCALE
+        out = self.model(x)
+        if self.recipe.loss == "lm":
+            loss = nn.functional.cross_entropy(out.flatten(0, 1).float(), y.flatten())
+        elif self.recipe.loss == "ce":
+            loss = nn.functional.cross_entropy(out.float(), y)
+        else:
+            loss = nn.functional.mse_loss(out.float(), y)
+        self.log("loss", loss)
+        return loss
+
+    def train_dataloader(self) -> Any:
+        return [0] * self.steps  # the batch is drawn from the step in training_step
+
+
+class Probe(pl.Callback):
+    """At every step: the loss, each parameter's gradient norm, and the layers LayerHealth names, in its order."""
+
+    def __init__(self, health: LayerHealth) -> None:
+        self.health = health
+        self.losses: list[float] = []
+        self.norms: list[np.ndarray] = []
+        self.names: list[str] = []
+        self.named: dict[int, list[str]] = {}  # step -> layers named, in the summary's order
+
+    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
+        params = [(n, p) for n, p in pl_module.named_parameters() if p.grad is not None]
+        self.names = [n for n, _ in params]
+        self.norms.append(np.array([float(p.grad.float().norm()) for _, p in params]))
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        self.losses.append(float(outputs["loss"]) if isinstance(outputs, dict) else float(outputs))
+        verdicts = self.health.verdicts
+        now = sorted(((p, layer, e) for (p, layer), e in verdicts.episodes.items() if e.ongoing), key=verdicts.order)
+        self.named[trainer.global_step - 1] = list(dict.fromkeys(f"{layer} ({p})" for p, layer, _ in now))
+
+
+@dataclass
+class Case:
+    """What one run of the zoo showed."""
+
+    model: str
+    fault: str
+    culprit: str
+    onset: int
+    steps: int
+    losses: list[float]
+    named: dict[int, list[str]]
+    leader: Optional[str] = None
+    seconds: float = 0.0
+    summary: str = ""
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def run_case(model: str, fault: Optional[str], steps: int, onset: int, every: int, seed: int = 0,
+             flight: int = 30) -> Case:
+    """Train one case and return what the verdicts said at each step."""
+    recipe = RECIPES[model]
+    start = time.perf_counter()
+    lit = Lit(recipe, fault, onset, steps, seed, every)
+    health = LayerHealth()
+    probe = Probe(health)
+    callbacks = [ActivationMonitor(histogram=False), GradientMonitor(histogram=False, update_ratio=True), health, probe]
+    trainer = pl.Trainer(max_steps=steps, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False, log_every_n_steps=every, callbacks=callbacks,
+                         precision=recipe.precision, accelerator="cpu", devices=1, num_sanity_val_steps=0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.fit(lit)
+    case = Case(model, fault or "healthy", lit.culprit, onset, steps, probe.losses, probe.named,
+                seconds=time.perf_counter() - start, summary=health.summary())
+    if fault and probe.norms:
+        end = min(onset + flight, len(probe.norms))
+        rows = np.stack(probe.norms[max(0, end - 64):end])
+        record = analyse(end - 1, list(range(end - len(rows), end)), probe.losses[end - len(rows):end], rows,
+                         probe.names)
+        case.leader = record.leader if record.onsets else None
+        case.extra["ties"] = sum(at == record.onsets[0][1] for _, at in record.onsets) if record.onsets else 0
+    return case
+
+
+def is_culprit(named: str, culprit: str) -> bool:
+    """Whether a named row (``layer (problem)``) is the culprit module, one of its parameters or submodules."""
+    layer = named.rsplit(" (", 1)[0]
+    return layer == culprit or layer.startswith(culprit + ".")
+
+
+def judge_case(case: Case, healthy: Optional[Case]) -> dict[str, Any]:
+    """The row of the table: first named, delay, named before the culprit, loss moved 5%, the flight leader."""
+    quiet_from = case.steps // 10
+    steps = sorted(s for s in case.named if s >= quiet_from)
+    first_step = next((s for s in steps if case.named[s]), None)
+    row: dict[str, Any] = {"model": case.model, "fault": case.fault, "onset": case.onset, "s": round(case.seconds, 1)}
+    if case.fault == "healthy":
+        lines = sorted({n for s in steps for n in case.named[s]})
+        row.update(alarms=len(lines), lines=lines[:6], first_alarm=first_step)
+        return row
+    first = case.named[first_step][0] if first_step is not None else None
+    if case.fault == "data":
+        at = next((s for s in steps if s >= case.onset and case.named[s]), None)
+        row.update(first=first, first_step=first_step, delay=None if at is None else at - case.onset,
+                   named_at_once=len(case.named[at]) if at is not None else 0)
+    else:
+        hit = next((s for s in steps if s >= case.onset and any(is_culprit(n, case.culprit) for n in case.named[s])),
+                   None)
+        before: list[str] = []
+        for s in steps:
+            for n in case.named[s]:
+                if s == hit and is_culprit(n, case.culprit):
+                    break
+                if not is_culprit(n, case.culprit) and n not in before:
+                    before.append(n)
+            if s == hit:
+                break
+        row.update(first=first, delay=None if hit is None else hit - case.onset, before=len(before),
+                   before_names=before[:3])
+    row["loss5"] = loss_moved(case, healthy)
+    row["leader"], row["ties"] = case.leader, case.extra.get("ties")
+    return row
+
+
+def loss_moved(case: Case, healthy: Optional[Case], rel: float = 0.05, smooth: int = 3) -> Optional[int]:
+    """Steps from the onset until the loss is 5% above the same run's without the fault (a trailing 3-step mean).
+
+    The same seed draws the same batches, so the ratio of the two losses is free of minibatch
+    noise; a non-finite loss has moved. None if it never moved.
+    """
+    if healthy is None:
+        return None
+    a, b = np.array(case.losses), np.array(healthy.losses)
+    for s in range(case.onset, min(len(a), len(b))):
+        ratio = a[max(case.onset, s - smooth + 1):s + 1] / b[max(case.onset, s - smooth + 1):s + 1]
+        if not np.isfinite(ratio).all() or ratio.mean() > 1 + rel:
+            return s - case.onset
+    return None
+
+
+def main(argv: Optional[list[str]] = None) -> list[dict[str, Any]]:
+    """Run the chosen cases and print one line per case (a markdown table)."""
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", nargs="+", default=["gpt2", "llama", "cnn", "mlp"], choices=sorted(RECIPES))
+    parser.add_argument("--faults", nargs="+", default=["healthy", *FAULTS], choices=["healthy", *FAULTS])
+    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--onset", type=int, default=100)
+    parser.add_argument("--every", type=int, default=2, help="log every this many steps")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--growth", type=float, default=GROWTH, help="the ramps' factor per step")
+    parser.add_argument("--verbose", action="store_true", help="print LayerHealth's summary of each case")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    globals()["GROWTH"] = args.growth
+    rows = []
+    print("| model | fault | first named | delay | named before culprit | loss moved 5% | flight leader (ties) | s |")
+    print("|---|---|---|---:|---:|---:|---|---:|")
+    for model in args.models:
+        healthy = run_case(model, None, args.steps, args.onset, args.every, args.seed)
+        for fault in args.faults:
+            if fault == "attn" and model not in ("gpt2", "llama", "gpt2-bf16"):
+                continue
+            case = healthy if fault == "healthy" else run_case(model, fault, args.steps, args.onset, args.every,
+                                                               args.seed)
+            row = judge_case(case, healthy)
+            rows.append(row)
+            print(format_row(row), flush=True)
+            if args.verbose:
+                print(case.summary)
+    return rows
+
+
+def format_row(row: dict[str, Any]) -> str:
+    """One markdown table line."""
+    if row["fault"] == "healthy":
+        lines = "; ".join(row["lines"]) + (" ..." if row["alarms"] > len(row["lines"]) else "")
+        found = f" (first at step {row['first_alarm']}): {lines}" if row["alarms"] else ""
+        return f"| {row['model']} | healthy | {row['alarms']} verdict lines after 10%{found} | | | | | {row['s']} |"
+    before = row.get("before")
+    said = f"{before} ({'; '.join(row['before_names'])})" if before else ("-" if before is None else "0")
+    if row["fault"] == "data":
+        said = f"{row['named_at_once']} named at once"
+    return (f"| {row['model']} | {row['fault']} | {row['first']} | {row['delay']} | {said} | {row['loss5']} | "
+            f"{row['leader']} ({row['ties']}) | {row['s']} |")
+
+
+if __name__ == "__main__":
+    main()

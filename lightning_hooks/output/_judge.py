@@ -1,0 +1,281 @@
+"""The one judge: which layer went wrong at a logged step, told apart from the layers it hurt (host-side, torch-free).
+
+LayerHealth, the Layers tab and ``AnomalyReport.diagnosis`` all call :class:`Judge`, one logged
+step at a time, with every judged figure of that step. How it decides (docs/verdicts.md):
+
+- Each row (a module's activation std, a parameter's gradient norm or update ratio) against its
+  own history, on a log scale: a robust level (the median of its last ``window`` logged values)
+  and noise (their median absolute deviation, floored), and a two-sided CUSUM of its deviation
+  from that level, so that a jump is caught at once and a slow ramp within a few points. While a
+  row drifts away its level is frozen (a ramp cannot widen its own range); a drift too slow to
+  add up to a finding within ``min_points`` points is learning, and becomes the row's level.
+- An update ratio more than ``ratio_factor`` cubed (64) times the step's median ratio is too fast
+  from the first logged step on: one param group's learning rate far above the others'. A cause
+  of its own (a fault elsewhere does not change Adam's ``lr / rms(w)``), named beside the culprit.
+- Gradient norms and update ratios are judged against their peers too: the step's median change
+  over all rows (the learning-rate schedule, the loss falling, the batch's own noise) is taken
+  out first, so no fixed band judges the recipe. Activations are judged against their own
+  history only, where a single layer's fault would move every row downstream of it.
+- Every layer at once is the batch, not a layer: the first module in forward order out (its
+  input is the batch), or every gradient moving together while no activation and no update
+  ratio singles a layer out (the labels): ``data``.
+- Culprit and victims: at a step, the first module in forward order whose outputs are out of
+  their range is named (its inputs, the modules before it, are in range); the modules after it,
+  and the gradients and update ratios of other layers, are its victims, not named. Without an
+  activation finding, the row that moved most among update ratios, then gradient norms, is
+  named. While a named layer is still out, every other layer that goes out is counted as
+  affected, not named: one cause, then its consequences.
+- Absolute rules where the physics gives a bound: a NaN or Inf; more than ``max_zero_fraction``
+  exact zeros (dead units); TransformerStability's logit, entropy and massive-activation bounds.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections import deque
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from lightning_hooks.output._health_bands import Bands
+from lightning_hooks.output._row_range import Track, judge_value
+
+#: The relative figures, each with its (up, down) problems.
+RELATIVE = {"level": ("blowup", "collapse"), "norm": ("exploding", "vanishing"), "ratio": ("too_fast", "too_slow")}
+#: The relative figures whose step's common change over all rows is taken out (peers).
+COMMON_MODE = ("norm", "ratio")
+#: The problems seen in a module's own outputs: the evidence a culprit is named from, in forward order.
+OUTPUT_PROBLEMS = ("nonfinite", "dead", "blowup", "collapse")
+#: The figures whose rows are parameters (or modules, with GradientMonitor's ``granularity="module"``).
+PARAMETER_FIGURES = ("norm", "ratio")
+#: The layer a data fault is reported on.
+EVERY_LAYER = "(every layer)"
+
+
+def layer_of(row: str, modules: Mapping[str, int]) -> str:
+    """The module a row belongs to: the row itself if it is a known module, else its name without the last part.
+
+    Module figures come first in each step, so that every watched module is known.
+    """
+    if row in modules or "." not in row:
+        return row
+    return row.rsplit(".", 1)[0]
+
+
+@dataclass
+class Finding:
+    """A row out of its range at a step: its layer, the problem, the value, and how far (log units) it moved."""
+
+    row: str
+    layer: str
+    problem: str
+    value: float
+    figure: str  # the relative figure it was judged from, "peers" (a ratio far above the others'), or the stat
+    moved: float = 0.0
+
+
+@dataclass
+class Judged:
+    """One step's judgement: the findings named, those counted as victims, and the common move by figure."""
+
+    named: list[Finding] = field(default_factory=list)
+    victims: list[Finding] = field(default_factory=list)
+
+
+class Judge:
+    """Judge each logged step's figures, layer by layer, against each layer's own history and its peers.
+
+    Args:
+        bands: The thresholds (see :class:`~lightning_hooks.output._health_bands.Bands`).
+        order: The modules in forward order, if known; else the order their rows first come in.
+    """
+
+    def __init__(self, bands: Bands, order: Sequence[str] = ()) -> None:
+        self.bands = bands
+        self.depth: dict[str, int] = {name: i for i, name in enumerate(order)}
+        self.tracks: dict[str, dict[str, Track]] = {}
+        self.last: dict[str, dict[str, float]] = {}  # by figure: each row's last finite log value
+        self.offset: dict[str, float] = {}  # by figure: the peers' common path so far (log), taken out
+        self.moves: dict[str, float] = {}  # by figure: the step's common move (log)
+        self.levels: Mapping[str, float] = {}  # the step's activation std by module
+        self.named: set[str] = set()  # layers named and still out
+        self.affected: set[str] = set()  # rows out as victims, not named while they stay out
+        self.first_entropy: dict[str, float] = {}
+
+    def step(self, figures: Mapping[str, Mapping[str, float]]) -> Judged:
+        """Judge one logged step.
+
+        Args:
+            figures: Per figure (``level``, ``norm``, ``ratio``, ``zero_fraction``, ``nonfinite`` or
+                a TransformerStability figure), each row's value at the step.
+        """
+        for figure, rows in sorted(figures.items(), key=lambda item: item[0] in PARAMETER_FIGURES):
+            for row in rows:  # a module figure's rows are modules; a parameter's belongs to its module
+                self.depth.setdefault(self._layer(figure, row), len(self.depth))
+        found: list[Finding] = []
+        self.moves, self.levels = {}, figures.get("level", {})
+        for figure, values in figures.items():
+            if figure in RELATIVE:
+                found.extend(self._relative(figure, values))
+            else:
+                found.extend(self._absolute(figure, values))
+        return self._sort(found, self._is_data(found, figures))
+
+    def _relative(self, figure: str, values: Mapping[str, float]) -> list[Finding]:
+        tracks, last = self.tracks.setdefault(figure, {}), self.last.setdefault(figure, {})
+        logs = {row: (math.log(v) if v > 0 else -math.inf) for row, v in values.items() if math.isfinite(v) and v >= 0}
+        moves = [logs[r] - last[r] for r in logs if r in last and math.isfinite(logs[r])]
+        common = statistics.median(moves) if figure in COMMON_MODE and len(moves) >= 3 else 0.0
+        self.moves[figure] = common
+        self.offset[figure] = self.offset.get(figure, 0.0) + common  # the peers' path, taken out
+        found = [Finding(row, self._layer(figure, row), "nonfinite_grad", v, figure)
+                 for row, v in values.items() if figure == "norm" and not math.isfinite(v)]
+        finite = [x for x in logs.values() if math.isfinite(x)]
+        if figure == "ratio" and len(finite) >= 3:  # far above its peers from the start: no history needed
+            typical = statistics.median(finite)
+            found += [Finding(row, self._layer(figure, row), "too_fast", values[row], "peers", x - typical)
+                      for row, x in logs.items() if x - typical > 3 * math.log(self.bands.ratio_factor)]
+        for row, x in logs.items():
+            if math.isfinite(x):
+                last[row] = x
+            track = tracks.setdefault(row, Track(deque(maxlen=self.bands.window)))
+            moved = judge_value(track, x - self.offset[figure], figure, self.bands)
+            if moved is not None:
+                up, down = RELATIVE[figure]
+                found.append(Finding(row, self._layer(figure, row), up if moved > 0 else down, values[row], figure,
+                                     moved))
+        return found
+
+    def _is_data(self, found: list[Finding], figures: Mapping[str, Mapping[str, float]]) -> bool:
+        """Every layer at once, the batch rather than a layer (see the module docstring)."""
+        levels = figures.get("level", {})
+        if len(levels) >= 3:
+            first = self._first()
+            for problem in RELATIVE["level"]:
+                side = {f.row for f in found if f.problem == problem}
+                if first in side and len(side) >= len(levels) / 2:
+                    return True
+        if len(figures.get("norm", ())) < 3 or any(f.problem in OUTPUT_PROBLEMS or f.problem == "too_fast"
+                                                   for f in found):
+            return False  # a layer's outputs or its update ratio single it out
+        # Every gradient jumped together, far beyond the batch-to-batch move they share.
+        moves = self.tracks.setdefault("common", {}).setdefault("norm", Track(deque(maxlen=self.bands.window))).logs
+        move = self.moves.get("norm", 0.0)
+        jumped = len(moves) >= self.bands.min_points and move > max(
+            math.log(self.bands.norm_factor), self.bands.cusum * 1.4826 * statistics.median(abs(m) for m in moves))
+        if not jumped:
+            moves.append(move)
+        return jumped
+
+    def _absolute(self, figure: str, values: Mapping[str, float]) -> list[Finding]:
+        b = self.bands
+        if figure == "nonfinite":
+            return [self._finding(r, "nonfinite", v, "level") for r, v in values.items() if v != 0]
+        if figure == "zero_fraction":
+            return [self._finding(r, "dead", v, "level") for r, v in values.items() if v > b.max_zero_fraction]
+        if figure == "attention_entropy":
+            for row, v in values.items():
+                if math.isfinite(v) and v > 0:
+                    self.first_entropy.setdefault(row, v)
+            return [self._finding(r, "entropy_collapse", v, figure) for r, v in values.items()
+                    if r in self.first_entropy and v < b.min_entropy_fraction * self.first_entropy[r]]
+        limit, problem = {"attention_max_logit": (b.max_attention_logit, "attention_logits"),
+                          "logit_abs_max": (b.max_output_logit, "output_logits"),
+                          "massive_ratio": (b.max_massive_ratio, "massive")}[figure]
+        return [self._finding(r, problem, v, figure) for r, v in values.items() if v > limit]
+
+    def _finding(self, row: str, problem: str, value: float, figure: str) -> Finding:
+        return Finding(row, self._layer(figure, row), problem, value, figure)
+
+    def _layer(self, figure: str, row: str) -> str:
+        return layer_of(row, self.depth) if figure in PARAMETER_FIGURES else row
+
+    def _sort(self, found: list[Finding], data: bool) -> Judged:
+        """Name the culprit, count the victims (see the module docstring)."""
+        judged = Judged()
+        self.affected &= {f.row for f in found}
+        self.named &= {f.layer for f in found}  # a named layer still out keeps its name; the rest is what it did
+        fresh = [f for f in found if f.row not in self.affected]
+        stability = [f for f in fresh if f.figure not in RELATIVE]
+        layered = [f for f in fresh if f not in stability]
+        if self.named:  # ... unless a module before every named one goes out: the cause is further up
+            top = min(self.depth.get(layer, 0) for layer in self.named)
+            upstream = [f for f in layered if f.problem in OUTPUT_PROBLEMS and self.depth.get(f.layer, 0) < top]
+            culprit = self._culprit(upstream) if upstream else None
+            judged.named = [f for f in layered if f.layer in self.named or f.layer == culprit]
+        elif layered and not data:
+            culprit = self._culprit(layered)
+            if culprit is not None and culprit == self._first() and any(
+                    f.layer == culprit and f.problem in OUTPUT_PROBLEMS for f in layered):
+                data = True  # the first module's inputs are the batch
+            elif culprit is not None:
+                if all(f.layer != culprit for f in layered):  # leaning, not yet out: named for the move it leads
+                    problem = next(f.problem for f in layered if f.problem in RELATIVE["level"])
+                    layered.append(Finding(culprit, culprit, problem, self.levels[culprit], "level",
+                                           self.tracks["level"][culprit].deviation))
+                judged.named = [f for f in layered if f.layer == culprit]
+        if data and not self.named:
+            judged.named = [Finding(EVERY_LAYER, EVERY_LAYER, "data", len(found), "level")]
+        judged.victims = [f for f in layered if f not in judged.named]
+        judged.named = list({(f.row, f.problem): f for f in [*judged.named, *stability]}.values())
+        self.named |= {f.layer for f in judged.named if f.layer != EVERY_LAYER}
+        self.affected |= {f.row for f in judged.victims}
+        return judged
+
+    def _first(self) -> str | None:
+        """The first module in forward order whose outputs are judged."""
+        return min(self.levels, key=lambda row: self.depth.get(row, 0)) if self.levels else None
+
+    def _culprit(self, fresh: list[Finding]) -> str | None:
+        outputs = [f for f in fresh if f.problem in OUTPUT_PROBLEMS]
+        if outputs:
+            first = min(outputs, key=lambda f: self.depth.get(f.layer, 0))
+            return self._leaning(first) or first.layer
+        for figure in ("ratio", "norm"):
+            rows = [f for f in fresh if f.figure == figure]
+            if rows:
+                return max(rows, key=lambda f: abs(f.moved)).layer
+        return None
+
+    def usual(self, figure: str, row: str) -> float | None:
+        """A row's usual value of a relative figure (its level, with the peers' path put back), or None."""
+        track = self.tracks.get(figure, {}).get(row)
+        if track is None or len(track.logs) < self.bands.min_points:
+            return None
+        return math.exp(statistics.median(track.logs) + self.offset.get(figure, 0.0))
+
+    def _leaning(self, first: Finding) -> str | None:
+        """The first module before ``first`` already leaning out the same way, or None.
+
+        A ramp crosses its victims' ranges in any order, its own not always first.
+        """
+        if first.problem not in RELATIVE["level"]:
+            return None
+        up = first.problem == RELATIVE["level"][0]
+        # Half the way out already, and half as far as ``first``: the same move, not a drift of its own.
+        least = max(math.log(self.bands.level_factor) / 2, abs(first.moved) / 2)
+        leaning = [row for row, track in self.tracks.get("level", {}).items()
+                   if self.depth.get(row, 0) < self.depth.get(first.layer, 0) and row in self.levels
+                   and (track.deviation > least and track.up if up else track.deviation < -least and track.down)]
+        return min(leaning, key=lambda row: self.depth.get(row, 0)) if leaning else None
+
+    def state_dict(self) -> dict[str, Any]:
+        """The judge's memory, as plain values."""
+        return {"depth": dict(self.depth), "last": {f: dict(v) for f, v in self.last.items()},
+                "offset": dict(self.offset),
+                "tracks": {f: {r: [list(t.logs), t.up, t.down, t.frozen, t.worst, list(t.held), t.deviation]
+                               for r, t in rows.items()} for f, rows in self.tracks.items()},
+                "named": sorted(self.named), "affected": sorted(self.affected),
+                "first_entropy": dict(self.first_entropy)}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore :meth:`state_dict`."""
+        self.depth = dict(state["depth"])
+        self.last = {f: dict(v) for f, v in state["last"].items()}
+        self.offset = dict(state["offset"])
+        self.tracks = {f: {r: Track(deque(t[0], maxlen=self.bands.window), up=t[1], down=t[2], frozen=t[3], worst=t[4],
+                                    held=deque(t[5], maxlen=64), deviation=t[6]) for r, t in rows.items()}
+                       for f, rows in state["tracks"].items()}
+        self.named, self.affected = set(state["named"]), set(state["affected"])
+        self.first_entropy = dict(state["first_entropy"])

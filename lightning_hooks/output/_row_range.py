@@ -1,0 +1,117 @@
+"""One row's usual range on a log scale, and whether a new value is out of it (host-side, torch-free).
+
+The per-row half of :mod:`lightning_hooks.output._judge` (docs/verdicts.md): a robust level and
+trend from the row's last ``window`` values, its noise, and a two-sided CUSUM of the deviation
+beyond that range in units of the noise. While the row leans out its values are held back from
+its range, so that a ramp cannot widen it.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Optional
+
+from lightning_hooks.output._health_bands import Bands
+
+#: The least noise (log units) of each relative figure: 5% for outputs, 25% for gradients, 10% for ratios.
+MIN_NOISE = {"level": math.log(1.05), "norm": math.log(1.25), "ratio": math.log(1.1)}
+
+
+@dataclass
+class Track:
+    """One row's history on a log scale and its CUSUM sums; ``frozen`` counts the points its level is held."""
+
+    logs: deque[float]
+    up: float = 0.0
+    down: float = 0.0
+    frozen: int = 0
+    worst: float = 0.0
+    held: deque[float] = field(default_factory=lambda: deque(maxlen=64))
+    deviation: float = 0.0
+
+
+def usual_range(logs: Sequence[float]) -> tuple[float, float, float, float]:
+    """A row's usual range from its history (log values, oldest first): level, slope, lag and noise.
+
+    The level is the median of the newer half, ``lag`` points behind the next point; the slope,
+    per point, the move from the older half's median to the newer half's; the noise, the median
+    absolute deviation of the points from that line (times 1.4826: a standard deviation for
+    Gaussian noise).
+    """
+    values = list(logs)
+    half = len(values) // 2
+    old, new = statistics.median(values[:half]), statistics.median(values[half:])
+    slope = (new - old) / max(1, len(values) - half)
+    centre = (len(values) + half - 1) / 2  # where the newer half's median sits
+    noise = 1.4826 * statistics.median(abs(v - new - slope * (i - centre)) for i, v in enumerate(values))
+    return new, slope, len(values) - centre, noise
+
+
+def judge_value(track: Track, x: float, figure: str, bands: Bands) -> Optional[float]:
+    """Add one log value to a row's track; its deviation from its range if that is a finding, else None.
+
+    A finding needs the CUSUM past ``bands.cusum`` noises, and the deviation past the figure's
+    factor up (its square down). Values seen while the row leans out are held back from its
+    level: let in if it comes back or the drift never adds up to a finding, or as its new level
+    if it drifted just past its range and settled there (learning); a row that went out by a step
+    stays out until it comes back.
+    """
+    if len(track.logs) < bands.min_points:
+        if math.isfinite(x):
+            track.logs.append(x)
+        return None
+    floor = math.log(getattr(bands, f"{figure}_factor"))
+    deviation, noise = _deviation(track, x, figure, floor)
+    if deviation is None:
+        return None
+    track.deviation = deviation
+    track.up = max(0.0, track.up + deviation - noise)
+    track.down = max(0.0, track.down - deviation - noise)
+    leaning = bool(track.up or track.down)
+    if max(track.up, track.down) > bands.cusum * noise and (deviation > floor or deviation < -2 * floor):
+        track.frozen += 1
+        if abs(deviation) > abs(track.worst) + max(noise, floor):  # still moving away
+            track.worst, track.frozen = deviation, 0
+        track.held.append(x)
+        if track.frozen < bands.min_points or abs(track.worst) > 2 * floor:
+            return deviation
+        track.logs = deque(track.held, maxlen=bands.window)  # settled: learning, at a new level
+    elif leaning:
+        track.held.append(x)
+        track.frozen += 1
+        if track.frozen < bands.min_points:
+            return None
+        track.logs.extend(track.held)  # a drift too slow to add up: the level follows it
+    else:
+        track.logs.extend(track.held)
+        track.logs.append(x)
+    _settle(track, bands.window)
+    return None
+
+
+def _deviation(track: Track, x: float, figure: str, floor: float) -> tuple[Optional[float], float]:
+    """How far (log) ``x`` is beyond the row's range (its flat level and its own trend carried on), and its noise.
+
+    None while the row is still learning fast on its own and ``x`` is not a step away: its own
+    history cannot judge it, and ``x`` joins it.
+    """
+    level, slope, lag, noise = usual_range(track.logs)
+    ahead = level + slope * (lag + len(track.held))  # the row's own trend, carried on to this point
+    if abs(ahead - level) > floor / 2 and not (track.up or track.down) and abs(x - level) < 2 * floor:
+        track.logs.append(x)
+        return None, noise
+    if not math.isfinite(x):
+        return -math.inf, max(noise, MIN_NOISE[figure])
+    return max(0.0, x - max(level, ahead)) + min(0.0, x - min(level, ahead)), max(noise, MIN_NOISE[figure])
+
+
+def _settle(track: Track, window: int) -> None:
+    """The row is in range again (or has a new level): its held values join its history, its sums restart."""
+    track.logs = deque((v for v in track.logs if math.isfinite(v)), maxlen=window)
+    track.held.clear()
+    track.up = track.down = track.worst = 0.0
+    track.frozen = 0

@@ -1,0 +1,52 @@
+"""The fault zoo's goals, on a representative subset: the culprit named first, at once or before the loss moved.
+
+Each case trains a small real model with the package's monitors and LayerHealth (see
+``benchmarks/fault_zoo.py``); the whole zoo is ``python benchmarks/fault_zoo.py``.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.fault_zoo import judge_case, run_case  # noqa: E402
+
+STEPS, ONSET, EVERY = 200, 100, 2
+ABRUPT = ("jump", "dead", "vanish", "lr100", "nan")
+
+
+@pytest.fixture(scope="module")
+def healthy() -> dict:
+    return {model: run_case(model, None, STEPS, ONSET, EVERY) for model in ("mlp", "gpt2")}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model", ["mlp", "gpt2"])
+def test_a_healthy_recipe_gets_no_verdict_after_the_first_tenth(healthy, model):
+    row = judge_case(healthy[model], None)
+    assert row["alarms"] == 0, row["lines"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model, fault", [("mlp", "jump"), ("mlp", "nan"), ("mlp", "lr100"), ("cnn", "vanish"),
+                                          ("cnn", "dead"), ("gpt2", "ramp"), ("gpt2", "dead")])
+def test_the_culprit_is_named_first_and_nobody_before_it(healthy, model, fault):
+    case = run_case(model, fault, STEPS, ONSET, EVERY)
+    row = judge_case(case, healthy.get(model))
+    assert row["before"] == 0, row["before_names"]
+    assert row["first"].startswith(case.culprit), row
+    if fault in ABRUPT:
+        assert row["delay"] < EVERY  # the first logged step after the onset
+    else:
+        assert row["delay"] is not None and (row["loss5"] is None or row["delay"] < row["loss5"]), row
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model", ["mlp", "gpt2"])
+def test_a_bad_batch_is_every_layer_at_once_not_one_layer(healthy, model):
+    row = judge_case(run_case(model, "data", STEPS, ONSET, EVERY), healthy[model])
+    assert row["first"] == "(every layer) (data)" and row["delay"] < EVERY and row["named_at_once"] == 1
