@@ -52,15 +52,17 @@ def test_the_diagnosis_names_layer_signal_since_when_how_far_and_what_helps_with
 
 
 def test_units_dead_from_the_start_point_at_the_init_and_units_that_died_later_at_the_learning_rate():
-    verdicts = Verdicts(Bands())
+    born, died = Verdicts(Bands()), Verdicts(Bands())  # one run each: a layer behind a dead one is its victim
     for step, later in enumerate([0.1, 0.2, 0.95, 1.0]):
-        verdicts.add("zero_fraction", step * 10, {"net.1": 1.0, "net.3": later})
-    lines = diagnose(verdicts, top_k=5, groups={"net.3": "param group 0 (lr 0.5)"}).splitlines()
-    born = lines.index("  net.1: dead units since step 0, worst 1, 1.25x the bound 0.8")
-    died = lines.index("  net.3: dead units since step 20, worst 1, 1.25x the bound 0.8; it was 0.1 at step 0")
-    assert lines[born + 1].startswith("    - look at the initialisation and the bias")
-    assert "learning rate is not the cause" in lines[born + 1]
-    assert lines[died + 1].startswith("    - a lower learning rate of param group 0 (lr 0.5), which holds net.3")
+        born.add("zero_fraction", step * 10, {"net.1": 1.0, "net.3": 0.1})
+        died.add("zero_fraction", step * 10, {"net.1": 0.1, "net.3": later})
+    lines = diagnose(born, top_k=5).splitlines()
+    at = lines.index("  net.1: dead units since step 0, worst 1, 1.25x the bound 0.8")
+    assert lines[at + 1].startswith("    - look at the initialisation and the bias")
+    assert "learning rate is not the cause" in lines[at + 1]
+    lines = diagnose(died, top_k=5, groups={"net.3": "param group 0 (lr 0.5)"}).splitlines()
+    at = lines.index("  net.3: dead units since step 20, worst 1, 1.25x the bound 0.8; it was 0.1 at step 0")
+    assert lines[at + 1].startswith("    - a lower learning rate of param group 0 (lr 0.5), which holds net.3")
 
 
 def test_the_record_survives_a_checkpoint_and_the_episode_goes_on():
