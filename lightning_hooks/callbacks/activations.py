@@ -205,8 +205,9 @@ class ActivationMonitor(HookCallback):
         self._tag_cache, self._edges = {}, histogram_edges(self.bins).tolist()
         self._nonfinite_seen = set()
         grads = [GRAD_PREFIX] if self._grad_names("train") else []
-        for prefix in [_PREFIXES[stage] for stage in self.stages] + grads:
-            log_layout(trainer, self._charts(prefix), trainer.global_step)
+        charts = {category: chart for prefix in [_PREFIXES[stage] for stage in self.stages] + grads
+                  for category, chart in self._charts(prefix).items()}
+        log_layout(trainer, charts, trainer.global_step)  # one layout event, every category
 
     def _grad_names(self, stage: str) -> list[str]:
         """The gradient rows of ``stage``'s block (training only): one per module, after the others."""
