@@ -207,8 +207,8 @@ class Judge:
         elif layered and not data:
             culprit = self._culprit(layered)
             if culprit is not None and culprit == self._first() and any(
-                    f.layer == culprit and f.problem in OUTPUT_PROBLEMS for f in layered):
-                data = True  # the first module's inputs are the batch
+                    f.layer == culprit and f.problem in RELATIVE["level"] for f in layered):
+                data = True  # the first module's inputs are the batch (its outputs moved; dead or NaN is its own)
             elif culprit is not None:
                 if all(f.layer != culprit for f in layered):  # leaning, not yet out: named for the move it leads
                     problem = next(f.problem for f in layered if f.problem in RELATIVE["level"])
