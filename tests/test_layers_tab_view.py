@@ -88,6 +88,34 @@ def test_the_strip_puts_the_faulty_run_first_and_its_banner_names_the_culprit_fi
     assert filtered == ["a_healthy"]
 
 
+@needs_chromium
+def test_on_a_fault_zoo_run_the_strip_and_the_banners_first_line_name_the_injected_module(tmp_path):
+    import torch
+    from lightning.pytorch.loggers import TensorBoardLogger
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    from benchmarks.fault_zoo import judge_case, run_case
+
+    torch.set_num_threads(1)
+    cases = {run: run_case("mlp", fault, 200, 100, 2, logger=TensorBoardLogger(tmp_path, name="", version=run))
+             for run, fault in (("a_healthy", None), ("b_jump", "jump"))}  # x20 at once in the MLP's middle Linear
+    culprit = cases["b_jump"].culprit
+    with tensorboard(tmp_path, tmp_path / "tensorboard.log", load_fast="true") as base:
+        for run in cases:
+            wait_for_run(base, run, 100)
+        with devtools(tab_url(base)) as tools:
+            strip = tools.evaluate("""[...document.querySelectorAll('.lh-strip-row')].map((r) =>
+                [r.dataset.run, r.dataset.rank, r.dataset.culprit, r.innerText])""")
+            line = tools.evaluate("""(li => [li.dataset.layer, li.dataset.verdict, li.innerText])
+                (document.querySelector('[data-run="b_jump"] .lh-banner li'))""")
+            healthy = tools.evaluate("document.querySelector('[data-run=\"a_healthy\"] .lh-banner').dataset.healthy")
+    assert culprit == "model.4" and judge_case(cases["b_jump"], None)["first"] == f"{culprit} (blowup)"  # LayerHealth
+    assert strip[0][:3] == ["b_jump", "1", culprit] and "outputs blowing up" in strip[0][3], strip
+    assert strip[1][:3] == ["a_healthy", "3", ""], strip
+    assert line[:2] == [culprit, "blowup"] and line[2].startswith(f"{culprit} — outputs blowing up"), line
+    assert healthy == "true"
+
+
 def test_the_text_tab_lists_no_data_written_for_the_layers_tab(tmp_path):
     import numpy as np
     from torch.utils.tensorboard import SummaryWriter
