@@ -97,23 +97,26 @@ def test_on_a_fault_zoo_run_the_strip_and_the_banners_first_line_name_the_inject
     from benchmarks.fault_zoo import judge_case, run_case
 
     torch.set_num_threads(1)
+    faults = {"a_healthy": None, "b_jump": "jump", "c_dead": "dead"}  # x20 at once, or 0, in the MLP's middle Linear
     cases = {run: run_case("mlp", fault, 200, 100, 2, logger=TensorBoardLogger(tmp_path, name="", version=run))
-             for run, fault in (("a_healthy", None), ("b_jump", "jump"))}  # x20 at once in the MLP's middle Linear
-    culprit = cases["b_jump"].culprit
+             for run, fault in faults.items()}
     with tensorboard(tmp_path, tmp_path / "tensorboard.log", load_fast="true") as base:
         for run in cases:
             wait_for_run(base, run, 100)
         with devtools(tab_url(base)) as tools:
             strip = tools.evaluate("""[...document.querySelectorAll('.lh-strip-row')].map((r) =>
                 [r.dataset.run, r.dataset.rank, r.dataset.culprit, r.innerText])""")
-            line = tools.evaluate("""(li => [li.dataset.layer, li.dataset.verdict, li.innerText])
-                (document.querySelector('[data-run="b_jump"] .lh-banner li'))""")
-            healthy = tools.evaluate("document.querySelector('[data-run=\"a_healthy\"] .lh-banner').dataset.healthy")
-    assert culprit == "model.4" and judge_case(cases["b_jump"], None)["first"] == f"{culprit} (blowup)"  # LayerHealth
-    assert strip[0][:3] == ["b_jump", "1", culprit] and "outputs blowing up" in strip[0][3], strip
-    assert strip[1][:3] == ["a_healthy", "3", ""], strip
-    assert line[:2] == [culprit, "blowup"] and line[2].startswith(f"{culprit} — outputs blowing up"), line
-    assert healthy == "true"
+            first_lines = tools.evaluate("""[...document.querySelectorAll('#lh-runs > .lh-card')].map((c) =>
+                (li => li ? [c.dataset.run, `${li.dataset.layer} (${li.dataset.verdict})`, li.innerText]
+                          : [c.dataset.run])(c.querySelector('.lh-banner li')))""")
+    culprit = cases["b_jump"].culprit
+    assert culprit == cases["c_dead"].culprit == "model.4"
+    # The faulty runs lead the strip, each naming the injected module; the healthy twin comes last, unmarked.
+    assert sorted(row[:3] for row in strip[:2]) == [["b_jump", "1", culprit], ["c_dead", "1", culprit]], strip
+    assert strip[2][:3] == ["a_healthy", "3", ""] and first_lines[2] == ["a_healthy"], (strip, first_lines)
+    for run, named, text in first_lines[:2]:  # the banner's first line: LayerHealth's first (layer and problem)
+        assert named == judge_case(cases[run], None)["first"] and text.startswith(f"{culprit} — "), (run, named)
+    assert "outputs blowing up" in dict((row[0], row[3]) for row in strip)["b_jump"]
 
 
 def test_the_text_tab_lists_no_data_written_for_the_layers_tab(tmp_path):

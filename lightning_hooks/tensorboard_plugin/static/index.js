@@ -151,7 +151,7 @@ function controls(data) {
   pick.value = base;
   pick.onchange = () => { state.baseline[data.run] = pick.value; state.focus = data.run; saveURL(); redrawRun(data.run); };
   const legend = el("div", {class: "lh-legend"}, [pick, " Marked cells:"]);
-  legend.append(el("span", {style: `border-color:${MARK_COLOURS.dead}`}), "too high / dead / non-finite",
+  legend.append(el("span", {style: `border-color:${MARK_COLOURS.dead}`}), "too high / dead / non-finite / bad batch",
                 el("span", {style: `border-color:${MARK_COLOURS.vanishing}`}), "too low",
                 el("span", {style: `border-color:${NONFINITE};background:${NONFINITE}`}), "NaN / Inf",
                 ` · rows in ${data.forward_order ? "forward (recorded) order" : "module name order"};`
