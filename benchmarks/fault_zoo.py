@@ -31,6 +31,7 @@ from typing import Any, Optional
 import lightning.pytorch as pl
 import numpy as np
 import torch
+from lightning.pytorch.loggers import Logger
 from torch import Tensor, nn
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -164,15 +165,19 @@ class Case:
 
 
 def run_case(model: str, fault: Optional[str], steps: int, onset: int, every: int, seed: int = 0,
-             flight: int = 30) -> Case:
-    """Train one case and return what the verdicts said at each step."""
+             flight: int = 30, logger: Optional[Logger] = None) -> Case:
+    """Train one case and return what the verdicts said at each step.
+
+    ``logger`` (say a ``TensorBoardLogger``) receives the monitors' figures and the loss, for the
+    Layers tab; by default nothing is written.
+    """
     recipe = RECIPES[model]
     start = time.perf_counter()
     lit = Lit(recipe, fault, onset, steps, seed, every)
     health = LayerHealth()
     probe = Probe(health)
     callbacks = [ActivationMonitor(histogram=False), GradientMonitor(histogram=False, update_ratio=True), health, probe]
-    trainer = pl.Trainer(max_steps=steps, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+    trainer = pl.Trainer(max_steps=steps, logger=logger or False, enable_checkpointing=False, enable_progress_bar=False,
                          enable_model_summary=False, log_every_n_steps=every, callbacks=callbacks,
                          precision=recipe.precision, accelerator="cpu", devices=1, num_sanity_val_steps=0)
     with warnings.catch_warnings():

@@ -8,6 +8,7 @@ from lightning_hooks.output._health_verdicts import Bands
 from lightning_hooks.tensorboard_plugin.flight_records import parse_record
 from lightning_hooks.tensorboard_plugin.run_data import Figure
 from lightning_hooks.tensorboard_plugin.scales import HIGH_END, LOW_END, colour_scale
+from lightning_hooks.tensorboard_plugin.verdicts import banner, judge
 
 GOOD = {"step": 5, "steps": [4, 5], "losses": [1.0, "NaN"], "layers": ["a", "b"], "norms": [[1.0, 2.0], [1.0, None]],
         "usual": [[1.0, 1.5], None], "onsets": [["a", 5]], "leader": "a", "lead": 0}
@@ -51,3 +52,22 @@ def test_judged_figures_are_anchored_to_their_band_and_unjudged_ones_get_none():
     assert colour_scale(figure("activations", "std", [[1.0, 2.0]]), bands) is None
     assert colour_scale(figure("gradients", "norm", [[1.0, 2.0]]), bands) is None  # judged per layer's history
     assert colour_scale(figure("updates", "log10_ratio", [[-3.0, -3.1]]), bands) is None  # against history and peers
+
+
+def test_a_bad_batch_is_one_banner_line_for_every_layer_as_layerhealth_names_it():
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    steps = list(range(0, 60, 2))
+    level = 1.0 + 0.02 * rng.standard_normal((4, len(steps)))
+    level[:, steps.index(40):] *= 30.0  # the batch goes bad: every layer's outputs x30 at once
+    std = Figure("activations/std", "", "activations", "std", ["l0", "l1", "l2", "l3"], steps, level.tolist())
+    lines = banner(judge([std], Bands()), Bands())
+    assert [(b["layer"], b["verdict"], b["value"]) for b in lines] == [("(every layer)", "data", 4)]
+    assert 40 <= lines[0]["since"] <= 50  # named within a few logged steps of the bad batch
+    assert lines[0]["layers"] == ["l0", "l1", "l2", "l3"] and lines[0]["problem"].startswith("every layer at once")
+    jumped = level.copy()
+    jumped[[0, 1, 3]] = 1.0 + 0.02 * rng.standard_normal((3, len(steps)))  # only l2 jumps: a layer, not the batch
+    lines = banner(judge([Figure(**{**vars(std), "values": jumped.tolist()})], Bands()), Bands())
+    assert [(b["layer"], b["verdict"]) for b in lines] == [("l2", "blowup")] and "layers" not in lines[0]
+    assert lines[0]["order"] == list(Bands().titles()).index("blowup")

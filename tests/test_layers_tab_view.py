@@ -88,6 +88,37 @@ def test_the_strip_puts_the_faulty_run_first_and_its_banner_names_the_culprit_fi
     assert filtered == ["a_healthy"]
 
 
+@needs_chromium
+def test_on_a_fault_zoo_run_the_strip_and_the_banners_first_line_name_the_injected_module(tmp_path):
+    import torch
+    from lightning.pytorch.loggers import TensorBoardLogger
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    from benchmarks.fault_zoo import judge_case, run_case
+
+    torch.set_num_threads(1)
+    faults = {"a_healthy": None, "b_jump": "jump", "c_dead": "dead"}  # x20 at once, or 0, in the MLP's middle Linear
+    cases = {run: run_case("mlp", fault, 200, 100, 2, logger=TensorBoardLogger(tmp_path, name="", version=run))
+             for run, fault in faults.items()}
+    with tensorboard(tmp_path, tmp_path / "tensorboard.log", load_fast="true") as base:
+        for run in cases:
+            wait_for_run(base, run, 100)
+        with devtools(tab_url(base)) as tools:
+            strip = tools.evaluate("""[...document.querySelectorAll('.lh-strip-row')].map((r) =>
+                [r.dataset.run, r.dataset.rank, r.dataset.culprit, r.innerText])""")
+            first_lines = tools.evaluate("""[...document.querySelectorAll('#lh-runs > .lh-card')].map((c) =>
+                (li => li ? [c.dataset.run, `${li.dataset.layer} (${li.dataset.verdict})`, li.innerText]
+                          : [c.dataset.run])(c.querySelector('.lh-banner li')))""")
+    culprit = cases["b_jump"].culprit
+    assert culprit == cases["c_dead"].culprit == "model.4"
+    # The faulty runs lead the strip, each naming the injected module; the healthy twin comes last, unmarked.
+    assert sorted(row[:3] for row in strip[:2]) == [["b_jump", "1", culprit], ["c_dead", "1", culprit]], strip
+    assert strip[2][:3] == ["a_healthy", "3", ""] and first_lines[2] == ["a_healthy"], (strip, first_lines)
+    for run, named, text in first_lines[:2]:  # the banner's first line: LayerHealth's first (layer and problem)
+        assert named == judge_case(cases[run], None)["first"] and text.startswith(f"{culprit} — "), (run, named)
+    assert "outputs blowing up" in dict((row[0], row[3]) for row in strip)["b_jump"]
+
+
 def test_the_text_tab_lists_no_data_written_for_the_layers_tab(tmp_path):
     import numpy as np
     from torch.utils.tensorboard import SummaryWriter

@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from typing import Any, Optional
 
 from lightning_hooks.output._health_verdicts import JUDGED, STABILITY_BANDS, Bands, _figure_of
-from lightning_hooks.output._judge import Judge
+from lightning_hooks.output._judge import EVERY_LAYER, Judge
 from lightning_hooks.tensorboard_plugin.run_data import Figure
 
 #: The query parameters, each a field of :class:`Bands` (the band's two ends apart), with its type.
@@ -101,9 +101,13 @@ def banner(judged: list[tuple[Figure, Marks]], bands: Bands) -> list[dict[str, A
     """The layers unhealthy at their last logged step: each problem, its figure, and since which step.
 
     "Since" is the first step of the unbroken stretch of marked cells that reaches the layer's
-    last logged point (LayerHealth's episode). An empty list means the run looks healthy now.
+    last logged point (LayerHealth's episode); ``order`` is the problem's place in LayerHealth's
+    order (its tie-break). A bad batch is one item, as LayerHealth names it: the row
+    ``(every layer)``, its ``layers`` and their count as its value. An empty list means the run
+    looks healthy now.
     """
     titles = bands.titles()
+    order = {problem: i for i, problem in enumerate(titles)}
     found = []
     for figure, marks in judged:
         marked = {(row, col): verdict for row, col, verdict in marks}
@@ -117,5 +121,17 @@ def banner(judged: list[tuple[Figure, Marks]], bands: Bands) -> list[dict[str, A
                     break
                 since = col
             found.append({"layer": name, "figure": figure.key, "verdict": verdict, "problem": titles[verdict],
-                          "since": figure.steps[since], "value": figure.values[row][logged[-1]]})
-    return found
+                          "since": figure.steps[since], "value": figure.values[row][logged[-1]],
+                          "order": order[verdict]})
+    return _the_batch_as_one(found)
+
+
+def _the_batch_as_one(found: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The banner's ``data`` items (every layer out at once) folded into one, named as LayerHealth names it."""
+    batch = [item for item in found if item["verdict"] == "data"]
+    if not batch:
+        return found
+    layers = list(dict.fromkeys(item["layer"] for item in batch))
+    one = {**batch[0], "layer": EVERY_LAYER, "since": min(item["since"] for item in batch), "value": len(layers),
+           "layers": layers}
+    return [one, *(item for item in found if item["verdict"] != "data")]

@@ -151,7 +151,7 @@ function controls(data) {
   pick.value = base;
   pick.onchange = () => { state.baseline[data.run] = pick.value; state.focus = data.run; saveURL(); redrawRun(data.run); };
   const legend = el("div", {class: "lh-legend"}, [pick, " Marked cells:"]);
-  legend.append(el("span", {style: `border-color:${MARK_COLOURS.dead}`}), "too high / dead / non-finite",
+  legend.append(el("span", {style: `border-color:${MARK_COLOURS.dead}`}), "too high / dead / non-finite / bad batch",
                 el("span", {style: `border-color:${MARK_COLOURS.vanishing}`}), "too low",
                 el("span", {style: `border-color:${NONFINITE};background:${NONFINITE}`}), "NaN / Inf",
                 ` · rows in ${data.forward_order ? "forward (recorded) order" : "module name order"};`
@@ -170,7 +170,8 @@ function figureView(data, figure) {
   const title = `${figure.prefix ? figure.prefix + "-" : ""}${figure.kind} · ${TITLES[figure.stat] || figure.stat}`;
   const shownValues = baseRun ? ratioValues(figure, values, base) : values;
   const scale = baseRun ? centredLogScale(shownValues, 10, 1000) : colourScale(values, figure.stat, figure.scale);
-  if (!baseRun && !figure.scale) scale.stated = `${figure.judged ? "judged against each layer's own history, no fixed band" : "not judged"}: ${scale.stated}`;
+  const peers = ["norm", "ratio"].includes(figure.judged) ? " and the other layers'" : "";  // as the judge's headings say
+  if (!baseRun && !figure.scale) scale.stated = `${figure.judged ? `judged against each layer's own history${peers}, no fixed band` : "not judged"}: ${scale.stated}`;
   if (baseRun) scale.stated = base ? `÷ ${baseRun} at the same step and layer: the middle colour is equal, yellow higher, purple lower (log)`
     : `${baseRun} has no ${figure.key}`;
   box.append(el("h3", {}, baseRun ? `${title} ÷ ${baseRun}` : title),

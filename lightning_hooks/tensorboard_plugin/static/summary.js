@@ -5,8 +5,9 @@ import {el, fmt, num} from "./heatmap.js";
 
 export const BANNER_LINES = 5;
 
-// The banner's lines, one per layer and problem, the first culprit first: a line the verdicts call a culprit,
-// then the earliest "since", then forward order (the first figure's rows, then any other figure's).
+// The banner's lines, one per layer and problem, the first culprit first, in LayerHealth's order: the earliest
+// "since", then the problem (its `order`), then forward order (the first figure's rows, then any other figure's).
+// A bad batch is one line, "(every layer)", holding its layers.
 export function bannerLines(data) {
   const position = new Map();
   for (const figure of data.figures) for (const row of figure.rows) if (!position.has(row)) position.set(row, position.size);
@@ -16,11 +17,12 @@ export function bannerLines(data) {
     if (!lines.has(key)) lines.set(key, {...item, seen: []});
     const line = lines.get(key);
     line.since = Math.min(line.since, item.since);
-    line.culprit = line.culprit || Boolean(item.culprit);
-    line.seen.push(`${item.figure} = ${fmt(num(item.value))}`);
+    line.seen.push(item.layers ? `${item.layers.length} layers out together in ${item.figure}`
+                               : `${item.figure} = ${fmt(num(item.value))}`);
   }
   const at = (layer) => (position.has(layer) ? position.get(layer) : position.size);
-  return [...lines.values()].sort((a, b) => (b.culprit - a.culprit) || (a.since - b.since) || (at(a.layer) - at(b.layer)));
+  return [...lines.values()].sort((a, b) => (a.since - b.since) || ((a.order ?? 99) - (b.order ?? 99))
+                                             || (at(a.layer) - at(b.layer)));
 }
 
 // A run's status, for the strip and the card order: 0 could not be read, 1 unhealthy, 2 anomalies only, 3 healthy, 4 no figures.
@@ -64,7 +66,7 @@ export function bannerOf(data, open, onToggle) {
     return el("div", {class: "lh-banner healthy", "data-healthy": "true"},
               "Looks healthy: no layer is outside its healthy band at its last logged step.");
   }
-  const layers = [...new Set(lines.map((b) => b.layer))];
+  const layers = [...new Set(lines.flatMap((b) => b.layers || [b.layer]))];
   const box = el("div", {class: "lh-banner unhealthy", "data-healthy": "false", "data-layers": layers.join(",")},
                  `${layers.length} layer${layers.length > 1 ? "s" : ""} unhealthy now, the first culprit first:`);
   const list = el("ul");
