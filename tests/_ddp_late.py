@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import os
 import sys
-from typing import Any
+from typing import Any, Callable
 
 import lightning as L
 
@@ -23,9 +23,13 @@ from tests.helpers import loader  # noqa: E402
 
 
 class Transfers(L.Callback):
-    """Where each of the step's transfers was started and read: (global step, or "end") pairs."""
+    """Where each of the step's transfers was started and read: (global step, or "end") pairs.
 
-    def __init__(self) -> None:
+    ``patch`` sets the counting wrappers on ``HostTransfer``: ``setattr`` in a process of its own,
+    pytest's ``monkeypatch.setattr`` in a test (undone after it).
+    """
+
+    def __init__(self, patch: Callable[[Any, str, Any], None] = setattr) -> None:
         self.now: Any = None
         self.started: dict[int, Any] = {}
         self.reads: list[tuple[Any, Any]] = []
@@ -39,8 +43,8 @@ class Transfers(L.Callback):
             self.reads.append((self.started[id(transfer)], self.now))
             return read(transfer, *args, **kwargs)
 
-        _rank_agreement.HostTransfer.__init__ = counted_start  # type: ignore[method-assign]
-        _rank_agreement.HostTransfer.read = counted_read  # type: ignore[method-assign]
+        patch(_rank_agreement.HostTransfer, "__init__", counted_start)
+        patch(_rank_agreement.HostTransfer, "read", counted_read)
 
     def on_train_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
         self.now = trainer.global_step

@@ -10,7 +10,6 @@ that was bad; ``skip``, ``rollback``, ``act_late=False`` and a logged step read 
 from __future__ import annotations
 
 import logging
-from typing import Any
 
 import lightning as L
 import pytest
@@ -18,40 +17,13 @@ import torch
 from lightning.pytorch.loggers import CSVLogger
 
 from lightning_hooks import GradientAnomalyError, GradientAnomalyStopping, GradientMonitor
-from lightning_hooks.distributed import _rank_agreement
+from tests._ddp_late import Transfers
 from tests.grad_helpers import GradNet
 from tests.helpers import csv_metrics, loader, run_ddp, trainer
 
 
-class Transfers(L.Callback):
-    """Where each of the step's transfers was started and read: (global step, or "end") pairs."""
-
-    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
-        self.now: Any = None
-        self.started: dict[int, Any] = {}
-        self.reads: list[tuple[Any, Any]] = []
-        start, read = _rank_agreement.HostTransfer.__init__, _rank_agreement.HostTransfer.read
-
-        def counted_start(transfer: Any, *args: Any, **kwargs: Any) -> None:
-            self.started[id(transfer)] = self.now
-            start(transfer, *args, **kwargs)
-
-        def counted_read(transfer: Any, *args: Any, **kwargs: Any) -> Any:
-            self.reads.append((self.started[id(transfer)], self.now))
-            return read(transfer, *args, **kwargs)
-
-        monkeypatch.setattr(_rank_agreement.HostTransfer, "__init__", counted_start)
-        monkeypatch.setattr(_rank_agreement.HostTransfer, "read", counted_read)
-
-    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        self.now = trainer.global_step
-
-    def on_train_end(self, trainer, pl_module):
-        self.now = "end"
-
-
 def run(tmp_path, monkeypatch, callbacks, model=GradNet, steps=6, **kwargs):
-    transfers = Transfers(monkeypatch)  # first: it marks the end before the others' on_train_end
+    transfers = Transfers(monkeypatch.setattr)  # first: it marks the end before the others' on_train_end
     torch.manual_seed(0)
     fit = trainer(tmp_path, [transfers, *callbacks], max_steps=steps, **kwargs)
     fit.fit(model(), loader())
