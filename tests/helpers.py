@@ -48,6 +48,23 @@ class TinyNet(L.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=self.lr)
 
 
+class ManualOptimization:
+    """Mixin: the LightningModule it comes before steps by hand (``zero_grad``, ``manual_backward``, ``step``).
+
+    The loss is what the next class's ``training_step`` returns, e.g. ``class Manual(ManualOptimization, TinyNet)``.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.automatic_optimization = False
+
+    def training_step(self, batch: Any, batch_idx: int) -> None:
+        optimizer = self.optimizers()
+        optimizer.zero_grad()
+        self.manual_backward(super().training_step(batch, batch_idx))
+        optimizer.step()
+
+
 def loader(n: int = 64, batch_size: int = 8, seed: int = 0) -> DataLoader:
     """A deterministic regression loader over ``n`` samples of 8 features."""
     gen = torch.Generator().manual_seed(seed)

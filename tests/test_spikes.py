@@ -18,7 +18,7 @@ from lightning_hooks.callbacks._base import log_step
 from lightning_hooks.distributed import _rank_agreement
 from lightning_hooks.measure.spikes import SpikeWindows, robust_zscore
 from tests.grad_helpers import GradNet
-from tests.helpers import csv_metrics, loader, run_ddp, trainer
+from tests.helpers import ManualOptimization, csv_metrics, loader, run_ddp, trainer
 from tests.test_examples import run_example
 
 SPIKE = 40  # the step the planted spike comes at
@@ -35,18 +35,8 @@ class RampNet(GradNet):
         return grad * 3.0 ** (self.global_step - SPIKE + 1) if self.global_step >= SPIKE else grad
 
 
-class ManualNet(GradNet):
+class ManualNet(ManualOptimization, GradNet):
     """GradNet with manual optimization: ``manual_backward`` then ``step``; the loss x1000 at ``spike_steps``."""
-
-    def __init__(self, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-        self.automatic_optimization = False
-
-    def training_step(self, batch: Any, batch_idx: int) -> None:
-        optimizer = self.optimizers()
-        optimizer.zero_grad()
-        self.manual_backward(super().training_step(batch, batch_idx))
-        optimizer.step()
 
 
 class LossNet(GradNet):

@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 import pytest
 import torch
 from lightning.pytorch.callbacks import BackboneFinetuning
 from lightning.pytorch.plugins import MixedPrecision
 
 from lightning_hooks import GradientAnomalyStopping, UpdateTransform
-from tests.helpers import loader, trainer
+from tests.helpers import ManualOptimization, loader, trainer
 from tests.test_lbfgs import LBFGSNet, StepStarts
 from tests.update_helpers import BackboneHead, NaNAtStep, Updates, data, fit, largest_difference
 
@@ -80,16 +78,8 @@ def test_an_lbfgs_step_dropped_at_its_second_closure_call_is_undone_whole(tmp_pa
     assert not all(torch.equal(a, b) for a, b in zip(starts.params[2], starts.params[3]))  # and trains on
 
 
-class Manual(BackboneHead):
-    def __init__(self, backbone_lr: float = 1.0) -> None:
-        super().__init__("adamw", backbone_lr)
-        self.automatic_optimization = False
-
-    def training_step(self, batch: Any, batch_idx: int) -> None:
-        optimizer = self.optimizers()
-        optimizer.zero_grad()
-        self.manual_backward(super().training_step(batch, batch_idx))
-        optimizer.step()
+class Manual(ManualOptimization, BackboneHead):
+    """BackboneHead (AdamW) with manual optimization."""
 
 
 def test_manual_optimization_gets_its_steps_scaled(tmp_path):
