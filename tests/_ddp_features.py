@@ -16,6 +16,8 @@ from lightning_hooks.callbacks.features import FeatureExtractor  # noqa: E402
 
 
 class Encoder(L.LightningModule):
+    """Linear -> ReLU -> Linear on 4 features, for predict (also used by tests/_killed_features.py)."""
+
     def __init__(self) -> None:
         super().__init__()
         self.encoder = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3))

@@ -18,6 +18,7 @@ from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_hooks.callbacks.features import FeatureExtractor, iter_features, load_features
+from tests._ddp_features import Encoder as PredictEncoder
 
 HERE = Path(__file__).parent
 TRAINER = dict(
@@ -311,8 +312,9 @@ def test_ddp_rows_come_back_in_dataset_order_with_ids(tmp_path: Path) -> None:
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     saved = torch.load(tmp_path / "inputs.pt")
-    layer = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3))
-    layer.load_state_dict({k.removeprefix("encoder."): v for k, v in saved["state"].items()})
+    model = PredictEncoder()
+    model.load_state_dict(saved["state"])
+    layer = model.encoder
     folder = tmp_path / "features" / "predict"
     # 30 samples shuffled over 2 ranks: 15 each, 4 batches a rank, 2 batches a shard.
     assert shard_names(folder) == ["manifest.json"] + [f"rank{r}-shard{k:05d}.safetensors" for r in (0, 1)
