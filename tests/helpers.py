@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import glob
 import json
@@ -10,7 +11,7 @@ import signal
 import subprocess
 import sys
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 from unittest import mock
 
@@ -123,6 +124,22 @@ def forward_hook_count(model: nn.Module) -> int:
     return sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules())
 
 
+class HookCounter(L.Callback):
+    """The forward hooks on the model at the start of every training and validation batch."""
+
+    def __init__(self) -> None:
+        self.train: list[int] = []
+        self.val: list[int] = []
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any,
+                             batch_idx: int) -> None:
+        self.train.append(forward_hook_count(pl_module))
+
+    def on_validation_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any,
+                                  batch_idx: int, dataloader_idx: int = 0) -> None:
+        self.val.append(forward_hook_count(pl_module))
+
+
 def counted(obj: Any, name: str, calls: Counter) -> Any:
     """A patch of ``obj.name`` that counts its calls in ``calls[name]`` and still makes them."""
     original = getattr(obj, name)
@@ -132,6 +149,16 @@ def counted(obj: Any, name: str, calls: Counter) -> Any:
         return original(*args, **kwargs)
 
     return mock.patch.object(obj, name, wrapper)
+
+
+@contextlib.contextmanager
+def host_transfers() -> Iterator[Counter]:
+    """Inside the block, ``Tensor.cpu``, ``.item`` and ``.tolist`` counted by name (and still made)."""
+    calls: Counter = Counter()
+    with contextlib.ExitStack() as stack:
+        for name in ("cpu", "item", "tolist"):
+            stack.enter_context(counted(torch.Tensor, name, calls))
+        yield calls
 
 
 def run_ddp(script: str, out_dir: Any, timeout: float) -> list[dict[str, Any]]:

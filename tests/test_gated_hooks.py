@@ -20,21 +20,7 @@ from torch import nn
 
 from lightning_hooks import STAT_NAMES, ActivationMonitor, TransformerStability
 from lightning_hooks.core._torch_internals import is_compiled
-from tests.helpers import TinyNet, forward_hook_count, loader, trainer
-
-
-class HookCounter(L.Callback):
-    """The forward hooks on the model at each training and validation batch, and at each backward."""
-
-    def __init__(self) -> None:
-        self.train: list[int] = []
-        self.val: list[int] = []
-
-    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        self.train.append(forward_hook_count(pl_module))
-
-    def on_validation_batch_start(self, trainer, pl_module, batch, batch_idx, dataloader_idx=0):
-        self.val.append(forward_hook_count(pl_module))
+from tests.helpers import HookCounter, TinyNet, forward_hook_count, loader, trainer
 
 
 class AlwaysOn(ActivationMonitor):

@@ -21,7 +21,7 @@ from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from torch import nn
 
 from lightning_hooks import STAT_NAMES, ActivationMonitor, GradientMonitor
-from tests.helpers import events, forward_hook_count, trainer
+from tests.helpers import HookCounter, events, forward_hook_count, trainer
 from tests.zoo import (
     ZOO_SILENT,
     BasicBlock,
@@ -76,20 +76,6 @@ class Recorder:
 
     def stages(self) -> set[str]:
         return {s for s, _, _ in self.seen}
-
-
-class HookCounter(L.Callback):
-    """Counts the forward hooks on the model at every training and validation batch."""
-
-    def __init__(self) -> None:
-        self.train: list[int] = []
-        self.val: list[int] = []
-
-    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        self.train.append(forward_hook_count(pl_module))
-
-    def on_validation_batch_start(self, trainer, pl_module, batch, batch_idx, dataloader_idx=0):
-        self.val.append(forward_hook_count(pl_module))
 
 
 # ---------------------------------------------------------------- odd outputs, repeated calls

@@ -19,7 +19,7 @@ from torch import nn
 from lightning_hooks import ActivationMonitor, GradientMonitor, LayerHealth
 from lightning_hooks.output._health_plots import heatmap_figure, image_size, to_rgb
 from lightning_hooks.output.figures import HistogramBlock
-from tests.helpers import TinyNet, events, loader, trainer
+from tests.helpers import TinyNet, events, host_transfers, loader, trainer
 
 HEATMAP, PROFILE = "health/activation_histograms", "health/depth_profile"
 PROFILES = [f"{PROFILE}/{name}" for name in ("activation_std", "zero_fraction", "gradient_norm", "update_ratio")]
@@ -142,19 +142,14 @@ def test_the_summary_names_the_dead_layer_first_in_tensorboard_and_on_the_consol
     assert "net.1" in text.tensor_proto.string_val[0].decode()
 
 
-def test_it_adds_no_host_transfer_and_no_device_work(tmp_path, monkeypatch):
+def test_it_adds_no_host_transfer_and_no_device_work(tmp_path):
     def counted(with_health: bool) -> Counter:
-        calls: Counter = Counter()
-        for name in ("cpu", "item", "tolist"):
-            original = getattr(torch.Tensor, name)
-            monkeypatch.setattr(torch.Tensor, name, lambda self, *a, _n=name, _o=original, **k: (
-                calls.update([_n]), _o(self, *a, **k))[1])
         callbacks = [ActivationMonitor(), GradientMonitor(update_ratio=True)]
         torch.manual_seed(0)
         logger = TensorBoardLogger(tmp_path, name=str(with_health))
-        trainer(tmp_path, [*callbacks, *([LayerHealth(image_every_n_steps=1)] if with_health else [])],
-                logger=logger, max_steps=4).fit(TinyNet(), loader())
-        monkeypatch.undo()
+        with host_transfers() as calls:
+            trainer(tmp_path, [*callbacks, *([LayerHealth(image_every_n_steps=1)] if with_health else [])],
+                    logger=logger, max_steps=4).fit(TinyNet(), loader())
         return calls
 
     assert counted(True) == counted(False)

@@ -16,7 +16,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from lightning_hooks import TransformerStability
 from lightning_hooks.measure._attention import Sample, attention_row, logit_row, massive_row
 from lightning_hooks.tensorboard_plugin.run_data import TAG
-from tests.helpers import events, forward_hook_count, trainer
+from tests.helpers import events, forward_hook_count, host_transfers, trainer
 
 VOCAB, CONTEXT, WIDTH, HEADS = 32, 12, 16, 4
 ALL = dict(sample_sequences=64, sample_heads=64, sample_queries=64)  # read every row: exact comparisons
@@ -230,14 +230,9 @@ def test_one_host_transfer_per_logged_step_and_no_work_on_other_steps(tmp_path, 
     rows: list[int] = []
 
     def counted(callbacks: list[Any]) -> Counter:
-        calls: Counter = Counter()
-        for name in ("cpu", "item", "tolist"):
-            original = getattr(torch.Tensor, name)
-            monkeypatch.setattr(torch.Tensor, name, lambda self, *a, _n=name, _o=original, **k: (
-                calls.update([_n]), _o(self, *a, **k))[1])
         model = Decoder(SdpaAttention)
-        trainer(tmp_path, callbacks, logger=False, max_steps=6).fit(model, token_loader(24))
-        monkeypatch.undo()
+        with host_transfers() as calls:
+            trainer(tmp_path, callbacks, logger=False, max_steps=6).fit(model, token_loader(24))
         assert forward_hook_count(model) == 0
         return calls
 
