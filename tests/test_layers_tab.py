@@ -19,29 +19,25 @@ import torch
 from torch import nn
 
 from lightning_hooks import ActivationMonitor, GradientMonitor
-from tests.compat_helpers import net, package_trainer
-from tests.helpers import loader
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
-
-from layers_tab import (  # noqa: E402
+from tests.browser import (
     DEAD,
     PLUGIN,
     browse,
-    chromium,
     devtools,
     get,
+    needs_chromium,
     tab_url,
     tensorboard,
     wait_for,
     wait_for_run,
     write_synthetic_run,
 )
+from tests.compat_helpers import net, package_trainer
+from tests.helpers import loader
 
 pytestmark = pytest.mark.slow  # a tensorboard server and headless Chromium
 
 ROOT = Path(__file__).resolve().parent.parent
-needs_chromium = pytest.mark.skipif(chromium() is None, reason="chromium is not installed (apt-get install chromium)")
 
 
 class DeadMLP(lp.LightningModule):

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import sys
 import urllib.request
 from pathlib import Path
 from typing import Any
@@ -13,14 +12,10 @@ import pytest
 from lightning.pytorch.loggers import TensorBoardLogger
 
 from lightning_hooks import GradientAnomalyStopping
+from tests.browser import PLUGIN, devtools, get, needs_chromium, tab_url, tensorboard, wait_for
 from tests.test_spikes import SPIKE, TRIGGER, RampNet, fit
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
-
-from layers_tab import PLUGIN, chromium, devtools, get, tab_url, tensorboard, wait_for  # noqa: E402
-
 pytestmark = pytest.mark.slow  # a tensorboard server and headless Chromium
-needs_chromium = pytest.mark.skipif(chromium() is None, reason="chromium is not installed (apt-get install chromium)")
 RUN = "guarded/version_0"
 
 

@@ -10,13 +10,11 @@ from typing import Any
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
-
-from layers_tab import (  # noqa: E402
+from tests.browser import (
     DEAD,
-    chromium,
     devtools,
     get,
+    needs_chromium,
     tab_url,
     tensorboard,
     wait_for,
@@ -25,7 +23,6 @@ from layers_tab import (  # noqa: E402
 )
 
 pytestmark = pytest.mark.slow  # a tensorboard server and headless Chromium
-needs_chromium = pytest.mark.skipif(chromium() is None, reason="chromium is not installed (apt-get install chromium)")
 
 
 def write_healthy_run(run_dir: Path, steps: int) -> None:

@@ -7,7 +7,6 @@ import json
 import math
 import re
 import struct
-import sys
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -22,12 +21,9 @@ from torch import nn
 
 from lightning_hooks import STAT_NAMES, ActivationMonitor, GradientMonitor, LayerHealth
 from lightning_hooks.output._health_plots import image_size
+from tests.browser import tensorboard, wait_for
 from tests.helpers import events, trainer
 from tests.zoo import F, LitNet
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
-
-from layers_tab import tensorboard, wait_for  # noqa: E402
 
 pytestmark = pytest.mark.slow  # each starts a real TensorBoard server
 
