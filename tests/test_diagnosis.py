@@ -59,7 +59,7 @@ def test_units_dead_from_the_start_point_at_the_init_and_units_that_died_later_a
     lines = diagnose(born, top_k=5).splitlines()
     at = lines.index("  net.1: dead units since step 0, worst 1, 1.25x the bound 0.8")
     assert lines[at + 1].startswith("    - look at the initialisation and the bias")
-    assert "learning rate is not the cause" in lines[at + 1]
+    assert "a lower learning rate does not revive" in lines[at + 1]
     lines = diagnose(died, top_k=5, groups={"net.3": "param group 0 (lr 0.5)"}).splitlines()
     at = lines.index("  net.3: dead units since step 20, worst 1, 1.25x the bound 0.8; it was 0.1 at step 0")
     assert lines[at + 1].startswith("    - a lower learning rate of param group 0 (lr 0.5), which holds net.3")

@@ -14,52 +14,67 @@ from collections.abc import Mapping, Sequence
 from lightning_hooks.output._health_verdicts import FIGURE_PROBLEMS, Bands, Episode, Verdicts
 
 _LOWER_LR = ("lower the learning rate{group}",
-             "these instabilities appear above a critical learning rate and go away below it"
-             " (Wortsman et al. 2023, small-scale proxies for large-scale instabilities)")
+             "every update is proportional to the learning rate (SGD, Adam and AdamW alike), so a lower one makes"
+             " every step smaller")
+_LOWER_LR_LOGITS = ("lower the learning rate{group}",
+                    "these logit instabilities appear above a critical learning rate and go away below it"
+                    " (Wortsman et al. 2023, small-scale proxies for large-scale instabilities)")
 _WARMUP = ("a longer learning-rate warm-up",
-           "warm-up keeps the learning rate low while the logits first grow, and widens the range of stable"
-           " learning rates (Wortsman et al. 2023)")
+           "warm-up keeps the steps small while Adam's moment estimates rest on few gradients (Liu et al. 2020),"
+           " and widens the range of learning rates that train stably (Wortsman et al. 2023)")
 _QK_NORM = ("QK-norm: a LayerNorm or RMSNorm on q and k before their product",
             "it bounds the attention logits by construction, and removed this instability in ViT-22B"
             " (Dehghani et al. 2023) and at high learning rates (Wortsman et al. 2023)")
 _CLIP = ("gradient clipping, e.g. Trainer(gradient_clip_val=1.0)",
-         "it caps the step a gradient spike can take; transformer recipes clip at 1.0 (GPT-3, PaLM)")
+         "it caps the gradients' norm before the optimizer uses them, so one spike can neither take a step far"
+         " beyond the usual (SGD) nor swamp the moment estimates (Adam); GPT-3 and PaLM clip at 1.0")
+_PROVENANCE = ("find where it began: with provenance=True, GradientMonitor's or GradientAnomalyStopping's AnomalyReport"
+               " names the first module, in forward order, whose outputs held a NaN or an Inf, and the parameters"
+               " in the order backward made them non-finite",
+               "a NaN or an Inf spreads to everything computed from it; provenance checks every step, not only"
+               " the logged ones, so it finds the step and the place where it began")
 
-#: What usually helps, per problem: (remedy, the evidence it rests on).
+#: What usually helps, per problem: (remedy, why it helps or what it rests on).
 REMEDIES: dict[str, tuple[tuple[str, str], ...]] = {
-    "attention_logits": (_QK_NORM, _LOWER_LR, _WARMUP),
-    "entropy_collapse": (_QK_NORM, _LOWER_LR,
+    "attention_logits": (_QK_NORM, _LOWER_LR_LOGITS, _WARMUP),
+    "entropy_collapse": (_QK_NORM, _LOWER_LR_LOGITS,
                          ("σReparam: spectral normalisation of the attention's linear layers",
                           "Zhai et al. 2023 show it prevents attention entropy collapse"), _WARMUP),
     "output_logits": (("z-loss: add 1e-4 * logsumexp(logits)**2 to the loss",
                        "it keeps log Z near 0; PaLM used it for stability (Chowdhery et al. 2022) and it removes"
-                       " output logit divergence (Wortsman et al. 2023)"), _LOWER_LR),
+                       " output logit divergence (Wortsman et al. 2023)"), _LOWER_LR_LOGITS),
     "massive": (("keep the residual stream in float32, or give attention an explicit sink (a learned bias or"
                  " key)", "massive activations act as attention sinks and are common in trained LLMs"
                  " (Sun et al. 2024); they hurt mostly in low precision"),),
     "data": (("look at the batch of that step: its inputs, labels, padding and loss mask; skip or fix it",
-              "every layer moved at once, the first one too, so the cause came in with the batch, not from a layer"),),
-    "blowup": (("look at this layer first (its inputs were in range, its outputs were not): its weights, its learning"
-                " rate, what feeds its norm or its residual add", "the layers before it were in their usual range"),
+              "every layer moved at once, the first one too (or every gradient at once, as bad labels make"
+              " them), so the cause came in with the batch, not from a layer"),),
+    "blowup": (("look at this layer first: its weights, its learning rate, what feeds its norm or its residual add",
+                "its outputs left their usual range while the layers before it, its inputs, stayed in theirs"),
                _CLIP, _LOWER_LR),
-    "collapse": (("look at this layer's weights and its learning rate: its outputs shrank while its inputs did not",
-                  "a layer whose weights collapse cuts the signal, and the gradient, of everything after it"),),
+    "collapse": (("look at this layer's weights and its learning rate",
+                  "its outputs shrank while the layers before it, its inputs, did not; a layer whose outputs"
+                  " collapse cuts the signal of every layer after it and the gradient of every layer before it"),),
     "exploding": (_CLIP, _LOWER_LR, _WARMUP),
-    "vanishing": (("look at the layers in front of it: a dead or saturated layer cuts the gradient off",
-                   "its gradient fell against its own history while the other layers' did not"),),
+    "vanishing": (("look at the layers between it and the loss: a dead or saturated layer there cuts its gradient"
+                   " off", "its gradient fell against its own history while the other layers' did not"),),
     "dead": (("a lower learning rate{group} or a longer warm-up, or a leaky activation (LeakyReLU, GELU)",
-              "the units fired at first: a large step pushed them below zero, and under ReLU they never fire"
-              " again"),),
+              "the units fired at first and stopped in training (a large step can push a unit's inputs below zero"
+              " for every sample); a unit that never fires gets no gradient through its ReLU to bring it back"),),
     "dead_at_init": (("look at the initialisation and the bias of the layer in front: weights or a bias that"
                       " put every pre-activation below zero; re-initialise, or use a leaky activation (LeakyReLU,"
-                      " GELU)", "the units gave zeros from the first logged step, before any update: the learning"
-                      " rate is not the cause"),),
-    "too_fast": (_LOWER_LR, _CLIP),
+                      " GELU)", "the units gave zeros from the first logged step on, never firing: a lower"
+                      " learning rate does not revive a unit dead from the start"),),
+    "too_fast": (_LOWER_LR,
+                 ("cap this layer's updates against its weights with UpdateTransform's max_ratio",
+                  "it bounds each update's norm against the weights' norm after the optimizer made it, for any"
+                  " optimizer; clipping the gradient does not under Adam, which divides the gradient's scale away")),
     "too_slow": (("raise the learning rate{group}", "its update ratio fell against its own history while the"
                                                     " other layers' did not"),),
-    "nonfinite": (("find the first module that made it: GradientMonitor's AnomalyReport names it", _CLIP[1]),
-                  _LOWER_LR),
-    "nonfinite_grad": (_CLIP, _LOWER_LR),
+    "nonfinite": (_PROVENANCE, _LOWER_LR),
+    "nonfinite_grad": (("drop such steps: GradientAnomalyStopping(action=\"skip\")",
+                        "an update from a NaN or an Inf gradient puts NaN into the weights (and Adam's moments) for"
+                        " good; clipping cannot mend it, as the norm of a NaN is NaN"), _PROVENANCE, _LOWER_LR),
 }
 
 #: The figure each problem is judged from.
