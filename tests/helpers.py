@@ -49,7 +49,7 @@ class TinyNet(L.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=self.lr)
 
 
-class ManualOptimization:
+class ManualOptimization(L.LightningModule):
     """Mixin: the LightningModule it comes before steps by hand (``zero_grad``, ``manual_backward``, ``step``).
 
     The loss is what the next class's ``training_step`` returns, e.g. ``class Manual(ManualOptimization, TinyNet)``.
