@@ -258,10 +258,12 @@ def write_synthetic_run(run_dir: Path, modules: int = 200, steps: int = 300) -> 
     from torch.utils.tensorboard import SummaryWriter
     from torch.utils.tensorboard.summary import histogram_raw
 
+    from lightning_hooks.output._plugin_data import FORWARD_ORDER_TAG, plugin_data_summary
+
     names = module_names(modules)
     writer = SummaryWriter(str(run_dir))
     events = writer._get_file_writer()
-    writer.add_text("layers/forward_order", json.dumps(names), 0)
+    events.add_summary(plugin_data_summary(FORWARD_ORDER_TAG, json.dumps(names)), 0)
     edges = [-(10.0 ** e) for e in range(2, -4, -1)] + [0.0] + [10.0 ** e for e in range(-3, 3)]
     for step in range(steps):
         values = []

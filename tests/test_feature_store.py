@@ -147,15 +147,6 @@ def test_float16_halves_the_disk(tmp_path: Path) -> None:
     assert 0.5 < sizes[1] / sizes[0] < 0.55  # 5 x 8 values a row, and one int64 id
 
 
-def test_a_set_in_the_unreleased_pt_layout_is_named(tmp_path: Path) -> None:
-    old = tmp_path / "predict" / "encoder.2"
-    old.mkdir(parents=True)
-    torch.save(torch.zeros(4, 3), old / "rank0-shard00000.pt")
-    with pytest.raises(FileNotFoundError, match=r"the .pt layout of an unreleased development version, which is"
-                                                 r" no longer read; run the stage again"):
-        load_features(tmp_path, "encoder.2")
-
-
 @pytest.fixture
 def small_disk(tmp_path: Path) -> Iterator[Path]:
     """A 64 KiB tmpfs (root only: skipped elsewhere)."""

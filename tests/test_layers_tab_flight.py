@@ -99,6 +99,7 @@ def test_a_big_models_flight_record_draws_the_layers_that_left_first_and_says_ho
     from torch.utils.tensorboard import SummaryWriter
 
     from lightning_hooks.callbacks._flight_recorder import analyse, record_json
+    from lightning_hooks.output._plugin_data import FLIGHT_RECORD_TAG, plugin_data_summary
 
     steps, layers = list(range(20, 40)), [f"blocks.{i}.mlp" for i in range(60)]
     norms = np.ones((20, 60)) * (1 + 0.05 * np.sin(np.arange(20)))[:, None]
@@ -107,7 +108,8 @@ def test_a_big_models_flight_record_draws_the_layers_that_left_first_and_says_ho
     record = analyse(39, steps, np.linspace(2.0, 1.0, 20), norms, [f"{layer}.weight" for layer in layers])
     with SummaryWriter(str(tmp_path / "big")) as writer:
         writer.add_text("anomalies/report", "Gradient anomaly at step 39: grad_norm_spike", 39)
-        writer.add_text("anomalies/flight_record_data", json.dumps(record_json(record)), 39)
+        entry = plugin_data_summary(FLIGHT_RECORD_TAG, json.dumps(record_json(record)))
+        writer._get_file_writer().add_summary(entry, 39)
     with tensorboard(tmp_path, tmp_path / "tensorboard.log") as base:
         wait_for(lambda: get(base, "runs")["runs"] == ["big"] and get(base, "run", run="big")["anomalies"], 120, "big")
         with devtools(tab_url(base)) as tools:

@@ -43,7 +43,7 @@ OPTIONAL_COUNTS = [
 @pytest.mark.parametrize(("callback", "flag"), FLAGS)
 @pytest.mark.parametrize("value", [1, "yes", None])
 def test_a_flag_that_is_not_a_bool_is_a_type_error_everywhere(callback, flag, value):
-    """`check_finite` used to raise ValueError where every other flag raised TypeError."""
+    """Every flag, `check_finite` included, raises TypeError for a value that is not a bool."""
     with pytest.raises(TypeError, match=rf"^`{flag}` must be a bool, got {value!r} \(\w+\): pass {flag}=True or"):
         callback(**{flag: value})
 

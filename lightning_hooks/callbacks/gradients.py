@@ -355,7 +355,7 @@ class GradientMonitor(GradientCheck):
         return {"anomalies": self._anomalies, **self._state()}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore what :meth:`state_dict` returned (keys it no longer writes are ignored)."""
+        """Restore what :meth:`state_dict` returned."""
         self._anomalies = int(state_dict["anomalies"])
         self._load_state(state_dict)
 

@@ -271,7 +271,7 @@ class TransformerStability(HookCallback):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore the verdicts of :meth:`state_dict`."""
         self._verdicts.load_state_dict(state_dict["verdicts"])
-        self._groups = dict(state_dict.get("groups", {}))
+        self._groups = dict(state_dict["groups"])
 
 
 def _warn_no_attention(logits: list[str]) -> None:

@@ -12,7 +12,7 @@ from torch import Tensor
 from lightning_hooks.core._validation import check_choice
 from lightning_hooks.core.selection import close_matches
 from lightning_hooks.output._feature_reader import StageIndex, iter_shards, read_index
-from lightning_hooks.output._feature_store import Stage, stage_dir
+from lightning_hooks.output._feature_store import Stage
 
 #: Keys of (dataloader, sample id) pairs: dataloader * _LOADER + id.
 _LOADER = 2**40
@@ -204,9 +204,6 @@ def _not_saved_message(index: StageIndex, dirpath: Union[str, os.PathLike], stag
         reason = f": it returns a structured output, whose tensors are saved as {inside}; load one of those."
     elif layer in watched:
         reason = f": it was watched, but no output of it was saved{which} (the module was never called)."
-    elif (stage_dir(dirpath, stage) / layer).is_dir():
-        reason = (": the folder holds features in the .pt layout of an unreleased development version, which is"
-                  " no longer read; run the stage again.")
     else:
         close = close_matches(layer, saved)
         reason = "." + (f" Did you mean: {', '.join(repr(c) for c in close)}?" if close else "")

@@ -9,8 +9,7 @@ the text ``anomalies/report``, and the tab's own data (summaries of its plugin, 
 does not list: :mod:`lightning_hooks.output._plugin_data`): ``anomalies/flight_record_data``
 (GradientAnomalyStopping's flight record, one JSON object: see
 ``lightning_hooks.callbacks._flight_recorder.record_json``), ``layers/forward_order`` and
-``layers/unjudged_ratios``. Runs written before the tab had its own summaries hold these as text;
-they are read too.
+``layers/unjudged_ratios``.
 """
 
 from __future__ import annotations
@@ -35,8 +34,6 @@ TAG = re.compile(r"^(?:(?P<prefix>.+)-)?(?P<kind>activations|val_activations|act
 ANOMALY_TAG = re.compile(r"^(?:(?P<prefix>.+)-)?anomalies/(?P<flag>[^/]+)$")
 #: The text tag (TensorBoard's text plugin adds ``/text_summary``) of anomaly reports.
 REPORT_TAG = "anomalies/report/text_summary"
-#: The tab's own data (the plugin's summaries); older runs hold each as text under ``<tag>/text_summary``.
-DATA_TAGS = (FLIGHT_RECORD_TAG, FORWARD_ORDER_TAG, UNJUDGED_RATIOS_TAG)
 #: Names under a kind that are not layers.
 NOT_LAYERS = frozenset({"total_norm"})
 #: Statistics that are not drawn: bookkeeping, or the same figure as another (``ratio`` is ``log10_ratio``).
@@ -133,9 +130,8 @@ class RunReader:
         """
         listing = self._data.list_scalars(self._ctx, experiment_id=self._experiment, plugin_name="scalars")
         counts = {run: sum(1 for tag in tags if _is_layer_tag(tag)) for run, tags in listing.items()}
-        texts = self._data.list_tensors(
-            self._ctx, experiment_id=self._experiment, plugin_name="text",
-            run_tag_filter=provider.RunTagFilter(tags=[REPORT_TAG, _as_text(FLIGHT_RECORD_TAG)]))
+        texts = self._data.list_tensors(self._ctx, experiment_id=self._experiment, plugin_name="text",
+                                        run_tag_filter=provider.RunTagFilter(tags=[REPORT_TAG]))
         own = self._data.list_tensors(self._ctx, experiment_id=self._experiment, plugin_name=PLUGIN_NAME,
                                       run_tag_filter=provider.RunTagFilter(tags=[FLIGHT_RECORD_TAG]))
         reported = {run for found in (texts, own) for run, tags in found.items() if tags}
@@ -248,8 +244,8 @@ class RunReader:
         return found.get(run, {})
 
     def _own_data(self, run: str, tag: str) -> dict[int, str]:
-        """The tab's own entries logged under ``tag``, by step; an older run's text entries under that name."""
-        return self._texts(run, tag, PLUGIN_NAME) or self._texts(run, _as_text(tag))
+        """The tab's own entries logged under ``tag`` (summaries of its plugin), by step."""
+        return self._texts(run, tag, PLUGIN_NAME)
 
     def _texts(self, run: str, tag: str, plugin: str = "text") -> dict[int, str]:
         """The string entries logged under ``tag`` for ``plugin``, by step."""
@@ -261,11 +257,6 @@ class RunReader:
             value = point.numpy.item() if point.numpy.size == 1 else b"\n".join(point.numpy.ravel().tolist())
             texts[point.step] = value.decode("utf-8", "replace") if isinstance(value, bytes) else str(value)
         return texts
-
-
-def _as_text(tag: str) -> str:
-    """The tag TensorBoard's text plugin gives a text entry written under ``tag``."""
-    return f"{tag}/text_summary"
 
 
 def _record_or_error(found: Union[dict[str, Any], str, None]) -> tuple[Optional[dict[str, Any]], str]:
