@@ -17,7 +17,6 @@ from typing import Any, Optional
 
 from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.loggers.logger import rank_zero_experiment
-from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from tensorboard.compat.proto.event_pb2 import Event, SessionLog
 from torch.utils.tensorboard import SummaryWriter
 from torch.utils.tensorboard.writer import FileWriter
@@ -48,7 +47,6 @@ class FastTensorBoardLogger(TensorBoardLogger):
         """The run's ``SummaryWriter`` (made at first use, rank zero only), over the package's event file."""
         if self._experiment is not None or "://" in str(self.log_dir):
             return super().experiment
-        assert rank_zero_only.rank == 0, "tried to init log dirs in non global_rank=0"
         if self.root_dir:
             self._fs.makedirs(self.root_dir, exist_ok=True)
         self._experiment = FastSummaryWriter(log_dir=self.log_dir, **self._kwargs)
@@ -64,14 +62,13 @@ class FastSummaryWriter(SummaryWriter):
     def _get_file_writer(self) -> FileWriter:
         """The file writer, a new one after ``close()`` (torch's ``_get_file_writer``, over our file)."""
         if self.all_writers is None or self.file_writer is None:
-            self.file_writer = FastFileWriter(self.log_dir, self.max_queue, self.flush_secs, self.filename_suffix)
-            self.all_writers = {self.file_writer.get_logdir(): self.file_writer}
+            writer = FastFileWriter(self.log_dir, self.max_queue, self.flush_secs, self.filename_suffix)
+            self.file_writer, self.all_writers = writer, {writer.get_logdir(): writer}  # type: ignore[assignment]
             if self.purge_step is not None:  # as torch's: a restart at this step hides what came after it
-                self.file_writer.add_event(Event(step=self.purge_step, file_version="brain.Event:2"))
-                self.file_writer.add_event(Event(step=self.purge_step,
-                                                 session_log=SessionLog(status=SessionLog.START)))
+                writer.add_event(Event(step=self.purge_step, file_version="brain.Event:2"))
+                writer.add_event(Event(step=self.purge_step, session_log=SessionLog(status=SessionLog.START)))
                 self.purge_step = None
-        return self.file_writer
+        return self.file_writer  # type: ignore[return-value]
 
     def write_event_bytes(self, event: bytes) -> None:
         """Write an ``Event`` given as its wire bytes (reopening the file after ``close()``, as ``add_*`` do)."""
