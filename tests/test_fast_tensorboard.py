@@ -167,3 +167,17 @@ def test_the_event_file_hands_a_write_error_to_the_callers_thread(tmp_path):
     assert _writer_threads() == []
     with pytest.raises(TypeError, match="expected an Event.*got bytes"):
         events_file.add_event(b"")
+
+
+def test_purge_step_hides_what_a_resumed_run_writes_again_as_torchs_writer_does(tmp_path):
+    first = FastTensorBoardLogger(tmp_path, name="", version=0)
+    for step in range(6):
+        first.experiment.add_scalar("x", float(step), step)
+    first.finalize("success")
+    resumed = FastTensorBoardLogger(tmp_path, name="", version=0, purge_step=3)  # torch's SummaryWriter argument
+    for step in (3, 4):
+        resumed.experiment.add_scalar("x", 10.0 + step, step)
+    resumed.finalize("success")
+
+    assert [(s.step, s.value) for s in events(first.log_dir).Scalars("x")] == [
+        (0, 0.0), (1, 1.0), (2, 2.0), (3, 13.0), (4, 14.0)]
