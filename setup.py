@@ -1,7 +1,8 @@
-"""Build the optional native statistics kernel; everything else is in pyproject.toml.
+"""Build the optional native extensions; everything else is in pyproject.toml.
 
-Optional: where it cannot be compiled (no C compiler or Python headers) the package installs
-without it and uses the tensor-op statistics kernel, which gives the same figures.
+Both are optional: where they cannot be compiled (no C compiler or Python headers) the package
+installs without them and uses the tensor-op statistics kernel, which gives the same figures,
+and the numpy CRC-32C of TensorBoard's records, which gives the same checksums.
 """
 
 import sys
@@ -18,6 +19,12 @@ setup(
             depends=["lightning_hooks/measure/_cstats_passes.h"],
             extra_compile_args=["-O3", *threads],
             extra_link_args=threads,
+            optional=True,
+        ),
+        Extension(
+            "lightning_hooks.output._crc32c_native",
+            sources=["lightning_hooks/output/_crc32c_native.c"],
+            extra_compile_args=["-O3"],
             optional=True,
         ),
     ]

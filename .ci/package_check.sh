@@ -19,7 +19,8 @@ sdist=("$work"/dist/*.tar.gz) wheel=("$work"/dist/*.whl)
 # The sdist: the license and every test helper the tests import; no compiled kernel.
 listing="$(tar -tzf "${sdist[0]}")"
 for needed in LICENSE tests/helpers.py tests/grad_helpers.py tests/zoo.py tests/_ddp_activations.py \
-              examples/quickstart.py lightning_hooks/measure/_cstats.c lightning_hooks/measure/_cstats_passes.h; do
+              examples/quickstart.py lightning_hooks/measure/_cstats.c lightning_hooks/measure/_cstats_passes.h \
+              lightning_hooks/output/_crc32c_native.c; do
     grep -q "/$needed\$" <<<"$listing" || { echo "package_check: $needed is missing from the sdist"; exit 1; }
 done
 if grep -E '\.(so|pyd)$' <<<"$listing"; then echo "package_check: a compiled file is in the sdist"; exit 1; fi

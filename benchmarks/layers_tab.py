@@ -29,7 +29,7 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -52,11 +52,12 @@ def wait_for(check: Callable[[], Any], timeout: float, what: str) -> Any:
 
 
 @contextmanager
-def tensorboard(logdir: Path, log: Path, load_fast: str = "false") -> Iterator[str]:
+def tensorboard(logdir: Path, log: Path, load_fast: str = "false", flags: Sequence[str] = ()) -> Iterator[str]:
     """Run the installed ``tensorboard`` entry point over ``logdir`` on 127.0.0.1; yield its base URL.
 
     ``load_fast="false"`` reads the event files in Python (TensorBoard's multiplexer);
     ``"true"`` uses TensorBoard's Rust data server, the default where it is installed.
+    ``flags`` are more of ``tensorboard``'s command-line flags.
     """
     _check_registered()
     script = Path(sys.executable).with_name("tensorboard")
@@ -64,7 +65,7 @@ def tensorboard(logdir: Path, log: Path, load_fast: str = "false") -> Iterator[s
         raise FileNotFoundError(f"no `tensorboard` script next to {sys.executable}: install the package's venv")
     with open(log, "w+") as out:
         command = [str(script), "--logdir", str(logdir), "--host", "127.0.0.1", "--port", "0",
-                   f"--load_fast={load_fast}", "--reload_interval", "1"]
+                   f"--load_fast={load_fast}", "--reload_interval", "1", *flags]
         proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT)
 
         def address() -> Optional[str]:

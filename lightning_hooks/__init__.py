@@ -33,6 +33,7 @@ if TYPE_CHECKING:
     from lightning_hooks.measure.anomalies import FLAG_NAMES
     from lightning_hooks.measure.spikes import SpikeTrigger
     from lightning_hooks.measure.stats import DEFAULT_STATS, DIVERGENCE_STATS, STAT_NAMES
+    from lightning_hooks.output.fast_tensorboard import FastTensorBoardLogger
 
 #: Each public name, by the module that defines it: the callbacks, what they hand the user (reports,
 #: errors, saved features), the names their arguments take (stats, flags, module selections), and
@@ -51,6 +52,7 @@ _WHERE = {
     "TransformerStability": "callbacks.stability",
     **dict.fromkeys(("ACTIVATION_NAMES", "ACTIVATION_TYPES", "ModuleSelection", "select_modules"), "core.selection"),
     "FLAG_NAMES": "measure.anomalies",
+    "FastTensorBoardLogger": "output.fast_tensorboard",
     **dict.fromkeys(("DEFAULT_STATS", "DIVERGENCE_STATS", "STAT_NAMES"), "measure.stats"),
 }
 
@@ -64,6 +66,7 @@ __all__ = [
     "STAT_NAMES",
     "ActivationMonitor",
     "AnomalyReport",
+    "FastTensorBoardLogger",
     "FeatureExtractor",
     "FlightRecord",
     "GradientAnomalyError",

@@ -53,6 +53,7 @@ def test_the_report_lists_the_versions_installed(installed):
                                ("tensorboard", "tensorboard"), ("torchmetrics", "torchmetrics")]:
         assert got[name] == metadata.version(distribution)
     assert got["torch threads"].startswith(f"{torch.get_num_threads()} (")
+    assert got["FastTensorBoardLogger checksum"].startswith(("C (", "numpy ("))
 
 
 @pytest.mark.skipif(not REQUIRE_NATIVE, reason="set LIGHTNING_HOOKS_REQUIRE_NATIVE=1 where the kernel is built")
@@ -64,6 +65,7 @@ def test_a_built_kernel_is_on_and_says_whether_it_uses_avx2(installed):
     before = _native.cstats.set_avx2(True)
     _native.cstats.set_avx2(before)
     assert (got["AVX2"] == "on") if before else got["AVX2"].startswith("off (")
+    assert got["FastTensorBoardLogger checksum"].startswith("C (")
 
 
 def test_the_report_says_why_the_kernel_is_off(tmp_path):
@@ -72,6 +74,8 @@ def test_the_report_says_why_the_kernel_is_off(tmp_path):
     got = report(cwd=failed)
     assert got["native C kernel"].startswith("off: not built or not loadable (undefined symbol: PyLong_Foo)")
     assert got["AVX2"] == "n/a (no native kernel)"
+    # the copy has no build
+    assert got["FastTensorBoardLogger checksum"].startswith("numpy (the C extension was not built")
     stale = copy_with_kernel(tmp_path / "stale", "ABI_VERSION = 1\n")  # what an old build reports
     assert report(cwd=stale)["native C kernel"].startswith("off: stale build (ABI 1, this version needs ")
 

@@ -3,7 +3,9 @@
 Each is a name with a leading underscore in its library: it may change in any release. Keeping
 them here means a new torch or TensorBoard release is checked against one file, and each use
 says what it needs in words. ``torch._foreach_*`` ops are not here: they are the documented fast
-path of ``torch.nn.utils.clip_grad_norm_`` and of torch's optimizers.
+path of ``torch.nn.utils.clip_grad_norm_`` and of torch's optimizers. Nor is torch's
+``SummaryWriter._get_file_writer``, which the package's own ``FastSummaryWriter`` overrides
+(``output/fast_tensorboard.py``): a method of a class the package owns, not a call.
 """
 
 from __future__ import annotations

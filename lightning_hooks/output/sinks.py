@@ -20,6 +20,7 @@ from lightning_hooks.core._torch_internals import event_queue
 from lightning_hooks.output._listeners import listeners
 from lightning_hooks.output._plugin_data import plugin_data_summary
 from lightning_hooks.output._tensorboard_wire import histogram_summary_bytes, scalar_summary_bytes, write_summary
+from lightning_hooks.output.fast_tensorboard import FastSummaryWriter
 from lightning_hooks.output.figures import HistogramBlock, ScalarBlock, as_metrics
 
 
@@ -100,11 +101,14 @@ _TENSORBOARD_LOG_METRICS = tuple(cls.log_metrics for cls in TENSORBOARD_LOGGERS)
 def _event_queue(logger: TensorBoardLogger) -> Optional[Callable[[bytes], None]]:
     """Where a whole event's bytes can go at once (the fast path), or None: then the writer's public methods.
 
-    Only torch's ``SummaryWriter`` over TensorBoard's own ``EventFileWriter`` has one (see
-    :func:`~lightning_hooks.core._torch_internals.event_queue`); tensorboardX's writer (other
-    protos), a writer of another kind, or a TensorBoard whose internals moved get None.
+    The package's own writer (:class:`~lightning_hooks.output.fast_tensorboard.FastTensorBoardLogger`)
+    has a public one; torch's ``SummaryWriter`` over TensorBoard's own ``EventFileWriter`` has
+    one (see :func:`~lightning_hooks.core._torch_internals.event_queue`); tensorboardX's writer
+    (other protos), a writer of another kind, or a TensorBoard whose internals moved get None.
     """
     writer = logger.experiment
+    if isinstance(writer, FastSummaryWriter):
+        return writer.write_event_bytes
     return event_queue(writer) if isinstance(writer, SummaryWriter) else None
 
 
