@@ -16,9 +16,16 @@ step at a time, with every judged figure of that step. How it decides (docs/verd
   over all rows (the learning-rate schedule, the loss falling, the batch's own noise) is taken
   out first, so no fixed band judges the recipe. Activations are judged against their own
   history only, where a single layer's fault would move every row downstream of it.
+- The gradient reaching each module's output (``output_grad``, ActivationMonitor's
+  ``gradients=True``) against its own history only, as activations are, mirrored: the backward
+  pass runs in reverse forward order, so a fault in one module's backward moves the output
+  gradients of every module *before* it. Of those out at a step, the *last* in forward order
+  (the first the backward pass reached) is named, and only where no module's outputs single one
+  out (a forward culprit moves the backward too: its consequences, not named).
 - Every layer at once is the batch, not a layer: the first module in forward order out (its
-  input is the batch), or every gradient moving together while no activation and no update
-  ratio singles a layer out (the labels): ``data``.
+  input is the batch), the last module's output gradient moving with most others' (it comes
+  from the loss: the labels, the loss's scale), or every gradient moving together while no
+  activation, output gradient or update ratio singles a layer out (the labels): ``data``.
 - Culprit and victims: at a step, the first module in forward order whose outputs are out of
   their range is named (its inputs, the modules before it, are in range); the modules after it,
   and the gradients and update ratios of other layers, are its victims, not named. Without an
@@ -42,7 +49,10 @@ from lightning_hooks.output._health_bands import Bands
 from lightning_hooks.output._row_range import Track, judge_value
 
 #: The relative figures, each with its (up, down) problems.
-RELATIVE = {"level": ("blowup", "collapse"), "norm": ("exploding", "vanishing"), "ratio": ("too_fast", "too_slow")}
+RELATIVE = {"level": ("blowup", "collapse"), "norm": ("exploding", "vanishing"), "ratio": ("too_fast", "too_slow"),
+            "output_grad": ("output_grad_exploding", "output_grad_vanishing")}
+#: The figure of the gradient reaching each module's output: judged in backward order (the last module first).
+BACKWARD = "output_grad"
 #: The relative figures whose step's common change over all rows is taken out (peers).
 COMMON_MODE = ("norm", "ratio")
 #: The problems seen in a module's own outputs: the evidence a culprit is named from, in forward order.
@@ -156,9 +166,11 @@ class Judge:
                 side = {f.row for f in found if f.problem == problem}
                 if first in side and len(side) >= len(levels) / 2:
                     return True
-        if len(figures.get("norm", ())) < 3 or any(f.problem in OUTPUT_PROBLEMS or f.problem == "too_fast"
-                                                   for f in found):
-            return False  # a layer's outputs or its update ratio single it out
+        singled = any(f.problem in OUTPUT_PROBLEMS or f.problem == "too_fast" for f in found)
+        if not singled and self._from_the_loss(found, figures.get(BACKWARD, {})):
+            return True
+        if len(figures.get("norm", ())) < 3 or singled or any(f.figure == BACKWARD for f in found):
+            return False  # a layer's outputs, its output gradient or its update ratio single it out
         # Every gradient jumped together, far beyond the batch-to-batch move they share.
         moves = self.tracks.setdefault("common", {}).setdefault("norm", Track(deque(maxlen=self.bands.window))).logs
         move = self.moves.get("norm", 0.0)
@@ -167,6 +179,17 @@ class Judge:
         if not jumped:
             moves.append(move)
         return jumped
+
+    def _from_the_loss(self, found: list[Finding], grads: Mapping[str, float]) -> bool:
+        """The last module's output gradient out with at least half the others', the same way: it came from the loss."""
+        if len(grads) < 3:
+            return False
+        last = max(grads, key=lambda row: self.depth.get(row, 0))
+        for problem in RELATIVE[BACKWARD]:
+            side = {f.row for f in found if f.problem == problem}
+            if last in side and len(side) >= len(grads) / 2:
+                return True
+        return False
 
     def _absolute(self, figure: str, values: Mapping[str, float]) -> list[Finding]:
         b = self.bands
@@ -232,6 +255,9 @@ class Judge:
         if outputs:
             first = min(outputs, key=lambda f: self.depth.get(f.layer, 0))
             return self._leaning(first) or first.layer
+        backward = [f for f in fresh if f.figure == BACKWARD]
+        if backward:  # the first module the backward pass reached whose output gradient went out
+            return max(backward, key=lambda f: self.depth.get(f.layer, 0)).layer
         for figure in ("ratio", "norm"):
             rows = [f for f in fresh if f.figure == figure]
             if rows:

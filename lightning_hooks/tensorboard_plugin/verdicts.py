@@ -20,7 +20,8 @@ from lightning_hooks.tensorboard_plugin.run_data import Figure
 
 #: The query parameters, each a field of :class:`Bands` (the band's two ends apart), with its type.
 QUERY = {"max_zero_fraction": float, "level_factor": float, "norm_factor": float, "ratio_factor": float,
-         "cusum": float, "window": int, "min_points": int, **dict.fromkeys(STABILITY_BANDS, float)}
+         "cusum": float, "window": int, "min_points": int, **dict.fromkeys(STABILITY_BANDS, float),
+         "output_grad_factor": float}
 
 
 def bands_from_query(args: Mapping[str, str]) -> Bands:
