@@ -13,7 +13,7 @@ Faults: ``ramp`` (the module's output grows 4% a step), ``jump`` (x20 at once), 
 output becomes 0), ``vanish`` (its weights shrunk 1000x once), ``lr100`` (its param group's LR
 x100), ``attn`` (one block's queries grow 4% a step: its attention logits grow), ``nan`` (one NaN
 in its output, once), ``data`` (the batch goes bad: its inputs x30, the LMs' embedded tokens x30),
-``gradvanish`` (the gradient reaching the ``jump`` module's output x1e-6 from the onset: a cut in the
+``gradvanish`` (the gradient reaching the ``vanish`` module's output x1e-6 from the onset: a cut in the
 backward pass; its run watches output gradients, ``ActivationMonitor(gradients=True)``, as every
 run does with ``--gradients``).
 
@@ -57,7 +57,7 @@ class Lit(pl.LightningModule):
         self.recipe, self.fault, self.onset, self.steps = recipe, fault, onset, steps
         self.model = recipe.build()
         self.draw = recipe.data(seed, recipe.batch)
-        target = recipe.targets["jump"] if fault == "gradvanish" else recipe.targets.get(fault or "")
+        target = recipe.targets["vanish"] if fault == "gradvanish" else recipe.targets.get(fault or "")
         self.culprit = "model." + target if target else ""
         self.mult = schedule(recipe, steps)
         if self.culprit and fault in ("ramp", "jump", "dead", "nan", "attn"):

@@ -200,6 +200,13 @@ class LayerHealth(FigureListener, *CALLBACK_BASES):  # type: ignore[misc]  # the
             self._verdicts.add(figure, step, values)
         self._last, self._fresh = step, True
 
+    def record_forward_order(self, order: Sequence[str]) -> None:
+        """Judge in the order the modules ran (the Layers tab's), not the order they were registered in."""
+        depth = self._verdicts.judge.depth
+        ranked = [*order, *(name for name in depth if name not in set(order))]
+        depth.clear()
+        depth.update((name, i) for i, name in enumerate(ranked))
+
     def record_histograms(self, histograms: HistogramBlock, edges: Sequence[float], step: int) -> None:
         """Keep the activation histograms' counts, exact zeros apart, one column per logged step (bounded)."""
         from lightning_hooks.output._health_plots import zero_bin
