@@ -97,10 +97,19 @@ def test_a_forward_culprit_keeps_its_name_and_the_output_gradients_it_moved_are_
     assert ("l3", "blowup", ONSET) in now(verdicts) and now(verdicts) == tab(grid)
 
 
-def test_every_output_gradient_at_once_the_last_too_is_the_loss_not_a_layer():
-    grid = synthetic(grad_fault=(NAMES, 1e-4))
+def test_every_gradient_at_once_the_loss_side_too_is_the_batch_not_a_layer():
+    # The loss's gradient x1e4: every output gradient and parameter gradient with it; the gains from the loss hold.
+    grid = synthetic(grad_fault=(NAMES, 1e4))
     verdicts = verdicts_of(grid)
-    assert now(verdicts) == {("(every layer)", "data", ONSET)} and tab(grid) == now(verdicts)
+    assert {key: e.first for key, e in verdicts.episodes.items()} == {("data", "(every layer)"): ONSET}
+    assert tab(grid) == now(verdicts)
+
+
+def test_the_loss_falling_moves_every_output_gradient_together_and_is_not_judged():
+    grid = synthetic()
+    for name, values in grid[("activation_grads", "std")].items():  # a hundredfold fall, and a jump back
+        grid[("activation_grads", "std")][name] = [v * (0.01 if 200 <= s < 400 else 1) for v, s in zip(values, STEPS)]
+    assert now(verdicts_of(grid)) == set() and tab(grid) == set()
 
 
 def test_a_healthy_synthetic_run_with_output_gradients_is_not_judged():

@@ -17,15 +17,15 @@ step at a time, with every judged figure of that step. How it decides (docs/verd
   out first, so no fixed band judges the recipe. Activations are judged against their own
   history only, where a single layer's fault would move every row downstream of it.
 - The gradient reaching each module's output (``output_grad``, ActivationMonitor's
-  ``gradients=True``) against its own history only, as activations are, mirrored: the backward
-  pass runs in reverse forward order, so a fault in one module's backward moves the output
-  gradients of every module *before* it. Of those out at a step, the *last* in forward order
-  (the first the backward pass reached) is named, and only where no module's outputs single one
-  out (a forward culprit moves the backward too: its consequences, not named).
+  ``gradients=True``) against its own history, net of the move of the last module's (the
+  loss's own move: the loss falling, the batch, the schedule): the backward pass's gain from the
+  loss to that module. The backward runs in reverse forward order, so a fault in one module's
+  backward moves the gain of every module *before* it: of those out at a step, the *last* in
+  forward order (the first the backward pass reached) is named, and only where no module's
+  outputs single one out (a forward culprit moves the backward too: its consequences).
 - Every layer at once is the batch, not a layer: the first module in forward order out (its
-  input is the batch), the last module's output gradient moving with most others' (it comes
-  from the loss: the labels, the loss's scale), or every gradient moving together while no
-  activation, output gradient or update ratio singles a layer out (the labels): ``data``.
+  input is the batch), or every gradient moving together while no activation, output gradient
+  or update ratio singles a layer out (the labels): ``data``.
 - Culprit and victims: at a step, the first module in forward order whose outputs are out of
   their range is named (its inputs, the modules before it, are in range); the modules after it,
   and the gradients and update ratios of other layers, are its victims, not named. Without an
@@ -137,6 +137,8 @@ class Judge:
         logs = {row: (math.log(v) if v > 0 else -math.inf) for row, v in values.items() if math.isfinite(v) and v >= 0}
         moves = [logs[r] - last[r] for r in logs if r in last and math.isfinite(logs[r])]
         common = statistics.median(moves) if figure in COMMON_MODE and len(moves) >= 3 else 0.0
+        if figure == BACKWARD:  # the gain from the loss: the loss-side row's own move taken out
+            common = self._loss_side_move(logs, last)
         self.moves[figure] = common
         self.offset[figure] = self.offset.get(figure, 0.0) + common  # the peers' path, taken out
         found = [Finding(row, self._layer(figure, row), "nonfinite_grad", v, figure)
@@ -166,10 +168,8 @@ class Judge:
                 side = {f.row for f in found if f.problem == problem}
                 if first in side and len(side) >= len(levels) / 2:
                     return True
-        singled = any(f.problem in OUTPUT_PROBLEMS or f.problem == "too_fast" for f in found)
-        if not singled and self._from_the_loss(found, figures.get(BACKWARD, {})):
-            return True
-        if len(figures.get("norm", ())) < 3 or singled or any(f.figure == BACKWARD for f in found):
+        if len(figures.get("norm", ())) < 3 or any(f.problem in OUTPUT_PROBLEMS or f.problem == "too_fast"
+                                                   or f.figure == BACKWARD for f in found):
             return False  # a layer's outputs, its output gradient or its update ratio single it out
         # Every gradient jumped together, far beyond the batch-to-batch move they share.
         moves = self.tracks.setdefault("common", {}).setdefault("norm", Track(deque(maxlen=self.bands.window))).logs
@@ -180,16 +180,15 @@ class Judge:
             moves.append(move)
         return jumped
 
-    def _from_the_loss(self, found: list[Finding], grads: Mapping[str, float]) -> bool:
-        """The last module's output gradient out with at least half the others', the same way: it came from the loss."""
-        if len(grads) < 3:
-            return False
-        last = max(grads, key=lambda row: self.depth.get(row, 0))
-        for problem in RELATIVE[BACKWARD]:
-            side = {f.row for f in found if f.problem == problem}
-            if last in side and len(side) >= len(grads) / 2:
-                return True
-        return False
+    def _loss_side_move(self, logs: Mapping[str, float], last: Mapping[str, float]) -> float:
+        """The move (log) of the gradient reaching the last module's output since its last value, or 0.
+
+        The last module in forward order is the loss's side: its gradient is the loss's own; the
+        others' against it are the backward pass's gain, which a cut or a blow-up changes.
+        """
+        finite = [row for row, x in logs.items() if math.isfinite(x)]
+        side = max(finite, key=lambda row: self.depth.get(row, 0)) if finite else None
+        return logs[side] - last[side] if side is not None and side in last else 0.0
 
     def _absolute(self, figure: str, values: Mapping[str, float]) -> list[Finding]:
         b = self.bands
