@@ -109,11 +109,11 @@ def test_the_loss_falling_moves_every_output_gradient_together_and_is_not_judged
     grid = synthetic()
     for name, values in grid[("activation_grads", "std")].items():  # a hundredfold fall, and a jump back
         grid[("activation_grads", "std")][name] = [v * (0.01 if 200 <= s < 400 else 1) for v, s in zip(values, STEPS)]
-    assert now(verdicts_of(grid)) == set() and tab(grid) == set()
+    assert verdicts_of(grid).episodes == {} and tab(grid) == set()
 
 
 def test_a_healthy_synthetic_run_with_output_gradients_is_not_judged():
-    assert now(verdicts_of(synthetic(seed=3))) == set() and tab(synthetic(seed=3)) == set()
+    assert verdicts_of(synthetic(seed=3)).episodes == {} and tab(synthetic(seed=3)) == set()
 
 
 def test_the_output_gradient_band_is_validated_and_taken_by_layer_health():
@@ -201,3 +201,29 @@ def test_on_a_real_model_a_healthy_run_watched_with_output_gradients_gets_no_ver
     health, tab_says = train(tmp_path, Teacher())
     assert health.verdicts.episodes == {}, health.summary()
     assert tab_says == set()
+
+
+class Unregistered(L.LightningModule):
+    """Registered ``late`` then ``early``; run ``early`` then ``late`` (as GPT-2's MLP registers c_proj before act)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.late, self.early = nn.Linear(8, 1), nn.Linear(8, 8)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return nn.functional.mse_loss(self.late(self.early(x)), y)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+def test_layer_health_judges_in_the_order_the_modules_ran_not_the_order_they_were_registered(tmp_path):
+    from tests.helpers import loader, trainer
+
+    health = LayerHealth()
+    callbacks = [ActivationMonitor(modules=["late", "early"], gradients=True), GradientMonitor(), health]
+    trainer(tmp_path, callbacks, max_steps=2, logger=False).fit(Unregistered(), loader())
+    health.verdicts.flush()
+    assert list(health.verdicts.judge.depth)[:2] == ["early", "late"]

@@ -116,6 +116,9 @@ def test_the_step_hooks_allocate_one_copy_of_the_selected_parameters_and_a_few_f
     benchmark = importlib.import_module("update_transform")
     allocated, selected = benchmark.hook_bytes(benchmark.CONFIGS[config])  # counted by a TorchDispatchMode
     assert selected > 10 * 2**20 and selected <= allocated < selected + 2**14
+    # Beside update ratios of every parameter: one copy of all of them serves both.
+    allocated, every = benchmark.hook_bytes(benchmark.CONFIGS[config], ratios=True)
+    assert every >= selected and every <= allocated < every + 2**16
 
 
 class CopiesPerStep(L.Callback):
