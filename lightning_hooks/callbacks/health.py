@@ -67,11 +67,9 @@ class LayerHealth(FigureListener, *CALLBACK_BASES):  # type: ignore[misc]  # the
     outputs' std (``level_factor``), its gradient norm (``norm_factor``) or its update ratio
     (``ratio_factor``, not judged for a 1-D parameter row, a bias or a norm's scale) against its
     own last ``window`` logged values, the last two net of the step's common move of every layer;
-    more than ``max_zero_fraction`` of its outputs exactly 0 (dead units); with
-    ``ActivationMonitor(gradients=True)``, the gradient reaching its output (its ``std``,
-    ``output_grad_factor``, against its own history), the last such module in forward order (the
-    first the backward pass reached) named, the modules before it taken as its victims
-    ("the gradient reaching <module>'s output vanished"); a NaN or Inf in its
+    more than ``max_zero_fraction`` of its outputs exactly 0 (dead units); the gradient reaching
+    its output (``ActivationMonitor(gradients=True)``; ``output_grad_factor``), the last such
+    module in forward order named, the modules before it its victims; a NaN or Inf in its
     outputs or gradients; and, from a :class:`~lightning_hooks.TransformerStability` in the same
     ``callbacks`` (whose bands it then takes), attention logits or output logits too large,
     attention entropy collapsed, massive activations. The layers it hurt are counted, not named;
