@@ -223,7 +223,7 @@ def test_layer_health_judges_in_the_order_the_modules_ran_not_the_order_they_wer
     from tests.helpers import loader, trainer
 
     health = LayerHealth()
-    callbacks = [ActivationMonitor(modules=["late", "early"], gradients=True), GradientMonitor(), health]
+    callbacks = [ActivationMonitor(modules=["late", "early"], gradients=True), GradientMonitor(histogram=False), health]
     trainer(tmp_path, callbacks, max_steps=2, logger=False).fit(Unregistered(), loader())
     health.verdicts.flush()
     assert list(health.verdicts.judge.depth)[:2] == ["early", "late"]
