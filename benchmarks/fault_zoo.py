@@ -12,10 +12,14 @@ every verdict line after the first 10% of the run is a false alarm.
 Faults: ``ramp`` (the module's output grows 4% a step), ``jump`` (x20 at once), ``dead`` (its
 output becomes 0), ``vanish`` (its weights shrunk 1000x once), ``lr100`` (its param group's LR
 x100), ``attn`` (one block's queries grow 4% a step: its attention logits grow), ``nan`` (one NaN
-in its output, once), ``data`` (the batch goes bad: its inputs x30, the LMs' embedded tokens x30).
+in its output, once), ``data`` (the batch goes bad: its inputs x30, the LMs' embedded tokens x30),
+``gradvanish`` (the gradient reaching the ``vanish`` module's output x1e-6 from the onset: a cut in the
+backward pass; its run watches output gradients, ``ActivationMonitor(gradients=True)``, as every
+run does with ``--gradients``).
 
     python benchmarks/fault_zoo.py                      # the whole zoo, a table
     python benchmarks/fault_zoo.py --models gpt2 --faults ramp jump --steps 200
+    python benchmarks/fault_zoo.py --models mlp gpt2 --faults healthy gradvanish jump --gradients
 """
 
 from __future__ import annotations
@@ -39,8 +43,8 @@ from benchmarks._zoo_models import RECIPES, Recipe, schedule  # noqa: E402
 from lightning_hooks import ActivationMonitor, GradientMonitor, LayerHealth  # noqa: E402
 from lightning_hooks.callbacks._flight_recorder import analyse  # noqa: E402
 
-FAULTS = ("ramp", "jump", "dead", "vanish", "lr100", "attn", "nan", "data")
-GROWTH, JUMP, SHRINK, LR_FACTOR, DATA_SCALE = 1.04, 20.0, 1e-3, 100.0, 30.0
+FAULTS = ("ramp", "jump", "dead", "vanish", "lr100", "attn", "nan", "data", "gradvanish")
+GROWTH, JUMP, SHRINK, LR_FACTOR, DATA_SCALE, GRAD_CUT = 1.04, 20.0, 1e-3, 100.0, 30.0, 1e-6
 
 
 class Lit(pl.LightningModule):
@@ -53,10 +57,13 @@ class Lit(pl.LightningModule):
         self.recipe, self.fault, self.onset, self.steps = recipe, fault, onset, steps
         self.model = recipe.build()
         self.draw = recipe.data(seed, recipe.batch)
-        self.culprit = "model." + recipe.targets[fault] if fault and recipe.targets.get(fault) else ""
+        target = recipe.targets["vanish"] if fault == "gradvanish" else recipe.targets.get(fault or "")
+        self.culprit = "model." + target if target else ""
         self.mult = schedule(recipe, steps)
         if self.culprit and fault in ("ramp", "jump", "dead", "nan", "attn"):
             self.get_submodule(self.culprit).register_forward_hook(self._hurt)
+        if fault == "gradvanish":
+            self.get_submodule(self.culprit).register_forward_hook(self._cut)
         if fault == "data" and recipe.loss == "lm":  # the batch's embedded tokens out of range, x30
             self.model.net.get_input_embeddings().register_forward_hook(self._bad_batch)
 
@@ -65,6 +72,11 @@ class Lit(pl.LightningModule):
 
     def _bad_batch(self, module: nn.Module, args: Any, out: Tensor) -> Optional[Tensor]:
         return out * DATA_SCALE if self.training and self._step() >= self.onset else None
+
+    def _cut(self, module: nn.Module, args: Any, out: Tensor) -> None:
+        """The gradient reaching the output cut x1e-6 (before the monitor's own hook on it sees it)."""
+        if self.training and self._step() >= self.onset and out.requires_grad:
+            out.register_hook(lambda grad: grad * GRAD_CUT)
 
     def _hurt(self, module: nn.Module, args: Any, out: Tensor) -> Optional[Tensor]:
         t = self._step() - self.onset
@@ -165,18 +177,20 @@ class Case:
 
 
 def run_case(model: str, fault: Optional[str], steps: int, onset: int, every: int, seed: int = 0,
-             flight: int = 30, logger: Optional[Logger] = None) -> Case:
+             flight: int = 30, logger: Optional[Logger] = None, gradients: bool = False) -> Case:
     """Train one case and return what the verdicts said at each step.
 
     ``logger`` (say a ``TensorBoardLogger``) receives the monitors' figures and the loss, for the
-    Layers tab; by default nothing is written.
+    Layers tab; by default nothing is written. ``gradients``: watch the gradient reaching each
+    module's output too (always for ``gradvanish``).
     """
     recipe = RECIPES[model]
     start = time.perf_counter()
     lit = Lit(recipe, fault, onset, steps, seed, every)
     health = LayerHealth()
     probe = Probe(health)
-    callbacks = [ActivationMonitor(histogram=False), GradientMonitor(histogram=False, update_ratio=True), health, probe]
+    watch = ActivationMonitor(histogram=False, gradients=gradients or fault == "gradvanish")
+    callbacks = [watch, GradientMonitor(histogram=False, update_ratio=True), health, probe]
     trainer = pl.Trainer(max_steps=steps, logger=logger or False, enable_checkpointing=False, enable_progress_bar=False,
                          enable_model_summary=False, log_every_n_steps=every, callbacks=callbacks,
                          precision=recipe.precision, accelerator="cpu", devices=1, num_sanity_val_steps=0)
@@ -262,6 +276,7 @@ def main(argv: Optional[list[str]] = None) -> list[dict[str, Any]]:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--growth", type=float, default=GROWTH, help="the ramps' factor per step")
     parser.add_argument("--verbose", action="store_true", help="print LayerHealth's summary of each case")
+    parser.add_argument("--gradients", action="store_true", help="every run watches output gradients too")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     globals()["GROWTH"] = args.growth
@@ -269,12 +284,12 @@ def main(argv: Optional[list[str]] = None) -> list[dict[str, Any]]:
     print("| model | fault | first named | delay | named before culprit | loss moved 5% | flight leader (ties) | s |")
     print("|---|---|---|---:|---:|---:|---|---:|")
     for model in args.models:
-        healthy = run_case(model, None, args.steps, args.onset, args.every, args.seed)
+        healthy = run_case(model, None, args.steps, args.onset, args.every, args.seed, gradients=args.gradients)
         for fault in args.faults:
             if fault == "attn" and model not in ("gpt2", "llama", "gpt2-bf16"):
                 continue
             case = healthy if fault == "healthy" else run_case(model, fault, args.steps, args.onset, args.every,
-                                                               args.seed)
+                                                               args.seed, gradients=args.gradients)
             row = judge_case(case, healthy)
             rows.append(row)
             print(format_row(row), flush=True)

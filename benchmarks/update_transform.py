@@ -6,7 +6,10 @@ interleaved, in rounds, each fit's median step time divided by the mean of the p
 before and after it; the median of those ratios over rounds is reported, with the plain-vs-plain
 ratio (A/A) as the noise floor. Then, per configuration, every byte the step hooks allocate in one
 step (each op's fresh outputs, counted by a ``TorchDispatchMode``), against the bytes of the
-parameters selected: at most one copy of them.
+parameters selected: at most one copy of them; and beside GradientMonitor's update ratios of every
+parameter (their snapshot taken and measured in the same step), against the bytes of all the
+parameters: one copy of them serves both (without sharing it was the selected ones twice, and
+the ratios' update a second, passing, copy).
 
 Usage::
 
@@ -32,6 +35,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from lightning_hooks import UpdateTransform  # noqa: E402
+from lightning_hooks.callbacks._gradient_rows import Row  # noqa: E402
+from lightning_hooks.callbacks._update_ratio import UpdateRatio  # noqa: E402
 
 SELECTED = {"backbone.*": 0.1}  # the first three Linears: 3.1 M of the 4.2 M parameters
 CONFIGS: dict[str, Optional[dict[str, Any]]] = {
@@ -104,26 +109,36 @@ class _Allocated(TorchDispatchMode):
         return out
 
 
-def hook_bytes(config: dict[str, Any]) -> tuple[int, int]:
-    """Bytes the step hooks allocate in one step, and the bytes of the parameters they select."""
+def hook_bytes(config: dict[str, Any], ratios: bool = False) -> tuple[int, int]:
+    """Bytes the step hooks allocate in one step, and the bytes of the parameters they select.
+
+    ``ratios``: GradientMonitor's update ratios of every parameter measured in the same step (its
+    snapshot taken before the step, as in ``on_before_optimizer_step``, and measured after the
+    rewrite); then the second number is the bytes of every parameter.
+    """
     model, optimizer, transform = _setup(config)
     assert transform is not None
-    rewrite = transform._rewrite
+    rewrite, ratio = transform._rewrite, UpdateRatio()
     counted = _Allocated()
 
-    def wrap(hook: Callable[..., None]) -> Callable[..., None]:
+    def wrap(hook: Callable[..., Any]) -> Callable[..., None]:
         def run(*args: Any) -> None:
             with counted:
                 hook(*args)
         return run
 
     transform.detach()
+    if ratios:
+        rows = [Row(name, [p]) for name, p in model.named_parameters()]
+        optimizer.register_step_pre_hook(wrap(lambda opt, *_: ratio.take(rows, opt)))
     optimizer.register_step_pre_hook(wrap(rewrite.before_step))
     optimizer.register_step_post_hook(wrap(rewrite.after_step))
+    if ratios:
+        optimizer.register_step_post_hook(wrap(lambda opt, *_: ratio.finish(opt, True)))
     rewrite.add(0, optimizer, transform._plan.for_optimizer)  # type: ignore[union-attr]
     _step(model, optimizer, torch.randn(256, 1024))
-    selected = sum(p.numel() * p.element_size() for p in transform._plan.params)  # type: ignore[union-attr]
-    return counted.bytes, selected
+    params = model.parameters() if ratios else transform._plan.params  # type: ignore[union-attr]
+    return counted.bytes, sum(p.numel() * p.element_size() for p in params)
 
 
 def main() -> None:
@@ -153,6 +168,13 @@ def main() -> None:
         allocated, selected = hook_bytes(config) if config is not None else (0, 0)
         memory = f"{allocated / 2**20:.2f} MiB | {selected / 2**20:.2f} MiB" if config else "- | -"
         print(f"| {name} | {statistics.median(values):.3f} | {memory} |")
+    print("\nBeside GradientMonitor(update_ratio=True) on every parameter, in the same step:\n")
+    print("| configuration | hook allocations per step | all parameters |")
+    print("|---|---|---|")
+    for name, config in CONFIGS.items():
+        if config is not None:
+            allocated, every = hook_bytes(config, ratios=True)
+            print(f"| {name} + update ratios | {allocated / 2**20:.2f} MiB | {every / 2**20:.2f} MiB |")
 
 
 if __name__ == "__main__":

@@ -16,7 +16,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.fault_zoo import judge_case, run_case  # noqa: E402
 
 STEPS, ONSET, EVERY = 200, 100, 2
-ABRUPT = ("jump", "dead", "vanish", "lr100", "nan")
+ABRUPT = ("jump", "dead", "vanish", "lr100", "nan", "gradvanish")
 
 
 @pytest.fixture(scope="module")
@@ -33,7 +33,7 @@ def test_a_healthy_recipe_gets_no_verdict_after_the_first_tenth(healthy, model):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("model, fault", [("mlp", "jump"), ("mlp", "nan"), ("mlp", "lr100"), ("cnn", "vanish"),
-                                          ("cnn", "dead"), ("gpt2", "ramp"), ("gpt2", "dead")])
+                                          ("cnn", "dead"), ("gpt2", "ramp"), ("gpt2", "dead"), ("mlp", "gradvanish")])
 def test_the_culprit_is_named_first_and_nobody_before_it(healthy, model, fault):
     case = run_case(model, fault, STEPS, ONSET, EVERY)
     row = judge_case(case, healthy.get(model))

@@ -114,7 +114,7 @@ def test_the_routes_through_a_real_tensorboard(tmp_path):
         assert plain["thresholds"] == {"max_zero_fraction": 0.8, "level_factor": 1.25, "norm_factor": 4.0,
                                        "ratio_factor": 4.0, "cusum": 5.0, "window": 32, "min_points": 24,
                                        "max_attention_logit": 30.0, "min_entropy_fraction": 0.1,
-                                       "max_output_logit": 100.0, "max_massive_ratio": 1e4}
+                                       "max_output_logit": 100.0, "max_massive_ratio": 1e4, "output_grad_factor": 4.0}
         assert plain["problems"]["dead"] == "dead units: zero fraction of outputs above 0.8"
         relaxed = get(base, "run", run="plain/version_0", max_zero_fraction=0.99)
         assert "dead" not in {b["verdict"] for b in relaxed["banner"]}
@@ -192,7 +192,7 @@ def test_the_tab_in_a_browser_marks_the_dead_layer(tmp_path):
     assert re.search(r'<li data-layer="net\.3" data-verdict="dead" data-since="\d+"', dom)
     # The Thresholds panel edits LayerHealth's thresholds, by their names, and the banner follows.
     assert fields == ("max_zero_fraction,level_factor,norm_factor,ratio_factor,cusum,window,min_points,"
-                      "max_attention_logit,min_entropy_fraction,max_output_logit,max_massive_ratio")
+                      "max_attention_logit,min_entropy_fraction,max_output_logit,max_massive_ratio,output_grad_factor")
     assert "net.3" not in relaxed
     marked = re.search(r'data-figure="activations/zero_fraction" data-marked-rows="([^"]*)"', dom)[1].split(",")
     assert "net.3" in marked and "net.1" not in marked

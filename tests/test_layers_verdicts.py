@@ -92,7 +92,7 @@ def test_bands_from_query_parameters_are_layer_healths_and_it_validates_them():
     assert bands_as_dict(Bands()) == {"max_zero_fraction": 0.8, "level_factor": 1.25, "norm_factor": 4.0,
                                       "ratio_factor": 4.0, "cusum": 5.0, "window": 32, "min_points": 24,
                                       "max_attention_logit": 30.0, "min_entropy_fraction": 0.1,
-                                      "max_output_logit": 100.0, "max_massive_ratio": 1e4}
+                                      "max_output_logit": 100.0, "max_massive_ratio": 1e4, "output_grad_factor": 4.0}
     assert bands_from_query(bands_as_dict(Bands(level_factor=3.0))) == Bands(level_factor=3.0)
     with pytest.raises(ValueError, match="`max_zero_fraction` must be a number, got 'lots'"):
         bands_from_query({"max_zero_fraction": "lots"})

@@ -27,6 +27,7 @@ from lightning_hooks.core.selection import ModuleSelection, check_limit, validat
 from lightning_hooks.measure._stat_rows import DEFAULT_STATS, DIVERGENCE_STATS, N_FIELDS, STAT_NAMES, summarize_rows
 from lightning_hooks.measure.aggregate import StatBlock
 from lightning_hooks.measure.stats import Bins, histogram_edges
+from lightning_hooks.output._listeners import listeners
 from lightning_hooks.output._plugin_data import FORWARD_ORDER_TAG
 from lightning_hooks.output.figures import HistogramBlock, ScalarBlock
 from lightning_hooks.output.sinks import (
@@ -323,9 +324,12 @@ class ActivationMonitor(HookCallback):
         step, self._pending_step = self._pending_step, None
         self._collecting, self._block, self._grad_scale[0] = False, None, None
         assert step is not None
+        order = list(self._forward_order or ())
+        for listener in listeners(trainer) if order and trainer.is_global_zero else ():
+            listener.record_forward_order(order)  # before the figures: LayerHealth judges in this order
         self._log(trainer, self._blocks[stage], "activations", step)
-        if self._forward_order:  # once per fit, for the Layers tab's row order (JSON: a list of names)
-            log_plugin_data(trainer, FORWARD_ORDER_TAG, json.dumps(list(self._forward_order)), step)
+        if order:  # once per fit, for the Layers tab's row order and its verdicts (JSON: a list of names)
+            log_plugin_data(trainer, FORWARD_ORDER_TAG, json.dumps(order), step)
             self._forward_order = None
 
     def _log(self, trainer: pl.Trainer, block: StatBlock, prefix: str, step: int) -> None:

@@ -36,6 +36,7 @@ PROFILES = {
     ("activations", "zero_fraction"): ("zero_fraction", "zero fraction", False),
     ("gradients", "norm"): ("gradient_norm", "gradient norm", True),
     ("updates", "ratio"): ("update_ratio", "update ratio", True),
+    ("activation_grads", "std"): ("output_gradient_std", "output gradient std", True),
 }
 
 
@@ -66,7 +67,9 @@ class LayerHealth(FigureListener, *CALLBACK_BASES):  # type: ignore[misc]  # the
     outputs' std (``level_factor``), its gradient norm (``norm_factor``) or its update ratio
     (``ratio_factor``, not judged for a 1-D parameter row, a bias or a norm's scale) against its
     own last ``window`` logged values, the last two net of the step's common move of every layer;
-    more than ``max_zero_fraction`` of its outputs exactly 0 (dead units); a NaN or Inf in its
+    more than ``max_zero_fraction`` of its outputs exactly 0 (dead units); the gradient reaching
+    its output (``ActivationMonitor(gradients=True)``; ``output_grad_factor``), the last such
+    module in forward order named, the modules before it its victims; a NaN or Inf in its
     outputs or gradients; and, from a :class:`~lightning_hooks.TransformerStability` in the same
     ``callbacks`` (whose bands it then takes), attention logits or output logits too large,
     attention entropy collapsed, massive activations. The layers it hurt are counted, not named;
@@ -94,6 +97,8 @@ class LayerHealth(FigureListener, *CALLBACK_BASES):  # type: ignore[misc]  # the
         norm_factor: The least change of a gradient norm (net of the other layers') that names it.
         ratio_factor: The least change of an update ratio (net of the other layers') that names it.
         window: How many of a row's last logged values its usual range is taken over.
+        output_grad_factor: The least change of the gradient reaching a module's output (its
+            ``std``), up (its square down), that names it.
 
     Raises:
         ValueError: If an image or ``top_k`` argument is not a positive int, or a band is not
@@ -111,17 +116,18 @@ class LayerHealth(FigureListener, *CALLBACK_BASES):  # type: ignore[misc]  # the
     def __init__(self, *, image_every_n_steps: int = 500, max_images: int = 10, max_panels: int = 16,
                  max_columns: int = 100, top_k: int = 5, max_zero_fraction: float = 0.8,
                  level_factor: float = 1.25, norm_factor: float = 4.0, ratio_factor: float = 4.0,
-                 window: int = 32) -> None:
+                 window: int = 32, output_grad_factor: float = 4.0) -> None:
         for name, value in (("image_every_n_steps", image_every_n_steps), ("max_images", max_images),
                             ("max_panels", max_panels), ("max_columns", max_columns), ("top_k", top_k)):
             check_int(name, value)
         self._bands = Bands(max_zero_fraction, level_factor, norm_factor, ratio_factor, window=window,
-                            min_points=min(24, window))
+                            min_points=min(24, window), output_grad_factor=output_grad_factor)
         self._drawable = _has_matplotlib()
         self.image_every_n_steps, self.max_images, self.max_panels = image_every_n_steps, max_images, max_panels
         self.max_columns, self.top_k = max_columns, top_k
         self.max_zero_fraction, self.level_factor = max_zero_fraction, level_factor
         self.norm_factor, self.ratio_factor, self.window = norm_factor, ratio_factor, window
+        self.output_grad_factor = output_grad_factor
         self._kinds: dict[str, str] = {}
         self._vectors: set[str] = set()  # 1-D parameters (biases, norm scales): ratios not judged
         self._groups: dict[str, str] = {}  # each module's optimizer param group, for the diagnosis
@@ -191,6 +197,13 @@ class LayerHealth(FigureListener, *CALLBACK_BASES):  # type: ignore[misc]  # the
         for figure, values in judged.items():
             self._verdicts.add(figure, step, values)
         self._last, self._fresh = step, True
+
+    def record_forward_order(self, order: Sequence[str]) -> None:
+        """Judge in the order the modules ran (the Layers tab's), not the order they were registered in."""
+        depth = self._verdicts.judge.depth
+        ranked = [*order, *(name for name in depth if name not in set(order))]
+        depth.clear()
+        depth.update((name, i) for i, name in enumerate(ranked))
 
     def record_histograms(self, histograms: HistogramBlock, edges: Sequence[float], step: int) -> None:
         """Keep the activation histograms' counts, exact zeros apart, one column per logged step (bounded)."""

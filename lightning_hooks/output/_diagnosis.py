@@ -34,6 +34,9 @@ _PROVENANCE = ("find where it began: with provenance=True, GradientMonitor's or 
                "a NaN or an Inf spreads to everything computed from it; provenance checks every step, not only"
                " the logged ones, so it finds the step and the place where it began")
 
+_BACKWARD = ("the gradient reaching this output left its own usual range while the outputs after it, nearer the"
+             " loss, kept theirs; the layers before it get their gradient through it: its victims, not named")
+
 #: What usually helps, per problem: (remedy, why it helps or what it rests on).
 REMEDIES: dict[str, tuple[tuple[str, str], ...]] = {
     "attention_logits": (_QK_NORM, _LOWER_LR_LOGITS, _WARMUP),
@@ -55,6 +58,12 @@ REMEDIES: dict[str, tuple[tuple[str, str], ...]] = {
     "collapse": (("look at this layer's weights and its learning rate",
                   "its outputs shrank while the layers before it, its inputs, did not; a layer whose outputs"
                   " collapse cuts the signal of every layer after it and the gradient of every layer before it"),),
+    "output_grad_vanishing": (("look at the module right after it in forward order{after}: the gradient reaches"
+                               " this output through it, and was cut there (a saturated or dead nonlinearity, a gate"
+                               " near 0, a detach, a scale on its backward)", _BACKWARD),),
+    "output_grad_exploding": (("look at the module right after it in forward order{after}: the gradient reaches"
+                               " this output through it, and grew there (weights grown large, a norm dividing by a"
+                               " tiny variance, a scale on its backward)", _BACKWARD), _CLIP),
     "exploding": (_CLIP, _LOWER_LR, _WARMUP),
     "vanishing": (("look at the layers between it and the loss: a dead or saturated layer there cuts its gradient"
                    " off", "its gradient fell against its own history while the other layers' did not"),),
@@ -76,6 +85,9 @@ REMEDIES: dict[str, tuple[tuple[str, str], ...]] = {
                         "an update from a NaN or an Inf gradient puts NaN into the weights (and Adam's moments) for"
                         " good; clipping cannot mend it, as the norm of a NaN is NaN"), _PROVENANCE, _LOWER_LR),
 }
+
+#: What the gradient reaching a module's output did, per problem.
+_BACKWARD_WORDS = {"output_grad_vanishing": "vanished", "output_grad_exploding": "exploded"}
 
 #: The figure each problem is judged from.
 _FIGURE = {problem: figure for figure, problems in FIGURE_PROBLEMS.items() for problem in problems}
@@ -101,7 +113,8 @@ def diagnose(verdicts: Verdicts, top_k: int, groups: Mapping[str, str] = {}) -> 
         layers = [(p, layer, episode) for c, p, layer, episode in causes if c == cause]
         lines.extend(f"  {layer}: {_said(p, layer, episode, verdicts)}" for p, layer, episode in layers)
         where = _group([layer for _, layer, _ in layers], groups)
-        lines.extend(f"    - {remedy.format(group=where)}: {why}" for remedy, why in REMEDIES[cause])
+        after = _after(layers[0][1], verdicts)
+        lines.extend(f"    - {remedy.format(group=where, after=after)}: {why}" for remedy, why in REMEDIES[cause])
     if len(now) > top_k:
         lines.append(f"  ... and {len(now) - top_k} more (see the verdict above)")
     return "\n".join(lines)
@@ -116,6 +129,8 @@ def _cause(problem: str, layer: str, episode: Episode, verdicts: Verdicts) -> st
 def _said(problem: str, layer: str, episode: Episode, verdicts: Verdicts) -> str:
     """One problem of one layer: the signal, since when, its worst value, how far from the band, where it started."""
     title = verdicts.bands.titles()[problem].partition(":")[0]
+    if problem in _BACKWARD_WORDS:  # the signal's own words: which module's output, and what its gradient did
+        title = f"the gradient reaching {layer}'s output {_BACKWARD_WORDS[problem]}"
     if problem == "data":
         return f"{title} at step {episode.first}: {episode.worst:.0f} rows out of their range together"
     first = verdicts.first.get((_FIGURE[problem], layer))
@@ -133,6 +148,14 @@ def _said(problem: str, layer: str, episode: Episode, verdicts: Verdicts) -> str
             far = f", {times}below the bound {bound:.4g}"
     start = f"; it was {first[1]:.4g} at step {first[0]}" if first and first[0] < episode.first else ""
     return f"{title} since step {episode.first}, worst {episode.worst:.4g}{far}{start}"
+
+
+def _after(layer: str, verdicts: Verdicts) -> str:
+    """`` (<module>)``: the next module in forward order whose output gradient is judged (not one inside ``layer``)."""
+    depth = verdicts.judge.depth
+    later = [row for row in verdicts.judge.tracks.get("output_grad", {})
+             if depth.get(row, 0) > depth.get(layer, 0) and not row.startswith(layer + ".")]
+    return f" ({min(later, key=lambda row: depth.get(row, 0))})" if later else ""
 
 
 def _bound(problem: str, bands: Bands, first: float | None) -> float | None:

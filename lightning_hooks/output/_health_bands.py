@@ -11,6 +11,8 @@ Host-side and torch-free (the TensorBoard plugin imports it).
   (``cusum``) and a change of at least ``level_factor`` (outputs, 1.25), ``norm_factor``
   (gradients, 4) or ``ratio_factor`` (update ratios, 4) up, its square down (a layer settling
   is common, a layer dying is far below), once the row has ``min_points`` (24) logged values.
+  The gradient reaching a module's output (ActivationMonitor's ``gradients=True``: its ``std``)
+  is judged as the outputs are, against its own history only, by ``output_grad_factor`` (4).
   No fixed band: Adam's update ratio is about ``lr / rms(w)``, so a band judges the recipe, not
   the layer (docs/verdicts.md).
 - non-finite: any NaN or Inf in a layer's outputs, or in its gradient norm.
@@ -43,6 +45,10 @@ PROBLEMS = {
     "data": "every layer at once: look at the batch",
     "blowup": "outputs blowing up: activation std above its usual range",
     "collapse": "outputs vanishing: activation std below its usual range",
+    "output_grad_exploding": "exploding output gradient: the gradient reaching the layer's output above its usual"
+                             " range",
+    "output_grad_vanishing": "vanishing output gradient: the gradient reaching the layer's output below its usual"
+                             " range",
     "exploding": "exploding gradients: norm above its usual range, against the other layers'",
     "vanishing": "vanishing gradients: norm below its usual range, against the other layers'",
     "too_fast": "learning too fast: update ratio above its usual range, against the other layers'",
@@ -75,10 +81,11 @@ class Bands:
     min_entropy_fraction: float = 0.1
     max_output_logit: float = 100.0
     max_massive_ratio: float = 1e4
+    output_grad_factor: float = 4.0
 
     def __post_init__(self) -> None:
         check_number("max_zero_fraction", self.max_zero_fraction, 0.0, high=1.0)
-        for name in ("level_factor", "norm_factor", "ratio_factor"):
+        for name in ("level_factor", "norm_factor", "ratio_factor", "output_grad_factor"):
             check_number(name, getattr(self, name), 1.0)
         check_number("cusum", self.cusum, 0.0)
         check_int("window", self.window, low=4, high=MAX_WINDOW)

@@ -40,7 +40,7 @@ STABILITY_BANDS = ("max_attention_logit", "min_entropy_fraction", "max_output_lo
 STABILITY_STATS = ("attention_max_logit", "attention_entropy", "logit_abs_max", "massive_ratio")
 #: Which judged figure each logged ``(kind, stat)`` feeds: LayerHealth and the Layers tab judge these, and only these.
 JUDGED = {("activations", "zero_fraction"): "zero_fraction", ("gradients", "norm"): "norm",
-          ("activations", "std"): "level",
+          ("activations", "std"): "level", ("activation_grads", "std"): "output_grad",
           ("updates", "ratio"): "ratio", **{("activations", stat): "nonfinite" for stat in NONFINITE_STATS},
           **{("activations", stat): stat for stat in STABILITY_STATS}}
 
@@ -48,6 +48,7 @@ JUDGED = {("activations", "zero_fraction"): "zero_fraction", ("gradients", "norm
 FIGURE_PROBLEMS = {
     "zero_fraction": ("dead",), "nonfinite": ("nonfinite",), "ratio": ("too_fast", "too_slow"),
     "level": ("blowup", "collapse", "data"), "norm": ("nonfinite_grad", "exploding", "vanishing"),
+    "output_grad": ("output_grad_exploding", "output_grad_vanishing"),
     "attention_max_logit": ("attention_logits",), "attention_entropy": ("entropy_collapse",),
     "logit_abs_max": ("output_logits",), "massive_ratio": ("massive",),
 }
@@ -190,7 +191,7 @@ def _figure_of(problem: str) -> str:
 
 def _worse(problem: str, value: float, than: float) -> bool:
     """Whether ``value`` is further outside the band of ``problem`` than ``than``."""
-    if problem in ("vanishing", "too_slow", "entropy_collapse", "collapse"):
+    if problem in ("vanishing", "too_slow", "entropy_collapse", "collapse", "output_grad_vanishing"):
         return value < than
     if problem.startswith("nonfinite"):
         return False

@@ -16,9 +16,16 @@ step at a time, with every judged figure of that step. How it decides (docs/verd
   over all rows (the learning-rate schedule, the loss falling, the batch's own noise) is taken
   out first, so no fixed band judges the recipe. Activations are judged against their own
   history only, where a single layer's fault would move every row downstream of it.
+- The gradient reaching each module's output (``output_grad``, ActivationMonitor's
+  ``gradients=True``) against its own history, net of the move of the last module's (the
+  loss's own move: the loss falling, the batch, the schedule): the backward pass's gain from the
+  loss to that module. The backward runs in reverse forward order, so a fault in one module's
+  backward moves the gain of every module *before* it: of those out at a step, the *last* in
+  forward order (the first the backward pass reached) is named, and only where no module's
+  outputs single one out (a forward culprit moves the backward too: its consequences).
 - Every layer at once is the batch, not a layer: the first module in forward order out (its
-  input is the batch), or every gradient moving together while no activation and no update
-  ratio singles a layer out (the labels): ``data``.
+  input is the batch), or every gradient moving together while no activation, output gradient
+  or update ratio singles a layer out (the labels): ``data``.
 - Culprit and victims: at a step, the first module in forward order whose outputs are out of
   their range is named (its inputs, the modules before it, are in range); the modules after it,
   and the gradients and update ratios of other layers, are its victims, not named. Without an
@@ -42,7 +49,10 @@ from lightning_hooks.output._health_bands import Bands
 from lightning_hooks.output._row_range import Track, judge_value
 
 #: The relative figures, each with its (up, down) problems.
-RELATIVE = {"level": ("blowup", "collapse"), "norm": ("exploding", "vanishing"), "ratio": ("too_fast", "too_slow")}
+RELATIVE = {"level": ("blowup", "collapse"), "norm": ("exploding", "vanishing"), "ratio": ("too_fast", "too_slow"),
+            "output_grad": ("output_grad_exploding", "output_grad_vanishing")}
+#: The figure of the gradient reaching each module's output: judged in backward order (the last module first).
+BACKWARD = "output_grad"
 #: The relative figures whose step's common change over all rows is taken out (peers).
 COMMON_MODE = ("norm", "ratio")
 #: The problems seen in a module's own outputs: the evidence a culprit is named from, in forward order.
@@ -127,6 +137,8 @@ class Judge:
         logs = {row: (math.log(v) if v > 0 else -math.inf) for row, v in values.items() if math.isfinite(v) and v >= 0}
         moves = [logs[r] - last[r] for r in logs if r in last and math.isfinite(logs[r])]
         common = statistics.median(moves) if figure in COMMON_MODE and len(moves) >= 3 else 0.0
+        if figure == BACKWARD:  # the gain from the loss: the loss-side row's own move taken out
+            common = self._loss_side_move(logs, last)
         self.moves[figure] = common
         self.offset[figure] = self.offset.get(figure, 0.0) + common  # the peers' path, taken out
         found = [Finding(row, self._layer(figure, row), "nonfinite_grad", v, figure)
@@ -157,8 +169,8 @@ class Judge:
                 if first in side and len(side) >= len(levels) / 2:
                     return True
         if len(figures.get("norm", ())) < 3 or any(f.problem in OUTPUT_PROBLEMS or f.problem == "too_fast"
-                                                   for f in found):
-            return False  # a layer's outputs or its update ratio single it out
+                                                   or f.figure == BACKWARD for f in found):
+            return False  # a layer's outputs, its output gradient or its update ratio single it out
         # Every gradient jumped together, far beyond the batch-to-batch move they share.
         moves = self.tracks.setdefault("common", {}).setdefault("norm", Track(deque(maxlen=self.bands.window))).logs
         move = self.moves.get("norm", 0.0)
@@ -167,6 +179,16 @@ class Judge:
         if not jumped:
             moves.append(move)
         return jumped
+
+    def _loss_side_move(self, logs: Mapping[str, float], last: Mapping[str, float]) -> float:
+        """The move (log) of the gradient reaching the last module's output since its last value, or 0.
+
+        The last module in forward order is the loss's side: its gradient is the loss's own; the
+        others' against it are the backward pass's gain, which a cut or a blow-up changes.
+        """
+        finite = [row for row, x in logs.items() if math.isfinite(x)]
+        side = max(finite, key=lambda row: self.depth.get(row, 0)) if finite else None
+        return logs[side] - last[side] if side is not None and side in last else 0.0
 
     def _absolute(self, figure: str, values: Mapping[str, float]) -> list[Finding]:
         b = self.bands
@@ -232,6 +254,9 @@ class Judge:
         if outputs:
             first = min(outputs, key=lambda f: self.depth.get(f.layer, 0))
             return self._leaning(first) or first.layer
+        backward = [f for f in fresh if f.figure == BACKWARD]
+        if backward:  # the first module the backward pass reached whose output gradient went out
+            return max(backward, key=lambda f: self.depth.get(f.layer, 0)).layer
         for figure in ("ratio", "norm"):
             rows = [f for f in fresh if f.figure == figure]
             if rows:

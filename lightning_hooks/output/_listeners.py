@@ -35,6 +35,9 @@ class FigureListener:
     def record_histograms(self, histograms: HistogramBlock, edges: Sequence[float], step: int) -> None:
         """Receive the histograms of one kind logged at ``step``, one row each, on shared ``edges``."""
 
+    def record_forward_order(self, order: Sequence[str]) -> None:
+        """Receive the watched modules in the order their forward hooks first fired (once a fit, before its figures)."""
+
 
 def listeners(trainer: Any) -> list[FigureListener]:
     """The trainer's callbacks that listen to the logged figures."""

@@ -17,8 +17,9 @@ from typing import Optional
 
 from lightning_hooks.output._health_bands import Bands
 
-#: The least noise (log units) of each relative figure: 5% for outputs, 25% for gradients, 10% for ratios.
-MIN_NOISE = {"level": math.log(1.05), "norm": math.log(1.25), "ratio": math.log(1.1)}
+#: The least noise (log units) of each relative figure: 5% for outputs, 25% for gradients (of parameters or of
+#: outputs), 10% for ratios.
+MIN_NOISE = {"level": math.log(1.05), "norm": math.log(1.25), "ratio": math.log(1.1), "output_grad": math.log(1.25)}
 
 
 @dataclass

@@ -111,7 +111,8 @@ class LayersPlugin(base_plugin.TBPlugin):
     def _answer(self, reader: RunReader, run: str, figures: list[Figure], limits: Bands) -> dict[str, Any]:
         """The run route's answer: the figures with their marks, the banner, the anomalies."""
         unjudged = reader.unjudged_ratios(run)
-        judged = judge(figures, limits, unjudged)  # every figure of a step together, as LayerHealth judges
+        # Every figure of a step together, in the order the modules ran, as LayerHealth judges.
+        judged = judge(figures, limits, unjudged, reader.forward_order(run))
         return {
             "run": run,
             "figures": [_figure_json(figure, marks, limits) for figure, marks in judged],

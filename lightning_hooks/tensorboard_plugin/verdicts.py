@@ -11,7 +11,7 @@ layers it hurt are not marked. The routes take any threshold as a query paramete
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, Optional
 
 from lightning_hooks.output._health_verdicts import JUDGED, STABILITY_BANDS, Bands, _figure_of
@@ -20,7 +20,8 @@ from lightning_hooks.tensorboard_plugin.run_data import Figure
 
 #: The query parameters, each a field of :class:`Bands` (the band's two ends apart), with its type.
 QUERY = {"max_zero_fraction": float, "level_factor": float, "norm_factor": float, "ratio_factor": float,
-         "cusum": float, "window": int, "min_points": int, **dict.fromkeys(STABILITY_BANDS, float)}
+         "cusum": float, "window": int, "min_points": int, **dict.fromkeys(STABILITY_BANDS, float),
+         "output_grad_factor": float}
 
 
 def bands_from_query(args: Mapping[str, str]) -> Bands:
@@ -56,7 +57,8 @@ def judged_as(figure: Figure) -> Optional[str]:
     return JUDGED.get((figure.kind, stat))
 
 
-def judge(figures: list[Figure], bands: Bands, unjudged: frozenset[str] = frozenset()) -> list[tuple[Figure, Marks]]:
+def judge(figures: list[Figure], bands: Bands, unjudged: frozenset[str] = frozenset(),
+          order: Sequence[str] = ()) -> list[tuple[Figure, Marks]]:
     """Each figure with its marked cells: the run replayed step by step through LayerHealth's judge.
 
     Args:
@@ -64,6 +66,8 @@ def judge(figures: list[Figure], bands: Bands, unjudged: frozenset[str] = frozen
         bands: The thresholds.
         unjudged: 1-D parameter rows: their update ratio and finite gradient norm are not judged
             (as LayerHealth leaves them out).
+        order: The modules in the order their forward hooks first fired (ActivationMonitor's
+            ``layers/forward_order``), as LayerHealth judges them; else the figures' row order.
     """
     kinds = [(figure, judged_as(figure)) for figure in figures]
     columns: dict[int, list[tuple[Figure, str, int]]] = {}
@@ -72,7 +76,7 @@ def judge(figures: list[Figure], bands: Bands, unjudged: frozenset[str] = frozen
             if kind is not None:
                 columns.setdefault(step, []).append((figure, kind, col))
     marks: dict[int, Marks] = {id(figure): [] for figure in figures}
-    referee = Judge(bands)
+    referee = Judge(bands, order)
     for step in sorted(columns):
         values: dict[str, dict[str, float]] = {}
         where: dict[tuple[str, str], tuple[Figure, int]] = {}

@@ -10,7 +10,7 @@ const HIGH = "#ff1744", LOW = "#00b0ff";
 export const MARK_COLOURS = {dead: HIGH, nonfinite: HIGH, nonfinite_grad: HIGH, exploding: HIGH, too_fast: HIGH,
                              attention_logits: HIGH, output_logits: HIGH, massive: HIGH,
                              blowup: HIGH, data: HIGH, vanishing: LOW, too_slow: LOW, entropy_collapse: LOW,
-                             collapse: LOW};
+                             collapse: LOW, output_grad_exploding: HIGH, output_grad_vanishing: LOW};
 export const markColour = (problem) => MARK_COLOURS[problem] || HIGH;
 export const NONFINITE = "#212121";  // the fill of a NaN or infinite value
 export const ROW_H = 14, TOP_GAP = 6;
