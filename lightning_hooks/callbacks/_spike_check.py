@@ -21,6 +21,7 @@ import torch
 from torch import Tensor
 
 from lightning_hooks.callbacks._base import log_step
+from lightning_hooks.callbacks._flight_leader import OutputLevels
 from lightning_hooks.callbacks._flight_recorder import FlightRecord, FlightRecorder, write_record
 from lightning_hooks.core._validation import check_int
 from lightning_hooks.distributed._rank_agreement import Check
@@ -123,6 +124,7 @@ class SpikeWatch:
         self.spikes = SpikeCheck(spikes) if spikes is not None else None
         self.flight_recorder = flight_recorder
         self.recorders: dict[int, FlightRecorder] = {}  # by optimizer, as the spike windows
+        self.outputs = OutputLevels(flight_recorder)  # the modules' output std at the last logged steps (rank zero)
         self._loss = StepLoss()
         self._step_loss: Optional[Tensor] = None  # the loss of the step being checked
 
@@ -152,7 +154,7 @@ class SpikeWatch:
         None without a recorder, or before that optimizer's first recorded step.
         """
         recorder = self.recorders.get(key)
-        record = recorder.read(log_step(trainer), names) if recorder is not None else None
+        record = recorder.read(log_step(trainer), names, self.outputs) if recorder is not None else None
         return write_record(trainer, record) if record is not None else None
 
     def clear(self) -> None:
@@ -163,14 +165,14 @@ class SpikeWatch:
     def copy_judges(self) -> dict[str, Any]:
         """A copy of what judges the steps (the spike windows, the flight recorders), on device, for a rollback."""
         return copy.deepcopy({"windows": self.spikes.windows if self.spikes is not None else None,
-                              "recorders": self.recorders})
+                              "recorders": self.recorders, "outputs": self.outputs})
 
     def restore_judges(self, judges: dict[str, Any]) -> None:
         """Put back a :meth:`copy_judges` (copied again: a later rollback to it finds it untouched)."""
         judges = copy.deepcopy(judges)
         if self.spikes is not None:
             self.spikes.windows = judges["windows"]
-        self.recorders = judges["recorders"]
+        self.recorders, self.outputs = judges["recorders"], judges["outputs"]
 
     def state_dict(self) -> dict[str, Any]:
         """The spike windows, if any."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Mapping, Sequence
 from typing import Any, Literal, Optional, Union
 
 import lightning.pytorch as pl
@@ -11,6 +12,7 @@ from torch import Tensor
 
 from lightning_hooks.callbacks._anomaly_report import AnomalyReport
 from lightning_hooks.callbacks._base import watch_closely
+from lightning_hooks.callbacks._flight_leader import output_levels
 from lightning_hooks.callbacks._gradient_check import GradientCheck
 from lightning_hooks.callbacks._rollback import Rollback, check_strategy, rolled_back, validate_rollback
 from lightning_hooks.callbacks._spike_check import SpikeWatch, StepJudges, validate_spikes
@@ -20,6 +22,8 @@ from lightning_hooks.core.selection import ModuleSelection
 from lightning_hooks.distributed._rank_agreement import Check
 from lightning_hooks.distributed._step_measure import Step
 from lightning_hooks.measure.spikes import SpikeTrigger
+from lightning_hooks.output._listeners import FigureListener
+from lightning_hooks.output.figures import ScalarBlock
 
 Action = Literal["stop", "skip", "rollback", "raise", "warn"]
 _ACTIONS = ("stop", "skip", "rollback", "raise", "warn")
@@ -36,7 +40,7 @@ class GradientAnomalyError(RuntimeError):
         self.report = report
 
 
-class GradientAnomalyStopping(GradientCheck):
+class GradientAnomalyStopping(FigureListener, GradientCheck):
     """Act when gradients are non-finite, explode or vanish: stop, skip the update, roll back, raise or warn.
 
     The check runs at every optimizer step in ``on_before_optimizer_step`` (after gradient
@@ -238,6 +242,11 @@ class GradientAnomalyStopping(GradientCheck):
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Tensor) -> None:
         """Note the loss about to be backpropagated, on device, for ``spikes`` and ``flight_recorder``."""
         self._watch.add_loss(trainer, loss)
+
+    def record_figures(self, figures: Sequence[ScalarBlock], metrics: Mapping[str, float], step: int) -> None:
+        """With ``flight_recorder``: keep the modules' output std ActivationMonitor logs (NaN where non-finite)."""
+        if self.flight_recorder:
+            self._watch.outputs.add(step, output_levels(figures))
 
     def _votes(self, trainer: pl.Trainer, step: Step) -> dict[str, Tensor]:
         return self._watch.votes(step, first=self._shared is None or self._shared.evaluation == 1)
