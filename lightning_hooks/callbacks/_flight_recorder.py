@@ -101,30 +101,32 @@ def analyse(step: int, steps: Sequence[int], losses: Union[Sequence[float], np.n
 
 
 class FlightRecorder:
-    """The last ``steps`` optimizer steps' loss, update norm and per-parameter gradient norms, on device.
+    """The last ``steps`` optimizer steps' loss, per-parameter gradient norms and update norm, on device.
 
-    Each row is ``[loss, update norm, gradient norms...]``; the update norm a step's check
-    judges is the step before's (an update is known only once made), so it is noted in that
-    row and moved up one row when read.
+    Each row is ``[loss, gradient norms...]``, with ``updates`` ``[loss, update norm, gradient
+    norms...]``: the update norm a step's check judges is the step before's (an update is known
+    only once made), so it is kept in that row and moved up one row when read.
 
     Args:
         steps: How many steps it keeps.
+        updates: Whether each row holds an update norm.
     """
 
-    def __init__(self, steps: int) -> None:
+    def __init__(self, steps: int, updates: bool = False) -> None:
         self.ring = DeviceRing(steps)
         self.steps: deque[int] = deque(maxlen=steps)
-        self.updates = False  # whether any update norm was noted
+        self.updates = updates
 
     def record(self, step: int, loss: Tensor, norms: Tensor, update: Optional[Tensor] = None) -> None:
         """Keep step ``step``'s loss (0-d), gradient norms (one per parameter) and the step before's update norm.
 
-        One device copy; ``update`` None (not measured) is NaN.
+        One device copy. ``update`` is kept with ``updates`` only (None there: NaN).
         """
-        previous = torch.full((1,), math.nan, dtype=norms.dtype, device=norms.device) if update is None else (
-            update.reshape(1).to(norms.device, norms.dtype))
-        self.updates = self.updates or update is not None
-        self.ring.push(torch.cat([loss.reshape(1).to(norms.device, norms.dtype), previous, norms.reshape(-1)]))
+        parts = [loss.reshape(1).to(norms.device, norms.dtype)]
+        if self.updates:
+            parts.append(torch.full((1,), math.nan, dtype=norms.dtype, device=norms.device) if update is None
+                         else update.reshape(1).to(norms.device, norms.dtype))
+        self.ring.push(torch.cat([*parts, norms.reshape(-1)]))
         if self.ring.count == 1:  # a new ring (the parameters changed): the steps start again
             self.steps.clear()
         self.steps.append(step)
@@ -132,11 +134,12 @@ class FlightRecorder:
     def read(self, step: int, names: Sequence[str], outputs: Optional[OutputLevels] = None) -> Optional[FlightRecord]:
         """Bring the record to the host (one transfer) and analyse it; None before the first step."""
         rows = self.ring.ordered()
-        if rows is None or rows.shape[1] - 2 != len(names):
+        first = 2 if self.updates else 1  # the first gradient norm's column
+        if rows is None or rows.shape[1] - first != len(names):
             return None
         host = rows.cpu().numpy()
         updates = np.append(host[1:, 1], math.nan) if self.updates else None  # each row's own step's update
-        return analyse(step, list(self.steps), host[:, 0], host[:, 2:], names, outputs, updates)
+        return analyse(step, list(self.steps), host[:, 0], host[:, first:], names, outputs, updates)
 
     def clear(self) -> None:
         """Forget every step."""

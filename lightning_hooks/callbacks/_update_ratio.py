@@ -12,6 +12,7 @@ from torch.utils.hooks import RemovableHandle
 
 from lightning_hooks.callbacks._base import log_step
 from lightning_hooks.callbacks._gradient_rows import Row, Rows
+from lightning_hooks.callbacks._update_norm import StepDelta, held
 from lightning_hooks.measure._sharding import ShardGroupCache, ShardGroups, grad_of, local
 from lightning_hooks.output.figures import ScalarBlock
 from lightning_hooks.output.sinks import log_scalars
@@ -35,6 +36,7 @@ class UpdateRatio:
         self.norms = norms  # also the update's norm and, where the optimizer keeps them, Adam's moments' norms
         self._rows: Rows = []
         self._before: Optional[list[Tensor]] = None
+        self._shared: Optional[StepDelta] = None  # the update-norm signal's copy of this step, read instead
         self._optimizer: Any = None
         self._shard_groups = ShardGroupCache()  # how the rows' parameters are split across ranks
 
@@ -49,8 +51,12 @@ class UpdateRatio:
         self._rows = [row for row in stepped if row.params]
         if not self._rows:
             return
-        with torch.no_grad():
-            self._before = [local(p).detach().clone() for _, params in self._rows for p in params]
+        delta = held(optimizer)  # SpikeTrigger(update_norm=...) copied this step's parameters: no second copy
+        if delta is not None and all(id(p) in delta.index for _, params in self._rows for p in params):
+            self._before, self._shared = [], delta
+        else:
+            with torch.no_grad():
+                self._before = [local(p).detach().clone() for _, params in self._rows for p in params]
         self._optimizer = optimizer
 
     def register(self, trainer: pl.Trainer) -> list[RemovableHandle]:
@@ -63,7 +69,7 @@ class UpdateRatio:
 
     def discard(self) -> None:
         """Drop the snapshot and the references to the parameters."""
-        self._rows, self._before, self._optimizer = [], None, None
+        self._rows, self._before, self._optimizer, self._shared = [], None, None, None
 
     def forget(self) -> None:
         """Drop the snapshot and what was learnt of the parameters' layout (at the end of a fit)."""
@@ -80,13 +86,15 @@ class UpdateRatio:
         """
         if self._before is None or optimizer is not self._optimizer:
             return []
-        rows, before = self._rows, self._before
+        rows, before, shared = self._rows, self._before, self._shared
         self.discard()
         shards = self._shard_groups([p for _, params in rows for p in params])
         if not to_host and not shards.sharded:
             return []
         moments = _moment_squares(optimizer, rows) if self.norms else None
-        squares = _row_squares(rows, before, shards, moments)  # sharded: every rank takes part in the sum
+        flat = [p for _, params in rows for p in params]
+        measured = None if shared is None else shared.squares()[:, [shared.index[id(p)] for p in flat]]
+        squares = _row_squares(rows, before, shards, moments, measured)  # sharded: every rank takes part in the sum
         if not to_host:
             return []
         deltas, weights, *moment_sums = squares.cpu().tolist()  # the one transfer
@@ -146,21 +154,24 @@ def _moment_squares(optimizer: Any, rows: Rows) -> Optional[Tensor]:
         return squares
 
 
-def _row_squares(rows: Rows, before: list[Tensor], shards: ShardGroups, moments: Optional[Tensor] = None) -> Tensor:
+def _row_squares(rows: Rows, before: list[Tensor], shards: ShardGroups, moments: Optional[Tensor] = None,
+                 measured: Optional[Tensor] = None) -> Tensor:
     """Per row, the squared norms of the update and of the weights before it: a ``(2, rows)`` tensor.
 
     With ``moments`` (``(2, params)``: Adam's ``||m||²`` and ``sum(v)`` per parameter), two rows more.
+    With ``measured`` (``(2, params)``, from a shared :class:`StepDelta`), ``before`` is not read.
 
     The rows' parameters lie one after another in ``before``, so each row is a slice (views,
     no index goes to the device). Sharded parameters' squares are summed over their shards
     first, in one collective.
     """
     with torch.no_grad():
-        after = [local(p).detach() for _, params in rows for p in params]
-        deltas = torch._foreach_sub(after, before)
-        norms = torch.stack([torch.stack(torch._foreach_norm(tensors, 2, dtype=torch.float32))
-                             for tensors in (deltas, before)])
-        squares = norms.double().square()
+        if measured is None:
+            after = [local(p).detach() for _, params in rows for p in params]
+            deltas = torch._foreach_sub(after, before)
+            norms = torch.stack([torch.stack(torch._foreach_norm(tensors, 2, dtype=torch.float32))
+                                 for tensors in (deltas, before)])
+        squares = norms.double().square() if measured is None else measured
         if moments is not None:
             squares = torch.cat([squares, moments])
         squares = shards.sum_(squares.T.contiguous()).T

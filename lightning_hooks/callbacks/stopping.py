@@ -100,12 +100,16 @@ class GradientAnomalyStopping(FigureListener, GradientCheck):
         rollback_every_n_steps: With ``"rollback"``: refresh the snapshot after this many clean
             steps in a row (None: 100).
         skip_batches: With ``"rollback"``: after a restore, drop the updates of this many steps.
-        spikes: Also flag ``"loss_spike"`` and ``"grad_norm_spike"``: a robust z-score of the
-            step's loss (as backpropagated) and total gradient norm over a rolling window
-            (:class:`~lightning_hooks.SpikeTrigger`), on device, agreed in the step's one collective.
-        flight_recorder: Keep the last this many steps' loss and gradient norms on device; a
-            report then carries them (:class:`~lightning_hooks.FlightRecord`: which layer's norm
-            left its usual range first, how many steps before), also written next to the logs
+        spikes: Also flag ``"loss_spike"`` and ``"grad_norm_spike"`` (and, when asked,
+            ``"update_norm_spike"``, at the check after the update): a robust z-score of the
+            step's loss (as backpropagated), total gradient norm and update norm over a rolling
+            window (:class:`~lightning_hooks.SpikeTrigger`), on device, agreed in the step's one
+            collective.
+        flight_recorder: Keep the last this many steps' loss and gradient norms on device (and
+            update norms, when ``spikes`` watches them), and the modules' output std an
+            ActivationMonitor logs; a report then carries them (:class:`~lightning_hooks.FlightRecord`:
+            which layer left its usual range first, from its outputs where logged, how many
+            steps before), also written next to the logs
             (``flight-record-step<N>.csv``) and to TensorBoard (``anomalies/flight_record``, and as
             JSON for the Layers tab, ``anomalies/flight_record_data``). 0: off.
         watch_after: After each step acted on, have the Trainer's GradientMonitor,
@@ -216,6 +220,8 @@ class GradientAnomalyStopping(FigureListener, GradientCheck):
             self._rollback.take(trainer, pl_module)
         if self.action in ("stop", "skip", "rollback"):
             self._handles.extend(self._dropper.register(trainer.optimizers))
+        if self._watch.updates is not None:  # after the dropper's: a dropped update is seen as one
+            self._handles.extend(self._watch.updates.register(trainer.optimizers))
 
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int

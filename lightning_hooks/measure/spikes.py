@@ -1,4 +1,4 @@
-"""Spike detection on the loss and the gradient norm: a robust z-score over a rolling window, on device.
+"""Spike detection on the loss, the gradient norm and the update norm: a robust z-score over a window, on device.
 
 :func:`robust_zscore` is the kernel (pure tensors in, a tensor out); :class:`SpikeTrigger` holds
 the thresholds a user sets; :class:`SpikeWindows` keeps the rolling windows of one run on the
@@ -20,7 +20,7 @@ from lightning_hooks.core._validation import check_int, check_number
 __all__ = ["SPIKE_SIGNALS", "SpikeTrigger", "SpikeWindows", "robust_zscore"]
 
 #: The signals a :class:`SpikeTrigger` watches, in the order of its flags: the flag names are ``<signal>_spike``.
-SPIKE_SIGNALS = ("loss", "grad_norm")
+SPIKE_SIGNALS = ("loss", "grad_norm", "update_norm")
 
 #: The fewest and the most values a spike window may hold: a median and a spread of fewer than 8
 #: values call ordinary noise a spike (window=2 flagged 57-72% of a healthy run's steps); a median
@@ -75,7 +75,7 @@ def robust_zscore(window: Tensor, value: Tensor, min_spread: float = 0.0, recent
 
 @dataclass(frozen=True)
 class SpikeTrigger:
-    """When a step's loss or gradient norm is a spike: a robust z-score above a threshold.
+    """When a step's loss, gradient norm or update norm is a spike: a robust z-score above a threshold.
 
     The z-score of a step's value is how far it lies above the signal's recent level (the median
     of the last ``window // 8`` values, at least 8), in robust standard deviations of its
@@ -103,6 +103,12 @@ class SpikeTrigger:
         loss: Flag ``loss_spike`` above this z-score (None: do not watch the loss).
         grad_norm: Flag ``grad_norm_spike`` above this z-score of the total gradient norm (None:
             do not watch it).
+        update_norm: Flag ``update_norm_spike`` above this z-score of the total update norm
+            ``||w_after - w_before||`` over the optimizer's parameters (None, the default: do
+            not watch it). An Adam update-norm spike can come before the loss spikes (a 32B
+            run's retrospective, Marin). It costs one device copy of the parameters per step
+            (shared with GradientMonitor's ``update_ratio``), and an update is known only once
+            made: a step's update is judged at the next step's check, which the flag fires at.
         window: How many past steps the median covers: 8 to 10,000.
         warmup: How many finite values a signal's window must hold before it is judged: 8 to
             ``window`` (None: half the window, 64 by default).
@@ -112,7 +118,7 @@ class SpikeTrigger:
     Raises:
         TypeError: For a threshold or ``min_spread`` that is not a number, or a ``window`` or
             ``warmup`` that is not an int.
-        ValueError: For a threshold that is not finite and > 0, neither signal watched, a
+        ValueError: For a threshold that is not finite and > 0, no signal watched, a
             ``window`` outside [8, 10000], a ``warmup`` below 8 or above ``window``, or a
             ``min_spread`` outside [0, 1].
 
@@ -125,6 +131,7 @@ class SpikeTrigger:
 
     loss: Optional[float] = 6.0
     grad_norm: Optional[float] = 6.0
+    update_norm: Optional[float] = None
     window: int = 128
     warmup: Optional[int] = None
     min_spread: float = 0.05
@@ -132,8 +139,10 @@ class SpikeTrigger:
     def __post_init__(self) -> None:
         check_number("loss", self.loss, low=0, optional=True)
         check_number("grad_norm", self.grad_norm, low=0, optional=True)
-        if self.loss is None and self.grad_norm is None:
-            raise ValueError("SpikeTrigger watches nothing: set `loss` or `grad_norm` (z-scores, e.g. 6.0)")
+        check_number("update_norm", self.update_norm, low=0, optional=True)
+        if self.loss is None and self.grad_norm is None and self.update_norm is None:
+            raise ValueError("SpikeTrigger watches nothing: set `loss`, `grad_norm` or `update_norm` (z-scores,"
+                             " e.g. 6.0)")
         check_int("window", self.window)
         if not MIN_WINDOW <= self.window <= MAX_WINDOW:
             raise ValueError(f"`window` must be an int in [{MIN_WINDOW}, {MAX_WINDOW}], got {self.window!r}: a median"
@@ -153,7 +162,7 @@ class SpikeTrigger:
     @property
     def thresholds(self) -> tuple[float, ...]:
         """The threshold per signal of :data:`SPIKE_SIGNALS`, +inf for a signal not watched."""
-        return tuple(math.inf if t is None else float(t) for t in (self.loss, self.grad_norm))
+        return tuple(math.inf if t is None else float(t) for t in (self.loss, self.grad_norm, self.update_norm))
 
 
 class DeviceRing:
@@ -229,7 +238,8 @@ class SpikeWindows:
         """The z-score of each signal's value (loss, grad norm) and whether it is a spike, on device.
 
         Args:
-            values: ``(len(SPIKE_SIGNALS),)``: the step's loss and total gradient norm (NaN: none).
+            values: The step's loss, total gradient norm and the step before's update norm
+                (NaN: none), or the first of them.
             key: The optimizer's index.
 
         Returns:
@@ -239,6 +249,8 @@ class SpikeWindows:
         ring = self._rings.get(key)
         values = values.double()
         rows = ring.ordered() if ring is not None and ring.count >= self._warmup else None
+        if rows is not None and rows.shape[1] != values.numel():  # saved with other signals: a new window
+            rows = None
         if rows is None:
             z = torch.zeros_like(values)
         else:
@@ -248,7 +260,7 @@ class SpikeWindows:
             z = torch.where(values.isnan() | ~warm, 0.0, z)  # a signal without a value, or too few: no verdict
         if self._thresholds is None or self._thresholds.device != values.device:
             self._thresholds = torch.tensor(self.trigger.thresholds, dtype=torch.float64, device=values.device)
-        return z, z > self._thresholds
+        return z, z > self._thresholds[: values.numel()]  # the first signals of SPIKE_SIGNALS, if not all
 
     def remember(self, values: Tensor, key: int = 0) -> None:
         """Add the step's values to the windows of optimizer ``key`` (a non-finite one as a gap)."""
