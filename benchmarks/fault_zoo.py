@@ -295,7 +295,8 @@ def main(argv: Optional[list[str]] = None) -> list[dict[str, Any]]:
     torch.set_num_threads(1)
     globals()["GROWTH"] = args.growth
     rows = []
-    print("| model | fault | first named | delay | named before culprit | loss moved 5% | flight leader (ties) | s |")
+    print("| model | fault | first named | delay | named before culprit | loss moved 5% | flight leader, gradients"
+          " only (tie) | flight leader (judged by) | s |")
     print("|---|---|---|---:|---:|---:|---|---|---:|")
     for model in args.models:
         healthy = run_case(model, None, args.steps, args.onset, args.every, args.seed)

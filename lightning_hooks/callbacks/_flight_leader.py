@@ -6,11 +6,13 @@ chosen as LayerHealth's judge chooses a culprit (``lightning_hooks/output/_judge
 docs/verdicts.md), on the record's rows:
 
 - From the modules' outputs (ActivationMonitor's per-module std at its logged steps): the
-  earliest departure, the first module in forward order among those that left at that step
-  (its inputs, the modules before it, were in range: the ones after it are its victims), or a
-  module before it already half way out the same way (a ramp crosses its victims' ranges in
-  any order, its own not always first). The first watched module's outputs moving is the batch
-  (its input), not a layer: every layer at once. A NaN or an all-zero output is out of range.
+  first module in forward order whose outputs are out of their range at the anomaly (its
+  inputs, the modules before it, are in range; the ones after it are its victims, whichever
+  crossed its range first: a ramp crosses its victims' in any order, and a layer still
+  learning its scale may have drifted out long before). A NaN, an Inf or all zeros is born in
+  one module and flows forward at once: the first in forward order where it appeared first.
+  The first watched module's outputs moving is the batch (its input), not a layer: every
+  layer at once.
 - From gradient norms alone: the earliest departure; layers that left at the same step are a
   tie, listed in the order their parameters were registered. A gradient flows back through
   every layer before the one that broke, and grows with that layer's gain, so gradient norms
@@ -52,6 +54,7 @@ class Leader:
     row: int
     change: float
     data: bool = False
+    every: bool = False  # gradient norms: every layer with a range tied (the batch, or a fault every gradient crosses)
 
 
 def log_of(series: np.ndarray) -> np.ndarray:
@@ -107,7 +110,7 @@ def usual_level(series: np.ndarray, departure: Optional[Departure]) -> Optional[
 
 
 def output_leader(modules: Sequence[str], levels: np.ndarray) -> Optional[Leader]:
-    """The module whose outputs left their range first, as the judge names a culprit (see the module docstring).
+    """The module whose outputs led, as the judge names a culprit (see the module docstring).
 
     Args:
         modules: The modules, in forward order.
@@ -122,26 +125,15 @@ def output_leader(modules: Sequence[str], levels: np.ndarray) -> Optional[Leader
     out = {i: d for i, d in found.items() if d is not None}
     if not out:
         return None
-    first_row = min(d.row for d in out.values())
-    winner = min(i for i, d in out.items() if d.row == first_row)
-    leader = _leaning(levels, out, winner) or winner
+    # A NaN, an Inf or all zeros is born somewhere and flows forward at once: the earliest, first in forward order.
+    born = [i for i, d in out.items() if not (np.isfinite(levels[d.row, i]) and levels[d.row, i] > 0)]
+    if born:
+        first_row = min(out[i].row for i in born)
+        leader = min(i for i in born if out[i].row == first_row)
+    else:  # a level moved: the first module out in forward order (its inputs in range); a victim after it may
+        leader = min(out)  # cross its range sooner (a ramp) or have drifted out while learning
     departure = out[leader]
-    moved = bool(np.isfinite(levels[-1, leader]) and levels[-1, leader] > 0)
-    return Leader((modules[leader],), departure.row, departure.change, data=leader == 0 and moved)
-
-
-def _leaning(levels: np.ndarray, out: dict[int, Departure], winner: int) -> Optional[int]:
-    """The first module before ``winner`` already half way out the same way at its departure, or None."""
-    at, up = out[winner].row, out[winner].change > 0
-    logs = log_of(levels[at])
-    for i in sorted(out):
-        if i >= winner or (out[i].change > 0) != up:
-            continue
-        median, band = out[i].usual
-        deviation = logs[i] - median
-        if np.isfinite(deviation) and (deviation if up else -deviation) > band / 2:
-            return i
-    return None
+    return Leader((modules[leader],), departure.row, departure.change, data=leader == 0 and not born)
 
 
 def gradient_leader(layers: Sequence[str], found: dict[str, Optional[Departure]], known: int) -> Optional[Leader]:
@@ -150,7 +142,8 @@ def gradient_leader(layers: Sequence[str], found: dict[str, Optional[Departure]]
     Args:
         layers: The layers, in the order their parameters were registered.
         found: Each layer's departure, or None.
-        known: How many layers have a usual range: a tie of all of them is every layer at once.
+        known: How many layers have a usual range: a tie of all of them is every layer at once
+            (``every``), which gradient norms alone cannot tell from a fault whose gradient reaches them all.
     """
     out = [(d.row, i) for i, layer in enumerate(layers) if (d := found[layer]) is not None]
     if not out:
@@ -158,7 +151,7 @@ def gradient_leader(layers: Sequence[str], found: dict[str, Optional[Departure]]
     first_row = min(row for row, _ in out)
     tied = [i for row, i in out if row == first_row]
     change = max((found[layers[i]].change for i in tied), key=abs)  # type: ignore[union-attr]
-    return Leader(tuple(layers[i] for i in tied), first_row, change, data=1 < len(tied) >= known)
+    return Leader(tuple(layers[i] for i in tied), first_row, change, data=False, every=1 < len(tied) >= known)
 
 
 class OutputLevels:

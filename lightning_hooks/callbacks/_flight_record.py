@@ -45,8 +45,10 @@ class FlightRecord:
             of range; None for a layer without enough finite norms to tell.
         judged_by: ``"outputs"`` (the modules' output std, ActivationMonitor's logged steps) or
             ``"gradients"``: what ``leader`` was judged from.
-        data: Every layer at once (the first module's outputs, whose input is the batch, or every
-            layer's gradient norm at the same step): the batch, not a layer.
+        data: Every layer at once, judged from the outputs (the first module's, whose input is the
+            batch, moved): the batch, not a layer.
+        every: Every layer's gradient norm left its range at the same step (judged from gradient
+            norms alone, which cannot tell the batch from a fault whose gradient reaches them all).
         output_onsets: The modules whose outputs were out of range at the anomaly, with the step
             they left it, in forward order (empty without output figures).
         update_norms: Per row, the norm of that step's update ``||w_after - w_before||`` (NaN
@@ -69,6 +71,7 @@ class FlightRecord:
     tied: tuple[str, ...] = ()
     judged_by: str = "gradients"
     data: bool = False
+    every: bool = False
     output_onsets: tuple[tuple[str, int], ...] = ()
     update_norms: tuple[float, ...] = ()
     path: Optional[str] = None
@@ -98,13 +101,13 @@ def record_summary(record: FlightRecord) -> str:
                 f" range){then}")
     then = ", ".join(f"{layer!r} at step {at}" for layer, at in record.onsets[1 + len(record.tied):4])
     then = f"; then {then}" if then else ""
-    if record.data:
-        return (f"{span}: all {1 + len(record.tied)} layers left their usual gradient norm range at the same step"
-                f" {start}, {record.lead} steps before: every layer at once, look at the batch")
     if record.tied:
-        names = ", ".join(repr(layer) for layer in (record.leader, *record.tied))
+        names = ", ".join(repr(layer) for layer in (record.leader, *record.tied)[:8])
+        more = f" and {len(record.tied) - 7} more" if len(record.tied) > 7 else ""
+        every = "; every layer at once: the batch, or a fault whose gradient reaches them all" if record.every else ""
         return (f"{span}: a tie, {1 + len(record.tied)} layers left their usual gradient norm range at the same step"
-                f" {start}, {record.lead} steps before, in forward order: {names} ({_GRADIENTS_ONLY}){then}")
+                f" {start}, {record.lead} steps before, in forward order: {names}{more}{every} ({_GRADIENTS_ONLY})"
+                f"{then}")
     return (f"{span}: layer {record.leader!r} left its usual gradient norm range first, {record.lead} steps before"
             f" (at step {start}; x{record.rise:.3g} at step {record.step}; {_GRADIENTS_ONLY}){then}")
 
@@ -162,9 +165,10 @@ def record_json(record: FlightRecord) -> dict[str, Any]:
     ``norms`` (per row, one per layer), ``usual`` (per layer ``[norm, factor]`` or null: see
     :attr:`FlightRecord.usual`), ``onsets`` (``[layer, step]``, earliest first), ``leader``,
     ``lead``, ``tied`` (the layers that left at the leader's step), ``judged_by`` (``"outputs"``
-    or ``"gradients"``), ``data`` (every layer at once), ``output_onsets`` (``[module, step]``,
-    forward order) and ``update_norms`` (one per row, or empty). Non-finite numbers are the
-    strings ``"NaN"``, ``"Infinity"``, ``"-Infinity"``.
+    or ``"gradients"``), ``data`` (every layer at once, from the outputs), ``every`` (every
+    gradient norm at once), ``output_onsets`` (``[module, step]``, forward order) and
+    ``update_norms`` (one per row, or empty). Non-finite numbers are the strings ``"NaN"``,
+    ``"Infinity"``, ``"-Infinity"``.
     """
     return {
         "step": record.step, "steps": list(record.steps), "losses": [_number(v) for v in record.losses],
@@ -172,6 +176,7 @@ def record_json(record: FlightRecord) -> dict[str, Any]:
         "usual": [None if u is None else [_number(u[0]), _number(u[1])] for u in record.usual],
         "onsets": [[layer, at] for layer, at in record.onsets], "leader": record.leader, "lead": record.lead,
         "tied": list(record.tied), "judged_by": record.judged_by, "data": record.data,
+        "every": record.every,
         "output_onsets": [[module, at] for module, at in record.output_onsets],
         "update_norms": [_number(v) for v in record.update_norms],
     }

@@ -97,7 +97,7 @@ def analyse(step: int, steps: Sequence[int], losses: Union[Sequence[float], np.n
     if leader is None:
         return record
     return replace(record, leader=leader.names[0], tied=leader.names[1:], lead=step - at[leader.row],
-                   rise=float(np.exp(leader.change)), data=leader.data)
+                   rise=float(np.exp(leader.change)), data=leader.data, every=leader.every)
 
 
 class FlightRecorder:

@@ -37,6 +37,7 @@ class UpdateRatio:
         self._rows: Rows = []
         self._before: Optional[list[Tensor]] = None
         self._shared: Optional[StepDelta] = None  # the update-norm signal's copy of this step, read instead
+        self.copies = 0  # snapshots it copied itself (not those it read from the update-norm signal's)
         self._optimizer: Any = None
         self._shard_groups = ShardGroupCache()  # how the rows' parameters are split across ranks
 
@@ -57,6 +58,7 @@ class UpdateRatio:
         else:
             with torch.no_grad():
                 self._before = [local(p).detach().clone() for _, params in self._rows for p in params]
+            self.copies += 1
         self._optimizer = optimizer
 
     def register(self, trainer: pl.Trainer) -> list[RemovableHandle]:
