@@ -83,6 +83,6 @@ def test_gradient_monitor_s_update_ratio_reads_the_signal_s_copy_and_logs_the_sa
 
     alone, own = ratios(False)
     shared, reader = ratios(True)
-    assert own._updates.copies == 8 and reader._updates.copies == 0  # logged steps 4, 9 ... 39: no second copy
+    assert own._updates.copies == 9 and reader._updates.copies == 0  # logged steps 0, 4, 9 ... 39: no second copy
     assert alone.keys() == shared.keys() and any(tag.endswith("/ratio") for _, tag in alone)
     assert all(shared[tag] == pytest.approx(alone[tag], rel=1e-6) for tag in alone)
