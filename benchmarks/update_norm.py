@@ -3,11 +3,11 @@
 The update norm is measured in the optimizer's step hooks (``callbacks/_update_norm.py``): a copy
 of the parameters before the step, ``w_before - w_after`` in place after it, one multi-tensor
 norm. This times a plain training step (forward, backward, Adam's step) with and without those
-hooks, interleaved in one process (so the machine's load hits both alike), and gives their
-ratio; and counts the copies and the bytes a step holds.
+hooks, alternating step by step in one process (so the machine's load hits both alike), and
+gives their ratio; and counts the copies and the bytes a step holds.
 
     python benchmarks/update_norm.py            # about a minute on 2 cores
-    python benchmarks/update_norm.py --rounds 3 --steps 10
+    python benchmarks/update_norm.py --steps 20
 """
 
 from __future__ import annotations
@@ -37,47 +37,50 @@ def models() -> dict[str, tuple[nn.Module, Callable[[], torch.Tensor]]]:
             "encoder4x256": (encoder, lambda: encoder(tokens).square().mean())}
 
 
-def step_seconds(model: nn.Module, loss: Callable[[], torch.Tensor], optimizer: torch.optim.Optimizer,
-                 steps: int) -> list[float]:
-    times = []
-    for _ in range(steps):
-        start = time.perf_counter()
-        optimizer.zero_grad(set_to_none=True)
-        loss().backward()
-        optimizer.step()
-        times.append(time.perf_counter() - start)
-    return times
+def step_seconds(model: nn.Module, loss: Callable[[], torch.Tensor], optimizer: torch.optim.Optimizer) -> float:
+    start = time.perf_counter()
+    optimizer.zero_grad(set_to_none=True)
+    loss().backward()
+    optimizer.step()
+    return time.perf_counter() - start
 
 
-def measure(name: str, model: nn.Module, loss: Callable[[], torch.Tensor], rounds: int, steps: int) -> str:
-    """One table line: the plain step, the step with the update norm measured, their ratio, the copy's size."""
+def measure(name: str, model: nn.Module, loss: Callable[[], torch.Tensor], steps: int) -> str:
+    """One table line: the plain step, the step with the update norm measured, their ratio, the copy's size.
+
+    The two alternate step by step (the hooks put on and taken off around every other step), so
+    a machine whose load changes from second to second hits both alike; the ratio is the median
+    of each pair's.
+    """
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-4)
     norms = UpdateNorms()
-    plain: list[float] = []
-    measured: list[float] = []
-    step_seconds(model, loss, optimizer, 3)  # warm-up
-    for _ in range(rounds):  # interleaved: the load hits both alike
-        plain += step_seconds(model, loss, optimizer, steps)
+    for _ in range(3):  # warm-up
+        step_seconds(model, loss, optimizer)
+    plain, measured, ratios = [], [], []
+    for _ in range(steps):
+        plain.append(step_seconds(model, loss, optimizer))
         handles = norms.register([optimizer])
-        measured += step_seconds(model, loss, optimizer, steps)
+        measured.append(step_seconds(model, loss, optimizer))
         for handle in handles:
             handle.remove()
-        assert bool(norms.take(0, torch.device("cpu")).isfinite())
+        ratios.append(measured[-1] / plain[-1])
+    assert bool(norms.take(0, torch.device("cpu")).isfinite())
     a, b = statistics.median(plain) * 1e3, statistics.median(measured) * 1e3
     mib = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20
-    return (f"| {name} | {mib:.1f} | {a:.2f} | {b:.2f} | {b / a:.3f} | {norms.copies / (rounds * steps):.0f} |")
+    ratio = statistics.median(ratios)
+    return f"| {name} | {mib:.1f} | {a:.2f} | {b:.2f} | {ratio:.3f} | {norms.copies / steps:.0f} |"
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--steps", type=int, default=100, help="pairs of steps per model")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
-    print("| model | parameters (MiB) | plain step (ms) | with the update norm (ms) | ratio | copies a step |")
+    print("| model | parameters (MiB) | plain step (ms) | with the update norm (ms) | ratio (median of pairs) |"
+          " copies a step |")
     print("|---|---:|---:|---:|---:|---:|")
     for name, (model, loss) in models().items():
-        print(measure(name, model, loss, args.rounds, args.steps), flush=True)
+        print(measure(name, model, loss, args.steps), flush=True)
     return 0
 
 
