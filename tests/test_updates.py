@@ -7,13 +7,18 @@ import math
 import sys
 import warnings
 from pathlib import Path
+from typing import Any
 
+import lightning as L
 import pytest
 import torch
+from lightning.pytorch.loggers import CSVLogger
 
-from lightning_hooks import GradientTransform, UpdateTransform
+from lightning_hooks import GradientMonitor, GradientTransform, UpdateTransform
+from lightning_hooks.callbacks import _step_copies as step_copies_module
+from lightning_hooks.callbacks._step_copies import step_copies
 from lightning_hooks.callbacks._update_step import NormHistory
-from tests.helpers import trainer
+from tests.helpers import csv_metrics, trainer
 from tests.update_helpers import BackboneHead, Updates, data, fit, largest_difference
 
 
@@ -113,22 +118,56 @@ def test_the_step_hooks_allocate_one_copy_of_the_selected_parameters_and_a_few_f
     assert selected > 10 * 2**20 and selected <= allocated < selected + 2**14
 
 
-def test_one_copy_of_the_selected_parameters_a_step_and_no_hook_left_after_fit(tmp_path):
+class CopiesPerStep(L.Callback):
+    """The elements copied into the optimizer's step copies at each step (``copy_of`` counted)."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.counts: list[int] = []
+        original = step_copies_module.copy_of
+
+        def counting(param: torch.Tensor) -> torch.Tensor:
+            self.counts[-1] += param.numel()
+            return original(param)
+
+        monkeypatch.setattr(step_copies_module, "copy_of", counting)
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        self.counts.append(0)
+
+
+def test_one_copy_of_the_selected_parameters_a_step_and_no_hook_left_after_fit(tmp_path, monkeypatch):
     transform = UpdateTransform(scale={"head": 0.5}, max_ratio={"head": 0.1})
-    copies = []
-    before_step = transform._rewrite.before_step
-
-    def counting(optimizer, *args):
-        before_step(optimizer, *args)
-        copies.append(sum(t.numel() for t in transform._rewrite._before[id(optimizer)]))
-
-    transform._rewrite.before_step = counting
+    copies = CopiesPerStep(monkeypatch)
     model = BackboneHead("adam")
-    trainer_fit = fit(tmp_path, model, [transform], steps=3)
-    assert trainer_fit and copies == [17, 17, 17]  # the head's 16 weights and 1 bias, once a step
+    fit(tmp_path, model, [transform, copies], steps=3)
+    assert copies.counts == [17, 17, 17]  # the head's 16 weights and 1 bias, once a step
     optimizer = model.trainer.optimizers[0]
     assert not optimizer._optimizer_step_pre_hooks and not optimizer._optimizer_step_post_hooks
-    assert not transform._rewrite._before
+    assert step_copies(optimizer).numel == 0 and not transform._rewrite._holding
+
+
+@pytest.mark.parametrize("config", [dict(scale={"head": 0.5}, max_ratio={"head": 1e-3}), dict(scale={"head": 0.5})])
+def test_with_update_ratios_one_copy_a_step_serves_both_and_the_ratio_is_of_the_changed_update(
+        tmp_path, monkeypatch, config):
+    """GradientMonitor(update_ratio=True) beside UpdateTransform: the parameters copied once a step, not twice."""
+    copies, updates = CopiesPerStep(monkeypatch), Updates()
+    monitor = GradientMonitor(update_ratio=True, log_every_n_steps=1, histogram=False)
+    model = BackboneHead("adam")
+    logger = CSVLogger(tmp_path, name="", version="")
+    got = fit(tmp_path, model, [UpdateTransform(**config), monitor, copies, updates], steps=6, logger=logger,
+              log_every_n_steps=1)
+    every = sum(p.numel() for p in model.parameters())
+    assert copies.counts == [every] * 6  # the union: the head's 17 not copied a second time
+    assert step_copies(model.trainer.optimizers[0]).numel == 0  # nothing held after the fit
+    alone = fit(tmp_path, BackboneHead("adam"), [UpdateTransform(**config)], steps=6)
+    assert largest_difference(got, alone) < 1e-6  # the same rewrite, made in the parameters
+    logged = {int(r["step"]): float(r["updates/head.weight/ratio"]) for r in csv_metrics(str(tmp_path))
+              if r.get("updates/head.weight/ratio", "") != ""}
+    assert sorted(logged) == list(range(6))
+    for step, ratio in logged.items():  # measured from the shared copy, after the rewrite
+        assert ratio == pytest.approx(updates.ratios("head.weight")[step], rel=1e-4)
+    if "max_ratio" in config:
+        assert max(updates.ratios("head.weight")) < 1e-3 * (1 + 1e-4)
 
 
 @pytest.mark.parametrize(("kwargs", "error", "match"), [

@@ -12,7 +12,7 @@ from torch.utils.hooks import RemovableHandle
 
 from lightning_hooks.callbacks._base import log_step
 from lightning_hooks.callbacks._gradient_rows import Row, Rows
-from lightning_hooks.callbacks._update_norm import StepDelta, held
+from lightning_hooks.callbacks._step_copies import step_copies
 from lightning_hooks.measure._sharding import ShardGroupCache, ShardGroups, grad_of, local
 from lightning_hooks.output.figures import ScalarBlock
 from lightning_hooks.output.sinks import log_scalars
@@ -21,8 +21,10 @@ from lightning_hooks.output.sinks import log_scalars
 class UpdateRatio:
     """A snapshot of some parameters just before an optimizer step, and their update ratio after it.
 
-    :meth:`take` clones the parameters on their device (only on the steps asked for, so other
-    steps cost nothing and hold no copy); :meth:`finish`, run once the optimizer has stepped,
+    :meth:`take` holds the parameters in the optimizer's
+    :class:`~lightning_hooks.callbacks._step_copies.StepCopies` (only on the steps asked for,
+    so other steps cost nothing and hold no copy; a parameter UpdateTransform copies for the same
+    step is not copied again); :meth:`finish`, run once the optimizer has stepped,
     measures ``||w_after - w_before|| / ||w_before||`` per row with multi-tensor ops, brings
     the figures to the host in one transfer, and drops the snapshot. A row whose parameters
     lost their gradients before the step (an update dropped by ``GradientAnomalyStopping``)
@@ -35,30 +37,22 @@ class UpdateRatio:
     def __init__(self, norms: bool = False) -> None:
         self.norms = norms  # also the update's norm and, where the optimizer keeps them, Adam's moments' norms
         self._rows: Rows = []
-        self._before: Optional[list[Tensor]] = None
-        self._shared: Optional[StepDelta] = None  # the update-norm signal's copy of this step, read instead
-        self.copies = 0  # snapshots it copied itself (not those it read from the update-norm signal's)
-        self._optimizer: Any = None
+        self._optimizer: Any = None  # the optimizer whose snapshot holds this step's parameters
         self._shard_groups = ShardGroupCache()  # how the rows' parameters are split across ranks
 
     @property
     def pending(self) -> bool:
         """Whether a snapshot is held (between :meth:`take` and :meth:`finish` or :meth:`discard`)."""
-        return self._before is not None
+        return self._optimizer is not None and step_copies(self._optimizer).holds(self)
 
     def take(self, rows: Rows, optimizer: Any) -> None:
-        """Clone ``rows``' parameters (those with a gradient) before ``optimizer`` steps."""
+        """Hold ``rows``' parameters (those with a gradient) in ``optimizer``'s snapshot before it steps."""
+        self.discard()
         stepped = [Row(name, [p for p in params if grad_of(p) is not None]) for name, params in rows]
         self._rows = [row for row in stepped if row.params]
         if not self._rows:
             return
-        delta = held(optimizer)  # SpikeTrigger(update_norm=...) copied this step's parameters: no second copy
-        if delta is not None and all(id(p) in delta.index for _, params in self._rows for p in params):
-            self._before, self._shared = [], delta
-        else:
-            with torch.no_grad():
-                self._before = [local(p).detach().clone() for _, params in self._rows for p in params]
-            self.copies += 1
+        step_copies(optimizer).hold(self, [p for _, params in self._rows for p in params])
         self._optimizer = optimizer
 
     def register(self, trainer: pl.Trainer) -> list[RemovableHandle]:
@@ -70,8 +64,10 @@ class UpdateRatio:
         return [optimizer.register_step_post_hook(hook) for optimizer in trainer.optimizers]
 
     def discard(self) -> None:
-        """Drop the snapshot and the references to the parameters."""
-        self._rows, self._before, self._optimizer, self._shared = [], None, None, None
+        """Let go of the snapshot and the references to the parameters."""
+        if self._optimizer is not None:
+            step_copies(self._optimizer).release(self)
+        self._rows, self._optimizer = [], None
 
     def forget(self) -> None:
         """Drop the snapshot and what was learnt of the parameters' layout (at the end of a fit)."""
@@ -86,17 +82,16 @@ class UpdateRatio:
             to_host: Whether to measure and bring the figures to the host (rank zero), or only
                 drop the snapshot.
         """
-        if self._before is None or optimizer is not self._optimizer:
+        if not self.pending or optimizer is not self._optimizer:
             return []
-        rows, before, shared = self._rows, self._before, self._shared
+        shared, rows = step_copies(optimizer), self._rows
+        before, alone = shared.copies(self), shared.exclusive(self)
         self.discard()
         shards = self._shard_groups([p for _, params in rows for p in params])
         if not to_host and not shards.sharded:
             return []
         moments = _moment_squares(optimizer, rows) if self.norms else None
-        flat = [p for _, params in rows for p in params]
-        measured = None if shared is None else shared.squares()[:, [shared.index[id(p)] for p in flat]]
-        squares = _row_squares(rows, before, shards, moments, measured)  # sharded: every rank takes part in the sum
+        squares = _row_squares(rows, before, shards, moments, alone)  # sharded: every rank takes part in the sum
         if not to_host:
             return []
         deltas, weights, *moment_sums = squares.cpu().tolist()  # the one transfer
@@ -157,23 +152,24 @@ def _moment_squares(optimizer: Any, rows: Rows) -> Optional[Tensor]:
 
 
 def _row_squares(rows: Rows, before: list[Tensor], shards: ShardGroups, moments: Optional[Tensor] = None,
-                 measured: Optional[Tensor] = None) -> Tensor:
+                 in_place: bool = False) -> Tensor:
     """Per row, the squared norms of the update and of the weights before it: a ``(2, rows)`` tensor.
 
     With ``moments`` (``(2, params)``: Adam's ``||m||²`` and ``sum(v)`` per parameter), two rows more.
-    With ``measured`` (``(2, params)``, from a shared :class:`StepDelta`), ``before`` is not read.
+    ``in_place``: ``before`` is this reader's alone, and becomes the update (no second copy).
 
     The rows' parameters lie one after another in ``before``, so each row is a slice (views,
     no index goes to the device). Sharded parameters' squares are summed over their shards
     first, in one collective.
     """
     with torch.no_grad():
-        if measured is None:
-            after = [local(p).detach() for _, params in rows for p in params]
-            deltas = torch._foreach_sub(after, before)
-            norms = torch.stack([torch.stack(torch._foreach_norm(tensors, 2, dtype=torch.float32))
-                                 for tensors in (deltas, before)])
-        squares = norms.double().square() if measured is None else measured
+        after = [local(p).detach() for _, params in rows for p in params]
+        weights = torch.stack(torch._foreach_norm(before, 2, dtype=torch.float32))
+        if in_place:
+            torch._foreach_sub_(before, after)
+        deltas = before if in_place else torch._foreach_sub(after, before)
+        norms = torch.stack([torch.stack(torch._foreach_norm(deltas, 2, dtype=torch.float32)), weights])
+        squares = norms.double().square()
         if moments is not None:
             squares = torch.cat([squares, moments])
         squares = shards.sum_(squares.T.contiguous()).T

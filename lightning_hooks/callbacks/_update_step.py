@@ -1,11 +1,15 @@
 """How UpdateTransform changes one optimizer step's update: a snapshot before, a rewrite after.
 
-The step pre-hook copies the selected parameters (this rank's shards) on their device: the one
-copy a step holds. The step post-hook turns the copy into ``w_before - w_after`` in place,
-works out a factor ``f`` per parameter on the device (:func:`update_factors`), and moves each
-parameter to ``w_after + (1 - f) (w_before - w_after) = w_before + f Δw``: a factor of 1 leaves
-the optimizer's result exactly as it was. No figure leaves the device and, with sharded
-parameters, the norms are summed over the shards in one collective.
+The step pre-hook holds the selected parameters (this rank's shards) in the optimizer's
+:class:`~lightning_hooks.callbacks._step_copies.StepCopies`: the one copy a step holds, shared
+with GradientMonitor's update ratios. The step post-hook works out a factor ``f`` per parameter
+on the device (:func:`update_factors`) and moves each parameter to ``w_before + f Δw``. Alone
+with the copy it turns the copy into ``w_before - w_after`` in place and adds
+``(1 - f) (w_before - w_after)`` to the parameter: a factor of 1 leaves the optimizer's result
+exactly as it was. When another reader holds the copy too, the copy stays as it is and ``Δw`` is
+made in the parameter itself (``w_after - w_before``, times ``f``, plus ``w_before``: a factor
+of 1 gives the optimizer's result to one rounding). No figure leaves the device and, with
+sharded parameters, the norms are summed over the shards in one collective.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from typing import Any, Callable, Optional
 import torch
 from torch import Tensor
 
+from lightning_hooks.callbacks._step_copies import step_copies
 from lightning_hooks.callbacks._update_plan import OptimizerPlan
 from lightning_hooks.measure._sharding import ShardGroupCache, local
 
@@ -117,7 +122,7 @@ class StepRewrite:
         self._index: dict[int, int] = {}
         self._planners: dict[int, Planner] = {}
         self._layouts: dict[int, tuple[int, ...]] = {}  # the sizes of the param groups each plan was made for
-        self._before: dict[int, list[Tensor]] = {}
+        self._holding: dict[int, Any] = {}  # by id of optimizer: an optimizer whose step copies this holds
         self._shard_groups = ShardGroupCache()
 
     def add(self, index: int, optimizer: Any, planner: Planner) -> None:
@@ -142,26 +147,33 @@ class StepRewrite:
         self._index.clear()
         self._planners.clear()
         self._layouts.clear()
-        self._before.clear()
+        for optimizer in self._holding.values():
+            step_copies(optimizer).release(self)
+        self._holding.clear()
         self._shard_groups.clear()
 
     @torch.no_grad()
     def before_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-        """Step pre-hook: copy the parameters the step may move (one copy, on their device)."""
+        """Step pre-hook: hold the parameters the step may move (one copy, on their device, shared)."""
         plan = self._plan(optimizer) if id(optimizer) in self._planners else None
         if plan is not None:
-            self._before[id(optimizer)] = [local(p).detach().clone() for p in plan.params]
+            step_copies(optimizer).hold(self, plan.params)
+            self._holding[id(optimizer)] = optimizer
 
     @torch.no_grad()
     def after_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         """Step post-hook: rewrite the update; a dropped update (every gradient None) is left alone."""
-        before = self._before.pop(id(optimizer), None)
-        plan = self.plans.get(id(optimizer))
-        if before is None or plan is None:
+        plan, copies = self.plans.get(id(optimizer)), step_copies(optimizer)
+        if self._holding.pop(id(optimizer), None) is None or plan is None:
             return
+        before, alone = copies.copies(self), copies.exclusive(self)
+        copies.release(self)  # the list keeps them alive; alone, they are this hook's to change
         if all(p.grad is None for group in optimizer.param_groups for p in group["params"]):
             return  # GradientAnomalyStopping dropped it: nothing moved, no norm to remember
         after = [local(p).detach() for p in plan.params]
+        if not alone:
+            self._rewrite_in_parameters(optimizer, plan, before, after)
+            return
         if plan.scales is None:
             torch._foreach_sub_(before, after)  # w_before - w_after
             torch._foreach_mul_(before, [1.0 - s for s in plan.scale_list])
@@ -170,10 +182,25 @@ class StepRewrite:
             torch._foreach_mul_(before, list((1.0 - factor).unbind()))  # 0-dim float64: each keeps its dtype
         torch._foreach_add_(after, before)
 
+    def _rewrite_in_parameters(self, optimizer: Any, plan: OptimizerPlan, before: list[Tensor],
+                               after: list[Tensor]) -> None:
+        """The rewrite leaving the copy as it is (another reader measures the update from it): Δw in the parameters."""
+        weight = torch._foreach_norm(before, 2, dtype=torch.float32) if plan.scales is not None else []
+        torch._foreach_sub_(after, before)  # the parameters hold w_after - w_before
+        if plan.scales is None:
+            torch._foreach_mul_(after, plan.scale_list)
+        else:
+            delta = torch._foreach_norm(after, 2, dtype=torch.float32)
+            torch._foreach_mul_(after, list(self._measured(optimizer, plan, weight, delta).unbind()))
+        torch._foreach_add_(after, before)
+
     def _factors(self, optimizer: Any, plan: OptimizerPlan, before: list[Tensor], after: list[Tensor]) -> Tensor:
         weight = torch._foreach_norm(before, 2, dtype=torch.float32)
         torch._foreach_sub_(before, after)  # now w_before - w_after
-        delta = torch._foreach_norm(before, 2, dtype=torch.float32)
+        return self._measured(optimizer, plan, weight, torch._foreach_norm(before, 2, dtype=torch.float32))
+
+    def _measured(self, optimizer: Any, plan: OptimizerPlan, weight: list[Tensor], delta: list[Tensor]) -> Tensor:
+        """The factors from each parameter's ``||w_before||`` and ``||Δw||`` (this rank's part; summed over shards)."""
         squares = torch.stack([torch.stack(weight), torch.stack(delta)]).double().square()
         shards = self._shard_groups(plan.params)
         if shards.sharded:  # one collective: every rank gets the whole parameters' norms
