@@ -114,8 +114,9 @@ class SpikeTrigger:
             ``||w_after - w_before||`` over the optimizer's parameters (None, the default: do
             not watch it). An Adam update-norm spike can come before the loss spikes (a 32B
             run's retrospective, Marin). It costs one device copy of the parameters per step
-            (shared with UpdateTransform and GradientMonitor's ``update_ratio``); an update is known only once
-            made: a step's update is judged at the next step's check, which the flag fires at.
+            (shared with UpdateTransform and GradientMonitor's ``update_ratio``). An update is
+            known only once made: a step's update is judged at the next step's check, which the
+            flag fires at. Its spread is at least :data:`UPDATE_MIN_SPREAD`.
         window: How many past steps the median covers: 8 to 10,000.
         warmup: How many finite values a signal's window must hold before it is judged: 8 to
             ``window`` (None: half the window, 64 by default).
