@@ -96,9 +96,10 @@ def record_summary(record: FlightRecord) -> str:
                     f" range at step {start}, {record.lead} steps before: every layer at once, look at the batch")
         after = [module for module, _ in record.output_onsets if module != record.leader]
         then = f"; the outputs of {len(after)} other modules left theirs too" if after else ""
+        rise = record.rise if record.rise is not None else math.nan
+        level = f"x{rise:.3g}" if 0 < rise < math.inf else "a NaN, an Inf or all zeros"
         return (f"{span}: layer {record.leader!r}'s outputs left their usual range first in forward order, at step"
-                f" {start}, {record.lead} steps before (x{record.rise:.3g} at step {record.step}; its inputs in"
-                f" range){then}")
+                f" {start}, {record.lead} steps before ({level} at step {record.step}; its inputs in range){then}")
     then = ", ".join(f"{layer!r} at step {at}" for layer, at in record.onsets[1 + len(record.tied):4])
     then = f"; then {then}" if then else ""
     if record.tied:
