@@ -59,7 +59,7 @@ def _layer_norms(norms: np.ndarray, names: Sequence[str]) -> tuple[list[str], np
 
 def analyse(step: int, steps: Sequence[int], losses: Union[Sequence[float], np.ndarray], norms: np.ndarray,
             names: Sequence[str], outputs: Optional[OutputLevels] = None,
-            update_norms: Optional[Sequence[float]] = None) -> FlightRecord:
+            update_norms: Optional[Union[Sequence[float], np.ndarray]] = None) -> FlightRecord:
     """Which layer left its usual range first, before the anomaly at the last row.
 
     Args:

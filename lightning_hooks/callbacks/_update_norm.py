@@ -69,7 +69,7 @@ class UpdateNorms:
         after = [local(p).detach() for p in params]
         if alone:
             torch._foreach_sub_(before, after)  # w_before - w_after, in the copies
-            norms = torch._foreach_norm(before, 2, dtype=torch.float32)
+            norms = list(torch._foreach_norm(before, 2, dtype=torch.float32))
         else:
             norms = [torch.linalg.vector_norm(a - b, dtype=torch.float32) for a, b in zip(after, before)]
         norm = torch.stack(norms).double().square().sum().sqrt()
