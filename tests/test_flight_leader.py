@@ -123,3 +123,18 @@ def test_a_stopper_beside_an_activation_monitor_names_the_module_that_jumped(tmp
     else:
         assert record.judged_by == "gradients" and not record.data
         assert "gradient norms alone cannot tell" in record.summary()
+
+
+def test_only_the_outputs_within_the_record_s_steps_judge_not_a_first_layer_whose_level_moved_before():
+    early = list(range(60, 100))
+    learnt = np.stack([np.full(40, i + 1.0) for i in range(4)], 1) * WOBBLE[:, None]
+    table = steady()
+    table[:, 0] *= 3.0  # a's level moved 3x before the record began (a warm-up ended, a data mix changed), to stay
+    table[:, 1:] *= from_step(130, 20.0)[:, None]
+    levels = OutputLevels(128)
+    for step, row in [*zip(early, learnt), *zip(STEPS, table)]:
+        levels.add(step, dict(zip(MODULES, row)))
+    (module, departure), *_ = levels.departures()  # over all 80 logged steps, the first module left its range
+    assert module == "a" and levels.steps[departure.row] == 100
+    record = analyse(139, STEPS, [1.0] * 40, steady(), NAMES, levels)
+    assert (record.leader, record.data, record.judged_by) == ("b", False, "outputs")

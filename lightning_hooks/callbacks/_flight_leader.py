@@ -180,6 +180,13 @@ class OutputLevels:
         else:
             self.rows.append((step, dict(levels)))
 
+    def since(self, step: int) -> OutputLevels:
+        """The rows from log step ``step`` on (the span of a flight record), forward order kept."""
+        kept = OutputLevels(self.rows.maxlen or 0)
+        kept.order = dict(self.order)
+        kept.rows.extend((at, dict(levels)) for at, levels in self.rows if at >= step)
+        return kept
+
     @property
     def steps(self) -> tuple[int, ...]:
         """The log step of each row, oldest first."""

@@ -69,7 +69,8 @@ def analyse(step: int, steps: Sequence[int], losses: Union[Sequence[float], np.n
         norms: ``(rows, parameters)``: the gradient norm of each parameter at each step.
         names: The parameters' names.
         outputs: The modules' output std at the logged steps up to the anomaly, if known: the
-            leader is then judged from them (with at least 8 logged steps of them).
+            leader is then judged from them (from those within the record's steps, at least 8;
+            over a longer span a layer still learning its scale drifts out of its range).
         update_norms: The update norm of each row's step, if measured.
 
     Returns:
@@ -86,6 +87,7 @@ def analyse(step: int, steps: Sequence[int], losses: Union[Sequence[float], np.n
     if len(steps) < 2 * MIN_BASELINE:
         return record
     leader, at = None, steps
+    outputs = outputs.since(steps[0]) if outputs is not None and steps else None  # the record's span only
     if outputs is not None and len(outputs.steps) >= 2 * MIN_BASELINE:
         departures = outputs.departures()
         record = replace(record, output_onsets=tuple((m, outputs.steps[d.row]) for m, d in departures))
