@@ -84,16 +84,19 @@ class SpikeCheck:
         self.signals = len(SPIKE_SIGNALS) if trigger.update_norm is not None else 2  # the update norm when watched
         self._judged: Optional[tuple[Tensor, int]] = None  # the values judged at this step, and the optimizer
 
-    def votes(self, step: Step, loss: Optional[Tensor], update: Tensor) -> dict[str, Tensor]:
+    def votes(self, step: Step, loss: Optional[Tensor], update: Optional[Tensor] = None) -> dict[str, Tensor]:
         """The step's spike flags, to sum over the ranks; all zero at a later evaluation (``loss`` None).
 
-        ``update`` is the step before's update norm (NaN when not measured or not made).
+        ``update`` is the step before's update norm (NaN: not made), judged when the trigger watches it.
         """
         norms = step.figures.group_norms
         if loss is None:
             self._judged = None
             return {"spikes": torch.zeros(self.signals, dtype=torch.float64, device=norms.device)}
-        values = torch.stack([loss.to(norms), norms[-1], update.to(norms)][: self.signals])
+        judged = [loss.to(norms), norms[-1]]
+        if self.signals == len(SPIKE_SIGNALS):
+            judged.append(update.to(norms) if update is not None else torch.full_like(norms[-1], math.nan))
+        values = torch.stack(judged)
         _, flags = self.windows.judge(values, step.key)
         self._judged = (values, step.key)
         return {"spikes": flags.double()}
@@ -148,9 +151,7 @@ class SpikeWatch:
         self._step_loss = loss if first else None
         if first:
             self._step_update = self.updates.take(step.key, device) if self.updates is not None else None
-        update = self._step_update if self._step_update is not None else (
-            torch.full((), math.nan, dtype=torch.float64, device=device))
-        return self.spikes.votes(step, self._step_loss, update) if self.spikes is not None else {}
+        return self.spikes.votes(step, self._step_loss, self._step_update) if self.spikes is not None else {}
 
     def conclude(self, trainer: pl.Trainer, step: Step, check: Check) -> Check:
         """``check`` with the agreed spike flags; the step's figures kept by its optimizer's recorder."""
