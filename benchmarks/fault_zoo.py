@@ -41,7 +41,9 @@ from torch import Tensor, nn
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks._zoo_models import RECIPES, Recipe, schedule  # noqa: E402
 from lightning_hooks import ActivationMonitor, GradientMonitor, LayerHealth  # noqa: E402
+from lightning_hooks.callbacks._flight_leader import OutputLevels, output_levels  # noqa: E402
 from lightning_hooks.callbacks._flight_recorder import analyse  # noqa: E402
+from lightning_hooks.output._listeners import FigureListener  # noqa: E402
 
 FAULTS = ("ramp", "jump", "dead", "vanish", "lr100", "attn", "nan", "data", "gradvanish")
 GROWTH, JUMP, SHRINK, LR_FACTOR, DATA_SCALE, GRAD_CUT = 1.04, 20.0, 1e-3, 100.0, 30.0, 1e-6
@@ -136,11 +138,15 @@ class Lit(pl.LightningModule):
         return [0] * self.steps  # the batch is drawn from the step in training_step
 
 
-class Probe(pl.Callback):
-    """At every step: the loss, each parameter's gradient norm, and the layers LayerHealth names, in its order."""
+class Probe(FigureListener, pl.Callback):
+    """At every step: the loss, each parameter's gradient norm, and the layers LayerHealth names, in its order.
+
+    At each logged step, the modules' output std, as GradientAnomalyStopping's flight recorder keeps them.
+    """
 
     def __init__(self, health: LayerHealth) -> None:
         self.health = health
+        self.levels: list[tuple[int, dict[str, float]]] = []  # (log step, the modules' output std)
         self.losses: list[float] = []
         self.norms: list[np.ndarray] = []
         self.names: list[str] = []
@@ -150,6 +156,12 @@ class Probe(pl.Callback):
         params = [(n, p) for n, p in pl_module.named_parameters() if p.grad is not None]
         self.names = [n for n, _ in params]
         self.norms.append(np.array([float(p.grad.float().norm()) for _, p in params]))
+
+    def record_figures(self, figures: Any, metrics: Any, step: int) -> None:
+        """Keep the modules' output std logged at ``step``, as the flight recorder does."""
+        levels = output_levels(figures)
+        if levels:
+            self.levels.append((step, levels))
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
@@ -200,13 +212,29 @@ def run_case(model: str, fault: Optional[str], steps: int, onset: int, every: in
     case = Case(model, fault or "healthy", lit.culprit, onset, steps, probe.losses, probe.named,
                 seconds=time.perf_counter() - start, summary=health.summary())
     if fault and probe.norms:
-        end = min(onset + flight, len(probe.norms))
-        rows = np.stack(probe.norms[max(0, end - 64):end])
-        record = analyse(end - 1, list(range(end - len(rows), end)), probe.losses[end - len(rows):end], rows,
-                         probe.names)
-        case.leader = record.leader if record.onsets else None
-        case.extra["ties"] = sum(at == record.onsets[0][1] for _, at in record.onsets) if record.onsets else 0
+        flight_leaders(case, probe, onset, flight)
     return case
+
+
+def flight_leaders(case: Case, probe: Probe, onset: int, flight: int) -> None:
+    """The flight record's leader ``flight`` steps after the onset (64 steps): from outputs, and from gradients only.
+
+    ``case.leader`` is what the record says (outputs where logged); ``extra["gradient_leader"]``
+    what gradient norms alone say (the record before it read outputs), with its tie's size.
+    """
+    end = min(onset + flight, len(probe.norms))
+    rows = np.stack(probe.norms[max(0, end - 64):end])
+    steps, losses = list(range(end - len(rows), end)), probe.losses[end - len(rows):end]
+    outputs = OutputLevels(64)
+    for step, levels in probe.levels:
+        if steps[0] <= step < end:
+            outputs.add(step, levels)
+    record = analyse(end - 1, steps, losses, rows, probe.names, outputs)
+    case.leader = "(every layer)" if record.data else record.leader
+    case.extra.update(judged_by=record.judged_by, ties=len(record.tied) + (record.leader is not None))
+    alone = analyse(end - 1, steps, losses, rows, probe.names)
+    case.extra.update(gradient_leader="(every layer)" if alone.data else alone.leader,
+                      gradient_ties=len(alone.tied) + (alone.leader is not None))
 
 
 def is_culprit(named: str, culprit: str) -> bool:
@@ -245,7 +273,8 @@ def judge_case(case: Case, healthy: Optional[Case]) -> dict[str, Any]:
         row.update(first=first, delay=None if hit is None else hit - case.onset, before=len(before),
                    before_names=before[:3])
     row["loss5"] = loss_moved(case, healthy)
-    row["leader"], row["ties"] = case.leader, case.extra.get("ties")
+    row["leader"], row["ties"], row["judged_by"] = case.leader, case.extra.get("ties"), case.extra.get("judged_by")
+    row["gradient_leader"], row["gradient_ties"] = case.extra.get("gradient_leader"), case.extra.get("gradient_ties")
     return row
 
 
@@ -281,8 +310,9 @@ def main(argv: Optional[list[str]] = None) -> list[dict[str, Any]]:
     torch.set_num_threads(1)
     globals()["GROWTH"] = args.growth
     rows = []
-    print("| model | fault | first named | delay | named before culprit | loss moved 5% | flight leader (ties) | s |")
-    print("|---|---|---|---:|---:|---:|---|---:|")
+    print("| model | fault | first named | delay | named before culprit | loss moved 5% | flight leader, gradients"
+          " only (tie) | flight leader (judged by) | s |")
+    print("|---|---|---|---:|---:|---:|---|---|---:|")
     for model in args.models:
         healthy = run_case(model, None, args.steps, args.onset, args.every, args.seed, gradients=args.gradients)
         for fault in args.faults:
@@ -303,13 +333,13 @@ def format_row(row: dict[str, Any]) -> str:
     if row["fault"] == "healthy":
         lines = "; ".join(row["lines"]) + (" ..." if row["alarms"] > len(row["lines"]) else "")
         found = f" (first at step {row['first_alarm']}): {lines}" if row["alarms"] else ""
-        return f"| {row['model']} | healthy | {row['alarms']} verdict lines after 10%{found} | | | | | {row['s']} |"
+        return f"| {row['model']} | healthy | {row['alarms']} verdict lines after 10%{found} | | | | | | {row['s']} |"
     before = row.get("before")
     said = f"{before} ({'; '.join(row['before_names'])})" if before else ("-" if before is None else "0")
     if row["fault"] == "data":
         said = f"{row['named_at_once']} named at once"
     return (f"| {row['model']} | {row['fault']} | {row['first']} | {row['delay']} | {said} | {row['loss5']} | "
-            f"{row['leader']} ({row['ties']}) | {row['s']} |")
+            f"{row['gradient_leader']} ({row['gradient_ties']}) | {row['leader']} ({row['judged_by']}) | {row['s']} |")
 
 
 if __name__ == "__main__":

@@ -99,7 +99,7 @@ def train(kind: str, seed: int, steps: int, fault: Optional[str] = None, at: int
 
 def judge_before(values: Tensor, trigger: SpikeTrigger) -> list[int]:
     """The steps flagged by the judge shipped before issue 29: linear scale, warm-up counted in steps."""
-    flagged, thresholds = [], torch.tensor(trigger.thresholds, dtype=torch.float64)
+    flagged, thresholds = [], torch.tensor(trigger.thresholds[: values.shape[1]], dtype=torch.float64)
     for step in range(len(values)):
         window = values[max(0, step - trigger.window):step]
         if step < (trigger.warmup or 1):

@@ -39,6 +39,7 @@ def test_the_culprit_is_named_first_and_nobody_before_it(healthy, model, fault):
     row = judge_case(case, healthy.get(model))
     assert row["before"] == 0, row["before_names"]
     assert row["first"].startswith(case.culprit), row
+    assert (case.leader, case.extra["judged_by"]) == (case.culprit, "outputs")  # the flight record's leader too
     if fault in ABRUPT:
         assert row["delay"] < EVERY  # the first logged step after the onset
     else:
@@ -50,3 +51,4 @@ def test_the_culprit_is_named_first_and_nobody_before_it(healthy, model, fault):
 def test_a_bad_batch_is_every_layer_at_once_not_one_layer(healthy, model):
     row = judge_case(run_case(model, "data", STEPS, ONSET, EVERY), healthy[model])
     assert row["first"] == "(every layer) (data)" and row["delay"] < EVERY and row["named_at_once"] == 1
+    assert row["leader"] == "(every layer)" and row["judged_by"] == "outputs"  # the flight record says so too

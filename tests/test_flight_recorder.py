@@ -1,4 +1,4 @@
-"""The flight recorder: which layer's gradient norm left its usual range first; written next to the logs."""
+"""The flight recorder: which layer's gradient norm left its usual range first (gradients only); written out."""
 
 import csv
 import json
@@ -43,16 +43,17 @@ def test_a_slow_ramp_from_the_record_s_first_half_leads_against_its_range_from_b
     assert record.usual[1][0] == pytest.approx(1.0, rel=0.05)  # its range from before it began
 
 
-def test_layers_that_leave_at_the_same_step_are_a_tie_and_all_of_them_the_batch():
-    three = np.stack([series(130), series(130, 2.0), series(10**6)], 1)
+def test_layers_that_leave_at_the_same_step_are_a_tie_in_registration_order_and_all_of_them_said_so():
+    three = np.stack([series(130, 2.0), series(130), series(10**6)], 1)
     record = analyse(139, STEPS, [1.0] * 40, three, ["a.weight", "b.weight", "c.weight"])
-    assert (record.leader, record.tied) in ((("a", ("b",))), ("b", ("a",)))
+    assert (record.leader, record.tied, record.every) == ("a", ("b",), False)
     assert "a tie, 2 layers left their usual gradient norm range at the same step 130" in record.summary()
     assert record_json(record)["tied"] == list(record.tied)
     every = np.stack([series(130), series(130, 2.0), series(130, 3.0)], 1)
     record = analyse(139, STEPS, [1.0] * 40, every, ["a.weight", "b.weight", "c.weight"])
-    assert "all 3 layers left their usual gradient norm range at the same step 130" in record.summary()
-    assert "every layer at once, look at the batch" in record.summary()
+    assert record.every and not record.data  # gradient norms alone cannot tell the batch from a layer
+    assert "a tie, 3 layers left their usual gradient norm range at the same step 130" in record.summary()
+    assert "every layer at once: the batch, or a fault whose gradient reaches them all" in record.summary()
 
 
 def test_without_a_departure_nobody_is_named():

@@ -118,3 +118,37 @@ def test_a_big_models_flight_record_draws_the_layers_that_left_first_and_says_ho
     assert record.leader == "blocks.59.mlp" and rows[:2] == ["blocks.59.mlp", "blocks.58.mlp"]
     assert len(rows) == 48 and rows[2:5] == ["blocks.0.mlp", "blocks.1.mlp", "blocks.2.mlp"]
     assert cut == "12 more layers, not drawn, stayed in their usual range (48 of 60 drawn)."
+
+
+@needs_chromium
+def test_a_record_judged_from_outputs_says_so_and_draws_each_step_s_update_norm_under_the_loss(tmp_path):
+    from torch.utils.tensorboard import SummaryWriter
+
+    from lightning_hooks.callbacks._flight_leader import OutputLevels
+    from lightning_hooks.callbacks._flight_recorder import analyse, record_json
+
+    steps, modules = list(range(20, 40)), ["a", "b", "c"]
+    wobble = 1 + 0.05 * np.sin(np.arange(20))
+    levels = np.stack([wobble, 2 * wobble, 3 * wobble], 1)
+    levels[15:, 1:] *= 20.0  # b jumps at step 35, c after it with it
+    outputs = OutputLevels(20)
+    for step, row in zip(steps, levels):
+        outputs.add(step, dict(zip(modules, row)))
+    updates = 0.01 * wobble
+    updates[14] *= 10.0  # the update of step 34
+    updates[-1] = np.nan  # the anomalous step's own is not made yet
+    record = analyse(39, steps, np.linspace(2.0, 1.0, 20), levels, [f"{m}.weight" for m in modules], outputs, updates)
+    assert (record.leader, record.judged_by) == ("b", "outputs")
+    with SummaryWriter(str(tmp_path / "outputs")) as writer:
+        writer.add_text("anomalies/report", "Gradient anomaly at step 39: update_norm_spike", 39)
+        writer.add_text("anomalies/flight_record_data", json.dumps(record_json(record)), 39)
+    with tensorboard(tmp_path, tmp_path / "tensorboard.log") as base:
+        wait_for(lambda: get(base, "run", run="outputs")["anomalies"], 120, "the outputs run")
+        with devtools(tab_url(base)) as tools:
+            box = tools.evaluate("""(() => { const box = document.querySelector('.lh-flight');
+                return {updates: box.dataset.updates, line: box.querySelector('.lh-leader').textContent,
+                        legend: box.querySelector('.lh-legend').textContent,
+                        top: box.querySelector('canvas').dataset.top}; })()""")
+    assert box["updates"] == "19" and "then each step's update norm" in box["legend"]
+    assert box["line"].startswith("Leader: b's outputs left their usual range first in forward order, at step 35")
+    assert float(box["top"]) == 6 + 2 * (44 + 8)  # the grid starts below two bands: the loss, the update norm

@@ -21,7 +21,9 @@ import torch
 from torch import Tensor
 
 from lightning_hooks.callbacks._base import log_step
+from lightning_hooks.callbacks._flight_leader import OutputLevels
 from lightning_hooks.callbacks._flight_recorder import FlightRecord, FlightRecorder, write_record
+from lightning_hooks.callbacks._update_norm import UpdateNorms
 from lightning_hooks.core._validation import check_int
 from lightning_hooks.distributed._rank_agreement import Check
 from lightning_hooks.distributed._step_measure import Step
@@ -79,15 +81,22 @@ class SpikeCheck:
     def __init__(self, trigger: SpikeTrigger) -> None:
         self.trigger = trigger
         self.windows = SpikeWindows(trigger)
+        self.signals = len(SPIKE_SIGNALS) if trigger.update_norm is not None else 2  # the update norm when watched
         self._judged: Optional[tuple[Tensor, int]] = None  # the values judged at this step, and the optimizer
 
-    def votes(self, step: Step, loss: Optional[Tensor]) -> dict[str, Tensor]:
-        """The step's spike flags, to sum over the ranks; all zero at a later evaluation (``loss`` None)."""
+    def votes(self, step: Step, loss: Optional[Tensor], update: Optional[Tensor] = None) -> dict[str, Tensor]:
+        """The step's spike flags, to sum over the ranks; all zero at a later evaluation (``loss`` None).
+
+        ``update`` is the step before's update norm (NaN: not made), judged when the trigger watches it.
+        """
         norms = step.figures.group_norms
         if loss is None:
             self._judged = None
-            return {"spikes": torch.zeros(len(SPIKE_SIGNALS), dtype=torch.float64, device=norms.device)}
-        values = torch.stack([loss.to(norms), norms[-1]])
+            return {"spikes": torch.zeros(self.signals, dtype=torch.float64, device=norms.device)}
+        judged = [loss.to(norms), norms[-1]]
+        if self.signals == len(SPIKE_SIGNALS):
+            judged.append(update.to(norms) if update is not None else torch.full_like(norms[-1], math.nan))
+        values = torch.stack(judged)
         _, flags = self.windows.judge(values, step.key)
         self._judged = (values, step.key)
         return {"spikes": flags.double()}
@@ -102,7 +111,7 @@ class SpikeCheck:
         if judged is None or "spikes" not in check.votes or check.skipped:
             return check
         self.windows.remember(*judged)
-        watched = (self.trigger.loss, self.trigger.grad_norm)
+        watched = (self.trigger.loss, self.trigger.grad_norm, self.trigger.update_norm)
         flags = {f"{signal}_spike": votes > 0 for signal, votes, threshold
                  in zip(SPIKE_SIGNALS, check.votes["spikes"], watched) if threshold is not None}
         return replace(check, flags={**check.flags, **flags}, anomalous=check.anomalous or any(flags.values()))
@@ -123,8 +132,12 @@ class SpikeWatch:
         self.spikes = SpikeCheck(spikes) if spikes is not None else None
         self.flight_recorder = flight_recorder
         self.recorders: dict[int, FlightRecorder] = {}  # by optimizer, as the spike windows
+        self.outputs = OutputLevels(flight_recorder)  # the modules' output std at the last logged steps (rank zero)
         self._loss = StepLoss()
         self._step_loss: Optional[Tensor] = None  # the loss of the step being checked
+        #: Each step's update norm, measured only when the trigger watches it (a parameter copy per step).
+        self.updates = UpdateNorms() if spikes is not None and spikes.update_norm is not None else None
+        self._step_update: Optional[Tensor] = None  # the update norm of the step before the one being checked
 
     def add_loss(self, trainer: pl.Trainer, loss: Tensor) -> None:
         """Note a loss about to be backpropagated, if anything watches the loss."""
@@ -133,17 +146,21 @@ class SpikeWatch:
 
     def votes(self, step: Step, first: bool) -> dict[str, Tensor]:
         """The step's spike flags, to sum over the ranks; the loss is the first evaluation's (LBFGS)."""
-        loss = self._loss.take(step.figures.group_norms.device)  # a later evaluation's loss is dropped
+        device = step.figures.group_norms.device
+        loss = self._loss.take(device)  # a later evaluation's loss is dropped
         self._step_loss = loss if first else None
-        return self.spikes.votes(step, self._step_loss) if self.spikes is not None else {}
+        if first:
+            self._step_update = self.updates.take(step.key, device) if self.updates is not None else None
+        return self.spikes.votes(step, self._step_loss, self._step_update) if self.spikes is not None else {}
 
     def conclude(self, trainer: pl.Trainer, step: Step, check: Check) -> Check:
         """``check`` with the agreed spike flags; the step's figures kept by its optimizer's recorder."""
         if self.spikes is not None:
             check = self.spikes.conclude(check)
         if self.flight_recorder and self._step_loss is not None and not check.skipped:
-            recorder = self.recorders.setdefault(step.key, FlightRecorder(self.flight_recorder))
-            recorder.record(log_step(trainer), self._step_loss, step.figures.norms)
+            recorder = self.recorders.setdefault(step.key, FlightRecorder(self.flight_recorder,
+                                                                                self.updates is not None))
+            recorder.record(log_step(trainer), self._step_loss, step.figures.norms, self._step_update)
         return check
 
     def record(self, trainer: pl.Trainer, names: list[str], key: int) -> Optional[FlightRecord]:
@@ -152,25 +169,27 @@ class SpikeWatch:
         None without a recorder, or before that optimizer's first recorded step.
         """
         recorder = self.recorders.get(key)
-        record = recorder.read(log_step(trainer), names) if recorder is not None else None
+        record = recorder.read(log_step(trainer), names, self.outputs) if recorder is not None else None
         return write_record(trainer, record) if record is not None else None
 
     def clear(self) -> None:
         """Forget the loss noted so far (at the end of ``fit``)."""
         self._loss.clear()
-        self._step_loss = None
+        self._step_loss = self._step_update = None
+        if self.updates is not None:
+            self.updates.forget()
 
     def copy_judges(self) -> dict[str, Any]:
         """A copy of what judges the steps (the spike windows, the flight recorders), on device, for a rollback."""
         return copy.deepcopy({"windows": self.spikes.windows if self.spikes is not None else None,
-                              "recorders": self.recorders})
+                              "recorders": self.recorders, "outputs": self.outputs})
 
     def restore_judges(self, judges: dict[str, Any]) -> None:
         """Put back a :meth:`copy_judges` (copied again: a later rollback to it finds it untouched)."""
         judges = copy.deepcopy(judges)
         if self.spikes is not None:
             self.spikes.windows = judges["windows"]
-        self.recorders = judges["recorders"]
+        self.recorders, self.outputs = judges["recorders"], judges["outputs"]
 
     def state_dict(self) -> dict[str, Any]:
         """The spike windows, if any."""

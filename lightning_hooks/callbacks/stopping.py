@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Mapping, Sequence
 from typing import Any, Literal, Optional, Union
 
 import lightning.pytorch as pl
@@ -11,6 +12,7 @@ from torch import Tensor
 
 from lightning_hooks.callbacks._anomaly_report import AnomalyReport
 from lightning_hooks.callbacks._base import watch_closely
+from lightning_hooks.callbacks._flight_leader import output_levels
 from lightning_hooks.callbacks._gradient_check import GradientCheck
 from lightning_hooks.callbacks._rollback import Rollback, check_strategy, rolled_back, validate_rollback
 from lightning_hooks.callbacks._spike_check import SpikeWatch, StepJudges, validate_spikes
@@ -20,6 +22,8 @@ from lightning_hooks.core.selection import ModuleSelection
 from lightning_hooks.distributed._rank_agreement import Check
 from lightning_hooks.distributed._step_measure import Step
 from lightning_hooks.measure.spikes import SpikeTrigger
+from lightning_hooks.output._listeners import FigureListener
+from lightning_hooks.output.figures import ScalarBlock
 
 Action = Literal["stop", "skip", "rollback", "raise", "warn"]
 _ACTIONS = ("stop", "skip", "rollback", "raise", "warn")
@@ -35,7 +39,7 @@ class GradientAnomalyError(RuntimeError):
         self.report = report
 
 
-class GradientAnomalyStopping(GradientCheck):
+class GradientAnomalyStopping(FigureListener, GradientCheck):
     """Act when gradients are non-finite, explode or vanish: stop, skip the update, roll back, raise or warn.
 
     The check runs at every optimizer step in ``on_before_optimizer_step`` (after gradient
@@ -95,12 +99,16 @@ class GradientAnomalyStopping(GradientCheck):
         rollback_every_n_steps: With ``"rollback"``: refresh the snapshot after this many clean
             steps in a row (None: 100).
         skip_batches: With ``"rollback"``: after a restore, drop the updates of this many steps.
-        spikes: Also flag ``"loss_spike"`` and ``"grad_norm_spike"``: a robust z-score of the
-            step's loss (as backpropagated) and total gradient norm over a rolling window
-            (:class:`~lightning_hooks.SpikeTrigger`), on device, agreed in the step's one collective.
-        flight_recorder: Keep the last this many steps' loss and gradient norms on device; a
-            report then carries them (:class:`~lightning_hooks.FlightRecord`: which layer's norm
-            left its usual range first, how many steps before), also written next to the logs
+        spikes: Also flag ``"loss_spike"`` and ``"grad_norm_spike"`` (and, when asked,
+            ``"update_norm_spike"``, at the check after the update): a robust z-score of the
+            step's loss (as backpropagated), total gradient norm and update norm over a rolling
+            window (:class:`~lightning_hooks.SpikeTrigger`), on device, agreed in the step's one
+            collective.
+        flight_recorder: Keep the last this many steps' loss and gradient norms on device (and
+            update norms, when ``spikes`` watches them), and the modules' output std an
+            ActivationMonitor logs; a report then carries them (:class:`~lightning_hooks.FlightRecord`:
+            which layer left its usual range first, from its outputs where logged, how many
+            steps before), also written next to the logs
             (``flight-record-step<N>.csv``) and to TensorBoard (``anomalies/flight_record``, and as
             JSON for the Layers tab, ``anomalies/flight_record_data``). 0: off.
         watch_after: After each step acted on, have the Trainer's GradientMonitor,
@@ -211,6 +219,8 @@ class GradientAnomalyStopping(GradientCheck):
             self._rollback.take(trainer, pl_module)
         if self.action in ("stop", "skip", "rollback"):
             self._handles.extend(self._dropper.register(trainer.optimizers))
+        if self._watch.updates is not None:  # after the dropper's: a dropped update is seen as one
+            self._handles.extend(self._watch.updates.register(trainer.optimizers))
 
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
@@ -237,6 +247,11 @@ class GradientAnomalyStopping(GradientCheck):
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Tensor) -> None:
         """Note the loss about to be backpropagated, on device, for ``spikes`` and ``flight_recorder``."""
         self._watch.add_loss(trainer, loss)
+
+    def record_figures(self, figures: Sequence[ScalarBlock], metrics: Mapping[str, float], step: int) -> None:
+        """With ``flight_recorder``: keep the modules' output std ActivationMonitor logs (NaN where non-finite)."""
+        if self.flight_recorder:
+            self._watch.outputs.add(step, output_levels(figures))
 
     def _votes(self, trainer: pl.Trainer, step: Step) -> dict[str, Tensor]:
         return self._watch.votes(step, first=self._shared is None or self._shared.evaluation == 1)

@@ -1,4 +1,4 @@
-"""Spike detection on the loss and the gradient norm: a robust z-score over a rolling window, on device.
+"""Spike detection on the loss, the gradient norm and the update norm: a robust z-score over a window, on device.
 
 :func:`robust_zscore` is the kernel (pure tensors in, a tensor out); :class:`SpikeTrigger` holds
 the thresholds a user sets; :class:`SpikeWindows` keeps the rolling windows of one run on the
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import torch
 from torch import Tensor
@@ -20,7 +20,7 @@ from lightning_hooks.core._validation import check_int, check_number
 __all__ = ["SPIKE_SIGNALS", "SpikeTrigger", "SpikeWindows", "robust_zscore"]
 
 #: The signals a :class:`SpikeTrigger` watches, in the order of its flags: the flag names are ``<signal>_spike``.
-SPIKE_SIGNALS = ("loss", "grad_norm")
+SPIKE_SIGNALS = ("loss", "grad_norm", "update_norm")
 
 #: The fewest and the most values a spike window may hold: a median and a spread of fewer than 8
 #: values call ordinary noise a spike (window=2 flagged 57-72% of a healthy run's steps); a median
@@ -28,12 +28,19 @@ SPIKE_SIGNALS = ("loss", "grad_norm")
 #: to accept a new level.
 MIN_WINDOW, MAX_WINDOW = 8, 10_000
 
+#: The update norm's smallest spread (of its log): an optimizer's update is smoothed by its moments, so
+#: its step-to-step changes are small while healthy small-batch runs still see it double at times
+#: (measured on the fault zoo's healthy recipes, 300 steps: x2.1 above its recent level for the MLP
+#: under Adam, x4.4 for the CNN under SGD with momentum, x1.4 for the GPT-2 under AdamW). At 0.3 and
+#: z 6, a x10 learning rate for one step (log 2.3, z 7.7) is flagged and those are not (z 2.5, 4.9).
+UPDATE_MIN_SPREAD = 0.3
+
 #: MAD times this is the standard deviation of normally distributed values: a z of 6 means what it does for a std.
 _MAD_TO_STD = 1.4826
 
 
 @torch.no_grad()
-def robust_zscore(window: Tensor, value: Tensor, min_spread: float = 0.0, recent: int = 8) -> Tensor:
+def robust_zscore(window: Tensor, value: Tensor, min_spread: Union[float, Tensor] = 0.0, recent: int = 8) -> Tensor:
     """How many robust standard deviations ``value`` is above the recent level of ``window``, on device.
 
     A signal whose values (the window's and ``value``) are all positive is judged on a log
@@ -51,7 +58,7 @@ def robust_zscore(window: Tensor, value: Tensor, min_spread: float = 0.0, recent
         window: The past values along dim 0, oldest first: ``(W,)``, or ``(W, S)`` for ``S``
             signals at once.
         value: The new value: a 0-d tensor, or ``(S,)``.
-        min_spread: The smallest spread (of the log, or as a fraction of the level).
+        min_spread: The smallest spread (of the log, or as a fraction of the level): one, or one per signal.
         recent: How many of the last values the level is the median of.
 
     Returns:
@@ -75,7 +82,7 @@ def robust_zscore(window: Tensor, value: Tensor, min_spread: float = 0.0, recent
 
 @dataclass(frozen=True)
 class SpikeTrigger:
-    """When a step's loss or gradient norm is a spike: a robust z-score above a threshold.
+    """When a step's loss, gradient norm or update norm is a spike: a robust z-score above a threshold.
 
     The z-score of a step's value is how far it lies above the signal's recent level (the median
     of the last ``window // 8`` values, at least 8), in robust standard deviations of its
@@ -103,16 +110,23 @@ class SpikeTrigger:
         loss: Flag ``loss_spike`` above this z-score (None: do not watch the loss).
         grad_norm: Flag ``grad_norm_spike`` above this z-score of the total gradient norm (None:
             do not watch it).
+        update_norm: Flag ``update_norm_spike`` above this z-score of the total update norm
+            ``||w_after - w_before||`` over the optimizer's parameters (None, the default: do
+            not watch it). An Adam update-norm spike can come before the loss spikes (a 32B
+            run's retrospective, Marin). It costs one device copy of the parameters per step
+            (shared with UpdateTransform and GradientMonitor's ``update_ratio``). An update is
+            known only once made: a step's update is judged at the next step's check, which the
+            flag fires at. Its spread is at least :data:`UPDATE_MIN_SPREAD`.
         window: How many past steps the median covers: 8 to 10,000.
         warmup: How many finite values a signal's window must hold before it is judged: 8 to
             ``window`` (None: half the window, 64 by default).
         min_spread: The smallest spread: of the log, or, for a signal that is not positive, as a
-            fraction of the median.
+            fraction of the median (the update norm's is at least :data:`UPDATE_MIN_SPREAD`, 0.3).
 
     Raises:
         TypeError: For a threshold or ``min_spread`` that is not a number, or a ``window`` or
             ``warmup`` that is not an int.
-        ValueError: For a threshold that is not finite and > 0, neither signal watched, a
+        ValueError: For a threshold that is not finite and > 0, no signal watched, a
             ``window`` outside [8, 10000], a ``warmup`` below 8 or above ``window``, or a
             ``min_spread`` outside [0, 1].
 
@@ -125,6 +139,7 @@ class SpikeTrigger:
 
     loss: Optional[float] = 6.0
     grad_norm: Optional[float] = 6.0
+    update_norm: Optional[float] = None
     window: int = 128
     warmup: Optional[int] = None
     min_spread: float = 0.05
@@ -132,8 +147,10 @@ class SpikeTrigger:
     def __post_init__(self) -> None:
         check_number("loss", self.loss, low=0, optional=True)
         check_number("grad_norm", self.grad_norm, low=0, optional=True)
-        if self.loss is None and self.grad_norm is None:
-            raise ValueError("SpikeTrigger watches nothing: set `loss` or `grad_norm` (z-scores, e.g. 6.0)")
+        check_number("update_norm", self.update_norm, low=0, optional=True)
+        if self.loss is None and self.grad_norm is None and self.update_norm is None:
+            raise ValueError("SpikeTrigger watches nothing: set `loss`, `grad_norm` or `update_norm` (z-scores,"
+                             " e.g. 6.0)")
         check_int("window", self.window)
         if not MIN_WINDOW <= self.window <= MAX_WINDOW:
             raise ValueError(f"`window` must be an int in [{MIN_WINDOW}, {MAX_WINDOW}], got {self.window!r}: a median"
@@ -151,9 +168,14 @@ class SpikeTrigger:
         check_number("min_spread", self.min_spread, low=0, strict=False, high=1)
 
     @property
+    def spreads(self) -> tuple[float, ...]:
+        """The smallest spread per signal of :data:`SPIKE_SIGNALS`."""
+        return self.min_spread, self.min_spread, max(self.min_spread, UPDATE_MIN_SPREAD)
+
+    @property
     def thresholds(self) -> tuple[float, ...]:
         """The threshold per signal of :data:`SPIKE_SIGNALS`, +inf for a signal not watched."""
-        return tuple(math.inf if t is None else float(t) for t in (self.loss, self.grad_norm))
+        return tuple(math.inf if t is None else float(t) for t in (self.loss, self.grad_norm, self.update_norm))
 
 
 class DeviceRing:
@@ -223,13 +245,15 @@ class SpikeWindows:
         self.trigger = trigger
         self._rings: dict[int, DeviceRing] = {}
         self._thresholds: Optional[Tensor] = None  # on the values' device, made once
+        self._spreads: Optional[Tensor] = None  # likewise
         self._warmup: int = trigger.warmup if trigger.warmup is not None else 1
 
     def judge(self, values: Tensor, key: int = 0) -> tuple[Tensor, Tensor]:
         """The z-score of each signal's value (loss, grad norm) and whether it is a spike, on device.
 
         Args:
-            values: ``(len(SPIKE_SIGNALS),)``: the step's loss and total gradient norm (NaN: none).
+            values: The step's loss, total gradient norm and the step before's update norm
+                (NaN: none), or the first of them.
             key: The optimizer's index.
 
         Returns:
@@ -238,17 +262,22 @@ class SpikeWindows:
         """
         ring = self._rings.get(key)
         values = values.double()
+        if self._thresholds is None or self._thresholds.device != values.device:
+            self._thresholds = torch.tensor(self.trigger.thresholds, dtype=torch.float64, device=values.device)
+            self._spreads = torch.tensor(self.trigger.spreads, dtype=torch.float64, device=values.device)
+        signals = values.numel()  # the first signals of SPIKE_SIGNALS, if not all
         rows = ring.ordered() if ring is not None and ring.count >= self._warmup else None
+        if rows is not None and rows.shape[1] != signals:  # saved with other signals: a new window
+            rows = None
         if rows is None:
             z = torch.zeros_like(values)
         else:
             rows = rows.to(values.device)  # moved once, at push
-            z = robust_zscore(rows, values, self.trigger.min_spread, max(MIN_WINDOW, self.trigger.window // 8))
+            assert self._spreads is not None
+            z = robust_zscore(rows, values, self._spreads[:signals], max(MIN_WINDOW, self.trigger.window // 8))
             warm = rows.isfinite().sum(0) >= self._warmup  # counted in finite values: a NaN step is a gap
             z = torch.where(values.isnan() | ~warm, 0.0, z)  # a signal without a value, or too few: no verdict
-        if self._thresholds is None or self._thresholds.device != values.device:
-            self._thresholds = torch.tensor(self.trigger.thresholds, dtype=torch.float64, device=values.device)
-        return z, z > self._thresholds
+        return z, z > self._thresholds[:signals]
 
     def remember(self, values: Tensor, key: int = 0) -> None:
         """Add the step's values to the windows of optimizer ``key`` (a non-finite one as a gap)."""

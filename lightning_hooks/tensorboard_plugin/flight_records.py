@@ -47,6 +47,8 @@ def record_problem(record: Any) -> Optional[str]:
          "`onsets` is not a list of [layer, step]"),
         (record.get("leader") is None or isinstance(record["leader"], str), "`leader` is not a name"),
         (record.get("lead") is None or _is_int(record["lead"]), "`lead` is not an integer"),
+        (record.get("update_norms") in (None, []) or _numbers(record["update_norms"], n_steps),
+         "`update_norms` is not one number a step"),
     ]
     return next((problem for ok, problem in checks if not ok), None)
 

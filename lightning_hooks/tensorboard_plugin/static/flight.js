@@ -3,12 +3,12 @@
 // steps up to the anomaly, each cell the layer's gradient norm over its usual level (the median over the
 // record's first half: the recorder's own usual range, lightning_hooks/callbacks/_flight_recorder.py),
 // rows in the order the layers left that range (the leader first, its leave step outlined), the loss drawn
-// above, the anomaly step dashed.
+// above (and each step's update norm, when SpikeTrigger(update_norm=...) measured it), the anomaly step dashed.
 
 import {MARK_COLOURS, ROW_H, TOP_GAP, at, centredLogScale, draw, el, fmt, num} from "./heatmap.js";
 
 const LOSS_H = 44;  // the loss line's band above the grid
-const TOP = TOP_GAP + LOSS_H + 8;
+const TOP = TOP_GAP + LOSS_H + 8;  // the grid's top; one band lower with update norms
 const MAX_NAME = 34;
 const MAX_ROWS = 48;  // a big model's record: the first rows of the order below are drawn, a line says how many not
 const MOST = 1000;  // the colours saturate beyond x1000 or /1000 of the usual level
@@ -25,8 +25,10 @@ export function flightView(anomaly) {
   const figure = {rows: order.map((i) => record.layers[i]), steps: record.steps, marks: []};
   const marks = outOfRange(figure, values, order.map((i) => usual[i]), left);
   figure.marks = [...marks].map(([key, verdict]) => [...key.split(",").map(Number), verdict]);
+  const updates = (record.update_norms || []).map(num);
   const box = el("div", {class: "lh-figure lh-flight", "data-flight-step": String(record.step),
-                         "data-leader": record.leader || "", "data-rows": figure.rows.join(",")});
+                         "data-leader": record.leader || "", "data-rows": figure.rows.join(","),
+                         "data-updates": String(updates.filter((v) => v !== null && Number.isFinite(v)).length)});
   box.append(el("h3", {}, `Flight record before the anomaly at step ${record.step}`),
              el("div", {class: "lh-sub lh-leader"}, leaderLine(record)));
   if (all.length > order.length) {
@@ -37,7 +39,8 @@ export function flightView(anomaly) {
   const canvas = el("canvas");
   box.append(canvas, legend(record, usual));
   const factor = Math.max(1.5, ...usual.filter(Boolean).map((u) => num(u[1])));
-  const view = {figure, values, marks, canvas, top: TOP, scale: centredLogScale(values, factor ** 2, MOST),
+  const top = updates.length ? TOP + LOSS_H + 8 : TOP;
+  const view = {figure, values, marks, canvas, top, scale: centredLogScale(values, factor ** 2, MOST),
                 rows: figure.rows.map((name, r) => ({label: name, members: [r]})),
                 labelOf: (row) => rowLabel(record, figure.rows[row.members[0]], left)};
   view.overlay = (g, labelWidth, cell) => overlay(g, view, record, labelWidth, cell);
@@ -62,11 +65,22 @@ function outOfRange(figure, values, usual, left) {  // the cell where each layer
   return marks;
 }
 
-function leaderLine(record) {
-  if (!record.leader) return "No layer's gradient norm was out of its usual range at the anomaly.";
+function leaderLine(record) {  // what the recorder said (callbacks/_flight_record.py), from outputs or gradients
+  if (!record.leader) return "No layer's outputs or gradient norm were out of their usual range at the anomaly.";
+  const at = record.step - record.lead, before = `${record.lead} step${record.lead === 1 ? "" : "s"} before the anomaly`;
+  if (record.data) return `Every layer at once at step ${at} (${before}): look at the batch.`;
+  if (record.judged_by === "outputs") {
+    const others = (record.output_onsets || []).length - 1;
+    return `Leader: ${record.leader}'s outputs left their usual range first in forward order, at step ${at} (${before})`
+      + (others > 0 ? `; the outputs of ${others} module${others > 1 ? "s" : ""} after it left theirs too.` : ".");
+  }
+  const tied = record.tied || [];
+  if (tied.length) {
+    return `A tie: ${[record.leader, ...tied].join(", ")} left their usual gradient-norm range at step ${at} (${before});`
+      + " gradient norms alone cannot tell a cause from its effects.";
+  }
   const others = record.onsets.length - 1;
-  return `Leader: ${record.leader} left its usual gradient-norm range first, at step ${record.step - record.lead}`
-    + ` (${record.lead} step${record.lead === 1 ? "" : "s"} before the anomaly)`
+  return `Leader: ${record.leader} left its usual gradient-norm range first, at step ${at} (${before})`
     + (others ? `; ${others} other layer${others > 1 ? "s" : ""} left it by the anomaly.` : ".");
 }
 
@@ -85,33 +99,39 @@ function legend(record, usual) {
     "Outlined: the step the layer left its usual range (3 robust standard deviations of its log, at least ×1.5;"
     + ` here ${band}) and stayed out of it up to the anomaly, going`,
     el("span", {style: `border-color:${MARK_COLOURS.exploding}`}), "above or",
-    el("span", {style: `border-color:${MARK_COLOURS.vanishing}`}), "below it. Top: the loss. Dashed: the anomaly step."]);
+    el("span", {style: `border-color:${MARK_COLOURS.vanishing}`}),
+    `below it. Top: the loss${(record.update_norms || []).length ? ", then each step's update norm" : ""}.`
+    + " Dashed: the anomaly step."]);
 }
 
 function overlay(g, view, record, labelWidth, cell) {
-  const steps = record.steps.length, right = labelWidth + steps * cell;
-  const losses = record.losses.map(num);
-  const finite = losses.filter((v) => v !== null && Number.isFinite(v));
-  g.fillStyle = "#424242"; g.textBaseline = "middle"; g.textAlign = "left";
-  g.fillText("loss", 4, TOP_GAP + LOSS_H / 2);
-  g.strokeStyle = "#e0e0e0"; g.lineWidth = 1;
-  g.strokeRect(labelWidth, TOP_GAP, steps * cell, LOSS_H);
-  if (finite.length) {
-    const lo = Math.min(...finite), hi = Math.max(...finite), span = hi > lo ? hi - lo : 1;
-    g.strokeStyle = "#f57c00"; g.lineWidth = 1.5; g.beginPath();
-    let pen = false;
-    losses.forEach((v, c) => {
-      if (v === null || !Number.isFinite(v)) { pen = false; return; }
-      const x = labelWidth + (c + 0.5) * cell, y = TOP_GAP + LOSS_H - 3 - ((v - lo) / span) * (LOSS_H - 6);
-      if (pen) g.lineTo(x, y); else g.moveTo(x, y);
-      pen = true;
-    });
-    g.stroke();
-    g.fillStyle = "#616161"; g.fillText(fmt(hi), right + 10, TOP_GAP + 5); g.fillText(fmt(lo), right + 10, TOP_GAP + LOSS_H - 5);
-  }
+  band(g, "loss", record.losses.map(num), TOP_GAP, labelWidth, cell, "#f57c00");
+  const updates = (record.update_norms || []).map(num);
+  if (updates.length) band(g, "update", updates, TOP_GAP + LOSS_H + 8, labelWidth, cell, "#6a1b9a");
   const c = record.steps.indexOf(record.step), x = labelWidth + (Math.max(0, c) + 0.5) * cell;
   g.strokeStyle = "#d32f2f"; g.lineWidth = 1.5; g.setLineDash([4, 3]); g.beginPath();
-  g.moveTo(x, TOP_GAP); g.lineTo(x, TOP + view.rows.length * ROW_H); g.stroke(); g.setLineDash([]);
+  g.moveTo(x, TOP_GAP); g.lineTo(x, view.top + view.rows.length * ROW_H); g.stroke(); g.setLineDash([]);
+}
+
+function band(g, label, values, y0, labelWidth, cell, colour) {  // one line per step above the grid: loss, update norm
+  const steps = values.length, right = labelWidth + steps * cell;
+  const finite = values.filter((v) => v !== null && Number.isFinite(v));
+  g.fillStyle = "#424242"; g.textBaseline = "middle"; g.textAlign = "left";
+  g.fillText(label, 4, y0 + LOSS_H / 2);
+  g.strokeStyle = "#e0e0e0"; g.lineWidth = 1;
+  g.strokeRect(labelWidth, y0, steps * cell, LOSS_H);
+  if (!finite.length) return;
+  const lo = Math.min(...finite), hi = Math.max(...finite), span = hi > lo ? hi - lo : 1;
+  g.strokeStyle = colour; g.lineWidth = 1.5; g.beginPath();
+  let pen = false;
+  values.forEach((v, c) => {
+    if (v === null || !Number.isFinite(v)) { pen = false; return; }
+    const x = labelWidth + (c + 0.5) * cell, y = y0 + LOSS_H - 3 - ((v - lo) / span) * (LOSS_H - 6);
+    if (pen) g.lineTo(x, y); else g.moveTo(x, y);
+    pen = true;
+  });
+  g.stroke();
+  g.fillStyle = "#616161"; g.fillText(fmt(hi), right + 10, y0 + 5); g.fillText(fmt(lo), right + 10, y0 + LOSS_H - 5);
 }
 
 function tip() { return document.querySelector(".lh-tip"); }
@@ -127,6 +147,7 @@ function hover(view, record, left, event) {
   if (usual) text += `\n× ${fmt(view.values[row.members[0]][c])} its usual ${fmt(num(usual[0]))} (range ×/÷ ${fmt(num(usual[1]))})`;
   if (left.has(layer)) text += `\nout of its usual range from step ${left.get(layer)}`;
   text += `\nloss ${fmt(num(record.losses[c]))}`;
+  if ((record.update_norms || []).length) text += `\nupdate norm ${fmt(num(record.update_norms[c]))}`;
   box.textContent = text;
   Object.assign(box.style, {display: "block", left: `${event.clientX + 14}px`, top: `${event.clientY + 10}px`});
 }

@@ -1,0 +1,76 @@
+"""The norm of every optimizer step's update ``||w_after - w_before||``, for ``SpikeTrigger(update_norm=...)``.
+
+An update is known only once the optimizer made it, so it is measured in the optimizer's step
+hooks: the pre-hook holds the optimizer's trainable parameters in its
+:class:`~lightning_hooks.callbacks._step_copies.StepCopies` (one copy per step, shared with
+UpdateTransform and GradientMonitor's update ratios: a parameter they hold for the same step is
+not copied again); the post-hook takes one multi-tensor norm of ``w_after - w_before`` and lets
+go. Alone with its copies it turns them into the update in place (no second buffer); when
+another reader holds them too, each parameter's difference is made one at a time (at most one
+parameter's size more). Nothing leaves the device. The post-hook is put on at ``on_train_start``,
+after UpdateTransform's (``on_fit_start``), so it measures the update UpdateTransform made.
+"""
+
+from __future__ import annotations
+
+import math
+from functools import partial
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.utils.hooks import RemovableHandle
+
+from lightning_hooks.callbacks._step_copies import step_copies
+from lightning_hooks.measure._sharding import local
+
+
+class UpdateNorms:
+    """Each optimizer step's total update norm (this rank's parameters or shards), on device."""
+
+    def __init__(self) -> None:
+        self._norms: dict[int, Tensor] = {}  # by optimizer index: its last step's update norm (0-d float64)
+        self._holding: dict[int, tuple[Any, list[Tensor]]] = {}  # by id of optimizer: it, and the parameters held
+
+    def register(self, optimizers: list[Any]) -> list[RemovableHandle]:
+        """Put the step pre- and post-hooks on each optimizer; return their handles."""
+        return [handle for key, optimizer in enumerate(optimizers)
+                for handle in (optimizer.register_step_pre_hook(self._before_step),
+                               optimizer.register_step_post_hook(partial(self._after_step, key)))]
+
+    def take(self, key: int, device: torch.device) -> Tensor:
+        """Optimizer ``key``'s last update norm, once (NaN: none made since the last take, or it was dropped)."""
+        norm = self._norms.pop(key, None)
+        return torch.full((), math.nan, dtype=torch.float64, device=device) if norm is None else norm.to(device)
+
+    def forget(self) -> None:
+        """Drop what was measured, and any copy still held (the end of a fit)."""
+        self._norms.clear()
+        for optimizer, _ in self._holding.values():
+            step_copies(optimizer).release(self)
+        self._holding.clear()
+
+    def _before_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        params = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
+        if params:
+            step_copies(optimizer).hold(self, params)
+            self._holding[id(optimizer)] = optimizer, params
+
+    @torch.no_grad()
+    def _after_step(self, key: int, optimizer: Any, args: Any, kwargs: Any) -> None:
+        held = self._holding.pop(id(optimizer), None)
+        if held is None:
+            return
+        params, copies = held[1], step_copies(optimizer)
+        before, alone = copies.copies(self), copies.exclusive(self)
+        copies.release(self)  # the list keeps them alive; alone, they are this hook's to change
+        if all(p.grad is None for p in params):  # GradientAnomalyStopping dropped it: no update made
+            return
+        after = [local(p).detach() for p in params]
+        if alone:
+            torch._foreach_sub_(before, after)  # w_before - w_after, in the copies
+            norms = list(torch._foreach_norm(before, 2, dtype=torch.float32))
+        else:
+            norms = [torch.linalg.vector_norm(a - b, dtype=torch.float32) for a, b in zip(after, before)]
+        norm = torch.stack(norms).double().square().sum().sqrt()
+        self._norms[key] = torch.where(norm > 0, norm, math.nan)  # nothing moved (an LBFGS step undone): no update
