@@ -13,6 +13,9 @@ Faults: ``ramp`` (the module's output grows 4% a step), ``jump`` (x20 at once), 
 output becomes 0), ``vanish`` (its weights shrunk 1000x once), ``lr100`` (its param group's LR
 x100), ``attn`` (one block's queries grow 4% a step: its attention logits grow), ``nan`` (one NaN
 in its output, once), ``data`` (the batch goes bad: its inputs x30, the LMs' embedded tokens x30).
+Healthy runs: each recipe without a fault, and on a recipe with a cyclic LR ``swing``: the module's
+output scale swings with the LR, x1.3 at its peak and /1.3 at its trough (a layer whose activations
+follow the LR, as a cyclic schedule makes them): no verdict.
 
     python benchmarks/fault_zoo.py                      # the whole zoo, a table
     python benchmarks/fault_zoo.py --models gpt2 --faults ramp jump --steps 200
@@ -21,6 +24,7 @@ in its output, once), ``data`` (the batch goes bad: its inputs x30, the LMs' emb
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 import time
@@ -40,7 +44,8 @@ from lightning_hooks import ActivationMonitor, GradientMonitor, LayerHealth  # n
 from lightning_hooks.callbacks._flight_recorder import analyse  # noqa: E402
 
 FAULTS = ("ramp", "jump", "dead", "vanish", "lr100", "attn", "nan", "data")
-GROWTH, JUMP, SHRINK, LR_FACTOR, DATA_SCALE = 1.04, 20.0, 1e-3, 100.0, 30.0
+HEALTHY = ("healthy", "swing")  # runs without a fault: every verdict line after the first 10% is a false alarm
+GROWTH, JUMP, SHRINK, LR_FACTOR, DATA_SCALE, SWING = 1.04, 20.0, 1e-3, 100.0, 30.0, 1.3
 
 
 class Lit(pl.LightningModule):
@@ -53,9 +58,10 @@ class Lit(pl.LightningModule):
         self.recipe, self.fault, self.onset, self.steps = recipe, fault, onset, steps
         self.model = recipe.build()
         self.draw = recipe.data(seed, recipe.batch)
-        self.culprit = "model." + recipe.targets[fault] if fault and recipe.targets.get(fault) else ""
+        target = recipe.targets.get("ramp" if fault == "swing" else fault or "")
+        self.culprit = "model." + target if target else ""
         self.mult = schedule(recipe, steps)
-        if self.culprit and fault in ("ramp", "jump", "dead", "nan", "attn"):
+        if self.culprit and fault in ("ramp", "jump", "dead", "nan", "attn", "swing"):
             self.get_submodule(self.culprit).register_forward_hook(self._hurt)
         if fault == "data" and recipe.loss == "lm":  # the batch's embedded tokens out of range, x30
             self.model.net.get_input_embeddings().register_forward_hook(self._bad_batch)
@@ -68,6 +74,8 @@ class Lit(pl.LightningModule):
 
     def _hurt(self, module: nn.Module, args: Any, out: Tensor) -> Optional[Tensor]:
         t = self._step() - self.onset
+        if self.fault == "swing" and self.training:  # in phase with the cyclic LR: largest where the LR is
+            return out * SWING ** -math.cos(2 * math.pi * self._step() / self.recipe.cycle)
         if t < 0 or not self.training:
             return None
         if self.fault == "ramp":
@@ -207,7 +215,7 @@ def judge_case(case: Case, healthy: Optional[Case]) -> dict[str, Any]:
     steps = sorted(s for s in case.named if s >= quiet_from)
     first_step = next((s for s in steps if case.named[s]), None)
     row: dict[str, Any] = {"model": case.model, "fault": case.fault, "onset": case.onset, "s": round(case.seconds, 1)}
-    if case.fault == "healthy":
+    if case.fault in HEALTHY:
         lines = sorted({n for s in steps for n in case.named[s]})
         row.update(alarms=len(lines), lines=lines[:6], first_alarm=first_step)
         return row
@@ -254,8 +262,9 @@ def loss_moved(case: Case, healthy: Optional[Case], rel: float = 0.05, smooth: i
 def main(argv: Optional[list[str]] = None) -> list[dict[str, Any]]:
     """Run the chosen cases and print one line per case (a markdown table)."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--models", nargs="+", default=["gpt2", "llama", "cnn", "mlp"], choices=sorted(RECIPES))
-    parser.add_argument("--faults", nargs="+", default=["healthy", *FAULTS], choices=["healthy", *FAULTS])
+    parser.add_argument("--models", nargs="+", default=["gpt2", "llama", "cnn", "mlp", "mlp-cyclic"],
+                        choices=sorted(RECIPES))
+    parser.add_argument("--faults", nargs="+", default=[*HEALTHY, *FAULTS], choices=[*HEALTHY, *FAULTS])
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--onset", type=int, default=100)
     parser.add_argument("--every", type=int, default=2, help="log every this many steps")
@@ -271,7 +280,7 @@ def main(argv: Optional[list[str]] = None) -> list[dict[str, Any]]:
     for model in args.models:
         healthy = run_case(model, None, args.steps, args.onset, args.every, args.seed)
         for fault in args.faults:
-            if fault == "attn" and model not in ("gpt2", "llama", "gpt2-bf16"):
+            if (fault == "attn" and RECIPES[model].loss != "lm") or (fault == "swing" and not RECIPES[model].cycle):
                 continue
             case = healthy if fault == "healthy" else run_case(model, fault, args.steps, args.onset, args.every,
                                                                args.seed)
@@ -285,10 +294,11 @@ def main(argv: Optional[list[str]] = None) -> list[dict[str, Any]]:
 
 def format_row(row: dict[str, Any]) -> str:
     """One markdown table line."""
-    if row["fault"] == "healthy":
+    if row["fault"] in HEALTHY:
         lines = "; ".join(row["lines"]) + (" ..." if row["alarms"] > len(row["lines"]) else "")
         found = f" (first at step {row['first_alarm']}): {lines}" if row["alarms"] else ""
-        return f"| {row['model']} | healthy | {row['alarms']} verdict lines after 10%{found} | | | | | {row['s']} |"
+        said = f"{row['alarms']} verdict lines after 10%{found}"
+        return f"| {row['model']} | {row['fault']} | {said} | | | | | {row['s']} |"
     before = row.get("before")
     said = f"{before} ({'; '.join(row['before_names'])})" if before else ("-" if before is None else "0")
     if row["fault"] == "data":
