@@ -51,9 +51,10 @@ GROWTH, JUMP, SHRINK, LR_FACTOR, DATA_SCALE, SWING = 1.04, 20.0, 1e-3, 100.0, 30
 class Lit(pl.LightningModule):
     """A recipe's model, trained as the recipe says, with one fault injected from step ``onset``."""
 
-    def __init__(self, recipe: Recipe, fault: Optional[str], onset: int, steps: int, seed: int, every: int) -> None:
+    def __init__(self, recipe: Recipe, fault: Optional[str], onset: int, steps: int, seed: int, every: int,
+                 growth: float = GROWTH) -> None:
         super().__init__()
-        self.every = every
+        self.every, self.growth = every, growth
         torch.manual_seed(seed)
         self.recipe, self.fault, self.onset, self.steps = recipe, fault, onset, steps
         self.model = recipe.build()
@@ -79,7 +80,7 @@ class Lit(pl.LightningModule):
         if t < 0 or not self.training:
             return None
         if self.fault == "ramp":
-            return out * GROWTH ** t
+            return out * self.growth ** t
         if self.fault == "jump":
             return out * JUMP
         if self.fault == "dead":
@@ -92,7 +93,7 @@ class Lit(pl.LightningModule):
             return out
         out = out.clone()  # attn: the queries (GPT-2: the first third of c_attn's output) grow
         width = out.shape[-1] // 3 if out.shape[-1] % 3 == 0 and "c_attn" in self.culprit else out.shape[-1]
-        out[..., :width] *= GROWTH ** t
+        out[..., :width] *= self.growth ** t
         return out
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
@@ -173,7 +174,7 @@ class Case:
 
 
 def run_case(model: str, fault: Optional[str], steps: int, onset: int, every: int, seed: int = 0,
-             flight: int = 30, logger: Optional[Logger] = None) -> Case:
+             flight: int = 30, logger: Optional[Logger] = None, growth: float = GROWTH) -> Case:
     """Train one case and return what the verdicts said at each step.
 
     ``logger`` (say a ``TensorBoardLogger``) receives the monitors' figures and the loss, for the
@@ -181,7 +182,7 @@ def run_case(model: str, fault: Optional[str], steps: int, onset: int, every: in
     """
     recipe = RECIPES[model]
     start = time.perf_counter()
-    lit = Lit(recipe, fault, onset, steps, seed, every)
+    lit = Lit(recipe, fault, onset, steps, seed, every, growth)
     health = LayerHealth()
     probe = Probe(health)
     callbacks = [ActivationMonitor(histogram=False), GradientMonitor(histogram=False, update_ratio=True), health, probe]
@@ -273,7 +274,6 @@ def main(argv: Optional[list[str]] = None) -> list[dict[str, Any]]:
     parser.add_argument("--verbose", action="store_true", help="print LayerHealth's summary of each case")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
-    globals()["GROWTH"] = args.growth
     rows = []
     print("| model | fault | first named | delay | named before culprit | loss moved 5% | flight leader (ties) | s |")
     print("|---|---|---|---:|---:|---:|---|---:|")
@@ -283,7 +283,7 @@ def main(argv: Optional[list[str]] = None) -> list[dict[str, Any]]:
             if (fault == "attn" and RECIPES[model].loss != "lm") or (fault == "swing" and not RECIPES[model].cycle):
                 continue
             case = healthy if fault == "healthy" else run_case(model, fault, args.steps, args.onset, args.every,
-                                                               args.seed)
+                                                               args.seed, growth=args.growth)
             row = judge_case(case, healthy)
             rows.append(row)
             print(format_row(row), flush=True)

@@ -52,7 +52,7 @@ OUTPUT_PROBLEMS = ("nonfinite", "dead", "blowup", "collapse")
 PARAMETER_FIGURES = ("norm", "ratio")
 #: A module's outputs are judged by its gain where that is this many times quieter than its level: where the
 #: module before it carries the batch-to-batch moves they share (an MLP's, a CNN's layers).
-QUIETER = 2.0
+QUIETER = 1.5
 #: The layer a data fault is reported on.
 EVERY_LAYER = "(every layer)"
 

@@ -22,9 +22,9 @@ from lightning_hooks.output._health_bands import Bands
 MIN_NOISE = {"level": math.log(1.05), "gain": math.log(1.02), "norm": math.log(1.25), "ratio": math.log(1.1)}
 #: The band (a field ``<name>_factor`` of :class:`Bands`) each relative figure is judged by: a gain is an output's.
 FACTOR = {"level": "level", "gain": "level", "norm": "norm", "ratio": "ratio"}
-#: A gain's least change, as a power of ``level_factor`` (1.25 ** 0.6 = 1.14): the batch's share of an output's
+#: A gain's least change, as a power of ``level_factor`` (1.25 ** 0.7 = 1.17): the batch's share of an output's
 #: moves, which the factor's margin is for, is taken out of a gain by the module before it.
-GAIN_POWER = 0.6
+GAIN_POWER = 0.7
 
 
 @dataclass
