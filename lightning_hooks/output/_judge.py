@@ -295,8 +295,8 @@ class Judge:
         """The judge's memory, as plain values."""
         return {"depth": dict(self.depth), "last": {f: dict(v) for f, v in self.last.items()},
                 "offset": dict(self.offset),
-                "tracks": {f: {r: [list(t.logs), t.up, t.down, t.frozen, t.worst, list(t.held), t.deviation, t.noise]
-                               for r, t in rows.items()} for f, rows in self.tracks.items()},
+                "tracks": {f: {r: [list(t.logs), t.up, t.down, t.frozen, t.worst, list(t.held), t.deviation, t.noise,
+                                   t.learned] for r, t in rows.items()} for f, rows in self.tracks.items()},
                 "named": sorted(self.named), "affected": sorted(self.affected),
                 "first_entropy": dict(self.first_entropy)}
 
@@ -306,7 +306,8 @@ class Judge:
         self.last = {f: dict(v) for f, v in state["last"].items()}
         self.offset = dict(state["offset"])
         self.tracks = {f: {r: Track(deque(t[0], maxlen=self.bands.window), up=t[1], down=t[2], frozen=t[3], worst=t[4],
-                                    held=deque(t[5], maxlen=64), deviation=t[6], noise=t[7]) for r, t in rows.items()}
+                                    held=deque(t[5], maxlen=64), deviation=t[6], noise=t[7], learned=t[8])
+                            for r, t in rows.items()}
                        for f, rows in state["tracks"].items()}
         self.named, self.affected = set(state["named"]), set(state["affected"])
         self.first_entropy = dict(state["first_entropy"])

@@ -39,6 +39,7 @@ class Track:
     held: deque[float] = field(default_factory=lambda: deque(maxlen=64))
     deviation: float = 0.0
     noise: float = math.inf  # the last noise measured from its history (log units), unfloored
+    learned: int = 0  # the newest values let in as the row's own fast learning
 
 
 def usual_range(logs: Sequence[float]) -> tuple[float, float, float, float]:
@@ -103,8 +104,10 @@ def judge_value(track: Track, x: float, figure: str, bands: Bands) -> Optional[f
 def _deviation(track: Track, x: float, figure: str, floor: float) -> tuple[Optional[float], float]:
     """How far (log) ``x`` is beyond the row's range, and its noise.
 
-    The range spans its flat level, its own trend carried on, and the values its history holds: a row
-    that swung as far within its window (a layer following a cyclic learning rate) is in range there.
+    The range spans its flat level, its own trend carried on, and the values its history holds (but
+    the newest, if they came in as its own fast learning: a ramp riding on a trend does not widen its
+    range): a row that swung as far within its window (a layer following a cyclic learning rate) is
+    in range there.
 
     None while the row is still learning fast on its own and ``x`` is not a step away: its own
     history cannot judge it, and ``x`` joins it.
@@ -114,10 +117,13 @@ def _deviation(track: Track, x: float, figure: str, floor: float) -> tuple[Optio
     ahead = level + slope * (lag + len(track.held))  # the row's own trend, carried on to this point
     if abs(ahead - level) > floor / 2 and not (track.up or track.down) and abs(x - level) < 2 * floor:
         track.logs.append(x)
+        track.learned += 1
         return None, noise
     if not math.isfinite(x):
         return -math.inf, max(noise, MIN_NOISE[figure])
-    high, low = max(level, ahead, max(track.logs)), min(level, ahead, min(track.logs))
+    older = list(track.logs)[:len(track.logs) - track.learned]
+    track.learned = 0
+    high, low = max(level, ahead, *older), min(level, ahead, *older)
     return max(0.0, x - high) + min(0.0, x - low), max(noise, MIN_NOISE[figure])
 
 
