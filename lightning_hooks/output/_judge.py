@@ -12,13 +12,17 @@ step at a time, with every judged figure of that step. How it decides (docs/verd
 - An update ratio more than ``ratio_factor`` cubed (64) times the step's median ratio is too fast
   from the first logged step on: one param group's learning rate far above the others'. A cause
   of its own (a fault elsewhere does not change Adam's ``lr / rms(w)``), named beside the culprit.
+- A module's outputs are judged by its gain (its std over the std of the module before it in
+  forward order) where that is ``QUIETER`` times quieter than its std: in a plain stack the batch
+  moves every module's std together, and the module before it carries that share. A fault moves
+  its own gain, not the gains after it.
 - Gradient norms and update ratios are judged against their peers too: the step's median change
   over all rows (the learning-rate schedule, the loss falling, the batch's own noise) is taken
   out first, so no fixed band judges the recipe. Activations are judged against their own
   history only, where a single layer's fault would move every row downstream of it.
 - Every layer at once is the batch, not a layer: the first module in forward order out (its
-  input is the batch), or every gradient moving together while no activation and no update
-  ratio singles a layer out (the labels): ``data``.
+  input is the batch), or every gradient moving together, and staying there at the next logged
+  step, while no activation and no update ratio singles a layer out (the labels): ``data``.
 - Culprit and victims: at a step, the first module in forward order whose outputs are out of
   their range is named (its inputs, the modules before it, are in range); the modules after it,
   and the gradients and update ratios of other layers, are its victims, not named. Without an

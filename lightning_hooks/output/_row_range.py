@@ -121,9 +121,9 @@ def _deviation(track: Track, x: float, figure: str, floor: float) -> tuple[Optio
         return None, noise
     if not math.isfinite(x):
         return -math.inf, max(noise, MIN_NOISE[figure])
-    older = list(track.logs)[:len(track.logs) - track.learned]
+    seen = list(track.logs)[:len(track.logs) - track.learned]
     track.learned = 0
-    high, low = max(level, ahead, *older), min(level, ahead, *older)
+    high, low = max(level, ahead, *seen), min(level, ahead, *seen)
     return max(0.0, x - high) + min(0.0, x - low), max(noise, MIN_NOISE[figure])
 
 
