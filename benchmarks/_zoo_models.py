@@ -131,6 +131,7 @@ class Recipe:
     batch: int
     targets: dict[str, str]  # fault -> the module it is injected in (the culprit)
     precision: str = "32-true"
+    cycle: int = 0  # a cyclic LR (triangular, from lr/10 up to lr and back) of this many steps; 0: the usual schedule
 
 
 def _lm_targets(block: str, mlp_in: str, mlp_out: str, query: str) -> dict[str, str]:
@@ -154,10 +155,18 @@ RECIPES["gpt2-bf16"] = Recipe(**{**vars(RECIPES["gpt2"]), "name": "gpt2-bf16", "
 
 
 def schedule(recipe: Recipe, steps: int) -> Callable[[int], float]:
-    """The LR multiplier: warm-up (10%) and cosine for the transformers, step decay for the CNN, flat else."""
+    """The LR multiplier: warm-up (10%) and cosine for the transformers, step decay for the CNN, flat else.
+
+    A recipe with a ``cycle`` has a triangular cyclic LR (Smith 2017, ``torch.optim.lr_scheduler.CyclicLR``):
+    from a tenth of its LR up to its LR in half a cycle, and back.
+    """
+    if recipe.cycle:
+        return lambda s: 0.1 + 0.9 * (1 - abs(2 * (s % recipe.cycle) / recipe.cycle - 1))
     if recipe.optimizer == "adamw":
         warm = max(1, steps // 10)
         return lambda s: (s + 1) / warm if s < warm else 0.1 + 0.45 * (1 + math.cos(math.pi * (s - warm) / steps))
     if recipe.optimizer == "sgd":
         return lambda s: 0.1 ** (s // max(1, steps // 3))
     return lambda s: 1.0
+RECIPES["mlp-cyclic"] = Recipe(**{**vars(RECIPES["mlp"]), "name": "mlp-cyclic", "lr": 5e-3, "cycle": 60})
+RECIPES["cnn-cyclic"] = Recipe(**{**vars(RECIPES["cnn"]), "name": "cnn-cyclic", "lr": 0.2, "cycle": 60})

@@ -16,6 +16,9 @@ in its output, once), ``data`` (the batch goes bad: its inputs x30, the LMs' emb
 ``gradvanish`` (the gradient reaching the ``vanish`` module's output x1e-6 from the onset: a cut in the
 backward pass; its run watches output gradients, ``ActivationMonitor(gradients=True)``, as every
 run does with ``--gradients``).
+Healthy runs: each recipe without a fault, and on a recipe with a cyclic LR ``swing``: the module's
+output scale swings with the LR, x1.3 at its peak and /1.3 at its trough (a layer whose activations
+follow the LR, as a cyclic schedule makes them): no verdict.
 
     python benchmarks/fault_zoo.py                      # the whole zoo, a table
     python benchmarks/fault_zoo.py --models gpt2 --faults ramp jump --steps 200
@@ -25,6 +28,7 @@ run does with ``--gradients``).
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 import time
@@ -46,23 +50,25 @@ from lightning_hooks.callbacks._flight_recorder import analyse  # noqa: E402
 from lightning_hooks.output._listeners import FigureListener  # noqa: E402
 
 FAULTS = ("ramp", "jump", "dead", "vanish", "lr100", "attn", "nan", "data", "gradvanish")
-GROWTH, JUMP, SHRINK, LR_FACTOR, DATA_SCALE, GRAD_CUT = 1.04, 20.0, 1e-3, 100.0, 30.0, 1e-6
+HEALTHY = ("healthy", "swing")  # runs without a fault: every verdict line after the first 10% is a false alarm
+GROWTH, JUMP, SHRINK, LR_FACTOR, DATA_SCALE, SWING, GRAD_CUT = 1.04, 20.0, 1e-3, 100.0, 30.0, 1.3, 1e-6
 
 
 class Lit(pl.LightningModule):
     """A recipe's model, trained as the recipe says, with one fault injected from step ``onset``."""
 
-    def __init__(self, recipe: Recipe, fault: Optional[str], onset: int, steps: int, seed: int, every: int) -> None:
+    def __init__(self, recipe: Recipe, fault: Optional[str], onset: int, steps: int, seed: int, every: int,
+                 growth: float = GROWTH) -> None:
         super().__init__()
-        self.every = every
+        self.every, self.growth = every, growth
         torch.manual_seed(seed)
         self.recipe, self.fault, self.onset, self.steps = recipe, fault, onset, steps
         self.model = recipe.build()
         self.draw = recipe.data(seed, recipe.batch)
-        target = recipe.targets["vanish"] if fault == "gradvanish" else recipe.targets.get(fault or "")
+        target = recipe.targets.get({"gradvanish": "vanish", "swing": "ramp"}.get(fault or "", fault or ""))
         self.culprit = "model." + target if target else ""
         self.mult = schedule(recipe, steps)
-        if self.culprit and fault in ("ramp", "jump", "dead", "nan", "attn"):
+        if self.culprit and fault in ("ramp", "jump", "dead", "nan", "attn", "swing"):
             self.get_submodule(self.culprit).register_forward_hook(self._hurt)
         if fault == "gradvanish":
             self.get_submodule(self.culprit).register_forward_hook(self._cut)
@@ -82,10 +88,12 @@ class Lit(pl.LightningModule):
 
     def _hurt(self, module: nn.Module, args: Any, out: Tensor) -> Optional[Tensor]:
         t = self._step() - self.onset
+        if self.fault == "swing" and self.training:  # in phase with the cyclic LR: largest where the LR is
+            return out * SWING ** -math.cos(2 * math.pi * self._step() / self.recipe.cycle)
         if t < 0 or not self.training:
             return None
         if self.fault == "ramp":
-            return out * GROWTH ** t
+            return out * self.growth ** t
         if self.fault == "jump":
             return out * JUMP
         if self.fault == "dead":
@@ -98,7 +106,7 @@ class Lit(pl.LightningModule):
             return out
         out = out.clone()  # attn: the queries (GPT-2: the first third of c_attn's output) grow
         width = out.shape[-1] // 3 if out.shape[-1] % 3 == 0 and "c_attn" in self.culprit else out.shape[-1]
-        out[..., :width] *= GROWTH ** t
+        out[..., :width] *= self.growth ** t
         return out
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
@@ -189,7 +197,8 @@ class Case:
 
 
 def run_case(model: str, fault: Optional[str], steps: int, onset: int, every: int, seed: int = 0,
-             flight: int = 30, logger: Optional[Logger] = None, gradients: bool = False) -> Case:
+             flight: int = 30, logger: Optional[Logger] = None, gradients: bool = False,
+             growth: float = GROWTH) -> Case:
     """Train one case and return what the verdicts said at each step.
 
     ``logger`` (say a ``TensorBoardLogger``) receives the monitors' figures and the loss, for the
@@ -198,7 +207,7 @@ def run_case(model: str, fault: Optional[str], steps: int, onset: int, every: in
     """
     recipe = RECIPES[model]
     start = time.perf_counter()
-    lit = Lit(recipe, fault, onset, steps, seed, every)
+    lit = Lit(recipe, fault, onset, steps, seed, every, growth)
     health = LayerHealth()
     probe = Probe(health)
     watch = ActivationMonitor(histogram=False, gradients=gradients or fault == "gradvanish")
@@ -249,7 +258,7 @@ def judge_case(case: Case, healthy: Optional[Case]) -> dict[str, Any]:
     steps = sorted(s for s in case.named if s >= quiet_from)
     first_step = next((s for s in steps if case.named[s]), None)
     row: dict[str, Any] = {"model": case.model, "fault": case.fault, "onset": case.onset, "s": round(case.seconds, 1)}
-    if case.fault == "healthy":
+    if case.fault in HEALTHY:
         lines = sorted({n for s in steps for n in case.named[s]})
         row.update(alarms=len(lines), lines=lines[:6], first_alarm=first_step)
         return row
@@ -297,8 +306,9 @@ def loss_moved(case: Case, healthy: Optional[Case], rel: float = 0.05, smooth: i
 def main(argv: Optional[list[str]] = None) -> list[dict[str, Any]]:
     """Run the chosen cases and print one line per case (a markdown table)."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--models", nargs="+", default=["gpt2", "llama", "cnn", "mlp"], choices=sorted(RECIPES))
-    parser.add_argument("--faults", nargs="+", default=["healthy", *FAULTS], choices=["healthy", *FAULTS])
+    parser.add_argument("--models", nargs="+", default=["gpt2", "llama", "cnn", "mlp", "mlp-cyclic"],
+                        choices=sorted(RECIPES))
+    parser.add_argument("--faults", nargs="+", default=[*HEALTHY, *FAULTS], choices=[*HEALTHY, *FAULTS])
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--onset", type=int, default=100)
     parser.add_argument("--every", type=int, default=2, help="log every this many steps")
@@ -308,7 +318,6 @@ def main(argv: Optional[list[str]] = None) -> list[dict[str, Any]]:
     parser.add_argument("--gradients", action="store_true", help="every run watches output gradients too")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
-    globals()["GROWTH"] = args.growth
     rows = []
     print("| model | fault | first named | delay | named before culprit | loss moved 5% | flight leader, gradients"
           " only (tie) | flight leader (judged by) | s |")
@@ -316,10 +325,11 @@ def main(argv: Optional[list[str]] = None) -> list[dict[str, Any]]:
     for model in args.models:
         healthy = run_case(model, None, args.steps, args.onset, args.every, args.seed, gradients=args.gradients)
         for fault in args.faults:
-            if fault == "attn" and model not in ("gpt2", "llama", "gpt2-bf16"):
+            if (fault == "attn" and RECIPES[model].loss != "lm") or (fault == "swing" and not RECIPES[model].cycle):
                 continue
             case = healthy if fault == "healthy" else run_case(model, fault, args.steps, args.onset, args.every,
-                                                               args.seed, gradients=args.gradients)
+                                                               args.seed, gradients=args.gradients,
+                                                               growth=args.growth)
             row = judge_case(case, healthy)
             rows.append(row)
             print(format_row(row), flush=True)
@@ -330,10 +340,11 @@ def main(argv: Optional[list[str]] = None) -> list[dict[str, Any]]:
 
 def format_row(row: dict[str, Any]) -> str:
     """One markdown table line."""
-    if row["fault"] == "healthy":
+    if row["fault"] in HEALTHY:
         lines = "; ".join(row["lines"]) + (" ..." if row["alarms"] > len(row["lines"]) else "")
         found = f" (first at step {row['first_alarm']}): {lines}" if row["alarms"] else ""
-        return f"| {row['model']} | healthy | {row['alarms']} verdict lines after 10%{found} | | | | | | {row['s']} |"
+        said = f"{row['alarms']} verdict lines after 10%{found}"
+        return f"| {row['model']} | {row['fault']} | {said} | | | | | | {row['s']} |"
     before = row.get("before")
     said = f"{before} ({'; '.join(row['before_names'])})" if before else ("-" if before is None else "0")
     if row["fault"] == "data":

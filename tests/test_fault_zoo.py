@@ -21,7 +21,7 @@ ABRUPT = ("jump", "dead", "vanish", "lr100", "nan", "gradvanish")
 
 @pytest.fixture(scope="module")
 def healthy() -> dict:
-    return {model: run_case(model, None, STEPS, ONSET, EVERY) for model in ("mlp", "gpt2")}
+    return {model: run_case(model, None, STEPS, ONSET, EVERY) for model in ("mlp", "gpt2", "cnn")}
 
 
 @pytest.mark.slow
@@ -29,6 +29,24 @@ def healthy() -> dict:
 def test_a_healthy_recipe_gets_no_verdict_after_the_first_tenth(healthy, model):
     row = judge_case(healthy[model], None)
     assert row["alarms"] == 0, row["lines"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fault", [None, "swing"])
+def test_a_cyclic_learning_rate_and_a_layer_swinging_with_it_get_no_verdict(fault):
+    # mlp-cyclic: Adam with a triangular LR cycle of 60 steps; "swing": one middle Linear's outputs x1.3 at
+    # the LR's peak and /1.3 at its trough, every cycle (its range holds its own swings).
+    row = judge_case(run_case("mlp-cyclic", fault, STEPS, ONSET, EVERY), None)
+    assert row["alarms"] == 0, row["lines"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model, growth", [("mlp", 1.08), ("cnn", 1.015)])
+def test_a_faster_or_slower_ramp_is_named_first_before_the_loss_moved(healthy, model, growth):
+    case = run_case(model, "ramp", STEPS, ONSET, EVERY, growth=growth)
+    row = judge_case(case, healthy[model])
+    assert row["before"] == 0 and row["first"].startswith(case.culprit), row
+    assert row["delay"] is not None and (row["loss5"] is None or row["delay"] < row["loss5"]), row
 
 
 @pytest.mark.slow

@@ -80,7 +80,42 @@ def test_every_layer_at_once_is_the_batch_not_a_layer():
     data = scale("level", LAYERS, lambda s: 30.0 if s >= 60 else 1.0)
     assert first_named(run(data)) == (60, [(EVERY_LAYER, "data")])
     labels = scale("norm", [f"{n}.weight" for n in LAYERS], lambda s: 10.0 if s >= 60 else 1.0)
-    assert first_named(run(labels)) == (60, [(EVERY_LAYER, "data")])
+    assert first_named(run(labels)) == (61, [(EVERY_LAYER, "data")])  # the gradients stayed up: not one hard batch
+
+
+def test_one_hard_batch_that_moves_every_gradient_is_not_named():
+    hard = scale("norm", [f"{n}.weight" for n in LAYERS], lambda s: 10.0 if s in (60, 90) else 1.0)
+    assert first_named(run(hard)) is None
+
+
+def chain(rng: random.Random, step: int, own: float = 0.01) -> dict[str, dict[str, float]]:
+    """Six modules in a chain whose std moves with the batch (a factor shared by every module), as in an MLP."""
+    batch = math.exp(rng.gauss(0, 0.08))
+    return {"level": {name: batch * (1 + i) * math.exp(rng.gauss(0, own)) for i, name in enumerate(LAYERS)}}
+
+
+def run_chain(fault, steps: int = 120, seed: int = 0) -> list[tuple[int, list[tuple[str, str]]]]:
+    rng, judge, named = random.Random(seed), Judge(Bands()), []
+    for step in range(steps):
+        figures = chain(rng, step)
+        fault(step, figures)
+        named.append((step, [(f.layer, f.problem) for f in judge.step(figures).named]))
+    return named
+
+
+def test_a_ramp_under_batch_noise_is_named_by_its_gain_before_it_grows_a_third():
+    # Each module's std moves 8% with the batch, its gain (over the module before it) 1.4%: a ramp of net.3's
+    # own gain, 4% a point, is named before it is up 30% (its std alone would need the batch's noise passed).
+    ramp = scale("level", LAYERS[3:], lambda s: 1.04 ** max(0, s - 60))
+    step, layers = first_named(run_chain(ramp))
+    assert layers == [("net.3", "blowup")] and 60 < step < 60 + math.log(1.3) / math.log(1.04)
+    assert first_named(run_chain(lambda step, figures: None, steps=400)) is None
+
+
+@pytest.mark.parametrize("points", [30, 60])  # a cycle of 60 steps logged every 2 or every step
+def test_a_layer_swinging_with_a_cyclic_learning_rate_is_not_named(points):
+    swing = scale("level", LAYERS[3:], lambda s: 1.3 ** -math.cos(2 * math.pi * s / points))
+    assert first_named(run_chain(swing, steps=400)) is None
 
 
 def test_a_nan_born_in_one_module_names_that_module_not_those_after_it_or_the_gradients():

@@ -58,13 +58,13 @@ def test_a_bad_batch_is_one_banner_line_for_every_layer_as_layerhealth_names_it(
     import numpy as np
 
     rng = np.random.default_rng(0)
-    steps = list(range(0, 60, 2))
+    steps = list(range(0, 100, 2))  # judged from the 24th logged step on (Bands.min_points)
     level = 1.0 + 0.02 * rng.standard_normal((4, len(steps)))
-    level[:, steps.index(40):] *= 30.0  # the batch goes bad: every layer's outputs x30 at once
+    level[:, steps.index(70):] *= 30.0  # the batch goes bad: every layer's outputs x30 at once
     std = Figure("activations/std", "", "activations", "std", ["l0", "l1", "l2", "l3"], steps, level.tolist())
     lines = banner(judge([std], Bands()), Bands())
     assert [(b["layer"], b["verdict"], b["value"]) for b in lines] == [("(every layer)", "data", 4)]
-    assert 40 <= lines[0]["since"] <= 50  # named within a few logged steps of the bad batch
+    assert lines[0]["since"] == 70  # named at the bad batch's logged step
     assert lines[0]["layers"] == ["l0", "l1", "l2", "l3"] and lines[0]["problem"].startswith("every layer at once")
     jumped = level.copy()
     jumped[[0, 1, 3]] = 1.0 + 0.02 * rng.standard_normal((3, len(steps)))  # only l2 jumps: a layer, not the batch

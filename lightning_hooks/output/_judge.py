@@ -12,6 +12,10 @@ step at a time, with every judged figure of that step. How it decides (docs/verd
 - An update ratio more than ``ratio_factor`` cubed (64) times the step's median ratio is too fast
   from the first logged step on: one param group's learning rate far above the others'. A cause
   of its own (a fault elsewhere does not change Adam's ``lr / rms(w)``), named beside the culprit.
+- A module's outputs are judged by its gain (its std over the std of the module before it in
+  forward order) where that is ``QUIETER`` times quieter than its std: in a plain stack the batch
+  moves every module's std together, and the module before it carries that share. A fault moves
+  its own gain, not the gains after it.
 - Gradient norms and update ratios are judged against their peers too: the step's median change
   over all rows (the learning-rate schedule, the loss falling, the batch's own noise) is taken
   out first, so no fixed band judges the recipe. Activations are judged against their own
@@ -24,8 +28,8 @@ step at a time, with every judged figure of that step. How it decides (docs/verd
   forward order (the first the backward pass reached) is named, and only where no module's
   outputs single one out (a forward culprit moves the backward too: its consequences).
 - Every layer at once is the batch, not a layer: the first module in forward order out (its
-  input is the batch), or every gradient moving together while no activation, output gradient
-  or update ratio singles a layer out (the labels): ``data``.
+  input is the batch), or every gradient moving together, and staying there at the next logged
+  step, while no activation, output gradient or update ratio singles a layer out (the labels): ``data``.
 - Culprit and victims: at a step, the first module in forward order whose outputs are out of
   their range is named (its inputs, the modules before it, are in range); the modules after it,
   and the gradients and update ratios of other layers, are its victims, not named. Without an
@@ -49,16 +53,19 @@ from lightning_hooks.output._health_bands import Bands
 from lightning_hooks.output._row_range import Track, judge_value
 
 #: The relative figures, each with its (up, down) problems.
-RELATIVE = {"level": ("blowup", "collapse"), "norm": ("exploding", "vanishing"), "ratio": ("too_fast", "too_slow"),
-            "output_grad": ("output_grad_exploding", "output_grad_vanishing")}
+RELATIVE = {"level": ("blowup", "collapse"), "gain": ("blowup", "collapse"), "norm": ("exploding", "vanishing"),
+            "ratio": ("too_fast", "too_slow"), "output_grad": ("output_grad_exploding", "output_grad_vanishing")}
 #: The figure of the gradient reaching each module's output: judged in backward order (the last module first).
 BACKWARD = "output_grad"
 #: The relative figures whose step's common change over all rows is taken out (peers).
-COMMON_MODE = ("norm", "ratio")
+COMMON_MODE = ("norm", "ratio", "gain")
 #: The problems seen in a module's own outputs: the evidence a culprit is named from, in forward order.
 OUTPUT_PROBLEMS = ("nonfinite", "dead", "blowup", "collapse")
 #: The figures whose rows are parameters (or modules, with GradientMonitor's ``granularity="module"``).
 PARAMETER_FIGURES = ("norm", "ratio")
+#: A module's outputs are judged by its gain where that is this many times quieter than its level: where the
+#: module before it carries the batch-to-batch moves they share (an MLP's, a CNN's layers).
+QUIETER = 1.5
 #: The layer a data fault is reported on.
 EVERY_LAYER = "(every layer)"
 
@@ -130,7 +137,27 @@ class Judge:
                 found.extend(self._relative(figure, values))
             else:
                 found.extend(self._absolute(figure, values))
-        return self._sort(found, self._is_data(found, figures))
+        return self._sort(self._outputs(found), self._is_data(found, figures))
+
+    def _outputs(self, found: list[Finding]) -> list[Finding]:
+        """Each module's outputs judged by its gain where that is the quieter figure (see the module docstring)."""
+        gains = self._relative("gain", self._gains())
+        by_gain = {row for row in self.levels if self._track(row) is self.tracks["gain"].get(row)}
+        kept = [f for f in found if not (f.problem in RELATIVE["level"] and f.row in by_gain)]
+        return kept + [Finding(f.row, f.layer, f.problem, self.levels[f.row], "level", f.moved)
+                       for f in gains if f.row in by_gain]
+
+    def _gains(self) -> dict[str, float]:
+        """Each module's activation std over the one's before it in forward order: its gain."""
+        rows = sorted((r for r, v in self.levels.items() if math.isfinite(v) and v >= 0),
+                      key=lambda row: self.depth.get(row, 0))
+        return {row: self.levels[row] / self.levels[before] for before, row in zip(rows, rows[1:])
+                if self.levels[before] > 0}
+
+    def _track(self, row: str) -> Track | None:
+        """The track a module's outputs are judged by: its gain's if that is quieter than its level's."""
+        level, gain = self.tracks.get("level", {}).get(row), self.tracks.get("gain", {}).get(row)
+        return gain if gain is not None and level is not None and gain.noise * QUIETER < level.noise else level
 
     def _relative(self, figure: str, values: Mapping[str, float]) -> list[Finding]:
         tracks, last = self.tracks.setdefault(figure, {}), self.last.setdefault(figure, {})
@@ -171,14 +198,19 @@ class Judge:
         if len(figures.get("norm", ())) < 3 or any(f.problem in OUTPUT_PROBLEMS or f.problem == "too_fast"
                                                    or f.figure == BACKWARD for f in found):
             return False  # a layer's outputs, its output gradient or its update ratio single it out
-        # Every gradient jumped together, far beyond the batch-to-batch move they share.
-        moves = self.tracks.setdefault("common", {}).setdefault("norm", Track(deque(maxlen=self.bands.window))).logs
-        move = self.moves.get("norm", 0.0)
-        jumped = len(moves) >= self.bands.min_points and move > max(
+        # Every gradient jumped together, far beyond the batch-to-batch move they share, and stayed there.
+        common = self.tracks.setdefault("common", {}).setdefault("norm", Track(deque(maxlen=self.bands.window)))
+        moves, move = common.logs, self.moves.get("norm", 0.0)
+        limit = math.inf if len(moves) < self.bands.min_points else max(
             math.log(self.bands.norm_factor), self.bands.cusum * 1.4826 * statistics.median(abs(m) for m in moves))
-        if not jumped:
+        if common.frozen:  # the step after a jump: the batch's labels if the gradients stayed up, else a hard batch
+            common.frozen = 0
+            return self.offset["norm"] - common.worst > limit
+        if move > limit:
+            common.frozen, common.worst = 1, self.offset["norm"] - move
+        else:
             moves.append(move)
-        return jumped
+        return False
 
     def _loss_side_move(self, logs: Mapping[str, float], last: Mapping[str, float]) -> float:
         """The move (log) of the gradient reaching the last module's output since its last value, or 0.
@@ -234,8 +266,9 @@ class Judge:
             elif culprit is not None:
                 if all(f.layer != culprit for f in layered):  # leaning, not yet out: named for the move it leads
                     problem = next(f.problem for f in layered if f.problem in RELATIVE["level"])
+                    track = self._track(culprit)
                     layered.append(Finding(culprit, culprit, problem, self.levels[culprit], "level",
-                                           self.tracks["level"][culprit].deviation))
+                                           track.deviation if track is not None else 0.0))
                 judged.named = [f for f in layered if f.layer == culprit]
         if data and not self.named:
             judged.named = [Finding(EVERY_LAYER, EVERY_LAYER, "data", len(found), "level")]
@@ -280,8 +313,9 @@ class Judge:
         up = first.problem == RELATIVE["level"][0]
         # Half the way out already, and half as far as ``first``: the same move, not a drift of its own.
         least = max(math.log(self.bands.level_factor) / 2, abs(first.moved) / 2)
-        leaning = [row for row, track in self.tracks.get("level", {}).items()
-                   if self.depth.get(row, 0) < self.depth.get(first.layer, 0) and row in self.levels
+        depth = self.depth.get(first.layer, 0)
+        tracks = {row: self._track(row) for row in self.levels if self.depth.get(row, 0) < depth}
+        leaning = [row for row, track in tracks.items() if track is not None
                    and (track.deviation > least and track.up if up else track.deviation < -least and track.down)]
         return min(leaning, key=lambda row: self.depth.get(row, 0)) if leaning else None
 
@@ -289,8 +323,8 @@ class Judge:
         """The judge's memory, as plain values."""
         return {"depth": dict(self.depth), "last": {f: dict(v) for f, v in self.last.items()},
                 "offset": dict(self.offset),
-                "tracks": {f: {r: [list(t.logs), t.up, t.down, t.frozen, t.worst, list(t.held), t.deviation]
-                               for r, t in rows.items()} for f, rows in self.tracks.items()},
+                "tracks": {f: {r: [list(t.logs), t.up, t.down, t.frozen, t.worst, list(t.held), t.deviation, t.noise,
+                                   t.learned] for r, t in rows.items()} for f, rows in self.tracks.items()},
                 "named": sorted(self.named), "affected": sorted(self.affected),
                 "first_entropy": dict(self.first_entropy)}
 
@@ -300,7 +334,8 @@ class Judge:
         self.last = {f: dict(v) for f, v in state["last"].items()}
         self.offset = dict(state["offset"])
         self.tracks = {f: {r: Track(deque(t[0], maxlen=self.bands.window), up=t[1], down=t[2], frozen=t[3], worst=t[4],
-                                    held=deque(t[5], maxlen=64), deviation=t[6]) for r, t in rows.items()}
+                                    held=deque(t[5], maxlen=64), deviation=t[6], noise=t[7], learned=t[8])
+                            for r, t in rows.items()}
                        for f, rows in state["tracks"].items()}
         self.named, self.affected = set(state["named"]), set(state["affected"])
         self.first_entropy = dict(state["first_entropy"])

@@ -17,9 +17,15 @@ from typing import Optional
 
 from lightning_hooks.output._health_bands import Bands
 
-#: The least noise (log units) of each relative figure: 5% for outputs, 25% for gradients (of parameters or of
-#: outputs), 10% for ratios.
-MIN_NOISE = {"level": math.log(1.05), "norm": math.log(1.25), "ratio": math.log(1.1), "output_grad": math.log(1.25)}
+#: The least noise (log units) of each relative figure: 5% for outputs, 2% for a module's gain (its outputs
+#: against its inputs'), 25% for gradients (of parameters or of outputs), 10% for ratios.
+MIN_NOISE = {"level": math.log(1.05), "gain": math.log(1.02), "norm": math.log(1.25), "ratio": math.log(1.1),
+             "output_grad": math.log(1.25)}
+#: The band (a field ``<name>_factor`` of :class:`Bands`) each relative figure is judged by: a gain is an output's.
+FACTOR = {"level": "level", "gain": "level", "norm": "norm", "ratio": "ratio", "output_grad": "output_grad"}
+#: A gain's least change, as a power of ``level_factor`` (1.25 ** 0.7 = 1.17): the batch's share of an output's
+#: moves, which the factor's margin is for, is taken out of a gain by the module before it.
+GAIN_POWER = 0.7
 
 
 @dataclass
@@ -33,6 +39,8 @@ class Track:
     worst: float = 0.0
     held: deque[float] = field(default_factory=lambda: deque(maxlen=64))
     deviation: float = 0.0
+    noise: float = math.inf  # the last noise measured from its history (log units), unfloored
+    learned: int = 0  # the newest values let in as the row's own fast learning
 
 
 def usual_range(logs: Sequence[float]) -> tuple[float, float, float, float]:
@@ -65,7 +73,7 @@ def judge_value(track: Track, x: float, figure: str, bands: Bands) -> Optional[f
         if math.isfinite(x):
             track.logs.append(x)
         return None
-    floor = math.log(getattr(bands, f"{figure}_factor"))
+    floor = math.log(getattr(bands, f"{FACTOR[figure]}_factor")) * (GAIN_POWER if figure == "gain" else 1.0)
     deviation, noise = _deviation(track, x, figure, floor)
     if deviation is None:
         return None
@@ -95,19 +103,29 @@ def judge_value(track: Track, x: float, figure: str, bands: Bands) -> Optional[f
 
 
 def _deviation(track: Track, x: float, figure: str, floor: float) -> tuple[Optional[float], float]:
-    """How far (log) ``x`` is beyond the row's range (its flat level and its own trend carried on), and its noise.
+    """How far (log) ``x`` is beyond the row's range, and its noise.
+
+    The range spans its flat level, its own trend carried on, and the values its history holds (but
+    the newest, if they came in as its own fast learning: a ramp riding on a trend does not widen its
+    range): a row that swung as far within its window (a layer following a cyclic learning rate) is
+    in range there.
 
     None while the row is still learning fast on its own and ``x`` is not a step away: its own
     history cannot judge it, and ``x`` joins it.
     """
     level, slope, lag, noise = usual_range(track.logs)
+    track.noise = noise
     ahead = level + slope * (lag + len(track.held))  # the row's own trend, carried on to this point
     if abs(ahead - level) > floor / 2 and not (track.up or track.down) and abs(x - level) < 2 * floor:
         track.logs.append(x)
+        track.learned += 1
         return None, noise
     if not math.isfinite(x):
         return -math.inf, max(noise, MIN_NOISE[figure])
-    return max(0.0, x - max(level, ahead)) + min(0.0, x - min(level, ahead)), max(noise, MIN_NOISE[figure])
+    seen = list(track.logs)[:len(track.logs) - track.learned]
+    track.learned = 0
+    high, low = max(level, ahead, *seen), min(level, ahead, *seen)
+    return max(0.0, x - high) + min(0.0, x - low), max(noise, MIN_NOISE[figure])
 
 
 def _settle(track: Track, window: int) -> None:
