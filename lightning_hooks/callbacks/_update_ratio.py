@@ -149,6 +149,8 @@ def _moment_squares(optimizer: Any, rows: Rows) -> Optional[Tensor]:
 def _row_squares(rows: Rows, before: list[Tensor], shards: ShardGroups, moments: Optional[Tensor] = None) -> Tensor:
     """Per row, the squared norms of the update and of the weights before it: a ``(2, rows)`` tensor.
 
+    ``before`` (the snapshot, this measure's own) is overwritten with the update.
+
     With ``moments`` (``(2, params)``: Adam's ``||m||²`` and ``sum(v)`` per parameter), two rows more.
 
     The rows' parameters lie one after another in ``before``, so each row is a slice (views,
@@ -157,10 +159,13 @@ def _row_squares(rows: Rows, before: list[Tensor], shards: ShardGroups, moments:
     """
     with torch.no_grad():
         after = [local(p).detach() for _, params in rows for p in params]
-        deltas = torch._foreach_sub(after, before)
-        norms = torch.stack([torch.stack(torch._foreach_norm(tensors, 2, dtype=torch.float32))
-                             for tensors in (deltas, before)])
-        squares = norms.double().square()
+        weights = torch.stack(torch._foreach_norm(before, 2, dtype=torch.float32))
+        # The update into the snapshot itself (``before - after``: the same norm), which is dropped
+        # after: a new tensor per parameter would be a second copy of the rows, allocated afresh
+        # (page faults included) at every logged step.
+        torch._foreach_sub_(before, after)
+        updates = torch.stack(torch._foreach_norm(before, 2, dtype=torch.float32))
+        squares = torch.stack([updates, weights]).double().square()
         if moments is not None:
             squares = torch.cat([squares, moments])
         squares = shards.sum_(squares.T.contiguous()).T
