@@ -144,3 +144,27 @@ def test_dtensor_parameters_are_measured_on_their_local_shards(tmp_path):
     finally:
         torch.distributed.destroy_process_group()
     assert ratio == pytest.approx(0.1 * 4 / before.norm().item(), rel=1e-6)  # ||0.1 * ones(4, 4)|| = 0.4
+
+
+class SpareAtStepStart(L.Callback):
+    """Whether the monitor holds a snapshot's memory at the start of each training batch."""
+
+    def __init__(self, monitor: GradientMonitor) -> None:
+        self.monitor, self.held = monitor, []
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        self.held.append(self.monitor._updates._spare is not None)
+
+
+def test_a_snapshot_memory_is_kept_only_for_a_next_step_that_is_measured(tmp_path):
+    # Logged (and measured) steps: 0, 1, 3, 5. The snapshot's memory of step 0 is reused at step 1;
+    # no memory is held into steps 2 and 4, which are not measured; the ratios stay exact.
+    torch.manual_seed(0)
+    monitor = GradientMonitor(log_every_n_steps=2, update_ratio=True)
+    spare = SpareAtStepStart(monitor)
+    probe = fit(tmp_path, monitor, GradNet(optimizer="adam"), spare, max_steps=6)
+    assert spare.held == [False, True, False, False, False, False]
+    got = ratios(tmp_path, "updates/net.0.weight/ratio")
+    assert sorted(got) == [0, 1, 3, 5]
+    for step, ratio in got.items():
+        assert ratio == pytest.approx(probe.ratio(step, ["net.0.weight"]), rel=1e-5)

@@ -35,6 +35,7 @@ class UpdateRatio:
         self.norms = norms  # also the update's norm and, where the optimizer keeps them, Adam's moments' norms
         self._rows: Rows = []
         self._before: Optional[list[Tensor]] = None
+        self._spare: Optional[list[Tensor]] = None  # the last snapshot's memory, kept while the next step is measured
         self._optimizer: Any = None
         self._shard_groups = ShardGroupCache()  # how the rows' parameters are split across ranks
 
@@ -50,7 +51,13 @@ class UpdateRatio:
         if not self._rows:
             return
         with torch.no_grad():
-            self._before = [local(p).detach().clone() for _, params in self._rows for p in params]
+            params = [local(p).detach() for _, params in self._rows for p in params]
+            spare, self._spare = self._spare, None
+            if spare is not None and [t.shape for t in spare] == [t.shape for t in params]:
+                torch._foreach_copy_(spare, params)  # memory already mapped: a fresh copy faults in every page
+                self._before = spare
+            else:
+                self._before = [p.clone() for p in params]
         self._optimizer = optimizer
 
     def register(self, trainer: pl.Trainer) -> list[RemovableHandle]:
@@ -61,8 +68,14 @@ class UpdateRatio:
 
         return [optimizer.register_step_post_hook(hook) for optimizer in trainer.optimizers]
 
-    def discard(self) -> None:
-        """Drop the snapshot and the references to the parameters."""
+    def discard(self, keep_memory: bool = False) -> None:
+        """Drop the snapshot and the references to the parameters.
+
+        Args:
+            keep_memory: Keep the snapshot's tensors for the next :meth:`take` to copy into (the
+                next step is measured too); else free them.
+        """
+        self._spare = (self._spare if self._before is None else self._before) if keep_memory else None
         self._rows, self._before, self._optimizer = [], None, None
 
     def forget(self) -> None:
@@ -81,7 +94,7 @@ class UpdateRatio:
         if self._before is None or optimizer is not self._optimizer:
             return []
         rows, before = self._rows, self._before
-        self.discard()
+        self.discard(keep_memory=True)  # freed at the batch's end unless the next step is measured
         shards = self._shard_groups([p for _, params in rows for p in params])
         if not to_host and not shards.sharded:
             return []
