@@ -129,9 +129,8 @@ def row_figures(params: list[Tensor], norms: Tensor, rows: Rows, block: Optional
     Returns:
         Per row whether it had gradients, and the figures to bring to the host.
     """
-    # By id: a tensor's ``__hash__`` is a Python function (about 2 us a call, three per parameter here).
-    position = {id(p): i for i, p in enumerate(params)}
-    present = [[p for p in row_params if id(p) in position] for _, row_params in rows]
+    position = {p: i for i, p in enumerate(params)}
+    present = [[p for p in row_params if p in position] for _, row_params in rows]
     if block is not None:
         pairs = [(index, param) for index, row_params in enumerate(present) for param in row_params]
         calls = [int(row_shards.leads[index]) for index, _ in pairs]  # a sharded gradient counts once
@@ -148,7 +147,7 @@ def row_figures(params: list[Tensor], norms: Tensor, rows: Rows, block: Optional
     return [bool(row_params) for row_params in present], figures
 
 
-def _row_norms(norms: Tensor, position: dict[int, int], present: list[list[Tensor]], granularity: str) -> Tensor:
+def _row_norms(norms: Tensor, position: dict[Tensor, int], present: list[list[Tensor]], granularity: str) -> Tensor:
     """Each row's gradient norm from the per-gradient ``norms``; NaN for a row without gradients.
 
     One row per parameter: one ``index_select``, its index sent to the device once for each
@@ -156,10 +155,10 @@ def _row_norms(norms: Tensor, position: dict[int, int], present: list[list[Tenso
     """
     nan = norms.new_full((1,), math.nan)
     if granularity == "parameter":
-        index = tuple(position[id(params[0])] if params else len(position) for params in present)
+        index = tuple(position[params[0]] if params else len(position) for params in present)
         return torch.cat([norms, nan]).index_select(0, _device_index(index, norms.device))
     return torch.stack([
-        torch.linalg.vector_norm(torch.stack([norms[position[id(p)]] for p in params])) if params else nan[0]
+        torch.linalg.vector_norm(torch.stack([norms[position[p]] for p in params])) if params else nan[0]
         for params in present
     ])
 
