@@ -149,3 +149,39 @@ def test_on_a_compiled_model_the_hooks_stay_for_the_whole_fit(tmp_path):
     assert counter.train == [3] * 4  # a graph compiled without them would never run hooks added later
     assert {step for tag, step in metrics(str(tmp_path)) if tag == "activations/net.0/count"} == {0, 2}
     assert forward_hook_count(model) == 0
+
+
+class HookIds(L.Callback):
+    """The ids of the forward hooks on the first module at each training batch."""
+
+    def __init__(self) -> None:
+        self.ids: list[tuple[int, ...]] = []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self.ids.append(tuple(pl_module.net[0]._forward_hooks))
+
+
+def test_consecutive_logged_steps_keep_their_hooks(tmp_path):
+    # Steps 0 and 1 log (every 2: step 0 and (n + 1) % 2 == 0), then 3 and 5: the hooks of step 0
+    # stay for step 1, go for step 2, and new ones come for step 3.
+    ids = HookIds()
+    monitor = ActivationMonitor(log_every_n_steps=2, histogram=False)
+    model = fit(tmp_path, monitor, ids, max_steps=6)
+    assert [len(i) for i in ids.ids] == [1, 1, 0, 1, 0, 1]
+    assert ids.ids[0] == ids.ids[1] and ids.ids[3] != ids.ids[1] and ids.ids[5] != ids.ids[3]
+    assert forward_hook_count(model) == 0 and not monitor.is_attached
+
+
+def test_logging_every_step_registers_each_hook_once(tmp_path):
+    kept, gated = CSVLogger(tmp_path / "kept"), CSVLogger(tmp_path / "gated")
+    ids = HookIds()
+    torch.manual_seed(0)
+    trainer(tmp_path, [AlwaysOn(log_every_n_steps=1, histogram=False)], logger=kept, max_steps=5).fit(
+        TinyNet(), loader(64, 8))
+    torch.manual_seed(0)
+    model = TinyNet()
+    trainer(tmp_path, [ActivationMonitor(log_every_n_steps=1, histogram=False), ids], logger=gated,
+            max_steps=5).fit(model, loader(64, 8))
+    assert len(set(ids.ids)) == 1 and len(ids.ids[0]) == 1  # one registration for the whole fit
+    assert forward_hook_count(model) == 0
+    assert metrics(str(tmp_path / "gated")) == metrics(str(tmp_path / "kept"))

@@ -144,3 +144,4 @@ def test_dtensor_parameters_are_measured_on_their_local_shards(tmp_path):
     finally:
         torch.distributed.destroy_process_group()
     assert ratio == pytest.approx(0.1 * 4 / before.norm().item(), rel=1e-6)  # ||0.1 * ones(4, 4)|| = 0.4
+

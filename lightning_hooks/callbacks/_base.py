@@ -117,6 +117,12 @@ def is_logged(trainer: pl.Trainer, every: int) -> bool:
     return _is_logged_step(step, every) or (every > 0 and step <= _WATCHED_UNTIL.get(trainer, -1))
 
 
+def is_logged_next(trainer: pl.Trainer, every: int) -> bool:
+    """Whether the step after the one running now is logged (see :func:`is_logged`)."""
+    step = log_step(trainer) + 1
+    return _is_logged_step(step, every) or (every > 0 and step <= _WATCHED_UNTIL.get(trainer, -1))
+
+
 def _remove(handles: list[RemovableHandle]) -> None:
     """Remove ``handles`` from their modules and forget them."""
     for handle in handles:
@@ -218,6 +224,19 @@ class HookCallback(*CALLBACK_BASES):  # type: ignore[misc]  # the Callback of ea
             self._gated = self._register_all()
         elif not value and self._gated:
             _remove(self._gated)
+
+    def _close_gate(self, reopens: bool) -> None:
+        """Close the gate; with ``reopens`` (the next step logs too) the gated hooks stay on, returning at once.
+
+        Removing a thousand hooks to register them again a moment later costs their handles, and
+        with them the garbage collector's passes, at every step of a monitor logging every step.
+        Whoever opens the gate for a step closes it (with ``_collecting = False``) where that step
+        does not log after all, so the hooks are never on a step that does not use them.
+        """
+        if reopens:
+            self._gate = False
+        else:
+            self._collecting = False
 
     @property
     def module_names(self) -> list[str]:

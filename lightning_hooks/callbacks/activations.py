@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Literal, Optional, Union, get_args
 
 import lightning.pytorch as pl
@@ -19,6 +19,7 @@ from lightning_hooks.callbacks._base import (
     _validate_interval,
     _validate_stats,
     is_logged,
+    is_logged_next,
     log_step,
 )
 from lightning_hooks.core._torch_internals import in_backward
@@ -185,6 +186,7 @@ class ActivationMonitor(HookCallback):
         self._pending_global = 0  # ``trainer.global_step`` when it began: its optimizer step is done once this moves
         self._forward_order: Optional[dict[str, None]] = None  # modules as their hooks first fire, once per fit
         self._grad_scale: list[Optional[torch.Tensor]] = [None]  # AMP's 1 / loss_scale for this backward
+        self._hook_fns: dict[tuple[int, str, int], tuple[Callable[..., Any], Callable[..., Any]]] = {}
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         """Resolve modules and the logging interval before training starts."""
@@ -194,6 +196,7 @@ class ActivationMonitor(HookCallback):
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Register the hooks, size the per-step buffers to the modules they went on, write the layout."""
+        self._hook_fns = {}
         super().on_fit_start(trainer, pl_module)
         self._check_size()
         names = self.module_names + ([f"{n}.input" for n in self.module_names] if self.inputs else [])
@@ -240,6 +243,19 @@ class ActivationMonitor(HookCallback):
         return {prefix: charts, f"{prefix}, non-finite": nonfinite}
 
     def _register(self, index: int, name: str, module: nn.Module) -> list[RemovableHandle]:
+        # The hook functions are made once per fit, not at each logged step: a thousand new closures
+        # a step outlive a few collections and set off the garbage collector's full passes.
+        key = (index, name, len(self._targets))
+        hooks = self._hook_fns.get(key)
+        if hooks is None:
+            hooks = self._hook_fns[key] = self._hooks(index, name)
+        handles = [module.register_forward_hook(hooks[0])]
+        if self.inputs:
+            handles.append(module.register_forward_pre_hook(hooks[1]))
+        return handles
+
+    def _hooks(self, index: int, name: str) -> tuple[Callable[..., Any], Callable[..., Any]]:
+        """The guarded forward hook and input pre-hook of the module ``name``, row ``index``."""
         input_index = index + len(self._targets)
         grad_index = index + len(self._targets) * (1 + self.inputs)
 
@@ -258,10 +274,7 @@ class ActivationMonitor(HookCallback):
             if self._block is not None and not in_backward():
                 self._block.add_all(input_index, args)
 
-        handles = [module.register_forward_hook(self._guard(name, record))]
-        if self.inputs:
-            handles.append(module.register_forward_pre_hook(self._guard(name, record_inputs)))
-        return handles
+        return self._guard(name, record), self._guard(name, record_inputs)
 
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
@@ -274,6 +287,8 @@ class ActivationMonitor(HookCallback):
             if self._pending_step is None:
                 self._pending_global = trainer.global_step
             self._block, self._collecting, self._pending_step = self._blocks["train"], True, step
+        else:
+            self._collecting = False  # hooks kept from the step before (see `_close_gate`) go
 
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor) -> None:
         """On a logged step, take AMP's ``1 / loss_scale`` for the gradients about to be recorded (no sync)."""
@@ -288,7 +303,8 @@ class ActivationMonitor(HookCallback):
         Flushing here rather than at the optimizer step keeps every forward of the batch in its
         step: closures re-run by LBFGS, several optimizers under manual optimization.
         """
-        self._collecting = False
+        # Logging every step, the hooks stay for the next one (the gate closed; see `_close_gate`).
+        self._close_gate(reopens="train" in self._blocks and is_logged_next(trainer, self._every))
         if self._pending_step is not None and self._pending_global != trainer.global_step:
             self._flush(trainer, "train")
 
@@ -322,7 +338,7 @@ class ActivationMonitor(HookCallback):
 
     def _flush(self, trainer: pl.Trainer, stage: str) -> None:
         step, self._pending_step = self._pending_step, None
-        self._collecting, self._block, self._grad_scale[0] = False, None, None
+        self._gate, self._block, self._grad_scale[0] = False, None, None  # the hooks as the gate's closer left them
         assert step is not None
         order = list(self._forward_order or ())
         for listener in listeners(trainer) if order and trainer.is_global_zero else ():
