@@ -154,7 +154,7 @@ class Probe(FigureListener, pl.Callback):
 
     def __init__(self, health: LayerHealth) -> None:
         self.health = health
-        self.levels: list[tuple[int, dict[str, float]]] = []  # (log step, the modules' output std)
+        self.levels: list[tuple[int, dict[str, float], dict[str, float]]] = []  # (log step, outputs, output grads)
         self.losses: list[float] = []
         self.norms: list[np.ndarray] = []
         self.names: list[str] = []
@@ -167,9 +167,9 @@ class Probe(FigureListener, pl.Callback):
 
     def record_figures(self, figures: Any, metrics: Any, step: int) -> None:
         """Keep the modules' output std logged at ``step``, as the flight recorder does."""
-        levels = output_levels(figures)
-        if levels:
-            self.levels.append((step, levels))
+        levels, grads = output_levels(figures), output_levels(figures, "activation_grads")
+        if levels or grads:
+            self.levels.append((step, levels, grads))
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
@@ -235,9 +235,9 @@ def flight_leaders(case: Case, probe: Probe, onset: int, flight: int) -> None:
     rows = np.stack(probe.norms[max(0, end - 64):end])
     steps, losses = list(range(end - len(rows), end)), probe.losses[end - len(rows):end]
     outputs = OutputLevels(64)
-    for step, levels in probe.levels:
+    for step, levels, grads in probe.levels:
         if steps[0] <= step < end:
-            outputs.add(step, levels)
+            outputs.add(step, levels, grads)
     record = analyse(end - 1, steps, losses, rows, probe.names, outputs)
     case.leader = "(every layer)" if record.data else record.leader
     case.extra.update(judged_by=record.judged_by, ties=len(record.tied) + (record.leader is not None))

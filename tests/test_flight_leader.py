@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from lightning_hooks import ActivationMonitor, GradientAnomalyStopping
-from lightning_hooks.callbacks._flight_leader import OutputLevels, output_levels
+from lightning_hooks.callbacks._flight_leader import OutputLevels, onset, output_levels
 from lightning_hooks.callbacks._flight_recorder import analyse
 from lightning_hooks.output.figures import ScalarBlock
 from tests.grad_helpers import GradNet
@@ -89,12 +89,29 @@ def test_gradient_norms_alone_say_a_tie_in_registration_order_and_that_they_cann
     assert "in forward order: 'b', 'c' (gradient norms alone cannot tell a cause" in record.summary()
 
 
+def test_without_an_output_out_the_last_module_in_forward_order_whose_output_gradient_left_leads():
+    grads = steady() * from_step(120, 0.1)[:, None]  # the loss's own move: every output gradient x0.1 at once
+    grads[:, :3] *= from_step(130, 1e-6)[:, None]  # the gradient reaching c's output cut: a and b, before it, too
+    levels = OutputLevels(64)
+    for step, row, grad in zip(STEPS, steady(), grads):
+        levels.add(step, dict(zip(MODULES, row)), dict(zip(MODULES, grad)))
+    norms = steady() * from_step(130, 1e-3)[:, None]  # every gradient norm with it: a tie
+    record = analyse(139, STEPS, [1.0] * 40, norms, NAMES, levels)
+    assert (record.leader, record.judged_by, record.lead, record.tied, record.data) == (
+        "c", "output gradients", 9, (), False)
+    assert record.rise == pytest.approx(1e-6, rel=0.2) and record.output_onsets == ()
+    assert "the gradient reaching layer 'c''s output left its usual range first in backward order" in record.summary()
+    assert onset(grads[:, 3]).row == 20  # the loss side's own move at step 120: taken out, it leads nothing
+
+
 def test_output_levels_are_read_from_activation_monitor_s_blocks_nan_where_an_output_was_not_finite():
     blocks = [ScalarBlock("activations", "std", ["a", "b"], [1.0, 2.0], ["activations/a/std", "activations/b/std"]),
               ScalarBlock("activations", "nan_count", ["a", "b"], [0.0, 3.0], ["", ""]),
               ScalarBlock("gradients", "norm", ["a.weight"], [5.0], [""])]
     levels = output_levels(blocks)
     assert levels["a"] == 1.0 and math.isnan(levels["b"]) and set(levels) == {"a", "b"}
+    grads = [ScalarBlock("activation_grads", "std", ["a", "b"], [1e-3, 2e-3], ["", ""]), *blocks]
+    assert output_levels(grads, "activation_grads") == {"a": 1e-3, "b": 2e-3}
 
 
 class JumpNet(GradNet):

@@ -126,6 +126,7 @@ def test_a_record_judged_from_outputs_says_so_and_draws_each_step_s_update_norm_
 
     from lightning_hooks.callbacks._flight_leader import OutputLevels
     from lightning_hooks.callbacks._flight_recorder import analyse, record_json
+    from lightning_hooks.output._plugin_data import FLIGHT_RECORD_TAG, plugin_data_summary
 
     steps, modules = list(range(20, 40)), ["a", "b", "c"]
     wobble = 1 + 0.05 * np.sin(np.arange(20))
@@ -141,7 +142,8 @@ def test_a_record_judged_from_outputs_says_so_and_draws_each_step_s_update_norm_
     assert (record.leader, record.judged_by) == ("b", "outputs")
     with SummaryWriter(str(tmp_path / "outputs")) as writer:
         writer.add_text("anomalies/report", "Gradient anomaly at step 39: update_norm_spike", 39)
-        writer.add_text("anomalies/flight_record_data", json.dumps(record_json(record)), 39)
+        entry = plugin_data_summary(FLIGHT_RECORD_TAG, json.dumps(record_json(record)))  # the tab reads plugin data
+        writer._get_file_writer().add_summary(entry, 39)
     with tensorboard(tmp_path, tmp_path / "tensorboard.log") as base:
         wait_for(lambda: get(base, "run", run="outputs")["anomalies"], 120, "the outputs run")
         with devtools(tab_url(base)) as tools:

@@ -1,4 +1,4 @@
-"""Which layer left its usual range first, in a flight record: from the layers' outputs where known, else gradients.
+"""Which layer left its range first, in a flight record: from outputs, else output gradients, else gradients.
 
 Host-side and pure (numpy in, names out). Each series is judged against its own range measured
 before it left it (:func:`onset`), so a ramp cannot widen its own range. The leader is then
@@ -13,6 +13,10 @@ docs/verdicts.md), on the record's rows:
   one module and flows forward at once: the first in forward order where it appeared first.
   The first watched module's outputs moving is the batch (its input), not a layer: every
   layer at once.
+- From the gradient reaching each module's output (ActivationMonitor's ``gradients=True``), when
+  no module's outputs are out: each net of the last module's (the loss's side), as the judge does;
+  the backward runs in reverse forward order, so of the modules whose output gradient left its
+  range at the earliest departure, the *last* in forward order (the first the backward reached).
 - From gradient norms alone: the earliest departure; layers that left at the same step are a
   tie, listed in the order their parameters were registered. A gradient flows back through
   every layer before the one that broke, and grows with that layer's gain, so gradient norms
@@ -136,6 +140,32 @@ def output_leader(modules: Sequence[str], levels: np.ndarray) -> Optional[Leader
     return Leader((modules[leader],), departure.row, departure.change, data=leader == 0 and not born)
 
 
+def output_gradient_leader(modules: Sequence[str], grads: np.ndarray) -> Optional[Leader]:
+    """The module whose output gradient led, as the judge names one (backward order, see the module docstring).
+
+    Args:
+        modules: The modules, in forward order (the last one is the loss's side).
+        grads: ``(rows, modules)``: the std of the gradient reaching each module's output at each logged step.
+
+    Returns:
+        The leader, or None when no output gradient (net of the loss side's) is out of range at the last row.
+    """
+    if len(modules) < 2:
+        return None
+    side = log_of(grads[:, -1])  # the loss's own move, taken out of every other module's
+    found = {}
+    for i in range(len(modules) - 1):
+        with np.errstate(invalid="ignore"):
+            departure = onset(np.exp(log_of(grads[:, i]) - side))
+        if departure is not None:
+            found[i] = departure
+    if not found:
+        return None
+    first_row = min(d.row for d in found.values())
+    leader = max(i for i, d in found.items() if d.row == first_row)  # the first the backward pass reached
+    return Leader((modules[leader],), first_row, found[leader].change)
+
+
 def gradient_leader(layers: Sequence[str], found: dict[str, Optional[Departure]], known: int) -> Optional[Leader]:
     """The layers whose gradient norm left its range first: one, or a tie in their registration order.
 
@@ -155,55 +185,68 @@ def gradient_leader(layers: Sequence[str], found: dict[str, Optional[Departure]]
 
 
 class OutputLevels:
-    """The modules' output std at the last ``size`` logged steps, on the host, for the flight record.
+    """The modules' output std (and output-gradient std) at the last ``size`` logged steps, on the host.
 
     Fed with what ActivationMonitor logs (already on the host: no device work, no transfer); a
     module whose outputs held a NaN or an Inf at a step has NaN there (out of any range), a
-    module not logged at a step keeps its last value.
+    module not logged at a step keeps its last value. The gradient reaching each module's output
+    (``gradients=True``) is kept beside it, the same way.
 
     Args:
         size: How many logged steps it keeps.
     """
 
     def __init__(self, size: int) -> None:
-        self.rows: deque[tuple[int, dict[str, float]]] = deque(maxlen=size)
+        self.rows: deque[tuple[int, dict[str, float], dict[str, float]]] = deque(maxlen=size)
         self.order: dict[str, None] = {}  # the modules as their rows first came: ActivationMonitor's order
+        self.grad_order: dict[str, None] = {}
 
-    def add(self, step: int, levels: Mapping[str, float]) -> None:
-        """Note the modules' output std at log step ``step`` (a second call at one step adds to it; none: nothing)."""
-        if not levels:
+    def add(self, step: int, levels: Mapping[str, float], gradients: Optional[Mapping[str, float]] = None) -> None:
+        """Note the modules' output (and output-gradient) std at log step ``step`` (a second call adds to it)."""
+        gradients = gradients or {}
+        if not levels and not gradients:
             return
         for module in levels:
             self.order.setdefault(module)
+        for module in gradients:
+            self.grad_order.setdefault(module)
         if self.rows and self.rows[-1][0] == step:
             self.rows[-1][1].update(levels)
+            self.rows[-1][2].update(gradients)
         else:
-            self.rows.append((step, dict(levels)))
+            self.rows.append((step, dict(levels), dict(gradients)))
 
     def since(self, step: int) -> OutputLevels:
         """The rows from log step ``step`` on (the span of a flight record), forward order kept."""
         kept = OutputLevels(self.rows.maxlen or 0)
-        kept.order = dict(self.order)
-        kept.rows.extend((at, dict(levels)) for at, levels in self.rows if at >= step)
+        kept.order, kept.grad_order = dict(self.order), dict(self.grad_order)
+        kept.rows.extend((at, dict(levels), dict(grads)) for at, levels, grads in self.rows if at >= step)
         return kept
 
     @property
     def steps(self) -> tuple[int, ...]:
         """The log step of each row, oldest first."""
-        return tuple(step for step, _ in self.rows)
+        return tuple(step for step, _, _ in self.rows)
 
     @property
     def modules(self) -> tuple[str, ...]:
         """The modules, in forward order."""
         return tuple(self.order)
 
-    def array(self) -> np.ndarray:
-        """``(rows, modules)``: each module's output std (its last value where it was not logged; NaN before)."""
-        table = np.full((len(self.rows), len(self.order)), np.nan)
+    @property
+    def gradient_modules(self) -> tuple[str, ...]:
+        """The modules with an output gradient, in forward order (the outputs' order where known)."""
+        index = {module: i for i, module in enumerate(self.order)}
+        return tuple(sorted(self.grad_order, key=lambda m: index.get(m, len(index))))
+
+    def array(self, gradients: bool = False) -> np.ndarray:
+        """``(rows, modules)``: each module's output (or output-gradient) std (its last value where not logged)."""
+        modules = self.gradient_modules if gradients else self.modules
+        table = np.full((len(self.rows), len(modules)), np.nan)
         last: dict[str, float] = {}
-        for r, (_, levels) in enumerate(self.rows):
-            last.update(levels)
-            table[r] = [last.get(module, np.nan) for module in self.order]
+        for r, (_, levels, grads) in enumerate(self.rows):
+            last.update(grads if gradients else levels)
+            table[r] = [last.get(module, np.nan) for module in modules]
         return table
 
     def departures(self) -> list[tuple[str, Departure]]:
@@ -216,13 +259,18 @@ class OutputLevels:
         return found
 
 
-def output_levels(figures: Sequence[ScalarBlock]) -> dict[str, float]:
-    """Each module's output std among a step's logged figures (ActivationMonitor's), NaN where it was non-finite."""
+def output_levels(figures: Sequence[ScalarBlock], kind: str = "activations") -> dict[str, float]:
+    """Each module's output std among a step's logged figures (ActivationMonitor's), NaN where it was non-finite.
+
+    Args:
+        figures: The step's logged blocks.
+        kind: ``"activations"`` (the outputs) or ``"activation_grads"`` (the gradient reaching each output).
+    """
     levels: dict[str, float] = {}
     bad: set[str] = set()
     for block in figures:
-        if block.kind == "activations" and block.stat == "std":
+        if block.kind == kind and block.stat == "std":
             levels.update(zip(block.rows, block.values))
-        elif block.kind == "activations" and block.stat in NONFINITE_STATS:
+        elif block.kind == kind and block.stat in NONFINITE_STATS:
             bad.update(row for row, value in zip(block.rows, block.values) if value != 0)
     return {row: float("nan") if row in bad else value for row, value in levels.items()}

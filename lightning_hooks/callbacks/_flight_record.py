@@ -43,8 +43,9 @@ class FlightRecord:
             norm before it left its range (over the record's first half for a layer that did
             not), and how far (a factor, either way) the norm may stray from it before it is out
             of range; None for a layer without enough finite norms to tell.
-        judged_by: ``"outputs"`` (the modules' output std, ActivationMonitor's logged steps) or
-            ``"gradients"``: what ``leader`` was judged from.
+        judged_by: ``"outputs"`` (the modules' output std, ActivationMonitor's logged steps),
+            ``"output gradients"`` (no output out of range: the gradient reaching each module's
+            output, ``gradients=True``) or ``"gradients"``: what ``leader`` was judged from.
         data: Every layer at once, judged from the outputs (the first module's, whose input is the
             batch, moved): the batch, not a layer.
         every: Every layer's gradient norm left its range at the same step (judged from gradient
@@ -100,6 +101,10 @@ def record_summary(record: FlightRecord) -> str:
         level = f"x{rise:.3g}" if 0 < rise < math.inf else "a NaN, an Inf or all zeros"
         return (f"{span}: layer {record.leader!r}'s outputs left their usual range first in forward order, at step"
                 f" {start}, {record.lead} steps before ({level} at step {record.step}; its inputs in range){then}")
+    if record.judged_by == "output gradients":
+        return (f"{span}: the gradient reaching layer {record.leader!r}'s output left its usual range first in"
+                f" backward order (net of the loss's own), at step {start}, {record.lead} steps before"
+                f" (x{record.rise:.3g} at step {record.step}; the modules before it in forward order are its victims)")
     then = ", ".join(f"{layer!r} at step {at}" for layer, at in record.onsets[1 + len(record.tied):4])
     then = f"; then {then}" if then else ""
     if record.tied:
@@ -165,8 +170,8 @@ def record_json(record: FlightRecord) -> dict[str, Any]:
     Keys: ``step`` (the anomalous log step), ``steps``, ``losses`` (one per row), ``layers``,
     ``norms`` (per row, one per layer), ``usual`` (per layer ``[norm, factor]`` or null: see
     :attr:`FlightRecord.usual`), ``onsets`` (``[layer, step]``, earliest first), ``leader``,
-    ``lead``, ``tied`` (the layers that left at the leader's step), ``judged_by`` (``"outputs"``
-    or ``"gradients"``), ``data`` (every layer at once, from the outputs), ``every`` (every
+    ``lead``, ``tied`` (the layers that left at the leader's step), ``judged_by`` (``"outputs"``,
+    ``"output gradients"`` or ``"gradients"``), ``data`` (every layer at once, from the outputs), ``every`` (every
     gradient norm at once), ``output_onsets`` (``[module, step]``, forward order) and
     ``update_norms`` (one per row, or empty). Non-finite numbers are the strings ``"NaN"``,
     ``"Infinity"``, ``"-Infinity"``.

@@ -31,9 +31,11 @@ from torch import Tensor
 from lightning_hooks.callbacks._base import log_step
 from lightning_hooks.callbacks._flight_leader import (
     MIN_BASELINE,
+    Leader,
     OutputLevels,
     gradient_leader,
     onset,
+    output_gradient_leader,
     output_leader,
     usual_level,
 )
@@ -57,6 +59,14 @@ def _layer_norms(norms: np.ndarray, names: Sequence[str]) -> tuple[list[str], np
     return layers, np.sqrt(squares)
 
 
+def _module_leader(outputs: OutputLevels) -> tuple[Optional[Leader], str]:
+    """The leader from the modules' outputs, else (none out of range) from the gradients reaching them."""
+    leader = output_leader(outputs.modules, outputs.array())
+    if leader is not None or not outputs.gradient_modules:
+        return leader, "outputs"
+    return output_gradient_leader(outputs.gradient_modules, outputs.array(gradients=True)), "output gradients"
+
+
 def analyse(step: int, steps: Sequence[int], losses: Union[Sequence[float], np.ndarray], norms: np.ndarray,
             names: Sequence[str], outputs: Optional[OutputLevels] = None,
             update_norms: Optional[Union[Sequence[float], np.ndarray]] = None) -> FlightRecord:
@@ -70,7 +80,8 @@ def analyse(step: int, steps: Sequence[int], losses: Union[Sequence[float], np.n
         names: The parameters' names.
         outputs: The modules' output std at the logged steps up to the anomaly, if known: the
             leader is then judged from them (from those within the record's steps, at least 8;
-            over a longer span a layer still learning its scale drifts out of its range).
+            over a longer span a layer still learning its scale drifts out of its range); none
+            out of range, from the gradients reaching them, if logged (``OutputLevels.add``).
         update_norms: The update norm of each row's step, if measured.
 
     Returns:
@@ -91,9 +102,9 @@ def analyse(step: int, steps: Sequence[int], losses: Union[Sequence[float], np.n
     if outputs is not None and len(outputs.steps) >= 2 * MIN_BASELINE:
         departures = outputs.departures()
         record = replace(record, output_onsets=tuple((m, outputs.steps[d.row]) for m, d in departures))
-        leader, at = output_leader(outputs.modules, outputs.array()), outputs.steps
+        leader, judged_by = _module_leader(outputs)
         if leader is not None:
-            record = replace(record, judged_by="outputs")
+            record, at = replace(record, judged_by=judged_by), outputs.steps
     if leader is None:
         leader, at = gradient_leader(layers, found, sum(u is not None for u in usual)), steps
     if leader is None:

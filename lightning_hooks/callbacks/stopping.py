@@ -249,9 +249,9 @@ class GradientAnomalyStopping(FigureListener, GradientCheck):
         self._watch.add_loss(trainer, loss)
 
     def record_figures(self, figures: Sequence[ScalarBlock], metrics: Mapping[str, float], step: int) -> None:
-        """With ``flight_recorder``: keep the modules' output std ActivationMonitor logs (NaN where non-finite)."""
+        """With ``flight_recorder``: keep the modules' output (and output-gradient) std ActivationMonitor logs."""
         if self.flight_recorder:
-            self._watch.outputs.add(step, output_levels(figures))
+            self._watch.outputs.add(step, output_levels(figures), output_levels(figures, "activation_grads"))
 
     def _votes(self, trainer: pl.Trainer, step: Step) -> dict[str, Tensor]:
         return self._watch.votes(step, first=self._shared is None or self._shared.evaluation == 1)

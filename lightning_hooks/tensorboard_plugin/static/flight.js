@@ -74,6 +74,10 @@ function leaderLine(record) {  // what the recorder said (callbacks/_flight_reco
     return `Leader: ${record.leader}'s outputs left their usual range first in forward order, at step ${at} (${before})`
       + (others > 0 ? `; the outputs of ${others} module${others > 1 ? "s" : ""} after it left theirs too.` : ".");
   }
+  if (record.judged_by === "output gradients") {
+    return `Leader: the gradient reaching ${record.leader}'s output left its usual range first in backward order`
+      + ` (net of the loss's own), at step ${at} (${before}); the modules before it are its victims.`;
+  }
   const tied = record.tied || [];
   if (tied.length) {
     return `A tie: ${[record.leader, ...tied].join(", ")} left their usual gradient-norm range at step ${at} (${before});`
