@@ -43,7 +43,7 @@ from lightning_hooks.distributed._rank_agreement import Check
 from lightning_hooks.distributed._step_measure import Step
 from lightning_hooks.measure._sharding import ShardGroups
 from lightning_hooks.measure.aggregate import StatBlock
-from lightning_hooks.measure.stats import STAT_NAMES, Bins, histogram_edges
+from lightning_hooks.measure.stats import STAT_NAMES, Bins, binning
 from lightning_hooks.output._health_verdicts import UNJUDGED_RATIOS_TAG, unjudged_ratios
 from lightning_hooks.output.figures import ScalarBlock
 from lightning_hooks.output.sinks import Charts, destinations, log_layout, log_plugin_data, log_scalars
@@ -197,7 +197,7 @@ class GradientMonitor(GradientCheck):
         _validate_interval(log_every_n_steps)
         check_choice("granularity", granularity, ("parameter", "module"))
         _validate_stats(stats, GRADIENT_STAT_NAMES)
-        histogram_edges(bins)  # validates `bins`
+        binning(bins)  # validates `bins`, and computes the edges every block of these bins shares
         for name, flag in (("histogram", histogram), ("prog_bar", prog_bar), ("update_ratio", update_ratio),
                            ("update_norms", update_norms)):
             check_bool(name, flag)
