@@ -17,7 +17,7 @@ from lightning_hooks.callbacks._base import claim, release
 from lightning_hooks.callbacks.activations import ActivationMonitor
 from lightning_hooks.callbacks.gradients import GradientMonitor
 from lightning_hooks.callbacks.stability import TransformerStability, param_groups
-from lightning_hooks.core._compat import CALLBACK_BASES, TENSORBOARD_LOGGERS
+from lightning_hooks.core._compat import CALLBACK_BASES, TENSORBOARD_LOGGERS, callbacks_of
 from lightning_hooks.core._validation import check_int
 from lightning_hooks.output._diagnosis import diagnose
 from lightning_hooks.output._health_verdicts import JUDGED, STABILITY_BANDS, Bands, Verdicts, unjudged_ratios
@@ -147,12 +147,10 @@ class LayerHealth(FigureListener, *CALLBACK_BASES):  # type: ignore[misc]  # the
         self._kinds = {name: type(module).__name__ for name, module in pl_module.named_modules()}
         self._vectors = unjudged_ratios(pl_module)
         self._groups = {}
-        stability = next((cb for cb in getattr(trainer, "callbacks", ()) if isinstance(cb, TransformerStability)), None)
-        if stability is not None:  # judge its figures by the bands it was given
+        for stability in callbacks_of(trainer, TransformerStability)[:1]:  # judge its figures by its bands
             self._bands = replace(self._bands, **{name: getattr(stability.bands, name) for name in STABILITY_BANDS})
             self._verdicts = Verdicts(self._bands)
-        monitors = (ActivationMonitor, GradientMonitor, TransformerStability)
-        if not any(isinstance(cb, monitors) for cb in getattr(trainer, "callbacks", ())):
+        if not any(callbacks_of(trainer, kind) for kind in (ActivationMonitor, GradientMonitor, TransformerStability)):
             rank_zero_warn("LayerHealth: no ActivationMonitor or GradientMonitor in `callbacks`: nothing to show")
         if not any(isinstance(lg, TENSORBOARD_LOGGERS) for lg in trainer.loggers):
             rank_zero_warn("LayerHealth: no TensorBoardLogger, so no pictures; the summary is still printed")

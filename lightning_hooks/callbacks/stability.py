@@ -16,10 +16,10 @@ from torch.utils.hooks import RemovableHandle
 
 from lightning_hooks.callbacks._base import HookCallback, _log_interval, _validate_interval, claim, is_logged, log_step
 from lightning_hooks.callbacks._stability_hooks import Selection, register, resolve, validate_signal
-from lightning_hooks.core._compat import configure_model_overridden
+from lightning_hooks.core._compat import callbacks_of, configure_model_overridden
 from lightning_hooks.core._validation import check_int
 from lightning_hooks.measure._attention import Sample
-from lightning_hooks.output._diagnosis import diagnose
+from lightning_hooks.output._diagnosis import Diagnoses, diagnose
 from lightning_hooks.output._health_verdicts import JUDGED, Bands, Verdicts
 from lightning_hooks.output.figures import ScalarBlock
 from lightning_hooks.output.sinks import log_scalars, log_text
@@ -219,8 +219,8 @@ class TransformerStability(HookCallback):
         text = self.diagnosis()
         log_text(trainer, DIAGNOSIS_TAG, "\n".join("    " + line for line in text.splitlines()),
                  self._verdicts.last_step)
-        # By name: LayerHealth imports this module. It prints the same diagnosis in its summary.
-        if not any(type(cb).__name__ == "LayerHealth" for cb in getattr(trainer, "callbacks", ())):
+        # Another diagnoser (LayerHealth) prints the same diagnosis in its summary.
+        if all(cb is self for cb in callbacks_of(trainer, Diagnoses)):
             _log.info(text)
 
     def _flush(self, trainer: pl.Trainer) -> None:

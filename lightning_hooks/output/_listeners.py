@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any
 
 from lightning_hooks.output.figures import HistogramBlock, ScalarBlock
 
@@ -34,8 +33,3 @@ class FigureListener:
 
     def record_histograms(self, histograms: HistogramBlock, edges: Sequence[float], step: int) -> None:
         """Receive the histograms of one kind logged at ``step``, one row each, on shared ``edges``."""
-
-
-def listeners(trainer: Any) -> list[FigureListener]:
-    """The trainer's callbacks that listen to the logged figures."""
-    return [cb for cb in getattr(trainer, "callbacks", ()) if isinstance(cb, FigureListener)]
