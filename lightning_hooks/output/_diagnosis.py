@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 from lightning_hooks.output._health_verdicts import FIGURE_PROBLEMS, Bands, Episode, Verdicts
 
@@ -155,3 +155,16 @@ class Diagnoses(Protocol):
 
     def diagnosis(self) -> str:
         """The diagnosis so far, in plain words."""
+
+
+def param_groups(trainer: Any, pl_module: Any) -> dict[str, str]:
+    """Each module's optimizer parameter group, as ``"param group 1 (lr 0.003)"``: where a remedy's learning rate is."""
+    owner = {id(p): name.rpartition(".")[0] for name, p in pl_module.named_parameters()}
+    found: dict[str, str] = {}
+    for optimizer in getattr(trainer, "optimizers", ()):
+        for index, group in enumerate(optimizer.param_groups):
+            for param in group["params"]:
+                module = owner.get(id(param))
+                if module is not None:
+                    found.setdefault(module, f"param group {index} (lr {group.get('lr', float('nan')):.3g})")
+    return found

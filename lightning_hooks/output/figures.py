@@ -10,6 +10,7 @@ not a Python object per row: the hot path stays the arrays and lists it was.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -91,3 +92,65 @@ class HistogramBlock:
             if histograms else np.zeros((0, 0))
         rows = [row for row, _, _ in histograms]
         return HistogramBlock(kind, rows, [f"{kind}/{row}" for row in rows], summary, counts)
+
+
+Column = tuple[int, np.ndarray, float]
+"""One logged step of a row's histogram: the step, the count per bin without the exact zeros, and those."""
+
+
+def zero_bin(edges: Sequence[float]) -> int | None:
+    """The bin exact zeros land in (the one whose right edge is 0, or that spans 0), or None."""
+    if not edges or not edges[0] <= 0 <= edges[-1]:
+        return None
+    return max(0, int(np.searchsorted(np.asarray(edges), 0.0, side="left")) - 1)
+
+
+class HistogramColumns:
+    """A listener's bounded record of one kind's histograms: per row, a column per kept step, exact zeros apart.
+
+    At most ``max_rows`` rows (the first ones received); per row at most ``max_columns``
+    columns: past that every other one is dropped, and later steps are kept at the wider spacing.
+
+    Args:
+        kind: The histograms kept (``activations``); the others are passed over.
+        max_rows: The most rows kept.
+        max_columns: The most columns one row keeps.
+    """
+
+    def __init__(self, kind: str, max_rows: int, max_columns: int) -> None:
+        self.kind, self.max_rows, self.max_columns = kind, max_rows, max_columns
+        self.columns: dict[str, list[Column]] = {}
+        self.edges: dict[str, list[float]] = {}
+        """Each row's bin edges (monitors may bin differently)."""
+        self._seen: dict[str, int] = {}  # histograms received per row, and the spacing of those kept
+        self._stride: dict[str, int] = {}
+
+    def add(self, histograms: HistogramBlock, edges: Sequence[float], step: int) -> None:
+        """Keep the step's columns of ``histograms`` (of this kind), the exact zeros taken out of their bin."""
+        if histograms.kind != self.kind:
+            return
+        shared, at = list(edges), zero_bin(edges)
+        zero_fraction, count = histograms.summary.get("zero_fraction"), histograms.summary.get("count")
+        exact_zeros = zero_fraction * count if at is not None and zero_fraction is not None and count is not None \
+            else np.zeros(len(histograms.rows))
+        for i, name in enumerate(histograms.rows):
+            column = np.array(histograms.counts[i], dtype=np.float64)  # a copy: its zero bin changes
+            zeros = float(exact_zeros[i])
+            if at is not None and math.isfinite(zeros):
+                column[at] = max(column[at] - zeros, 0.0)
+            if self._add(name, step, column, zeros if math.isfinite(zeros) else 0.0):
+                self.edges[name] = shared
+
+    def _add(self, name: str, step: int, counts: np.ndarray, zeros: float) -> bool:
+        """Keep one step's counts for ``name`` if there is room; return whether they were kept."""
+        if name not in self.columns and len(self.columns) >= self.max_rows:
+            return False
+        seen, stride = self._seen.get(name, 0), self._stride.get(name, 1)
+        self._seen[name] = seen + 1
+        if seen % stride:
+            return False
+        columns = self.columns.setdefault(name, [])
+        columns.append((step, counts, zeros))
+        if len(columns) > self.max_columns:
+            self.columns[name], self._stride[name] = columns[::2], stride * 2
+        return True
