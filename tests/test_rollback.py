@@ -139,7 +139,7 @@ def test_patience_tolerates_and_the_snapshot_waits_for_clean_steps(tmp_path):
     assert stopper._rollback.snapshot_step == 6 and stopper.last_report is None
 
 
-def test_state_dict_keeps_the_rollback_counters_and_reads_older_checkpoints():
+def test_state_dict_keeps_the_rollback_counters():
     stopper = GradientAnomalyStopping(action="rollback", skip_batches=3)
     stopper.rollbacks, stopper._rollback.skipping = 2, 1
     state = stopper.state_dict()
@@ -147,9 +147,6 @@ def test_state_dict_keeps_the_rollback_counters_and_reads_older_checkpoints():
     resumed = GradientAnomalyStopping(action="rollback", skip_batches=3)
     resumed.load_state_dict(state)
     assert (resumed.rollbacks, resumed.skipping) == (2, 1)
-    older = {k: v for k, v in state.items() if k not in ("rollbacks", "skipping")}
-    resumed.load_state_dict(older)
-    assert (resumed.rollbacks, resumed.skipping) == (0, 0)
 
 
 def test_rollback_with_several_optimizers_fails_before_the_first_step(tmp_path):

@@ -23,8 +23,7 @@ from lightning_hooks.measure.spikes import SpikeTrigger
 
 Action = Literal["stop", "skip", "rollback", "raise", "warn"]
 _ACTIONS = ("stop", "skip", "rollback", "raise", "warn")
-_COUNTERS = ("streak", "anomalous_steps", "dropped_steps", "amp_overflows")
-_ROLLBACK_COUNTERS = ("rollbacks", "skipping")  # absent from checkpoints written before rollback existed
+_COUNTERS = ("streak", "anomalous_steps", "dropped_steps", "amp_overflows", "rollbacks")
 _log = logging.getLogger(__name__)
 
 
@@ -315,7 +314,7 @@ class GradientAnomalyStopping(GradientCheck):
         The rollback snapshot is not saved (it would double the checkpoint): on resume, the
         resumed state is the first snapshot.
         """
-        counters = {name: getattr(self, name) for name in (*_COUNTERS, *_ROLLBACK_COUNTERS)}
+        counters = {name: getattr(self, name) for name in (*_COUNTERS, "skipping")}
         last = {"last_rollback": list(self.last_rollback)} if self.last_rollback is not None else {}
         return {**counters, **last, **self._state(), **self._watch.state_dict()}
 
@@ -323,11 +322,10 @@ class GradientAnomalyStopping(GradientCheck):
         """Restore what :meth:`state_dict` returned."""
         for name in _COUNTERS:
             setattr(self, name, int(state_dict[name]))
-        self.rollbacks = int(state_dict.get("rollbacks", 0))
         last = state_dict.get("last_rollback")
         self.last_rollback = (int(last[0]), int(last[1])) if last is not None else None
         if self._rollback is not None:
-            self._rollback.skipping = int(state_dict.get("skipping", 0))
+            self._rollback.skipping = int(state_dict["skipping"])
         self._watch.load_state_dict(state_dict)
         self._load_state(state_dict)
 
