@@ -21,8 +21,7 @@ from lightning_hooks.core._compat import CALLBACK_BASES, TENSORBOARD_LOGGERS, ca
 from lightning_hooks.core._validation import check_int
 from lightning_hooks.output._diagnosis import diagnose, param_groups
 from lightning_hooks.output._health_verdicts import JUDGED, STABILITY_BANDS, Bands, Verdicts, unjudged_ratios
-from lightning_hooks.output._listeners import FigureListener
-from lightning_hooks.output.figures import HistogramColumns
+from lightning_hooks.output.figures import FigureListener, HistogramColumns
 from lightning_hooks.output.sinks import log_text
 
 if TYPE_CHECKING:

@@ -17,10 +17,9 @@ from torch.utils.tensorboard.writer import FileWriter
 
 from lightning_hooks.core._compat import CSV_LOGGERS, TENSORBOARD_LOGGERS, WANDB_LOGGERS, callbacks_of
 from lightning_hooks.core._torch_internals import event_queue
-from lightning_hooks.output._listeners import FigureListener
 from lightning_hooks.output._plugin_data import plugin_data_summary
 from lightning_hooks.output._tensorboard_wire import histogram_summary_bytes, scalar_summary_bytes, write_summary
-from lightning_hooks.output.figures import HistogramBlock, ScalarBlock, as_metrics
+from lightning_hooks.output.figures import FigureListener, HistogramBlock, ScalarBlock, as_metrics
 
 
 def log_scalars(trainer: pl.Trainer | Any, metrics: Mapping[str, float], step: int,
