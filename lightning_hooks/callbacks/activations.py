@@ -18,7 +18,6 @@ from lightning_hooks.callbacks._base import (
     _log_interval,
     _validate_interval,
     _validate_stats,
-    is_logged,
     log_step,
 )
 from lightning_hooks.core._torch_internals import in_backward
@@ -268,7 +267,7 @@ class ActivationMonitor(HookCallback):
         step = log_step(trainer)
         if self._pending_step is not None and self._pending_step != step:
             self._flush(trainer, "train")  # an earlier step ended without an optimizer step
-        if "train" in self._blocks and is_logged(trainer, self._every):
+        if "train" in self._blocks and self._is_logged(trainer, self._every):
             if self._pending_step is None:
                 self._pending_global = trainer.global_step
             self._block, self._collecting, self._pending_step = self._blocks["train"], True, step

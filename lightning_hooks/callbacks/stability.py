@@ -13,7 +13,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
-from lightning_hooks.callbacks._base import HookCallback, _log_interval, _validate_interval, claim, is_logged, log_step
+from lightning_hooks.callbacks._base import HookCallback, _log_interval, _validate_interval, claim, log_step
 from lightning_hooks.callbacks._stability_hooks import (
     Selection,
     figures,
@@ -199,7 +199,7 @@ class TransformerStability(HookCallback):
         step = log_step(trainer)
         if self._pending_step is not None and self._pending_step != step:
             self._flush(trainer)
-        if trainer.is_global_zero and self.is_attached and is_logged(trainer, self._every):
+        if trainer.is_global_zero and self.is_attached and self._is_logged(trainer, self._every):
             if self._pending_step is None:
                 self._pending_global = trainer.global_step
             self._collecting, self._pending_step = True, step
