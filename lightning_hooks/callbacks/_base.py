@@ -99,8 +99,6 @@ def _is_logged_step(step: int, every: int) -> bool:
     return every > 0 and (step == 0 or (step + 1) % every == 0)
 
 
-
-
 def _remove(handles: list[RemovableHandle]) -> None:
     """Remove ``handles`` from their modules and forget them."""
     for handle in handles:

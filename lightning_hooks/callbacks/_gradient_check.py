@@ -100,7 +100,7 @@ class GradientCheck(HookCallback):
             super().setup(trainer, pl_module, stage)
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        """Register the hooks; read the Trainer's shared measurement of each step from now on."""
+        """Register the hooks; read the fit's shared measurement of each step from now on."""
         super().on_fit_start(trainer, pl_module)
         self._join(trainer)
 
@@ -111,7 +111,7 @@ class GradientCheck(HookCallback):
     def _join(self, trainer: pl.Trainer) -> SharedMeasurement:
         """Read the fit's one measurement of each step from now on: the one its lead made in ``setup``."""
         lead = self._lead(trainer)
-        if lead._measurement is None:  # hooks run without ``setup`` (a test driving them by hand)
+        if lead._measurement is None:  # its ``setup`` did not run for a fit
             lead._measurement = SharedMeasurement()
         self._shared = lead._measurement
         self._shared.join(self)
