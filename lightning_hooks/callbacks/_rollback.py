@@ -111,7 +111,7 @@ class Rollback:
             "schedulers": [copy.deepcopy(config.scheduler.state_dict()) for config in trainer.lr_scheduler_configs],
             "groups": _groups(trainer),
             "judges": self.judges.copy_judges() if self.judges is not None else None,
-            "callbacks": [(c, c.copy_judges()) for c in callbacks_of(trainer, Judges)],
+            "callbacks": [(c, c.copy_judges()) for c in callbacks_of(trainer, Judges)],  # type: ignore[type-abstract]
         }
         self.snapshot_step, self._clean, self.returns = trainer.global_step, 0, []
 

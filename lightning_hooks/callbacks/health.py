@@ -19,7 +19,7 @@ from lightning_hooks.callbacks.gradients import GradientMonitor
 from lightning_hooks.callbacks.stability import TransformerStability
 from lightning_hooks.core._compat import CALLBACK_BASES, TENSORBOARD_LOGGERS, callbacks_of
 from lightning_hooks.core._validation import check_int
-from lightning_hooks.output._diagnosis import diagnose, param_groups
+from lightning_hooks.output._diagnosis import Diagnoses, diagnose, param_groups
 from lightning_hooks.output._health_verdicts import JUDGED, STABILITY_BANDS, Bands, Verdicts, unjudged_ratios
 from lightning_hooks.output.figures import FigureListener, HistogramColumns
 from lightning_hooks.output.sinks import log_text
@@ -38,7 +38,7 @@ PROFILES = {
 }
 
 
-class LayerHealth(FigureListener, *CALLBACK_BASES):  # type: ignore[misc]  # the Callback of each Lightning package
+class LayerHealth(FigureListener, Diagnoses, *CALLBACK_BASES):  # type: ignore[misc]  # the Callback of each Lightning package
     """Judge each layer's health against documented bands, draw it to TensorBoard, and give a verdict at the end.
 
     It computes nothing on the device and brings nothing to the host: it is handed, on rank

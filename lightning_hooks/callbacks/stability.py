@@ -36,7 +36,7 @@ _log = logging.getLogger(__name__)
 DIAGNOSIS_TAG = "stability/diagnosis"
 
 
-class TransformerStability(HookCallback):
+class TransformerStability(Diagnoses, HookCallback):
     """Log the signals that precede a transformer's divergence, and say in plain words what is wrong and what helps.
 
     On a logged training step (as Lightning logs: step ``n`` with ``(n + 1) % log_every_n_steps

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Hashable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from typing import Optional, Union
 
 import torch
@@ -110,7 +110,10 @@ def histogram_edges(bins: Bins = 128, low: float = 1e-6, high: float = 1e6) -> T
     return torch.cat([-positive.flip(0), *middle, positive])
 
 
-def _key(bins: Bins) -> Optional[Hashable]:
+_Key = Union[int, tuple[float, ...]]
+
+
+def _key(bins: Bins) -> Optional[_Key]:
     """``bins`` as a cache key: the int, or a list or tuple of numbers as a tuple; None for any other form."""
     if isinstance(bins, int) and not isinstance(bins, bool):
         return bins
@@ -120,9 +123,9 @@ def _key(bins: Bins) -> Optional[Hashable]:
 
 
 @functools.lru_cache(maxsize=32)
-def _shared_edges(key: Hashable, low: float, high: float) -> Tensor:
+def _shared_edges(key: _Key, low: float, high: float) -> Tensor:
     """The edges of one cache key, computed at its first use (a shared tensor: never written into)."""
-    return histogram_edges(key if isinstance(key, int) else list(key), low, high)  # type: ignore[arg-type]
+    return histogram_edges(key if isinstance(key, int) else list(key), low, high)
 
 
 def _edges_of(bins: Bins, low: float, high: float) -> Tensor:
@@ -153,9 +156,9 @@ def binning(bins: Bins, device: Union[torch.device, str] = "cpu", dtype: torch.d
 
 
 @functools.lru_cache(maxsize=64)
-def _shared_binning(key: Hashable, device: torch.device, dtype: torch.dtype, native: bool) -> Binning:
+def _shared_binning(key: _Key, device: torch.device, dtype: torch.dtype, native: bool) -> Binning:
     """One binning per key, device, dtype and choice of kernel (``native``: what :class:`Binning` reads)."""
-    return Binning(key if isinstance(key, int) else list(key), device, dtype)  # type: ignore[arg-type]
+    return Binning(key if isinstance(key, int) else list(key), device, dtype)
 
 
 class Binning:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from typing import Any, Protocol, runtime_checkable
+from typing import Any
 
 from lightning_hooks.output._health_verdicts import FIGURE_PROBLEMS, Bands, Episode, Verdicts
 
@@ -140,21 +140,22 @@ def _group(layers: Sequence[str], groups: Mapping[str, str]) -> str:
     return f" of {' and '.join(found)}, which hold{'s' if len(found) == 1 else ''} {held}"
 
 
-@runtime_checkable
-class Diagnoses(Protocol):
-    """The role of a callback that judges layers and gives a diagnosis (LayerHealth, TransformerStability).
+class Diagnoses:
+    """Base class of a callback that judges layers and gives a diagnosis (LayerHealth, TransformerStability).
 
-    Found by it in ``trainer.callbacks`` (``callbacks_of``): an AnomalyReport carries the diagnosis
-    of the first one that has judged a step, and TransformerStability leaves the printing to
-    another diagnoser when there is one (LayerHealth prints the same diagnosis in its summary).
+    Its role: found by it in ``trainer.callbacks`` (``callbacks_of``), an AnomalyReport carries the
+    diagnosis of the first one that has judged a step, and TransformerStability leaves the printing
+    to another diagnoser when there is one (LayerHealth prints the same diagnosis in its summary).
     """
 
     @property
     def verdicts(self) -> Verdicts:
         """The record of the judged figures; its ``last_step`` is None until a step is judged."""
+        raise NotImplementedError
 
     def diagnosis(self) -> str:
         """The diagnosis so far, in plain words."""
+        raise NotImplementedError
 
 
 def param_groups(trainer: Any, pl_module: Any) -> dict[str, str]:
