@@ -92,12 +92,16 @@ def callbacks_of(trainer: Any, kind: type[_Kind]) -> list[_Kind]:
     The one rule (docs/architecture.md): a callback finds another in ``trainer.callbacks``, by
     ``isinstance`` against a class. A file that must not import the callback it looks for (it
     sits below it) declares a role for it instead: a base class the callback derives from
-    (``FigureListener``, ``Diagnoses``) or a runtime-checkable Protocol it meets (``Judges``). Never by class name,
-    never by ``getattr`` on whatever is there, never through a registry of our own.
+    (``FigureListener``, ``Diagnoses``) or a runtime-checkable Protocol it meets (``Judges``).
+    Never by class name, never by ``getattr`` on whatever is there, never through a registry of
+    our own.
 
     Args:
         trainer: The Trainer (anything with ``callbacks``; none is no callback).
         kind: The class or runtime-checkable Protocol looked for.
+
+    Returns:
+        The callbacks that are a ``kind``, in the order of ``trainer.callbacks``.
 
     Example::
 
