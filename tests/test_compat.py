@@ -125,8 +125,7 @@ def test_two_monitors_of_one_class_share_a_trainer(package, tmp_path):
 @pytest.mark.slow
 def test_callbacks_find_each_other_in_the_trainers_callbacks_by_class_or_role(tmp_path):
     from lightning_hooks.callbacks._rollback import Judges
-    from lightning_hooks.output._diagnosis import Diagnoses
-    from lightning_hooks.output.figures import FigureListener
+    from lightning_hooks.output.figures import Diagnoses, FigureListener
 
     health, stability, monitor = LayerHealth(), TransformerStability(attention="*"), GradientMonitor()
     updates = UpdateTransform(scale={"*": 1.0})

@@ -24,7 +24,7 @@ from lightning_hooks.callbacks._base import log_step, moment
 from lightning_hooks.callbacks._flight_recorder import FlightRecord, discard_file
 from lightning_hooks.core._compat import callbacks_of
 from lightning_hooks.measure._provenance import NEVER, Located
-from lightning_hooks.output._diagnosis import Diagnoses
+from lightning_hooks.output.figures import Diagnoses
 from lightning_hooks.output.sinks import log_text
 
 if TYPE_CHECKING:  # for types only: both import anomalies, which imports this module

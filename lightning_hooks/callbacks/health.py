@@ -19,9 +19,9 @@ from lightning_hooks.callbacks.gradients import GradientMonitor
 from lightning_hooks.callbacks.stability import TransformerStability
 from lightning_hooks.core._compat import CALLBACK_BASES, TENSORBOARD_LOGGERS, callbacks_of
 from lightning_hooks.core._validation import check_int
-from lightning_hooks.output._diagnosis import Diagnoses, diagnose, param_groups
+from lightning_hooks.output._diagnosis import diagnose, param_groups
 from lightning_hooks.output._health_verdicts import JUDGED, STABILITY_BANDS, Bands, Verdicts, unjudged_ratios
-from lightning_hooks.output.figures import FigureListener, HistogramColumns
+from lightning_hooks.output.figures import Diagnoses, FigureListener, HistogramColumns
 from lightning_hooks.output.sinks import log_text
 
 if TYPE_CHECKING:

@@ -25,9 +25,9 @@ from lightning_hooks.callbacks._stability_hooks import (
 from lightning_hooks.core._compat import callbacks_of, configure_model_overridden
 from lightning_hooks.core._validation import check_int
 from lightning_hooks.measure._attention import Sample
-from lightning_hooks.output._diagnosis import Diagnoses, diagnose, param_groups
+from lightning_hooks.output._diagnosis import diagnose, param_groups
 from lightning_hooks.output._health_verdicts import JUDGED, Bands, Verdicts
-from lightning_hooks.output.figures import ScalarBlock
+from lightning_hooks.output.figures import Diagnoses, ScalarBlock
 from lightning_hooks.output.sinks import log_scalars, log_text
 
 _log = logging.getLogger(__name__)

@@ -140,24 +140,6 @@ def _group(layers: Sequence[str], groups: Mapping[str, str]) -> str:
     return f" of {' and '.join(found)}, which hold{'s' if len(found) == 1 else ''} {held}"
 
 
-class Diagnoses:
-    """Base class of a callback that judges layers and gives a diagnosis (LayerHealth, TransformerStability).
-
-    Its role: found by it in ``trainer.callbacks`` (``callbacks_of``), an AnomalyReport carries the
-    diagnosis of the first one that has judged a step, and TransformerStability leaves the printing
-    to another diagnoser when there is one (LayerHealth prints the same diagnosis in its summary).
-    """
-
-    @property
-    def verdicts(self) -> Verdicts:
-        """The record of the judged figures; its ``last_step`` is None until a step is judged."""
-        raise NotImplementedError
-
-    def diagnosis(self) -> str:
-        """The diagnosis so far, in plain words."""
-        raise NotImplementedError
-
-
 def param_groups(trainer: Any, pl_module: Any) -> dict[str, str]:
     """Each module's optimizer parameter group, as ``"param group 1 (lr 0.003)"``: where a remedy's learning rate is."""
     owner = {id(p): name.rpartition(".")[0] for name, p in pl_module.named_parameters()}

@@ -1,4 +1,4 @@
-"""Typed figure records: what the monitors emit and the sinks and listeners (:class:`FigureListener`) consume.
+"""Typed figure records: what the monitors emit and the sinks and listeners consume; the listeners' roles.
 
 A record says what its figures are (``kind``: the tag's first part, ``activations``,
 ``val_activations``, ``gradients`` or ``updates``; the ``stat``; each row's name) in fields, so a
@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -121,6 +121,25 @@ class FigureListener:
 
     def record_histograms(self, histograms: HistogramBlock, edges: Sequence[float], step: int) -> None:
         """Receive the histograms of one kind logged at ``step``, one row each, on shared ``edges``."""
+
+
+
+class Diagnoses:
+    """Base class of a callback that judges layers and gives a diagnosis (LayerHealth, TransformerStability).
+
+    Its role: found by it in ``trainer.callbacks`` (``callbacks_of``), an AnomalyReport carries the
+    diagnosis of the first one that has judged a step, and TransformerStability leaves the printing
+    to another diagnoser when there is one (LayerHealth prints the same diagnosis in its summary).
+    """
+
+    @property
+    def verdicts(self) -> Any:
+        """The record of the judged figures (``output._health_verdicts.Verdicts``): ``last_step`` None until one."""
+        raise NotImplementedError
+
+    def diagnosis(self) -> str:
+        """The diagnosis so far, in plain words."""
+        raise NotImplementedError
 
 
 Column = tuple[int, np.ndarray, float]
