@@ -47,7 +47,7 @@ from benchmarks._zoo_models import RECIPES, Recipe, schedule  # noqa: E402
 from lightning_hooks import ActivationMonitor, GradientMonitor, LayerHealth  # noqa: E402
 from lightning_hooks.callbacks._flight_leader import OutputLevels, output_levels  # noqa: E402
 from lightning_hooks.callbacks._flight_recorder import analyse  # noqa: E402
-from lightning_hooks.output._listeners import FigureListener  # noqa: E402
+from lightning_hooks.output.figures import FigureListener  # noqa: E402
 
 FAULTS = ("ramp", "jump", "dead", "vanish", "lr100", "attn", "nan", "data", "gradvanish")
 HEALTHY = ("healthy", "swing")  # runs without a fault: every verdict line after the first 10% is a false alarm

@@ -132,3 +132,12 @@ class _Passing(TorchFunctionMode):
 
 class _OneRank:
     world_size = 1
+
+
+def test_blocks_of_the_same_bins_share_one_binning_and_its_edges():
+    a, b = StatBlock(["m"], 16, "cpu"), StatBlock(["x", "y"], 16, "cpu")
+    assert a.edges is b.edges == stats.binning(16).edge_list  # computed once, read by both
+    assert a._binning(a.rows.device, torch.float64) is stats.binning(16, "cpu", torch.float64)
+    assert StatBlock(["m"], [-1.0, 0.0, 1.0], "cpu").edges == (-1.0, 0.0, 1.0)
+    assert stats.binning(16).edges.tolist() == stats.histogram_edges(16).tolist()  # the outer edges left as they are
+    assert stats.binning(16).left[0] == -math.inf  # the device form's copy takes the open outer bins

@@ -15,8 +15,10 @@ from lightning_hooks import (
     GradientMonitor,
     GradientTransform,
     LayerHealth,
+    TransformerStability,
+    UpdateTransform,
 )
-from lightning_hooks.core._compat import configure_model_overridden
+from lightning_hooks.core._compat import callbacks_of, configure_model_overridden
 from lightning_hooks.measure.stats import STAT_NAMES
 from tests.compat_helpers import PACKAGES, net, package_trainer
 from tests.helpers import BARS, bar_text, events, forward_hook_count, loader, progress_bar, run_ddp
@@ -121,6 +123,20 @@ def test_two_monitors_of_one_class_share_a_trainer(package, tmp_path):
 
 
 @pytest.mark.slow
+def test_callbacks_find_each_other_in_the_trainers_callbacks_by_class_or_role(tmp_path):
+    from lightning_hooks.callbacks._rollback import Judges
+    from lightning_hooks.output.figures import Diagnoses, FigureListener
+
+    health, stability, monitor = LayerHealth(), TransformerStability(attention="*"), GradientMonitor()
+    updates = UpdateTransform(scale={"*": 1.0})
+    fit = package_trainer(PACKAGES["lightning.pytorch"], tmp_path, [monitor, health, updates, stability])
+    assert callbacks_of(fit, Diagnoses) == [health, stability]  # in their order, by the role they meet
+    assert callbacks_of(fit, FigureListener) == [health]
+    assert callbacks_of(fit, Judges) == [updates]
+    assert callbacks_of(fit, GradientMonitor) == [monitor]
+    assert callbacks_of(object(), GradientMonitor) == []  # no callbacks: none found
+
+
 def test_ddp_with_the_standalone_package_reduces_across_ranks_and_stops_both(tmp_path):
     ranks = run_ddp("_ddp_standalone.py", tmp_path, timeout=120)
     assert [r["global_step"] for r in ranks] == [4, 4]  # the NaN on rank 1 at step 3 stopped both

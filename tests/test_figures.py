@@ -10,8 +10,7 @@ import numpy as np
 from lightning.pytorch.loggers import TensorBoardLogger
 
 from lightning_hooks import ActivationMonitor, GradientMonitor, LayerHealth
-from lightning_hooks.output._listeners import FigureListener
-from lightning_hooks.output.figures import HistogramBlock, ScalarBlock, as_metrics
+from lightning_hooks.output.figures import FigureListener, HistogramBlock, ScalarBlock, as_metrics
 from tests.helpers import TinyNet, events, loader, trainer
 
 

@@ -110,8 +110,9 @@ def test_exact_zeros_are_drawn_apart_and_a_dead_module_stands_out_from_a_half_ze
             ("dead", {"zero_fraction": 0.95, "count": 100}, [0, 95, 5, 0]),
             ("half", {"zero_fraction": 0.5, "count": 100}, [0, 60, 30, 10]),
         ]), edges, step)
-    assert [(s, list(c), z) for s, c, z in health._columns["half"]][0] == (0, [0, 10, 30, 10], 50)
-    figures = {name: to_rgb(heatmap_figure(name, health._columns[name], edges, 0.8)) for name in ("dead", "half")}
+    columns = health._histograms.columns
+    assert [(s, list(c), z) for s, c, z in columns["half"]][0] == (0, [0, 10, 30, 10], 50)
+    figures = {name: to_rgb(heatmap_figure(name, columns[name], edges, 0.8)) for name in ("dead", "half")}
     assert _red(figures["dead"]) > 20 * _red(figures["half"]) > 0  # the half-zero one: only the threshold line
     assert figures["dead"].shape[1::-1] == image_size()
 
@@ -162,8 +163,8 @@ def test_a_heatmap_panel_keeps_at_most_max_columns_steps_spread_over_the_run():
                                  [-1.0, 0.0, 1.0], step)
         health.record_histograms(HistogramBlock.of("gradients", [("a", {}, [1.0] * 4)]),  # other bins
                                  [-2.0, -1.0, 0.0, 1.0, 2.0], step)
-    assert list(health._columns) == ["a"] and health._edges == {"a": [-1.0, 0.0, 1.0]}
-    assert [step for step, _, _ in health._columns["a"]] == [0, 4, 8]
+    assert list(health._histograms.columns) == ["a"] and health._histograms.edges == {"a": [-1.0, 0.0, 1.0]}
+    assert [step for step, _, _ in health._histograms.columns["a"]] == [0, 4, 8]
 
 
 def test_it_warns_when_there_is_nothing_to_draw_from_or_to(tmp_path):
@@ -193,7 +194,7 @@ def test_only_what_the_monitors_log_is_drawn(tmp_path):
     torch.manual_seed(0)
     logger = TensorBoardLogger(tmp_path, name="tb", version=0)
     trainer(tmp_path, [ActivationMonitor(modules="net.0"), health], logger=logger, max_steps=2).fit(model, loader())
-    assert list(health._columns) == ["net.0"]
+    assert list(health._histograms.columns) == ["net.0"]
     assert set(events(str(tmp_path)).Tags()["images"]) == {f"{HEATMAP}/net.0", f"{PROFILE}/activation_std"}
 
 

@@ -16,6 +16,8 @@ import torch
 from lightning.pytorch.loggers import CSVLogger
 
 from lightning_hooks import ActivationMonitor, GradientAnomalyStopping, GradientMonitor
+from lightning_hooks.callbacks._gradient_check import GradientCheck
+from lightning_hooks.core._compat import callbacks_of
 from lightning_hooks.distributed._shared_measurement import SharedMeasurement
 from tests.grad_helpers import GradNet, spy_on_measurements
 from tests.helpers import csv_metrics, loader, trainer
@@ -25,6 +27,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 
 from harness import Config, Workload  # noqa: E402
 from transfers import count_transfers  # noqa: E402
+
+
+def measurement(fit: Any) -> SharedMeasurement:
+    """The fit's one measurement: held by the first gradient callback in its ``callbacks``."""
+    held = callbacks_of(fit, GradientCheck)[0]._measurement
+    assert held is not None
+    return held
 
 
 def quick_start(every: int) -> list[Any]:
@@ -80,7 +89,7 @@ def test_both_callbacks_read_one_measurement_and_act_as_they_would_alone(tmp_pat
     assert together[3]["anomalies/exploding"] == "1.0" and together[5]["anomalies/nonfinite"] == "1.0"
     assert (monitor.anomalous_steps, stopper.anomalous_steps) == (alone_monitor.anomalous_steps, 1)
     assert (stopper.dropped_steps, alone_stopper.dropped_steps) == (1, 1)
-    assert SharedMeasurement.of(fit).readers == []  # both left when fit ended
+    assert measurement(fit).readers == []  # both left when fit ended
 
 
 def test_a_second_fit_measures_for_the_callbacks_of_that_fit_only(tmp_path: Path) -> None:
@@ -88,10 +97,11 @@ def test_a_second_fit_measures_for_the_callbacks_of_that_fit_only(tmp_path: Path
     monitor, stopper = GradientMonitor(log_every_n_steps=1), GradientAnomalyStopping()
     first = trainer(tmp_path, [monitor, stopper], max_steps=2, logger=False)
     first.fit(GradNet(), loader())
-    assert SharedMeasurement.of(first).rounds == 2 and SharedMeasurement.of(first).readers == []
+    of_first = measurement(first)
+    assert of_first.rounds == 2 and of_first.readers == []
     second = trainer(tmp_path, [monitor], max_steps=3, logger=False)  # the stopper is not in this one
     second.fit(GradNet(), loader())
-    assert SharedMeasurement.of(second).rounds == 3 and SharedMeasurement.of(first).rounds == 2
+    assert measurement(second) is not of_first and measurement(second).rounds == 3 and of_first.rounds == 2
 
 
 def test_under_lbfgs_each_evaluation_is_measured_once_for_both(tmp_path: Path) -> None:
@@ -101,7 +111,7 @@ def test_under_lbfgs_each_evaluation_is_measured_once_for_both(tmp_path: Path) -
         model = LBFGSNet(nan_at=((1, 2),))  # a NaN at the second evaluation of step 1 only
         fit = trainer(folder, callbacks, logger=CSVLogger(folder, name="", version=""), max_steps=3)
         fit.fit(model, loader())
-        return {"calls": dict(model.calls), "rounds": SharedMeasurement.of(fit).rounds,
+        return {"calls": dict(model.calls), "rounds": measurement(fit).rounds,
                 "rows": csv_metrics(str(folder)) if list(folder.glob("metrics.csv")) else [],
                 "params": [p.detach().clone() for p in model.parameters()]}
 

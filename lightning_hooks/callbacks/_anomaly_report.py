@@ -21,9 +21,10 @@ from lightning.fabric.utilities.apply_func import move_data_to_device
 from torch import Tensor
 
 from lightning_hooks.callbacks._base import log_step, moment
-from lightning_hooks.callbacks._diagnosis_source import diagnosis_so_far
 from lightning_hooks.callbacks._flight_recorder import FlightRecord, discard_file
+from lightning_hooks.core._compat import callbacks_of
 from lightning_hooks.measure._provenance import NEVER, Located
+from lightning_hooks.output.figures import Diagnoses
 from lightning_hooks.output.sinks import log_text
 
 if TYPE_CHECKING:  # for types only: both import anomalies, which imports this module
@@ -119,6 +120,17 @@ def _wrapped(line: str, width: int = 100) -> str:
     return textwrap.fill(line, width, subsequent_indent=indent, break_long_words=False, break_on_hyphens=False)
 
 
+def _diagnosis_so_far(trainer: Any) -> Optional[str]:
+    """The diagnosis of the first callback of ``trainer`` that diagnoses (:class:`Diagnoses`) and has judged a step.
+
+    None when none has judged a step yet, or on a rank other than zero (they judge on rank zero).
+    """
+    if not getattr(trainer, "is_global_zero", True):
+        return None
+    judged = [c for c in callbacks_of(trainer, Diagnoses) if c.verdicts.last_step is not None]
+    return judged[0].diagnosis() if judged else None
+
+
 def report_step(
     trainer: pl.Trainer, pl_module: pl.LightningModule, step: Step, check: Check, *, names: list[str],
     located: Optional[Located], traced: list[Tensor], module_names: list[str],
@@ -160,7 +172,7 @@ def report_step(
         nonfinite_rank=located.rank if located else None,
         nonfinite_params=tuple(names[i] for i in bad),
         largest_norms=tuple(largest[:5]),
-        diagnosis=diagnosis_so_far(trainer),
+        diagnosis=_diagnosis_so_far(trainer),
         flight_record=flight_record,
     )
     if dirpath is not None:

@@ -99,30 +99,6 @@ def _is_logged_step(step: int, every: int) -> bool:
     return every > 0 and (step == 0 or (step + 1) % every == 0)
 
 
-# Per Trainer: the last log step every monitor logs, whatever its interval (after an anomaly).
-_WATCHED_UNTIL: WeakKeyDictionary[Any, int] = WeakKeyDictionary()
-
-
-def watch_closely(trainer: pl.Trainer, steps: Optional[int]) -> None:
-    """Have every monitor of ``trainer`` log each of the next ``steps`` steps; None: forget (a new fit)."""
-    if steps is None:
-        _WATCHED_UNTIL.pop(trainer, None)
-    elif steps > 0:
-        _WATCHED_UNTIL[trainer] = max(log_step(trainer) + steps, _WATCHED_UNTIL.get(trainer, -1))
-
-
-def is_logged(trainer: pl.Trainer, every: int) -> bool:
-    """Whether the step running now is logged at an interval of ``every`` (0: never), or watched closely."""
-    step = log_step(trainer)
-    return _is_logged_step(step, every) or (every > 0 and step <= _WATCHED_UNTIL.get(trainer, -1))
-
-
-def is_logged_next(trainer: pl.Trainer, every: int) -> bool:
-    """Whether the step after the one running now is logged (see :func:`is_logged`)."""
-    step = log_step(trainer) + 1
-    return _is_logged_step(step, every) or (every > 0 and step <= _WATCHED_UNTIL.get(trainer, -1))
-
-
 def _remove(handles: list[RemovableHandle]) -> None:
     """Remove ``handles`` from their modules and forget them."""
     for handle in handles:
@@ -212,6 +188,23 @@ class HookCallback(*CALLBACK_BASES):  # type: ignore[misc]  # the Callback of ea
     #: Whether the hooks of :meth:`_register` are on the modules only while the gate is open.
     _hooks_follow_gate = True
 
+    #: The last log step this callback logs, whatever its interval (after an anomaly; see :meth:`watch_until`).
+    _watched_until = -1
+
+    def watch_until(self, step: int) -> None:
+        """Log every step up to log step ``step``, whatever the interval (``GradientAnomalyStopping(watch_after=)``)."""
+        self._watched_until = max(step, self._watched_until)
+
+    def _is_logged(self, trainer: pl.Trainer, every: int) -> bool:
+        """Whether the step running now is logged at an interval of ``every`` (0: never), or watched closely."""
+        step = log_step(trainer)
+        return _is_logged_step(step, every) or (every > 0 and step <= self._watched_until)
+
+    def _is_logged_next(self, trainer: pl.Trainer, every: int) -> bool:
+        """Whether the step after the one running now is logged (see :meth:`_is_logged`)."""
+        step = log_step(trainer) + 1
+        return _is_logged_step(step, every) or (every > 0 and step <= self._watched_until)
+
     @property
     def _collecting(self) -> bool:
         """Whether the gate is open: the observing hooks run (and are registered) only then."""
@@ -261,6 +254,7 @@ class HookCallback(*CALLBACK_BASES):  # type: ignore[misc]  # the Callback of ea
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Register the hooks (after noting FSDP1's shards: its root unit wraps ``pl_module``)."""
         note_flat_shards(trainer.model if trainer.model is not None else pl_module)
+        self._watched_until = -1  # log steps count from 0 again
         self.attach(pl_module)
 
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

@@ -19,7 +19,7 @@ from torch.utils.hooks import RemovableHandle
 from lightning_hooks.callbacks._anomaly_report import AnomalyReport, report_step
 from lightning_hooks.callbacks._base import HookCallback, Moment, acting_late, claim, moment
 from lightning_hooks.callbacks._flight_recorder import FlightRecord
-from lightning_hooks.core._compat import BarCount
+from lightning_hooks.core._compat import BarCount, callbacks_of
 from lightning_hooks.core._validation import check_bool, check_path, check_writable_dir
 from lightning_hooks.core.selection import ModuleSelection, named_parameters
 from lightning_hooks.distributed._rank_agreement import Check
@@ -64,7 +64,8 @@ class GradientCheck(HookCallback):
         self._bar = BarCount()  # carries it as an int
         self._at_end = False  # acting late at the end of training: no update follows, Lightning takes no `log`
         self._state_key: Optional[str] = None
-        self._shared: Optional[SharedMeasurement] = None  # the Trainer's one measurement per step
+        self._shared: Optional[SharedMeasurement] = None  # the fit's one measurement per step, joined
+        self._measurement: Optional[SharedMeasurement] = None  # made here for the fit where this is the first
 
     def _uses_modules(self) -> bool:
         return self.provenance
@@ -91,16 +92,30 @@ class GradientCheck(HookCallback):
             ValueError: If ``dirpath`` cannot be created or written to (read-only, no permission).
         """
         claim(self, trainer)
+        if stage == "fit" and self._lead(trainer) is self:  # before any on_fit_start: every reader finds it there
+            self._measurement = SharedMeasurement()
         if self.dirpath is not None:
             check_writable_dir("dirpath", self.dirpath)
         if self._uses_modules():
             super().setup(trainer, pl_module, stage)
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        """Register the hooks; read the Trainer's shared measurement of each step from now on."""
+        """Register the hooks; read the fit's shared measurement of each step from now on."""
         super().on_fit_start(trainer, pl_module)
-        self._shared = SharedMeasurement.of(trainer)
+        self._join(trainer)
+
+    def _lead(self, trainer: pl.Trainer) -> GradientCheck:
+        """The first gradient check in ``trainer.callbacks`` (this one outside them): it holds the fit's measurement."""
+        return next(iter(callbacks_of(trainer, GradientCheck)), self)
+
+    def _join(self, trainer: pl.Trainer) -> SharedMeasurement:
+        """Read the fit's one measurement of each step from now on: the one its lead made in ``setup``."""
+        lead = self._lead(trainer)
+        if lead._measurement is None:  # its ``setup`` did not run for a fit
+            lead._measurement = SharedMeasurement()
+        self._shared = lead._measurement
         self._shared.join(self)
+        return self._shared
 
     def attach(self, model: nn.Module) -> None:
         """Learn the parameter names; register the provenance hooks when asked for."""
@@ -184,7 +199,7 @@ class GradientCheck(HookCallback):
         them, and only the first (the gradient at the step's starting parameters) joins the
         running median; :meth:`_checks` says which evaluations are checked at all.
         """
-        shared = self._shared if self._shared is not None else SharedMeasurement.of(trainer)
+        shared = self._shared if self._shared is not None else self._join(trainer)
         read = shared.read(trainer, optimizer, self)
         self._evaluation = shared.evaluation
         if read is not None:

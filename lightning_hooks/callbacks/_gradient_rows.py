@@ -214,6 +214,6 @@ def row_metrics(trainer: pl.Trainer, check: Check, names: Sequence[str], tags: d
                 for stat in stats if stat != "norm"]
     if histograms:
         log_histograms(trainer, HistogramBlock("gradients", present_names, [tags[""][i] for i in index], summary,
-                                               rows[:, N_FIELDS:]), block.edges.tolist(), log_step(trainer))
+                                               rows[:, N_FIELDS:]), block.edges, log_step(trainer))
     block.reset()
     return metrics, figures

@@ -12,6 +12,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor
 
+from lightning_hooks.core._compat import callbacks_of
 from lightning_hooks.core._validation import check_int
 
 _log = logging.getLogger(__name__)
@@ -110,7 +111,7 @@ class Rollback:
             "schedulers": [copy.deepcopy(config.scheduler.state_dict()) for config in trainer.lr_scheduler_configs],
             "groups": _groups(trainer),
             "judges": self.judges.copy_judges() if self.judges is not None else None,
-            "callbacks": [(c, c.copy_judges()) for c in trainer.callbacks if isinstance(c, Judges)],
+            "callbacks": [(c, c.copy_judges()) for c in callbacks_of(trainer, Judges)],  # type: ignore[type-abstract]
         }
         self.snapshot_step, self._clean, self.returns = trainer.global_step, 0, []
 

@@ -1,12 +1,15 @@
-"""TransformerStability's targets and hooks: which modules it reads, and the hooks that read them."""
+"""TransformerStability's targets, hooks and figures: which modules it reads, the hooks that read them, what it logs."""
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Callable
 from typing import Any, Optional, Union, cast
 
+import numpy as np
 import torch
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
@@ -14,12 +17,18 @@ from lightning_hooks.core._torch_internals import in_backward
 from lightning_hooks.core.selection import ModuleSelection, select_modules, validate_selection
 from lightning_hooks.measure._attention import Sample, logit_row, massive_row
 from lightning_hooks.measure._attention_sources import SdpaCapture, gpt2_row, is_attention, kind_of, mha_row, sdpa_row
+from lightning_hooks.output.figures import ScalarBlock
 
 Selection = Union[ModuleSelection, bool]
 """A module selection, or False to turn a signal off."""
 
 #: The name the model's own output is logged under, when it is read as the output logits.
 OUTPUT = "output"
+
+#: Each signal's two logged stats: its peak (max over the step) and its mean.
+STATS = {"attention": ("attention_max_logit", "attention_entropy"),
+         "logits": ("logit_abs_max", "logit_lse"),
+         "blocks": ("massive_ratio", "kurtosis")}
 
 
 def validate_signal(argument: str, value: Any) -> None:
@@ -142,3 +151,38 @@ def _register_attention(index: int, name: str, module: nn.Module, add: Add, guar
 
     return [module.register_forward_pre_hook(guard(name, enter)),
             module.register_forward_hook(leave, always_call=True)]
+
+
+def warn_no_attention(logits: list[str]) -> None:
+    """Warn, before training, that the default selection found no attention module: little is left to read."""
+    rank_zero_warn(
+        "TransformerStability: no attention module in the model (no nn.MultiheadAttention, no class named"
+        f" *Attention): it reads only the output logits of {logits}, and no attention logit, entropy or block."
+        " Name the modules that compute attention with `attention=`; for a model without attention (a CNN, an"
+        " MLP) ActivationMonitor and LayerHealth are the callbacks that watch it.")
+
+
+def figures(targets: list[tuple[str, str]], values: np.ndarray) -> list[ScalarBlock]:
+    """The step's figures from its rows ``(peak, total, count)``: the peak's max, and ``total / count``, per target.
+
+    One typed block per statistic (``activations`` kind), rows in the order the targets first appear.
+    An undefined figure is left out: a NaN peak (a call's max ignores it; a target whose every
+    peak is NaN has no peak figure), and a mean with a count of 0 or a NaN total.
+    """
+    peaks: dict[tuple[str, str], float] = {}
+    sums: dict[tuple[str, str], list[float]] = {}
+    for key, (peak, total, count) in zip(targets, values.tolist()):
+        if not math.isnan(peak):
+            peaks[key] = max(peaks.get(key, -math.inf), peak)
+        acc = sums.setdefault(key, [0.0, 0.0])
+        acc[0], acc[1] = acc[0] + total, acc[1] + count
+    columns: dict[str, tuple[list[str], list[float]]] = {}
+    for (signal, name), (total, count) in sums.items():
+        high, mean = STATS[signal]
+        for stat, value in ((high, peaks.get((signal, name), math.nan)), (mean, total / count if count else math.nan)):
+            if not math.isnan(value):
+                rows, vals = columns.setdefault(stat, ([], []))
+                rows.append(name)
+                vals.append(value)
+    return [ScalarBlock("activations", stat, rows, vals, [f"activations/{name}/{stat}" for name in rows])
+            for stat, (rows, vals) in columns.items()]

@@ -18,19 +18,17 @@ from lightning_hooks.callbacks._base import (
     _log_interval,
     _validate_interval,
     _validate_stats,
-    is_logged,
-    is_logged_next,
     log_step,
 )
+from lightning_hooks.core._compat import callbacks_of
 from lightning_hooks.core._torch_internals import in_backward
 from lightning_hooks.core._validation import check_bool, check_names
 from lightning_hooks.core.selection import ModuleSelection, check_limit, validate_limit
 from lightning_hooks.measure._stat_rows import DEFAULT_STATS, DIVERGENCE_STATS, N_FIELDS, STAT_NAMES, summarize_rows
 from lightning_hooks.measure.aggregate import StatBlock
-from lightning_hooks.measure.stats import Bins, histogram_edges
-from lightning_hooks.output._listeners import listeners
+from lightning_hooks.measure.stats import Bins, binning
 from lightning_hooks.output._plugin_data import FORWARD_ORDER_TAG
-from lightning_hooks.output.figures import HistogramBlock, ScalarBlock
+from lightning_hooks.output.figures import FigureListener, HistogramBlock, ScalarBlock
 from lightning_hooks.output.sinks import (
     Charts,
     destinations,
@@ -159,7 +157,7 @@ class ActivationMonitor(HookCallback):
         check_bool("histogram", histogram)
         check_bool("inputs", inputs)
         check_bool("gradients", gradients)
-        histogram_edges(bins)  # validates `bins`
+        binning(bins)  # validates `bins`, and computes the edges every block of these bins shares
         self.log_every_n_steps = log_every_n_steps
         self.stats = None if stats is None else tuple(stats)
         # Stats logged at every logged step, from a module's first zero on, and while not zero.
@@ -179,7 +177,6 @@ class ActivationMonitor(HookCallback):
         # By prefix and stat, per module: logged only while not zero, and not zero when last logged.
         self._diverged: dict[str, dict[str, np.ndarray]] = {}
         self._tag_cache: dict[str, dict[str, list[str]]] = {}  # by prefix: every tag, made once per fit
-        self._edges: list[float] = []
         self._blocks: dict[str, StatBlock] = {}
         self._block: Optional[StatBlock] = None
         self._pending_step: Optional[int] = None  # the log step being collected
@@ -206,7 +203,7 @@ class ActivationMonitor(HookCallback):
                         for s in self.stages} if written else {}
         self._block, self._pending_step, self._diverged, self._zeroed = None, None, {}, {}
         self._forward_order = {}
-        self._tag_cache, self._edges = {}, histogram_edges(self.bins).tolist()
+        self._tag_cache = {}
         self._nonfinite_seen = set()
         grads = [GRAD_PREFIX] if self._grad_names("train") else []
         charts = {category: chart for prefix in [_PREFIXES[stage] for stage in self.stages] + grads
@@ -283,7 +280,7 @@ class ActivationMonitor(HookCallback):
         step = log_step(trainer)
         if self._pending_step is not None and self._pending_step != step:
             self._flush(trainer, "train")  # an earlier step ended without an optimizer step
-        if "train" in self._blocks and is_logged(trainer, self._every):
+        if "train" in self._blocks and self._is_logged(trainer, self._every):
             if self._pending_step is None:
                 self._pending_global = trainer.global_step
             self._block, self._collecting, self._pending_step = self._blocks["train"], True, step
@@ -304,7 +301,7 @@ class ActivationMonitor(HookCallback):
         step: closures re-run by LBFGS, several optimizers under manual optimization.
         """
         # Logging every step, the hooks stay for the next one (the gate closed; see `_close_gate`).
-        self._close_gate(reopens="train" in self._blocks and is_logged_next(trainer, self._every))
+        self._close_gate(reopens="train" in self._blocks and self._is_logged_next(trainer, self._every))
         if self._pending_step is not None and self._pending_global != trainer.global_step:
             self._flush(trainer, "train")
 
@@ -341,7 +338,7 @@ class ActivationMonitor(HookCallback):
         self._gate, self._block, self._grad_scale[0] = False, None, None  # the hooks as the gate's closer left them
         assert step is not None
         order = list(self._forward_order or ())
-        for listener in listeners(trainer) if order and trainer.is_global_zero else ():
+        for listener in callbacks_of(trainer, FigureListener) if order and trainer.is_global_zero else ():
             listener.record_forward_order(order)  # before the figures: LayerHealth judges in this order
         self._log(trainer, self._blocks[stage], "activations", step)
         if order:  # once per fit, for the Layers tab's row order and its verdicts (JSON: a list of names)
@@ -354,13 +351,13 @@ class ActivationMonitor(HookCallback):
             return
         grads = len(self._grad_names("train")) if prefix == _PREFIXES["train"] else 0
         forward = len(block.names) - grads
-        figures = self._log_rows(trainer, rows[:forward], block.names[:forward], prefix, step)
+        figures = self._log_rows(trainer, rows[:forward], block.names[:forward], prefix, step, block.edges)
         if grads:
-            figures += self._log_rows(trainer, rows[forward:], block.names[forward:], GRAD_PREFIX, step)
+            figures += self._log_rows(trainer, rows[forward:], block.names[forward:], GRAD_PREFIX, step, block.edges)
         log_scalars(trainer, {}, step, figures)
 
     def _log_rows(self, trainer: pl.Trainer, rows: np.ndarray, names: list[str], prefix: str,
-                  step: int) -> list[ScalarBlock]:
+                  step: int, edges: Sequence[float]) -> list[ScalarBlock]:
         """Log the histograms (and any new chart) of ``rows`` under ``prefix``; return their scalars."""
         summary = summarize_rows(rows)
         called = summary["calls"] != 0
@@ -388,7 +385,7 @@ class ActivationMonitor(HookCallback):
             index = shown.tolist()
             log_histograms(trainer, HistogramBlock(prefix, [names[i] for i in index], [tags[""][i] for i in index],
                                                    {k: v[shown] for k, v in summary.items()},
-                                                   rows[shown, N_FIELDS:]), self._edges, step)
+                                                   rows[shown, N_FIELDS:]), edges, step)
         return figures
 
     def _tags(self, prefix: str, names: list[str]) -> dict[str, list[str]]:

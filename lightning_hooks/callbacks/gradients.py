@@ -21,7 +21,6 @@ from lightning_hooks.callbacks._base import (
     _log_interval,
     _validate_interval,
     _validate_stats,
-    is_logged,
     log_step,
 )
 from lightning_hooks.callbacks._gradient_check import GradientCheck
@@ -43,7 +42,7 @@ from lightning_hooks.distributed._rank_agreement import Check
 from lightning_hooks.distributed._step_measure import Step
 from lightning_hooks.measure._sharding import ShardGroups
 from lightning_hooks.measure.aggregate import StatBlock
-from lightning_hooks.measure.stats import STAT_NAMES, Bins, histogram_edges
+from lightning_hooks.measure.stats import STAT_NAMES, Bins, binning
 from lightning_hooks.output._health_verdicts import UNJUDGED_RATIOS_TAG, unjudged_ratios
 from lightning_hooks.output.figures import ScalarBlock
 from lightning_hooks.output.sinks import Charts, destinations, log_layout, log_plugin_data, log_scalars
@@ -197,7 +196,7 @@ class GradientMonitor(GradientCheck):
         _validate_interval(log_every_n_steps)
         check_choice("granularity", granularity, ("parameter", "module"))
         _validate_stats(stats, GRADIENT_STAT_NAMES)
-        histogram_edges(bins)  # validates `bins`
+        binning(bins)  # validates `bins`, and computes the edges every block of these bins shares
         for name, flag in (("histogram", histogram), ("prog_bar", prog_bar), ("update_ratio", update_ratio),
                            ("update_norms", update_norms)):
             check_bool(name, flag)
@@ -304,15 +303,15 @@ class GradientMonitor(GradientCheck):
         if evaluation != 1:  # one figure per optimizer step: LBFGS's later evaluations are not logged
             return False
         flags = bool(self._detector.enabled_flags)
-        return flags or self.provenance or (self._written and is_logged(trainer, self._every))
+        return flags or self.provenance or (self._written and self._is_logged(trainer, self._every))
 
     def _may_wait(self, trainer: pl.Trainer) -> bool:
         """A step not logged: its flags (and a report) can come a step late; a logged step's figures are read now."""
-        return super()._may_wait(trainer) and not is_logged(trainer, self._every)
+        return super()._may_wait(trainer) and not self._is_logged(trainer, self._every)
 
     def _extra(self, trainer: pl.Trainer, step: Step) -> dict[str, Tensor]:
         """Row norms, and the rows' stats and histograms, on logged steps."""
-        self._logged = is_logged(trainer, self._every) and bool(step.params) and self._written
+        self._logged = self._is_logged(trainer, self._every) and bool(step.params) and self._written
         if self._logged and optimizer_layout(trainer.optimizers) != self._layout:  # a param group added
             self._choose_rows(trainer, trainer.lightning_module, starting=False)
         if not self._logged or not self._rows:

@@ -16,16 +16,15 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from lightning_hooks.callbacks._base import claim, release
 from lightning_hooks.callbacks.activations import ActivationMonitor
 from lightning_hooks.callbacks.gradients import GradientMonitor
-from lightning_hooks.callbacks.stability import TransformerStability, param_groups
-from lightning_hooks.core._compat import CALLBACK_BASES, TENSORBOARD_LOGGERS
+from lightning_hooks.callbacks.stability import TransformerStability
+from lightning_hooks.core._compat import CALLBACK_BASES, TENSORBOARD_LOGGERS, callbacks_of
 from lightning_hooks.core._validation import check_int
-from lightning_hooks.output._diagnosis import diagnose
+from lightning_hooks.output._diagnosis import diagnose, param_groups
 from lightning_hooks.output._health_verdicts import JUDGED, STABILITY_BANDS, Bands, Verdicts, unjudged_ratios
-from lightning_hooks.output._listeners import FigureListener
+from lightning_hooks.output.figures import Diagnoses, FigureListener, HistogramColumns
 from lightning_hooks.output.sinks import log_text
 
 if TYPE_CHECKING:
-    from lightning_hooks.output._health_plots import Column
     from lightning_hooks.output.figures import HistogramBlock, ScalarBlock
 
 _log = logging.getLogger(__name__)
@@ -40,7 +39,7 @@ PROFILES = {
 }
 
 
-class LayerHealth(FigureListener, *CALLBACK_BASES):  # type: ignore[misc]  # the Callback of each Lightning package
+class LayerHealth(FigureListener, Diagnoses, *CALLBACK_BASES):  # type: ignore[misc]  # the Callback of each Lightning package
     """Judge each layer's health against documented bands, draw it to TensorBoard, and give a verdict at the end.
 
     It computes nothing on the device and brings nothing to the host: it is handed, on rank
@@ -136,10 +135,7 @@ class LayerHealth(FigureListener, *CALLBACK_BASES):  # type: ignore[misc]  # the
     def _reset(self) -> None:
         self._latest: dict[tuple[str, str], dict[str, float]] = {}  # each profile's latest value per layer
         self._verdicts = Verdicts(self._bands)
-        self._columns: dict[str, list[Column]] = {}
-        self._seen: dict[str, int] = {}  # histograms received per module, and the spacing of those kept
-        self._stride: dict[str, int] = {}
-        self._edges: dict[str, list[float]] = {}  # per module: monitors may bin differently
+        self._histograms = HistogramColumns("activations", self.max_panels, self.max_columns)
         self._images, self._next_image = 0, 0
         self._last: Optional[int] = None  # the last logged step
         self._fresh = False  # whether figures came in since the last pictures
@@ -153,12 +149,10 @@ class LayerHealth(FigureListener, *CALLBACK_BASES):  # type: ignore[misc]  # the
         self._kinds = {name: type(module).__name__ for name, module in pl_module.named_modules()}
         self._vectors = unjudged_ratios(pl_module)
         self._groups = {}
-        stability = next((cb for cb in getattr(trainer, "callbacks", ()) if isinstance(cb, TransformerStability)), None)
-        if stability is not None:  # judge its figures by the bands it was given
+        for stability in callbacks_of(trainer, TransformerStability)[:1]:  # judge its figures by its bands
             self._bands = replace(self._bands, **{name: getattr(stability.bands, name) for name in STABILITY_BANDS})
             self._verdicts = Verdicts(self._bands)
-        monitors = (ActivationMonitor, GradientMonitor, TransformerStability)
-        if not any(isinstance(cb, monitors) for cb in getattr(trainer, "callbacks", ())):
+        if not any(callbacks_of(trainer, kind) for kind in (ActivationMonitor, GradientMonitor, TransformerStability)):
             rank_zero_warn("LayerHealth: no ActivationMonitor or GradientMonitor in `callbacks`: nothing to show")
         if not any(isinstance(lg, TENSORBOARD_LOGGERS) for lg in trainer.loggers):
             rank_zero_warn("LayerHealth: no TensorBoardLogger, so no pictures; the summary is still printed")
@@ -207,35 +201,8 @@ class LayerHealth(FigureListener, *CALLBACK_BASES):  # type: ignore[misc]  # the
 
     def record_histograms(self, histograms: HistogramBlock, edges: Sequence[float], step: int) -> None:
         """Keep the activation histograms' counts, exact zeros apart, one column per logged step (bounded)."""
-        from lightning_hooks.output._health_plots import zero_bin
-
-        shared, at = list(edges), zero_bin(edges)
-        if histograms.kind == "activations":
-            zero_fraction, count = histograms.summary.get("zero_fraction"), histograms.summary.get("count")
-            exact_zeros = zero_fraction * count if at is not None and zero_fraction is not None and count is not None \
-                else np.zeros(len(histograms.rows))
-            for i, name in enumerate(histograms.rows):
-                column = np.array(histograms.counts[i], dtype=np.float64)  # a copy: its zero bin changes
-                zeros = float(exact_zeros[i])
-                if at is not None and math.isfinite(zeros):
-                    column[at] = max(column[at] - zeros, 0.0)
-                if self._add_column(name, step, column, zeros if math.isfinite(zeros) else 0.0):
-                    self._edges[name] = shared
+        self._histograms.add(histograms, edges, step)
         self._last, self._fresh = step, True
-
-    def _add_column(self, name: str, step: int, counts: np.ndarray, zeros: float) -> bool:
-        """Keep one step's counts for ``name`` if there is room; return whether they were kept."""
-        if name not in self._columns and len(self._columns) >= self.max_panels:
-            return False
-        seen, stride = self._seen.get(name, 0), self._stride.get(name, 1)
-        self._seen[name] = seen + 1
-        if seen % stride:
-            return False
-        columns = self._columns.setdefault(name, [])
-        columns.append((step, counts, zeros))
-        if len(columns) > self.max_columns:
-            self._columns[name], self._stride[name] = columns[::2], stride * 2
-        return True
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
                              batch_idx: int) -> None:
@@ -288,9 +255,10 @@ class LayerHealth(FigureListener, *CALLBACK_BASES):  # type: ignore[misc]  # the
     def _pictures(self) -> list[tuple[str, np.ndarray]]:
         from lightning_hooks.output._health_plots import Profile, heatmap_figure, profile_figure, to_rgb
 
+        kept = self._histograms
         figures = [(f"health/activation_histograms/{name}",
-                    heatmap_figure(name, columns, self._edges[name], self._bands.max_zero_fraction))
-                   for name, columns in self._columns.items()]
+                    heatmap_figure(name, columns, kept.edges[name], self._bands.max_zero_fraction))
+                   for name, columns in kept.columns.items()]
         for key, (tag, title, log) in PROFILES.items():
             layers = self._latest.get(key)
             if layers:

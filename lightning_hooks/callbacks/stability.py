@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import math
 from collections.abc import Sequence
 from typing import Any, Optional
 
@@ -14,27 +13,30 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
-from lightning_hooks.callbacks._base import HookCallback, _log_interval, _validate_interval, claim, is_logged, log_step
-from lightning_hooks.callbacks._stability_hooks import Selection, register, resolve, validate_signal
-from lightning_hooks.core._compat import configure_model_overridden
+from lightning_hooks.callbacks._base import HookCallback, _log_interval, _validate_interval, claim, log_step
+from lightning_hooks.callbacks._stability_hooks import (
+    Selection,
+    figures,
+    register,
+    resolve,
+    validate_signal,
+    warn_no_attention,
+)
+from lightning_hooks.core._compat import callbacks_of, configure_model_overridden
 from lightning_hooks.core._validation import check_int
 from lightning_hooks.measure._attention import Sample
-from lightning_hooks.output._diagnosis import diagnose
+from lightning_hooks.output._diagnosis import diagnose, param_groups
 from lightning_hooks.output._health_verdicts import JUDGED, Bands, Verdicts
-from lightning_hooks.output.figures import ScalarBlock
+from lightning_hooks.output.figures import Diagnoses, ScalarBlock
 from lightning_hooks.output.sinks import log_scalars, log_text
 
 _log = logging.getLogger(__name__)
 
-#: Each signal's two logged stats: its peak (max over the step) and its mean.
-STATS = {"attention": ("attention_max_logit", "attention_entropy"),
-         "logits": ("logit_abs_max", "logit_lse"),
-         "blocks": ("massive_ratio", "kurtosis")}
 #: The text tag of the diagnosis, written at the end of fit.
 DIAGNOSIS_TAG = "stability/diagnosis"
 
 
-class TransformerStability(HookCallback):
+class TransformerStability(Diagnoses, HookCallback):
     """Log the signals that precede a transformer's divergence, and say in plain words what is wrong and what helps.
 
     On a logged training step (as Lightning logs: step ``n`` with ``(n + 1) % log_every_n_steps
@@ -172,7 +174,7 @@ class TransformerStability(HookCallback):
         self.detach()
         found = resolve(model, self.attention, self.logits, self.blocks)
         if self.attention is None and not found["attention"]:
-            _warn_no_attention([name for name, _ in found["logits"]])
+            warn_no_attention([name for name, _ in found["logits"]])
         self._targets = [(name, module) for targets in found.values() for name, module in targets]
         self._signals = [(signal, name) for signal, targets in found.items() for name, _ in targets]
         self._failed.clear()
@@ -197,7 +199,7 @@ class TransformerStability(HookCallback):
         step = log_step(trainer)
         if self._pending_step is not None and self._pending_step != step:
             self._flush(trainer)
-        if trainer.is_global_zero and self.is_attached and is_logged(trainer, self._every):
+        if trainer.is_global_zero and self.is_attached and self._is_logged(trainer, self._every):
             if self._pending_step is None:
                 self._pending_global = trainer.global_step
             self._collecting, self._pending_step = True, step
@@ -219,8 +221,8 @@ class TransformerStability(HookCallback):
         text = self.diagnosis()
         log_text(trainer, DIAGNOSIS_TAG, "\n".join("    " + line for line in text.splitlines()),
                  self._verdicts.last_step)
-        # By name: LayerHealth imports this module. It prints the same diagnosis in its summary.
-        if not any(type(cb).__name__ == "LayerHealth" for cb in getattr(trainer, "callbacks", ())):
+        # Another diagnoser (LayerHealth) prints the same diagnosis in its summary.
+        if all(cb is self for cb in callbacks_of(trainer, Diagnoses)):
             _log.info(text)
 
     def _flush(self, trainer: pl.Trainer) -> None:
@@ -272,51 +274,3 @@ class TransformerStability(HookCallback):
         """Restore the verdicts of :meth:`state_dict`."""
         self._verdicts.load_state_dict(state_dict["verdicts"])
         self._groups = dict(state_dict["groups"])
-
-
-def _warn_no_attention(logits: list[str]) -> None:
-    """Warn, before training, that the default selection found no attention module: little is left to read."""
-    rank_zero_warn(
-        "TransformerStability: no attention module in the model (no nn.MultiheadAttention, no class named"
-        f" *Attention): it reads only the output logits of {logits}, and no attention logit, entropy or block."
-        " Name the modules that compute attention with `attention=`; for a model without attention (a CNN, an"
-        " MLP) ActivationMonitor and LayerHealth are the callbacks that watch it.")
-
-
-def figures(targets: list[tuple[str, str]], values: np.ndarray) -> list[ScalarBlock]:
-    """The step's figures from its rows ``(peak, total, count)``: the peak's max, and ``total / count``, per target.
-
-    One typed block per statistic (``activations`` kind), rows in the order the targets first appear.
-    An undefined figure is left out: a NaN peak (a call's max ignores it; a target whose every
-    peak is NaN has no peak figure), and a mean with a count of 0 or a NaN total.
-    """
-    peaks: dict[tuple[str, str], float] = {}
-    sums: dict[tuple[str, str], list[float]] = {}
-    for key, (peak, total, count) in zip(targets, values.tolist()):
-        if not math.isnan(peak):
-            peaks[key] = max(peaks.get(key, -math.inf), peak)
-        acc = sums.setdefault(key, [0.0, 0.0])
-        acc[0], acc[1] = acc[0] + total, acc[1] + count
-    columns: dict[str, tuple[list[str], list[float]]] = {}
-    for (signal, name), (total, count) in sums.items():
-        high, mean = STATS[signal]
-        for stat, value in ((high, peaks.get((signal, name), math.nan)), (mean, total / count if count else math.nan)):
-            if not math.isnan(value):
-                rows, vals = columns.setdefault(stat, ([], []))
-                rows.append(name)
-                vals.append(value)
-    return [ScalarBlock("activations", stat, rows, vals, [f"activations/{name}/{stat}" for name in rows])
-            for stat, (rows, vals) in columns.items()]
-
-
-def param_groups(trainer: pl.Trainer, pl_module: nn.Module) -> dict[str, str]:
-    """Each module's optimizer parameter group, as ``"param group 1 (lr 0.003)"``: where a remedy's learning rate is."""
-    owner = {id(p): name.rpartition(".")[0] for name, p in pl_module.named_parameters()}
-    found: dict[str, str] = {}
-    for optimizer in getattr(trainer, "optimizers", ()):
-        for index, group in enumerate(optimizer.param_groups):
-            for param in group["params"]:
-                module = owner.get(id(param))
-                if module is not None:
-                    found.setdefault(module, f"param group {index} (lr {group.get('lr', float('nan')):.3g})")
-    return found

@@ -11,19 +11,19 @@ import lightning.pytorch as pl
 from torch import Tensor
 
 from lightning_hooks.callbacks._anomaly_report import AnomalyReport
-from lightning_hooks.callbacks._base import watch_closely
+from lightning_hooks.callbacks._base import HookCallback, log_step
 from lightning_hooks.callbacks._flight_leader import output_levels
 from lightning_hooks.callbacks._gradient_check import GradientCheck
 from lightning_hooks.callbacks._rollback import Rollback, check_strategy, rolled_back, validate_rollback
 from lightning_hooks.callbacks._spike_check import SpikeWatch, StepJudges, validate_spikes
 from lightning_hooks.callbacks._update_drop import UpdateDrop
+from lightning_hooks.core._compat import callbacks_of
 from lightning_hooks.core._validation import check_bool, check_choice, check_int
 from lightning_hooks.core.selection import ModuleSelection
 from lightning_hooks.distributed._rank_agreement import Check
 from lightning_hooks.distributed._step_measure import Step
 from lightning_hooks.measure.spikes import SpikeTrigger
-from lightning_hooks.output._listeners import FigureListener
-from lightning_hooks.output.figures import ScalarBlock
+from lightning_hooks.output.figures import FigureListener, ScalarBlock
 
 Action = Literal["stop", "skip", "rollback", "raise", "warn"]
 _ACTIONS = ("stop", "skip", "rollback", "raise", "warn")
@@ -213,7 +213,6 @@ class GradientAnomalyStopping(FigureListener, GradientCheck):
 
         With ``"rollback"``, take the first snapshot: the state training (or a resume) starts from.
         """
-        watch_closely(trainer, None)  # from an earlier fit
         if self._rollback is not None:
             check_strategy(trainer)
             self._rollback.take(trainer, pl_module)
@@ -307,7 +306,9 @@ class GradientAnomalyStopping(FigureListener, GradientCheck):
             self._rollback.decide(act, clean=not check.anomalous)
         if not act:
             return
-        watch_closely(trainer, self.watch_after)
+        if self.watch_after:  # the monitors log every step for a while
+            for callback in callbacks_of(trainer, HookCallback):
+                callback.watch_until(log_step(trainer) + self.watch_after)
         if self.streak == self.patience + 1:  # report once per run of anomalous steps
             names = [self._param_names.get(p, f"param{i}") for i, p in enumerate(step.params)]
             record = self._watch.record(trainer, names, step.key)

@@ -9,7 +9,7 @@ here takes a tuple holding the class from each package that is installed.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, TypeVar
 
 import lightning.pytorch as lp
 import torch
@@ -21,6 +21,8 @@ try:
     import pytorch_lightning as ptl
 except ImportError:  # the standalone package is optional
     ptl = None  # type: ignore[assignment]
+
+_Kind = TypeVar("_Kind")
 
 _PACKAGES: tuple[Any, ...] = (lp,) if ptl is None else (lp, ptl)
 
@@ -82,3 +84,27 @@ class BarCount(Metric):
     def compute(self) -> Tensor:
         """The latest value, an int64 tensor."""
         return self.count
+
+
+def callbacks_of(trainer: Any, kind: type[_Kind]) -> list[_Kind]:
+    """The callbacks of ``trainer`` that are a ``kind``, in their order: how a callback finds another.
+
+    The one rule (docs/architecture.md): a callback finds another in ``trainer.callbacks``, by
+    ``isinstance`` against a class. A file that must not import the callback it looks for (it
+    sits below it) declares a role for it instead: a base class the callback derives from
+    (``FigureListener``, ``Diagnoses``) or a runtime-checkable Protocol it meets (``Judges``).
+    Never by class name, never by ``getattr`` on whatever is there, never through a registry of
+    our own.
+
+    Args:
+        trainer: The Trainer (anything with ``callbacks``; none is no callback).
+        kind: The class or runtime-checkable Protocol looked for.
+
+    Returns:
+        The callbacks that are a ``kind``, in the order of ``trainer.callbacks``.
+
+    Example::
+
+        stopper = next(iter(callbacks_of(trainer, GradientAnomalyStopping)), None)
+    """
+    return [callback for callback in getattr(trainer, "callbacks", ()) if isinstance(callback, kind)]

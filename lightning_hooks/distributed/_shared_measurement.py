@@ -1,7 +1,8 @@
 """One gradient measurement per optimizer step, shared by every gradient callback of a Trainer.
 
 GradientMonitor, GradientAnomalyStopping (and whatever reads the gradients next) each join the
-:class:`SharedMeasurement` of their Trainer. The first of them whose ``on_before_optimizer_step``
+:class:`SharedMeasurement` of their fit, which the first of them in ``trainer.callbacks`` makes in
+its ``setup`` (how callbacks find each other: docs/architecture.md). The first whose ``on_before_optimizer_step``
 runs measures the step for all: the norms once, each reader's flags and own figures, one
 collective and one host transfer. The others then take their part of that result. So the Quick
 start's three callbacks read every gradient once per step, however many of them are attached.
@@ -14,7 +15,6 @@ reader acts on it (:meth:`StepReader._late`) before the new step is measured.
 
 from __future__ import annotations
 
-import weakref
 from dataclasses import dataclass
 from typing import Any, Optional, Protocol
 
@@ -66,14 +66,12 @@ class _Pending:
     moment: Any
 
 
-_BY_TRAINER: weakref.WeakKeyDictionary[Any, SharedMeasurement] = weakref.WeakKeyDictionary()
-
 Token = tuple[int, int]  # (the optimizer's id, the global step)
 Result = Optional[tuple[Step, Check]]
 
 
 class SharedMeasurement:
-    """The measurement of each optimizer step of one Trainer, taken once and read by every reader."""
+    """The measurement of each optimizer step of one fit, taken once and read by every reader."""
 
     def __init__(self) -> None:
         self.readers: list[StepReader] = []
@@ -85,14 +83,6 @@ class SharedMeasurement:
         self._shard_groups = ShardGroupCache()  # how the optimizer's gradients are split across ranks
         self._results: dict[int, tuple[Token, Result]] = {}
         self._pending: Optional[_Pending] = None
-
-    @staticmethod
-    def of(trainer: pl.Trainer) -> SharedMeasurement:
-        """The Trainer's shared measurement, made at first use."""
-        shared = _BY_TRAINER.get(trainer)
-        if shared is None:
-            shared = _BY_TRAINER[trainer] = SharedMeasurement()
-        return shared
 
     def join(self, reader: StepReader) -> None:
         """Have ``reader`` measured with the others from now on (once, however often it joins)."""

@@ -12,7 +12,7 @@ from torch import Tensor
 from lightning_hooks.measure._native import DirectKernel
 from lightning_hooks.measure._stat_rows import SUM_FIELDS, new_rows, reduce_rows, reset_rows_
 from lightning_hooks.measure._tensor_values import as_float_values, iter_tensors
-from lightning_hooks.measure.stats import Binning, Bins, accumulate_, histogram_edges
+from lightning_hooks.measure.stats import Binning, Bins, accumulate_, binning
 
 _CALLS = SUM_FIELDS.index("calls")
 
@@ -32,9 +32,11 @@ class StatBlock:
 
     def __init__(self, names: list[str], bins: Bins, device: torch.device | str) -> None:
         self.names = names
-        self.edges = histogram_edges(bins)
-        self.rows = new_rows(len(names), self.edges.numel() - 1, device)
         self.bins = bins
+        host = binning(bins)
+        self.edges = host.edge_list
+        """The bin edges, shared with every block that bins with the same ``bins`` (see :func:`binning`)."""
+        self.rows = new_rows(len(names), host.n_bins, device)
         self._binnings: dict[tuple[torch.device, torch.dtype], Binning] = {}
         # Filled for the rows' device up front: under torch.compile a first miss costs a recompile.
         native = self._binning(self.rows.device, torch.float32).native
@@ -47,7 +49,7 @@ class StatBlock:
         """The histogram bins for values of ``dtype`` on ``device``."""
         found = self._binnings.get((device, dtype))
         if found is None:
-            found = self._binnings[(device, dtype)] = Binning(self.bins, device, dtype)
+            found = self._binnings[(device, dtype)] = binning(self.bins, device, dtype)
         return found
 
     def add(self, index: int, tensor: Tensor, calls: int = 1) -> bool:

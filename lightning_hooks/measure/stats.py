@@ -2,7 +2,8 @@
 
 :func:`accumulate_` adds the statistics of a tensor's values into a stat row (see
 ``_stat_rows`` for its columns), through the fused native CPU kernel, the accelerator kernel of
-``_device_stats`` or tensor ops; :func:`histogram_edges` and :class:`Binning` give the fixed bins.
+``_device_stats`` or tensor ops; :func:`histogram_edges` computes the fixed bins and :func:`binning`
+is their one owner: computed once for each ``bins``, shared by every stat block that bins with them.
 Non-finite values are masked out of the moments, the extremes and the histogram and are
 counted on their own (NaN, +Inf, -Inf), so that a diverging run still gets a histogram of its
 finite part instead of an error. The names of ``_stat_rows`` and ``_tensor_values`` are
@@ -11,9 +12,10 @@ importable from here.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Iterable, Sequence
-from typing import Union
+from typing import Optional, Union
 
 import torch
 from torch import Tensor
@@ -41,7 +43,7 @@ from lightning_hooks.measure._tensor_values import as_float_values, iter_tensors
 
 __all__ = [
     "DEFAULT_STATS", "DIVERGENCE_STATS", "FLOAT32_MAX", "MAX_FIELDS", "NATIVE_KERNEL", "N_FIELDS", "STAT_NAMES",
-    "SUM_FIELDS", "Binning", "Bins", "accumulate_", "as_float_values", "bin_counts", "histogram_edges",
+    "SUM_FIELDS", "Binning", "Bins", "accumulate_", "as_float_values", "bin_counts", "binning", "histogram_edges",
     "iter_tensors", "new_rows", "reduce_rows", "reset_rows_", "summarize",
 ]
 
@@ -108,6 +110,57 @@ def histogram_edges(bins: Bins = 128, low: float = 1e-6, high: float = 1e6) -> T
     return torch.cat([-positive.flip(0), *middle, positive])
 
 
+_Key = Union[int, tuple[float, ...]]
+
+
+def _key(bins: Bins) -> Optional[_Key]:
+    """``bins`` as a cache key: the int, or a list or tuple of numbers as a tuple; None for any other form."""
+    if isinstance(bins, int) and not isinstance(bins, bool):
+        return bins
+    if isinstance(bins, (list, tuple)) and all(type(b) in (int, float) for b in bins):
+        return tuple(bins)
+    return None
+
+
+@functools.lru_cache(maxsize=32)
+def _shared_edges(key: _Key, low: float, high: float) -> Tensor:
+    """The edges of one cache key, computed at its first use (a shared tensor: never written into)."""
+    return histogram_edges(key if isinstance(key, int) else list(key), low, high)
+
+
+def _edges_of(bins: Bins, low: float, high: float) -> Tensor:
+    """The edges of ``bins``, computed once for each ``bins`` (a shared tensor: never written into)."""
+    key = _key(bins)
+    return histogram_edges(bins, low, high) if key is None else _shared_edges(key, low, high)
+
+
+def binning(bins: Bins, device: Union[torch.device, str] = "cpu", dtype: torch.dtype = torch.float32) -> Binning:
+    """The one :class:`Binning` of ``bins`` for values of ``dtype`` on ``device``, shared by every stat block.
+
+    The bin edges are computed once for each ``bins``, and their forms for a device once for
+    each device and dtype; every callback that bins with the same ``bins`` reads the same ones.
+
+    Args:
+        bins: As for :func:`histogram_edges`.
+        device: Where the values to bin live.
+        dtype: Their dtype (float32 or float64).
+
+    Returns:
+        The shared binning; read it, never write into its tensors.
+
+    Raises:
+        TypeError, ValueError: As :func:`histogram_edges`, for bad ``bins``.
+    """
+    key, where = _key(bins), torch.device(device)
+    return Binning(bins, where, dtype) if key is None else _shared_binning(key, where, dtype, NATIVE_KERNEL)
+
+
+@functools.lru_cache(maxsize=64)
+def _shared_binning(key: _Key, device: torch.device, dtype: torch.dtype, native: bool) -> Binning:
+    """One binning per key, device, dtype and choice of kernel (``native``: what :class:`Binning` reads)."""
+    return Binning(key if isinstance(key, int) else list(key), device, dtype)
+
+
 class Binning:
     """Histogram edges ready for one device and dtype, with a fast bin index for the default edges.
 
@@ -115,7 +168,7 @@ class Binning:
     For the default symmetric log-spaced edges the bin follows from ``log2|x|`` in a few
     elementwise ops, then a comparison with the two edges of that bin corrects the rare
     rounding at an edge, so the result equals ``bucketize`` exactly. Explicit edges use
-    ``bucketize``.
+    ``bucketize``. Made through :func:`binning`, one per ``bins``, device and dtype.
 
     Args:
         bins: As for :func:`histogram_edges`.
@@ -128,9 +181,13 @@ class Binning:
     def __init__(
         self, bins: Bins, device: torch.device, dtype: torch.dtype, low: float = 1e-6, high: float = 1e6
     ) -> None:
-        self._args = (bins, low, high, device, dtype)
+        self._args = (device, dtype)
         self._device_table: DeviceTable | None = None
-        edges = histogram_edges(bins, low, high).to(device, dtype)
+        self.edges = _edges_of(bins, low, high)
+        """The bin edges, float64 on the CPU (shared: never written into)."""
+        self.edge_list: tuple[float, ...] = tuple(self.edges.tolist())
+        """The same edges as host numbers, for the sinks and the listeners."""
+        edges = self.edges.to(device, dtype, copy=True)
         self.n_bins = edges.numel() - 1
         self._tiny = torch.finfo(dtype).tiny
         self.inner = edges[1:-1]
@@ -155,8 +212,8 @@ class Binning:
     def device_table(self) -> DeviceTable:
         """The tables of the accelerator kernel, made at first use."""
         if self._device_table is None:
-            bins, low, high, device, dtype = self._args
-            self._device_table = DeviceTable(histogram_edges(bins, low, high), _COL, N_FIELDS, device, dtype)
+            device, dtype = self._args
+            self._device_table = DeviceTable(self.edges, _COL, N_FIELDS, device, dtype)
         return self._device_table
 
     def index(self, x: Tensor) -> Tensor:

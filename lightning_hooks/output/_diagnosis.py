@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 from lightning_hooks.output._health_verdicts import FIGURE_PROBLEMS, Bands, Episode, Verdicts
 
@@ -175,3 +176,16 @@ def _group(layers: Sequence[str], groups: Mapping[str, str]) -> str:
         return ""
     held = " and ".join(layers) if len(layers) < 3 else f"{', '.join(layers[:-1])} and {layers[-1]}"
     return f" of {' and '.join(found)}, which hold{'s' if len(found) == 1 else ''} {held}"
+
+
+def param_groups(trainer: Any, pl_module: Any) -> dict[str, str]:
+    """Each module's optimizer parameter group, as ``"param group 1 (lr 0.003)"``: where a remedy's learning rate is."""
+    owner = {id(p): name.rpartition(".")[0] for name, p in pl_module.named_parameters()}
+    found: dict[str, str] = {}
+    for optimizer in getattr(trainer, "optimizers", ()):
+        for index, group in enumerate(optimizer.param_groups):
+            for param in group["params"]:
+                module = owner.get(id(param))
+                if module is not None:
+                    found.setdefault(module, f"param group {index} (lr {group.get('lr', float('nan')):.3g})")
+    return found

@@ -17,15 +17,14 @@ from matplotlib.colors import LogNorm
 from matplotlib.figure import Figure
 from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
+from lightning_hooks.output.figures import Column
+
 #: Every picture, in inches at :data:`DPI`: 480 x 320 pixels.
 SIZE = (4.8, 3.2)
 DPI = 100
 #: The colour scale of the histograms: the share of a step's values in a bin, from 1e-4 to all.
 SHARE_RANGE = (1e-4, 1.0)
 _WARN = "#d62728"  # matplotlib's red: a figure outside its healthy band
-
-Column = tuple[int, np.ndarray, float]
-"""One logged step of a module's histogram: the step, the count per bin without the exact zeros, and those."""
 
 class Profile(NamedTuple):
     """One depth profile: its figure's name, the layers in forward order, each layer's kind and value."""
@@ -152,11 +151,3 @@ def to_rgb(fig: Figure) -> np.ndarray:
     canvas = FigureCanvasAgg(fig)
     canvas.draw()
     return np.asarray(canvas.buffer_rgba())[..., :3].copy()
-
-
-def zero_bin(edges: Sequence[float]) -> int | None:
-    """The bin exact zeros land in (the one whose right edge is 0, or that spans 0), or None."""
-    if not edges or not edges[0] <= 0 <= edges[-1]:
-        return None
-    return max(0, int(np.searchsorted(np.asarray(edges), 0.0, side="left")) - 1)
-

@@ -15,13 +15,12 @@ from torch.utils.tensorboard import SummaryWriter
 from torch.utils.tensorboard.summary import custom_scalars
 from torch.utils.tensorboard.writer import FileWriter
 
-from lightning_hooks.core._compat import CSV_LOGGERS, TENSORBOARD_LOGGERS, WANDB_LOGGERS
+from lightning_hooks.core._compat import CSV_LOGGERS, TENSORBOARD_LOGGERS, WANDB_LOGGERS, callbacks_of
 from lightning_hooks.core._torch_internals import event_queue
-from lightning_hooks.output._listeners import listeners
 from lightning_hooks.output._plugin_data import plugin_data_summary
 from lightning_hooks.output._tensorboard_wire import histogram_summary_bytes, scalar_summary_bytes, write_summary
 from lightning_hooks.output.fast_tensorboard import FastSummaryWriter
-from lightning_hooks.output.figures import HistogramBlock, ScalarBlock, as_metrics
+from lightning_hooks.output.figures import FigureListener, HistogramBlock, ScalarBlock, as_metrics
 
 
 def log_scalars(trainer: pl.Trainer | Any, metrics: Mapping[str, float], step: int,
@@ -45,7 +44,7 @@ def log_scalars(trainer: pl.Trainer | Any, metrics: Mapping[str, float], step: i
         metrics = as_metrics(figures, metrics)
     if not metrics:
         return
-    for listener in listeners(trainer):
+    for listener in callbacks_of(trainer, FigureListener):
         listener.record_figures(figures, metrics, step)
     for logger in trainer.loggers:
         if not _write_one_event(logger, metrics, step) and not _add_to_row(logger, metrics, step):
@@ -137,7 +136,7 @@ def log_histograms(trainer: pl.Trainer | Any, block: HistogramBlock, edges: Sequ
     """
     if not trainer.is_global_zero:
         return
-    for listener in listeners(trainer):
+    for listener in callbacks_of(trainer, FigureListener):
         listener.record_histograms(block, edges, step)
     shown = np.flatnonzero(block.summary["count_finite"] > 0)
     if not shown.size:
@@ -183,7 +182,7 @@ def destinations(trainer: pl.Trainer | Any, owner: str, histogram: bool, listene
     Returns:
         ``(figures, histograms)``: whether each is written anywhere.
     """
-    listening = bool(listeners(trainer))
+    listening = bool(callbacks_of(trainer, FigureListener))
     figures = bool(trainer.loggers) or listening
     histograms = histogram and ((listening and listened_histograms)
                                 or any(isinstance(lg, HISTOGRAM_LOGGERS) for lg in trainer.loggers))
