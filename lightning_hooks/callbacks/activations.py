@@ -7,12 +7,12 @@ from collections.abc import Callable, Sequence
 from typing import Any, Literal, Optional, Union, get_args
 
 import lightning.pytorch as pl
-import numpy as np
 import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from lightning_hooks.callbacks._activation_grads import GRAD_PREFIX, inverse_loss_scale, watch_output_gradients
+from lightning_hooks.callbacks._activation_rows import ActivationFigures
 from lightning_hooks.callbacks._base import (
     HookCallback,
     _log_interval,
@@ -24,25 +24,19 @@ from lightning_hooks.core._compat import callbacks_of
 from lightning_hooks.core._torch_internals import in_backward
 from lightning_hooks.core._validation import check_bool, check_names
 from lightning_hooks.core.selection import ModuleSelection, check_limit, validate_limit
-from lightning_hooks.measure._stat_rows import DEFAULT_STATS, DIVERGENCE_STATS, N_FIELDS, STAT_NAMES, summarize_rows
+from lightning_hooks.measure._stat_rows import DEFAULT_STATS, STAT_NAMES
 from lightning_hooks.measure.aggregate import StatBlock
 from lightning_hooks.measure.stats import Bins, binning
 from lightning_hooks.output._plugin_data import FORWARD_ORDER_TAG
-from lightning_hooks.output.figures import FigureListener, HistogramBlock, ScalarBlock
+from lightning_hooks.output.figures import FigureListener
 from lightning_hooks.output.sinks import (
-    Charts,
     destinations,
-    log_histograms,
     log_layout,
     log_plugin_data,
     log_scalars,
 )
 
 Stage = Literal["train", "validate"]
-
-#: Default stats logged only where they say something: ``zero_fraction`` from a module's first
-#: exact zero on, ``nonfinite_fraction`` while it is not zero (and once more at 0).
-_SPARSE = ("zero_fraction", "nonfinite_fraction")
 
 _PREFIXES = {"train": "activations", "validate": "val_activations"}
 
@@ -160,13 +154,7 @@ class ActivationMonitor(HookCallback):
         binning(bins)  # validates `bins`, and computes the edges every block of these bins shares
         self.log_every_n_steps = log_every_n_steps
         self.stats = None if stats is None else tuple(stats)
-        # Stats logged at every logged step, from a module's first zero on, and while not zero.
-        self._always = tuple(s for s in DEFAULT_STATS if s not in _SPARSE) if stats is None else tuple(stats)
-        self._from_first_zero = ("zero_fraction",) if stats is None else ()
-        self._while_nonzero = tuple(s for s in (*_SPARSE[1:], *DIVERGENCE_STATS)
-                                    if s not in self._always and (stats is None or s in DIVERGENCE_STATS))
-        self._zeroed: dict[str, np.ndarray] = {}  # by prefix, per module: whether it has output an exact zero
-        self._nonfinite_seen: set[str] = set()  # prefixes under which a non-finite value was logged
+        self._figures = ActivationFigures(self.stats, histogram)  # which stat each row logs when; afresh each fit
         self.histogram = histogram
         self.bins = bins
         self.inputs = inputs
@@ -174,9 +162,6 @@ class ActivationMonitor(HookCallback):
         self.stages = chosen
         self.max_rows = max_rows
         self._every = 1
-        # By prefix and stat, per module: logged only while not zero, and not zero when last logged.
-        self._diverged: dict[str, dict[str, np.ndarray]] = {}
-        self._tag_cache: dict[str, dict[str, list[str]]] = {}  # by prefix: every tag, made once per fit
         self._blocks: dict[str, StatBlock] = {}
         self._block: Optional[StatBlock] = None
         self._pending_step: Optional[int] = None  # the log step being collected
@@ -201,13 +186,12 @@ class ActivationMonitor(HookCallback):
                                   skipped="it computes nothing")
         self._blocks = {s: StatBlock(names + self._grad_names(s), self.bins, pl_module.device)
                         for s in self.stages} if written else {}
-        self._block, self._pending_step, self._diverged, self._zeroed = None, None, {}, {}
+        self._block, self._pending_step = None, None
         self._forward_order = {}
-        self._tag_cache = {}
-        self._nonfinite_seen = set()
+        self._figures = ActivationFigures(self.stats, self.histogram)
         grads = [GRAD_PREFIX] if self._grad_names("train") else []
         charts = {category: chart for prefix in [_PREFIXES[stage] for stage in self.stages] + grads
-                  for category, chart in self._charts(prefix).items()}
+                  for category, chart in self._figures.charts(prefix).items()}
         log_layout(trainer, charts, trainer.global_step)  # one layout event, every category
 
     def _grad_names(self, stage: str) -> list[str]:
@@ -216,28 +200,9 @@ class ActivationMonitor(HookCallback):
 
     def _check_size(self) -> None:
         """Refuse a selection of more than ``max_rows`` modules, before training."""
-        stats = len(self._always + self._from_first_zero) + ("nonfinite_fraction" in self._while_nonzero)
-        tags = (stats + self.histogram) * (1 + self.inputs + self.gradients)
+        tags = self._figures.tags_per_row * (1 + self.inputs + self.gradients)
         check_limit(type(self).__name__, "max_rows", self.max_rows, len(self._targets), tags,
                     self.module_names)
-
-    def _charts(self, prefix: str) -> dict[str, Charts]:
-        """The Custom Scalars charts under ``prefix`` that have data: one per stat, each drawing every module.
-
-        Those logged at every step from the start; ``zero_fraction`` once a module had a zero;
-        those logged only while not zero, in a category of their own, once one was.
-        """
-        zeroed = self._zeroed.get(prefix)
-        stats = self._always + (self._from_first_zero if zeroed is not None and zeroed.any() else ())
-        charts = {f"{stat} by layer": [rf"{prefix}/.*/{stat}$"] for stat in stats}
-        nonfinite: dict[str, list[str]] = {}
-        if prefix in self._nonfinite_seen:
-            nonfinite = {f"{stat} by layer": [rf"{prefix}/.*/{stat}$"]
-                         for stat in self._while_nonzero if stat not in DIVERGENCE_STATS}
-            counters = [s for s in self._while_nonzero if s in DIVERGENCE_STATS]
-            if counters:
-                nonfinite["non-finite counts by layer"] = [rf"{prefix}/.*/({'|'.join(counters)})$"]
-        return {prefix: charts, f"{prefix}, non-finite": nonfinite}
 
     def _register(self, index: int, name: str, module: nn.Module) -> list[RemovableHandle]:
         # The hook functions are made once per fit, not at each logged step: a thousand new closures
@@ -351,49 +316,8 @@ class ActivationMonitor(HookCallback):
             return
         grads = len(self._grad_names("train")) if prefix == _PREFIXES["train"] else 0
         forward = len(block.names) - grads
-        figures = self._log_rows(trainer, rows[:forward], block.names[:forward], prefix, step, block.edges)
+        figures = self._figures.log_rows(trainer, rows[:forward], block.names[:forward], prefix, step, block.edges)
         if grads:
-            figures += self._log_rows(trainer, rows[forward:], block.names[forward:], GRAD_PREFIX, step, block.edges)
+            figures += self._figures.log_rows(trainer, rows[forward:], block.names[forward:], GRAD_PREFIX, step,
+                                              block.edges)
         log_scalars(trainer, {}, step, figures)
-
-    def _log_rows(self, trainer: pl.Trainer, rows: np.ndarray, names: list[str], prefix: str,
-                  step: int, edges: Sequence[float]) -> list[ScalarBlock]:
-        """Log the histograms (and any new chart) of ``rows`` under ``prefix``; return their scalars."""
-        summary = summarize_rows(rows)
-        called = summary["calls"] != 0
-        tags = self._tags(prefix, names)
-        figures = [ScalarBlock.where(prefix, stat, names, tags[stat], summary[stat], called) for stat in self._always]
-        if self._from_first_zero:  # zero_fraction from a module's first exact zero on
-            zeroed = self._zeroed.get(prefix, np.zeros(len(names), dtype=bool))
-            self._zeroed[prefix] = zeroed = zeroed | (called & (summary["zero_fraction"] > 0))
-            figures.append(ScalarBlock.where(prefix, "zero_fraction", names, tags["zero_fraction"],
-                                             summary["zero_fraction"], called & zeroed))
-        # The stats logged only while not zero: those not zero now, and those due since the last
-        # logged step; those not zero now are due at the next one, and one due but not logged now
-        # (its module was not called) stays due.
-        due = self._diverged.setdefault(prefix, {})
-        for stat in self._while_nonzero:
-            nonzero, was_due = called & (summary[stat] > 0), due.get(stat, np.zeros(len(names), dtype=bool))
-            logged = nonzero | (called & was_due)
-            figures.append(ScalarBlock.where(prefix, stat, names, tags[stat], summary[stat], logged))
-            due[stat] = nonzero | (was_due & ~called)
-            if due[stat].any():
-                self._nonfinite_seen.add(prefix)
-        log_layout(trainer, self._charts(prefix), step)  # writes only when a chart has its first figure
-        if self.histogram:
-            shown = np.flatnonzero(called)
-            index = shown.tolist()
-            log_histograms(trainer, HistogramBlock(prefix, [names[i] for i in index], [tags[""][i] for i in index],
-                                                   {k: v[shown] for k, v in summary.items()},
-                                                   rows[shown, N_FIELDS:]), edges, step)
-        return figures
-
-    def _tags(self, prefix: str, names: list[str]) -> dict[str, list[str]]:
-        """Every tag of ``prefix`` by stat (``""``: the histogram's), one per module, made once per fit."""
-        found = self._tag_cache.get(prefix)
-        if found is None:
-            stats = ("", *self._always, *self._from_first_zero, *self._while_nonzero)
-            found = self._tag_cache[prefix] = {
-                stat: [f"{prefix}/{name}/{stat}" if stat else f"{prefix}/{name}" for name in names] for stat in stats}
-        return found
-
