@@ -122,17 +122,17 @@ def test_the_step_hooks_allocate_one_copy_of_the_selected_parameters_and_a_few_f
 
 
 class CopiesPerStep(L.Callback):
-    """The elements copied into the optimizer's step copies at each step (``copy_of`` counted)."""
+    """The elements copied into the optimizer's step copies at each step (``copies_of`` counted)."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
         self.counts: list[int] = []
-        original = step_copies_module.copy_of
+        original = step_copies_module.copies_of
 
-        def counting(param: torch.Tensor) -> torch.Tensor:
-            self.counts[-1] += param.numel()
-            return original(param)
+        def counting(params: list[torch.Tensor], spares: list[Any]) -> list[torch.Tensor]:
+            self.counts[-1] += sum(param.numel() for param in params)
+            return original(params, spares)
 
-        monkeypatch.setattr(step_copies_module, "copy_of", counting)
+        monkeypatch.setattr(step_copies_module, "copies_of", counting)
 
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: Any, batch: Any, batch_idx: int) -> None:
         self.counts.append(0)
