@@ -29,12 +29,12 @@ from lightning_hooks.callbacks._update_norm import UpdateNorms  # noqa: E402
 _COPIED = [0]  # elements copied into the step copies so far
 
 
-def _counting_copy(param: torch.Tensor) -> torch.Tensor:
-    _COPIED[0] += param.numel()
-    return _copy_of(param)
+def _counting_copy(params: list[torch.Tensor], spares: list) -> list[torch.Tensor]:
+    _COPIED[0] += sum(param.numel() for param in params)
+    return _copies_of(params, spares)
 
 
-_copy_of, _step_copies.copy_of = _step_copies.copy_of, _counting_copy  # count what the hooks copy
+_copies_of, _step_copies.copies_of = _step_copies.copies_of, _counting_copy  # count what the hooks copy
 
 
 def models() -> dict[str, tuple[nn.Module, Callable[[], torch.Tensor]]]:

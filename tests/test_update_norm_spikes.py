@@ -42,15 +42,15 @@ def run(tmp_path: Any, callbacks: list[L.Callback], boost: int = BOOST, steps: i
 
 @pytest.fixture
 def copied(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """The elements copied into the optimizers' step copies, one entry per copied parameter (``copy_of`` counted)."""
+    """The elements copied into the optimizers' step copies, one entry per copied parameter (``copies_of`` counted)."""
     counts: list[int] = []
-    original = _step_copies.copy_of
+    original = _step_copies.copies_of
 
-    def counting(param: Any) -> Any:
-        counts.append(param.numel())
-        return original(param)
+    def counting(params: Any, spares: Any) -> Any:
+        counts.extend(param.numel() for param in params)
+        return original(params, spares)
 
-    monkeypatch.setattr(_step_copies, "copy_of", counting)
+    monkeypatch.setattr(_step_copies, "copies_of", counting)
     return counts
 
 

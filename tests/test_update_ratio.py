@@ -11,6 +11,8 @@ from lightning.pytorch.plugins import MixedPrecision
 from torch import nn
 
 from lightning_hooks import GradientAnomalyStopping, GradientMonitor, LayerHealth
+from lightning_hooks.callbacks import _step_copies
+from lightning_hooks.callbacks._step_copies import step_copies
 from lightning_hooks.callbacks._update_ratio import UpdateRatio
 from tests.grad_helpers import GradNet
 from tests.helpers import csv_metrics, loader, trainer
@@ -145,3 +147,40 @@ def test_dtensor_parameters_are_measured_on_their_local_shards(tmp_path):
         torch.distributed.destroy_process_group()
     assert ratio == pytest.approx(0.1 * 4 / before.norm().item(), rel=1e-6)  # ||0.1 * ones(4, 4)|| = 0.4
 
+
+
+class SpareAtStepStart(L.Callback):
+    """The elements of copies' memory kept by the optimizer's step copies at the start of each training batch."""
+
+    def __init__(self) -> None:
+        self.kept: list[int] = []
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        self.kept.append(step_copies(trainer.optimizers[0]).spare_numel)
+
+
+def test_a_copy_memory_is_kept_only_for_a_next_step_that_is_measured(tmp_path, monkeypatch):
+    # Logged (and measured) steps: 0, 1, 3, 5. Step 0's copy is copied into at step 1; no memory
+    # is held into steps 2 and 4, which are not measured, nor after the fit; the ratios stay exact.
+    copied: list[tuple[int, int]] = []  # per hold: elements copied into a fresh tensor, into a spare
+    original = _step_copies.copies_of
+
+    def counting(params: list[torch.Tensor], spares: list[Any]) -> list[torch.Tensor]:
+        into = sum(p.numel() for p, spare in zip(params, spares) if spare is not None)
+        copied.append((sum(p.numel() for p in params) - into, into))
+        return original(params, spares)
+
+    monkeypatch.setattr(_step_copies, "copies_of", counting)
+    torch.manual_seed(0)
+    monitor, spare = GradientMonitor(log_every_n_steps=2, update_ratio=True), SpareAtStepStart()
+    model = GradNet(optimizer="adam")
+    probe = fit(tmp_path, monitor, model, spare, max_steps=6)
+    every = sum(p.numel() for p in model.parameters())
+    assert spare.kept == [0, every, 0, 0, 0, 0]
+    assert copied == [(every, 0), (0, every), (every, 0), (every, 0)]  # steps 0, 1 (into step 0's), 3, 5
+    shared = step_copies(model.trainer.optimizers[0])
+    assert shared.numel == 0 and shared.spare_numel == 0
+    got = ratios(tmp_path, "updates/net.0.weight/ratio")
+    assert sorted(got) == [0, 1, 3, 5]
+    for step, ratio in got.items():
+        assert ratio == pytest.approx(probe.ratio(step, ["net.0.weight"]), rel=1e-5)

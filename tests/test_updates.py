@@ -122,17 +122,17 @@ def test_the_step_hooks_allocate_one_copy_of_the_selected_parameters_and_a_few_f
 
 
 class CopiesPerStep(L.Callback):
-    """The elements copied into the optimizer's step copies at each step (``copy_of`` counted)."""
+    """The elements copied into the optimizer's step copies at each step (``copies_of`` counted)."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
         self.counts: list[int] = []
-        original = step_copies_module.copy_of
+        original = step_copies_module.copies_of
 
-        def counting(param: torch.Tensor) -> torch.Tensor:
-            self.counts[-1] += param.numel()
-            return original(param)
+        def counting(params: list[torch.Tensor], spares: list[Any]) -> list[torch.Tensor]:
+            self.counts[-1] += sum(param.numel() for param in params)
+            return original(params, spares)
 
-        monkeypatch.setattr(step_copies_module, "copy_of", counting)
+        monkeypatch.setattr(step_copies_module, "copies_of", counting)
 
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: Any, batch: Any, batch_idx: int) -> None:
         self.counts.append(0)
@@ -146,7 +146,8 @@ def test_one_copy_of_the_selected_parameters_a_step_and_no_hook_left_after_fit(t
     assert copies.counts == [17, 17, 17]  # the head's 16 weights and 1 bias, once a step
     optimizer = model.trainer.optimizers[0]
     assert not optimizer._optimizer_step_pre_hooks and not optimizer._optimizer_step_post_hooks
-    assert step_copies(optimizer).numel == 0 and not transform._rewrite._holding
+    shared = step_copies(optimizer)  # nothing held, no memory kept for a next step, after the fit
+    assert shared.numel == 0 and shared.spare_numel == 0 and not transform._rewrite._holding
 
 
 @pytest.mark.parametrize("config", [dict(scale={"head": 0.5}, max_ratio={"head": 1e-3}), dict(scale={"head": 0.5})])
@@ -161,7 +162,8 @@ def test_with_update_ratios_one_copy_a_step_serves_both_and_the_ratio_is_of_the_
               log_every_n_steps=1)
     every = sum(p.numel() for p in model.parameters())
     assert copies.counts == [every] * 6  # the union: the head's 17 not copied a second time
-    assert step_copies(model.trainer.optimizers[0]).numel == 0  # nothing held after the fit
+    shared = step_copies(model.trainer.optimizers[0])
+    assert shared.numel == 0 and shared.spare_numel == 0  # nothing held, nor kept, after the fit
     alone = fit(tmp_path, BackboneHead("adam"), [UpdateTransform(**config)], steps=6)
     assert largest_difference(got, alone) < 1e-6  # the same rewrite, made in the parameters
     logged = {int(r["step"]): float(r["updates/head.weight/ratio"]) for r in csv_metrics(str(tmp_path))

@@ -11,6 +11,14 @@ until its last reader lets go. A reader may change its copies in place only when
 :meth:`~StepCopies.exclusive` says nobody else holds them (UpdateTransform rewrites the update
 in its copy when alone, in the parameters when not).
 
+A copy's memory outlives the step only when some holder says its next step holds again
+(``release(holder, keep=True)``: UpdateTransform and the update-norm signal hold every step,
+GradientMonitor when its next step is measured): a copy nobody holds any more is then kept as a
+spare, and the next :meth:`~StepCopies.hold` copies into it (memory already mapped: a fresh CPU
+allocation faults in every page, 16 ms against 3.5 ms for 8 x ``Linear(1024, 1024)``). Once no
+holder keeps (each released with ``keep=False``: a step nobody measures comes, or the fit ends),
+the spares are freed, so the steps between a sparse logger's hold no copy.
+
 The step post-hooks run in the order they were put on: a reader that must see the update
 UpdateTransform made puts its post-hook on after ``on_fit_start`` (UpdateTransform's).
 """
@@ -19,7 +27,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Hashable, Sequence
-from typing import Any
+from typing import Any, Optional
 
 import torch
 from torch import Tensor
@@ -37,9 +45,19 @@ def step_copies(optimizer: Any) -> StepCopies:
     return found
 
 
-def copy_of(param: Tensor) -> Tensor:
-    """This rank's part of ``param`` (its shard, when sharded), copied on its device."""
-    return local(param).detach().clone()
+def copies_of(params: Sequence[Tensor], spares: Sequence[Optional[Tensor]]) -> list[Tensor]:
+    """This rank's part of each of ``params`` (its shard, when sharded), copied on its device.
+
+    Into its spare where one of the same shape, dtype and device is given (one multi-tensor
+    copy), else into a fresh tensor.
+    """
+    parts = [local(param).detach() for param in params]
+    fits = [spare is not None and spare.shape == part.shape and spare.dtype == part.dtype
+            and spare.device == part.device for spare, part in zip(spares, parts)]
+    into = [spare for spare, fit in zip(spares, fits) if fit]
+    if into:
+        torch._foreach_copy_(into, [part for part, fit in zip(parts, fits) if fit])  # type: ignore[arg-type]
+    return [spare if fit else part.clone() for spare, part, fit in zip(spares, parts, fits)]  # type: ignore[misc]
 
 
 class StepCopies:
@@ -49,19 +67,22 @@ class StepCopies:
         self._copies: dict[int, Tensor] = {}  # by id of parameter
         self._holders: dict[int, set[Hashable]] = {}  # by id of parameter: who holds its copy
         self._held: dict[Hashable, list[Tensor]] = {}  # by holder: its parameters, in its order
+        self._spares: dict[int, Tensor] = {}  # by id of parameter: a released copy's memory, for the next hold
+        self._keepers: set[Hashable] = set()  # the holders whose next step holds again
 
     @torch.no_grad()
     def hold(self, holder: Hashable, params: Sequence[Tensor]) -> None:
         """Keep ``params`` as they are now for ``holder`` until it releases them (copying those not yet held).
 
-        A holder holds one step at a time: what it held before is released first.
+        A holder holds one step at a time: what it held before is released first. A copy is made
+        into a spare's memory where one is kept for that parameter.
         """
-        self.release(holder)
+        self.release(holder, keep=holder in self._keepers)
+        missing = {id(param): param for param in params if id(param) not in self._copies}
+        made = copies_of(list(missing.values()), [self._spares.pop(key, None) for key in missing])
+        self._copies.update(zip(missing, made))
         for param in params:
-            key = id(param)
-            if key not in self._copies:
-                self._copies[key] = copy_of(param)
-            self._holders.setdefault(key, set()).add(holder)
+            self._holders.setdefault(id(param), set()).add(holder)
         self._held[holder] = list(params)
 
     def holds(self, holder: Hashable) -> bool:
@@ -76,15 +97,36 @@ class StepCopies:
         """Whether no other holder holds any of ``holder``'s copies (then it may change them in place)."""
         return all(self._holders[id(param)] == {holder} for param in self._held.get(holder, ()))
 
-    def release(self, holder: Hashable) -> None:
-        """Let go of ``holder``'s copies; a copy nobody holds any more is dropped."""
+    def release(self, holder: Hashable, keep: bool = False) -> None:
+        """Let go of ``holder``'s copies (if it holds any) and say whether its next step holds again.
+
+        Args:
+            holder: The reader letting go.
+            keep: Its next step holds again: a copy nobody holds any more is kept as a spare for
+                that hold to copy into. With ``False``, once no holder keeps, every spare is freed.
+        """
+        if keep:
+            self._keepers.add(holder)
+        else:
+            self._keepers.discard(holder)
         for param in self._held.pop(holder, ()):
-            holders = self._holders[id(param)]
+            key = id(param)
+            holders = self._holders[key]
             holders.discard(holder)
             if not holders:
-                del self._holders[id(param)], self._copies[id(param)]
+                del self._holders[key]
+                copy = self._copies.pop(key)
+                if self._keepers:
+                    self._spares[key] = copy
+        if not self._keepers:
+            self._spares.clear()
 
     @property
     def numel(self) -> int:
         """How many elements are copied now, over every holder."""
         return sum(copy.numel() for copy in self._copies.values())
+
+    @property
+    def spare_numel(self) -> int:
+        """How many elements of released copies are kept for the next hold."""
+        return sum(spare.numel() for spare in self._spares.values())

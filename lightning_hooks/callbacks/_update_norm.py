@@ -5,7 +5,8 @@ hooks: the pre-hook holds the optimizer's trainable parameters in its
 :class:`~lightning_hooks.callbacks._step_copies.StepCopies` (one copy per step, shared with
 UpdateTransform and GradientMonitor's update ratios: a parameter they hold for the same step is
 not copied again); the post-hook takes one multi-tensor norm of ``w_after - w_before`` and lets
-go. Alone with its copies it turns them into the update in place (no second buffer); when
+go, keeping the copies' memory for the next step's copy (every step holds). Alone with its
+copies it turns them into the update in place (no second buffer); when
 another reader holds them too, each parameter's difference is made one at a time (at most one
 parameter's size more). Nothing leaves the device. The post-hook is put on at ``on_train_start``,
 after UpdateTransform's (``on_fit_start``), so it measures the update UpdateTransform made.
@@ -31,9 +32,11 @@ class UpdateNorms:
     def __init__(self) -> None:
         self._norms: dict[int, Tensor] = {}  # by optimizer index: its last step's update norm (0-d float64)
         self._holding: dict[int, tuple[Any, list[Tensor]]] = {}  # by id of optimizer: it, and the parameters held
+        self._optimizers: list[Any] = []  # those whose step copies keep their memory for this reader's next step
 
     def register(self, optimizers: list[Any]) -> list[RemovableHandle]:
         """Put the step pre- and post-hooks on each optimizer; return their handles."""
+        self._optimizers = list(optimizers)
         return [handle for key, optimizer in enumerate(optimizers)
                 for handle in (optimizer.register_step_pre_hook(self._before_step),
                                optimizer.register_step_post_hook(partial(self._after_step, key)))]
@@ -46,9 +49,10 @@ class UpdateNorms:
     def forget(self) -> None:
         """Drop what was measured, and any copy still held (the end of a fit)."""
         self._norms.clear()
-        for optimizer, _ in self._holding.values():
+        for optimizer in self._optimizers:  # what it holds, and the memory kept for its next step
             step_copies(optimizer).release(self)
         self._holding.clear()
+        self._optimizers = []
 
     def _before_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         params = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
@@ -63,7 +67,7 @@ class UpdateNorms:
             return
         params, copies = held[1], step_copies(optimizer)
         before, alone = copies.copies(self), copies.exclusive(self)
-        copies.release(self)  # the list keeps them alive; alone, they are this hook's to change
+        copies.release(self, keep=True)  # the list keeps them alive; alone, they are this hook's to change
         if all(p.grad is None for p in params):  # GradientAnomalyStopping dropped it: no update made
             return
         after = [local(p).detach() for p in params]

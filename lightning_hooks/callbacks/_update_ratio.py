@@ -31,13 +31,16 @@ class UpdateRatio:
     gives no ratio, nor does a row whose parameters were all zeros before the step (a bias or a
     LayerNorm shift at initialisation: ``||w_before|| = 0``, the ratio is undefined), and a step
     that never ran (a GradScaler skipping it) never finishes:
-    :meth:`discard` drops its snapshot.
+    :meth:`discard` drops its snapshot. Between consecutive measured steps the copy's memory is
+    kept and copied into (``discard(keep=True)``); at a batch whose next step is not measured it is
+    freed.
     """
 
     def __init__(self, norms: bool = False) -> None:
         self.norms = norms  # also the update's norm and, where the optimizer keeps them, Adam's moments' norms
         self._rows: Rows = []
         self._optimizer: Any = None  # the optimizer whose snapshot holds this step's parameters
+        self._kept: dict[int, Any] = {}  # by id: the optimizers asked to keep their copies' memory for the next step
         self._shard_groups = ShardGroupCache()  # how the rows' parameters are split across ranks
 
     @property
@@ -47,7 +50,7 @@ class UpdateRatio:
 
     def take(self, rows: Rows, optimizer: Any) -> None:
         """Hold ``rows``' parameters (those with a gradient) in ``optimizer``'s snapshot before it steps."""
-        self.discard()
+        self.discard(keep=True)
         stepped = [Row(name, [p for p in params if grad_of(p) is not None]) for name, params in rows]
         self._rows = [row for row in stepped if row.params]
         if not self._rows:
@@ -63,10 +66,19 @@ class UpdateRatio:
 
         return [optimizer.register_step_post_hook(hook) for optimizer in trainer.optimizers]
 
-    def discard(self) -> None:
-        """Let go of the snapshot and the references to the parameters."""
+    def discard(self, keep: bool = False) -> None:
+        """Let go of the snapshot and the references to the parameters.
+
+        Args:
+            keep: The next step is measured too: its copies' memory may be kept to copy into
+                (else it is freed, unless another reader keeps it for its next step).
+        """
         if self._optimizer is not None:
-            step_copies(self._optimizer).release(self)
+            self._kept[id(self._optimizer)] = self._optimizer
+        for optimizer in self._kept.values():
+            step_copies(optimizer).release(self, keep)
+        if not keep:
+            self._kept.clear()
         self._rows, self._optimizer = [], None
 
     def forget(self) -> None:
@@ -86,7 +98,7 @@ class UpdateRatio:
             return []
         shared, rows = step_copies(optimizer), self._rows
         before, alone = shared.copies(self), shared.exclusive(self)
-        self.discard()
+        self.discard(keep=True)  # the memory is freed at the batch's end unless the next step is measured
         shards = self._shard_groups([p for _, params in rows for p in params])
         if not to_host and not shards.sharded:
             return []

@@ -123,11 +123,13 @@ class StepRewrite:
         self._planners: dict[int, Planner] = {}
         self._layouts: dict[int, tuple[int, ...]] = {}  # the sizes of the param groups each plan was made for
         self._holding: dict[int, Any] = {}  # by id of optimizer: an optimizer whose step copies this holds
+        self._optimizers: dict[int, Any] = {}  # by id: every optimizer taken charge of (their copies' memory kept)
         self._shard_groups = ShardGroupCache()
 
     def add(self, index: int, optimizer: Any, planner: Planner) -> None:
         """Take charge of ``optimizer`` (the ``index``-th of the trainer); ``planner`` makes its part of the plan."""
         self._index[id(optimizer)], self._planners[id(optimizer)] = index, planner
+        self._optimizers[id(optimizer)] = optimizer
         self._plan(optimizer)
 
     def _plan(self, optimizer: Any) -> Optional[OptimizerPlan]:
@@ -147,9 +149,10 @@ class StepRewrite:
         self._index.clear()
         self._planners.clear()
         self._layouts.clear()
-        for optimizer in self._holding.values():
+        for optimizer in self._optimizers.values():  # what it holds, and the memory kept for its next step
             step_copies(optimizer).release(self)
         self._holding.clear()
+        self._optimizers.clear()
         self._shard_groups.clear()
 
     @torch.no_grad()
@@ -167,7 +170,7 @@ class StepRewrite:
         if self._holding.pop(id(optimizer), None) is None or plan is None:
             return
         before, alone = copies.copies(self), copies.exclusive(self)
-        copies.release(self)  # the list keeps them alive; alone, they are this hook's to change
+        copies.release(self, keep=True)  # the list keeps them alive; the memory kept for the next step's copy
         if all(p.grad is None for group in optimizer.param_groups for p in group["params"]):
             return  # GradientAnomalyStopping dropped it: nothing moved, no norm to remember
         after = [local(p).detach() for p in plan.params]

@@ -288,9 +288,9 @@ class GradientMonitor(GradientCheck):
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        """Drop an update-ratio snapshot whose step never ran (a GradScaler skipped it)."""
+        """Drop a snapshot whose step never ran (a GradScaler skipped it), its memory unless the next step needs it."""
         super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
-        self._updates.discard()
+        self._updates.discard(keep=self.update_ratio and self._written and self._is_logged_next(trainer, self._every))
 
     def detach(self) -> None:
         """Remove the hooks and drop the rows' references to parameters."""
