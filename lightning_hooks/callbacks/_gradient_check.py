@@ -39,9 +39,9 @@ def overruled(monitor: GradientCheck, reporter: GradientCheck) -> Optional[str]:
 
     Only the arguments given to ``monitor`` (not left at its defaults) that ``reporter`` does not share count.
     """
-    defaults = inspect.signature(type(monitor)).parameters
+    defaults = _defaults(type(monitor))
     given = [name for name in DETECTOR_ARGS
-             if getattr(monitor, name) != defaults[name].default and getattr(monitor, name) != getattr(reporter, name)]
+             if getattr(monitor, name) != defaults.get(name, ...) and getattr(monitor, name) != getattr(reporter, name)]
     if not given:
         return None
     mine = ", ".join(f"{name}={getattr(monitor, name)!r}" for name in given)
@@ -52,6 +52,19 @@ def overruled(monitor: GradientCheck, reporter: GradientCheck) -> Optional[str]:
             f" and saved step follow {type(reporter).__name__}'s. Pass the same values to"
             f" {type(reporter).__name__}, or leave them out of {type(monitor).__name__} (its flags and figures"
             " follow its own settings either way).")
+
+
+def _defaults(kind: type) -> dict[str, Any]:
+    """The defaults of the detector arguments, from the first constructor in ``kind``'s MRO that gives them all.
+
+    A subclass whose own constructor takes other arguments (``**kwargs``) inherits its base's. None found:
+    every argument counts as given.
+    """
+    for cls in kind.__mro__:
+        params = inspect.signature(cls.__init__).parameters
+        if all(name in params and params[name].default is not inspect.Parameter.empty for name in DETECTOR_ARGS):
+            return {name: params[name].default for name in DETECTOR_ARGS}
+    return {}
 
 
 class GradientCheck(HookCallback):
