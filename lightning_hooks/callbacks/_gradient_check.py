@@ -61,7 +61,7 @@ def _defaults(kind: type) -> dict[str, Any]:
     every argument counts as given.
     """
     for cls in kind.__mro__:
-        params = inspect.signature(cls.__init__).parameters
+        params = inspect.signature(cls).parameters
         if all(name in params and params[name].default is not inspect.Parameter.empty for name in DETECTOR_ARGS):
             return {name: params[name].default for name in DETECTOR_ARGS}
     return {}
