@@ -9,6 +9,7 @@ one host transfer (``_rank_agreement``), and the report of an anomalous step (``
 
 from __future__ import annotations
 
+import inspect
 import os
 from typing import Any, Optional, Union
 
@@ -28,6 +29,42 @@ from lightning_hooks.distributed._step_measure import Step
 from lightning_hooks.measure._provenance import NonFiniteTrace
 from lightning_hooks.measure._sharding import note_flat_shards
 from lightning_hooks.measure.anomalies import AnomalyDetector
+
+#: The arguments of the check both gradient callbacks take, as their constructors name them.
+DETECTOR_ARGS = ("check_finite", "norm_threshold", "relative_threshold", "min_norm", "window", "provenance", "dirpath")
+
+
+def overruled(monitor: GradientCheck, reporter: GradientCheck) -> Optional[str]:
+    """Why ``monitor``'s detector arguments do not reach the report ``reporter`` writes for both; None when they do.
+
+    Only the arguments given to ``monitor`` (not left at its defaults) that ``reporter`` does not share count.
+    """
+    defaults = _defaults(type(monitor))
+    given = [name for name in DETECTOR_ARGS
+             if getattr(monitor, name) != defaults.get(name, ...) and getattr(monitor, name) != getattr(reporter, name)]
+    if not given:
+        return None
+    mine = ", ".join(f"{name}={getattr(monitor, name)!r}" for name in given)
+    theirs = ", ".join(f"{name}={getattr(reporter, name)!r}" for name in given)
+    return (f"{type(monitor).__name__}({mine}) and {type(reporter).__name__}({theirs}) are in one Trainer: only"
+            f" {type(reporter).__name__} writes the anomaly report (`anomalies/report`, `last_report`), by its own"
+            f" settings, so a step only {type(monitor).__name__} flags gets no report, and the report's provenance"
+            f" and saved step follow {type(reporter).__name__}'s. Pass the same values to"
+            f" {type(reporter).__name__}, or leave them out of {type(monitor).__name__} (its flags and figures"
+            " follow its own settings either way).")
+
+
+def _defaults(kind: type) -> dict[str, Any]:
+    """The defaults of the detector arguments, from the first constructor in ``kind``'s MRO that gives them all.
+
+    A subclass whose own constructor takes other arguments (``**kwargs``) inherits its base's. None found:
+    every argument counts as given.
+    """
+    for cls in kind.__mro__:
+        params = inspect.signature(cls).parameters
+        if all(name in params and params[name].default is not inspect.Parameter.empty for name in DETECTOR_ARGS):
+            return {name: params[name].default for name in DETECTOR_ARGS}
+    return {}
 
 
 class GradientCheck(HookCallback):

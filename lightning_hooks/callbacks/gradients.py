@@ -23,7 +23,7 @@ from lightning_hooks.callbacks._base import (
     _validate_stats,
     log_step,
 )
-from lightning_hooks.callbacks._gradient_check import GradientCheck
+from lightning_hooks.callbacks._gradient_check import GradientCheck, overruled
 from lightning_hooks.callbacks._gradient_rows import (
     Rows,
     limit_rows,
@@ -36,6 +36,8 @@ from lightning_hooks.callbacks._gradient_rows import (
     untrained_message,
 )
 from lightning_hooks.callbacks._update_ratio import UpdateRatio
+from lightning_hooks.callbacks.stopping import GradientAnomalyStopping
+from lightning_hooks.core._compat import callbacks_of
 from lightning_hooks.core._validation import check_bool, check_choice
 from lightning_hooks.core.selection import ModuleSelection, validate_limit
 from lightning_hooks.distributed._rank_agreement import Check
@@ -95,9 +97,12 @@ class GradientMonitor(GradientCheck):
     steps so far shows in the progress bar as ``anomalies`` (when there is a progress bar).
     The first step of a run of anomalous steps, and any step that raises a new flag, gets an
     :class:`~lightning_hooks.AnomalyReport`, logged as text (``anomalies/report``)
-    and kept in :attr:`last_report`. With no flag enabled (``check_finite=False`` and no
-    threshold) and no ``provenance``, the steps in between are left alone: nothing is
-    measured and ``anomalies/amp_overflow`` shows on logged steps only.
+    and kept in :attr:`last_report`. With a ``GradientAnomalyStopping`` in the same Trainer the
+    stopper writes the one report of a step (it says what it did; :attr:`last_report` is then
+    its report) and the monitor writes none: found at ``setup``, with a warning there when
+    detector arguments given to the monitor differ from the stopper's. With no flag enabled
+    (``check_finite=False`` and no threshold) and no ``provenance``, the steps in between are
+    left alone: nothing is measured and ``anomalies/amp_overflow`` shows on logged steps only.
 
     All figures of a step are computed batched on the gradients' device and reach the host in
     one transfer per step. On a step it does not log, that transfer is started without blocking
@@ -209,7 +214,8 @@ class GradientMonitor(GradientCheck):
         self._vectors: set[str] = set()  # 1-D parameters: their update ratios are not judged (LayerHealth, the tab)
         self.log_every_n_steps, self.granularity, self.stats = log_every_n_steps, granularity, tuple(stats)
         self.histogram, self.bins, self.prog_bar, self.max_rows = histogram, bins, prog_bar, max_rows
-        self.last_report: Optional[AnomalyReport] = None
+        self._last_report: Optional[AnomalyReport] = None
+        self._reporter: Optional[GradientAnomalyStopping] = None  # the stopper that reports for both, if any
         self._anomalies = 0
         self._fired: frozenset[str] = frozenset()
         self._raised = False  # whether a flag was raised at the last step
@@ -226,6 +232,11 @@ class GradientMonitor(GradientCheck):
         self._layout: tuple[int, ...] = ()  # the optimizers' param group sizes the rows were chosen for
 
     @property
+    def last_report(self) -> Optional[AnomalyReport]:
+        """The report of the last reported step; with a GradientAnomalyStopping in the Trainer, the stopper's."""
+        return self._reporter.last_report if self._reporter is not None else self._last_report
+
+    @property
     def anomalous_steps(self) -> int:
         """How many optimizer steps were flagged so far."""
         return self._anomalies
@@ -238,8 +249,15 @@ class GradientMonitor(GradientCheck):
                 "log_every_n_steps": self.log_every_n_steps, "stats": self.stats, **super()._key()}
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        """Resolve modules and the logging interval before training starts."""
+        """Resolve modules and the logging interval; leave the reports to a GradientAnomalyStopping beside it.
+
+        Warns when detector arguments given to this monitor differ from that stopper's.
+        """
         super().setup(trainer, pl_module, stage)
+        self._reporter = next(iter(callbacks_of(trainer, GradientAnomalyStopping)), None)
+        message = overruled(self, self._reporter) if self._reporter is not None else None
+        if message is not None:
+            rank_zero_warn(message)
         self._every = _log_interval(self.log_every_n_steps, trainer)
         self._vectors = unjudged_ratios(pl_module)  # as LayerHealth reads them: before a strategy wraps the model
 
@@ -341,8 +359,8 @@ class GradientMonitor(GradientCheck):
             self._updates.take(self._rows, optimizer)
         if check.anomalous:
             fired = frozenset(name for name, on in check.flags.items() if on)
-            if fired - self._fired:  # the flags are agreed: every rank reports (and gathers), or none
-                self.last_report = self._report(trainer, pl_module, step, check)
+            if fired - self._fired and self._reporter is None:  # agreed flags: every rank reports, or none
+                self._last_report = self._report(trainer, pl_module, step, check)
             self._anomalies, self._fired = self._anomalies + 1, fired
         elif not check.skipped:
             self._fired = frozenset()

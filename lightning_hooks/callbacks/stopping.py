@@ -74,7 +74,8 @@ class GradientAnomalyStopping(FigureListener, GradientCheck):
       (before the next one with ``act_late``).
     - ``"warn"``: warns with the report, on rank zero, and applies the update.
 
-    The report is built once per run of anomalous steps, when the action starts;
+    The report is built once per run of anomalous steps, when the action starts (beside a
+    GradientMonitor it is the step's only one: the monitor leaves its report to this one);
     :attr:`last_flags` holds every step's flags. LBFGS, how an update is dropped (a step
     pre-hook) and the agreement across ranks (one small all-reduce): see the README. The streak
     and the running medians survive a resume; several instances can be used together when
