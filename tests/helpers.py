@@ -181,3 +181,16 @@ def run_ddp(script: str, out_dir: Any, timeout: float) -> list[dict[str, Any]]:
         with open(os.path.join(str(out_dir), f"rank{rank}.json")) as f:
             ranks.append(json.load(f))
     return ranks
+
+
+def run_reader(logdir: Any) -> Any:
+    """The Layers tab's ``RunReader`` over every run under ``logdir``, read through TensorBoard's own data provider."""
+    from tensorboard.backend.event_processing import data_provider, plugin_event_multiplexer
+    from tensorboard.context import RequestContext
+
+    from lightning_hooks.tensorboard_plugin.run_data import RunReader
+
+    multiplexer = plugin_event_multiplexer.EventMultiplexer()
+    multiplexer.AddRunsFromDirectory(str(logdir))
+    multiplexer.Reload()
+    return RunReader(data_provider.MultiplexerDataProvider(multiplexer, str(logdir)), RequestContext(), "")

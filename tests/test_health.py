@@ -19,7 +19,7 @@ from torch import nn
 from lightning_hooks import ActivationMonitor, GradientMonitor, LayerHealth
 from lightning_hooks.output._health_plots import heatmap_figure, image_size, to_rgb
 from lightning_hooks.output.figures import HistogramBlock
-from tests.helpers import TinyNet, events, host_transfers, loader, trainer
+from tests.helpers import TinyNet, events, host_transfers, loader, run_reader, trainer
 
 HEATMAP, PROFILE = "health/activation_histograms", "health/depth_profile"
 PROFILES = [f"{PROFILE}/{name}" for name in ("activation_std", "zero_fraction", "gradient_norm", "update_ratio")]
@@ -208,11 +208,7 @@ def test_the_layers_tab_names_the_layers_and_problems_the_summary_names(tmp_path
     """
     import importlib.util
 
-    from tensorboard.backend.event_processing import data_provider, plugin_event_multiplexer
-    from tensorboard.context import RequestContext
-
     from lightning_hooks.output._health_verdicts import Bands
-    from lightning_hooks.tensorboard_plugin.run_data import RunReader
     from lightning_hooks.tensorboard_plugin.verdicts import banner, judge
 
     examples = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples")
@@ -231,10 +227,7 @@ def test_the_layers_tab_names_the_layers_and_problems_the_summary_names(tmp_path
         example.MLP(), example.data())
     logger.experiment.flush()
 
-    multiplexer = plugin_event_multiplexer.EventMultiplexer()
-    multiplexer.AddRunsFromDirectory(str(tmp_path))
-    multiplexer.Reload()
-    reader = RunReader(data_provider.MultiplexerDataProvider(multiplexer, str(tmp_path)), RequestContext(), "")
+    reader = run_reader(tmp_path)
     unjudged = reader.unjudged_ratios("version_0")
     tab = {(b["layer"], b["verdict"], b["since"])
            for b in banner(judge(reader.figures("version_0"), Bands(), unjudged), Bands())}

@@ -22,11 +22,12 @@ def healthy(rng: random.Random, step: int) -> dict[str, dict[str, float]]:
             "ratio": {f"{n}.weight": lr * 1e-2 * (1 + i) * math.exp(rng.gauss(0, 0.05)) for i, n in enumerate(LAYERS)}}
 
 
-def run(fault, steps: int = 120, seed: int = 0) -> list[tuple[int, list[tuple[str, str]]]]:
-    """Feed ``steps`` logged steps to a Judge, ``fault(step, figures)`` changing them; each step's named layers."""
+def run(fault, steps: int = 120, seed: int = 0, make=None) -> list[tuple[int, list[tuple[str, str]]]]:
+    """Feed ``steps`` logged steps (``make``'s, else :func:`healthy`'s) to a Judge, ``fault(step, figures)``
+    changing them; each step's named layers."""
     rng, judge, named = random.Random(seed), Judge(Bands()), []
     for step in range(steps):
-        figures = healthy(rng, step)
+        figures = (make or healthy)(rng, step)
         fault(step, figures)
         named.append((step, [(f.layer, f.problem) for f in judge.step(figures).named]))
     return named
@@ -95,12 +96,7 @@ def chain(rng: random.Random, step: int, own: float = 0.01) -> dict[str, dict[st
 
 
 def run_chain(fault, steps: int = 120, seed: int = 0) -> list[tuple[int, list[tuple[str, str]]]]:
-    rng, judge, named = random.Random(seed), Judge(Bands()), []
-    for step in range(steps):
-        figures = chain(rng, step)
-        fault(step, figures)
-        named.append((step, [(f.layer, f.problem) for f in judge.step(figures).named]))
-    return named
+    return run(fault, steps, seed, make=chain)
 
 
 def test_a_ramp_under_batch_noise_is_named_by_its_gain_before_it_grows_a_third():

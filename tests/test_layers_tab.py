@@ -33,7 +33,7 @@ from tests.browser import (
     write_synthetic_run,
 )
 from tests.compat_helpers import net, package_trainer
-from tests.helpers import loader
+from tests.helpers import events, loader, run_reader
 
 pytestmark = pytest.mark.slow  # a tensorboard server and headless Chromium
 
@@ -295,12 +295,6 @@ class HeadFirst(lp.LightningModule):
 
 
 def test_rows_follow_the_forward_order_activation_monitor_records(tmp_path):
-    from tensorboard.backend.event_processing import data_provider, plugin_event_multiplexer
-    from tensorboard.context import RequestContext
-
-    from lightning_hooks.tensorboard_plugin.run_data import RunReader
-    from tests.helpers import events
-
     torch.manual_seed(0)
     logger = lp.loggers.TensorBoardLogger(str(tmp_path), name="run", version=0)
     package_trainer(lp, tmp_path, monitors(), logger=logger, max_steps=3).fit(HeadFirst(), loader())
@@ -308,10 +302,7 @@ def test_rows_follow_the_forward_order_activation_monitor_records(tmp_path):
     (order,) = events(logger.log_dir).Tensors("layers/forward_order")  # once per fit, the tab's own summary
     assert (order.step, json.loads(order.tensor_proto.string_val[0])) == (0, ["trunk.0", "trunk.1", "head"])
 
-    multiplexer = plugin_event_multiplexer.EventMultiplexer()
-    multiplexer.AddRunsFromDirectory(str(tmp_path))
-    multiplexer.Reload()
-    reader = RunReader(data_provider.MultiplexerDataProvider(multiplexer, str(tmp_path)), RequestContext(), "")
+    reader = run_reader(tmp_path)
     figures = {figure.key: figure for figure in reader.figures("run/version_0")}
     assert figures["activations/std"].rows == ["trunk.0", "trunk.1", "head"]  # neither registration's nor name order
     assert figures["gradients/norm"].rows == ["trunk.0", "head"]

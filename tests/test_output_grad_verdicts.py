@@ -24,6 +24,7 @@ from lightning_hooks.output._diagnosis import diagnose
 from lightning_hooks.output._health_verdicts import JUDGED, Bands, Verdicts
 from lightning_hooks.tensorboard_plugin.run_data import Figure
 from lightning_hooks.tensorboard_plugin.verdicts import banner, judge
+from tests.helpers import run_reader
 
 NAMES = [f"l{i}" for i in range(6)]
 STEPS = list(range(0, 600, 10))
@@ -161,10 +162,7 @@ class Teacher(L.LightningModule):
 
 def train(tmp_path: Any, model: Teacher) -> tuple[LayerHealth, set[tuple[str, str, int]]]:
     """Fit 160 steps watched as the docs say; LayerHealth, and the tab's banner read back from the event file."""
-    from tensorboard.backend.event_processing import data_provider, plugin_event_multiplexer
-    from tensorboard.context import RequestContext
 
-    from lightning_hooks.tensorboard_plugin.run_data import RunReader
 
     health = LayerHealth(max_images=1)
     callbacks = [ActivationMonitor(gradients=True, histogram=False, log_every_n_steps=2),
@@ -176,10 +174,7 @@ def train(tmp_path: Any, model: Teacher) -> tuple[LayerHealth, set[tuple[str, st
         warnings.simplefilter("ignore")
         trainer.fit(model)
     logger.experiment.flush()
-    multiplexer = plugin_event_multiplexer.EventMultiplexer()
-    multiplexer.AddRunsFromDirectory(str(tmp_path))
-    multiplexer.Reload()
-    reader = RunReader(data_provider.MultiplexerDataProvider(multiplexer, str(tmp_path)), RequestContext(), "")
+    reader = run_reader(tmp_path)
     figures = reader.figures("version_0")
     assert any(f.kind == "activation_grads" and f.stat == "std" for f in figures)
     judged = judge(figures, Bands(), reader.unjudged_ratios("version_0"), reader.forward_order("version_0"))
