@@ -127,6 +127,9 @@ def gradient_figures(
         # Whole-gradient figures from the shards': squared norms and bad-shard counts add.
         summed = shards.sum_(torch.stack([norms.square(), bad.double()], 1))
         norms, bad = summed[:, 0].sqrt(), summed[:, 1] > 0
+    total_norm, total_bad = (torch.linalg.vector_norm(norms), bad.sum()) if grads else (None, bad.sum())
+    if len(group_sizes) == 1 and grads:  # the usual case, one group: its figures are the totals, computed once
+        return GradientFigures(norms, bad, torch.stack([total_norm, total_norm]), torch.stack([total_bad, total_bad]))
     nan = torch.full((), math.nan, dtype=torch.float64, device=device)
     group_norms, nonfinite, start = [], [], 0
     for size in group_sizes:
@@ -134,8 +137,8 @@ def gradient_figures(
         group_norms.append(torch.linalg.vector_norm(norms[part]) if size else nan)
         nonfinite.append(bad[part].sum())
         start += size
-    group_norms.append(torch.linalg.vector_norm(norms) if grads else nan)
-    nonfinite.append(bad.sum())
+    group_norms.append(total_norm if grads else nan)
+    nonfinite.append(total_bad)
     return GradientFigures(norms, bad, torch.stack(group_norms), torch.stack(nonfinite))
 
 
