@@ -1,0 +1,104 @@
+"""Where a step that logs nothing goes, with the Quick start's three callbacks: wall time per call.
+
+Wraps each callback hook of ActivationMonitor, GradientMonitor and GradientAnomalyStopping(action="skip"),
+and the shared gradient measurement's parts, in a ``time.perf_counter`` pair; fits ``D x Linear(64, 64)``
+plain and with the three (never logging) in one process, in turns, and prints the median steps and
+each part's mean microseconds per call. The wrappers cost about 1 us a call themselves.
+
+    python benchmarks/not_logged_breakdown.py --depth 100
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import functools
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+HERE = Path(__file__).resolve().parent
+NEVER = 10**9
+HOOKS = ("on_train_batch_start", "on_train_batch_end", "on_before_backward", "on_after_backward",
+         "on_before_optimizer_step")
+TOTALS: dict[str, float] = collections.defaultdict(float)
+CALLS: collections.Counter[str] = collections.Counter()
+
+
+def _wrap(owner: Any, name: str, label: str) -> None:
+    """Replace ``owner.name`` by a wrapper that adds each call's wall time to ``TOTALS[label]``."""
+    inner = getattr(owner, name)
+
+    @functools.wraps(inner)
+    def timed(*args: Any, **kwargs: Any) -> Any:
+        start = time.perf_counter()
+        try:
+            return inner(*args, **kwargs)
+        finally:
+            TOTALS[label] += time.perf_counter() - start
+            CALLS[label] += 1
+
+    setattr(owner, name, timed)
+
+
+def _instrument() -> None:
+    from lightning_hooks import ActivationMonitor, GradientAnomalyStopping, GradientMonitor
+    from lightning_hooks.distributed import _rank_agreement, _shared_measurement, _step_measure
+    from lightning_hooks.measure import anomalies
+
+    for cls in (ActivationMonitor, GradientMonitor, GradientAnomalyStopping):
+        for hook in HOOKS:
+            _wrap(cls, hook, f"{cls.__name__}.{hook}")
+    for owner, name in ((_shared_measurement, "measure_step"), (_shared_measurement, "agree"),
+                        (_rank_agreement.Agreed, "checks"), (_step_measure, "gradient_figures"),
+                        (_step_measure, "_params_with_grads"), (anomalies, "_foreach_norms"),
+                        (anomalies, "_stacked")):
+        _wrap(owner, name, name)
+
+
+def _fit(depth: int, callbacks: Callable[[], list[Any]], steps: int) -> float:
+    """Median wall microseconds of a step of ``steps`` timed ones."""
+    sys.path.insert(0, str(HERE))
+    from harness import Config, StepTimer, Workload, run_fit
+    from scaling import workloads
+
+    built = workloads([depth], False)[f"stack{depth}"]
+    model = built.model()
+    timer = StepTimer(10, 5, 60.0)
+    run_fit(Workload(lambda: model, built.batches), Config("b", "b", lambda tmp: callbacks()), steps + 11,
+            tempfile.mkdtemp(prefix="not_logged_"), "b", extra=[timer])
+    return statistics.median(s[1] for s in timer.durations(10)) * 1e6
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--depth", type=int, default=100)
+    parser.add_argument("--steps", type=int, default=150)
+    parser.add_argument("--rounds", type=int, default=2)
+    args = parser.parse_args()
+    import torch
+
+    from lightning_hooks import ActivationMonitor, GradientAnomalyStopping, GradientMonitor
+
+    torch.set_num_threads(1)
+    _instrument()
+
+    def quick() -> list[Any]:
+        return [ActivationMonitor(log_every_n_steps=NEVER, max_rows=None),
+                GradientMonitor(log_every_n_steps=NEVER, max_rows=None), GradientAnomalyStopping(action="skip")]
+
+    for round_ in range(args.rounds):
+        plain = _fit(args.depth, list, args.steps)
+        TOTALS.clear()
+        CALLS.clear()
+        three = _fit(args.depth, quick, args.steps)
+        print(f"round {round_}: plain {plain:.0f} us, the three {three:.0f} us, {three - plain:.0f} us over")
+    for label in sorted(TOTALS, key=lambda k: -TOTALS[k]):
+        print(f"{label:50s} {TOTALS[label] / CALLS[label] * 1e6:8.1f} us x{CALLS[label]}")
+
+
+if __name__ == "__main__":
+    main()
