@@ -190,6 +190,7 @@ def test_on_a_real_model_the_module_whose_output_gradient_was_cut_is_named_by_la
     assert all(e.first >= 100 for e in health.verdicts.episodes.values()), health.summary()  # nothing before
     assert tab_says == named
     assert "net.4: the gradient reaching net.4's output vanished since step 101" in health.summary()
+    assert ": 1 layer unhealthy now" in health.summary().splitlines()[0]  # its weight's gradient row is the same layer
 
 
 @pytest.mark.slow

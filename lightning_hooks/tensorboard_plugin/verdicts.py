@@ -15,7 +15,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any, Optional
 
 from lightning_hooks.output._health_verdicts import JUDGED, STABILITY_BANDS, Bands, _figure_of
-from lightning_hooks.output._judge import EVERY_LAYER, Judge
+from lightning_hooks.output._judge import EVERY_LAYER, Judge, layer_of
 from lightning_hooks.tensorboard_plugin.run_data import Figure
 
 #: The query parameters, each a field of :class:`Bands` (the band's two ends apart), with its type.
@@ -106,12 +106,15 @@ def banner(judged: list[tuple[Figure, Marks]], bands: Bands) -> list[dict[str, A
 
     "Since" is the first step of the unbroken stretch of marked cells that reaches the layer's
     last logged point (LayerHealth's episode); ``order`` is the problem's place in LayerHealth's
-    order (its tie-break). A bad batch is one item, as LayerHealth names it: the row
-    ``(every layer)``, its ``layers`` and their count as its value. An empty list means the run
-    looks healthy now.
+    order (its tie-break); ``module`` is the layer a parameter's row belongs to (the banner counts
+    modules: a module with its output and its weight's gradient out is one layer). A bad batch is
+    one item, as LayerHealth names it: the row ``(every layer)``, its ``layers`` and their count as
+    its value. An empty list means the run looks healthy now.
     """
     titles = bands.titles()
     order = {problem: i for i, problem in enumerate(titles)}
+    modules = {name: 0 for figure, _ in judged if not figure.key.startswith(("gradients/", "updates/"))
+               for name in figure.rows}
     found = []
     for figure, marks in judged:
         marked = {(row, col): verdict for row, col, verdict in marks}
@@ -124,7 +127,9 @@ def banner(judged: list[tuple[Figure, Marks]], bands: Bands) -> list[dict[str, A
                 if marked.get((row, col)) != verdict:
                     break
                 since = col
-            found.append({"layer": name, "figure": figure.key, "verdict": verdict, "problem": titles[verdict],
+            module = layer_of(name, modules) if figure.key.startswith(("gradients/", "updates/")) else name
+            found.append({"layer": name, "module": module, "figure": figure.key, "verdict": verdict,
+                          "problem": titles[verdict],
                           "since": figure.steps[since], "value": figure.values[row][logged[-1]],
                           "order": order[verdict]})
     return _the_batch_as_one(found)

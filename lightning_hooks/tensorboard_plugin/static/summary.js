@@ -66,7 +66,7 @@ export function bannerOf(data, open, onToggle) {
     return el("div", {class: "lh-banner healthy", "data-healthy": "true"},
               "Looks healthy: no layer is outside its healthy band at its last logged step.");
   }
-  const layers = [...new Set(lines.flatMap((b) => b.layers || [b.layer]))];
+  const layers = [...new Set(lines.flatMap((b) => b.layers || [b.module || b.layer]))];  // a parameter's row is its module's
   const box = el("div", {class: "lh-banner unhealthy", "data-healthy": "false", "data-layers": layers.join(",")},
                  `${layers.length} layer${layers.length > 1 ? "s" : ""} unhealthy now, the first culprit first:`);
   const list = el("ul");
