@@ -16,7 +16,7 @@ from typing import Any, Optional
 from lightning_hooks.output._health_bands import PROBLEMS as PROBLEMS
 from lightning_hooks.output._health_bands import Bands as Bands
 from lightning_hooks.output._judge import EVERY_LAYER as EVERY_LAYER
-from lightning_hooks.output._judge import PARAMETER_FIGURES, Judge, Judged, layer_of
+from lightning_hooks.output._judge import Judge, Judged
 
 #: A text entry (JSON: a list of names) GradientMonitor(update_ratio=True) writes once per fit: the
 #: update rows whose ratio is not judged, so that the Layers tab leaves out the rows LayerHealth does.
@@ -153,7 +153,7 @@ class Verdicts:
         now = sorted(((p, layer, e) for (p, layer), e in self.episodes.items() if e.ongoing), key=self.order)
         before = sorted(((p, layer, e) for (p, layer), e in self.episodes.items() if not e.ongoing), key=self.order)
         # A parameter's row is its module's: a module with its output and its weight's gradient out is one layer.
-        layers = {layer_of(row, self.judge.depth) if _figure_of(p) in PARAMETER_FIGURES else row for p, row, _ in now}
+        layers = {self.judge.layer(_figure_of(p), row) for p, row, _ in now}
         count = f"{len(layers)} layer{'s' if len(layers) > 1 else ''}"
         lines = [f"{head}: {count} unhealthy now" if now else f"{head}: healthy now"]
         if now and self.victims:

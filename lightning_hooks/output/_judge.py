@@ -129,7 +129,7 @@ class Judge:
         """
         for figure, rows in sorted(figures.items(), key=lambda item: item[0] in PARAMETER_FIGURES):
             for row in rows:  # a module figure's rows are modules; a parameter's belongs to its module
-                self.depth.setdefault(self._layer(figure, row), len(self.depth))
+                self.depth.setdefault(self.layer(figure, row), len(self.depth))
         found: list[Finding] = []
         self.moves, self.levels = {}, figures.get("level", {})
         for figure, values in figures.items():
@@ -168,12 +168,12 @@ class Judge:
             common = self._loss_side_move(logs, last)
         self.moves[figure] = common
         self.offset[figure] = self.offset.get(figure, 0.0) + common  # the peers' path, taken out
-        found = [Finding(row, self._layer(figure, row), "nonfinite_grad", v, figure)
+        found = [Finding(row, self.layer(figure, row), "nonfinite_grad", v, figure)
                  for row, v in values.items() if figure == "norm" and not math.isfinite(v)]
         finite = [x for x in logs.values() if math.isfinite(x)]
         if figure == "ratio" and len(finite) >= 3:  # far above its peers from the start: no history needed
             typical = statistics.median(finite)
-            found += [Finding(row, self._layer(figure, row), "too_fast", values[row], "peers", x - typical)
+            found += [Finding(row, self.layer(figure, row), "too_fast", values[row], "peers", x - typical)
                       for row, x in logs.items() if x - typical > 3 * math.log(self.bands.ratio_factor)]
         for row, x in logs.items():
             if math.isfinite(x):
@@ -182,7 +182,7 @@ class Judge:
             moved = judge_value(track, x - self.offset[figure], figure, self.bands)
             if moved is not None:
                 up, down = RELATIVE[figure]
-                found.append(Finding(row, self._layer(figure, row), up if moved > 0 else down, values[row], figure,
+                found.append(Finding(row, self.layer(figure, row), up if moved > 0 else down, values[row], figure,
                                      moved))
         return found
 
@@ -240,9 +240,10 @@ class Judge:
         return [self._finding(r, problem, v, figure) for r, v in values.items() if v > limit]
 
     def _finding(self, row: str, problem: str, value: float, figure: str) -> Finding:
-        return Finding(row, self._layer(figure, row), problem, value, figure)
+        return Finding(row, self.layer(figure, row), problem, value, figure)
 
-    def _layer(self, figure: str, row: str) -> str:
+    def layer(self, figure: str, row: str) -> str:
+        """The layer a row of ``figure`` belongs to: a parameter's row is its module's."""
         return layer_of(row, self.depth) if figure in PARAMETER_FIGURES else row
 
     def _sort(self, found: list[Finding], data: bool) -> Judged:
