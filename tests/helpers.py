@@ -194,3 +194,19 @@ def run_reader(logdir: Any) -> Any:
     multiplexer.AddRunsFromDirectory(str(logdir))
     multiplexer.Reload()
     return RunReader(data_provider.MultiplexerDataProvider(multiplexer, str(logdir)), RequestContext(), "")
+
+
+class HeadFirst(L.LightningModule):
+    """``head`` is registered (and sorts) before ``trunk`` but runs after it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.head = nn.Linear(16, 1)
+        self.trunk = nn.Sequential(nn.Linear(8, 16), nn.ReLU())
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return nn.functional.mse_loss(self.head(self.trunk(x)), y)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.01)

@@ -33,7 +33,7 @@ from tests.browser import (
     write_synthetic_run,
 )
 from tests.compat_helpers import net, package_trainer
-from tests.helpers import events, loader, run_reader
+from tests.helpers import HeadFirst, events, loader, run_reader
 
 pytestmark = pytest.mark.slow  # a tensorboard server and headless Chromium
 
@@ -276,22 +276,6 @@ def click_label(tools: Any, figure: str, row: str) -> None:
     y = box["y"] + float(box["top"]) + (box["rows"].split(",").index(row) + 0.5) * float(box["rowHeight"])
     for kind in ("mousePressed", "mouseReleased"):
         tools.call("Input.dispatchMouseEvent", type=kind, x=box["x"] + 20, y=y, button="left", clickCount=1)
-
-
-class HeadFirst(lp.LightningModule):
-    """``head`` is registered (and sorts) before ``trunk`` but runs after it."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.head = nn.Linear(16, 1)
-        self.trunk = nn.Sequential(nn.Linear(8, 16), nn.ReLU())
-
-    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        x, y = batch
-        return nn.functional.mse_loss(self.head(self.trunk(x)), y)
-
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.SGD(self.parameters(), lr=0.01)
 
 
 def test_rows_follow_the_forward_order_activation_monitor_records(tmp_path):

@@ -200,27 +200,14 @@ def test_on_a_real_model_a_healthy_run_watched_with_output_gradients_gets_no_ver
     assert tab_says == set()
 
 
-class Unregistered(L.LightningModule):
-    """Registered ``late`` then ``early``; run ``early`` then ``late`` (as GPT-2's MLP registers c_proj before act)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.late, self.early = nn.Linear(8, 1), nn.Linear(8, 8)
-
-    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        x, y = batch
-        return nn.functional.mse_loss(self.late(self.early(x)), y)
-
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.SGD(self.parameters(), lr=0.01)
-
-
 def test_layer_health_judges_in_the_order_the_modules_ran_not_the_order_they_were_registered(tmp_path):
-    from tests.helpers import loader, trainer
+    # As GPT-2's MLP registers c_proj before act: ``head`` is registered before ``trunk`` and runs after it.
+    from tests.helpers import HeadFirst, loader, trainer
 
+    torch.manual_seed(0)
     health = LayerHealth()
-    callbacks = [ActivationMonitor(modules=["late", "early"], gradients=True), GradientMonitor(histogram=False), health]
-    trainer(tmp_path, callbacks, max_steps=2, logger=False).fit(Unregistered(), loader())
+    callbacks = [ActivationMonitor(modules=["head", "trunk.0"], gradients=True), GradientMonitor(histogram=False),
+                 health]
+    trainer(tmp_path, callbacks, max_steps=2, logger=False).fit(HeadFirst(), loader())
     health.verdicts.flush()
-    assert list(health.verdicts.judge.depth)[:2] == ["early", "late"]
+    assert list(health.verdicts.judge.depth)[:2] == ["trunk.0", "head"]
