@@ -12,7 +12,6 @@ import sys
 from typing import Any, Callable
 
 import lightning as L
-import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -20,7 +19,7 @@ from lightning_hooks.callbacks.gradients import GradientMonitor  # noqa: E402
 from lightning_hooks.callbacks.stopping import GradientAnomalyStopping  # noqa: E402
 from lightning_hooks.distributed import _rank_agreement  # noqa: E402
 from tests.grad_helpers import GradNet  # noqa: E402
-from tests.helpers import loader  # noqa: E402
+from tests.helpers import leave_process_group, loader  # noqa: E402
 
 
 class Transfers(L.Callback):
@@ -70,9 +69,7 @@ def main(out_dir: str) -> None:
               "reads": transfers.reads}
     with open(os.path.join(out_dir, f"rank{trainer.global_rank}.json"), "w") as f:
         json.dump(result, f)
-    # Leave the process group before the interpreter does: once in a CI run a rank's gloo threads were
-    # still up at exit ("terminate called without an active exception") after everything was written.
-    torch.distributed.destroy_process_group()
+    leave_process_group()
 
 
 if __name__ == "__main__":

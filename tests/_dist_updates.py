@@ -25,7 +25,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from lightning_hooks import UpdateTransform  # noqa: E402
 from tests._fsdp_run import CPUFSDPStrategy, Record, ShardedNet  # noqa: E402
-from tests.helpers import counted  # noqa: E402
+from tests.helpers import counted, leave_process_group  # noqa: E402
 
 TRANSFORM = dict(scale={"net.0": 0.5}, max_ratio={"net.2": 0.02}, clip_to_history="*",
                  history_window=4, history_sigmas=0.5)
@@ -72,6 +72,7 @@ def main(out: str, kind: str, devices: int) -> None:
         enable_model_summary=False, enable_checkpointing=False, use_distributed_sampler=False,
     )
     trainer.fit(AdamNet())
+    leave_process_group()
 
 
 if __name__ == "__main__":
