@@ -13,7 +13,7 @@ from lightning.pytorch.loggers import TensorBoardLogger
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from lightning_hooks import STAT_NAMES, ActivationMonitor  # noqa: E402
-from tests.helpers import TinyNet, forward_hook_count, loader  # noqa: E402
+from tests.helpers import TinyNet, forward_hook_count, leave_process_group, loader  # noqa: E402
 
 
 class RecordLocal(L.Callback):
@@ -45,6 +45,7 @@ def main(out_dir: str) -> None:
               "hooks_after": forward_hook_count(model), "global_step": trainer.global_step}
     with open(os.path.join(out_dir, f"rank{trainer.global_rank}.json"), "w") as f:
         json.dump(result, f)
+    leave_process_group()
 
 
 if __name__ == "__main__":

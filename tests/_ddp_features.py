@@ -13,6 +13,7 @@ from torch.utils.data import DataLoader, TensorDataset
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from lightning_hooks.callbacks.features import FeatureExtractor  # noqa: E402
+from tests.helpers import leave_process_group  # noqa: E402
 
 
 class Encoder(L.LightningModule):
@@ -39,6 +40,7 @@ def main(out_dir: str) -> None:
     trainer.predict(model, loader, return_predictions=False)
     if trainer.is_global_zero:
         torch.save({"state": model.state_dict(), "x": x}, os.path.join(out_dir, "inputs.pt"))
+    leave_process_group()
 
 
 if __name__ == "__main__":

@@ -21,7 +21,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from lightning_hooks import GradientAnomalyStopping, GradientMonitor, LayerHealth  # noqa: E402
 from tests.grad_helpers import GradNet  # noqa: E402
-from tests.helpers import csv_metrics, loader  # noqa: E402
+from tests.helpers import csv_metrics, leave_process_group, loader  # noqa: E402
 
 
 class Probe(L.Callback):
@@ -64,6 +64,7 @@ def main(out_dir: str) -> None:
     }
     with open(os.path.join(out_dir, f"rank{trainer.global_rank}.json"), "w") as f:
         json.dump(result, f)
+    leave_process_group()
 
 
 if __name__ == "__main__":

@@ -16,7 +16,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from lightning_hooks import ActivationMonitor, GradientAnomalyStopping  # noqa: E402
 from tests.compat_helpers import StandaloneNet  # noqa: E402
-from tests.helpers import forward_hook_count, loader  # noqa: E402
+from tests.helpers import forward_hook_count, leave_process_group, loader  # noqa: E402
 
 
 def main(out_dir: str) -> None:
@@ -34,6 +34,7 @@ def main(out_dir: str) -> None:
               "report": [report.step, report.first_nonfinite_module, report.nonfinite_rank] if report else None}
     with open(os.path.join(out_dir, f"rank{trainer.global_rank}.json"), "w") as f:
         json.dump(result, f)
+    leave_process_group()
 
 
 if __name__ == "__main__":

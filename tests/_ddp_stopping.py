@@ -27,7 +27,7 @@ from lightning_hooks.callbacks.stopping import GradientAnomalyStopping  # noqa: 
 from lightning_hooks.distributed import _shared_measurement  # noqa: E402
 from lightning_hooks.distributed._step_measure import Step, measure_step  # noqa: E402
 from tests.grad_helpers import GradNet  # noqa: E402
-from tests.helpers import counted, loader  # noqa: E402
+from tests.helpers import counted, leave_process_group, loader  # noqa: E402
 
 COUNTED = ((torch.distributed, "all_reduce"), (torch.distributed, "barrier"), (torch.Tensor, "cpu"))
 
@@ -123,6 +123,7 @@ def main(out_dir: str) -> None:
     }
     with open(os.path.join(out_dir, f"rank{trainer.global_rank}.json"), "w") as f:
         json.dump(result, f)
+    leave_process_group()
 
 
 if __name__ == "__main__":

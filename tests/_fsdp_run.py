@@ -51,7 +51,7 @@ from lightning_hooks import (  # noqa: E402
     GradientTransform,
 )
 from lightning_hooks.measure._sharding import local  # noqa: E402
-from tests.helpers import counted, loader  # noqa: E402
+from tests.helpers import counted, leave_process_group, loader  # noqa: E402
 
 NAN_STEP = 2
 
@@ -204,6 +204,7 @@ def main(out: str, mode: str, devices: int, kind: str) -> None:
         use_distributed_sampler=False,
     )
     trainer.fit(ShardedNet(nan_rank=1 if mode in ("nan", "stop") else -1, spare=mode == "unused"))
+    leave_process_group()
 
 
 if __name__ == "__main__":
