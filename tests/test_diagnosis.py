@@ -78,8 +78,9 @@ def test_the_record_survives_a_checkpoint_and_the_episode_goes_on():
 def test_the_layers_tab_marks_the_cells_layer_health_judges():
     figure = Figure("activations/attention_max_logit", "", "activations", "attention_max_logit",
                     ["h.0.attn", "h.1.attn"], [0, 10, 20], [[2.0, 2.0, 2.0], [2.0, 31.0, 80.0]])
-    assert judge([figure], Bands()) == [(figure, [(1, 1, "attention_logits"), (1, 2, "attention_logits")])]
-    assert judge([figure], bands_from_query({"max_attention_logit": "50"})) == [(figure, [(1, 2, "attention_logits")])]
+    assert judge([figure], Bands()).figures == [(figure, [(1, 1, "attention_logits"), (1, 2, "attention_logits")])]
+    assert judge([figure], bands_from_query({"max_attention_logit": "50"})).figures == [
+        (figure, [(1, 2, "attention_logits")])]
 
 
 def test_layer_health_takes_the_bands_of_transformer_stability_and_prints_the_diagnosis_once(tmp_path, caplog):

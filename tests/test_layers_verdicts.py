@@ -22,7 +22,8 @@ DEFAULTS = Bands()
 
 
 def marks(*figs: Figure, bands: Bands = DEFAULTS, unjudged: frozenset[str] = frozenset()) -> set[tuple[str, int, str]]:
-    return {(fig.rows[r], fig.steps[c], v) for fig, found in judge(list(figs), bands, unjudged) for r, c, v in found}
+    return {(fig.rows[r], fig.steps[c], v) for fig, found in judge(list(figs), bands, unjudged).figures
+            for r, c, v in found}
 
 
 def test_a_dead_relu_is_marked_and_a_half_zero_one_is_not():
@@ -50,6 +51,16 @@ def test_the_banner_says_since_when_a_layer_is_unhealthy_now():
     late = figure("activations", "zero_fraction", {"late": [0.9, 0.9, 0.9, None]})
     # Not logged at the last step: its own last point counts.
     assert {(b["layer"], b["since"]) for b in banner(judge([late], DEFAULTS), DEFAULTS)} == {("late", 0)}
+
+
+def test_the_banner_counts_a_row_as_the_module_the_judge_says_it_belongs_to():
+    outputs = figure("activations", "nonfinite_fraction", {"net.0": [0.0, 0.0], "net.1": [0.0, 0.5]})
+    weights = figure("gradients", "norm", {"net.0.weight": [1.0, 1.0], "net.1.weight": [1.0, math.nan]})
+    found = {(b["layer"], b["module"]) for b in banner(judge([outputs, weights], DEFAULTS), DEFAULTS)}
+    assert found == {("net.1", "net.1"), ("net.1.weight", "net.1")}  # one layer: its output and its weight's gradient
+    by_module = figure("gradients", "norm", {"net.0": [1.0, 1.0], "net.1": [1.0, math.nan]})  # granularity="module"
+    lines = banner(judge([by_module], DEFAULTS, order=["net.0", "net.1"]), DEFAULTS)
+    assert [(b["layer"], b["module"]) for b in lines] == [("net.1", "net.1")]  # in the recorded forward order: a module
 
 
 def test_a_healthy_run_has_an_empty_banner():

@@ -112,12 +112,12 @@ class LayersPlugin(base_plugin.TBPlugin):
         """The run route's answer: the figures with their marks, the banner, the anomalies."""
         unjudged = reader.unjudged_ratios(run)
         # Every figure of a step together, in the order the modules ran, as LayerHealth judges.
-        judged = judge(figures, limits, unjudged, reader.forward_order(run))
+        replay = judge(figures, limits, unjudged, reader.forward_order(run))
         return {
             "run": run,
-            "figures": [_figure_json(figure, marks, limits) for figure, marks in judged],
+            "figures": [_figure_json(figure, marks, limits) for figure, marks in replay.figures],
             "context": reader.context(run),
-            "banner": banner(judged, limits),
+            "banner": banner(replay, limits),
             "anomalies": [vars(anomaly) for anomaly in reader.anomalies(run)],  # flight records as written
             "forward_order": bool(reader.forward_order(run)),
             "thresholds": bands_as_dict(limits),

@@ -12,10 +12,11 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, Optional
 
 from lightning_hooks.output._health_verdicts import JUDGED, STABILITY_BANDS, Bands, _figure_of
-from lightning_hooks.output._judge import EVERY_LAYER, Judge, layer_of
+from lightning_hooks.output._judge import EVERY_LAYER, Judge
 from lightning_hooks.tensorboard_plugin.run_data import Figure
 
 #: The query parameters, each a field of :class:`Bands` (the band's two ends apart), with its type.
@@ -51,6 +52,17 @@ Marks = list[tuple[int, int, str]]
 """A figure's marked cells: (row, column, verdict)."""
 
 
+@dataclass
+class Replay:
+    """A run replayed through LayerHealth's judge: each figure with its marked cells, and the judge that marked them.
+
+    ``referee`` is asked, as LayerHealth asks it, which layer a row belongs to (:meth:`Judge.layer`).
+    """
+
+    figures: list[tuple[Figure, Marks]]
+    referee: Judge
+
+
 def judged_as(figure: Figure) -> Optional[str]:
     """Which of LayerHealth's judged figures ``figure`` is (``log10_ratio`` is the update ratio), or None."""
     stat = "ratio" if figure.kind == "updates" and figure.stat == "log10_ratio" else figure.stat
@@ -58,7 +70,7 @@ def judged_as(figure: Figure) -> Optional[str]:
 
 
 def judge(figures: list[Figure], bands: Bands, unjudged: frozenset[str] = frozenset(),
-          order: Sequence[str] = ()) -> list[tuple[Figure, Marks]]:
+          order: Sequence[str] = ()) -> Replay:
     """Each figure with its marked cells: the run replayed step by step through LayerHealth's judge.
 
     Args:
@@ -98,25 +110,26 @@ def judge(figures: list[Figure], bands: Bands, unjudged: frozenset[str] = frozen
                 if (kind, name) in where:
                     figure, row = where[(kind, name)]
                     marks[id(figure)].append((row, figure.steps.index(step), finding.problem))
-    return [(figure, sorted(marks[id(figure)])) for figure in figures]
+    return Replay([(figure, sorted(marks[id(figure)])) for figure in figures], referee)
 
 
-def banner(judged: list[tuple[Figure, Marks]], bands: Bands) -> list[dict[str, Any]]:
+def banner(replay: Replay, bands: Bands) -> list[dict[str, Any]]:
     """The layers unhealthy at their last logged step: each problem, its figure, and since which step.
 
     "Since" is the first step of the unbroken stretch of marked cells that reaches the layer's
     last logged point (LayerHealth's episode); ``order`` is the problem's place in LayerHealth's
-    order (its tie-break); ``module`` is the layer a parameter's row belongs to (the banner counts
-    modules: a module with its output and its weight's gradient out is one layer). A bad batch is
-    one item, as LayerHealth names it: the row ``(every layer)``, its ``layers`` and their count as
-    its value. An empty list means the run looks healthy now.
+    order (its tie-break); ``module`` is the layer the judge says the row belongs to (a parameter's
+    row is its module's: a module with its output and its weight's gradient out is one layer). A bad
+    batch is one item, as LayerHealth names it: the row ``(every layer)``, its ``layers`` and their
+    count as its value. An empty list means the run looks healthy now.
     """
     titles = bands.titles()
     order = {problem: i for i, problem in enumerate(titles)}
-    modules = {name: 0 for figure, _ in judged if not figure.key.startswith(("gradients/", "updates/"))
-               for name in figure.rows}
     found = []
-    for figure, marks in judged:
+    for figure, marks in replay.figures:
+        kind = judged_as(figure)
+        if kind is None:  # not judged: nothing marked
+            continue
         marked = {(row, col): verdict for row, col, verdict in marks}
         for row, name in enumerate(figure.rows):
             logged = [col for col, v in enumerate(figure.values[row]) if v is not None]
@@ -127,11 +140,9 @@ def banner(judged: list[tuple[Figure, Marks]], bands: Bands) -> list[dict[str, A
                 if marked.get((row, col)) != verdict:
                     break
                 since = col
-            module = layer_of(name, modules) if figure.key.startswith(("gradients/", "updates/")) else name
-            found.append({"layer": name, "module": module, "figure": figure.key, "verdict": verdict,
-                          "problem": titles[verdict],
-                          "since": figure.steps[since], "value": figure.values[row][logged[-1]],
-                          "order": order[verdict]})
+            found.append({"layer": name, "module": replay.referee.layer(kind, name), "figure": figure.key,
+                          "verdict": verdict, "problem": titles[verdict], "since": figure.steps[since],
+                          "value": figure.values[row][logged[-1]], "order": order[verdict]})
     return _the_batch_as_one(found)
 
 
