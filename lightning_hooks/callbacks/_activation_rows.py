@@ -1,16 +1,21 @@
-"""ActivationMonitor's rows as figures: which stat each row logs when, and their tags, charts and histograms."""
+"""ActivationMonitor's rows as figures: which stat each row logs when, their tags, charts and histograms."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from typing import Optional
 
 import lightning.pytorch as pl
 import numpy as np
 
+from lightning_hooks.callbacks._activation_grads import GRAD_PREFIX
+from lightning_hooks.core._compat import callbacks_of
 from lightning_hooks.measure._stat_rows import DEFAULT_STATS, DIVERGENCE_STATS, N_FIELDS, summarize_rows
-from lightning_hooks.output.figures import HistogramBlock, ScalarBlock
-from lightning_hooks.output.sinks import Charts, log_histograms, log_layout
+from lightning_hooks.measure.aggregate import StatBlock
+from lightning_hooks.output._plugin_data import FORWARD_ORDER_TAG
+from lightning_hooks.output.figures import FigureListener, HistogramBlock, ScalarBlock
+from lightning_hooks.output.sinks import Charts, log_histograms, log_layout, log_plugin_data, log_scalars
 
 #: Default stats logged only where they say something: ``zero_fraction`` from a module's first
 #: exact zero on, ``nonfinite_fraction`` while it is not zero (and once more at 0).
@@ -64,6 +69,33 @@ class ActivationFigures:
             if counters:
                 nonfinite["non-finite counts by layer"] = [rf"{prefix}/.*/({'|'.join(counters)})$"]
         return {prefix: charts, f"{prefix}, non-finite": nonfinite}
+
+    def log_block(self, trainer: pl.Trainer, block: StatBlock, prefix: str, grads: int, step: int,
+                  order: Sequence[str] = ()) -> None:
+        """Drain ``block`` (one transfer) and log its rows at ``step`` from rank zero.
+
+        Args:
+            trainer: The Trainer whose loggers write.
+            block: The step's rows: the forward's, then ``grads`` output-gradient rows.
+            prefix: The forward rows' tag prefix (``activations`` or ``val_activations``).
+            grads: How many of the last rows are output gradients, logged under ``activation_grads``.
+            step: The log step.
+            order: The modules in the order their hooks first fired, once per fit: given to the
+                figure listeners before the figures (LayerHealth judges in this order) and written
+                for the Layers tab after them (a JSON list of names); empty: nothing to tell.
+        """
+        rows = block.drain(trainer)  # the forward's rows and the gradients', in one transfer
+        if not trainer.is_global_zero:
+            return
+        for listener in callbacks_of(trainer, FigureListener) if order else ():
+            listener.record_forward_order(list(order))
+        forward = len(block.names) - grads
+        figures = self.log_rows(trainer, rows[:forward], block.names[:forward], prefix, step, block.edges)
+        if grads:
+            figures += self.log_rows(trainer, rows[forward:], block.names[forward:], GRAD_PREFIX, step, block.edges)
+        log_scalars(trainer, {}, step, figures)
+        if order:
+            log_plugin_data(trainer, FORWARD_ORDER_TAG, json.dumps(list(order)), step)
 
     def log_rows(self, trainer: pl.Trainer, rows: np.ndarray, names: list[str], prefix: str,
                  step: int, edges: Sequence[float]) -> list[ScalarBlock]:

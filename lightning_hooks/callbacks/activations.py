@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable, Sequence
 from typing import Any, Literal, Optional, Union, get_args
 
@@ -20,21 +19,13 @@ from lightning_hooks.callbacks._base import (
     _validate_stats,
     log_step,
 )
-from lightning_hooks.core._compat import callbacks_of
 from lightning_hooks.core._torch_internals import in_backward
 from lightning_hooks.core._validation import check_bool, check_names
 from lightning_hooks.core.selection import ModuleSelection, check_limit, validate_limit
 from lightning_hooks.measure._stat_rows import DEFAULT_STATS, STAT_NAMES
 from lightning_hooks.measure.aggregate import StatBlock
 from lightning_hooks.measure.stats import Bins, binning
-from lightning_hooks.output._plugin_data import FORWARD_ORDER_TAG
-from lightning_hooks.output.figures import FigureListener
-from lightning_hooks.output.sinks import (
-    destinations,
-    log_layout,
-    log_plugin_data,
-    log_scalars,
-)
+from lightning_hooks.output.sinks import destinations, log_layout
 
 Stage = Literal["train", "validate"]
 
@@ -296,28 +287,14 @@ class ActivationMonitor(HookCallback):
         """Log the validation run's figures under ``val_activations/``."""
         block = self._blocks.get("validate")
         if block is not None and not trainer.sanity_checking and self.is_attached:
-            self._log(trainer, block, "val_activations", log_step(trainer))
+            self._figures.log_block(trainer, block, _PREFIXES["validate"], 0, log_step(trainer))
 
     def _flush(self, trainer: pl.Trainer, stage: str) -> None:
         step, self._pending_step = self._pending_step, None
         self._gate, self._block, self._grad_scale[0] = False, None, None  # the hooks as the gate's closer left them
         assert step is not None
-        order = list(self._forward_order or ())
-        for listener in callbacks_of(trainer, FigureListener) if order and trainer.is_global_zero else ():
-            listener.record_forward_order(order)  # before the figures: LayerHealth judges in this order
-        self._log(trainer, self._blocks[stage], "activations", step)
-        if order:  # once per fit, for the Layers tab's row order and its verdicts (JSON: a list of names)
-            log_plugin_data(trainer, FORWARD_ORDER_TAG, json.dumps(order), step)
+        order = list(self._forward_order or ())  # once per fit: for LayerHealth and the Layers tab's row order
+        self._figures.log_block(trainer, self._blocks[stage], _PREFIXES[stage], len(self._grad_names(stage)), step,
+                                order)
+        if order:
             self._forward_order = None
-
-    def _log(self, trainer: pl.Trainer, block: StatBlock, prefix: str, step: int) -> None:
-        rows = block.drain(trainer)  # the forward's rows and the gradients', in one transfer
-        if not trainer.is_global_zero:
-            return
-        grads = len(self._grad_names("train")) if prefix == _PREFIXES["train"] else 0
-        forward = len(block.names) - grads
-        figures = self._figures.log_rows(trainer, rows[:forward], block.names[:forward], prefix, step, block.edges)
-        if grads:
-            figures += self._figures.log_rows(trainer, rows[forward:], block.names[forward:], GRAD_PREFIX, step,
-                                              block.edges)
-        log_scalars(trainer, {}, step, figures)
