@@ -17,8 +17,9 @@ from tensorboard.plugins.custom_scalar import layout_pb2
 from lightning_hooks import ActivationMonitor, GradientMonitor
 from lightning_hooks.callbacks import gradients
 from lightning_hooks.measure.aggregate import StatBlock
+from lightning_hooks.output._histograms import log_histograms
 from lightning_hooks.output.figures import HistogramBlock
-from lightning_hooks.output.sinks import category_title, log_histograms, log_layout, log_scalars
+from lightning_hooks.output.sinks import category_title, log_layout, log_scalars
 from tests.helpers import TinyNet, csv_metrics, events, loader, trainer
 
 

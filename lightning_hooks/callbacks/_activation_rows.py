@@ -13,9 +13,10 @@ from lightning_hooks.callbacks._activation_grads import GRAD_PREFIX
 from lightning_hooks.core._compat import callbacks_of
 from lightning_hooks.measure._stat_rows import DEFAULT_STATS, DIVERGENCE_STATS, N_FIELDS, summarize_rows
 from lightning_hooks.measure.aggregate import StatBlock
+from lightning_hooks.output._histograms import log_histograms
 from lightning_hooks.output._plugin_data import FORWARD_ORDER_TAG
 from lightning_hooks.output.figures import FigureListener, HistogramBlock, ScalarBlock
-from lightning_hooks.output.sinks import Charts, log_histograms, log_layout, log_plugin_data, log_scalars
+from lightning_hooks.output.sinks import Charts, log_layout, log_plugin_data, log_scalars
 
 #: Default stats logged only where they say something: ``zero_fraction`` from a module's first
 #: exact zero on, ``nonfinite_fraction`` while it is not zero (and once more at 0).

@@ -25,8 +25,8 @@ from lightning_hooks.distributed._rank_agreement import Check
 from lightning_hooks.measure._sharding import ShardGroups, grad_of, local
 from lightning_hooks.measure._stat_rows import N_FIELDS, summarize_rows
 from lightning_hooks.measure.aggregate import StatBlock
+from lightning_hooks.output._histograms import log_histograms
 from lightning_hooks.output.figures import HistogramBlock, ScalarBlock
-from lightning_hooks.output.sinks import log_histograms
 
 
 class Row(NamedTuple):

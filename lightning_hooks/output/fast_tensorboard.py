@@ -13,14 +13,16 @@ not: TensorBoard's Python loader polls only the last, see ``docs/cost.md``).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, Optional
 
-from lightning.pytorch.loggers import TensorBoardLogger
+from lightning.pytorch.loggers import Logger, TensorBoardLogger
 from lightning.pytorch.loggers.logger import rank_zero_experiment
 from tensorboard.compat.proto.event_pb2 import Event, SessionLog
 from torch.utils.tensorboard import SummaryWriter
 from torch.utils.tensorboard.writer import FileWriter
 
+from lightning_hooks.core._torch_internals import event_queue
 from lightning_hooks.output._event_file import EventFile
 
 
@@ -87,3 +89,17 @@ class FastFileWriter(FileWriter):
     def path(self) -> Optional[str]:
         """The event file's path."""
         return self.event_writer.path
+
+
+def event_queue_of(logger: Logger) -> Optional[Callable[[bytes], None]]:
+    """Where a whole event's bytes can go at once (the fast path), or None: then the writer's public methods.
+
+    The package's own writer (:class:`~lightning_hooks.output.fast_tensorboard.FastTensorBoardLogger`)
+    has a public one; torch's ``SummaryWriter`` over TensorBoard's own ``EventFileWriter`` has
+    one (see :func:`~lightning_hooks.core._torch_internals.event_queue`); tensorboardX's writer
+    (other protos), a writer of another kind, or a TensorBoard whose internals moved get None.
+    """
+    writer = logger.experiment
+    if isinstance(writer, FastSummaryWriter):
+        return writer.write_event_bytes
+    return event_queue(writer) if isinstance(writer, SummaryWriter) else None

@@ -1,26 +1,25 @@
-"""Writing to loggers: scalars anywhere, histograms to TensorBoard and W&B, text and layouts to TensorBoard."""
+"""Writing to loggers: scalars anywhere; text, the Layers tab's data and layouts to TensorBoard."""
 
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Optional
 from weakref import WeakKeyDictionary
 
 import lightning.pytorch as pl
-import numpy as np
-from lightning.pytorch.loggers import Logger, TensorBoardLogger
+from lightning.pytorch.loggers import Logger
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.utils.tensorboard import SummaryWriter
 from torch.utils.tensorboard.summary import custom_scalars
 from torch.utils.tensorboard.writer import FileWriter
 
-from lightning_hooks.core._compat import CSV_LOGGERS, TENSORBOARD_LOGGERS, WANDB_LOGGERS, callbacks_of
-from lightning_hooks.core._torch_internals import event_queue
+from lightning_hooks.core._compat import CSV_LOGGERS, TENSORBOARD_LOGGERS, callbacks_of
+from lightning_hooks.output._histograms import HISTOGRAM_LOGGERS
 from lightning_hooks.output._plugin_data import plugin_data_summary
-from lightning_hooks.output._tensorboard_wire import histogram_summary_bytes, scalar_summary_bytes, write_summary
-from lightning_hooks.output.fast_tensorboard import FastSummaryWriter
-from lightning_hooks.output.figures import FigureListener, HistogramBlock, ScalarBlock, as_metrics
+from lightning_hooks.output._tensorboard_wire import scalar_summary_bytes, write_summary
+from lightning_hooks.output.fast_tensorboard import event_queue_of
+from lightning_hooks.output.figures import FigureListener, ScalarBlock, as_metrics
 
 
 def log_scalars(trainer: pl.Trainer | Any, metrics: Mapping[str, float], step: int,
@@ -86,7 +85,7 @@ def _write_one_event(logger: Logger, metrics: Mapping[str, float], step: int) ->
         or not all(isinstance(value, (int, float)) for value in metrics.values())
     ):
         return False
-    queue = _event_queue(logger)
+    queue = event_queue_of(logger)
     if queue is None:
         return False
     write_summary(queue, scalar_summary_bytes(list(metrics), list(metrics.values())), step)
@@ -95,78 +94,6 @@ def _write_one_event(logger: Logger, metrics: Mapping[str, float], step: int) ->
 
 #: Each package's own ``TensorBoardLogger.log_metrics``: one event per scalar is all they do.
 _TENSORBOARD_LOG_METRICS = tuple(cls.log_metrics for cls in TENSORBOARD_LOGGERS)
-
-
-def _event_queue(logger: TensorBoardLogger) -> Optional[Callable[[bytes], None]]:
-    """Where a whole event's bytes can go at once (the fast path), or None: then the writer's public methods.
-
-    The package's own writer (:class:`~lightning_hooks.output.fast_tensorboard.FastTensorBoardLogger`)
-    has a public one; torch's ``SummaryWriter`` over TensorBoard's own ``EventFileWriter`` has
-    one (see :func:`~lightning_hooks.core._torch_internals.event_queue`); tensorboardX's writer
-    (other protos), a writer of another kind, or a TensorBoard whose internals moved get None.
-    """
-    writer = logger.experiment
-    if isinstance(writer, FastSummaryWriter):
-        return writer.write_event_bytes
-    return event_queue(writer) if isinstance(writer, SummaryWriter) else None
-
-
-#: Loggers that take histograms: TensorBoard, and W&B where wandb is installed.
-HISTOGRAM_LOGGERS: tuple[type[Logger], ...] = TENSORBOARD_LOGGERS + WANDB_LOGGERS
-
-#: The most bins a ``wandb.Histogram`` takes.
-WANDB_MAX_BINS = 512
-
-def log_histograms(trainer: pl.Trainer | Any, block: HistogramBlock, edges: Sequence[float], step: int) -> None:
-    """Write a step's histograms to every TensorBoard and W&B logger of ``trainer``, from rank zero.
-
-    TensorBoard gets them all in one event (what ``add_histogram_raw`` would write for each), with
-    the true min, max, sum and sum of squares of the finite values, its protos built straight
-    from the block's arrays; W&B in one ``log_metrics`` call, as ``wandb.Histogram`` (adjacent
-    bins merged where there are more than W&B's 512). Empty leading and trailing bins are
-    trimmed. A histogram with no finite value is not written (its NaN/Inf counts go out as
-    scalars), so divergence never raises here.
-
-    Args:
-        trainer: The trainer whose loggers receive the histograms.
-        block: The histograms, one row each, under tags such as ``"activations/encoder.0"``;
-            handed to the listeners as they are.
-        edges: Increasing bin edges, shared by all of them (``len(counts) + 1``).
-        step: The global step to write at.
-    """
-    if not trainer.is_global_zero:
-        return
-    for listener in callbacks_of(trainer, FigureListener):
-        listener.record_histograms(block, edges, step)
-    shown = np.flatnonzero(block.summary["count_finite"] > 0)
-    if not shown.size:
-        return
-    nonzero = block.counts[shown] > 0
-    first = nonzero.argmax(1).tolist()
-    last = (nonzero.shape[1] - nonzero[:, ::-1].argmax(1)).tolist()
-    rows = list(zip(shown.tolist(), first, last))
-    for logger in trainer.loggers:
-        if isinstance(logger, TENSORBOARD_LOGGERS):
-            _tensorboard_histograms(logger, block, rows, list(edges), step)
-        elif isinstance(logger, WANDB_LOGGERS):
-            logger.log_metrics({block.tags[i]: _wandb_histogram(block.counts[i, a:b], edges[a : b + 1])
-                                for i, a, b in rows}, step=step)
-
-
-def _tensorboard_histograms(logger: Logger, block: HistogramBlock, rows: list[tuple[int, int, int]],
-                            edges: list[float], step: int) -> None:
-    """Write the ``(row, first bin, one past the last)`` histograms of ``block`` to TensorBoard, in one event."""
-    queue = _event_queue(logger)
-    if queue is not None:  # one event for all, as for scalars
-        write_summary(queue, histogram_summary_bytes(block.tags, block.summary, block.counts, edges, rows), step)
-        return
-    s = {k: block.summary[k].tolist() for k in ("count_finite", "min", "max", "sum", "sum_sq")}
-    counts = block.counts.tolist()
-    for i, a, b in rows:  # the public method, one event each
-        logger.experiment.add_histogram_raw(
-            block.tags[i], global_step=step, min=s["min"][i], max=s["max"][i], num=int(s["count_finite"][i]),
-            sum=s["sum"][i], sum_squares=s["sum_sq"][i], bucket_limits=edges[a + 1 : b + 1],
-            bucket_counts=[int(c) for c in counts[i][a:b]])
 
 
 def destinations(trainer: pl.Trainer | Any, owner: str, histogram: bool, listened_histograms: bool,
@@ -196,16 +123,6 @@ def destinations(trainer: pl.Trainer | Any, owner: str, histogram: bool, listene
     return figures, histograms
 
 
-def _wandb_histogram(counts: Sequence[float], edges: Sequence[float]) -> Any:
-    """A ``wandb.Histogram`` of these counts and edges, adjacent bins merged to fit W&B's limit."""
-    import wandb
-
-    group = -(-len(counts) // WANDB_MAX_BINS)  # bins per merged bin
-    merged = [sum(counts[i : i + group]) for i in range(0, len(counts), group)]
-    merged_edges = [*edges[: len(counts) : group], edges[len(counts)]]
-    return wandb.Histogram(np_histogram=(np.asarray(merged, dtype=np.int64), np.asarray(merged_edges)))
-
-
 def log_text(trainer: pl.Trainer | Any, tag: str, text: str, step: int) -> None:
     """Write a text entry (e.g. a provenance report) to every TensorBoardLogger, from rank zero."""
     if not trainer.is_global_zero:
@@ -228,7 +145,7 @@ def log_plugin_data(trainer: pl.Trainer | Any, tag: str, text: str, step: int) -
     for logger in trainer.loggers:
         if not isinstance(logger, TENSORBOARD_LOGGERS):
             continue
-        queue = _event_queue(logger)
+        queue = event_queue_of(logger)
         file_writer = None if queue is not None else _torch_file_writer(logger.experiment)
         if queue is not None:
             write_summary(queue, plugin_data_summary(tag, text).SerializeToString(), step)
@@ -293,7 +210,7 @@ def log_layout(trainer: pl.Trainer | Any, categories: Mapping[str, Charts], step
             continue
         spec = {category_title(lead + name, charts): {chart: ["Multiline", tags] for chart, tags in charts.items()}
                 for name, charts in layout.items()}
-        queue = _event_queue(logger)
+        queue = event_queue_of(logger)
         if queue is not None:
             write_summary(queue, custom_scalars(spec).SerializeToString(), step)
         else:  # the public method, same layout (at step 0)
