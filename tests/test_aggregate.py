@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch.overrides import TorchFunctionMode
 
-from lightning_hooks.measure import _native, stats
+from lightning_hooks.measure import _binning, _native, stats
 from lightning_hooks.measure.aggregate import StatBlock
 from lightning_hooks.measure.stats import Binning, accumulate_, as_float_values, new_rows
 
@@ -118,7 +118,7 @@ def test_many_tensors_at_once_give_what_adding_each_gives(op_calls):
 
 
 def test_without_the_c_kernel_the_block_uses_the_tensor_op_kernel(monkeypatch):
-    monkeypatch.setattr(stats, "NATIVE_KERNEL", False)
+    monkeypatch.setattr(_binning, "NATIVE_KERNEL", False)
     block = StatBlock(["m"], 16, "cpu")
     assert block._direct is None
     block.add(0, torch.tensor([1.0, 2.0, math.nan]))

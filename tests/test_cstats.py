@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from lightning_hooks.measure import _native, stats
+from lightning_hooks.measure import _binning, _native, stats
 from lightning_hooks.measure.stats import N_FIELDS, Binning, accumulate_, histogram_edges, new_rows, summarize
 
 NAN, INF = math.nan, math.inf
@@ -52,7 +52,7 @@ def test_native_kernel_is_built_where_required():
 def test_used_only_for_float32_on_cpu_and_can_be_switched_off(monkeypatch):
     assert Binning(16, torch.device("cpu"), torch.float32).native is not None
     assert Binning(16, torch.device("cpu"), torch.float64).native is None
-    monkeypatch.setattr(stats, "NATIVE_KERNEL", False)
+    monkeypatch.setattr(_binning, "NATIVE_KERNEL", False)
     assert Binning(16, torch.device("cpu"), torch.float32).native is None
 
 
@@ -75,7 +75,7 @@ def test_agrees_with_tensor_ops_at_and_around_every_edge(bins, passes, monkeypat
         torch.tensor([0.0, -0.0, 1e-45, -1e-45, NAN, INF, -INF, 7.0]),
     ])
     native_row = _row(x, bins, native=True)
-    monkeypatch.setattr(stats, "NATIVE_KERNEL", False)
+    monkeypatch.setattr(_binning, "NATIVE_KERNEL", False)
     tensor_row = _row(x, bins, native=False)
     assert native_row[N_FIELDS:].tolist() == tensor_row[N_FIELDS:].tolist()
     assert _exact_columns(native_row) == _exact_columns(tensor_row)

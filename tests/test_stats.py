@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from lightning_hooks.measure import _native, stats
+from lightning_hooks.measure import _binning, _native, stats
 from lightning_hooks.measure.stats import (
     FLOAT32_MAX,
     N_FIELDS,
@@ -33,9 +33,9 @@ def kernel(request, monkeypatch):
     if request.param == "native":
         if _native.cstats is None and not REQUIRE_NATIVE:
             pytest.skip("the native kernel was not built (no C compiler at install time)")
-        monkeypatch.setattr(stats, "NATIVE_KERNEL", True)
+        monkeypatch.setattr(_binning, "NATIVE_KERNEL", True)
     else:
-        monkeypatch.setattr(stats, "NATIVE_KERNEL", False)
+        monkeypatch.setattr(_binning, "NATIVE_KERNEL", False)
     if request.param == "accelerator":
         monkeypatch.setattr(
             stats, "_accumulate_tensors_", lambda row, values, binning, calls: stats.accumulate_device_(
