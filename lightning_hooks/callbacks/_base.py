@@ -1,11 +1,10 @@
-"""HookCallback: the hook lifecycle every callback of this package shares."""
+"""HookCallback: the hook lifecycle every callback of this package shares, with its step clock (``_steps``)."""
 
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
-from typing import Any, NamedTuple, Optional
+from collections.abc import Callable, Sequence
+from typing import Any, Optional
 from weakref import WeakKeyDictionary, ref
 
 import lightning.pytorch as pl
@@ -13,16 +12,25 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from lightning_hooks.callbacks._steps import (
+    Moment,
+    _is_logged_step,
+    _log_interval,
+    _validate_interval,
+    acting_late,
+    log_step,
+    moment,
+)
 from lightning_hooks.core._compat import CALLBACK_BASES, configure_model_overridden
 from lightning_hooks.core._torch_internals import is_compiled
-from lightning_hooks.core._validation import check_int, check_names
+from lightning_hooks.core._validation import check_names
 from lightning_hooks.core.selection import ModuleSelection, select_modules, validate_selection
 from lightning_hooks.measure._sharding import note_flat_shards
 
-
-def _validate_interval(value: Any) -> None:
-    """Check a ``log_every_n_steps`` argument: a positive int (not a bool) or None."""
-    check_int("log_every_n_steps", value, optional=True)
+__all__ = [
+    "HookCallback", "Moment", "_log_interval", "_validate_interval", "_validate_stats", "acting_late", "claim",
+    "log_step", "moment", "owns", "release",
+]
 
 
 def _validate_stats(stats: Any, allowed: Sequence[str]) -> None:
@@ -33,70 +41,6 @@ def _validate_stats(stats: Any, allowed: Sequence[str]) -> None:
             f" unknown stats {list(stats)}); write stats=[{stats!r}]"
         )
     check_names("stats", stats, allowed, allow_empty=True, what="stat")
-
-
-def _log_interval(log_every_n_steps: Optional[int], trainer: pl.Trainer) -> int:
-    """The steps between logged steps: the callback's own setting, else the Trainer's.
-
-    0 means never: ``Trainer(log_every_n_steps=0)`` turns logging off, and so it does here.
-    """
-    if log_every_n_steps is not None:
-        return log_every_n_steps
-    return getattr(trainer, "log_every_n_steps", 50)
-
-
-def log_step(trainer: pl.Trainer) -> int:
-    """The step Lightning's loggers record for the training batch running now.
-
-    That is the fit loop's count of batches that stepped (``_batches_that_stepped``, what
-    ``self.log``, ``LearningRateMonitor`` and ``DeviceStatsMonitor`` write at): it counts each
-    batch that ends an optimizer step once (``accumulate_grad_batches`` batches count once,
-    several optimizers in one batch count once) and goes up only after ``on_train_batch_end``.
-    ``trainer.global_step`` where the loop has no such count. While a step's check is acted on
-    a step late (:func:`acting_late`), that step's.
-    """
-    late = _LATE.get(trainer)
-    if late is not None:
-        return late.log_step
-    loop = getattr(getattr(trainer, "fit_loop", None), "epoch_loop", None)
-    return int(getattr(loop, "_batches_that_stepped", trainer.global_step))
-
-
-class Moment(NamedTuple):
-    """Where training was when a step was measured: what its late reader logs and reports it at."""
-
-    log_step: int
-    global_step: int
-    epoch: int
-
-
-# Per Trainer: the step whose check is acted on now, a step late (see `acting_late`).
-_LATE: WeakKeyDictionary[Any, Moment] = WeakKeyDictionary()
-
-
-def moment(trainer: pl.Trainer) -> Moment:
-    """The step running now (or the one acted on late): its log step, global step and epoch."""
-    late = _LATE.get(trainer)
-    return late if late is not None else Moment(log_step(trainer), trainer.global_step, trainer.current_epoch)
-
-
-@contextmanager
-def acting_late(trainer: pl.Trainer, at: Moment) -> Iterator[None]:
-    """Within it, :func:`log_step` and :func:`moment` give the step ``at``: a check read a step late logs there."""
-    _LATE[trainer] = at
-    try:
-        yield
-    finally:
-        _LATE.pop(trainer, None)
-
-
-def _is_logged_step(step: int, every: int) -> bool:
-    """Whether log step ``step`` (see :func:`log_step`) is logged at an interval of ``every`` (0: never).
-
-    Lightning's own timing (``(step + 1) % every == 0``: steps 4, 9, 14 … for 5), so our points
-    share steps with the user's ``self.log``, and step 0, the start of training.
-    """
-    return every > 0 and (step == 0 or (step + 1) % every == 0)
 
 
 def _remove(handles: list[RemovableHandle]) -> None:
