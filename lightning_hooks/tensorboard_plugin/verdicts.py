@@ -80,6 +80,9 @@ def judge(figures: list[Figure], bands: Bands, unjudged: frozenset[str] = frozen
             (as LayerHealth leaves them out).
         order: The modules in the order their forward hooks first fired (ActivationMonitor's
             ``layers/forward_order``), as LayerHealth judges them; else the figures' row order.
+
+    Returns:
+        The :class:`Replay`: every figure, in the order given, with its marked cells, and the judge.
     """
     kinds = [(figure, judged_as(figure)) for figure in figures]
     columns: dict[int, list[tuple[Figure, str, int]]] = {}
