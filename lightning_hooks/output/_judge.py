@@ -97,9 +97,8 @@ class Judge:
         Args:
             figures: Per figure (``level``, ``norm``, ``ratio``, ``zero_fraction``, ``nonfinite`` or
                 a TransformerStability figure), each row's value at the step.
-            step: The step's number (the trainer's optimizer steps), if known: the rows' own ranges
-                judge from ``WARM_STEPS_PER_POINT * min_points`` steps after the first logged step
-                on, as well as from their ``min_points``-th value.
+            step: The step's number, if known: the rows' ranges judge from ``WARM_STEPS_PER_POINT *
+                min_points`` steps after the first logged step on (and from their ``min_points``-th value).
         """
         if step is not None:
             self.start = step if self.start is None else self.start
