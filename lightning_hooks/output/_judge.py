@@ -102,7 +102,7 @@ class Judge:
         """
         if step is not None:
             self.start = step if self.start is None else self.start
-            self.warm = step - self.start >= WARM_STEPS_PER_POINT * self.bands.min_points
+            self.warm = step - self.start + 1 >= WARM_STEPS_PER_POINT * self.bands.min_points  # steps seen
         for figure, rows in sorted(figures.items(), key=lambda item: item[0] in PARAMETER_FIGURES):
             for row in rows:  # a module figure's rows are modules; a parameter's belongs to its module
                 self.depth.setdefault(self.layer(figure, row), len(self.depth))
