@@ -71,3 +71,15 @@ def test_a_bad_batch_is_every_layer_at_once_not_one_layer(healthy, model):
     row = judge_case(run_case(model, "data", STEPS, ONSET, EVERY), healthy[model])
     assert row["first"] == "(every layer) (data)" and row["delay"] < EVERY and row["named_at_once"] == 1
     assert row["leader"] == "(every layer)" and row["judged_by"] == "outputs"  # the flight record says so too
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("seed", [0, 1])
+def test_logged_every_step_the_fastest_learning_is_history_and_a_ramp_is_named_first(seed):
+    # Logged every step, the MLP's layers move 20-80% over steps 25-60 while its loss falls 4x: judged from its
+    # 24th logged value alone, 1-2 healthy layers were named there, and named before the ramp's culprit.
+    healthy_run = run_case("mlp", None, STEPS, ONSET, 1, seed)
+    assert judge_case(healthy_run, None)["alarms"] == 0, judge_case(healthy_run, None)["lines"]
+    case = run_case("mlp", "ramp", STEPS, ONSET, 1, seed)
+    row = judge_case(case, healthy_run)
+    assert row["before"] == 0 and row["first"].startswith(case.culprit), row

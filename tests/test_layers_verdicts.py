@@ -8,6 +8,7 @@ import random
 import pytest
 
 from lightning_hooks.output._health_verdicts import JUDGED, Bands, Verdicts
+from lightning_hooks.output._judge import Judge
 from lightning_hooks.tensorboard_plugin.run_data import TAG, Figure, layer_order
 from lightning_hooks.tensorboard_plugin.verdicts import bands_as_dict, bands_from_query, banner, judge
 
@@ -151,3 +152,21 @@ def test_every_problem_has_a_mark_colour_in_the_tab() -> None:
               / "heatmap.js").read_text()
     colours = re.search(r"export const MARK_COLOURS = \{(.*?)\};", script, re.S)[1]
     assert set(re.findall(r"(\w+):", colours)) == set(PROBLEMS)
+
+
+def test_logged_every_step_a_layer_learning_fast_in_the_first_steps_is_named_by_neither_the_tab_nor_layer_health():
+    """Logged every step, the rows' ranges judge from 48 steps on (2 x ``min_points``), as logged every 2: a layer
+    whose outputs grow x1.8 over steps 26-46 (a small model's fastest learning) is history, in both."""
+    rng = random.Random(0)
+    steps = list(range(120))
+    rise = [math.exp(0.6 * min(1.0, max(0.0, (s - 26) / 20))) for s in steps]
+    levels = {f"l{i}": [(1 + i) * math.exp(rng.gauss(0, 0.03)) * (rise[s] if i == 3 else 1) for s in steps]
+              for i in range(6)}
+    verdicts, judge_without_steps, named_without = Verdicts(DEFAULTS), Judge(DEFAULTS), set()
+    for col, step in enumerate(steps):
+        verdicts.add("level", step, {name: values[col] for name, values in levels.items()})
+        named_without |= {f.layer for f in judge_without_steps.step({"level": {n: v[col] for n, v in levels.items()}})
+                          .named}
+    assert named_without == {"l3"}  # judged from its 24th point on, as it did before the warm-up in steps
+    assert verdicts.episodes == {}
+    assert marks(figure("activations", "std", levels, steps)) == set()

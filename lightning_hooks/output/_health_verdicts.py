@@ -13,10 +13,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Optional
 
+from lightning_hooks.output._findings import EVERY_LAYER as EVERY_LAYER
+from lightning_hooks.output._findings import Judged
 from lightning_hooks.output._health_bands import PROBLEMS as PROBLEMS
 from lightning_hooks.output._health_bands import Bands as Bands
-from lightning_hooks.output._judge import EVERY_LAYER as EVERY_LAYER
-from lightning_hooks.output._judge import Judge, Judged
+from lightning_hooks.output._judge import Judge
 
 #: A text entry (JSON: a list of names) GradientMonitor(update_ratio=True) writes once per fit: the
 #: update rows whose ratio is not judged, so that the Layers tab leaves out the rows LayerHealth does.
@@ -101,7 +102,7 @@ class Verdicts:
             return None
         step, figures = self._pending_step, self._pending
         self._pending, self._pending_step = {}, None
-        judged = self.judge.step(figures)
+        judged = self.judge.step(figures, step)
         named = {(f.problem, f.row): f for f in judged.named}
         for key, episode in self._episodes.items():
             if episode.ongoing and key not in named and (key[0] == "data" or _figure_of(key[0]) in figures):

@@ -18,26 +18,23 @@ step at a time, with every judged figure of that step. How it decides (docs/verd
   its own gain, not the gains after it.
 - Gradient norms and update ratios are judged against their peers too: the step's median change
   over all rows (the learning-rate schedule, the loss falling, the batch's own noise) is taken
-  out first, so no fixed band judges the recipe. Activations are judged against their own
-  history only, where a single layer's fault would move every row downstream of it.
-- The gradient reaching each module's output (``output_grad``, ActivationMonitor's
-  ``gradients=True``) against its own history, net of the move of the last module's (the
-  loss's own move: the loss falling, the batch, the schedule): the backward pass's gain from the
-  loss to that module. The backward runs in reverse forward order, so a fault in one module's
-  backward moves the gain of every module *before* it: of those out at a step, the *last* in
-  forward order (the first the backward pass reached) is named, and only where no module's
-  outputs single one out (a forward culprit moves the backward too: its consequences).
+  out first, so no fixed band judges the recipe (activations: their own history only).
+- The gradient reaching each module's output (``output_grad``) against its own history, net of
+  the last module's (the loss's own move): the backward pass's gain from the loss. A cut in one
+  module's backward moves every module *before* it, so the *last* in forward order out is named,
+  and only where no module's outputs single one out (a forward culprit moves the backward too).
 - Every layer at once is the batch, not a layer: the first module in forward order out (its
   input is the batch), or every gradient moving together, and staying there at the next logged
   step, while no activation, output gradient or update ratio singles a layer out (the labels): ``data``.
-- Culprit and victims: at a step, the first module in forward order whose outputs are out of
-  their range is named (its inputs, the modules before it, are in range); the modules after it,
-  and the gradients and update ratios of other layers, are its victims, not named. Without an
-  activation finding, the row that moved most among update ratios, then gradient norms, is
-  named. While a named layer is still out, every other layer that goes out is counted as
-  affected, not named: one cause, then its consequences.
-- Absolute rules where the physics gives a bound: a NaN or Inf; more than ``max_zero_fraction``
-  exact zeros (dead units); TransformerStability's logit, entropy and massive-activation bounds.
+- Culprit and victims: the first module in forward order whose outputs are out (its inputs in
+  range) is named; the modules after it, and other layers' gradients and ratios, are its victims.
+  Without an output finding, the update ratio that moved most, then the gradient norm, is named.
+  While a named layer is still out, the others that go out are counted as affected, not named.
+- Absolute rules where the physics gives a bound (:mod:`~lightning_hooks.output._judge_absolute`):
+  a NaN or Inf; more than ``max_zero_fraction`` exact zeros (dead units); TransformerStability's
+  logit, entropy and massive-activation bounds. They judge from the first logged step.
+- A row's own range judges from its ``min_points``-th value and ``WARM_STEPS_PER_POINT * min_points``
+  steps on: the first steps move every layer, and no history tells learning from a fault there.
 """
 
 from __future__ import annotations
@@ -46,58 +43,30 @@ import math
 import statistics
 from collections import deque
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Optional
 
+from lightning_hooks.output._findings import (
+    BACKWARD,
+    EVERY_LAYER,
+    OUTPUT_PROBLEMS,
+    PARAMETER_FIGURES,
+    RELATIVE,
+    Finding,
+    Judged,
+    layer_of,
+)
 from lightning_hooks.output._health_bands import Bands
-from lightning_hooks.output._row_range import Track, judge_value
+from lightning_hooks.output._judge_absolute import absolute_problems
+from lightning_hooks.output._row_range import Track, judge_value, track_from_state, track_state
 
-#: The relative figures, each with its (up, down) problems.
-RELATIVE = {"level": ("blowup", "collapse"), "gain": ("blowup", "collapse"), "norm": ("exploding", "vanishing"),
-            "ratio": ("too_fast", "too_slow"), "output_grad": ("output_grad_exploding", "output_grad_vanishing")}
-#: The figure of the gradient reaching each module's output: judged in backward order (the last module first).
-BACKWARD = "output_grad"
 #: The relative figures whose step's common change over all rows is taken out (peers).
 COMMON_MODE = ("norm", "ratio", "gain")
-#: The problems seen in a module's own outputs: the evidence a culprit is named from, in forward order.
-OUTPUT_PROBLEMS = ("nonfinite", "dead", "blowup", "collapse")
-#: The figures whose rows are parameters (or modules, with GradientMonitor's ``granularity="module"``).
-PARAMETER_FIGURES = ("norm", "ratio")
 #: A module's outputs are judged by its gain where that is this many times quieter than its level: where the
 #: module before it carries the batch-to-batch moves they share (an MLP's, a CNN's layers).
 QUIETER = 1.5
-#: The layer a data fault is reported on.
-EVERY_LAYER = "(every layer)"
-
-
-def layer_of(row: str, modules: Mapping[str, int]) -> str:
-    """The module a row belongs to: the row itself if it is a known module, else its name without the last part.
-
-    Module figures come first in each step, so that every watched module is known.
-    """
-    if row in modules or "." not in row:
-        return row
-    return row.rsplit(".", 1)[0]
-
-
-@dataclass
-class Finding:
-    """A row out of its range at a step: its layer, the problem, the value, and how far (log units) it moved."""
-
-    row: str
-    layer: str
-    problem: str
-    value: float
-    figure: str  # the relative figure it was judged from, "peers" (a ratio far above the others'), or the stat
-    moved: float = 0.0
-
-
-@dataclass
-class Judged:
-    """One step's judgement: the findings named, those counted as victims, and the common move by figure."""
-
-    named: list[Finding] = field(default_factory=list)
-    victims: list[Finding] = field(default_factory=list)
+#: The rows' ranges judge from this many steps per ``min_points`` on (48): logged every step, a small model's
+#: fastest learning (the zoo's MLP: layers moving 20-80% over steps 25-60) is history, as logged every 2.
+WARM_STEPS_PER_POINT = 2
 
 
 class Judge:
@@ -119,14 +88,21 @@ class Judge:
         self.named: set[str] = set()  # layers named and still out
         self.affected: set[str] = set()  # rows out as victims, not named while they stay out
         self.first_entropy: dict[str, float] = {}
+        self.start: Optional[int] = None  # the first logged step judged
+        self.warm = True  # whether the rows' own ranges judge at this step (past the warm-up in steps)
 
-    def step(self, figures: Mapping[str, Mapping[str, float]]) -> Judged:
+    def step(self, figures: Mapping[str, Mapping[str, float]], step: Optional[int] = None) -> Judged:
         """Judge one logged step.
 
         Args:
             figures: Per figure (``level``, ``norm``, ``ratio``, ``zero_fraction``, ``nonfinite`` or
                 a TransformerStability figure), each row's value at the step.
+            step: The step's number, if known: the rows' ranges judge from ``WARM_STEPS_PER_POINT *
+                min_points`` steps after the first logged step on (and from their ``min_points``-th value).
         """
+        if step is not None:
+            self.start = step if self.start is None else self.start
+            self.warm = step - self.start + 1 >= WARM_STEPS_PER_POINT * self.bands.min_points  # steps seen
         for figure, rows in sorted(figures.items(), key=lambda item: item[0] in PARAMETER_FIGURES):
             for row in rows:  # a module figure's rows are modules; a parameter's belongs to its module
                 self.depth.setdefault(self.layer(figure, row), len(self.depth))
@@ -179,7 +155,7 @@ class Judge:
             if math.isfinite(x):
                 last[row] = x
             track = tracks.setdefault(row, Track(deque(maxlen=self.bands.window)))
-            moved = judge_value(track, x - self.offset[figure], figure, self.bands)
+            moved = judge_value(track, x - self.offset[figure], figure, self.bands, self.warm)
             if moved is not None:
                 up, down = RELATIVE[figure]
                 found.append(Finding(row, self.layer(figure, row), up if moved > 0 else down, values[row], figure,
@@ -223,24 +199,9 @@ class Judge:
         return logs[side] - last[side] if side is not None and side in last else 0.0
 
     def _absolute(self, figure: str, values: Mapping[str, float]) -> list[Finding]:
-        b = self.bands
-        if figure == "nonfinite":
-            return [self._finding(r, "nonfinite", v, "level") for r, v in values.items() if v != 0]
-        if figure == "zero_fraction":
-            return [self._finding(r, "dead", v, "level") for r, v in values.items() if v > b.max_zero_fraction]
-        if figure == "attention_entropy":
-            for row, v in values.items():
-                if math.isfinite(v) and v > 0:
-                    self.first_entropy.setdefault(row, v)
-            return [self._finding(r, "entropy_collapse", v, figure) for r, v in values.items()
-                    if r in self.first_entropy and v < b.min_entropy_fraction * self.first_entropy[r]]
-        limit, problem = {"attention_max_logit": (b.max_attention_logit, "attention_logits"),
-                          "logit_abs_max": (b.max_output_logit, "output_logits"),
-                          "massive_ratio": (b.max_massive_ratio, "massive")}[figure]
-        return [self._finding(r, problem, v, figure) for r, v in values.items() if v > limit]
-
-    def _finding(self, row: str, problem: str, value: float, figure: str) -> Finding:
-        return Finding(row, self.layer(figure, row), problem, value, figure)
+        judged_as = "level" if figure in ("nonfinite", "zero_fraction") else figure
+        return [Finding(row, self.layer(judged_as, row), problem, v, judged_as)
+                for row, problem, v in absolute_problems(figure, values, self.bands, self.first_entropy)]
 
     def layer(self, figure: str, row: str) -> str:
         """The layer a row of ``figure`` belongs to: a parameter's row is its module's."""
@@ -323,9 +284,8 @@ class Judge:
     def state_dict(self) -> dict[str, Any]:
         """The judge's memory, as plain values."""
         return {"depth": dict(self.depth), "last": {f: dict(v) for f, v in self.last.items()},
-                "offset": dict(self.offset),
-                "tracks": {f: {r: [list(t.logs), t.up, t.down, t.frozen, t.worst, list(t.held), t.deviation, t.noise,
-                                   t.learned] for r, t in rows.items()} for f, rows in self.tracks.items()},
+                "offset": dict(self.offset), "start": self.start,
+                "tracks": {f: {r: track_state(t) for r, t in rows.items()} for f, rows in self.tracks.items()},
                 "named": sorted(self.named), "affected": sorted(self.affected),
                 "first_entropy": dict(self.first_entropy)}
 
@@ -333,10 +293,8 @@ class Judge:
         """Restore :meth:`state_dict`."""
         self.depth = dict(state["depth"])
         self.last = {f: dict(v) for f, v in state["last"].items()}
-        self.offset = dict(state["offset"])
-        self.tracks = {f: {r: Track(deque(t[0], maxlen=self.bands.window), up=t[1], down=t[2], frozen=t[3], worst=t[4],
-                                    held=deque(t[5], maxlen=64), deviation=t[6], noise=t[7], learned=t[8])
-                            for r, t in rows.items()}
+        self.offset, self.start = dict(state["offset"]), state["start"]
+        self.tracks = {f: {r: track_from_state(t, self.bands.window) for r, t in rows.items()}
                        for f, rows in state["tracks"].items()}
         self.named, self.affected = set(state["named"]), set(state["affected"])
         self.first_entropy = dict(state["first_entropy"])

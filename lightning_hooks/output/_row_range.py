@@ -60,8 +60,24 @@ def usual_range(logs: Sequence[float]) -> tuple[float, float, float, float]:
     return new, slope, len(values) - centre, noise
 
 
-def judge_value(track: Track, x: float, figure: str, bands: Bands) -> Optional[float]:
+def track_state(track: Track) -> list:
+    """A track as plain values (for a checkpoint); :func:`track_from_state` restores it."""
+    return [list(track.logs), track.up, track.down, track.frozen, track.worst, list(track.held), track.deviation,
+            track.noise, track.learned]
+
+
+def track_from_state(state: Sequence, window: int) -> Track:
+    """The track of :func:`track_state`'s values."""
+    logs, up, down, frozen, worst, held, deviation, noise, learned = state
+    return Track(deque(logs, maxlen=window), up=up, down=down, frozen=frozen, worst=worst,
+                 held=deque(held, maxlen=64), deviation=deviation, noise=noise, learned=learned)
+
+
+def judge_value(track: Track, x: float, figure: str, bands: Bands, warm: bool = True) -> Optional[float]:
     """Add one log value to a row's track; its deviation from its range if that is a finding, else None.
+
+    Before ``min_points`` values, or while not ``warm`` (the judge's warm-up in steps), the value
+    only joins the row's history.
 
     A finding needs the CUSUM past ``bands.cusum`` noises, and the deviation past the figure's
     factor up (its square down). Values seen while the row leans out are held back from its
@@ -69,7 +85,7 @@ def judge_value(track: Track, x: float, figure: str, bands: Bands) -> Optional[f
     if it drifted just past its range and settled there (learning); a row that went out by a step
     stays out until it comes back.
     """
-    if len(track.logs) < bands.min_points:
+    if len(track.logs) < bands.min_points or not warm:
         if math.isfinite(x):
             track.logs.append(x)
         return None

@@ -15,8 +15,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Optional
 
+from lightning_hooks.output._findings import EVERY_LAYER
 from lightning_hooks.output._health_verdicts import JUDGED, STABILITY_BANDS, Bands, _figure_of
-from lightning_hooks.output._judge import EVERY_LAYER, Judge
+from lightning_hooks.output._judge import Judge
 from lightning_hooks.tensorboard_plugin.run_data import Figure
 
 #: The query parameters, each a field of :class:`Bands` (the band's two ends apart), with its type.
@@ -106,7 +107,7 @@ def judge(figures: list[Figure], bands: Bands, unjudged: frozenset[str] = frozen
                     value = max(values.get(kind, {}).get(name, 0.0), value)
                 values.setdefault(kind, {})[name] = value
                 where.setdefault((kind, name), (figure, row))
-        for finding in referee.step(values).named:
+        for finding in referee.step(values, step).named:
             rows = [(finding.row, _figure_of(finding.problem))] if finding.problem != "data" else \
                 [(name, "level") for name in values.get("level", {})]
             for name, kind in rows:

@@ -1,0 +1,53 @@
+"""What the judge finds at a step, and the names it finds them by (host-side, torch-free).
+
+The vocabulary of :mod:`lightning_hooks.output._judge` that LayerHealth's record, the Layers tab
+and the absolute rules share: the relative figures with their problems, a :class:`Finding`, a
+step's :class:`Judged`, and which module a row belongs to.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+#: The relative figures, each with its (up, down) problems.
+RELATIVE = {"level": ("blowup", "collapse"), "gain": ("blowup", "collapse"), "norm": ("exploding", "vanishing"),
+            "ratio": ("too_fast", "too_slow"), "output_grad": ("output_grad_exploding", "output_grad_vanishing")}
+#: The figure of the gradient reaching each module's output: judged in backward order (the last module first).
+BACKWARD = "output_grad"
+#: The problems seen in a module's own outputs: the evidence a culprit is named from, in forward order.
+OUTPUT_PROBLEMS = ("nonfinite", "dead", "blowup", "collapse")
+#: The figures whose rows are parameters (or modules, with GradientMonitor's ``granularity="module"``).
+PARAMETER_FIGURES = ("norm", "ratio")
+#: The layer a data fault is reported on.
+EVERY_LAYER = "(every layer)"
+
+
+def layer_of(row: str, modules: Mapping[str, int]) -> str:
+    """The module a row belongs to: the row itself if it is a known module, else its name without the last part.
+
+    Module figures come first in each step, so that every watched module is known.
+    """
+    if row in modules or "." not in row:
+        return row
+    return row.rsplit(".", 1)[0]
+
+
+@dataclass
+class Finding:
+    """A row out of its range at a step: its layer, the problem, the value, and how far (log units) it moved."""
+
+    row: str
+    layer: str
+    problem: str
+    value: float
+    figure: str  # the relative figure it was judged from, "peers" (a ratio far above the others'), or the stat
+    moved: float = 0.0
+
+
+@dataclass
+class Judged:
+    """One step's judgement: the findings named, those counted as victims, and the common move by figure."""
+
+    named: list[Finding] = field(default_factory=list)
+    victims: list[Finding] = field(default_factory=list)
