@@ -76,7 +76,7 @@ class StepCopies:
         self._held: dict[Hashable, list[Tensor]] = {}  # by holder: its parameters, in its order
         self._spares: dict[int, Tensor] = {}  # by id of parameter: a released copy's memory, for the next hold
         self._keepers: set[Hashable] = set()  # the holders whose next step holds again
-        self._squares: dict[int, tuple[Tensor, int]] = {}  # by id of parameter: its copy's sum of squares (in a 1-D sums)
+        self._squares: dict[int, tuple[Tensor, int]] = {}  # by id of parameter: (sums, index) of its copy's squares
 
     @torch.no_grad()
     def hold(self, holder: Hashable, params: Sequence[Tensor], squares: bool = False) -> None:

@@ -105,7 +105,7 @@ class UpdateRatio:
         if not to_host and not shards.sharded:
             return []
         moments = _moment_squares(optimizer, rows) if self.norms else None
-        squares = _row_squares(rows, before, weights, shards, moments, alone)  # sharded: every rank takes part in the sum
+        squares = _row_squares(rows, before, weights, shards, moments, alone)  # sharded: every rank sums
         if not to_host:
             return []
         deltas, weights, *moment_sums = squares.cpu().tolist()  # the one transfer
