@@ -3,8 +3,8 @@
 On the CPU the C passes of ``_cupdate.c`` run (float64 sums; the copy and its norm in one read,
 the update's norm without storing the update); elsewhere, or where a tensor is not a plain
 contiguous float32/float64/float16/bfloat16 CPU tensor, or while ``torch.compile`` traces or a
-torch mode is on, the multi-tensor ops do the same (their norms in float32, squared in
-float64). Set ``LIGHTNING_HOOKS_NATIVE=0`` to use the tensor ops everywhere. Every function
+torch mode is on, the multi-tensor ops do the same (norms in float32, float64 for float64
+tensors, squared in float64). Set ``LIGHTNING_HOOKS_NATIVE=0`` to use the tensor ops everywhere. Every function
 returns a 1-D float64 tensor, one sum of squares per tensor given, on the tensors' device.
 """
 
@@ -63,7 +63,16 @@ def _split(pairs: Sequence[tuple[Tensor, ...]]) -> tuple[list[int], list[int]]:
 
 
 def _squares_of_norms(tensors: list[Tensor]) -> Tensor:
-    return torch.stack(torch._foreach_norm(tensors, 2, dtype=torch.float32)).double().square()
+    """Each tensor's squared norm: float32 norms (float64 for float64 tensors, which float32 cannot take), squared."""
+    wide = [i for i, t in enumerate(tensors) if t.dtype is torch.float64]
+    if not wide:
+        return torch.stack(torch._foreach_norm(tensors, 2, dtype=torch.float32)).double().square()
+    out = torch.empty(len(tensors), dtype=torch.float64, device=tensors[0].device)
+    narrow = [i for i in range(len(tensors)) if tensors[i].dtype is not torch.float64]
+    out[wide] = torch.stack(torch._foreach_norm([tensors[i] for i in wide], 2)).square()
+    if narrow:
+        out[narrow] = _squares_of_norms([tensors[i] for i in narrow])
+    return out
 
 
 def _batches(sizes: list[int]) -> list[tuple[int, int]]:
