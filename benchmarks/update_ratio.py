@@ -33,10 +33,12 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import logging
 import statistics
 import sys
 import tempfile
 import time
+import warnings
 from pathlib import Path
 from typing import Callable
 
@@ -191,6 +193,8 @@ def fits(rounds: int, steps: int) -> None:
     """The ``--fit`` sitting: the four fits in turn, ``rounds`` times; a table of their ratios to plain."""
     from lightning_hooks import GradientMonitor
 
+    logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)  # a start-up banner per fit
+    warnings.filterwarnings("ignore")
     configs = {
         "plain": (lambda: [], True),
         "GradientMonitor": (lambda: [GradientMonitor(log_every_n_steps=1, histogram=False)], True),

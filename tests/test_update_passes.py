@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from lightning_hooks.callbacks._gradient_rows import Row
+from lightning_hooks.callbacks._step_copies import StepCopies
 from lightning_hooks.callbacks._update_ratio import UpdateRatio
 from lightning_hooks.measure import _update_passes as passes
 
@@ -135,3 +136,21 @@ def test_on_the_cpu_the_ratio_is_a_copy_and_one_pass_no_tensor_op_reads_the_para
     tensor_ops, _, unfused = _ratio_step_ops(False, monkeypatch)  # as before: a norm of the copy, the update, its norm
     assert {"aten::_foreach_norm", "aten::_foreach_sub_", "aten::_foreach_copy_"} <= tensor_ops
     assert fused == pytest.approx(unfused, rel=1e-5)
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["C passes", "tensor ops"])
+def test_a_holder_asking_for_squares_of_a_copy_another_made_gets_them_and_they_go_with_the_copy(native, monkeypatch):
+    monkeypatch.setattr(passes, "NATIVE_PASSES", native and passes.cupdate is not None)
+    params = [torch.randn(33, 7, generator=torch.Generator().manual_seed(i)) for i in range(3)]
+    shared = StepCopies()
+    shared.hold("transform", params[:2])  # copies two, summing their squares only where free
+    shared.hold("ratio", params[::-1], squares=True)  # copies the third; sums the others' from their copies
+    assert shared.squares("ratio").tolist() == pytest.approx(_sums(params[::-1]).tolist(), rel=1e-6)
+    assert shared.numel == sum(p.numel() for p in params)
+    shared.release("transform")
+    shared.release("ratio", keep=True)  # the copies' memory kept for the next hold, their sums dropped
+    with torch.no_grad():
+        params[0].mul_(2.0)
+    shared.hold("ratio", params, squares=True)  # into the spares, summed anew
+    assert shared.squares("ratio").tolist() == pytest.approx(_sums(params).tolist(), rel=1e-6)
+    assert shared.spare_numel == 0
