@@ -193,7 +193,7 @@ def fits(rounds: int, steps: int) -> None:
     """The ``--fit`` sitting: the four fits in turn, ``rounds`` times; a table of their ratios to plain."""
     from lightning_hooks import GradientMonitor
 
-    logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)  # a start-up banner per fit
+    logging.disable(logging.WARNING)  # Lightning's start-up lines, once per fit
     warnings.filterwarnings("ignore")
     configs = {
         "plain": (lambda: [], True),
