@@ -90,6 +90,14 @@ def test_a_list_mixing_what_the_c_passes_read_and_what_they_do_not_gives_every_s
                                                                           rel=1e-5)
 
 
+def test_the_tensor_ops_take_float64_beside_narrower_dtypes_in_order(monkeypatch):
+    monkeypatch.setattr(passes, "NATIVE_PASSES", False)
+    gen = torch.Generator().manual_seed(3)
+    tensors = [torch.randn(5, generator=gen), torch.randn(7, generator=gen).double(),
+               torch.randn(3, generator=gen).half(), torch.randn(4, generator=gen).double()]
+    assert passes.squares(tensors).tolist() == pytest.approx(_sums(tensors).tolist(), rel=1e-6)
+
+
 @needs_native
 def test_the_c_passes_refuse_buffers_that_do_not_pair():
     out = np.zeros(1)

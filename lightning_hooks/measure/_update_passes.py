@@ -63,16 +63,23 @@ def _split(pairs: Sequence[tuple[Tensor, ...]]) -> tuple[list[int], list[int]]:
 
 
 def _squares_of_norms(tensors: list[Tensor]) -> Tensor:
-    """Each tensor's squared norm: float32 norms (float64 for float64 tensors, which float32 cannot take), squared."""
-    wide = [i for i, t in enumerate(tensors) if t.dtype is torch.float64]
-    if not wide:
+    """Each tensor's squared norm: float32 norms (float64 for float64 tensors, which float32 cannot take), squared.
+
+    No index goes to the device: a mixed list is put back in order by views.
+    """
+    wide = [t.dtype is torch.float64 for t in tensors]
+    if not any(wide):
         return torch.stack(torch._foreach_norm(tensors, 2, dtype=torch.float32)).double().square()
-    out = torch.empty(len(tensors), dtype=torch.float64, device=tensors[0].device)
-    narrow = [i for i in range(len(tensors)) if tensors[i].dtype is not torch.float64]
-    out[wide] = torch.stack(torch._foreach_norm([tensors[i] for i in wide], 2)).square()
-    if narrow:
-        out[narrow] = _squares_of_norms([tensors[i] for i in narrow])
-    return out
+    if all(wide):
+        return torch.stack(torch._foreach_norm(tensors, 2)).square()
+    groups = {kind: [i for i, w in enumerate(wide) if w is kind] for kind in (False, True)}
+    norms: list[Tensor] = [tensors[0]] * len(tensors)
+    for kind, where in groups.items():
+        found = torch.stack(torch._foreach_norm([tensors[i] for i in where], 2, dtype=torch.float64 if kind
+                                                else torch.float32)).double()
+        for i, norm in zip(where, found.unbind()):
+            norms[i] = norm
+    return torch.stack(norms).square()
 
 
 def _batches(sizes: list[int]) -> list[tuple[int, int]]:
