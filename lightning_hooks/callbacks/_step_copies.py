@@ -59,7 +59,8 @@ def copies_of(params: Sequence[Tensor], spares: Sequence[Optional[Tensor]],
     parts = [local(param).detach() for param in params]
     fits = [spare is not None and spare.shape == part.shape and spare.dtype == part.dtype
             and spare.device == part.device and spare.stride() == part.stride() for spare, part in zip(spares, parts)]
-    copies = [spare if fit else torch.empty_like(part) for spare, part, fit in zip(spares, parts, fits)]  # type: ignore[misc]
+    copies = [spare if fit and spare is not None else torch.empty_like(part)
+              for spare, part, fit in zip(spares, parts, fits)]
     if squares or update_passes.native_for(copies, parts):
         return copies, update_passes.copy_squares_(copies, parts)
     if copies:

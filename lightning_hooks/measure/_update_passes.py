@@ -157,7 +157,7 @@ def update_squares(after: Sequence[Tensor], before: Sequence[Tensor], in_place: 
             torch._foreach_sub_(olds, news)  # w_before - w_after: the same norm
             others = _squares_of_norms(olds)
         else:
-            others = torch.cat([_squares_of_norms(torch._foreach_sub(news[lo:hi], olds[lo:hi]))
+            others = torch.cat([_squares_of_norms(list(torch._foreach_sub(news[lo:hi], olds[lo:hi])))
                                 for lo, hi in _batches([t.numel() for t in news])])
     return _gather(len(after), native, sums, rest, others)
 
