@@ -25,6 +25,7 @@ setup(
         Extension(
             "lightning_hooks.measure._cupdate",
             sources=["lightning_hooks/measure/_cupdate.c"],
+            depends=["lightning_hooks/measure/_cupdate_passes.h"],
             extra_compile_args=["-O3", *threads],
             extra_link_args=threads,
             optional=True,
