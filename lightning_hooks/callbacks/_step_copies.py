@@ -61,11 +61,7 @@ def copies_of(params: Sequence[Tensor], spares: Sequence[Optional[Tensor]],
             and spare.device == part.device and spare.stride() == part.stride() for spare, part in zip(spares, parts)]
     copies = [spare if fit and spare is not None else torch.empty_like(part)
               for spare, part, fit in zip(spares, parts, fits)]
-    if squares or update_passes.native_for(copies, parts):
-        return copies, update_passes.copy_squares_(copies, parts)
-    if copies:
-        torch._foreach_copy_(copies, parts)
-    return copies, None
+    return copies, update_passes.copy_squares_(copies, parts, squares)
 
 
 class StepCopies:

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import os
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Optional
 
 import torch
 from torch import Tensor
@@ -33,14 +34,39 @@ except ImportError:  # pragma: no cover - depends on the build
 #: Whether CPU parameters go through the C passes (the same figures, in float64, in fewer passes).
 NATIVE_PASSES: bool = cupdate is not None and os.environ.get("LIGHTNING_HOOKS_NATIVE", "1") != "0"
 
+_SMALL = 1 << 14  # values: below this on average, a copy that needs no sums is one multi-tensor op
 _BATCH = 1 << 24  # values: where the update is stored, at most this much more memory (or one tensor's size)
 _FORMATS = {torch.float32: None, torch.float64: None, torch.float16: None, torch.bfloat16: torch.int16}
 
 
 def _buffer(tensor: Tensor) -> object:
-    """The numpy view of ``tensor``'s memory that the C passes read (bfloat16 as int16)."""
+    """The numpy view of ``tensor``'s memory that the C passes read (bfloat16 as int16).
+
+    Raises (KeyError, TypeError, RuntimeError) where there is none: another dtype, a tensor
+    subclass or off the CPU, one that requires grad, a negated view.
+    """
+    if type(tensor) is not Tensor:
+        raise TypeError(f"the C passes read plain tensors, got {type(tensor).__name__}")
     as_int = _FORMATS[tensor.dtype]
     return (tensor if as_int is None else tensor.view(as_int)).numpy()
+
+
+def _all_native(kernel: Callable[..., None], lists: Sequence[Sequence[Tensor]]) -> Optional[Tensor]:
+    """The C pass ``kernel`` over every tensor of ``lists`` at once: one sum each; None where it cannot take them all.
+
+    The hot path: no check per tensor beyond what making its view and the C code's own checks
+    (contiguity, types, lengths, all read before any work) do; a list it refuses goes through
+    :func:`_split`.
+    """
+    if not NATIVE_PASSES or torch.compiler.is_compiling() or torch_modes_on():
+        return None
+    try:
+        views = [[_buffer(t) for t in tensors] for tensors in lists]
+        sums = torch.empty(len(lists[0]), dtype=torch.float64)
+        kernel(*views, sums.numpy(), torch.get_num_threads())
+    except (KeyError, TypeError, ValueError, RuntimeError):
+        return None
+    return sums
 
 
 def _native(*tensors: Tensor) -> bool:
@@ -49,6 +75,10 @@ def _native(*tensors: Tensor) -> bool:
     return all(type(t) is Tensor and t.is_cpu and t.layout is torch.strided and t.dtype in _FORMATS
                and t.dtype is first.dtype and t.numel() == first.numel() and t.is_contiguous()
                and not t.is_neg() and not t.is_conj() and not t.requires_grad for t in tensors)
+
+
+def _none(*args: object) -> None:
+    """No C pass (the extension is not built): never called, :data:`NATIVE_PASSES` is False then."""
 
 
 def _split(pairs: Sequence[tuple[Tensor, ...]]) -> tuple[list[int], list[int]]:
@@ -104,10 +134,23 @@ def _gather(n: int, native: list[int], native_sums: Tensor, rest: list[int], res
 
 
 @torch.no_grad()
-def copy_squares_(copies: Sequence[Tensor], params: Sequence[Tensor]) -> Tensor:
-    """Copy each of ``params`` into its copy (same shape and dtype) and give each one's sum of squares."""
+def copy_squares_(copies: Sequence[Tensor], params: Sequence[Tensor], squares: bool = True) -> Optional[Tensor]:
+    """Copy each of ``params`` into its copy (same shape and dtype) and give each one's sum of squares.
+
+    With ``squares=False`` the sums come only where they are free (the C passes took every
+    tensor, of ``_SMALL`` values or more on average), else None.
+    """
     if not params:
         return torch.zeros(0, dtype=torch.float64)
+    if not squares and sum(p.numel() for p in params) < _SMALL * len(params):
+        torch._foreach_copy_(list(copies), list(params))  # small tensors: a numpy view each costs more than the copy
+        return None
+    found = _all_native(cupdate.copy_squares if cupdate is not None else _none, [copies, params])
+    if found is not None:
+        return found
+    if not squares:
+        torch._foreach_copy_(list(copies), list(params))
+        return None
     native, rest = _split(list(zip(copies, params)))
     sums = torch.empty(len(native), dtype=torch.float64)
     if native:
@@ -125,6 +168,9 @@ def squares(tensors: Sequence[Tensor]) -> Tensor:
     """Each tensor's sum of squares."""
     if not tensors:
         return torch.zeros(0, dtype=torch.float64)
+    found = _all_native(cupdate.squares if cupdate is not None else _none, [tensors])
+    if found is not None:
+        return found
     native, rest = _split([(t,) for t in tensors])
     sums = torch.empty(len(native), dtype=torch.float64)
     if native:
@@ -145,6 +191,9 @@ def update_squares(after: Sequence[Tensor], before: Sequence[Tensor], in_place: 
     """
     if not after:
         return torch.zeros(0, dtype=torch.float64)
+    found = _all_native(cupdate.diff_squares if cupdate is not None else _none, [after, before])
+    if found is not None:
+        return found
     native, rest = _split(list(zip(after, before)))
     sums = torch.empty(len(native), dtype=torch.float64)
     if native:
@@ -160,8 +209,3 @@ def update_squares(after: Sequence[Tensor], before: Sequence[Tensor], in_place: 
             others = torch.cat([_squares_of_norms(list(torch._foreach_sub(news[lo:hi], olds[lo:hi])))
                                 for lo, hi in _batches([t.numel() for t in news])])
     return _gather(len(after), native, sums, rest, others)
-
-
-def native_for(*lists: Sequence[Tensor]) -> bool:
-    """Whether the C passes read every tuple of these lists' tensors (then a copy sums its squares for free)."""
-    return not _split(list(zip(*lists)))[1]
