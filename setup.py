@@ -1,8 +1,9 @@
 """Build the optional native extensions; everything else is in pyproject.toml.
 
-Both are optional: where they cannot be compiled (no C compiler or Python headers) the package
+All are optional: where they cannot be compiled (no C compiler or Python headers) the package
 installs without them and uses the tensor-op statistics kernel, which gives the same figures,
-and the numpy CRC-32C of TensorBoard's records, which gives the same checksums.
+the numpy CRC-32C of TensorBoard's records, which gives the same checksums, and tensor ops
+for the update ratio's passes, which give the same figures.
 """
 
 import sys
@@ -17,6 +18,14 @@ setup(
             "lightning_hooks.measure._cstats",
             sources=["lightning_hooks/measure/_cstats.c"],
             depends=["lightning_hooks/measure/_cstats_passes.h"],
+            extra_compile_args=["-O3", *threads],
+            extra_link_args=threads,
+            optional=True,
+        ),
+        Extension(
+            "lightning_hooks.measure._cupdate",
+            sources=["lightning_hooks/measure/_cupdate.c"],
+            depends=["lightning_hooks/measure/_cupdate_passes.h"],
             extra_compile_args=["-O3", *threads],
             extra_link_args=threads,
             optional=True,

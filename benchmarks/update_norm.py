@@ -29,9 +29,9 @@ from lightning_hooks.callbacks._update_norm import UpdateNorms  # noqa: E402
 _COPIED = [0]  # elements copied into the step copies so far
 
 
-def _counting_copy(params: list[torch.Tensor], spares: list) -> list[torch.Tensor]:
+def _counting_copy(params: list[torch.Tensor], spares: list, *args: bool) -> tuple:
     _COPIED[0] += sum(param.numel() for param in params)
-    return _copies_of(params, spares)
+    return _copies_of(params, spares, *args)
 
 
 _copies_of, _step_copies.copies_of = _step_copies.copies_of, _counting_copy  # count what the hooks copy

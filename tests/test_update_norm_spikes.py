@@ -46,9 +46,9 @@ def copied(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     counts: list[int] = []
     original = _step_copies.copies_of
 
-    def counting(params: Any, spares: Any) -> Any:
+    def counting(params: Any, spares: Any, *args: Any) -> Any:
         counts.extend(param.numel() for param in params)
-        return original(params, spares)
+        return original(params, spares, *args)
 
     monkeypatch.setattr(_step_copies, "copies_of", counting)
     return counts

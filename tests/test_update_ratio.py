@@ -165,10 +165,10 @@ def test_a_copy_memory_is_kept_only_for_a_next_step_that_is_measured(tmp_path, m
     copied: list[tuple[int, int]] = []  # per hold: elements copied into a fresh tensor, into a spare
     original = _step_copies.copies_of
 
-    def counting(params: list[torch.Tensor], spares: list[Any]) -> list[torch.Tensor]:
+    def counting(params: list[torch.Tensor], spares: list[Any], *args: Any) -> Any:
         into = sum(p.numel() for p, spare in zip(params, spares) if spare is not None)
         copied.append((sum(p.numel() for p in params) - into, into))
-        return original(params, spares)
+        return original(params, spares, *args)
 
     monkeypatch.setattr(_step_copies, "copies_of", counting)
     torch.manual_seed(0)

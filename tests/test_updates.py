@@ -128,9 +128,9 @@ class CopiesPerStep(L.Callback):
         self.counts: list[int] = []
         original = step_copies_module.copies_of
 
-        def counting(params: list[torch.Tensor], spares: list[Any]) -> list[torch.Tensor]:
+        def counting(params: list[torch.Tensor], spares: list[Any], *args: Any) -> Any:
             self.counts[-1] += sum(param.numel() for param in params)
-            return original(params, spares)
+            return original(params, spares, *args)
 
         monkeypatch.setattr(step_copies_module, "copies_of", counting)
 

@@ -32,6 +32,7 @@ from typing import Any, Optional
 import torch
 from torch import Tensor
 
+from lightning_hooks.measure import _update_passes as update_passes
 from lightning_hooks.measure._sharding import local
 
 _BY_OPTIMIZER: weakref.WeakKeyDictionary[Any, StepCopies] = weakref.WeakKeyDictionary()
@@ -45,19 +46,22 @@ def step_copies(optimizer: Any) -> StepCopies:
     return found
 
 
-def copies_of(params: Sequence[Tensor], spares: Sequence[Optional[Tensor]]) -> list[Tensor]:
-    """This rank's part of each of ``params`` (its shard, when sharded), copied on its device.
+def copies_of(params: Sequence[Tensor], spares: Sequence[Optional[Tensor]],
+              squares: bool = False) -> tuple[list[Tensor], Optional[Tensor]]:
+    """This rank's part of each of ``params`` (its shard, when sharded), copied on its device, and their squares.
 
-    Into its spare where one of the same shape, dtype and device is given (one multi-tensor
-    copy), else into a fresh tensor.
+    Into its spare where one of the same shape, dtype and device is given, else into a fresh
+    tensor of the same strides. Where the C passes read every part (CPU tensors), the copy also
+    sums each part's squares in the same read, at no cost; elsewhere the squares are summed
+    only when asked (``squares``: a norm pass). Returns the copies and the sums (float64, one per
+    parameter) or None.
     """
     parts = [local(param).detach() for param in params]
     fits = [spare is not None and spare.shape == part.shape and spare.dtype == part.dtype
-            and spare.device == part.device for spare, part in zip(spares, parts)]
-    into = [spare for spare, fit in zip(spares, fits) if fit]
-    if into:
-        torch._foreach_copy_(into, [part for part, fit in zip(parts, fits) if fit])  # type: ignore[arg-type]
-    return [spare if fit else part.clone() for spare, part, fit in zip(spares, parts, fits)]  # type: ignore[misc]
+            and spare.device == part.device and spare.stride() == part.stride() for spare, part in zip(spares, parts)]
+    copies = [spare if fit and spare is not None else torch.empty_like(part)
+              for spare, part, fit in zip(spares, parts, fits)]
+    return copies, update_passes.copy_squares_(copies, parts, squares)
 
 
 class StepCopies:
@@ -69,21 +73,34 @@ class StepCopies:
         self._held: dict[Hashable, list[Tensor]] = {}  # by holder: its parameters, in its order
         self._spares: dict[int, Tensor] = {}  # by id of parameter: a released copy's memory, for the next hold
         self._keepers: set[Hashable] = set()  # the holders whose next step holds again
+        self._squares: dict[int, tuple[Tensor, int]] = {}  # by id of parameter: (sums, index) of its copy's squares
 
     @torch.no_grad()
-    def hold(self, holder: Hashable, params: Sequence[Tensor]) -> None:
+    def hold(self, holder: Hashable, params: Sequence[Tensor], squares: bool = False) -> None:
         """Keep ``params`` as they are now for ``holder`` until it releases them (copying those not yet held).
 
         A holder holds one step at a time: what it held before is released first. A copy is made
         into a spare's memory where one is kept for that parameter.
+
+        Args:
+            holder: The reader.
+            params: The parameters it reads.
+            squares: It reads their copies' sums of squares (:meth:`squares`): summed as they
+                are copied (in the same read on the CPU), or from a copy another holder made.
         """
         self.release(holder, keep=holder in self._keepers)
         missing = {id(param): param for param in params if id(param) not in self._copies}
-        made = copies_of(list(missing.values()), [self._spares.pop(key, None) for key in missing])
+        made, sums = copies_of(list(missing.values()), [self._spares.pop(key, None) for key in missing], squares)
         self._copies.update(zip(missing, made))
+        if sums is not None:
+            self._squares.update((key, (sums, i)) for i, key in enumerate(missing))
         for param in params:
             self._holders.setdefault(id(param), set()).add(holder)
         self._held[holder] = list(params)
+        unsummed = [id(param) for param in params if id(param) not in self._squares]
+        if squares and unsummed:
+            sums = update_passes.squares([self._copies[key] for key in unsummed])
+            self._squares.update((key, (sums, i)) for i, key in enumerate(unsummed))
 
     def holds(self, holder: Hashable) -> bool:
         """Whether ``holder`` holds copies now."""
@@ -92,6 +109,17 @@ class StepCopies:
     def copies(self, holder: Hashable) -> list[Tensor]:
         """``holder``'s copies, in the order it gave the parameters."""
         return [self._copies[id(param)] for param in self._held[holder]]
+
+    def squares(self, holder: Hashable) -> Tensor:
+        """The sum of squares of each of ``holder``'s copies as they were made (float64), in its order.
+
+        Only for a holder that asked for them (``hold(..., squares=True)``).
+        """
+        found = [self._squares[id(param)] for param in self._held[holder]]
+        sums = found[0][0] if found else None
+        if sums is not None and len(sums) == len(found) and all(s is sums and i == j for j, (s, i) in enumerate(found)):
+            return sums  # the common case: one hold copied them all, in this order
+        return torch.stack([s[i] for s, i in found]) if found else torch.zeros(0, dtype=torch.float64)
 
     def exclusive(self, holder: Hashable) -> bool:
         """Whether no other holder holds any of ``holder``'s copies (then it may change them in place)."""
@@ -116,6 +144,7 @@ class StepCopies:
             if not holders:
                 del self._holders[key]
                 copy = self._copies.pop(key)
+                self._squares.pop(key, None)  # a copy changed in place by its last reader: no longer its sum
                 if self._keepers:
                     self._spares[key] = copy
         if not self._keepers:

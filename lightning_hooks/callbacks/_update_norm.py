@@ -5,10 +5,11 @@ hooks: the pre-hook holds the optimizer's trainable parameters in its
 :class:`~lightning_hooks.callbacks._step_copies.StepCopies` (one copy per step, shared with
 UpdateTransform and GradientMonitor's update ratios: a parameter they hold for the same step is
 not copied again); the post-hook takes one multi-tensor norm of ``w_after - w_before`` and lets
-go, keeping the copies' memory for the next step's copy (every step holds). Alone with its
-copies it turns them into the update in place (no second buffer); when
-another reader holds them too, each parameter's difference is made one at a time (at most one
-parameter's size more). Nothing leaves the device. The post-hook is put on at ``on_train_start``,
+go, keeping the copies' memory for the next step's copy (every step holds). On the CPU the norm
+is one pass over ``w_after`` and ``w_before`` that stores no update (``measure/_update_passes.py``);
+elsewhere, alone with its copies, it turns them into the update in place (no second buffer), and
+when another reader holds them too, the differences are made a batch at a time (at most 2^24
+values more). Nothing leaves the device. The post-hook is put on at ``on_train_start``,
 after UpdateTransform's (``on_fit_start``), so it measures the update UpdateTransform made.
 """
 
@@ -23,6 +24,7 @@ from torch import Tensor
 from torch.utils.hooks import RemovableHandle
 
 from lightning_hooks.callbacks._step_copies import step_copies
+from lightning_hooks.measure import _update_passes as update_passes
 from lightning_hooks.measure._sharding import local
 
 
@@ -71,10 +73,5 @@ class UpdateNorms:
         if all(p.grad is None for p in params):  # GradientAnomalyStopping dropped it: no update made
             return
         after = [local(p).detach() for p in params]
-        if alone:
-            torch._foreach_sub_(before, after)  # w_before - w_after, in the copies
-            norms = list(torch._foreach_norm(before, 2, dtype=torch.float32))
-        else:
-            norms = [torch.linalg.vector_norm(a - b, dtype=torch.float32) for a, b in zip(after, before)]
-        norm = torch.stack(norms).double().square().sum().sqrt()
+        norm = update_passes.update_squares(after, before, in_place=alone).sum().sqrt()
         self._norms[key] = torch.where(norm > 0, norm, math.nan)  # nothing moved (an LBFGS step undone): no update

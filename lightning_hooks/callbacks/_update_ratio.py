@@ -13,6 +13,7 @@ from torch.utils.hooks import RemovableHandle
 from lightning_hooks.callbacks._base import log_step
 from lightning_hooks.callbacks._gradient_rows import Row, Rows
 from lightning_hooks.callbacks._step_copies import step_copies
+from lightning_hooks.measure import _update_passes as update_passes
 from lightning_hooks.measure._sharding import ShardGroupCache, ShardGroups, grad_of, local
 from lightning_hooks.output.figures import ScalarBlock
 from lightning_hooks.output.sinks import log_scalars
@@ -25,7 +26,8 @@ class UpdateRatio:
     :class:`~lightning_hooks.callbacks._step_copies.StepCopies` (only on the steps asked for,
     so other steps cost nothing and hold no copy; a parameter UpdateTransform copies for the same
     step is not copied again); :meth:`finish`, run once the optimizer has stepped,
-    measures ``||w_after - w_before|| / ||w_before||`` per row with multi-tensor ops, brings
+    measures ``||w_after - w_before|| / ||w_before||`` per row (``||w_before||`` summed as the copy
+    was made, in the same read on the CPU; the update's norm in one pass over both), brings
     the figures to the host in one transfer, and drops the snapshot. A row whose parameters
     lost their gradients before the step (an update dropped by ``GradientAnomalyStopping``)
     gives no ratio, nor does a row whose parameters were all zeros before the step (a bias or a
@@ -55,7 +57,7 @@ class UpdateRatio:
         self._rows = [row for row in stepped if row.params]
         if not self._rows:
             return
-        step_copies(optimizer).hold(self, [p for _, params in self._rows for p in params])
+        step_copies(optimizer).hold(self, [p for _, params in self._rows for p in params], squares=True)
         self._optimizer = optimizer
 
     def register(self, trainer: pl.Trainer) -> list[RemovableHandle]:
@@ -97,13 +99,13 @@ class UpdateRatio:
         if not self.pending or optimizer is not self._optimizer:
             return []
         shared, rows = step_copies(optimizer), self._rows
-        before, alone = shared.copies(self), shared.exclusive(self)
+        before, weights, alone = shared.copies(self), shared.squares(self), shared.exclusive(self)
         self.discard(keep=True)  # the memory is freed at the batch's end unless the next step is measured
         shards = self._shard_groups([p for _, params in rows for p in params])
         if not to_host and not shards.sharded:
             return []
         moments = _moment_squares(optimizer, rows) if self.norms else None
-        squares = _row_squares(rows, before, shards, moments, alone)  # sharded: every rank takes part in the sum
+        squares = _row_squares(rows, before, weights, shards, moments, alone)  # sharded: every rank sums
         if not to_host:
             return []
         deltas, weights, *moment_sums = squares.cpu().tolist()  # the one transfer
@@ -163,30 +165,27 @@ def _moment_squares(optimizer: Any, rows: Rows) -> Optional[Tensor]:
         return squares
 
 
-def _row_squares(rows: Rows, before: list[Tensor], shards: ShardGroups, moments: Optional[Tensor] = None,
-                 in_place: bool = False) -> Tensor:
+def _row_squares(rows: Rows, before: list[Tensor], weights: Tensor, shards: ShardGroups,
+                 moments: Optional[Tensor] = None, in_place: bool = False) -> Tensor:
     """Per row, the squared norms of the update and of the weights before it: a ``(2, rows)`` tensor.
 
-    With ``moments`` (``(2, params)``: Adam's ``||m||²`` and ``sum(v)`` per parameter), two rows more.
-    ``in_place``: ``before`` is this reader's alone, and becomes the update (no second copy).
+    ``weights``: each parameter's ``||w_before||²``, summed as it was copied. With ``moments``
+    (``(2, params)``: Adam's ``||m||²`` and ``sum(v)`` per parameter), two rows more.
+    ``in_place``: ``before`` is this reader's alone, and may become the update (no second copy).
 
-    The rows' parameters lie one after another in ``before``, so each row is a slice (views,
-    no index goes to the device). Sharded parameters' squares are summed over their shards
-    first, in one collective.
+    The update's norm is one pass over ``w_after`` and ``w_before`` (on the CPU the update is
+    never stored; see ``measure/_update_passes.py``). The rows' parameters lie one after another,
+    so each row is a slice (views, no index goes to the device). Sharded parameters' squares
+    are summed over their shards first, in one collective.
     """
-    with torch.no_grad():
-        after = [local(p).detach() for _, params in rows for p in params]
-        weights = torch.stack(torch._foreach_norm(before, 2, dtype=torch.float32))
-        if in_place:
-            torch._foreach_sub_(before, after)
-        deltas = before if in_place else torch._foreach_sub(after, before)
-        norms = torch.stack([torch.stack(torch._foreach_norm(deltas, 2, dtype=torch.float32)), weights])
-        squares = norms.double().square()
-        if moments is not None:
-            squares = torch.cat([squares, moments])
-        squares = shards.sum_(squares.T.contiguous()).T
-        bounds, start = [], 0
-        for _, params in rows:
-            bounds.append((start, start + len(params)))
-            start += len(params)
-        return torch.stack([squares[:, lo:hi].sum(1) for lo, hi in bounds], dim=1)
+    after = [local(p).detach() for _, params in rows for p in params]
+    deltas = update_passes.update_squares(after, before, in_place)
+    squares = torch.stack([deltas, weights.to(deltas.device)])
+    if moments is not None:
+        squares = torch.cat([squares, moments.to(deltas.device)])
+    squares = shards.sum_(squares.T.contiguous()).T
+    bounds, start = [], 0
+    for _, params in rows:
+        bounds.append((start, start + len(params)))
+        start += len(params)
+    return torch.stack([squares[:, lo:hi].sum(1) for lo, hi in bounds], dim=1)

@@ -1,0 +1,83 @@
+/* The passes of _cupdate.c for each element type: NAME_copy (copy and sum the squares moved),
+ * NAME_diff (sum the squares of a - b) and NAME_norm (sum the squares), each in LANES float64
+ * partial sums that the compiler turns into vectors. Included once, after LANES and CLONES. */
+
+static inline double from_f16(uint16_t h) { /* exact: every float16 is a float64 */
+    uint32_t exponent = (h >> 10) & 0x1f, mantissa = h & 0x3ff;
+    double magnitude;
+    if (exponent == 0) magnitude = ldexp((double)mantissa, -24);
+    else if (exponent == 31) magnitude = mantissa ? NAN : INFINITY;
+    else magnitude = ldexp((double)(mantissa | 0x400), (int)exponent - 25);
+    return (h & 0x8000) ? -magnitude : magnitude;
+}
+
+static inline double from_bf16(uint16_t b) {
+    uint32_t bits = (uint32_t)b << 16;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return (double)f;
+}
+
+#define F32_OF(v) ((double)(v))
+#define F64_OF(v) (v)
+#define F16_OF(v) from_f16(v)
+#define BF16_OF(v) from_bf16(v)
+
+/* For one element type T widened by OF: the three passes over n values, each returning its sum. */
+#define PASSES(NAME, T, OF)                                                                            \
+    CLONES static double NAME##_copy(T *restrict y, const T *restrict x, int64_t n) {                   \
+        double acc[LANES] = {0};                                                                     \
+        int64_t i = 0;                                                                               \
+        for (; i + LANES <= n; i += LANES)                                                           \
+            for (int j = 0; j < LANES; j++) {                                                        \
+                T v = x[i + j];                                                                      \
+                y[i + j] = v;                                                                        \
+                double d = OF(v);                                                                    \
+                acc[j] += d * d;                                                                     \
+            }                                                                                        \
+        for (; i < n; i++) {                                                                         \
+            y[i] = x[i];                                                                             \
+            double d = OF(x[i]);                                                                     \
+            acc[0] += d * d;                                                                         \
+        }                                                                                            \
+        double s = 0;                                                                                \
+        for (int j = 0; j < LANES; j++) s += acc[j];                                                 \
+        return s;                                                                                    \
+    }                                                                                                \
+    CLONES static double NAME##_diff(const T *restrict a, const T *restrict b, int64_t n) {            \
+        double acc[LANES] = {0};                                                                     \
+        int64_t i = 0;                                                                               \
+        for (; i + LANES <= n; i += LANES)                                                           \
+            for (int j = 0; j < LANES; j++) {                                                        \
+                double d = OF(a[i + j]) - OF(b[i + j]);                                              \
+                acc[j] += d * d;                                                                     \
+            }                                                                                        \
+        for (; i < n; i++) {                                                                         \
+            double d = OF(a[i]) - OF(b[i]);                                                          \
+            acc[0] += d * d;                                                                         \
+        }                                                                                            \
+        double s = 0;                                                                                \
+        for (int j = 0; j < LANES; j++) s += acc[j];                                                 \
+        return s;                                                                                    \
+    }                                                                                                \
+    CLONES static double NAME##_norm(const T *restrict x, int64_t n) {                                \
+        double acc[LANES] = {0};                                                                     \
+        int64_t i = 0;                                                                               \
+        for (; i + LANES <= n; i += LANES)                                                           \
+            for (int j = 0; j < LANES; j++) {                                                        \
+                double d = OF(x[i + j]);                                                             \
+                acc[j] += d * d;                                                                     \
+            }                                                                                        \
+        for (; i < n; i++) {                                                                         \
+            double d = OF(x[i]);                                                                     \
+            acc[0] += d * d;                                                                         \
+        }                                                                                            \
+        double s = 0;                                                                                \
+        for (int j = 0; j < LANES; j++) s += acc[j];                                                 \
+        return s;                                                                                    \
+    }
+
+PASSES(f32, float, F32_OF)
+PASSES(f64, double, F64_OF)
+PASSES(f16, uint16_t, F16_OF)
+PASSES(bf16, uint16_t, BF16_OF)

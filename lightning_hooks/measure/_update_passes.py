@@ -1,0 +1,211 @@
+"""The update ratio's passes over parameters: a copy that also sums the squares it moves, and ``sum((a - b)²)``.
+
+On the CPU the C passes of ``_cupdate.c`` run (float64 sums; the copy and its norm in one read,
+the update's norm without storing the update); elsewhere, or where a tensor is not a plain
+contiguous float32/float64/float16/bfloat16 CPU tensor, or while ``torch.compile`` traces or a
+torch mode is on, the multi-tensor ops do the same (norms in float32, float64 for float64
+tensors, squared in float64). Set ``LIGHTNING_HOOKS_NATIVE=0`` to use the tensor ops everywhere. Every function
+returns a 1-D float64 tensor, one sum of squares per tensor given, on the tensors' device.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from collections.abc import Callable, Sequence
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from lightning_hooks.core._torch_internals import torch_modes_on
+
+NATIVE_ABI = 1  # _cupdate.c's ABI_VERSION: a build left over from older sources is not used
+try:  # built at install time where a C compiler is available
+    from lightning_hooks.measure import _cupdate as cupdate  # type: ignore[attr-defined]
+
+    if getattr(cupdate, "ABI_VERSION", None) != NATIVE_ABI:
+        warnings.warn("lightning_hooks: the compiled update passes were built from older sources and are not used;"
+                      " rebuild them with `pip install -e .`", stacklevel=2)
+        cupdate = None
+except ImportError:  # pragma: no cover - depends on the build
+    cupdate = None
+
+#: Whether CPU parameters go through the C passes (the same figures, in float64, in fewer passes).
+NATIVE_PASSES: bool = cupdate is not None and os.environ.get("LIGHTNING_HOOKS_NATIVE", "1") != "0"
+
+_SMALL = 1 << 14  # values: below this on average, a copy that needs no sums is one multi-tensor op
+_BATCH = 1 << 24  # values: where the update is stored, at most this much more memory (or one tensor's size)
+_FORMATS = {torch.float32: None, torch.float64: None, torch.float16: None, torch.bfloat16: torch.int16}
+
+
+def _buffer(tensor: Tensor) -> object:
+    """The numpy view of ``tensor``'s memory that the C passes read (bfloat16 as int16).
+
+    Raises (KeyError, TypeError, RuntimeError) where there is none: another dtype, a tensor
+    subclass or off the CPU, one that requires grad, a negated view.
+    """
+    if type(tensor) is not Tensor:
+        raise TypeError(f"the C passes read plain tensors, got {type(tensor).__name__}")
+    as_int = _FORMATS[tensor.dtype]
+    return (tensor if as_int is None else tensor.view(as_int)).numpy()
+
+
+def _all_native(kernel: Callable[..., None], lists: Sequence[Sequence[Tensor]]) -> Optional[Tensor]:
+    """The C pass ``kernel`` over every tensor of ``lists`` at once: one sum each; None where it cannot take them all.
+
+    The hot path: no check per tensor beyond what making its view and the C code's own checks
+    (contiguity, types, lengths, all read before any work) do; a list it refuses goes through
+    :func:`_split`.
+    """
+    if not NATIVE_PASSES or torch.compiler.is_compiling() or torch_modes_on():
+        return None
+    try:
+        views = [[_buffer(t) for t in tensors] for tensors in lists]
+        sums = torch.empty(len(lists[0]), dtype=torch.float64)
+        kernel(*views, sums.numpy(), torch.get_num_threads())
+    except (KeyError, TypeError, ValueError, RuntimeError):
+        return None
+    return sums
+
+
+def _native(*tensors: Tensor) -> bool:
+    """Whether the C passes read these tensors (same dtype and size) as they are."""
+    first = tensors[0]
+    return all(type(t) is Tensor and t.is_cpu and t.layout is torch.strided and t.dtype in _FORMATS
+               and t.dtype is first.dtype and t.numel() == first.numel() and t.is_contiguous()
+               and not t.is_neg() and not t.is_conj() and not t.requires_grad for t in tensors)
+
+
+def _none(*args: object) -> None:
+    """No C pass (the extension is not built): never called, :data:`NATIVE_PASSES` is False then."""
+
+
+def _split(pairs: Sequence[tuple[Tensor, ...]]) -> tuple[list[int], list[int]]:
+    """The indices the C passes take, and the others; none native off the CPU, under tracing or a torch mode."""
+    if not NATIVE_PASSES or not pairs or torch.compiler.is_compiling() or torch_modes_on():
+        return [], list(range(len(pairs)))
+    if not all(t.is_cpu for pair in pairs for t in pair):
+        return [], list(range(len(pairs)))
+    native = [i for i, pair in enumerate(pairs) if _native(*pair)]
+    taken = set(native)
+    return native, [i for i in range(len(pairs)) if i not in taken]
+
+
+def _squares_of_norms(tensors: list[Tensor]) -> Tensor:
+    """Each tensor's squared norm: float32 norms (float64 for float64 tensors, which float32 cannot take), squared.
+
+    No index goes to the device: a mixed list is put back in order by views.
+    """
+    wide = [t.dtype is torch.float64 for t in tensors]
+    if not any(wide):
+        return torch.stack(torch._foreach_norm(tensors, 2, dtype=torch.float32)).double().square()
+    if all(wide):
+        return torch.stack(torch._foreach_norm(tensors, 2)).square()
+    groups = {kind: [i for i, w in enumerate(wide) if w is kind] for kind in (False, True)}
+    norms: list[Tensor] = [tensors[0]] * len(tensors)
+    for kind, where in groups.items():
+        found = torch.stack(torch._foreach_norm([tensors[i] for i in where], 2, dtype=torch.float64 if kind
+                                                else torch.float32)).double()
+        for i, norm in zip(where, found.unbind()):
+            norms[i] = norm
+    return torch.stack(norms).square()
+
+
+def _batches(sizes: list[int]) -> list[tuple[int, int]]:
+    """Consecutive ranges of tensors of at most ``_BATCH`` values each (or one tensor): the updates made at once."""
+    ranges, start, total = [], 0, 0
+    for i, size in enumerate(sizes):
+        if total and total + size > _BATCH:
+            ranges.append((start, i))
+            start, total = i, 0
+        total += size
+    return [*ranges, (start, len(sizes))]
+
+
+def _gather(n: int, native: list[int], native_sums: Tensor, rest: list[int], rest_sums: Tensor) -> Tensor:
+    if not rest:
+        return native_sums
+    if not native:
+        return rest_sums
+    out = torch.empty(n, dtype=torch.float64)
+    out[native], out[rest] = native_sums, rest_sums.cpu()
+    return out
+
+
+@torch.no_grad()
+def copy_squares_(copies: Sequence[Tensor], params: Sequence[Tensor], squares: bool = True) -> Optional[Tensor]:
+    """Copy each of ``params`` into its copy (same shape and dtype) and give each one's sum of squares.
+
+    With ``squares=False`` the sums come only where they are free (the C passes took every
+    tensor, of ``_SMALL`` values or more on average), else None.
+    """
+    if not params:
+        return torch.zeros(0, dtype=torch.float64)
+    if not squares and sum(p.numel() for p in params) < _SMALL * len(params):
+        torch._foreach_copy_(list(copies), list(params))  # small tensors: a numpy view each costs more than the copy
+        return None
+    found = _all_native(cupdate.copy_squares if cupdate is not None else _none, [copies, params])
+    if found is not None:
+        return found
+    if not squares:
+        torch._foreach_copy_(list(copies), list(params))
+        return None
+    native, rest = _split(list(zip(copies, params)))
+    sums = torch.empty(len(native), dtype=torch.float64)
+    if native:
+        cupdate.copy_squares([_buffer(copies[i]) for i in native], [_buffer(params[i]) for i in native],
+                             sums.numpy(), torch.get_num_threads())
+    others = torch.zeros(0, dtype=torch.float64)
+    if rest:
+        torch._foreach_copy_([copies[i] for i in rest], [params[i] for i in rest])
+        others = _squares_of_norms([params[i] for i in rest])
+    return _gather(len(params), native, sums, rest, others)
+
+
+@torch.no_grad()
+def squares(tensors: Sequence[Tensor]) -> Tensor:
+    """Each tensor's sum of squares."""
+    if not tensors:
+        return torch.zeros(0, dtype=torch.float64)
+    found = _all_native(cupdate.squares if cupdate is not None else _none, [tensors])
+    if found is not None:
+        return found
+    native, rest = _split([(t,) for t in tensors])
+    sums = torch.empty(len(native), dtype=torch.float64)
+    if native:
+        cupdate.squares([_buffer(tensors[i]) for i in native], sums.numpy(), torch.get_num_threads())
+    others = _squares_of_norms([tensors[i] for i in rest]) if rest else torch.zeros(0, dtype=torch.float64)
+    return _gather(len(tensors), native, sums, rest, others)
+
+
+@torch.no_grad()
+def update_squares(after: Sequence[Tensor], before: Sequence[Tensor], in_place: bool = False) -> Tensor:
+    """Each parameter's ``sum((after - before)²)``: the squared norm of its update.
+
+    Args:
+        after: The parameters after the step.
+        before: Their copies before it.
+        in_place: ``before`` may be overwritten (its reader's alone): where the tensor ops run,
+            the update is made in it rather than in a new tensor. The C passes store no update.
+    """
+    if not after:
+        return torch.zeros(0, dtype=torch.float64)
+    found = _all_native(cupdate.diff_squares if cupdate is not None else _none, [after, before])
+    if found is not None:
+        return found
+    native, rest = _split(list(zip(after, before)))
+    sums = torch.empty(len(native), dtype=torch.float64)
+    if native:
+        cupdate.diff_squares([_buffer(after[i]) for i in native], [_buffer(before[i]) for i in native],
+                             sums.numpy(), torch.get_num_threads())
+    others = torch.zeros(0, dtype=torch.float64)
+    if rest:
+        olds, news = [before[i] for i in rest], [after[i] for i in rest]
+        if in_place:
+            torch._foreach_sub_(olds, news)  # w_before - w_after: the same norm
+            others = _squares_of_norms(olds)
+        else:
+            others = torch.cat([_squares_of_norms(list(torch._foreach_sub(news[lo:hi], olds[lo:hi])))
+                                for lo, hi in _batches([t.numel() for t in news])])
+    return _gather(len(after), native, sums, rest, others)
