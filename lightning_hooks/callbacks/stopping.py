@@ -329,8 +329,12 @@ class GradientAnomalyStopping(FigureListener, GradientCheck):
         """Return the counters, the running median windows, and how many updates a rollback still drops.
 
         The rollback snapshot is not saved (it would double the checkpoint): on resume, the
-        resumed state is the first snapshot.
+        resumed state is the first snapshot. A step whose check waits to be read a step late is
+        read and acted on first, as at the end of training (a checkpoint waits for the device
+        anyway): a run resumed from it judges every step, the last one before it too.
         """
+        if self._shared is not None:
+            self._shared.finish(at_end=True)
         counters = {name: getattr(self, name) for name in (*_COUNTERS, "skipping")}
         last = {"last_rollback": list(self.last_rollback)} if self.last_rollback is not None else {}
         return {**counters, **last, **self._state(), **self._watch.state_dict()}
