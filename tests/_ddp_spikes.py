@@ -68,7 +68,7 @@ class Probe(L.Callback):
 
     def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
         if self.stopper.rollbacks > len(self.rolled_back):
-            self.rolled_back.append(trainer.global_step - 1)
+            self.rolled_back.append(self.stopper.last_rollback[0])  # the step acted on (read a step late)
 
 
 class RampNet(GradNet):

@@ -4,7 +4,8 @@ The step's one transfer (:class:`~lightning_hooks.distributed._rank_agreement.Ho
 counted by wrapping it: at which step each transfer was started and at which it was read. With
 ``warn``, ``raise``, ``stop`` and GradientMonitor's flags on steps not logged it is read at the
 next step (the last one at the end of training), and the action happens there, naming the step
-that was bad; ``skip``, ``rollback``, ``act_late=False`` and a logged step read it before the update.
+that was bad; ``skip``, ``act_late=False`` and a logged step read it before the update. ``rollback``
+reads late too: tests/test_late_rollback.py.
 """
 
 from __future__ import annotations

@@ -92,13 +92,15 @@ def test_rollback_settings_of_the_wrong_type_fail_at_construction(kwargs, match)
         GradientAnomalyStopping(**kwargs)
 
 
-@pytest.mark.parametrize(("bad", "precision"), [("spike", "32-true"), ("nan", "32-true"), ("spike", "bf16-mixed")])
-def test_a_rolled_back_run_ends_where_a_run_that_never_saw_the_bad_batches_does(tmp_path, bad, precision):
+@pytest.mark.parametrize(("bad", "precision", "late"), [("spike", "32-true", True), ("nan", "32-true", True),
+                                                        ("spike", "bf16-mixed", True), ("spike", "32-true", False),
+                                                        ("nan", "32-true", False)])
+def test_a_rolled_back_run_ends_where_a_run_that_never_saw_the_bad_batches_does(tmp_path, bad, precision, late):
     stopper = GradientAnomalyStopping(action="rollback", norm_threshold=1e3, rollback_every_n_steps=EVERY,
-                                      skip_batches=SKIP, prog_bar=False)
+                                      skip_batches=SKIP, prog_bar=False, act_late=late)
     rolled, fit = run(tmp_path, [stopper], dataset(bad), STEPS, precision=precision)
-    # Discarded: batch 6 (after the snapshot), the bad batch 7, and the SKIP batches after it.
-    kept = samples([*range(6), *range(BAD_BATCH + SKIP + 1, STEPS)])
+    # Discarded: batch 6 (after the snapshot), the bad batch 7, the batch whose step read it (late), and SKIP more.
+    kept = samples([*range(6), *range(BAD_BATCH + late + SKIP + 1, STEPS)])
     control, control_fit = run(tmp_path, [], Subset(dataset(bad), kept), len(kept) // BATCH, precision=precision)
     assert (fit.global_step, stopper.rollbacks, stopper.dropped_steps, stopper.skipping) == (STEPS, 1, 1 + SKIP, 0)
     assert stopper.last_rollback == (BAD_BATCH, 6) and all(torch.isfinite(p).all() for p in rolled.parameters())
@@ -110,11 +112,12 @@ def test_a_rolled_back_run_ends_where_a_run_that_never_saw_the_bad_batches_does(
     assert stopper._rollback._state == {}  # the host snapshot is freed at the end of fit
 
 
-def test_a_second_rollback_to_the_same_snapshot_finds_it_untouched(tmp_path):
-    stopper = GradientAnomalyStopping(action="rollback", norm_threshold=1e3, rollback_every_n_steps=3)
+@pytest.mark.parametrize("late", [True, False])
+def test_a_second_rollback_to_the_same_snapshot_finds_it_untouched(tmp_path, late):
+    stopper = GradientAnomalyStopping(action="rollback", norm_threshold=1e3, rollback_every_n_steps=3, act_late=late)
     data = dataset("spike", bad_batches=(5, 8))  # snapshot before step 3; steps 6 and 7 too few for another
     rolled, _ = run(tmp_path, [stopper], data, STEPS)
-    kept = [0, 1, 2, *range(9, STEPS)]
+    kept = [0, 1, 2, *range(9 + late, STEPS)]  # read late, the batch after the bad one is discarded too
     control, _ = run(tmp_path, [], Subset(data, samples(kept)), len(kept))
     assert stopper.rollbacks == 2 and stopper.last_rollback == (8, 3)
     assert all(torch.equal(p, q) for p, q in zip(rolled.parameters(), control.parameters()))
@@ -125,7 +128,7 @@ def test_with_accumulation_whole_optimizer_steps_are_rolled_back_and_skipped(tmp
                                       skip_batches=SKIP)
     data = dataset("spike", bad_batches=(2 * BAD_BATCH + 1,), n_batches=2 * STEPS)  # step 7's second micro-batch
     rolled, fit = run(tmp_path, [stopper], data, STEPS, accumulate_grad_batches=2)
-    kept = [*range(12), *range(2 * (BAD_BATCH + SKIP + 1), 2 * STEPS)]  # steps 0-5 and 10-13, two batches each
+    kept = [*range(12), *range(2 * (BAD_BATCH + SKIP + 2), 2 * STEPS)]  # steps 0-5 and 11-13, two batches each
     control, _ = run(tmp_path, [], Subset(data, samples(kept)), len(kept) // 2, accumulate_grad_batches=2)
     assert (fit.global_step, stopper.last_rollback, stopper.dropped_steps) == (STEPS, (BAD_BATCH, 6), 1 + SKIP)
     assert all(torch.equal(p, q) for p, q in zip(rolled.parameters(), control.parameters()))
@@ -193,8 +196,9 @@ def test_with_spikes_a_rolled_back_run_whose_level_moved_ends_as_one_that_never_
     x[bad * 64 : (bad + 1) * 64] *= 1e3
     data = TensorDataset(x, 0.5 * x[:, :2].sum(1, keepdim=True))
     rolled, stopper = _spike_run(tmp_path, data, steps)
-    kept = [i for b in [*range(6), *range(bad + 3, steps)] for i in range(b * 64, (b + 1) * 64)]
-    control, judged = _spike_run(tmp_path, Subset(data, kept), len(kept) // 64)  # never saw steps 6-13
+    # Read a step late: step 11's update is applied, then discarded; step 12's and the 2 skipped are dropped.
+    kept = [i for b in [*range(6), *range(bad + 4, steps)] for i in range(b * 64, (b + 1) * 64)]
+    control, judged = _spike_run(tmp_path, Subset(data, kept), len(kept) // 64)  # never saw steps 6-14
     assert (stopper.rollbacks, stopper.last_rollback, stopper.dropped_steps) == (1, (bad, 6), 3)
     assert (judged.rollbacks, judged.anomalous_steps) == (0, 0)
     assert all(torch.equal(p, q) for p, q in zip(rolled.parameters(), control.parameters()))
@@ -217,7 +221,7 @@ def test_a_second_rollback_to_the_same_snapshot_warns_and_a_third_stops_with_a_r
     assert any("step 8 rolled back to the state before step 0" in s and "The second rollback" in s for s in said)
     stop = [s for s in said if "stopping at step 11: 3 rollbacks to the state before step 0" in s]
     assert len(stop) == 1 and "steps 5, 8, 11" in stop[0] and "Gradient anomaly at step 11" in stop[0]
-    assert fit.global_step == 12 and stopper.rollbacks == 3  # stopped after the third, not looping on
+    assert fit.global_step == 13 and stopper.rollbacks == 3  # stopped after the third (read at 12), not looping
     assert all(torch.equal(p, q) for p, q in zip(rolled.parameters(), initial))  # left at the snapshot
 
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 import os
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal, Optional, Union
@@ -10,36 +9,25 @@ from typing import Any, Literal, Optional, Union
 import lightning.pytorch as pl
 from torch import Tensor
 
+from lightning_hooks.callbacks._anomaly_actions import AnomalyActions, GradientAnomalyError
 from lightning_hooks.callbacks._anomaly_report import AnomalyReport
-from lightning_hooks.callbacks._base import HookCallback, log_step
 from lightning_hooks.callbacks._flight_leader import output_levels
-from lightning_hooks.callbacks._gradient_check import GradientCheck
-from lightning_hooks.callbacks._rollback import Rollback, check_strategy, rolled_back, validate_rollback
+from lightning_hooks.callbacks._rollback import Rollback, check_strategy, validate_rollback
 from lightning_hooks.callbacks._spike_check import SpikeWatch, StepJudges, validate_spikes
 from lightning_hooks.callbacks._update_drop import UpdateDrop
-from lightning_hooks.core._compat import callbacks_of
 from lightning_hooks.core._validation import check_bool, check_choice, check_int
 from lightning_hooks.core.selection import ModuleSelection
-from lightning_hooks.distributed._rank_agreement import Check
 from lightning_hooks.distributed._step_measure import Step
 from lightning_hooks.measure.spikes import SpikeTrigger
-from lightning_hooks.output.figures import FigureListener, ScalarBlock
+from lightning_hooks.output.figures import ScalarBlock
 
 Action = Literal["stop", "skip", "rollback", "raise", "warn"]
 _ACTIONS = ("stop", "skip", "rollback", "raise", "warn")
 _COUNTERS = ("streak", "anomalous_steps", "dropped_steps", "amp_overflows", "rollbacks")
-_log = logging.getLogger(__name__)
+__all__ = ["GradientAnomalyError", "GradientAnomalyStopping"]
 
 
-class GradientAnomalyError(RuntimeError):
-    """Raised by ``GradientAnomalyStopping(action="raise")``; ``report`` says what and where."""
-
-    def __init__(self, report: AnomalyReport) -> None:
-        super().__init__(str(report))
-        self.report = report
-
-
-class GradientAnomalyStopping(FigureListener, GradientCheck):
+class GradientAnomalyStopping(AnomalyActions):
     """Act when gradients are non-finite, explode or vanish: stop, skip the update, roll back, raise or warn.
 
     The check runs at every optimizer step in ``on_before_optimizer_step`` (after gradient
@@ -62,9 +50,10 @@ class GradientAnomalyStopping(FigureListener, GradientCheck):
     - ``"skip"``: drops the update of this and every following anomalous step of the run
       (gradients set to None, so the optimizer leaves parameters and its state alone) and
       trains on. The global step and learning-rate schedules still advance.
-    - ``"rollback"``: drops the update, restores the last known-good model, optimizer and LR
+    - ``"rollback"``: drops the update (with ``act_late``, applies it and drops the next one),
+      restores the last known-good model, optimizer and LR
       scheduler state (a snapshot in host RAM, taken at the start of training and refreshed
-      after every ``rollback_every_n_steps`` clean steps in a row), drops the updates of the
+      after every ``rollback_every_n_steps`` clean steps in a row, each checked), drops the updates of the
       next ``skip_batches`` optimizer steps and trains on, as large-model pretraining does by
       hand after a loss spike. ``trainer.global_step`` keeps counting every step; the LR
       schedules go back with the snapshot, and so do the spike windows, the running medians and
@@ -115,12 +104,14 @@ class GradientAnomalyStopping(FigureListener, GradientCheck):
         watch_after: After each step acted on, have the Trainer's GradientMonitor,
             ActivationMonitor and TransformerStability log every step, whatever their interval,
             for this many steps.
-        act_late: With ``"warn"``, ``"raise"`` and ``"stop"`` (and neither ``provenance`` nor
-            ``dirpath``), read each step's check a step later, with no blocking host read per
-            step, and act there (the report names the anomalous step): its update is then
-            applied, and ``"stop"`` drops the next one. False: read it before the update, which
-            ``"stop"`` and ``"raise"`` then never apply. ``"skip"`` and ``"rollback"`` always read
-            it before the update. See docs/cost.md.
+        act_late: With ``"warn"``, ``"raise"``, ``"stop"`` and ``"rollback"`` (and neither
+            ``provenance`` nor ``dirpath``), read each step's check a step later, with no
+            blocking host read per step, and act there (the report names the anomalous step):
+            its update is then applied, ``"stop"`` drops the next one, and ``"rollback"`` drops
+            the next one and restores. At a checkpoint the step waiting is read and acted on
+            first. False: read it before the update, which ``"stop"``, ``"raise"`` and
+            ``"rollback"`` then never apply. ``"skip"`` always reads it before the update. See
+            docs/cost.md.
 
     Raises:
         ValueError: For an unknown ``action``, a negative ``patience``, a bad threshold, no check
@@ -222,20 +213,6 @@ class GradientAnomalyStopping(FigureListener, GradientCheck):
         if self._watch.updates is not None:  # after the dropper's: a dropped update is seen as one
             self._handles.extend(self._watch.updates.register(trainer.optimizers))
 
-    def on_train_batch_end(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
-    ) -> None:
-        """After the step and the LR schedulers': refresh the snapshot, or roll back to it (a third time: stop)."""
-        super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
-        if self._rollback is not None and self._rollback.end_of_batch(trainer, pl_module):
-            self.rollbacks, self.streak = self.rollbacks + 1, 0
-            self.last_rollback = (trainer.global_step - 1, self._rollback.snapshot_step or 0)
-            stop = rolled_back(self._rollback, self.last_report)
-            if stop is not None:
-                if trainer.is_global_zero:
-                    _log.warning(stop)
-                trainer.should_stop = True
-
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
@@ -256,10 +233,6 @@ class GradientAnomalyStopping(FigureListener, GradientCheck):
     def _votes(self, trainer: pl.Trainer, step: Step) -> dict[str, Tensor]:
         return self._watch.votes(step, first=self._shared is None or self._shared.evaluation == 1)
 
-    def _may_wait(self, trainer: pl.Trainer) -> bool:
-        """``warn``, ``raise`` and ``stop`` act a step late; ``skip`` and ``rollback`` need the answer at once."""
-        return self.act_late and super()._may_wait(trainer) and self.action in ("warn", "raise", "stop")
-
     def detach(self) -> None:
         """Remove the hooks; free the rollback snapshot."""
         super().detach()
@@ -269,69 +242,19 @@ class GradientAnomalyStopping(FigureListener, GradientCheck):
         if self._rollback is not None:
             self._rollback.release()
 
-    def _handle(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any, step: Step,
-                check: Check) -> None:
-        """Count the step at its first evaluation, or at a later one that finds it anomalous (LBFGS)."""
-        check = self._watch.conclude(trainer, step, check)
-        self._flags = tuple(name for name, on in check.flags.items() if on)
-        step_now = (id(optimizer), trainer.global_step)
-        if self._evaluation != 1 or self._decided_for != step_now:  # not right after a late read decided for it
-            self._dropper.new_evaluation(first=self._evaluation == 1)
-        self._decided_for = step_now
-        if self._evaluation == 1:
-            self._streak_before, self._settled = self.streak, False
-        else:
-            self._dropper.snapshot.reevaluating.add(id(optimizer))
-            if self._settled or not check.anomalous or check.skipped:
-                return
-            self.streak = self._streak_before  # the step's first evaluations were clean: count it again
-        self._settled = check.anomalous
-        self._act_on(trainer, pl_module, optimizer, step, check)
-
-    def _act_on(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any, step: Step,
-                check: Check) -> None:
-        self.amp_overflows += bool(check.amp_overflow)
-        self.anomalous_steps += check.anomalous
-        if self._rollback is not None and self._rollback.skipping:  # passing over batches after a rollback
-            self._rollback.decide(act=False, clean=False)
-            self._settled = True
-            self._dropper.drop(optimizer, self._evaluation)
-            self.dropped_steps += 1
-            return
-        if not check.skipped:  # a step the scaler skipped says nothing: the streak stays
-            self.streak = self.streak + 1 if check.anomalous else 0
-        if self.prog_bar:
-            self._show(trainer, pl_module, "anomaly_streak", self.streak)
-        act = check.anomalous and self.streak > self.patience
-        if self._rollback is not None and not check.skipped:  # a step the scaler skipped leaves the count
-            self._rollback.decide(act, clean=not check.anomalous)
-        if not act:
-            return
-        if self.watch_after:  # the monitors log every step for a while
-            for callback in callbacks_of(trainer, HookCallback):
-                callback.watch_until(log_step(trainer) + self.watch_after)
-        if self.streak == self.patience + 1:  # report once per run of anomalous steps
-            names = [self._param_names.get(p, f"param{i}") for i, p in enumerate(step.params)]
-            record = self._watch.record(trainer, names, step.key)
-            self.last_report = report = self._report(trainer, pl_module, step, check, record)
-            if self.action == "raise":
-                raise GradientAnomalyError(report)
-            if self.action in ("warn", "stop") and trainer.is_global_zero:
-                _log.warning(f"GradientAnomalyStopping: {'stopping' if self.action == 'stop' else 'training on'}."
-                            f"\n{report}")
-        if self.action in ("stop", "skip", "rollback") and not self._at_end:  # at the end no update follows
-            self._dropper.drop(optimizer, self._evaluation)
-            self.dropped_steps += 1
-        if self.action == "stop":
-            trainer.should_stop = True
-
     def state_dict(self) -> dict[str, Any]:
         """Return the counters, the running median windows, and how many updates a rollback still drops.
 
         The rollback snapshot is not saved (it would double the checkpoint): on resume, the
-        resumed state is the first snapshot.
+        resumed state is the first snapshot. A step whose check waits to be read a step late is
+        read and acted on first, as at the end of training (a checkpoint waits for the device
+        anyway): a run resumed from it judges every step, the last one before it too.
         """
+        if self._shared is not None:
+            self._shared.finish(at_end=True)
         counters = {name: getattr(self, name) for name in (*_COUNTERS, "skipping")}
+        if self._rollback is not None:
+            counters["resume_at"] = self._rollback.resume_at
         last = {"last_rollback": list(self.last_rollback)} if self.last_rollback is not None else {}
         return {**counters, **last, **self._state(), **self._watch.state_dict()}
 
@@ -343,6 +266,7 @@ class GradientAnomalyStopping(FigureListener, GradientCheck):
         self.last_rollback = (int(last[0]), int(last[1])) if last is not None else None
         if self._rollback is not None:
             self._rollback.skipping = int(state_dict["skipping"])
+            self._rollback.resume_at = int(state_dict.get("resume_at", 0))
         self._watch.load_state_dict(state_dict)
         self._load_state(state_dict)
 
