@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, NamedTuple, Optional
+from typing import Any, Optional
 
 import torch
 from torch import Tensor
@@ -26,27 +26,67 @@ __all__ = [
 FLAG_NAMES = ("nonfinite", "exploding", "vanishing")
 
 _NARROW = (torch.float16, torch.bfloat16, torch.float32)
-_NARROW_SET = frozenset(_NARROW)
 
 
-class GradientFigures(NamedTuple):
-    """What :func:`gradient_figures` measures; every field stays on the gradients' device."""
+class GradientFigures:
+    """What :func:`gradient_figures` measures; every field stays on the gradients' device.
 
-    norms: Tensor
-    """(P,) float64: the L2 norm of each gradient."""
-    bad: Tensor
-    """(P,) bool: which gradients hold a NaN or an Inf (see ``exact`` in :func:`gradient_figures`)."""
-    group_norms: Tensor
-    """(G + 1,) float64: the L2 norm per parameter group (NaN for a group without
-    gradients), then of all gradients together."""
-    nonfinite: Tensor
-    """(G + 1,) int64: how many gradients hold a NaN or an Inf, per group, then in all."""
+    ``bad`` and ``nonfinite`` are made when first read: a clean step that nothing logs reads
+    neither, and its flags need only :attr:`finite`.
+    """
+
+    __slots__ = ("norms", "group_norms", "_sizes", "_bad", "_nonfinite", "_by_norm")
+
+    def __init__(self, norms: Tensor, group_norms: Tensor, sizes: Sequence[int], bad: Optional[Tensor] = None,
+                 nonfinite: Optional[Tensor] = None, by_norm: bool = False) -> None:
+        self.norms = norms
+        """(P,) float64: the L2 norm of each gradient."""
+        self.group_norms = group_norms
+        """(G + 1,) float64: the L2 norm per parameter group (NaN for a group without
+        gradients), then of all gradients together."""
+        self._sizes, self._bad, self._nonfinite = tuple(sizes), bad, nonfinite
+        self._by_norm = by_norm  # a column is finite exactly when its norm is (see `finite`)
+
+    @property
+    def bad(self) -> Tensor:
+        """(P,) bool: which gradients hold a NaN or an Inf (see ``exact`` in :func:`gradient_figures`)."""
+        if self._bad is None:
+            self._bad = ~torch.isfinite(self.norms)
+        return self._bad
+
+    @property
+    def nonfinite(self) -> Tensor:
+        """(G + 1,) int64: how many gradients hold a NaN or an Inf, per group, then in all."""
+        if self._nonfinite is None:
+            bad, sizes = self.bad, self._sizes
+            total = bad.sum()
+            if len(sizes) == 1:
+                self._nonfinite = total.expand(2)
+            else:
+                starts = [sum(sizes[:g]) for g in range(len(sizes))]
+                self._nonfinite = torch.stack([*(bad[s : s + n].sum() for s, n in zip(starts, sizes)), total])
+        return self._nonfinite
+
+    @property
+    def finite(self) -> Tensor:
+        """(G + 1,) bool: whether every gradient of the column (group, then all) is finite.
+
+        Without ``exact``, for gradients of float32 or narrower in groups that all have some, a
+        column is finite exactly when its norm is: a gradient's norm is NaN or infinite exactly
+        when it counts as bad, and the float64 sum of the squares of finite float32 norms cannot
+        overflow. One operation instead of counting.
+        """
+        return self.group_norms.isfinite() if self._by_norm else self.nonfinite == 0
 
 
-def _foreach_norms(tensors: list[Tensor], ord: float) -> list[Tensor]:
-    """Per-tensor norms, batched, accumulated in at least float32."""
-    if {t.dtype for t in tensors} <= _NARROW_SET:  # the usual case: one call, no bookkeeping per tensor
-        return list(torch._foreach_norm(tensors, ord, dtype=torch.float32)) if tensors else []
+def _foreach_norms(tensors: list[Tensor], ord: float) -> tuple[list[Tensor], bool]:
+    """Per-tensor norms, batched, accumulated in at least float32; and whether every tensor was float32 or narrower."""
+    if not tensors:
+        return [], True
+    try:  # the usual case: one call, no look at each tensor's dtype
+        return list(torch._foreach_norm(tensors, ord, dtype=torch.float32)), True
+    except RuntimeError:  # a tensor wider than float32 (which a float32 accumulator would narrow)
+        pass
     out: list[Optional[Tensor]] = [None] * len(tensors)
     narrow = [i for i, t in enumerate(tensors) if t.dtype in _NARROW]
     wide = [i for i, t in enumerate(tensors) if t.dtype not in _NARROW]
@@ -55,7 +95,7 @@ def _foreach_norms(tensors: list[Tensor], ord: float) -> list[Tensor]:
             norms = torch._foreach_norm([tensors[i] for i in index], ord, dtype=dtype)
             for i, norm in zip(index, norms):
                 out[i] = norm
-    return [norm for norm in out if norm is not None]
+    return [norm for norm in out if norm is not None], False
 
 
 def _stacked(norms: list[Tensor], device: torch.device) -> Tensor:
@@ -120,26 +160,26 @@ def gradient_figures(
         raise ValueError(f"`group_sizes` {list(group_sizes)} must add up to the {len(grads)} gradients")
     device = grads[0].device if device is None else device
     parts = list(grads) if shards is not None and not shards.distributed else [local(g) for g in grads]
-    norms = _stacked(_foreach_norms(parts, 2.0), device)
-    largest = _stacked(_foreach_norms(parts, math.inf), device) if exact else norms
-    bad = ~torch.isfinite(largest)
-    if shards is not None and shards.sharded:
+    found, narrow = _foreach_norms(parts, 2.0)
+    norms = _stacked(found, device)
+    sharded = shards is not None and shards.sharded
+    bad = None  # made from the norms when read, unless it must be measured apart (exact) or summed (shards)
+    if exact or sharded:
+        bad = ~torch.isfinite(_stacked(_foreach_norms(parts, math.inf)[0], device) if exact else norms)
+    if sharded:
         # Whole-gradient figures from the shards': squared norms and bad-shard counts add.
         summed = shards.sum_(torch.stack([norms.square(), bad.double()], 1))
         norms, bad = summed[:, 0].sqrt(), summed[:, 1] > 0
-    total_norm, total_bad = (torch.linalg.vector_norm(norms), bad.sum()) if grads else (None, bad.sum())
+    by_norm = bad is None and narrow and all(group_sizes)
     if len(group_sizes) == 1 and grads:  # the usual case, one group: its figures are the totals, computed once
-        return GradientFigures(norms, bad, torch.stack([total_norm, total_norm]), torch.stack([total_bad, total_bad]))
+        return GradientFigures(norms, torch.linalg.vector_norm(norms).expand(2), group_sizes, bad, by_norm=by_norm)
     nan = torch.full((), math.nan, dtype=torch.float64, device=device)
-    group_norms, nonfinite, start = [], [], 0
+    group_norms, start = [], 0
     for size in group_sizes:
-        part = slice(start, start + size)
-        group_norms.append(torch.linalg.vector_norm(norms[part]) if size else nan)
-        nonfinite.append(bad[part].sum())
+        group_norms.append(torch.linalg.vector_norm(norms[start : start + size]) if size else nan)
         start += size
-    group_norms.append(total_norm if grads else nan)
-    nonfinite.append(total_bad)
-    return GradientFigures(norms, bad, torch.stack(group_norms), torch.stack(nonfinite))
+    group_norms.append(torch.linalg.vector_norm(norms) if grads else nan)
+    return GradientFigures(norms, torch.stack(group_norms), group_sizes, bad, by_norm=by_norm)
 
 
 @torch.no_grad()
@@ -180,7 +220,13 @@ def anomaly_flags(
         any_exploding = flags[FLAG_NAMES.index("exploding")].any()
 
     """
-    finite = nonfinite == 0
+    return _flag_rows(group_norms, nonfinite == 0, check_finite, norm_threshold, min_norm, relative_threshold,
+                      reference)
+
+
+def _flag_rows(group_norms: Tensor, finite: Tensor, check_finite: bool, norm_threshold: Optional[float],
+               min_norm: Optional[float], relative_threshold: Optional[float], reference: Optional[Tensor]) -> Tensor:
+    """:func:`anomaly_flags` from whether each column is finite; a flag no threshold enables costs no operation."""
     never = torch.zeros_like(finite)
     exploding = never
     if norm_threshold is not None:
@@ -189,10 +235,14 @@ def anomaly_flags(
         exploding = exploding | (group_norms > relative_threshold * reference.to(group_norms))
     vanishing = group_norms < min_norm if min_norm is not None else never
     if check_finite:
-        return torch.stack([~finite, exploding & finite, vanishing & finite])
+        return torch.stack([~finite, _where_finite(exploding, finite, never), _where_finite(vanishing, finite, never)])
     if norm_threshold is not None or relative_threshold is not None:
         exploding = exploding | ~finite
-    return torch.stack([never, exploding, vanishing & finite])
+    return torch.stack([never, exploding, _where_finite(vanishing, finite, never)])
+
+
+def _where_finite(flag: Tensor, finite: Tensor, never: Tensor) -> Tensor:
+    return never if flag is never else flag & finite
 
 
 @dataclass
@@ -245,6 +295,16 @@ class AnomalyDetector:
         enabled = (self.check_finite, exploding, self.min_norm is not None)
         return tuple(name for name, on in zip(FLAG_NAMES, enabled) if on)
 
+    @property
+    def shares_flags(self) -> Optional[tuple[Any, ...]]:
+        """What this detector's flags depend on besides the figures; None when that is its own running median.
+
+        Two detectors with the same value flag the same figures alike: a step computes their flags once.
+        """
+        if self.relative_threshold is not None:
+            return None
+        return (self.check_finite, self.norm_threshold, self.min_norm)
+
     def flags(self, figures: GradientFigures, key: int = 0) -> Tensor:
         """:func:`anomaly_flags` for one optimizer (``key``) against its running median."""
         history = self._history.get(key)
@@ -252,11 +312,8 @@ class AnomalyDetector:
         reference = None
         if history is not None and history.shape == shape and self._seen[key] >= self.window:
             reference = history.nanmedian(0).values
-        return anomaly_flags(
-            figures.group_norms, figures.nonfinite, check_finite=self.check_finite,
-            norm_threshold=self.norm_threshold, min_norm=self.min_norm,
-            relative_threshold=self.relative_threshold, reference=reference,
-        )
+        return _flag_rows(figures.group_norms, figures.finite, self.check_finite, self.norm_threshold, self.min_norm,
+                          self.relative_threshold, reference)
 
     def remember(self, group_norms: Tensor, key: int = 0) -> None:
         """Add a clean step's norms to the window of optimizer ``key``; on device, no sync."""
