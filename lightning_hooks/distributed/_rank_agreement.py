@@ -132,10 +132,13 @@ def agree(trainer: pl.Trainer, detectors: Sequence[AnomalyDetector], steps: Sequ
     norms = shared.figures.group_norms
     device = norms.device
     votes: dict[str, Union[Tensor, float]] = {}
-    aliases: dict[str, str] = {}  # callbacks whose flags are one tensor (detectors that flag alike) vote it once
+    # Under one process, callbacks whose flags are one tensor (detectors that flag alike) send it once;
+    # across ranks every callback votes, so that the collective's size never depends on a rank's tensors.
+    aliases: dict[str, str] = {}
     first: dict[int, str] = {}
     for i, step in enumerate(steps):
-        aliases[f"flags{i}"] = name = first.setdefault(id(step.flags), f"flags{i}")
+        alike = id(step.flags) if trainer.world_size == 1 else i
+        aliases[f"flags{i}"] = name = first.setdefault(alike, f"flags{i}")
         votes[name] = step.flags
     votes.update(overflow=shared.overflow if shared.overflow is not None else 0.0, empty=float(not shared.params),
                  unsure=shared.unsure)
