@@ -3,7 +3,8 @@
 Wraps each callback hook of ActivationMonitor, GradientMonitor and GradientAnomalyStopping(action="skip"),
 and the shared gradient measurement's parts, in a ``time.perf_counter`` pair; fits ``D x Linear(64, 64)``
 plain and with the three (never logging) in one process, in turns, and prints the median steps and
-each part's mean microseconds per call. The wrappers cost about 1 us a call themselves.
+each part's median and mean microseconds per call (on a loaded machine the median: a mean takes in
+every time the process was put off the CPU). The wrappers cost about 1 us a call themselves.
 
     python benchmarks/not_logged_breakdown.py --depth 100
 """
@@ -24,8 +25,7 @@ HERE = Path(__file__).resolve().parent
 NEVER = 10**9
 HOOKS = ("on_train_batch_start", "on_train_batch_end", "on_before_backward", "on_after_backward",
          "on_before_optimizer_step")
-TOTALS: dict[str, float] = collections.defaultdict(float)
-CALLS: collections.Counter[str] = collections.Counter()
+TIMES: dict[str, list[float]] = collections.defaultdict(list)
 
 
 def _wrap(owner: Any, name: str, label: str) -> None:
@@ -38,8 +38,7 @@ def _wrap(owner: Any, name: str, label: str) -> None:
         try:
             return inner(*args, **kwargs)
         finally:
-            TOTALS[label] += time.perf_counter() - start
-            CALLS[label] += 1
+            TIMES[label].append(time.perf_counter() - start)
 
     setattr(owner, name, timed)
 
@@ -55,8 +54,9 @@ def _instrument() -> None:
     for owner, name in ((_shared_measurement, "measure_step"), (_shared_measurement, "agree"),
                         (_rank_agreement.Agreed, "checks"), (_step_measure, "gradient_figures"),
                         (_step_measure, "_params_with_grads"), (anomalies, "_foreach_norms"),
-                        (anomalies, "_stacked")):
-        _wrap(owner, name, name)
+                        (anomalies, "_stacked"), (_shared_measurement.SharedMeasurement, "_measure"),
+                        (GradientMonitor, "_handle")):
+        _wrap(owner, name, name if name != "_handle" else "GradientMonitor._handle")
 
 
 def _fit(depth: int, callbacks: Callable[[], list[Any]], steps: int) -> float:
@@ -92,12 +92,13 @@ def main() -> None:
 
     for round_ in range(args.rounds):
         plain = _fit(args.depth, list, args.steps)
-        TOTALS.clear()
-        CALLS.clear()
+        TIMES.clear()
         three = _fit(args.depth, quick, args.steps)
         print(f"round {round_}: plain {plain:.0f} us, the three {three:.0f} us, {three - plain:.0f} us over")
-    for label in sorted(TOTALS, key=lambda k: -TOTALS[k]):
-        print(f"{label:50s} {TOTALS[label] / CALLS[label] * 1e6:8.1f} us x{CALLS[label]}")
+    print(f"{'part':50s} {'median':>8s} {'mean':>8s} (us a call)")
+    for label in sorted(TIMES, key=lambda k: -statistics.median(TIMES[k])):
+        times = TIMES[label]
+        print(f"{label:50s} {statistics.median(times) * 1e6:8.1f} {statistics.mean(times) * 1e6:8.1f} x{len(times)}")
 
 
 if __name__ == "__main__":
