@@ -187,6 +187,8 @@ def report(runs: dict[str, list[list[tuple[str, dict[str, Any]]]]], labels: list
         head = f"| {kind} | {modules} | {wall:.2f} / {cpu:.2f} | {read:.2f} |"
         figures[kind] = {"modules": modules, "plain_wall_ms": wall, "plain_cpu_ms": cpu, "read_ms": read}
         for name in (*BASELINES, *CONFIGS):
+            if not any(label == name or label.endswith(f": {name}") for label in labels):  # not run (--configs)
+                continue
             cells = []
             for side in ("before", "after"):
                 label = name if name in BASELINES else f"{side}: {name}"
@@ -215,6 +217,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--rounds-1000", type=int, default=2, help="rounds of the 1,000-layer stack (slow fits)")
     parser.add_argument("--scale", type=float, default=1.0, help="multiply every model's timed steps by this")
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--configs", default="", help="run only the configurations whose names contain one of these"
+                        " comma-separated words (e.g. 'not logged'); plain training always runs")
     parser.add_argument("--output", default=None, help="write the figures here as JSON")
     parser.add_argument("--tensorboard-checksum", action="store_true",
                         help="in the --before tree, leave TensorBoard's records to its own Python checksum"
@@ -230,7 +234,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     trees = {"after": after, **({"before": str(Path(args.before).resolve())} if args.before else {})}
     plan = {"plain": (after, "plain"), "plain (A/A)": (after, "plain"),
             "three empty callbacks": (after, "three empty callbacks")}
-    plan.update({f"{side}: {name}": (tree, name) for side, tree in sorted(trees.items()) for name in CONFIGS})
+    wanted = [word for word in args.configs.split(",") if word]
+    chosen = [name for name in CONFIGS if not wanted or any(word in name for word in wanted)]
+    plan.update({f"{side}: {name}": (tree, name) for side, tree in sorted(trees.items()) for name in chosen})
     log_dir = tempfile.mkdtemp(prefix="whole_step_logs_")
     start = time.time()
     checksum = "1" if args.tensorboard_checksum else ""
