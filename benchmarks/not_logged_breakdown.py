@@ -46,15 +46,15 @@ def _wrap(owner: Any, name: str, label: str) -> None:
 def _instrument() -> None:
     from lightning_hooks import ActivationMonitor, GradientAnomalyStopping, GradientMonitor
     from lightning_hooks.distributed import _rank_agreement, _shared_measurement, _step_measure
-    from lightning_hooks.measure import anomalies
+    from lightning_hooks.measure import _gradient_figures as figures
 
     for cls in (ActivationMonitor, GradientMonitor, GradientAnomalyStopping):
         for hook in HOOKS:
             _wrap(cls, hook, f"{cls.__name__}.{hook}")
     for owner, name in ((_shared_measurement, "measure_step"), (_shared_measurement, "agree"),
                         (_rank_agreement.Agreed, "checks"), (_step_measure, "gradient_figures"),
-                        (_step_measure, "_params_with_grads"), (anomalies, "_foreach_norms"),
-                        (anomalies, "_stacked"), (_shared_measurement.SharedMeasurement, "_measure"),
+                        (_step_measure, "_params_with_grads"), (figures, "_foreach_norms"),
+                        (figures, "_stacked"), (_shared_measurement.SharedMeasurement, "_measure"),
                         (GradientMonitor, "_handle")):
         _wrap(owner, name, name if name != "_handle" else "GradientMonitor._handle")
 

@@ -115,6 +115,8 @@ def agree(trainer: pl.Trainer, detectors: Sequence[AnomalyDetector], steps: Sequ
     gradients too, so a decision one rank alone made is everyone's and no rank waits alone.
     However many callbacks read the step, there is one collective and one host transfer. The
     host does not wait here: it reads the transfer in :meth:`Agreed.checks`, now or a step later.
+    Under one process there is nothing to agree on: the votes go into the transfer as they are
+    (callbacks whose flags are one tensor send it once), and those the host knows stay on the host.
 
     Args:
         trainer: The trainer, for the world size and the strategy.
