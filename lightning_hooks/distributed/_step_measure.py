@@ -120,4 +120,3 @@ def measure_step(trainer: pl.Trainer, optimizer: Any, detectors: Sequence[Anomal
                 shared[alike] = flags
         steps.append(Step(key, params, figures, flags, overflow, unsure))
     return steps
-

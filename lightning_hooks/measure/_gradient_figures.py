@@ -29,13 +29,13 @@ class GradientFigures:
     __slots__ = ("norms", "group_norms", "_sizes", "_bad", "_nonfinite", "_by_norm")
 
     def __init__(self, norms: Tensor, group_norms: Tensor, sizes: Sequence[int], bad: Optional[Tensor] = None,
-                 nonfinite: Optional[Tensor] = None, by_norm: bool = False) -> None:
+                 by_norm: bool = False) -> None:
         self.norms = norms
         """(P,) float64: the L2 norm of each gradient."""
         self.group_norms = group_norms
         """(G + 1,) float64: the L2 norm per parameter group (NaN for a group without
         gradients), then of all gradients together."""
-        self._sizes, self._bad, self._nonfinite = tuple(sizes), bad, nonfinite
+        self._sizes, self._bad, self._nonfinite = tuple(sizes), bad, None
         self._by_norm = by_norm  # a column is finite exactly when its norm is (see `finite`)
 
     @property
