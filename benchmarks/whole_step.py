@@ -8,7 +8,9 @@ The coordinator runs the fits one at a time in interleaved rounds (plain trainin
 after every two others, in a shuffled order: ``harness.round_order``) on ``D x Linear(64, 64)``
 and the GPT-2-style decoder of ``scaling.py``, and reports each fit's median step (wall, and the
 process's CPU time, TensorBoard's writer thread included) over the plain fits on either side of it.
-"plain (A/A)" is plain training in a process of its own: its ratio is the noise floor.
+"plain (A/A)" is plain training in a process of its own: its ratio is the noise floor. "three empty
+callbacks" is plain training with three callbacks that do nothing: what Lightning's calls into three
+callbacks' hooks cost, whatever the callbacks do (the floor of the Quick start's three).
 
     python benchmarks/whole_step.py --before /work/wt-perf-before
     python benchmarks/whole_step.py --depths 10,100 --no-decoder --rounds 2     # a quick look
@@ -30,6 +32,7 @@ from typing import Any, Optional
 HERE = Path(__file__).resolve().parent
 NEVER = 10**9  # a log interval no fit reaches: only step 0 could log, and it is a warm-up step
 MARK = "@@whole_step "  # a worker's reply line; Lightning writes to the same stdout
+BASELINES = ("plain (A/A)", "three empty callbacks")  # one side only: no code of the package runs
 CONFIGS = ("quick start, not logged", "quick start, logged", "ActivationMonitor, not logged",
            "ActivationMonitor, logged")
 
@@ -42,6 +45,10 @@ def _callbacks(name: str) -> list[Any]:
     """
     from lightning_hooks import ActivationMonitor, GradientAnomalyStopping, GradientMonitor
 
+    if name == "three empty callbacks":
+        from lightning.pytorch import Callback
+
+        return [type(f"Empty{i}", (Callback,), {})() for i in range(3)]  # three classes: three state keys
     every = 1 if name.endswith(", logged") else NEVER
     if name.startswith("quick start"):
         return [ActivationMonitor(log_every_n_steps=every, max_rows=None),
@@ -93,7 +100,7 @@ def worker(name: str, threads: int) -> None:
         timed = timer.durations(int(warmup))
         reply = {"wall": statistics.median(s[1] for s in timed), "cpu": statistics.median(s[2] for s in timed),
                  "steps": len(timed)}
-        if not name.startswith(("quick", "Activation")):  # plain training: what a module and a read cost
+        if name == "plain":  # plain training: what a module and a read cost
             reply["read"] = _gradient_read(model)
             reply["modules"] = hooked_modules(built)
         print(MARK + json.dumps(reply), flush=True)
@@ -179,18 +186,20 @@ def report(runs: dict[str, list[list[tuple[str, dict[str, Any]]]]], labels: list
         read = statistics.median(r["read"] for r in plain) * 1e3
         head = f"| {kind} | {modules} | {wall:.2f} / {cpu:.2f} | {read:.2f} |"
         figures[kind] = {"modules": modules, "plain_wall_ms": wall, "plain_cpu_ms": cpu, "read_ms": read}
-        for name in ("plain (A/A)", *CONFIGS):
+        for name in (*BASELINES, *CONFIGS):
+            if not any(label == name or label.endswith(f": {name}") for label in labels):  # not run (--configs)
+                continue
             cells = []
             for side in ("before", "after"):
-                label = name if name == "plain (A/A)" else f"{side}: {name}"
+                label = name if name in BASELINES else f"{side}: {name}"
                 w = [x for fits in rounds for x in ratios(fits, label, "wall")]
                 c = [x for fits in rounds for x in ratios(fits, label, "cpu")]
-                if name == "plain (A/A)" and side == "before":
+                if name in BASELINES and side == "before":
                     cells += ["", ""]
                     continue
                 cells += [_cell(w), f"{statistics.median(c):.3f}" if c else "-"]
                 figures[kind][label] = {"wall": w, "cpu": c}
-            label = name if name == "plain (A/A)" else f"after: {name}"
+            label = name if name in BASELINES else f"after: {name}"
             extra = [x for fits in rounds for x in extra_per_module(fits, label, modules)] if label in labels else []
             figures[kind].setdefault(label, {})["extra_us_per_module"] = extra
             per_module = f"{statistics.median(extra):.1f}" if extra else "-"
@@ -208,6 +217,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--rounds-1000", type=int, default=2, help="rounds of the 1,000-layer stack (slow fits)")
     parser.add_argument("--scale", type=float, default=1.0, help="multiply every model's timed steps by this")
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--configs", default="", help="run only the configurations whose names contain one of these"
+                        " comma-separated words (e.g. 'not logged'); plain training always runs")
     parser.add_argument("--output", default=None, help="write the figures here as JSON")
     parser.add_argument("--tensorboard-checksum", action="store_true",
                         help="in the --before tree, leave TensorBoard's records to its own Python checksum"
@@ -221,8 +232,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     kinds = [f"stack{d}" for d in args.depths.split(",") if d] + ([] if args.no_decoder else ["gpt2-style"])
     after = str(HERE.parent)
     trees = {"after": after, **({"before": str(Path(args.before).resolve())} if args.before else {})}
-    plan = {"plain": (after, "plain"), "plain (A/A)": (after, "plain")}
-    plan.update({f"{side}: {name}": (tree, name) for side, tree in sorted(trees.items()) for name in CONFIGS})
+    plan = {"plain": (after, "plain"), "plain (A/A)": (after, "plain"),
+            "three empty callbacks": (after, "three empty callbacks")}
+    wanted = [word for word in args.configs.split(",") if word]
+    chosen = [name for name in CONFIGS if not wanted or any(word in name for word in wanted)]
+    plan.update({f"{side}: {name}": (tree, name) for side, tree in sorted(trees.items()) for name in chosen})
     log_dir = tempfile.mkdtemp(prefix="whole_step_logs_")
     start = time.time()
     checksum = "1" if args.tensorboard_checksum else ""

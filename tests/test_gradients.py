@@ -228,7 +228,7 @@ def test_without_a_tensorboard_logger_no_histogram_is_computed(tmp_path):
         blocks: list[Any] = []
 
         def on_train_start(self, trainer: L.Trainer, pl_module: Any) -> None:
-            self.blocks.extend(m._block for m in trainer.callbacks if isinstance(m, GradientMonitor))
+            self.blocks.extend(m._rows.block for m in trainer.callbacks if isinstance(m, GradientMonitor))
 
     csv = CSVLogger(tmp_path, name="", version="")
     monitors = [GradientMonitor(), GradientMonitor(stats=("norm", "max"))]

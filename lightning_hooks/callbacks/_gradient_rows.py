@@ -27,6 +27,7 @@ from lightning_hooks.measure._stat_rows import N_FIELDS, summarize_rows
 from lightning_hooks.measure.aggregate import StatBlock
 from lightning_hooks.output._histograms import log_histograms
 from lightning_hooks.output.figures import HistogramBlock, ScalarBlock
+from lightning_hooks.output.sinks import Charts
 
 
 class Row(NamedTuple):
@@ -70,6 +71,13 @@ def select_rows(pl_module: pl.LightningModule, granularity: str, modules: Module
         if is_trained(param):
             first_name.setdefault(param, name)
     return [Row(name, [param]) for param, name in first_name.items()]
+
+
+def selection_key(modules: ModuleSelection) -> Any:
+    """``modules`` as it can go in a state key: a predicate by its name, not its address."""
+    if callable(modules) and not isinstance(modules, type):
+        return f"{getattr(modules, '__module__', '')}.{getattr(modules, '__qualname__', type(modules).__name__)}"
+    return modules
 
 
 def trained_parameters(optimizers: Sequence[Any]) -> Optional[set[Tensor]]:
@@ -217,3 +225,68 @@ def row_metrics(trainer: pl.Trainer, check: Check, names: Sequence[str], tags: d
                                                rows[:, N_FIELDS:]), block.edges, log_step(trainer))
     block.reset()
     return metrics, figures
+
+
+class GradientRows:
+    """GradientMonitor's rows in one fit: chosen for what the optimizers train, and their figures at a logged step.
+
+    Args:
+        owner: The monitor's name, for its warnings and errors.
+    """
+
+    def __init__(self, owner: str) -> None:
+        self.owner, self.granularity, self.stats, self.bins = owner, "parameter", ("norm",), 128
+        self.rows: Rows = []
+        self.names: list[str] = []
+        self.tags: dict[str, list[str]] = {}  # the rows' tags by stat, made once per fit
+        self.present: list[bool] = []  # which rows had gradients at the last logged step
+        self.block: Optional[StatBlock] = None  # the rows' stat rows; None when only norms are logged
+        self._shards = ShardGroups([])  # how each row's gradients are split across ranks
+        self._layout: tuple[int, ...] = ()  # the optimizers' param group sizes the rows were chosen for
+
+    def choose(self, trainer: pl.Trainer, pl_module: pl.LightningModule, monitor: Any, histograms: bool,
+               starting: bool) -> None:
+        """Rows for what the optimizers hold, their tags and buffers; again at a step whose param groups changed.
+
+        ``monitor``'s settings as they are now (``granularity``, ``stats``, ``bins``, ``max_rows``,
+        ``modules`` and the modules it selected) hold until the next choice. Too many rows raise
+        before training (``starting``), and a selection with nothing trained warns then; rows
+        added later past ``max_rows`` are left out.
+        """
+        self.granularity, self.stats, self.bins = monitor.granularity, monitor.stats, monitor.bins
+        self._layout = optimizer_layout(trainer.optimizers)
+        modules, trained = monitor.modules, trained_parameters(trainer.optimizers)
+        rows = select_rows(pl_module, self.granularity, modules, monitor._targets, trained)
+        rows = limit_rows(self.owner, rows, self.granularity, monitor.max_rows, len(self.stats) + histograms, starting)
+        self.rows, self.names, self.tags = rows, [name for name, _ in rows], row_tags(rows, self.stats)
+        needs_rows = histograms or any(s != "norm" for s in self.stats)
+        self.block = StatBlock(self.names, self.bins, pl_module.device) if needs_rows and self.names else None
+        self._shards = ShardGroups([params[0] for _, params in rows])
+        if starting and not any(p.requires_grad for _, params in rows for p in params):
+            rank_zero_warn(untrained_message(self.owner, modules))
+
+    def charts(self) -> Charts:
+        """One Custom Scalars chart per stat drawing every row, one of the total norms, one of the flags."""
+        charts: dict[str, list[str]] = {f"{s} by {self.granularity}": [rf"gradients/.*/{s}$"] for s in self.stats}
+        return {**charts, "total norm": [r"gradients/total_norm(/group\d+)?$"], "anomaly flags": [r"anomalies/"]}
+
+    def changed(self, trainer: pl.Trainer) -> bool:
+        """Whether the optimizers' param groups changed since the rows were chosen (a param group added)."""
+        return optimizer_layout(trainer.optimizers) != self._layout
+
+    def figures(self, params: list[Tensor], norms: Tensor) -> dict[str, Tensor]:
+        """The rows' figures of a logged step, on device (:func:`row_figures`)."""
+        if not self.rows:
+            self.present = []
+            return {}
+        self.present, figures = row_figures(params, norms, self.rows, self.block, self._shards, self.granularity)
+        return figures
+
+    def metrics(self, trainer: pl.Trainer, check: Check,
+                histograms: bool) -> tuple[dict[str, float], list[ScalarBlock]]:
+        """The logged step's total norms and rows' stats, the histograms written (:func:`row_metrics`)."""
+        return row_metrics(trainer, check, self.names, self.tags, self.present, self.block, self.stats, histograms)
+
+    def clear(self) -> None:
+        """Drop every reference to the model's parameters."""
+        self.rows, self.present, self.block, self._shards = [], [], None, ShardGroups([])

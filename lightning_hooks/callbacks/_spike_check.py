@@ -146,6 +146,8 @@ class SpikeWatch:
 
     def votes(self, step: Step, first: bool) -> dict[str, Tensor]:
         """The step's spike flags, to sum over the ranks; the loss is the first evaluation's (LBFGS)."""
+        if self.spikes is None and not self.flight_recorder:  # nothing reads the loss: no tensor made for it
+            return {}
         device = step.figures.group_norms.device
         loss = self._loss.take(device)  # a later evaluation's loss is dropped
         self._step_loss = loss if first else None

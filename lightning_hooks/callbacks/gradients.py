@@ -1,8 +1,7 @@
 """GradientMonitor: gradient norms and histograms, and anomaly flags at every optimizer step.
 
-Here is what the monitor decides: its settings, when a step is logged, which flags and reports
-go out. The check it shares with GradientAnomalyStopping is in ``_gradient_check``; the rows it
-logs (which gradients each covers, their figures and metrics) are in ``_gradient_rows``.
+Here is what the monitor decides: its settings, when a step is logged, which flags and reports go
+out. The check it shares with GradientAnomalyStopping is in ``_gradient_check``; its rows are in ``_gradient_rows``.
 """
 
 from __future__ import annotations
@@ -17,24 +16,9 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
 
 from lightning_hooks.callbacks._anomaly_report import AnomalyReport
-from lightning_hooks.callbacks._base import (
-    _log_interval,
-    _validate_interval,
-    _validate_stats,
-    log_step,
-)
+from lightning_hooks.callbacks._base import _log_interval, _validate_interval, _validate_stats, log_step
 from lightning_hooks.callbacks._gradient_check import GradientCheck, overruled
-from lightning_hooks.callbacks._gradient_rows import (
-    Rows,
-    limit_rows,
-    optimizer_layout,
-    row_figures,
-    row_metrics,
-    row_tags,
-    select_rows,
-    trained_parameters,
-    untrained_message,
-)
+from lightning_hooks.callbacks._gradient_rows import GradientRows, selection_key
 from lightning_hooks.callbacks._update_ratio import UpdateRatio
 from lightning_hooks.callbacks.stopping import GradientAnomalyStopping
 from lightning_hooks.core._compat import callbacks_of
@@ -42,12 +26,10 @@ from lightning_hooks.core._validation import check_bool, check_choice
 from lightning_hooks.core.selection import ModuleSelection, validate_limit
 from lightning_hooks.distributed._rank_agreement import Check
 from lightning_hooks.distributed._step_measure import Step
-from lightning_hooks.measure._sharding import ShardGroups
-from lightning_hooks.measure.aggregate import StatBlock
 from lightning_hooks.measure.stats import STAT_NAMES, Bins, binning
 from lightning_hooks.output._health_verdicts import UNJUDGED_RATIOS_TAG, unjudged_ratios
 from lightning_hooks.output.figures import ScalarBlock
-from lightning_hooks.output.sinks import Charts, destinations, log_layout, log_plugin_data, log_scalars
+from lightning_hooks.output.sinks import destinations, log_layout, log_plugin_data, log_scalars
 
 Granularity = Literal["parameter", "module"]
 
@@ -58,23 +40,17 @@ GRADIENT_STAT_NAMES = ("norm", *STAT_NAMES)
 class GradientMonitor(GradientCheck):
     """Log gradient norms and histograms, and flag gradient anomalies at every optimizer step.
 
-    Everything happens in ``on_before_optimizer_step``: after gradient accumulation, and after
-    AMP unscaling, so the figures are those of the gradients the optimizer is about to apply (an
-    optimizer that would unscale in its own step, ``fused=True``, is unscaled here, as for
-    gradient clipping). Under DDP the gradients have been all-reduced (averaged) by then and
-    are the same on every rank, so they are not reduced again; rank zero writes, and one small
-    all-reduce per step agrees on whether the step was anomalous.
+    Everything happens in ``on_before_optimizer_step``, after gradient accumulation and AMP unscaling
+    (a ``fused=True`` optimizer is unscaled here, as for gradient clipping): the figures are of the
+    gradients the optimizer applies. Under DDP they are averaged already, not reduced again; rank zero writes.
 
     On logged steps (as Lightning logs: the loop's step ``n`` with ``(n + 1) % log_every_n_steps
-    == 0``, and step 0; every figure goes out at the step ``self.log`` writes at) it logs
-    ``gradients/<name>/norm`` per parameter (``granularity="parameter"``) or per module
-    (``"module"``: the norm over the module's parameters), ``gradients/total_norm`` (as
-    ``torch.nn.utils.get_total_norm`` gives it; per parameter group as
-    ``gradients/total_norm/group<i>`` when there are several), any other ``stats``, and
-    ``gradients/<name>`` histograms to TensorBoard and W&B (only when a ``TensorBoardLogger``
-    or ``WandbLogger`` is attached), with non-finite values left out and counted. Each
-    TensorBoardLogger also gets a Custom Scalars layout, once: one chart per stat drawing
-    every row (``norm by parameter``), the total norms, and the anomaly flags.
+    == 0``, and step 0, at the step ``self.log`` writes at) it logs ``gradients/<name>/norm`` per
+    parameter (``granularity="parameter"``) or per module (``"module"``), ``gradients/total_norm``
+    (as ``torch.nn.utils.get_total_norm``; ``gradients/total_norm/group<i>`` per parameter group
+    when there are several), any other ``stats``, and ``gradients/<name>`` histograms to a
+    TensorBoardLogger or WandbLogger, non-finite values left out and counted. Each TensorBoardLogger
+    gets a Custom Scalars layout once: a chart per stat of every row, the total norms, the flags.
 
     With ``update_ratio=True`` it also logs, per row, ``updates/<name>/ratio``, the
     update-to-weight ratio ``||w_after - w_before|| / ||w_before||`` of the logged step's
@@ -87,38 +63,21 @@ class GradientMonitor(GradientCheck):
     no ratio at that step (``||w_before|| = 0``: it would be infinite), so none is logged for it
     there; it gets one from its next logged step on.
 
-    At every optimizer step it computes the anomaly flags, and logs them as 0/1 scalars on
-    logged steps, on every step that raises one, and on the step after (where they come back
-    to 0): ``anomalies/<flag>`` for all gradients together and ``anomalies/<flag>/group<i>``
-    per parameter group, with ``<flag>`` one of ``nonfinite``, ``exploding`` and ``vanishing``
-    (those the thresholds enable), and ``anomalies/amp_overflow`` under a GradScaler: steps
-    the scaler itself skips are never flagged otherwise (with fp16 a NaN from the model itself
-    also looks like an overflow to the scaler, and is counted there). The number of anomalous
-    steps so far shows in the progress bar as ``anomalies`` (when there is a progress bar).
-    The first step of a run of anomalous steps, and any step that raises a new flag, gets an
-    :class:`~lightning_hooks.AnomalyReport`, logged as text (``anomalies/report``)
-    and kept in :attr:`last_report`. With a ``GradientAnomalyStopping`` in the same Trainer the
-    stopper writes the one report of a step (it says what it did; :attr:`last_report` is then
-    its report) and the monitor writes none: found at ``setup``, with a warning there when
-    detector arguments given to the monitor differ from the stopper's. With no flag enabled
-    (``check_finite=False`` and no threshold) and no ``provenance``, the steps in between are
-    left alone: nothing is measured and ``anomalies/amp_overflow`` shows on logged steps only.
+    At every optimizer step it computes the anomaly flags (``nonfinite``, ``exploding``,
+    ``vanishing``: those the arguments enable; ``amp_overflow`` under a GradScaler, whose skipped
+    steps are never flagged otherwise) and logs them as 0/1 scalars, ``anomalies/<flag>`` and per
+    parameter group ``anomalies/<flag>/group<i>``, on logged steps, on steps that raise one and on
+    the step after; the count of anomalous steps shows in the progress bar (``anomalies``). The
+    first step of a run of anomalous steps, and any step raising a new flag, gets an
+    :class:`~lightning_hooks.AnomalyReport` (text ``anomalies/report``, :attr:`last_report`);
+    beside a ``GradientAnomalyStopping`` the stopper writes the one report of a step. With no flag
+    enabled and no ``provenance``, the steps it does not log are not measured at all.
 
-    All figures of a step are computed batched on the gradients' device and reach the host in
-    one transfer per step. On a step it does not log, that transfer is started without blocking
-    and read at the next step (or at the end of training), where the flags are logged and the
-    report made at their own step, unless a callback beside it needs the step read before its
-    update (``GradientAnomalyStopping`` with ``skip`` or ``rollback``) or ``provenance`` or
-    ``dirpath`` is set (see docs/cost.md). The per-step
-    check reads every gradient once (an L2 norm); only a step with an infinite norm, which a
-    finite gradient whose float32 norm overflows also gives, is measured again to tell the
-    two apart (a second transfer). With several optimizers each is checked at its own step.
-    An optimizer that evaluates its closure several times per step (LBFGS) gets one figure per
-    step: its first evaluation's.
-    It sees every step's gradients wherever it is in ``callbacks``, a
-    ``GradientAnomalyStopping`` before it included (that one drops updates only after every
-    callback has seen them). Several instances can be used together (and resumed) when their
-    settings differ.
+    A step is measured once for every gradient callback of the Trainer, batched on device, and
+    reaches the host in one transfer: on a step not logged it is read at the next step, its flags
+    logged at their own step, unless a callback beside it needs it before the update (``skip``,
+    ``rollback``) or ``provenance`` or ``dirpath`` is set. Several optimizers, LBFGS, several
+    instances, and what a step not logged costs: docs/gradient_monitor.md and docs/cost.md.
 
     Args:
         modules: The modules whose parameters get rows (None: every parameter, or with
@@ -139,16 +98,13 @@ class GradientMonitor(GradientCheck):
         relative_threshold: Flag a norm above this multiple of its running median as exploding.
         min_norm: Flag a group or total norm below this as vanishing.
         window: How many clean steps the running median covers.
-        provenance: Watch module outputs and gradients for NaN/Inf (a cheap on-device check
-            per module call and per parameter per backward), to report the first module in
-            forward order whose output was non-finite, and the parameters whose gradients went
-            non-finite in the order backward reached them.
-        dirpath: Save the batch and the model state of each reported step in this directory, for
-            replay.
+        provenance: Watch module outputs and gradients for NaN/Inf (a cheap on-device check per
+            module call and per parameter per backward), to report the first module in forward
+            order whose output was non-finite, and the parameters whose gradients went non-finite.
+        dirpath: Save the batch and the model state of each reported step here, for replay.
         prog_bar: Show the count of anomalous steps in the progress bar.
-        max_rows: The most rows (parameters, or modules with ``"module"``) to log (None: no
-            limit), so that a very large model fails before training with a hint instead of
-            logging thousands of tags a step.
+        max_rows: The most rows to log (None: no limit): a very large model fails before training
+            with a hint instead of logging thousands of tags a step.
         update_ratio: Log each row's update-to-weight ratio on logged steps (costs, on those
             steps, a copy of the rows' parameters on their device until the update is made).
         update_norms: With ``update_ratio``, also log each row's update norm ``||Δw||``
@@ -158,11 +114,9 @@ class GradientMonitor(GradientCheck):
             no copy), in the ratios' one collective and one transfer.
 
     Raises:
-        ValueError: For a bad ``log_every_n_steps``, ``granularity``, stat, ``bins``,
-            threshold or ``max_rows``, or (before training) a module pattern that matches
-            nothing or more than ``max_rows`` rows.
-        TypeError: For an argument of the wrong type: a flag (``histogram``, ``check_finite``,
-            ``provenance``, ``prog_bar``, ``update_ratio``) that is not a bool, a count that is not
+        ValueError: For a bad ``log_every_n_steps``, ``granularity``, stat, ``bins``, threshold or
+            ``max_rows``, or (before training) a module pattern matching nothing or over ``max_rows`` rows.
+        TypeError: For an argument of the wrong type: a flag that is not a bool, a count that is not
             an int, a threshold that is not a number, a ``dirpath`` that is not a path.
 
     Example::
@@ -216,20 +170,13 @@ class GradientMonitor(GradientCheck):
         self.histogram, self.bins, self.prog_bar, self.max_rows = histogram, bins, prog_bar, max_rows
         self._last_report: Optional[AnomalyReport] = None
         self._reporter: Optional[GradientAnomalyStopping] = None  # the stopper that reports for both, if any
-        self._anomalies = 0
+        self._anomalies, self._every = 0, 1
         self._fired: frozenset[str] = frozenset()
         self._raised = False  # whether a flag was raised at the last step
-        self._every = 1
         self._histograms = False  # whether histograms are written: asked for, and a logger that takes them
         self._written = True  # whether the figures are written anywhere: a logger, or a listener
-        self._rows: Rows = []
-        self._tags: dict[str, list[str]] = {}  # the rows' tags by stat, made once per fit
-        self._names: list[str] = []  # the rows' names
+        self._rows = GradientRows(type(self).__name__)
         self._logged = False  # whether this step's transfer holds the rows' figures
-        self._present: list[bool] = []  # which rows had gradients this step
-        self._block: Optional[StatBlock] = None
-        self._row_shards = ShardGroups([])  # how each row's gradients are split across ranks
-        self._layout: tuple[int, ...] = ()  # the optimizers' param group sizes the rows were chosen for
 
     @property
     def last_report(self) -> Optional[AnomalyReport]:
@@ -245,7 +192,7 @@ class GradientMonitor(GradientCheck):
         return self.provenance or self.granularity == "module" or self.modules is not None
 
     def _key(self) -> dict[str, Any]:
-        return {"granularity": self.granularity, "modules": _selection_key(self.modules),
+        return {"granularity": self.granularity, "modules": selection_key(self.modules),
                 "log_every_n_steps": self.log_every_n_steps, "stats": self.stats, **super()._key()}
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -269,34 +216,14 @@ class GradientMonitor(GradientCheck):
             trainer, type(self).__name__, self.histogram, listened_histograms=False,
             skipped="it computes no norm, histogram or update ratio (the anomaly flags, reports and count still run)")
         self._choose_rows(trainer, pl_module, starting=True)
-        if not any(p.requires_grad for _, params in self._rows for p in params):
-            rank_zero_warn(untrained_message(type(self).__name__, self.modules))
-        log_layout(trainer, {"gradients": self._charts()}, trainer.global_step)
+        log_layout(trainer, {"gradients": self._rows.charts()}, trainer.global_step)
 
     def _choose_rows(self, trainer: pl.Trainer, pl_module: pl.LightningModule, starting: bool) -> None:
-        """Rows for what the optimizers hold, their tags and buffers; again at a step whose param groups changed.
-
-        Too many rows raise before training; rows added later (a param group added by
-        ``BackboneFinetuning``) past ``max_rows`` are left out, with a warning, not ended on.
-        """
-        self._layout = optimizer_layout(trainer.optimizers)
-        rows = select_rows(pl_module, self.granularity, self.modules, self._targets,
-                           trained_parameters(trainer.optimizers))
-        rows = limit_rows(type(self).__name__, rows, self.granularity, self.max_rows,
-                          len(self.stats) + self._histograms, starting)
-        names = [name for name, _ in rows]
-        self._rows, self._names, self._tags = rows, names, row_tags(rows, self.stats)
-        needs_rows = self._histograms or any(s != "norm" for s in self.stats)
-        self._block = StatBlock(names, self.bins, pl_module.device) if needs_rows and names else None
-        self._row_shards = ShardGroups([params[0] for _, params in rows])
+        """Choose the rows (:meth:`GradientRows.choose`); with update ratios, name those LayerHealth does not judge."""
+        self._rows.choose(trainer, pl_module, self, self._histograms, starting)
         if self.update_ratio:  # for the Layers tab: the rows whose ratio LayerHealth does not judge
-            log_plugin_data(trainer, UNJUDGED_RATIOS_TAG, json.dumps(sorted(self._vectors & set(names))),
+            log_plugin_data(trainer, UNJUDGED_RATIOS_TAG, json.dumps(sorted(self._vectors & set(self._rows.names))),
                             trainer.global_step)
-
-    def _charts(self) -> Charts:
-        """One Custom Scalars chart per stat drawing every row, one of the total norms, one of the flags."""
-        charts: dict[str, list[str]] = {f"{s} by {self.granularity}": [rf"gradients/.*/{s}$"] for s in self.stats}
-        return {**charts, "total norm": [r"gradients/total_norm(/group\d+)?$"], "anomaly flags": [r"anomalies/"]}
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Register the step post-hooks that measure update ratios (after tuners may have replaced optimizers)."""
@@ -313,7 +240,7 @@ class GradientMonitor(GradientCheck):
     def detach(self) -> None:
         """Remove the hooks and drop the rows' references to parameters."""
         super().detach()
-        self._rows, self._block, self._row_shards = [], None, ShardGroups([])
+        self._rows.clear()
         self._updates.forget()
 
     def _checks(self, trainer: pl.Trainer, evaluation: int) -> bool:
@@ -330,14 +257,9 @@ class GradientMonitor(GradientCheck):
     def _extra(self, trainer: pl.Trainer, step: Step) -> dict[str, Tensor]:
         """Row norms, and the rows' stats and histograms, on logged steps."""
         self._logged = self._is_logged(trainer, self._every) and bool(step.params) and self._written
-        if self._logged and optimizer_layout(trainer.optimizers) != self._layout:  # a param group added
+        if self._logged and self._rows.changed(trainer):  # a param group added
             self._choose_rows(trainer, trainer.lightning_module, starting=False)
-        if not self._logged or not self._rows:
-            self._present = []
-            return {}
-        self._present, figures = row_figures(step.params, step.figures.norms, self._rows, self._block,
-                                             self._row_shards, self.granularity)
-        return figures
+        return self._rows.figures(step.params, step.figures.norms) if self._logged else {}
 
     def _handle(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any, step: Step,
                 check: Check) -> None:
@@ -350,13 +272,12 @@ class GradientMonitor(GradientCheck):
         if self._logged or raised or self._raised:
             figures: list[ScalarBlock] = []
             if self._logged:
-                totals, figures = row_metrics(trainer, check, self._names, self._tags, self._present, self._block,
-                                              self.stats, self._histograms)
+                totals, figures = self._rows.metrics(trainer, check, self._histograms)
                 metrics.update(totals)
             log_scalars(trainer, metrics, log_step(trainer), figures)
         self._raised = raised
         if self.update_ratio and self._logged and not check.amp_overflow:
-            self._updates.take(self._rows, optimizer)
+            self._updates.take(self._rows.rows, optimizer)
         if check.anomalous:
             fired = frozenset(name for name, on in check.flags.items() if on)
             if fired - self._fired and self._reporter is None:  # agreed flags: every rank reports, or none
@@ -376,9 +297,3 @@ class GradientMonitor(GradientCheck):
         self._anomalies = int(state_dict["anomalies"])
         self._load_state(state_dict)
 
-
-def _selection_key(modules: ModuleSelection) -> Any:
-    """``modules`` as it can go in a state key: a predicate by its name, not its address."""
-    if callable(modules) and not isinstance(modules, type):
-        return f"{getattr(modules, '__module__', '')}.{getattr(modules, '__qualname__', type(modules).__name__)}"
-    return modules

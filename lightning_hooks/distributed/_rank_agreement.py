@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import lightning.pytorch as pl
 import numpy as np
@@ -49,8 +49,10 @@ class HostTransfer:
     """
 
     def __init__(self, parts: Mapping[str, Tensor], device: torch.device) -> None:
-        flat = [parts[name].reshape(-1).to(device, torch.float64) for name in parts]
+        flat = [t.reshape(-1) if t.device == device else t.reshape(-1).to(device) for t in parts.values()]
         self._sizes = [(name, t.numel()) for name, t in zip(parts, flat)]
+        if not any(t.dtype is torch.float64 for t in flat):  # else `cat` promotes every part to float64 itself
+            flat = [t.double() for t in flat]
         joined = torch.cat(flat) if flat else torch.zeros(0, dtype=torch.float64)
         self._ready: Optional[torch.cuda.Event] = None
         if joined.is_cuda:
@@ -113,6 +115,8 @@ def agree(trainer: pl.Trainer, detectors: Sequence[AnomalyDetector], steps: Sequ
     gradients too, so a decision one rank alone made is everyone's and no rank waits alone.
     However many callbacks read the step, there is one collective and one host transfer. The
     host does not wait here: it reads the transfer in :meth:`Agreed.checks`, now or a step later.
+    Under one process there is nothing to agree on: the votes go into the transfer as they are
+    (callbacks whose flags are one tensor send it once), and those the host knows stay on the host.
 
     Args:
         trainer: The trainer, for the world size and the strategy.
@@ -129,20 +133,38 @@ def agree(trainer: pl.Trainer, detectors: Sequence[AnomalyDetector], steps: Sequ
     shared = steps[0]
     norms = shared.figures.group_norms
     device = norms.device
-    overflow = shared.overflow if shared.overflow is not None else torch.zeros((), device=device)
-    votes = {f"flags{i}": step.flags for i, step in enumerate(steps)}
-    votes.update(overflow=overflow, empty=torch.full((), float(not shared.params), device=device),
+    votes: dict[str, Union[Tensor, float]] = {}
+    # Under one process, callbacks whose flags are one tensor (detectors that flag alike) send it once;
+    # across ranks every callback votes, so that the collective's size never depends on a rank's tensors.
+    aliases: dict[str, str] = {}
+    first: dict[int, str] = {}
+    for i, step in enumerate(steps):
+        alike = id(step.flags) if trainer.world_size == 1 else i
+        aliases[f"flags{i}"] = name = first.setdefault(alike, f"flags{i}")
+        votes[name] = step.flags
+    votes.update(overflow=shared.overflow if shared.overflow is not None else 0.0, empty=float(not shared.params),
                  unsure=shared.unsure)
     votes.update({f"{i}/{name}": t for i, own in enumerate(own_votes) for name, t in own.items()})
-    agreed = _agree(trainer, torch.cat([v.reshape(-1).double() for v in votes.values()]))
-    parts = {"votes": agreed, "norms": norms}
-    parts.update({f"{i}/{name}": t for i, extra in enumerate(extras) for name, t in extra.items()})
+    sizes = {name: vote.numel() if isinstance(vote, Tensor) else 1 for name, vote in votes.items()}
     offsets, start = {}, 0
-    for name, vote in votes.items():
-        offsets[name], start = start, start + vote.numel()
-    sizes = {name: vote.numel() for name, vote in votes.items()}
+    for name, size in sizes.items():
+        offsets[name], start = start, start + size
+    offsets.update({alias: offsets[name] for alias, name in aliases.items()})
+    sizes.update({alias: sizes[name] for alias, name in aliases.items()})
+    if trainer.world_size > 1:
+        parts = {"votes": _agree(trainer, torch.cat([_on(v, device).reshape(-1).double() for v in votes.values()]))}
+        constants: dict[str, float] = {}
+    else:  # nothing to agree on: the votes go as they are, and those the host knows stay on the host
+        parts = {f"vote/{name}": v for name, v in votes.items() if isinstance(v, Tensor)}
+        constants = {name: v for name, v in votes.items() if not isinstance(v, Tensor)}
+    parts["norms"] = norms
+    parts.update({f"{i}/{name}": t for i, extra in enumerate(extras) for name, t in extra.items()})
     return Agreed(HostTransfer(parts, device), list(detectors), list(steps), [list(e) for e in extras],
-                  [list(own) for own in own_votes], offsets, sizes)
+                  [list(own) for own in own_votes], offsets, sizes, list(votes), constants)
+
+
+def _on(vote: Union[Tensor, float], device: torch.device) -> Tensor:
+    return vote if isinstance(vote, Tensor) else torch.full((), vote, device=device)
 
 
 @dataclass
@@ -159,6 +181,10 @@ class Agreed:
     offsets: dict[str, int]
     """Where each vote starts in the agreed votes."""
     sizes: dict[str, int]
+    votes: list[str]
+    """The votes in their order, each once."""
+    constants: dict[str, float]
+    """Under one process, the votes the host already knows (no device tensor made for them)."""
 
     def checks(self, remember: bool = True) -> list[Check]:
         """Read the transfer (the host waits only if the device has not finished it): a :class:`Check` per callback.
@@ -169,7 +195,11 @@ class Agreed:
         """
         arrays = {f"{i}/{name}" for i, names in enumerate(self.extras) for name in names}
         host = self.transfer.read(arrays)
-        offsets, voted = self.offsets, host["votes"]
+        offsets, voted = self.offsets, host.get("votes")
+        if voted is None:  # one process: the votes as they were cast
+            voted = []
+            for name in self.votes:
+                voted.extend([self.constants[name]] if name in self.constants else host[f"vote/{name}"])
         overflowed = voted[offsets["overflow"]] > 0
         skipped = overflowed or voted[offsets["empty"]] > 0
         norms = self.steps[0].figures.group_norms

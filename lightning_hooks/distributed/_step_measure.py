@@ -107,10 +107,16 @@ def measure_step(trainer: pl.Trainer, optimizer: Any, detectors: Sequence[Anomal
     figures = gradient_figures(grads, sizes, device=device, exact=exact, shards=shard_groups(params))
     key = next((i for i, opt in enumerate(trainer.optimizers) if opt is optimizer), 0)
     unsure = torch.zeros((), device=device) if exact else torch.isinf(figures.norms).sum()
+    shared: dict[Any, Tensor] = {}  # detectors that flag alike share one computation of the flags
     steps = []
     for detector in detectors:
-        flags = detector.flags(figures, key)
-        if overflow is not None:  # the scaler skips this step itself
-            flags = flags & ~overflow
+        alike = detector.shares_flags
+        flags = shared.get(alike) if alike is not None else None
+        if flags is None:
+            flags = detector.flags(figures, key)
+            if overflow is not None:  # the scaler skips this step itself
+                flags = flags & ~overflow
+            if alike is not None:
+                shared[alike] = flags
         steps.append(Step(key, params, figures, flags, overflow, unsure))
     return steps

@@ -1,22 +1,22 @@
 """Gradient anomaly kernels and state: norms, flags, the running median.
 
-The kernels are pure tensor functions that never leave the device; :class:`AnomalyDetector`
-holds the thresholds and the running median window that the callbacks share. The report of an
+The kernels are pure tensor functions that never leave the device (the norms,
+:func:`gradient_figures`, are in ``_gradient_figures``); :class:`AnomalyDetector` holds the
+thresholds and the running median window that the callbacks share. The report of an
 anomalous step, :class:`AnomalyReport`, is in ``_anomaly_report``.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, NamedTuple, Optional
+from typing import Any, Optional
 
 import torch
 from torch import Tensor
 
 from lightning_hooks.core._validation import MAX_WINDOW, check_bool, check_int, check_number
-from lightning_hooks.measure._sharding import ShardGroups, local
+from lightning_hooks.measure._gradient_figures import GradientFigures, gradient_figures
 
 __all__ = [
     "FLAG_NAMES", "AnomalyDetector", "GradientFigures", "anomaly_flags", "gradient_figures",
@@ -24,122 +24,6 @@ __all__ = [
 
 #: Anomaly flags, in the order of the rows of :func:`anomaly_flags`.
 FLAG_NAMES = ("nonfinite", "exploding", "vanishing")
-
-_NARROW = (torch.float16, torch.bfloat16, torch.float32)
-_NARROW_SET = frozenset(_NARROW)
-
-
-class GradientFigures(NamedTuple):
-    """What :func:`gradient_figures` measures; every field stays on the gradients' device."""
-
-    norms: Tensor
-    """(P,) float64: the L2 norm of each gradient."""
-    bad: Tensor
-    """(P,) bool: which gradients hold a NaN or an Inf (see ``exact`` in :func:`gradient_figures`)."""
-    group_norms: Tensor
-    """(G + 1,) float64: the L2 norm per parameter group (NaN for a group without
-    gradients), then of all gradients together."""
-    nonfinite: Tensor
-    """(G + 1,) int64: how many gradients hold a NaN or an Inf, per group, then in all."""
-
-
-def _foreach_norms(tensors: list[Tensor], ord: float) -> list[Tensor]:
-    """Per-tensor norms, batched, accumulated in at least float32."""
-    if {t.dtype for t in tensors} <= _NARROW_SET:  # the usual case: one call, no bookkeeping per tensor
-        return list(torch._foreach_norm(tensors, ord, dtype=torch.float32)) if tensors else []
-    out: list[Optional[Tensor]] = [None] * len(tensors)
-    narrow = [i for i, t in enumerate(tensors) if t.dtype in _NARROW]
-    wide = [i for i, t in enumerate(tensors) if t.dtype not in _NARROW]
-    for index, dtype in ((narrow, torch.float32), (wide, None)):
-        if index:
-            norms = torch._foreach_norm([tensors[i] for i in index], ord, dtype=dtype)
-            for i, norm in zip(index, norms):
-                out[i] = norm
-    return [norm for norm in out if norm is not None]
-
-
-def _stacked(norms: list[Tensor], device: torch.device) -> Tensor:
-    """``norms`` as one float64 tensor on ``device``; empty if there are none."""
-    if not norms:
-        return torch.zeros(0, dtype=torch.float64, device=device)
-    try:  # the usual case, every norm on one device: no check per norm
-        stacked = torch.stack(norms)
-    except RuntimeError:  # norms on several devices
-        # One `to` per tensor is one ATen call each, kernel or not: only for norms elsewhere.
-        stacked = torch.stack([n if n.device == device else n.to(device) for n in norms])
-    return stacked.to(device, torch.float64)
-
-
-@torch.no_grad()
-def gradient_figures(
-    grads: Sequence[Tensor], group_sizes: Sequence[int], device: Optional[torch.device] = None,
-    *, exact: bool = True, shards: Optional[ShardGroups] = None,
-) -> GradientFigures:
-    """Norms of gradients, per gradient, per parameter group and in total, batched on device.
-
-    The total norm is the one ``torch.nn.utils.get_total_norm`` gives: accumulated in float32
-    for float32 and narrower gradients. A gradient that holds a NaN or an Inf has a non-finite
-    norm, but so has a finite gradient whose float32 norm overflows (beyond 3.4e38). With
-    ``exact`` the two are told apart by each gradient's largest absolute value, one more pass
-    over the gradients (one multi-tensor kernel on CUDA, but about 20x the L2 norm's cost on CPU);
-    without it, every gradient with a non-finite norm counts as holding a NaN or an Inf, which
-    is exact whenever no norm is infinite (a NaN norm means a NaN or opposite Infs). A group
-    without gradients, and the total when there is none at all, has a NaN norm.
-
-    Sharded gradients (DTensors, see :class:`~lightning_hooks.measure._sharding.ShardGroups`) are
-    measured on their local shards, and the shards' squared norms and non-finite counts are
-    summed over the shard groups in one collective, so every figure is of the whole gradient
-    and the same on every rank.
-
-    Args:
-        grads: Dense gradients, grouped by parameter group, in order.
-        group_sizes: How many of ``grads`` each parameter group holds (0 for a group without
-            gradients).
-        device: Where the figures go; by default the device of ``grads[0]``. Needed when
-            ``grads`` is empty.
-        exact: Tell NaN and Inf gradients apart from finite ones whose norm overflows.
-        shards: How ``grads`` are split across ranks (made from their parameters, DTensors or not);
-            None when every rank holds them whole.
-
-    Returns:
-        The figures, on ``device``.
-
-    Raises:
-        ValueError: If ``group_sizes`` does not add up to the length of ``grads``, or ``grads``
-            is empty and no ``device`` is given.
-
-    Example::
-
-        figures = gradient_figures([p.grad for p in model.parameters()], [4])
-        total_norm = figures.group_norms[-1]
-
-    """
-    if any(size < 0 for size in group_sizes) or sum(group_sizes) != len(grads) or (
-        not grads and device is None
-    ):
-        raise ValueError(f"`group_sizes` {list(group_sizes)} must add up to the {len(grads)} gradients")
-    device = grads[0].device if device is None else device
-    parts = list(grads) if shards is not None and not shards.distributed else [local(g) for g in grads]
-    norms = _stacked(_foreach_norms(parts, 2.0), device)
-    largest = _stacked(_foreach_norms(parts, math.inf), device) if exact else norms
-    bad = ~torch.isfinite(largest)
-    if shards is not None and shards.sharded:
-        # Whole-gradient figures from the shards': squared norms and bad-shard counts add.
-        summed = shards.sum_(torch.stack([norms.square(), bad.double()], 1))
-        norms, bad = summed[:, 0].sqrt(), summed[:, 1] > 0
-    total_norm, total_bad = (torch.linalg.vector_norm(norms), bad.sum()) if grads else (None, bad.sum())
-    if len(group_sizes) == 1 and grads:  # the usual case, one group: its figures are the totals, computed once
-        return GradientFigures(norms, bad, torch.stack([total_norm, total_norm]), torch.stack([total_bad, total_bad]))
-    nan = torch.full((), math.nan, dtype=torch.float64, device=device)
-    group_norms, nonfinite, start = [], [], 0
-    for size in group_sizes:
-        part = slice(start, start + size)
-        group_norms.append(torch.linalg.vector_norm(norms[part]) if size else nan)
-        nonfinite.append(bad[part].sum())
-        start += size
-    group_norms.append(total_norm if grads else nan)
-    nonfinite.append(total_bad)
-    return GradientFigures(norms, bad, torch.stack(group_norms), torch.stack(nonfinite))
 
 
 @torch.no_grad()
@@ -180,7 +64,13 @@ def anomaly_flags(
         any_exploding = flags[FLAG_NAMES.index("exploding")].any()
 
     """
-    finite = nonfinite == 0
+    return _flag_rows(group_norms, nonfinite == 0, check_finite, norm_threshold, min_norm, relative_threshold,
+                      reference)
+
+
+def _flag_rows(group_norms: Tensor, finite: Tensor, check_finite: bool, norm_threshold: Optional[float],
+               min_norm: Optional[float], relative_threshold: Optional[float], reference: Optional[Tensor]) -> Tensor:
+    """:func:`anomaly_flags` from whether each column is finite; a flag no threshold enables costs no operation."""
     never = torch.zeros_like(finite)
     exploding = never
     if norm_threshold is not None:
@@ -189,10 +79,14 @@ def anomaly_flags(
         exploding = exploding | (group_norms > relative_threshold * reference.to(group_norms))
     vanishing = group_norms < min_norm if min_norm is not None else never
     if check_finite:
-        return torch.stack([~finite, exploding & finite, vanishing & finite])
+        return torch.stack([~finite, _where_finite(exploding, finite, never), _where_finite(vanishing, finite, never)])
     if norm_threshold is not None or relative_threshold is not None:
         exploding = exploding | ~finite
-    return torch.stack([never, exploding, vanishing & finite])
+    return torch.stack([never, exploding, _where_finite(vanishing, finite, never)])
+
+
+def _where_finite(flag: Tensor, finite: Tensor, never: Tensor) -> Tensor:
+    return never if flag is never else flag & finite
 
 
 @dataclass
@@ -245,6 +139,16 @@ class AnomalyDetector:
         enabled = (self.check_finite, exploding, self.min_norm is not None)
         return tuple(name for name, on in zip(FLAG_NAMES, enabled) if on)
 
+    @property
+    def shares_flags(self) -> Optional[tuple[Any, ...]]:
+        """What this detector's flags depend on besides the figures; None when that is its own running median.
+
+        Two detectors with the same value flag the same figures alike: a step computes their flags once.
+        """
+        if self.relative_threshold is not None:
+            return None
+        return (self.check_finite, self.norm_threshold, self.min_norm)
+
     def flags(self, figures: GradientFigures, key: int = 0) -> Tensor:
         """:func:`anomaly_flags` for one optimizer (``key``) against its running median."""
         history = self._history.get(key)
@@ -252,11 +156,8 @@ class AnomalyDetector:
         reference = None
         if history is not None and history.shape == shape and self._seen[key] >= self.window:
             reference = history.nanmedian(0).values
-        return anomaly_flags(
-            figures.group_norms, figures.nonfinite, check_finite=self.check_finite,
-            norm_threshold=self.norm_threshold, min_norm=self.min_norm,
-            relative_threshold=self.relative_threshold, reference=reference,
-        )
+        return _flag_rows(figures.group_norms, figures.finite, self.check_finite, self.norm_threshold, self.min_norm,
+                          self.relative_threshold, reference)
 
     def remember(self, group_norms: Tensor, key: int = 0) -> None:
         """Add a clean step's norms to the window of optimizer ``key``; on device, no sync."""
