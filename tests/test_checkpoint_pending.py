@@ -12,7 +12,7 @@ import logging
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
-from lightning_hooks import GradientAnomalyStopping, SpikeTrigger
+from lightning_hooks import GradientAnomalyStopping, GradientMonitor, SpikeTrigger
 from tests.grad_helpers import GradNet
 from tests.helpers import loader, trainer
 
@@ -58,3 +58,11 @@ def test_a_stop_due_on_the_step_before_a_checkpoint_stops_there(tmp_path):
     saving = stopper("stop")
     run = fit(tmp_path, [saving, saver(tmp_path)], STEPS)
     assert saving.last_report.step == SAVED - 1 and run.global_step == SAVED  # acted on at the checkpoint
+
+
+def test_a_monitors_checkpoint_holds_the_step_before_it(tmp_path):
+    monitor = GradientMonitor(log_every_n_steps=50, relative_threshold=10.0, histogram=False, prog_bar=False)
+    fit(tmp_path, [monitor, saver(tmp_path)], SAVED)
+    (path,) = tmp_path.glob("*.ckpt")
+    (state,) = [s for k, s in torch.load(path, weights_only=False)["callbacks"].items() if "GradientMonitor" in k]
+    assert state["detector"]["seen"] == monitor._detector.state_dict()["seen"] == {0: SAVED}  # the last step too

@@ -303,6 +303,8 @@ class GradientCheck(HookCallback):
                            flight_record=flight_record)
 
     def _state(self) -> dict[str, Any]:
+        if self._shared is not None:  # a step waiting to be read late is judged before its state is saved
+            self._shared.finish(at_end=True)
         return {"detector": self._detector.state_dict()}
 
     def _load_state(self, state_dict: dict[str, Any]) -> None:
