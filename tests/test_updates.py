@@ -54,6 +54,16 @@ def test_max_ratio_caps_each_selected_parameter_and_only_those(tmp_path):
     assert max(updates.ratios("backbone.2.weight")) > 3e-3  # not selected: uncapped
 
 
+@pytest.mark.parametrize("with_ratios", [False, True])  # True: the copy is shared, the rewrite is in the parameters
+def test_max_ratio_caps_float64_parameters_too(tmp_path, with_ratios):
+    updates = Updates()
+    monitor = [GradientMonitor(update_ratio=True, log_every_n_steps=1, histogram=False)] if with_ratios else []
+    fit(tmp_path, BackboneHead("adamw", dtype=torch.float64),
+        [UpdateTransform(max_ratio={"backbone.0": 1e-3}), *monitor, updates], steps=10)
+    ratios = updates.ratios("backbone.0.weight")
+    assert max(ratios) <= 1e-3 * (1 + 1e-6) and min(ratios) > 0.99e-3  # capped in float64 too (it raised before)
+
+
 def test_clip_to_history_bounds_a_spike_by_the_norms_before_it(tmp_path):
     x = torch.randn(240, 8, generator=torch.Generator().manual_seed(1))
     y = x[:, :1].clone()

@@ -22,6 +22,7 @@ from torch import Tensor
 from lightning_hooks.callbacks._step_copies import step_copies
 from lightning_hooks.callbacks._update_plan import OptimizerPlan
 from lightning_hooks.measure._sharding import ShardGroupCache, local
+from lightning_hooks.measure._update_passes import squares
 
 #: Makes an optimizer's part of the plan (None: the plan reaches none of its parameters).
 Planner = Callable[[Any], Optional[OptimizerPlan]]
@@ -188,25 +189,28 @@ class StepRewrite:
     def _rewrite_in_parameters(self, optimizer: Any, plan: OptimizerPlan, before: list[Tensor],
                                after: list[Tensor]) -> None:
         """The rewrite leaving the copy as it is (another reader measures the update from it): Δw in the parameters."""
-        weight = torch._foreach_norm(before, 2, dtype=torch.float32) if plan.scales is not None else []
+        weight = squares(before) if plan.scales is not None else None
         torch._foreach_sub_(after, before)  # the parameters hold w_after - w_before
-        if plan.scales is None:
+        if weight is None:
             torch._foreach_mul_(after, plan.scale_list)
         else:
-            delta = torch._foreach_norm(after, 2, dtype=torch.float32)
-            torch._foreach_mul_(after, list(self._measured(optimizer, plan, weight, delta).unbind()))
+            torch._foreach_mul_(after, list(self._measured(optimizer, plan, weight, squares(after)).unbind()))
         torch._foreach_add_(after, before)
 
     def _factors(self, optimizer: Any, plan: OptimizerPlan, before: list[Tensor], after: list[Tensor]) -> Tensor:
-        weight = torch._foreach_norm(before, 2, dtype=torch.float32)
+        weight = squares(before)
         torch._foreach_sub_(before, after)  # now w_before - w_after
-        return self._measured(optimizer, plan, weight, torch._foreach_norm(before, 2, dtype=torch.float32))
+        return self._measured(optimizer, plan, weight, squares(before))
 
-    def _measured(self, optimizer: Any, plan: OptimizerPlan, weight: list[Tensor], delta: list[Tensor]) -> Tensor:
-        """The factors from each parameter's ``||w_before||`` and ``||Δw||`` (this rank's part; summed over shards)."""
-        squares = torch.stack([torch.stack(weight), torch.stack(delta)]).double().square()
+    def _measured(self, optimizer: Any, plan: OptimizerPlan, weight: Tensor, delta: Tensor) -> Tensor:
+        """The factors from each parameter's ``||w_before||²`` and ``||Δw||²`` (float64; summed over shards).
+
+        The squares come from ``measure._update_passes.squares``: float64 sums, so float64 parameters
+        are measured too (float32 norms refused them).
+        """
+        both = torch.stack([weight, delta])
         shards = self._shard_groups(plan.params)
         if shards.sharded:  # one collective: every rank gets the whole parameters' norms
-            squares = shards.sum_(squares.T.contiguous()).T
+            both = shards.sum_(both.T.contiguous()).T
         history = self.histories.get(self._index[id(optimizer)])
-        return update_factors(plan, squares[0], squares[1], history)
+        return update_factors(plan, both[0], both[1], history)
