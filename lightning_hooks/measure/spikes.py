@@ -129,8 +129,9 @@ class SpikeTrigger:
 
     The z-score of a step's value is how far it lies above the signal's recent level (the median
     of the last ``window // 8`` values, at least 8), in robust standard deviations of its
-    step-to-step changes over the last ``window`` values, on a log scale for a signal that is
-    positive (see :func:`robust_zscore`). No signal is judged before its window holds ``warmup``
+    step-to-step changes over the last ``window`` values, or of its past values' deviations from
+    their levels where those are wider (a heavy-tailed signal), on a log scale for a signal that
+    is positive (see :func:`robust_zscore`). No signal is judged before its window holds ``warmup``
     finite values (a NaN step is a gap). Every step's finite value joins the window after it is
     judged, a spike's too.
 
