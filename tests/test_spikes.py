@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import lightning as L
+import numpy as np
 import pytest
 import torch
 from lightning.pytorch.loggers import CSVLogger
@@ -16,7 +17,7 @@ from lightning.pytorch.plugins import MixedPrecision
 from lightning_hooks import ActivationMonitor, GradientAnomalyStopping, GradientMonitor, SpikeTrigger
 from lightning_hooks.callbacks._base import log_step
 from lightning_hooks.distributed import _rank_agreement
-from lightning_hooks.measure.spikes import SpikeWindows, robust_zscore
+from lightning_hooks.measure.spikes import SpikeWindows, level_deviation, robust_zscore
 from tests.grad_helpers import GradNet
 from tests.helpers import ManualOptimization, csv_metrics, loader, run_ddp, trainer
 from tests.test_examples import run_example
@@ -74,6 +75,14 @@ def test_robust_zscore_is_the_jump_from_the_recent_level_in_robust_step_changes_
     assert robust_zscore(flat, torch.tensor(2.0 * math.exp(0.5)), min_spread=0.05).item() == pytest.approx(10.0)
     signed = torch.tensor([-1.0, 1.0, -1.0, 1.0])  # not positive: judged as it is, on the linear scale
     assert robust_zscore(signed, torch.tensor(9.0), recent=4).item() == pytest.approx(10 / (2 * 1.4826 / math.sqrt(2)))
+    deviations = torch.tensor([2.0, -2.0, 0.1, 2.0, -2.0, math.nan])  # upper quartile of |.| 2.0: a wider spread
+    assert robust_zscore(window, torch.tensor(16.0), recent=4, deviations=deviations).item() == pytest.approx(
+        (math.log(16) - level) / (2.0 / 1.1503), rel=1e-3)
+    assert robust_zscore(signed, torch.tensor(9.0), recent=4, deviations=torch.full((4,), 100.0)).item() == (
+        pytest.approx(10 / (2 * 1.4826 / math.sqrt(2))))  # on the linear scale: deviations not used
+    assert level_deviation(torch.tensor([[1.0], [2.0], [4.0]]), torch.tensor([8.0]), recent=2).item() == (
+        pytest.approx(math.log(8 / 2)))  # the level: the median of the last 2 in log (the lower, as torch's)
+    assert level_deviation(torch.tensor([[-1.0], [2.0]]), torch.tensor([8.0])).isnan().all()
 
 
 def test_a_trend_widens_neither_the_level_nor_the_spread():
@@ -150,11 +159,12 @@ def test_windows_saved_with_another_window_size_keep_their_last_values_in_order(
     for value in kept:
         fresh.remember(torch.tensor([value, 1.0]))
     assert restored._rings[0].count == len(kept) and restored._rings[0].ordered()[:, 0].tolist() == kept
-    for value in (15.0, 16.0):  # it goes on as a window that had seen only those values
+    assert torch.equal(restored._rings[0].ordered(), saved._rings[0].ordered()[-len(kept):])  # deviations too
+    for value in (15.0, 16.0):  # it goes on from those values: a new row as a window that had seen only them
         restored.remember(torch.tensor([value, 1.0]))
         fresh.remember(torch.tensor([value, 1.0]))
-        assert torch.equal(restored._rings[0].ordered(), fresh._rings[0].ordered())
-        assert torch.equal(restored.judge(torch.tensor([20.0, 1.0]))[0], fresh.judge(torch.tensor([20.0, 1.0]))[0])
+        assert torch.equal(restored._rings[0].ordered()[:, :2], fresh._rings[0].ordered()[:, :2])
+        assert torch.equal(restored._rings[0].ordered()[-1], fresh._rings[0].ordered()[-1])
 
 
 def test_a_loss_spike_is_skipped_in_automatic_optimization(tmp_path):
@@ -214,7 +224,7 @@ def test_the_trigger_and_the_recorder_launch_as_many_kernels_whatever_the_model_
     from spikes import host_cost  # benchmarks/spikes.py
 
     small, large = host_cost(10, repeats=5), host_cost(10_000, repeats=5)
-    assert small["spike trigger"][1] == large["spike trigger"][1] <= 40
+    assert small["spike trigger"][1] == large["spike trigger"][1] <= 64  # with each value's deviation kept
     assert small["flight recorder"][1] == large["flight recorder"][1] == 3
 
 
@@ -356,7 +366,7 @@ def test_each_optimizer_has_its_own_record_and_the_acting_one_is_read(tmp_path, 
                                       flight_recorder=16, prog_bar=False)
     norms = SecondOptimizerNorms()
     L.seed_everything(0, verbose=False)
-    run = trainer(tmp_path, [stopper, norms], max_steps=2 * (JUMP + 3), logger=False)
+    run = trainer(tmp_path, [stopper, norms], max_steps=2 * (JUMP + 1), logger=False)  # ends at the jump
     run.fit(TwoOptimizerNet(second), loader(n=(JUMP + 3) * 8))
     report = stopper.last_report
     assert report.flags == ("grad_norm_spike",) and report.step == 2 * JUMP + 1  # the second optimizer's step
@@ -377,3 +387,17 @@ def test_a_healthy_small_batch_adam_regression_raises_no_flag_and_a_batch_of_wro
     assert judge_now(healthy, SpikeTrigger()) == []
     faulty = train("mlp", seed=0, steps=405, fault=FAULTS[1], at=400)  # one batch of wrong targets
     assert judge_now(faulty, SpikeTrigger())[0] == 400
+
+
+def test_a_classifiers_heavy_tailed_batch_losses_are_not_spikes_and_a_corrupt_batch_still_is():
+    # The fault zoo's healthy CNN (SGD + momentum, step decay), recorded: near convergence one misclassified
+    # sample dominates a batch, x34 above the level at step 111 (flagged by a spread from the median alone).
+    trace = torch.tensor(np.loadtxt(Path(__file__).parent / "data" / "cnn_sgd_1000.csv", delimiter=",", skiprows=3))
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    from spikes_healthy import judge_now  # benchmarks/spikes_healthy.py
+
+    assert [step for step in judge_now(trace[:, :2], SpikeTrigger()) if step >= 100] == []
+    for at in (300, 600, 900):
+        corrupt = trace[: at + 1, :2].clone()
+        corrupt[at] *= 1e4  # a batch of wrong labels: a loss of ~10 where the level is 1e-3
+        assert judge_now(corrupt, SpikeTrigger())[-1:] == [at]

@@ -17,7 +17,7 @@ from torch import Tensor
 
 from lightning_hooks.core._validation import check_int, check_number
 
-__all__ = ["SPIKE_SIGNALS", "SpikeTrigger", "SpikeWindows", "robust_zscore"]
+__all__ = ["SPIKE_SIGNALS", "SpikeTrigger", "SpikeWindows", "level_deviation", "robust_zscore"]
 
 #: The signals a :class:`SpikeTrigger` watches, in the order of its flags: the flag names are ``<signal>_spike``.
 SPIKE_SIGNALS = ("loss", "grad_norm", "update_norm")
@@ -38,9 +38,13 @@ UPDATE_MIN_SPREAD = 0.3
 #: MAD times this is the standard deviation of normally distributed values: a z of 6 means what it does for a std.
 _MAD_TO_STD = 1.4826
 
+#: The upper quartile of the absolute deviations of normal values, times this, is their standard deviation.
+_Q75_TO_STD = 1 / 1.1503
+
 
 @torch.no_grad()
-def robust_zscore(window: Tensor, value: Tensor, min_spread: Union[float, Tensor] = 0.0, recent: int = 8) -> Tensor:
+def robust_zscore(window: Tensor, value: Tensor, min_spread: Union[float, Tensor] = 0.0, recent: int = 8,
+                  deviations: Optional[Tensor] = None) -> Tensor:
     """How many robust standard deviations ``value`` is above the recent level of ``window``, on device.
 
     A signal whose values (the window's and ``value``) are all positive is judged on a log
@@ -50,9 +54,14 @@ def robust_zscore(window: Tensor, value: Tensor, min_spread: Union[float, Tensor
     absolute differences between successive values, times 1.4826 / sqrt(2) (the standard
     deviation for normal noise), so that a trend (a loss falling 1000x in the window) widens
     neither: a spike is a jump from where the signal was, not from where it was 100 steps ago.
-    The spread is at least ``min_spread`` (on the log scale, where 0.05 is about a 5% change; on
-    the linear one, times the level's magnitude), so that a signal that has flattened out
-    (full batch) does not call a wobble a spike. NaNs in ``window`` are gaps and skipped.
+    With ``deviations`` (each past value's own distance from the level it was judged against,
+    :func:`level_deviation`), the spread is at least their upper quartile, over 1.15 (the
+    standard deviation for normal noise, where the two agree): a heavy-tailed signal (a
+    classifier's batch loss near convergence, where one misclassified sample dominates a batch;
+    a momentum optimizer's update after it) widens its own spread. The spread is at least
+    ``min_spread`` (on the log scale, where 0.05 is about a 5% change; on the linear one, times
+    the level's magnitude), so that a signal that has flattened out (full batch) does not call
+    a wobble a spike. NaNs in ``window`` and ``deviations`` are gaps and skipped.
 
     Args:
         window: The past values along dim 0, oldest first: ``(W,)``, or ``(W, S)`` for ``S``
@@ -60,6 +69,8 @@ def robust_zscore(window: Tensor, value: Tensor, min_spread: Union[float, Tensor
         value: The new value: a 0-d tensor, or ``(S,)``.
         min_spread: The smallest spread (of the log, or as a fraction of the level): one, or one per signal.
         recent: How many of the last values the level is the median of.
+        deviations: The past values' deviations from their levels, of the shape of ``window``
+            (used for a signal on the log scale only), or None.
 
     Returns:
         Float64, of the shape of ``value``: 0 where the window holds no value (or a constant
@@ -75,9 +86,41 @@ def robust_zscore(window: Tensor, value: Tensor, min_spread: Union[float, Tensor
     window, value = both[:-1], both[-1]
     level = window[-recent:].nanmedian(0).values
     steps = (window[1:] - window[:-1]).abs().nanmedian(0).values * (_MAD_TO_STD / math.sqrt(2))
+    if deviations is not None:
+        tail = deviations.double().abs().nanquantile(0.75, 0) * _Q75_TO_STD  # NaN: none yet
+        steps = torch.where(log & (tail > steps), tail, steps)
     spread = torch.maximum(steps, torch.where(log, min_spread, level.abs() * min_spread))
     z = torch.where(spread > 0, (value - level) / spread, 0.0)  # no spread (or no value, NaN): no verdict
     return torch.where(value.isfinite(), z, math.inf)
+
+
+@torch.no_grad()
+def level_deviation(window: Optional[Tensor], value: Tensor, recent: int = 8) -> Tensor:
+    """How far ``value`` lies from the median of the last ``recent`` values of ``window``, in log.
+
+    What :func:`robust_zscore` measures a new value against, for the ``deviations`` it judges
+    the spread by. NaN for a signal whose value or recent values are not all positive, or
+    without a value yet.
+
+    Args:
+        window: The past values, oldest first: ``(W, S)``, or None (none yet).
+        value: The new value, ``(S,)``.
+        recent: How many of the last values the level is the median of.
+
+    Returns:
+        Float64, of the shape of ``value``.
+
+    Example::
+
+        level_deviation(torch.tensor([[1.0], [2.0], [4.0]]), torch.tensor([8.0]), recent=2)  # log(8 / 3)
+    """
+    value = value.double()
+    if window is None or len(window) == 0:
+        return torch.full_like(value, math.nan)
+    last = window[-recent:].double()
+    positive = (value > 0) & ~(last <= 0).any(0)
+    level = last.clamp(min=1e-300).log().nanmedian(0).values
+    return torch.where(positive, value.clamp(min=1e-300).log() - level, math.nan)
 
 
 @dataclass(frozen=True)
@@ -86,8 +129,9 @@ class SpikeTrigger:
 
     The z-score of a step's value is how far it lies above the signal's recent level (the median
     of the last ``window // 8`` values, at least 8), in robust standard deviations of its
-    step-to-step changes over the last ``window`` values, on a log scale for a signal that is
-    positive (see :func:`robust_zscore`). No signal is judged before its window holds ``warmup``
+    step-to-step changes over the last ``window`` values, or of its past values' deviations from
+    their levels where those are wider (a heavy-tailed signal), on a log scale for a signal that
+    is positive (see :func:`robust_zscore`). No signal is judged before its window holds ``warmup``
     finite values (a NaN step is a gap). Every step's finite value joins the window after it is
     judged, a spike's too.
 
@@ -237,6 +281,10 @@ class DeviceRing:
 class SpikeWindows:
     """The rolling windows of a :class:`SpikeTrigger`, per optimizer, on device.
 
+    Each row holds a step's values and, beside them, each value's deviation from the level it
+    would have been judged against (:func:`level_deviation`; NaN for a value flagged as a spike:
+    no healthy excursion): the spread of a heavy-tailed signal is judged by them (:func:`robust_zscore`).
+
     Args:
         trigger: The thresholds and the window's size.
     """
@@ -247,6 +295,8 @@ class SpikeWindows:
         self._thresholds: Optional[Tensor] = None  # on the values' device, made once
         self._spreads: Optional[Tensor] = None  # likewise
         self._warmup: int = trigger.warmup if trigger.warmup is not None else 1
+        self._recent = max(MIN_WINDOW, trigger.window // 8)  # the level is the median of this many last values
+        self._flagged: dict[int, Tensor] = {}  # the flags of each optimizer's last judged values, until remembered
 
     def judge(self, values: Tensor, key: int = 0) -> tuple[Tensor, Tensor]:
         """The z-score of each signal's value (loss, grad norm) and whether it is a spike, on device.
@@ -267,23 +317,35 @@ class SpikeWindows:
             self._spreads = torch.tensor(self.trigger.spreads, dtype=torch.float64, device=values.device)
         signals = values.numel()  # the first signals of SPIKE_SIGNALS, if not all
         rows = ring.ordered() if ring is not None and ring.count >= self._warmup else None
-        if rows is not None and rows.shape[1] != signals:  # saved with other signals: a new window
+        if rows is not None and rows.shape[1] != 2 * signals:  # saved with other signals: a new window
             rows = None
         if rows is None:
             z = torch.zeros_like(values)
         else:
             rows = rows.to(values.device)  # moved once, at push
             assert self._spreads is not None
-            z = robust_zscore(rows, values, self._spreads[:signals], max(MIN_WINDOW, self.trigger.window // 8))
-            warm = rows.isfinite().sum(0) >= self._warmup  # counted in finite values: a NaN step is a gap
+            z = robust_zscore(rows[:, :signals], values, self._spreads[:signals], self._recent,
+                              deviations=rows[:, signals:])
+            warm = rows[:, :signals].isfinite().sum(0) >= self._warmup  # in finite values: a NaN step is a gap
             z = torch.where(values.isnan() | ~warm, 0.0, z)  # a signal without a value, or too few: no verdict
-        return z, z > self._thresholds[:signals]
+        flags = z > self._thresholds[:signals]
+        self._flagged[key] = flags  # a spike's deviation is no healthy excursion: it stays out of the spread
+        return z, flags
 
     def remember(self, values: Tensor, key: int = 0) -> None:
         """Add the step's values to the windows of optimizer ``key`` (a non-finite one as a gap)."""
         ring = self._rings.setdefault(key, DeviceRing(self.trigger.window))
-        values = values.double()
-        ring.push(torch.where(values.isfinite(), values, math.nan))
+        values = values.double().reshape(-1)
+        values = torch.where(values.isfinite(), values, math.nan)
+        rows = ring.ordered()
+        if rows is not None and rows.shape[1] != 2 * values.numel():
+            rows = None  # other signals: the ring starts again
+        past = None if rows is None else rows[:, :values.numel()].to(values.device)
+        deviation = level_deviation(past, values, self._recent)
+        flagged = self._flagged.pop(key, None)
+        if flagged is not None and flagged.shape == deviation.shape:
+            deviation = torch.where(flagged, math.nan, deviation)
+        ring.push(torch.cat([values, deviation]))  # a row: the values, then their deviations
 
     def state_dict(self) -> dict[int, Any]:
         """The windows, on the CPU, by optimizer."""
@@ -291,7 +353,7 @@ class SpikeWindows:
 
     def load_state_dict(self, state: dict[Any, Any]) -> None:
         """Restore :meth:`state_dict`."""
-        self._rings = {}
+        self._rings, self._flagged = {}, {}
         for key, ring_state in state.items():
             ring = self._rings[int(key)] = DeviceRing(self.trigger.window)
             ring.load_state_dict(ring_state)
