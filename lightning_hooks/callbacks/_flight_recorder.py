@@ -1,7 +1,7 @@
 """The flight recorder: the last N steps' loss and per-parameter gradient norms, on device, read on an anomaly.
 
 :class:`FlightRecorder` keeps each step's figures (already measured for the step's check) in a
-:class:`~lightning_hooks.measure.spikes.DeviceRing`: one device copy per step, nothing read back;
+:class:`~lightning_hooks.measure._device_ring.DeviceRing`: one device copy per step, nothing read back;
 with the update norm measured (``SpikeTrigger(update_norm=...)``), each step's too. The modules'
 output std at ActivationMonitor's logged steps are kept on the host beside it
 (:class:`~lightning_hooks.callbacks._flight_leader.OutputLevels`). When a step is acted on,
@@ -40,7 +40,7 @@ from lightning_hooks.callbacks._flight_leader import (
     usual_level,
 )
 from lightning_hooks.callbacks._flight_record import FlightRecord, record_json, record_markdown, write_csv
-from lightning_hooks.measure.spikes import DeviceRing
+from lightning_hooks.measure._device_ring import DeviceRing
 from lightning_hooks.output._plugin_data import FLIGHT_RECORD_TAG
 from lightning_hooks.output.sinks import log_plugin_data, log_text
 

@@ -3,7 +3,7 @@
 :func:`robust_zscore` is the kernel (pure tensors in, a tensor out); :class:`SpikeTrigger` holds
 the thresholds a user sets; :class:`SpikeWindows` keeps the rolling windows of one run on the
 device, one per signal and optimizer, and judges each new value against them without a host sync.
-:class:`DeviceRing` is the ring buffer both the windows and the flight recorder use.
+The windows keep their rows in a :class:`~lightning_hooks.measure._device_ring.DeviceRing`.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import torch
 from torch import Tensor
 
 from lightning_hooks.core._validation import check_int, check_number
+from lightning_hooks.measure._device_ring import DeviceRing
 
 __all__ = ["SPIKE_SIGNALS", "SpikeTrigger", "SpikeWindows", "level_deviation", "robust_zscore"]
 
@@ -220,62 +221,6 @@ class SpikeTrigger:
     def thresholds(self) -> tuple[float, ...]:
         """The threshold per signal of :data:`SPIKE_SIGNALS`, +inf for a signal not watched."""
         return tuple(math.inf if t is None else float(t) for t in (self.loss, self.grad_norm, self.update_norm))
-
-
-class DeviceRing:
-    """The last ``size`` rows of a stream, kept on device; writing a row is one copy, with no host sync.
-
-    Args:
-        size: How many rows it keeps.
-    """
-
-    def __init__(self, size: int) -> None:
-        self.size = size
-        self.count = 0  # rows written so far (a host int: the position needs no sync)
-        self.rows: Optional[Tensor] = None
-
-    def push(self, row: Tensor) -> None:
-        """Write ``row`` over the oldest; (re)made, full of NaN, when the row's length changes.
-
-        The rows follow the row's device (once: rows restored from a checkpoint come from the CPU).
-        """
-        row = row.reshape(-1)
-        if self.rows is None or self.rows.shape[1] != row.numel():
-            self.rows = torch.full((self.size, row.numel()), math.nan, dtype=torch.float64, device=row.device)
-            self.count = 0
-        elif self.rows.device != row.device:
-            self.rows = self.rows.to(row.device)
-        self.rows[self.count % self.size] = row
-        self.count += 1
-
-    def ordered(self) -> Optional[Tensor]:
-        """The rows held, oldest first (on device); None before the first."""
-        if self.rows is None:
-            return None
-        held = min(self.count, self.size)
-        start = self.count % self.size if self.count > self.size else 0
-        return self.rows.roll(-start, 0)[:held]
-
-    def state_dict(self) -> dict[str, Any]:
-        """The rows (on the CPU) and the count."""
-        return {"rows": None if self.rows is None else self.rows.cpu(), "count": self.count}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict`; the rows move to the values' device at the next push.
-
-        Rows saved by a ring of another size (``window`` changed on resume): the last
-        ``min(size, held)`` of them are kept, oldest first.
-        """
-        rows, self.count = state["rows"], int(state["count"])
-        if rows is None or rows.shape[0] == self.size:
-            self.rows = None if rows is None else rows.clone()
-            return
-        saved = DeviceRing(rows.shape[0])
-        saved.rows, saved.count = rows, self.count
-        kept = saved.ordered()[-self.size:]  # type: ignore[index]  # rows is not None
-        self.rows = torch.full((self.size, rows.shape[1]), math.nan, dtype=rows.dtype)
-        self.rows[: len(kept)] = kept
-        self.count = len(kept)
 
 
 class SpikeWindows:
