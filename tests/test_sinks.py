@@ -15,7 +15,7 @@ from tensorboard.compat.proto.event_pb2 import Event
 from tensorboard.plugins.custom_scalar import layout_pb2
 
 from lightning_hooks import ActivationMonitor, GradientMonitor
-from lightning_hooks.callbacks import gradients
+from lightning_hooks.callbacks import _gradient_rows
 from lightning_hooks.measure.aggregate import StatBlock
 from lightning_hooks.output._histograms import log_histograms
 from lightning_hooks.output.figures import HistogramBlock
@@ -259,7 +259,8 @@ def test_histograms_no_logger_takes_are_announced_once_not_dropped_in_silence(tm
 def test_with_no_logger_the_monitors_say_so_once_and_compute_nothing_that_would_go_nowhere(tmp_path, monkeypatch):
     added, rows = Counter(), Counter()
     monkeypatch.setattr(StatBlock, "add_all", lambda self, *a, _f=StatBlock.add_all: (added.update([1]), _f(self, *a)))
-    monkeypatch.setattr(gradients, "row_figures", lambda *a, _f=gradients.row_figures: (rows.update([1]), _f(*a))[1])
+    figures = _gradient_rows.row_figures
+    monkeypatch.setattr(_gradient_rows, "row_figures", lambda *a: (rows.update([1]), figures(*a))[1])
     activations = ActivationMonitor(log_every_n_steps=1)
     monitor = GradientMonitor(log_every_n_steps=1, norm_threshold=1e-9)
     with pytest.warns(UserWarning) as record:
