@@ -11,6 +11,7 @@ waits alone.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Optional, Union
@@ -49,7 +50,7 @@ class HostTransfer:
     """
 
     def __init__(self, parts: Mapping[str, Tensor], device: torch.device) -> None:
-        flat = [t.reshape(-1) if t.device == device else t.reshape(-1).to(device) for t in parts.values()]
+        flat = [_flat(t) if t.device == device else _flat(t).to(device) for t in parts.values()]
         self._sizes = [(name, t.numel()) for name, t in zip(parts, flat)]
         if not any(t.dtype is torch.float64 for t in flat):  # else `cat` promotes every part to float64 itself
             flat = [t.double() for t in flat]
@@ -77,6 +78,10 @@ class HostTransfer:
             out[name] = piece if name in arrays else piece.tolist()
             start += size
         return out
+
+
+def _flat(tensor: Tensor) -> Tensor:
+    return tensor if tensor.dim() == 1 else tensor.reshape(-1)
 
 
 @dataclass
@@ -133,6 +138,13 @@ def agree(trainer: pl.Trainer, detectors: Sequence[AnomalyDetector], steps: Sequ
     shared = steps[0]
     norms = shared.figures.group_norms
     device = norms.device
+    if shared.flags is None:  # one process, flags made on the host: the norms are all there is to bring
+        parts = {"norms": norms, "grads": shared.figures.norms}
+        parts.update({f"vote/{i}/{name}": t for i, own in enumerate(own_votes) for name, t in own.items()})
+        parts.update({f"{i}/{name}": t for i, extra in enumerate(extras) for name, t in extra.items()})
+        own = {f"{i}/{name}": t.numel() for i, own in enumerate(own_votes) for name, t in own.items()}
+        return Agreed(HostTransfer(parts, device), list(detectors), list(steps), [list(e) for e in extras],
+                      [list(own) for own in own_votes], {}, own, list(own), {})
     votes: dict[str, Union[Tensor, float]] = {}
     # Under one process, callbacks whose flags are one tensor (detectors that flag alike) send it once;
     # across ranks every callback votes, so that the collective's size never depends on a rank's tensors.
@@ -195,6 +207,8 @@ class Agreed:
         """
         arrays = {f"{i}/{name}" for i, names in enumerate(self.extras) for name in names}
         host = self.transfer.read(arrays)
+        if self.steps[0].flags is None:
+            return self._checks_on_host(host, remember)
         offsets, voted = self.offsets, host.get("votes")
         if voted is None:  # one process: the votes as they were cast
             voted = []
@@ -220,6 +234,21 @@ class Agreed:
             checks.append(Check(flags, amp, host["norms"], anomalous, extra, skipped, unsure, summed))
         return checks
 
+    def _checks_on_host(self, host: dict[str, Any], remember: bool) -> list[Check]:
+        """:meth:`checks` where the flags are made on the host (one process, no scaler, see :func:`host_flags`)."""
+        norms, checks = host["norms"], []
+        unsure_any = any(math.isinf(n) for n in host["grads"])
+        for i, (detector, step) in enumerate(zip(self.detectors, self.steps)):
+            flags = host_flags(detector, norms)
+            unsure = unsure_any and bool(detector.enabled_flags)
+            anomalous = any(flags.values())
+            if remember and not anomalous and not unsure and step.params:
+                detector.remember(step.figures.group_norms, step.key)
+            extra = {name: host[f"{i}/{name}"] for name in self.extras[i]}
+            summed = {name: host[f"vote/{i}/{name}"] for name in (self.own_votes[i] if self.own_votes else [])}
+            checks.append(Check(flags, None, norms, anomalous, extra, not step.params, unsure, summed))
+        return checks
+
 
 def _flags(detector: AnomalyDetector, votes: list[float], n_cols: int) -> dict[str, bool]:
     """The agreed flags by name: all gradients first, as "<flag>"; then per group, as "<flag>/group<i>", if several."""
@@ -229,3 +258,29 @@ def _flags(detector: AnomalyDetector, votes: list[float], n_cols: int) -> dict[s
         for row, name in enumerate(FLAG_NAMES) if name in detector.enabled_flags
         for col, suffix in columns
     }
+
+
+def host_flags(detector: AnomalyDetector, norms: list[float]) -> dict[str, bool]:
+    """:func:`~lightning_hooks.measure.anomalies.anomaly_flags` made on the host from the group and total norms.
+
+    For a detector without ``relative_threshold``, whose columns are finite exactly when their norms
+    are (:func:`~lightning_hooks.distributed._step_measure.flags_on_host`): the same comparisons, in
+    the same float64, as on device, laid out as :func:`_flags` reads the device's.
+    """
+    rows: list[float] = []
+    enabled = detector.enabled_flags
+    threshold, low = detector.norm_threshold, detector.min_norm
+    finite = [math.isfinite(n) for n in norms]
+    for name in FLAG_NAMES:
+        for norm, ok in zip(norms, finite):
+            if name not in enabled:
+                fired = False
+            elif name == "nonfinite":
+                fired = not ok
+            elif name == "exploding":
+                fired = (threshold is not None and norm > threshold and ok) or (
+                    not detector.check_finite and not ok)
+            else:
+                fired = low is not None and norm < low and ok
+            rows.append(float(fired))
+    return _flags(detector, rows, len(norms))
