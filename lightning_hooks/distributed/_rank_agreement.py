@@ -238,15 +238,18 @@ class Agreed:
         """:meth:`checks` where the flags are made on the host (one process, no scaler, see :func:`host_flags`)."""
         norms, checks = host["norms"], []
         unsure_any = any(math.isinf(n) for n in host["grads"])
+        alike: dict[Any, dict[str, bool]] = {}  # detectors that flag alike: made once
         for i, (detector, step) in enumerate(zip(self.detectors, self.steps)):
-            flags = host_flags(detector, norms)
+            flags = alike.get(detector.shares_flags)
+            if flags is None:
+                flags = alike[detector.shares_flags] = host_flags(detector, norms)
             unsure = unsure_any and bool(detector.enabled_flags)
             anomalous = any(flags.values())
             if remember and not anomalous and not unsure and step.params:
                 detector.remember(step.figures.group_norms, step.key)
             extra = {name: host[f"{i}/{name}"] for name in self.extras[i]}
             summed = {name: host[f"vote/{i}/{name}"] for name in (self.own_votes[i] if self.own_votes else [])}
-            checks.append(Check(flags, None, norms, anomalous, extra, not step.params, unsure, summed))
+            checks.append(Check(dict(flags), None, norms, anomalous, extra, not step.params, unsure, summed))
         return checks
 
 
@@ -265,22 +268,20 @@ def host_flags(detector: AnomalyDetector, norms: list[float]) -> dict[str, bool]
 
     For a detector without ``relative_threshold``, whose columns are finite exactly when their norms
     are (:func:`~lightning_hooks.distributed._step_measure.flags_on_host`): the same comparisons, in
-    the same float64, as on device, laid out as :func:`_flags` reads the device's.
+    the same float64, as on device, named as :func:`_flags` names the device's.
     """
-    rows: list[float] = []
-    enabled = detector.enabled_flags
-    threshold, low = detector.norm_threshold, detector.min_norm
-    finite = [math.isfinite(n) for n in norms]
-    for name in FLAG_NAMES:
-        for norm, ok in zip(norms, finite):
-            if name not in enabled:
-                fired = False
-            elif name == "nonfinite":
+    n_cols = len(norms)
+    columns = [(norms[-1], "")] + ([(norms[g], f"/group{g}") for g in range(n_cols - 1)] if n_cols > 2 else [])
+    threshold, low, check_finite = detector.norm_threshold, detector.min_norm, detector.check_finite
+    out = {}
+    for name in detector.enabled_flags:
+        for norm, suffix in columns:
+            ok = math.isfinite(norm)
+            if name == "nonfinite":
                 fired = not ok
             elif name == "exploding":
-                fired = (threshold is not None and norm > threshold and ok) or (
-                    not detector.check_finite and not ok)
+                fired = (threshold is not None and norm > threshold and ok) or (not check_finite and not ok)
             else:
-                fired = low is not None and norm < low and ok
-            rows.append(float(fired))
-    return _flags(detector, rows, len(norms))
+                fired = norm < low and ok
+            out[name + suffix] = fired
+    return out
