@@ -206,9 +206,9 @@ class Agreed:
         medians count steps).
         """
         arrays = {f"{i}/{name}" for i, names in enumerate(self.extras) for name in names}
-        host = self.transfer.read(arrays)
         if self.steps[0].flags is None:
-            return self._checks_on_host(host, remember)
+            return self._checks_on_host(self.transfer.read(arrays | {"grads"}), remember)
+        host = self.transfer.read(arrays)
         offsets, voted = self.offsets, host.get("votes")
         if voted is None:  # one process: the votes as they were cast
             voted = []
@@ -237,7 +237,8 @@ class Agreed:
     def _checks_on_host(self, host: dict[str, Any], remember: bool) -> list[Check]:
         """:meth:`checks` where the flags are made on the host (one process, no scaler, see :func:`host_flags`)."""
         norms, checks = host["norms"], []
-        unsure_any = any(math.isinf(n) for n in host["grads"])
+        # A gradient's infinite norm (a finite gradient's may overflow) makes the total's infinite or NaN.
+        unsure_any = not math.isfinite(norms[-1]) and bool(np.isinf(host["grads"]).any())
         alike: dict[Any, dict[str, bool]] = {}  # detectors that flag alike: made once
         for i, (detector, step) in enumerate(zip(self.detectors, self.steps)):
             flags = alike.get(detector.shares_flags)
