@@ -6,7 +6,9 @@ such as GradientAnomalyStopping's spike flags) in one collective on device, then
 their way to the host in one transfer (:class:`HostTransfer`, named parts) together with the norms
 and whatever figures each callback adds. :meth:`Agreed.checks` reads it, at once or a step later:
 a :class:`Check` per callback, the same on every rank, so that no rank decides alone and no rank
-waits alone.
+waits alone. Under one process, where the step's flags follow from its norms alone
+(:func:`~lightning_hooks.distributed._step_measure.flags_on_host`), the transfer brings the norms
+and :func:`host_flags` makes the flags on the host.
 """
 
 from __future__ import annotations
