@@ -6,11 +6,14 @@ such as GradientAnomalyStopping's spike flags) in one collective on device, then
 their way to the host in one transfer (:class:`HostTransfer`, named parts) together with the norms
 and whatever figures each callback adds. :meth:`Agreed.checks` reads it, at once or a step later:
 a :class:`Check` per callback, the same on every rank, so that no rank decides alone and no rank
-waits alone.
+waits alone. Under one process, where the step's flags follow from its norms alone
+(:func:`~lightning_hooks.distributed._step_measure.flags_on_host`), the transfer brings the norms
+and :func:`host_flags` makes the flags on the host.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Optional, Union
@@ -49,7 +52,7 @@ class HostTransfer:
     """
 
     def __init__(self, parts: Mapping[str, Tensor], device: torch.device) -> None:
-        flat = [t.reshape(-1) if t.device == device else t.reshape(-1).to(device) for t in parts.values()]
+        flat = [_flat(t) if t.device == device else _flat(t).to(device) for t in parts.values()]
         self._sizes = [(name, t.numel()) for name, t in zip(parts, flat)]
         if not any(t.dtype is torch.float64 for t in flat):  # else `cat` promotes every part to float64 itself
             flat = [t.double() for t in flat]
@@ -77,6 +80,10 @@ class HostTransfer:
             out[name] = piece if name in arrays else piece.tolist()
             start += size
         return out
+
+
+def _flat(tensor: Tensor) -> Tensor:
+    return tensor if tensor.dim() == 1 else tensor.reshape(-1)
 
 
 @dataclass
@@ -133,6 +140,13 @@ def agree(trainer: pl.Trainer, detectors: Sequence[AnomalyDetector], steps: Sequ
     shared = steps[0]
     norms = shared.figures.group_norms
     device = norms.device
+    if shared.flags is None:  # one process, flags made on the host: the norms are all there is to bring
+        parts = {"norms": norms, "grads": shared.figures.norms}
+        parts.update({f"vote/{i}/{name}": t for i, own in enumerate(own_votes) for name, t in own.items()})
+        parts.update({f"{i}/{name}": t for i, extra in enumerate(extras) for name, t in extra.items()})
+        own = {f"{i}/{name}": t.numel() for i, own in enumerate(own_votes) for name, t in own.items()}
+        return Agreed(HostTransfer(parts, device), list(detectors), list(steps), [list(e) for e in extras],
+                      [list(own) for own in own_votes], {}, own, list(own), {})
     votes: dict[str, Union[Tensor, float]] = {}
     # Under one process, callbacks whose flags are one tensor (detectors that flag alike) send it once;
     # across ranks every callback votes, so that the collective's size never depends on a rank's tensors.
@@ -194,6 +208,8 @@ class Agreed:
         medians count steps).
         """
         arrays = {f"{i}/{name}" for i, names in enumerate(self.extras) for name in names}
+        if self.steps[0].flags is None:
+            return self._checks_on_host(self.transfer.read(arrays | {"grads"}), remember)
         host = self.transfer.read(arrays)
         offsets, voted = self.offsets, host.get("votes")
         if voted is None:  # one process: the votes as they were cast
@@ -220,6 +236,25 @@ class Agreed:
             checks.append(Check(flags, amp, host["norms"], anomalous, extra, skipped, unsure, summed))
         return checks
 
+    def _checks_on_host(self, host: dict[str, Any], remember: bool) -> list[Check]:
+        """:meth:`checks` where the flags are made on the host (one process, no scaler, see :func:`host_flags`)."""
+        norms, checks = host["norms"], []
+        # A gradient's infinite norm (a finite gradient's may overflow) makes the total's infinite or NaN.
+        unsure_any = not math.isfinite(norms[-1]) and bool(np.isinf(host["grads"]).any())
+        alike: dict[Any, dict[str, bool]] = {}  # detectors that flag alike: made once
+        for i, (detector, step) in enumerate(zip(self.detectors, self.steps)):
+            flags = alike.get(detector.shares_flags)
+            if flags is None:
+                flags = alike[detector.shares_flags] = host_flags(detector, norms)
+            unsure = unsure_any and bool(detector.enabled_flags)
+            anomalous = any(flags.values())
+            if remember and not anomalous and not unsure and step.params:
+                detector.remember(step.figures.group_norms, step.key)
+            extra = {name: host[f"{i}/{name}"] for name in self.extras[i]}
+            summed = {name: host[f"vote/{i}/{name}"] for name in (self.own_votes[i] if self.own_votes else [])}
+            checks.append(Check(dict(flags), None, norms, anomalous, extra, not step.params, unsure, summed))
+        return checks
+
 
 def _flags(detector: AnomalyDetector, votes: list[float], n_cols: int) -> dict[str, bool]:
     """The agreed flags by name: all gradients first, as "<flag>"; then per group, as "<flag>/group<i>", if several."""
@@ -229,3 +264,27 @@ def _flags(detector: AnomalyDetector, votes: list[float], n_cols: int) -> dict[s
         for row, name in enumerate(FLAG_NAMES) if name in detector.enabled_flags
         for col, suffix in columns
     }
+
+
+def host_flags(detector: AnomalyDetector, norms: list[float]) -> dict[str, bool]:
+    """:func:`~lightning_hooks.measure.anomalies.anomaly_flags` made on the host from the group and total norms.
+
+    For a detector without ``relative_threshold``, whose columns are finite exactly when their norms
+    are (:func:`~lightning_hooks.distributed._step_measure.flags_on_host`): the same comparisons, in
+    the same float64, as on device, named as :func:`_flags` names the device's.
+    """
+    n_cols = len(norms)
+    columns = [(norms[-1], "")] + ([(norms[g], f"/group{g}") for g in range(n_cols - 1)] if n_cols > 2 else [])
+    threshold, low, check_finite = detector.norm_threshold, detector.min_norm, detector.check_finite
+    out = {}
+    for name in detector.enabled_flags:
+        for norm, suffix in columns:
+            ok = math.isfinite(norm)
+            if name == "nonfinite":
+                fired = not ok
+            elif name == "exploding":
+                fired = (threshold is not None and norm > threshold and ok) or (not check_finite and not ok)
+            else:
+                fired = norm < low and ok
+            out[name + suffix] = fired
+    return out

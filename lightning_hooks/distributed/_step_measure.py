@@ -76,10 +76,24 @@ class Step:
     key: int
     params: list[Tensor]
     figures: GradientFigures
-    flags: Tensor
+    flags: Optional[Tensor]
+    """The detector's flags; None when they are made on the host from the norms (:func:`flags_on_host`)."""
     overflow: Optional[Tensor]
-    unsure: Tensor
-    """How many gradients have an infinite norm but were not checked for NaN and Inf values."""
+    unsure: Optional[Tensor]
+    """How many gradients have an infinite norm but were not checked for NaN and Inf values (None with the flags)."""
+
+
+def flags_on_host(trainer: pl.Trainer, detectors: Sequence[AnomalyDetector], figures: GradientFigures,
+                  overflow: Optional[Tensor]) -> bool:
+    """Whether the step's flags can be made on the host from its norms alone, with no tensor operation.
+
+    So they can under one process, without a scaler that may skip the step, where every column is
+    finite exactly when its norm is (:attr:`GradientFigures.finite`) and no detector compares with
+    its running median (kept on device): the flags are then plain comparisons of a few numbers
+    the step's one transfer brings anyway (:func:`~lightning_hooks.distributed._rank_agreement.host_flags`).
+    """
+    return (trainer.world_size == 1 and overflow is None and figures.by_norm
+            and all(d.relative_threshold is None for d in detectors))
 
 
 def measure_step(trainer: pl.Trainer, optimizer: Any, detectors: Sequence[AnomalyDetector],
@@ -99,13 +113,15 @@ def measure_step(trainer: pl.Trainer, optimizer: Any, detectors: Sequence[Anomal
 
     Returns:
         Per detector, the step's figures (the same tensors for every detector) and its flags, on
-        the gradients' device.
+        the gradients' device; no flags where they are made on the host (:func:`flags_on_host`).
     """
     params, grads, sizes = _params_with_grads(optimizer)
     device = params[0].device if params else trainer.strategy.root_device
     overflow = _amp_overflow(trainer, optimizer, device) if params else None  # may unscale (in place): first
     figures = gradient_figures(grads, sizes, device=device, exact=exact, shards=shard_groups(params))
     key = next((i for i, opt in enumerate(trainer.optimizers) if opt is optimizer), 0)
+    if flags_on_host(trainer, detectors, figures, overflow):  # the flags follow from the norms, on the host
+        return [Step(key, params, figures, None, None, None) for _ in detectors]
     unsure = torch.zeros((), device=device) if exact else torch.isinf(figures.norms).sum()
     shared: dict[Any, Tensor] = {}  # detectors that flag alike share one computation of the flags
     steps = []

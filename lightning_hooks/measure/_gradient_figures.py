@@ -39,6 +39,11 @@ class GradientFigures:
         self._by_norm = by_norm  # a column is finite exactly when its norm is (see `finite`)
 
     @property
+    def by_norm(self) -> bool:
+        """Whether a column (group or total) is finite exactly when its norm is (see :attr:`finite`)."""
+        return self._by_norm
+
+    @property
     def bad(self) -> Tensor:
         """(P,) bool: which gradients hold a NaN or an Inf (see ``exact`` in :func:`gradient_figures`)."""
         if self._bad is None:
