@@ -86,7 +86,10 @@ class Lit(pl.LightningModule):
         if self.training and self._step() >= self.onset and out.requires_grad:
             out.register_hook(lambda grad: grad * GRAD_CUT)
 
-    def _hurt(self, module: nn.Module, args: Any, out: Tensor) -> Optional[Tensor]:
+    def _hurt(self, module: nn.Module, args: Any, out: Any) -> Any:
+        if isinstance(out, tuple):  # an RNN's (output, state): the fault goes in its output
+            hurt = self._hurt(module, args, out[0])
+            return None if hurt is None else (hurt, *out[1:])
         t = self._step() - self.onset
         if self.fault == "swing" and self.training:  # in phase with the cyclic LR: largest where the LR is
             return out * SWING ** -math.cos(2 * math.pi * self._step() / self.recipe.cycle)
