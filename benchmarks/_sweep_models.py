@@ -11,8 +11,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from benchmarks._zoo_models import CNN, LM, RECIPES, VOCAB, WIDTH, Recipe, image_batches, lm_batches
-from benchmarks._zoo_models import regression_batches
+from benchmarks._zoo_models import CNN, LM, RECIPES, VOCAB, WIDTH, Recipe, image_batches, lm_batches, regression_batches
 
 
 def deep_mlp(depth: int = 10, width: int = 64) -> nn.Module:
