@@ -50,7 +50,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from lightning_hooks.output._health_bands import Bands
-from lightning_hooks.output._row_range import Track, judge_value
+from lightning_hooks.output._peers import Peers
+from lightning_hooks.output._row_range import Track, follow, judge_value, least_change
 
 #: The relative figures, each with its (up, down) problems.
 RELATIVE = {"level": ("blowup", "collapse"), "gain": ("blowup", "collapse"), "norm": ("exploding", "vanishing"),
@@ -59,6 +60,8 @@ RELATIVE = {"level": ("blowup", "collapse"), "gain": ("blowup", "collapse"), "no
 BACKWARD = "output_grad"
 #: The relative figures whose step's common change over all rows is taken out (peers).
 COMMON_MODE = ("norm", "ratio", "gain")
+#: The figures of a module's outputs, judged against its same-kind peers before it too (``_peers.py``).
+PEER_FIGURES = ("level", "gain")
 #: The problems seen in a module's own outputs: the evidence a culprit is named from, in forward order.
 OUTPUT_PROBLEMS = ("nonfinite", "dead", "blowup", "collapse")
 #: The figures whose rows are parameters (or modules, with GradientMonitor's ``granularity="module"``).
@@ -119,6 +122,7 @@ class Judge:
         self.named: set[str] = set()  # layers named and still out
         self.affected: set[str] = set()  # rows out as victims, not named while they stay out
         self.first_entropy: dict[str, float] = {}
+        self.peers = Peers(bands.window, bands.min_points)
 
     def step(self, figures: Mapping[str, Mapping[str, float]]) -> Judged:
         """Judge one logged step.
@@ -175,6 +179,8 @@ class Judge:
             typical = statistics.median(finite)
             found += [Finding(row, self.layer(figure, row), "too_fast", values[row], "peers", x - typical)
                       for row, x in logs.items() if x - typical > 3 * math.log(self.bands.ratio_factor)]
+        if figure in PEER_FIGURES:
+            self.peers.add(figure, {row: x - self.offset[figure] for row, x in logs.items()})
         for row, x in logs.items():
             if math.isfinite(x):
                 last[row] = x
@@ -184,7 +190,24 @@ class Judge:
                 up, down = RELATIVE[figure]
                 found.append(Finding(row, self.layer(figure, row), up if moved > 0 else down, values[row], figure,
                                      moved))
-        return found
+        return self._unshared(figure, found)
+
+    def _unshared(self, figure: str, found: list[Finding]) -> list[Finding]:
+        """The findings of a module's outputs less those its same-kind peers before it moved alike (``_peers.py``).
+
+        A move they share is the recipe: the row's range follows it, as it follows its own learning.
+        """
+        if figure not in PEER_FIGURES:
+            return found
+        kept = []
+        for f in found:
+            up = f.moved > 0
+            margin = least_change(figure, self.bands) * (1 if up else 2)
+            if self.peers.shared(figure, f.row, self.depth, margin, up):
+                follow(self.tracks[figure][f.row], self.bands.window)
+            else:
+                kept.append(f)
+        return kept
 
     def _is_data(self, found: list[Finding], figures: Mapping[str, Mapping[str, float]]) -> bool:
         """Every layer at once, the batch rather than a layer (see the module docstring)."""
@@ -327,7 +350,7 @@ class Judge:
                 "tracks": {f: {r: [list(t.logs), t.up, t.down, t.frozen, t.worst, list(t.held), t.deviation, t.noise,
                                    t.learned] for r, t in rows.items()} for f, rows in self.tracks.items()},
                 "named": sorted(self.named), "affected": sorted(self.affected),
-                "first_entropy": dict(self.first_entropy)}
+                "first_entropy": dict(self.first_entropy), "peers": self.peers.state_dict()}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore :meth:`state_dict`."""
@@ -340,3 +363,4 @@ class Judge:
                        for f, rows in state["tracks"].items()}
         self.named, self.affected = set(state["named"]), set(state["affected"])
         self.first_entropy = dict(state["first_entropy"])
+        self.peers.load_state_dict(state.get("peers", {}))

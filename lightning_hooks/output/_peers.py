@@ -1,0 +1,83 @@
+"""A module against its peers of the same kind before it: a move they all made is the recipe, not a fault.
+
+Host-side and torch-free, a part of :mod:`lightning_hooks.output._judge` (docs/verdicts.md). Two
+modules are of the same kind where their names differ only in their numbered parts
+(``encoder.layer.2.attention.self.key`` and ``encoder.layer.0.attention.self.key``; ``model.4`` and
+``model.2``). A healthy recipe can move every module of a kind together (a BERT's attention keys
+and queries grow 3x as its attention sharpens, in every block); a fault in one module cannot move
+its peers *before* it in forward order (their inputs do not pass through it). So a module whose
+outputs left their range is not named where its move, over its last ``window`` logged values, is
+within the figure's factor of its upstream peers' move (the nearest one's, or their median's): it
+learned with them. The first
+module of its kind has no upstream peer and is judged on its own.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import statistics
+from collections import deque
+from collections.abc import Mapping
+from typing import Any
+
+#: A numbered part of a module's name (a block's or a Sequential's index).
+_NUMBER = re.compile(r"(^|\.)\d+(?=\.|$)")
+
+
+def kind(row: str) -> str:
+    """A module's name with its numbered parts replaced by ``#``: the same for every block's copy of it."""
+    return _NUMBER.sub(r"\1#", row)
+
+
+class Peers:
+    """Each module's recent values of a figure (log), to compare its move with its peers'.
+
+    Args:
+        window: How many logged values each row keeps.
+        least: The fewest values a row needs before its move counts.
+    """
+
+    def __init__(self, window: int, least: int) -> None:
+        self.window, self.least = window, least
+        self.history: dict[str, dict[str, deque[float]]] = {}
+
+    def add(self, figure: str, logs: Mapping[str, float]) -> None:
+        """Keep one step's finite log values of ``figure``."""
+        rows = self.history.setdefault(figure, {})
+        for row, x in logs.items():
+            if math.isfinite(x):
+                rows.setdefault(row, deque(maxlen=self.window)).append(x)
+
+    def move(self, figure: str, row: str) -> float | None:
+        """The row's newest value minus the median of the older half of its window (log), or None."""
+        values = self.history.get(figure, {}).get(row)
+        if values is None or len(values) < self.least:
+            return None
+        return values[-1] - statistics.median(list(values)[:len(values) // 2])
+
+    def shared(self, figure: str, row: str, depth: Mapping[str, int], margin: float, up: bool) -> bool:
+        """Whether ``row``'s move (``up`` or down) is at most ``margin`` (log) past its upstream peers'.
+
+        Its peers' move: the nearest one's (the block before's copy, the likest) or their median's.
+        """
+        mine = self.move(figure, row)
+        if mine is None:
+            return False
+        own, at = kind(row), depth.get(row, 0)
+        peers = sorted((depth.get(other, 0), m) for other in self.history.get(figure, {})
+                       if other != row and depth.get(other, 0) < at and kind(other) == own
+                       and (m := self.move(figure, other)) is not None)
+        if not peers:
+            return False
+        past = min((mine - m) * (1 if up else -1) for m in (peers[-1][1], statistics.median(m for _, m in peers)))
+        return past <= margin
+
+    def state_dict(self) -> dict[str, Any]:
+        """The kept values, as plain lists."""
+        return {figure: {row: list(v) for row, v in rows.items()} for figure, rows in self.history.items()}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore :meth:`state_dict`."""
+        self.history = {figure: {row: deque(v, maxlen=self.window) for row, v in rows.items()}
+                        for figure, rows in state.items()}
