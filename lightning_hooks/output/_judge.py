@@ -199,11 +199,11 @@ class Judge:
         """
         if figure not in PEER_FIGURES:
             return found
-        kept = []
+        kept, out = [], {f.row for f in found}
         for f in found:
             up = f.moved > 0
             margin = least_change(figure, self.bands) * (1 if up else 2)
-            if self.peers.shared(figure, f.row, self.depth, margin, up):
+            if self.peers.shared(figure, f.row, self.depth, margin, up, out):
                 follow(self.tracks[figure][f.row], self.bands.window)
             else:
                 kept.append(f)
@@ -340,8 +340,15 @@ class Judge:
         depth = self.depth.get(first.layer, 0)
         tracks = {row: self._track(row) for row in self.levels if self.depth.get(row, 0) < depth}
         leaning = [row for row, track in tracks.items() if track is not None
-                   and (track.deviation > least and track.up if up else track.deviation < -least and track.down)]
+                   and (track.deviation > least and track.up if up else track.deviation < -least and track.down)
+                   and not self._learning_with_peers(row, up)]
         return min(leaning, key=lambda row: self.depth.get(row, 0)) if leaning else None
+
+    def _learning_with_peers(self, row: str, up: bool) -> bool:
+        """Whether a module's outputs lean the way its same-kind peers before it moved too (``_peers.py``)."""
+        figure = "gain" if self._track(row) is self.tracks.get("gain", {}).get(row) else "level"
+        margin = least_change(figure, self.bands) * (1 if up else 2)
+        return self.peers.shared(figure, row, self.depth, margin, up, ())
 
     def state_dict(self) -> dict[str, Any]:
         """The judge's memory, as plain values."""

@@ -8,8 +8,9 @@ and queries grow 3x as its attention sharpens, in every block); a fault in one m
 its peers *before* it in forward order (their inputs do not pass through it). So a module whose
 outputs left their range is not named where its move, over its last ``window`` logged values, is
 within the figure's factor of its upstream peers' move (the nearest one's, or their median's): it
-learned with them. The first
-module of its kind has no upstream peer and is judged on its own.
+learned with them. Only peers in their own range count: a move a peer made out of its range is a
+fault's, and what follows it its victim. The first module of its kind has no upstream peer and is
+judged on its own.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import math
 import re
 import statistics
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from typing import Any
 
 #: A numbered part of a module's name (a block's or a Sequential's index).
@@ -56,17 +57,20 @@ class Peers:
             return None
         return values[-1] - statistics.median(list(values)[:len(values) // 2])
 
-    def shared(self, figure: str, row: str, depth: Mapping[str, int], margin: float, up: bool) -> bool:
+    def shared(self, figure: str, row: str, depth: Mapping[str, int], margin: float, up: bool,
+               out: Collection[str]) -> bool:
         """Whether ``row``'s move (``up`` or down) is at most ``margin`` (log) past its upstream peers'.
 
-        Its peers' move: the nearest one's (the block before's copy, the likest) or their median's.
+        Its peers' move: the nearest one's (the block before's copy, the likest) or their median's,
+        of the peers in their own range (not in ``out``): a move a peer made out of its range is
+        a fault's, and what follows it is its victim, not the recipe.
         """
         mine = self.move(figure, row)
         if mine is None:
             return False
         own, at = kind(row), depth.get(row, 0)
         peers = sorted((depth.get(other, 0), m) for other in self.history.get(figure, {})
-                       if other != row and depth.get(other, 0) < at and kind(other) == own
+                       if other not in out and depth.get(other, 0) < at and kind(other) == own
                        and (m := self.move(figure, other)) is not None)
         if not peers:
             return False
