@@ -124,18 +124,28 @@ def run_variant(v: Variant, fault: str, seed: int = 0) -> Case:
 
 
 def verdict(v: Variant, row: dict[str, Any], culprit: str) -> dict[str, Any]:
-    """The row with what the goals ask of it: ``ok`` if this case meets them."""
+    """The row with what the goals ask of it: ``ok`` if this case meets them, and ``goal`` in words.
+
+    A ramp not named while the loss never moved 5% is ``unmoved`` (not counted as a failure: no
+    harm yet); one named after the loss moved is ``late`` (ramp timing, reported apart).
+    """
     row.update(group=v.group, variant=v.name, every=v.every, growth=v.growth, jump=v.jump)
+    row["goal"] = "ok"
     if row["fault"] == "healthy":
         row["ok"] = row["alarms"] == 0
     elif row["fault"] == "data":
         row["ok"] = row["first"] == "(every layer) (data)" and row["delay"] is not None and row["delay"] < v.every
     else:
-        first = row["first"] or ""
-        row["culprit_first"] = fault_zoo.is_culprit(first, culprit)
-        abrupt = row["fault"] not in ("ramp", "attn")
-        in_time = row["delay"] is not None and (not abrupt or row["delay"] < v.every)
-        row["ok"] = row["culprit_first"] and row["before"] == 0 and in_time
+        row["culprit_first"] = fault_zoo.is_culprit(row["first"] or "", culprit)
+        ramp = row["fault"] in ("ramp", "attn")
+        if ramp and row["delay"] is None and row["before"] == 0 and row["loss5"] is None:
+            row["goal"] = "unmoved"
+        elif ramp and row["delay"] is not None and row["loss5"] is not None and row["delay"] >= row["loss5"]:
+            row["goal"] = "late"
+        in_time = row["delay"] is not None and (ramp or row["delay"] < v.every)
+        row["ok"] = row["goal"] == "unmoved" or (row["culprit_first"] and row["before"] == 0 and in_time)
+    if not row["ok"]:
+        row["goal"] = "**FAIL**"
     return row
 
 
@@ -151,7 +161,7 @@ def describe(row: dict[str, Any]) -> str:
         said += f", loss moved 5% at {row['loss5']}" if row["fault"] == "ramp" else ""
     change = {"ramp": f" x{row['growth']:g}/step", "jump": f" x{row['jump']:g}"}.get(row["fault"], "")
     return (f"| {row['group']} | {row['variant']} | every {row['every']}, onset {row['onset']} | "
-            f"{row['fault']}{change} | {said} | {'ok' if row['ok'] else '**FAIL**'} | {row['s']} |")
+            f"{row['fault']}{change} | {said} | {row['goal']} | {row['s']} |")
 
 
 def main(argv: Optional[list[str]] = None) -> list[dict[str, Any]]:
