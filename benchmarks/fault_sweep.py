@@ -28,6 +28,7 @@ import json
 import os
 import sys
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any, Optional
 
 import torch
@@ -124,25 +125,31 @@ def run_variant(v: Variant, fault: str, seed: int = 0) -> Case:
 
 
 def verdict(v: Variant, row: dict[str, Any], culprit: str) -> dict[str, Any]:
-    """The row with what the goals ask of it: ``ok`` if this case meets them, and ``goal`` in words.
+    """The zoo's row of a case, with its variant and whether the culprit was named first, graded."""
+    row.update(group=v.group, variant=v.name, every=v.every, growth=v.growth, jump=v.jump)
+    if row["fault"] not in ("healthy", "data"):
+        row["culprit_first"] = fault_zoo.is_culprit(row["first"] or "", culprit)
+    return grade(row)
+
+
+def grade(row: dict[str, Any]) -> dict[str, Any]:
+    """Set ``ok`` if the case meets the goals, and ``goal`` in words.
 
     A ramp not named while the loss never moved 5% is ``unmoved`` (not counted as a failure: no
     harm yet); one named after the loss moved is ``late`` (ramp timing, reported apart).
     """
-    row.update(group=v.group, variant=v.name, every=v.every, growth=v.growth, jump=v.jump)
     row["goal"] = "ok"
     if row["fault"] == "healthy":
         row["ok"] = row["alarms"] == 0
     elif row["fault"] == "data":
-        row["ok"] = row["first"] == "(every layer) (data)" and row["delay"] is not None and row["delay"] < v.every
+        row["ok"] = row["first"] == "(every layer) (data)" and row["delay"] is not None and row["delay"] < row["every"]
     else:
-        row["culprit_first"] = fault_zoo.is_culprit(row["first"] or "", culprit)
-        ramp = row["fault"] in ("ramp", "attn")
-        if ramp and row["delay"] is None and row["before"] == 0 and row["loss5"] is None:
+        ramp, delay, loss5 = row["fault"] in ("ramp", "attn"), row["delay"], row["loss5"]
+        if ramp and delay is None and row["before"] == 0 and loss5 is None:
             row["goal"] = "unmoved"
-        elif ramp and row["delay"] is not None and row["loss5"] is not None and row["delay"] >= row["loss5"]:
+        elif ramp and delay is not None and loss5 is not None and delay >= loss5:
             row["goal"] = "late"
-        in_time = row["delay"] is not None and (ramp or row["delay"] < v.every)
+        in_time = delay is not None and (ramp or delay < row["every"])
         row["ok"] = row["goal"] == "unmoved" or (row["culprit_first"] and row["before"] == 0 and in_time)
     if not row["ok"]:
         row["goal"] = "**FAIL**"
@@ -164,6 +171,19 @@ def describe(row: dict[str, Any]) -> str:
             f"{row['fault']}{change} | {said} | {row['goal']} | {row['s']} |")
 
 
+HEADER = ("| group | variant | run | fault | named first (delay), named before it | goal | s |\n"
+          "|---|---|---|---|---|---|---:|")
+
+
+def table(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Print saved rows, graded again, as the sweep prints them."""
+    print(HEADER)
+    for row in rows:
+        print(describe(grade(row)))
+    print(f"\n{sum(r['ok'] for r in rows)} of {len(rows)} cases meet the goals")
+    return rows
+
+
 def main(argv: Optional[list[str]] = None) -> list[dict[str, Any]]:
     """Run the chosen groups, print a markdown table, optionally write the rows as JSON."""
     groups = variants()
@@ -172,12 +192,14 @@ def main(argv: Optional[list[str]] = None) -> list[dict[str, Any]]:
     parser.add_argument("--models", nargs="+", help="only the variants of these models")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", help="write the rows to this file")
+    parser.add_argument("--rows", nargs="+", help="print the table of rows written before (--json), graded again")
     args = parser.parse_args(argv)
+    if args.rows:
+        return table([row for path in args.rows for row in json.loads(Path(path).read_text())])
     torch.set_num_threads(1)
     rows: list[dict[str, Any]] = []
     twins: dict[tuple[Any, ...], Case] = {}
-    print("| group | variant | run | fault | named first (delay), named before it | goal | s |")
-    print("|---|---|---|---|---|---|---:|")
+    print(HEADER)
     for v in (v for g in args.groups for v in groups[g] if not args.models or v.model in args.models):
         if v.recipe_key() not in twins:
             twins[v.recipe_key()] = run_variant(v, "healthy", args.seed)
