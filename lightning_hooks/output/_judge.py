@@ -18,8 +18,10 @@ step at a time, with every judged figure of that step. How it decides (docs/verd
   its own gain, not the gains after it.
 - Gradient norms and update ratios are judged against their peers too: the step's median change
   over all rows (the learning-rate schedule, the loss falling, the batch's own noise) is taken
-  out first, so no fixed band judges the recipe. Activations are judged against their own
-  history only, where a single layer's fault would move every row downstream of it.
+  out first, so no fixed band judges the recipe. Activations are not taken net of every row's
+  move, where a single layer's fault would move every row downstream of it; a module's outputs
+  that moved as far as its same-kind peers *before* it (in their own range) moved learned with
+  them, and are not named (``_peers.py``).
 - The gradient reaching each module's output (``output_grad``, ActivationMonitor's
   ``gradients=True``) against its own history, net of the move of the last module's (the
   loss's own move: the loss falling, the batch, the schedule): the backward pass's gain from the
