@@ -184,6 +184,25 @@ def table(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return rows
 
 
+def _said(row: dict[str, Any]) -> str:
+    return describe(grade(row)).split(" | ")[4]
+
+
+def compare(before: list[dict[str, Any]], after: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Print each case's row under an earlier judge and under this one, the changed ones first."""
+    key = ("variant", "every", "onset", "fault", "growth", "jump")
+    earlier = {tuple(row[k] for k in key): row for row in before}
+    print("| group | variant | run | fault | before | after | goal before -> after |\n|---|---|---|---|---|---|---|")
+    pairs = [(earlier.get(tuple(row[k] for k in key)), row) for row in after]
+    for old, new in sorted(pairs, key=lambda pair: pair[0] is None or _said(pair[0]) == _said(pair[1])):
+        line = describe(new).split(" | ")
+        was = ("-", "-") if old is None else (_said(old), grade(old)["goal"])
+        print(" | ".join([*line[:4], was[0], line[4], f"{was[1]} -> {new['goal']} |"]))
+    print(f"\nbefore: {sum(grade(r)['ok'] for r in before)} of {len(before)} cases meet the goals; "
+          f"after: {sum(r['ok'] for r in after)} of {len(after)}")
+    return after
+
+
 def main(argv: Optional[list[str]] = None) -> list[dict[str, Any]]:
     """Run the chosen groups, print a markdown table, optionally write the rows as JSON."""
     groups = variants()
@@ -193,9 +212,13 @@ def main(argv: Optional[list[str]] = None) -> list[dict[str, Any]]:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", help="write the rows to this file")
     parser.add_argument("--rows", nargs="+", help="print the table of rows written before (--json), graded again")
+    parser.add_argument("--before", nargs="+", help="with --rows: rows of an earlier judge, side by side")
     args = parser.parse_args(argv)
     if args.rows:
-        return table([row for path in args.rows for row in json.loads(Path(path).read_text())])
+        rows = [row for path in args.rows for row in json.loads(Path(path).read_text())]
+        if args.before:
+            return compare([row for path in args.before for row in json.loads(Path(path).read_text())], rows)
+        return table(rows)
     torch.set_num_threads(1)
     rows: list[dict[str, Any]] = []
     twins: dict[tuple[Any, ...], Case] = {}
