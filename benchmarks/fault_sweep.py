@@ -184,23 +184,26 @@ def table(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return rows
 
 
-def _said(row: dict[str, Any]) -> str:
-    return describe(grade(row)).split(" | ")[4]
+def _table_rows(paths: list[str]) -> dict[tuple[str, ...], list[str]]:
+    """The sweep's printed table lines in these files (its output), by case: group, variant, run, fault."""
+    found = {}
+    for path in paths:
+        for line in Path(path).read_text().splitlines():
+            cells = [c.strip() for c in line.strip().strip("|").split(" | ")]
+            if len(cells) == 7 and cells[0] in variants():
+                found[tuple(cells[:4])] = cells
+    return found
 
 
-def compare(before: list[dict[str, Any]], after: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Print each case's row under an earlier judge and under this one, the changed ones first."""
-    key = ("variant", "every", "onset", "fault", "growth", "jump")
-    earlier = {tuple(row[k] for k in key): row for row in before}
+def compare(before: list[str], after: list[str]) -> None:
+    """Print each case's line under an earlier judge and under this one (the sweep's printed output), changes first."""
+    old, new = _table_rows(before), _table_rows(after)
     print("| group | variant | run | fault | before | after | goal before -> after |\n|---|---|---|---|---|---|---|")
-    pairs = [(earlier.get(tuple(row[k] for k in key)), row) for row in after]
-    for old, new in sorted(pairs, key=lambda pair: pair[0] is None or _said(pair[0]) == _said(pair[1])):
-        line = describe(new).split(" | ")
-        was = ("-", "-") if old is None else (_said(old), grade(old)["goal"])
-        print(" | ".join([*line[:4], was[0], line[4], f"{was[1]} -> {new['goal']} |"]))
-    print(f"\nbefore: {sum(grade(r)['ok'] for r in before)} of {len(before)} cases meet the goals; "
-          f"after: {sum(r['ok'] for r in after)} of {len(after)}")
-    return after
+    for key in sorted(new, key=lambda k: old.get(k, [""] * 7)[4] == new[k][4]):
+        was = old.get(key, ["-"] * 7)
+        print("| " + " | ".join([*key, was[4], new[key][4], f"{was[5]} -> {new[key][5]}"]) + " |")
+    ok = [sum(cells[5] != "**FAIL**" for cells in rows.values()) for rows in (old, new)]
+    print(f"\nbefore: {ok[0]} of {len(old)} cases meet the goals; after: {ok[1]} of {len(new)}")
 
 
 def main(argv: Optional[list[str]] = None) -> list[dict[str, Any]]:
@@ -212,13 +215,14 @@ def main(argv: Optional[list[str]] = None) -> list[dict[str, Any]]:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", help="write the rows to this file")
     parser.add_argument("--rows", nargs="+", help="print the table of rows written before (--json), graded again")
-    parser.add_argument("--before", nargs="+", help="with --rows: rows of an earlier judge, side by side")
+    parser.add_argument("--before", nargs="+", help="the sweep's output (its printed table) under an earlier judge")
+    parser.add_argument("--after", nargs="+", help="with --before: the sweep's output under this one, side by side")
     args = parser.parse_args(argv)
+    if args.before:
+        compare(args.before, args.after or [])
+        return []
     if args.rows:
-        rows = [row for path in args.rows for row in json.loads(Path(path).read_text())]
-        if args.before:
-            return compare([row for path in args.before for row in json.loads(Path(path).read_text())], rows)
-        return table(rows)
+        return table([row for path in args.rows for row in json.loads(Path(path).read_text())])
     torch.set_num_threads(1)
     rows: list[dict[str, Any]] = []
     twins: dict[tuple[Any, ...], Case] = {}
@@ -230,10 +234,9 @@ def main(argv: Optional[list[str]] = None) -> list[dict[str, Any]]:
             case = twins[v.recipe_key()] if fault == "healthy" else run_variant(v, fault, args.seed)
             rows.append(verdict(v, judge_case(case, twins[v.recipe_key()]), case.culprit))
             print(describe(rows[-1]), flush=True)
+            if args.json:  # after every case: a long sweep stopped keeps what it ran
+                Path(args.json).write_text(json.dumps(rows, indent=1, default=str))
     print(f"\n{sum(r['ok'] for r in rows)} of {len(rows)} cases meet the goals")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1, default=str)
     return rows
 
 

@@ -104,7 +104,7 @@ class Lit(pl.LightningModule):
         if self.fault == "nan":  # born at the first logged step from the onset on, where the figures can see it
             if (self._step() + 1) % self.every or t >= self.every:
                 return None
-            out = out.clone()
+            out = out.clone(memory_format=torch.contiguous_format)  # an RNN's output may be a strided view
             out.view(-1)[0] = float("nan")
             return out
         out = out.clone()  # attn: the queries (GPT-2: the first third of c_attn's output) grow
