@@ -9,8 +9,9 @@ its peers *before* it in forward order (their inputs do not pass through it). So
 outputs left their range is not named where its move, over its last ``window`` logged values, is
 within the figure's factor of its upstream peers' move (the nearest one's, or their median's): it
 learned with them. Only peers in their own range count: a move a peer made out of its range is a
-fault's, and what follows it its victim. The first module of its kind has no upstream peer and is
-judged on its own.
+fault's, and what follows it its victim. The first module of its kind, with no peer before it, is
+compared with the copies after it, in their own range: a fault there that moved them made them
+victims, out of their range too.
 """
 
 from __future__ import annotations
@@ -59,23 +60,26 @@ class Peers:
 
     def shared(self, figure: str, row: str, depth: Mapping[str, int], margin: float, up: bool,
                out: Collection[str]) -> bool:
-        """Whether ``row``'s move (``up`` or down) is at most ``margin`` (log) past its upstream peers'.
+        """Whether ``row``'s move (``up`` or down) is at most ``margin`` (log) past its peers'.
 
-        Its peers' move: the nearest one's (the block before's copy, the likest) or their median's,
-        of the peers in their own range (not in ``out``): a move a peer made out of its range is
-        a fault's, and what follows it is its victim, not the recipe.
+        Its peers' move: the nearest one's before it (the block before's copy, the likest) or their
+        median's, of the peers in their own range (not in ``out``): a move a peer made out of its
+        range is a fault's, and what follows it is its victim, not the recipe. With no peer before
+        it, the copies after it.
         """
         mine = self.move(figure, row)
         if mine is None:
             return False
         own, at = kind(row), depth.get(row, 0)
         peers = sorted((depth.get(other, 0), m) for other in self.history.get(figure, {})
-                       if other not in out and depth.get(other, 0) < at and kind(other) == own
+                       if other not in out and other != row and kind(other) == own
                        and (m := self.move(figure, other)) is not None)
-        if not peers:
+        before = [m for d, m in peers if d < at]
+        near = before[-1:] or [m for d, m in peers if d > at][:1]  # the first of its kind: the copies after it
+        if not near:
             return False
-        past = min((mine - m) * (1 if up else -1) for m in (peers[-1][1], statistics.median(m for _, m in peers)))
-        return past <= margin
+        typical = statistics.median(before or [m for d, m in peers if d > at])
+        return min((mine - m) * (1 if up else -1) for m in (near[0], typical)) <= margin
 
     def state_dict(self) -> dict[str, Any]:
         """The kept values, as plain lists."""
