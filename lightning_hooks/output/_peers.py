@@ -6,12 +6,12 @@ modules are of the same kind where their names differ only in their numbered par
 ``model.2``). A healthy recipe can move every module of a kind together (a BERT's attention keys
 and queries grow 3x as its attention sharpens, in every block); a fault in one module cannot move
 its peers *before* it in forward order (their inputs do not pass through it). So a module whose
-outputs left their range is not named where its move, over its last ``window`` logged values, is
-within the figure's factor of its upstream peers' move (the nearest one's, or their median's): it
-learned with them. Only peers in their own range count: a move a peer made out of its range is a
-fault's, and what follows it its victim. The first module of its kind, with no peer before it, is
-compared with the copies after it, in their own range: a fault there that moved them made them
-victims, out of their range too.
+outputs left their range is not named where its peers before it made at least half its move, over
+its last ``window`` logged values, and it is within the figure's factor of theirs (the nearest
+one's, or their median's): it learned with them. Only peers in their own range count: a move a
+peer made out of its range is a fault's, and what follows it its victim. The first module of its
+kind, with no peer before it, is compared with the copies after it, in their own range: a fault
+there that moved them made them victims, out of their range too.
 """
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ class Peers:
 
     def shared(self, figure: str, row: str, depth: Mapping[str, int], margin: float, up: bool,
                out: Collection[str]) -> bool:
-        """Whether ``row``'s move (``up`` or down) is at most ``margin`` (log) past its peers'.
+        """Whether ``row``'s move (``up`` or down) is its peers': half of it theirs, and at most ``margin`` past.
 
         Its peers' move: the nearest one's before it (the block before's copy, the likest) or their
         median's, of the peers in their own range (not in ``out``): a move a peer made out of its
@@ -79,7 +79,8 @@ class Peers:
         if not near:
             return False
         typical = statistics.median(before or [m for d, m in peers if d > at])
-        return min((mine - m) * (1 if up else -1) for m in (near[0], typical)) <= margin
+        sign = 1 if up else -1  # theirs at least half of its move, and its own part within the margin
+        return any(sign * m >= sign * mine / 2 and sign * (mine - m) <= margin for m in (near[0], typical))
 
     def state_dict(self) -> dict[str, Any]:
         """The kept values, as plain lists."""
