@@ -54,6 +54,9 @@ def test_one_blocks_key_ramping_while_all_keys_grow_is_named_first_and_alone(blo
         assert {layer for _, layer in named} == {culprit} and 70 < named[0][0] <= 85, (seed, named[:3])
 
 
-def test_a_jump_in_the_first_block_with_no_peer_before_it_is_named_at_once():
-    jump = lambda step, row: 10.0 if row == "enc.layer.0.key" and step >= 120 else 1.0  # noqa: E731
-    assert named_rows(jump)[:1] == [(120, "enc.layer.0.key")]
+@pytest.mark.parametrize("block", [0, 3])  # the first block's key: no peer before it
+def test_a_jump_is_named_at_once_and_stays_named_after_its_window_forgot_the_step(block):
+    culprit = f"enc.layer.{block}.key"
+    jump = lambda step, row: 10.0 if row == culprit and step >= 100 else 1.0  # noqa: E731
+    named = named_rows(jump, points=200)
+    assert named[:1] == [(100, culprit)] and (199, culprit) in named  # 100 points on: still out of its range

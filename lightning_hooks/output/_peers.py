@@ -68,7 +68,8 @@ class Peers:
         it, the copies after it.
         """
         mine = self.move(figure, row)
-        if mine is None:
+        sign = 1 if up else -1
+        if mine is None or sign * mine <= margin:  # no move of its own in its window: still out since a step, named
             return False
         own, at = kind(row), depth.get(row, 0)
         peers = sorted((depth.get(other, 0), m) for other in self.history.get(figure, {})
@@ -79,7 +80,7 @@ class Peers:
         if not near:
             return False
         typical = statistics.median(before or [m for d, m in peers if d > at])
-        sign = 1 if up else -1  # theirs at least half of its move, and its own part within the margin
+        # theirs at least half of its move, and its own part within the margin
         return any(sign * m >= sign * mine / 2 and sign * (mine - m) <= margin for m in (near[0], typical))
 
     def state_dict(self) -> dict[str, Any]:
