@@ -11,7 +11,8 @@ its last ``window`` logged values, and it is within the figure's factor of their
 one's, or their median's): it learned with them. Only peers in their own range count: a move a
 peer made out of its range is a fault's, and what follows it its victim. The first module of its
 kind, with no peer before it, is compared with the copies after it, in their own range: a fault
-there that moved them made them victims, out of their range too.
+there that moved them made them victims, out of their range too. A module with no move of its own
+past the factor within its window (a jump its window has forgotten) is never excused: it stays out.
 """
 
 from __future__ import annotations
