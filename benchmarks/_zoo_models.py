@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 from torch import Tensor, nn
@@ -64,7 +64,9 @@ class LM(nn.Module):
         super().__init__()
         import transformers
 
-        if kind == "gpt2":
+        if kind in SWEEP_LMS:
+            self.net = SWEEP_LMS[kind](transformers)
+        elif kind == "gpt2":
             config = transformers.GPT2Config(vocab_size=VOCAB, n_positions=SEQ, n_embd=WIDTH, n_layer=DEPTH,
                                              n_head=4, activation_function="gelu", resid_pdrop=0.0,
                                              embd_pdrop=0.0, attn_pdrop=0.0)
@@ -80,14 +82,32 @@ class LM(nn.Module):
         return self.net(input_ids=tokens).logits
 
 
-class Block(nn.Module):
-    """A residual block: conv, BatchNorm, ReLU, conv, BatchNorm, then the residual add and a ReLU."""
+def _bert(transformers: Any) -> nn.Module:
+    """A post-LayerNorm encoder (bidirectional attention): each block's outputs go through a LayerNorm."""
+    return transformers.BertForMaskedLM(transformers.BertConfig(
+        vocab_size=VOCAB, hidden_size=WIDTH, intermediate_size=4 * WIDTH, num_hidden_layers=DEPTH,
+        num_attention_heads=4, max_position_embeddings=SEQ, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0))
 
-    def __init__(self, width: int) -> None:
+
+def _neox(transformers: Any) -> nn.Module:
+    """A GPT-NeoX: parallel residual (attention and MLP read the same input), rotary positions."""
+    return transformers.GPTNeoXForCausalLM(transformers.GPTNeoXConfig(
+        vocab_size=VOCAB, hidden_size=WIDTH, intermediate_size=4 * WIDTH, num_hidden_layers=DEPTH,
+        num_attention_heads=4, max_position_embeddings=SEQ, hidden_dropout=0.0, attention_dropout=0.0))
+
+
+#: The fault sweep's language models (``benchmarks/fault_sweep.py``), built from configs alone (no download).
+SWEEP_LMS: dict[str, Callable[[Any], nn.Module]] = {"bert": _bert, "neox": _neox}
+
+
+class Block(nn.Module):
+    """A residual block: conv, norm, ReLU, conv, norm, then the residual add and a ReLU (BatchNorm, or ``norm``)."""
+
+    def __init__(self, width: int, norm: Callable[[int], nn.Module] = nn.BatchNorm2d) -> None:
         super().__init__()
-        self.conv1, self.bn1 = nn.Conv2d(width, width, 3, padding=1, bias=False), nn.BatchNorm2d(width)
+        self.conv1, self.bn1 = nn.Conv2d(width, width, 3, padding=1, bias=False), norm(width)
         self.relu1 = nn.ReLU()
-        self.conv2, self.bn2 = nn.Conv2d(width, width, 3, padding=1, bias=False), nn.BatchNorm2d(width)
+        self.conv2, self.bn2 = nn.Conv2d(width, width, 3, padding=1, bias=False), norm(width)
         self.relu2 = nn.ReLU()
 
     def forward(self, x: Tensor) -> Tensor:
@@ -97,10 +117,10 @@ class Block(nn.Module):
 class CNN(nn.Module):
     """A stem, four residual blocks and a linear head, on 8x8 images."""
 
-    def __init__(self, width: int = 16) -> None:
+    def __init__(self, width: int = 16, norm: Callable[[int], nn.Module] = nn.BatchNorm2d) -> None:
         super().__init__()
-        self.stem = nn.Sequential(nn.Conv2d(3, width, 3, padding=1, bias=False), nn.BatchNorm2d(width), nn.ReLU())
-        self.blocks = nn.Sequential(*(Block(width) for _ in range(4)))
+        self.stem = nn.Sequential(nn.Conv2d(3, width, 3, padding=1, bias=False), norm(width), nn.ReLU())
+        self.blocks = nn.Sequential(*(Block(width, norm) for _ in range(4)))
         self.pool, self.head = nn.AdaptiveAvgPool2d(1), nn.Linear(width, 10)
 
     def forward(self, x: Tensor) -> Tensor:

@@ -86,7 +86,10 @@ class Lit(pl.LightningModule):
         if self.training and self._step() >= self.onset and out.requires_grad:
             out.register_hook(lambda grad: grad * GRAD_CUT)
 
-    def _hurt(self, module: nn.Module, args: Any, out: Tensor) -> Optional[Tensor]:
+    def _hurt(self, module: nn.Module, args: Any, out: Any) -> Any:
+        if isinstance(out, tuple):  # an RNN's (output, state): the fault goes in its output
+            hurt = self._hurt(module, args, out[0])
+            return None if hurt is None else (hurt, *out[1:])
         t = self._step() - self.onset
         if self.fault == "swing" and self.training:  # in phase with the cyclic LR: largest where the LR is
             return out * SWING ** -math.cos(2 * math.pi * self._step() / self.recipe.cycle)
@@ -101,7 +104,7 @@ class Lit(pl.LightningModule):
         if self.fault == "nan":  # born at the first logged step from the onset on, where the figures can see it
             if (self._step() + 1) % self.every or t >= self.every:
                 return None
-            out = out.clone()
+            out = out.clone(memory_format=torch.contiguous_format)  # an RNN's output may be a strided view
             out.view(-1)[0] = float("nan")
             return out
         out = out.clone()  # attn: the queries (GPT-2: the first third of c_attn's output) grow

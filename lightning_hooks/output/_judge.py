@@ -18,11 +18,17 @@ step at a time, with every judged figure of that step. How it decides (docs/verd
   its own gain, not the gains after it.
 - Gradient norms and update ratios are judged against their peers too: the step's median change
   over all rows (the learning-rate schedule, the loss falling, the batch's own noise) is taken
-  out first, so no fixed band judges the recipe (activations: their own history only).
-- The gradient reaching each module's output (``output_grad``) against its own history, net of
-  the last module's (the loss's own move): the backward pass's gain from the loss. A cut in one
-  module's backward moves every module *before* it, so the *last* in forward order out is named,
-  and only where no module's outputs single one out (a forward culprit moves the backward too).
+  out first, so no fixed band judges the recipe. Activations are not taken net of every row's
+  move, where a single layer's fault would move every row downstream of it; a module's outputs
+  that moved as far as its same-kind peers *before* it (in their own range) moved learned with
+  them, and are not named (``_peers.py``).
+- The gradient reaching each module's output (``output_grad``, ActivationMonitor's
+  ``gradients=True``) against its own history, net of the move of the last module's (the
+  loss's own move: the loss falling, the batch, the schedule): the backward pass's gain from the
+  loss to that module. The backward runs in reverse forward order, so a fault in one module's
+  backward moves the gain of every module *before* it: of those out at a step, the *last* in
+  forward order (the first the backward pass reached) is named, and only where no module's
+  outputs single one out (a forward culprit moves the backward too: its consequences).
 - Every layer at once is the batch, not a layer: the first module in forward order out (its
   input is the batch), or every gradient moving together, and staying there at the next logged
   step, while no activation, output gradient or update ratio singles a layer out (the labels): ``data``.
@@ -57,10 +63,13 @@ from lightning_hooks.output._findings import (
 )
 from lightning_hooks.output._health_bands import Bands
 from lightning_hooks.output._judge_absolute import absolute_problems
-from lightning_hooks.output._row_range import Track, judge_value, track_from_state, track_state
+from lightning_hooks.output._peers import Peers
+from lightning_hooks.output._row_range import Track, follow, judge_value, least_change, track_from_state, track_state
 
 #: The relative figures whose step's common change over all rows is taken out (peers).
 COMMON_MODE = ("norm", "ratio", "gain")
+#: The figures of a module's outputs, judged against its same-kind peers before it too (``_peers.py``).
+PEER_FIGURES = ("level", "gain")
 #: A module's outputs are judged by its gain where that is this many times quieter than its level: where the
 #: module before it carries the batch-to-batch moves they share (an MLP's, a CNN's layers).
 QUIETER = 1.5
@@ -90,6 +99,7 @@ class Judge:
         self.first_entropy: dict[str, float] = {}
         self.start: Optional[int] = None  # the first logged step judged
         self.warm = True  # whether the rows' own ranges judge at this step (past the warm-up in steps)
+        self.peers = Peers(bands.window, bands.min_points)
 
     def step(self, figures: Mapping[str, Mapping[str, float]], step: Optional[int] = None) -> Judged:
         """Judge one logged step.
@@ -151,6 +161,8 @@ class Judge:
             typical = statistics.median(finite)
             found += [Finding(row, self.layer(figure, row), "too_fast", values[row], "peers", x - typical)
                       for row, x in logs.items() if x - typical > 3 * math.log(self.bands.ratio_factor)]
+        if figure in PEER_FIGURES:
+            self.peers.add(figure, {row: x - self.offset[figure] for row, x in logs.items()})
         for row, x in logs.items():
             if math.isfinite(x):
                 last[row] = x
@@ -160,7 +172,24 @@ class Judge:
                 up, down = RELATIVE[figure]
                 found.append(Finding(row, self.layer(figure, row), up if moved > 0 else down, values[row], figure,
                                      moved))
-        return found
+        return self._unshared(figure, found)
+
+    def _unshared(self, figure: str, found: list[Finding]) -> list[Finding]:
+        """The findings of a module's outputs less those its same-kind peers before it moved alike (``_peers.py``).
+
+        A move they share is the recipe: the row's range follows it, as it follows its own learning.
+        """
+        if figure not in PEER_FIGURES:
+            return found
+        kept, out = [], {f.row for f in found}
+        for f in found:
+            up = f.moved > 0
+            margin = least_change(figure, self.bands) * (1 if up else 2)
+            if self.peers.shared(figure, f.row, self.depth, margin, up, out):
+                follow(self.tracks[figure][f.row], self.bands.window)
+            else:
+                kept.append(f)
+        return kept
 
     def _is_data(self, found: list[Finding], figures: Mapping[str, Mapping[str, float]]) -> bool:
         """Every layer at once, the batch rather than a layer (see the module docstring)."""
@@ -278,8 +307,15 @@ class Judge:
         depth = self.depth.get(first.layer, 0)
         tracks = {row: self._track(row) for row in self.levels if self.depth.get(row, 0) < depth}
         leaning = [row for row, track in tracks.items() if track is not None
-                   and (track.deviation > least and track.up if up else track.deviation < -least and track.down)]
+                   and (track.deviation > least and track.up if up else track.deviation < -least and track.down)
+                   and not self._learning_with_peers(row, up)]
         return min(leaning, key=lambda row: self.depth.get(row, 0)) if leaning else None
+
+    def _learning_with_peers(self, row: str, up: bool) -> bool:
+        """Whether a module's outputs lean the way its same-kind peers before it moved too (``_peers.py``)."""
+        figure = "gain" if self._track(row) is self.tracks.get("gain", {}).get(row) else "level"
+        margin = least_change(figure, self.bands) * (1 if up else 2)
+        return self.peers.shared(figure, row, self.depth, margin, up, ())
 
     def state_dict(self) -> dict[str, Any]:
         """The judge's memory, as plain values."""
@@ -287,7 +323,7 @@ class Judge:
                 "offset": dict(self.offset), "start": self.start,
                 "tracks": {f: {r: track_state(t) for r, t in rows.items()} for f, rows in self.tracks.items()},
                 "named": sorted(self.named), "affected": sorted(self.affected),
-                "first_entropy": dict(self.first_entropy)}
+                "first_entropy": dict(self.first_entropy), "peers": self.peers.state_dict()}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore :meth:`state_dict`."""
@@ -298,3 +334,4 @@ class Judge:
                        for f, rows in state["tracks"].items()}
         self.named, self.affected = set(state["named"]), set(state["affected"])
         self.first_entropy = dict(state["first_entropy"])
+        self.peers.load_state_dict(state.get("peers", {}))

@@ -73,6 +73,17 @@ def track_from_state(state: Sequence, window: int) -> Track:
                  held=deque(held, maxlen=64), deviation=deviation, noise=noise, learned=learned)
 
 
+def least_change(figure: str, bands: Bands) -> float:
+    """The least move (log) of a row of ``figure`` that is a finding, upward (downward: twice as far)."""
+    return math.log(getattr(bands, f"{FACTOR[figure]}_factor")) * (GAIN_POWER if figure == "gain" else 1.0)
+
+
+def follow(track: Track, window: int) -> None:
+    """Let the values a row held back join its history, as its own learning: its range follows them."""
+    track.logs.extend(track.held)
+    _settle(track, window)
+
+
 def judge_value(track: Track, x: float, figure: str, bands: Bands, warm: bool = True) -> Optional[float]:
     """Add one log value to a row's track; its deviation from its range if that is a finding, else None.
 
@@ -89,7 +100,7 @@ def judge_value(track: Track, x: float, figure: str, bands: Bands, warm: bool = 
         if math.isfinite(x):
             track.logs.append(x)
         return None
-    floor = math.log(getattr(bands, f"{FACTOR[figure]}_factor")) * (GAIN_POWER if figure == "gain" else 1.0)
+    floor = least_change(figure, bands)
     deviation, noise = _deviation(track, x, figure, floor)
     if deviation is None:
         return None

@@ -1,0 +1,244 @@
+"""The fault sweep: the fault zoo's goals on cases the zoo does not hold (issue 29, item 2).
+
+The zoo (``benchmarks/fault_zoo.py``) was measured while the judge was built; a judge tuned on it
+could hold there only. This sweep runs the zoo's own machinery (its LightningModule, probe and
+row) on variations it never held, in groups:
+
+- ``models``: a BERT (post-LayerNorm encoder) and a GPT-NeoX (parallel residual) from
+  ``transformers`` configs, a ten-block MLP with LayerNorm, the CNN with GroupNorm, a small ViT,
+  a stack of GRUs (tuple outputs) (``benchmarks/_sweep_models.py``), each with every fault.
+- ``layers``: the fault in the second module, the second-to-last, a LayerNorm, an embedding.
+- ``rates``: ramps of 0.5% and 5% a step, jumps x3 and x100.
+- ``onsets``: the fault at 20% and at 90% of the run.
+- ``every``: logged every 1, 3 and 10 steps.
+- ``optim``: SGD with momentum and AdamW with warm-up and cosine on the MLP, bf16-mixed on CPU.
+
+Per case: the culprit named first, the layers named before it, the delay (steps from the onset
+to the first logged step that names it), on healthy runs the verdict lines after the first 10%,
+and for a data fault whether it was said as "every layer at once".
+
+    python benchmarks/fault_sweep.py                         # every group, a table
+    python benchmarks/fault_sweep.py --groups rates onsets --json before.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks import fault_zoo  # noqa: E402
+from benchmarks._sweep_models import SWEEP_RECIPES  # noqa: E402
+from benchmarks._zoo_models import RECIPES  # noqa: E402
+from benchmarks.fault_zoo import GROWTH, JUMP, Case, judge_case, run_case  # noqa: E402
+
+ALL_FAULTS = ("ramp", "jump", "dead", "vanish", "lr100", "nan", "data")
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One recipe varied from the zoo's, with the faults it is run with (``healthy``: none)."""
+
+    group: str
+    model: str
+    faults: tuple[str, ...]
+    target: str = ""  # the module every fault goes in, if not the recipe's own
+    steps: int = 200
+    onset: float = 0.5  # as a fraction of the run
+    every: int = 2
+    growth: float = GROWTH
+    jump: float = JUMP
+    optimizer: str = ""  # "sgd" or "adamw" (warm-up and cosine), if not the recipe's own
+    lr: float = 0.0
+    precision: str = ""
+
+    @property
+    def name(self) -> str:
+        """The variant's recipe name: the model and what differs from it."""
+        parts = [self.model, self.target and f"@{self.target}", self.optimizer, self.precision]
+        return "+".join(p for p in parts if p)
+
+    def recipe_key(self) -> tuple[Any, ...]:
+        """What a healthy twin shares: recipe, run length and log interval."""
+        return self.model, self.optimizer, self.lr, self.precision, self.steps, self.every
+
+
+def _fault_targets(v: Variant) -> dict[str, str]:
+    targets = dict(RECIPES[v.model].targets)
+    return {**targets, **dict.fromkeys(("ramp", "jump", "dead", "nan", "vanish"), v.target)} if v.target else targets
+
+
+def register(v: Variant) -> str:
+    """Add the variant's recipe to the zoo's recipes, under its name."""
+    base = RECIPES[v.model]
+    RECIPES[v.name] = replace(base, name=v.name, targets=_fault_targets(v), optimizer=v.optimizer or base.optimizer,
+                              lr=v.lr or base.lr, precision=v.precision or base.precision)
+    return v.name
+
+
+def _layers() -> list[Variant]:
+    abrupt = ("ramp", "jump")
+    return [Variant("layers", "mlp", abrupt, target="2"),  # the second Linear (the second module is a ReLU)
+            Variant("layers", "mlp", abrupt, target="8"),  # the second-to-last Linear
+            Variant("layers", "mlp-deep-ln", (*abrupt, "vanish"), target="16"),  # a LayerNorm
+            Variant("layers", "gpt2", (*abrupt, "vanish"), target="net.transformer.h.2.ln_2"),  # a LayerNorm
+            Variant("layers", "gpt2", abrupt, target="net.transformer.h.5.mlp.c_proj"),  # the last block
+            Variant("layers", "gpt2", abrupt, target="net.transformer.h.0.attn.c_attn"),  # the first block
+            Variant("layers", "gpt2", abrupt, target="net.transformer.wpe"),  # an embedding (the second module)
+            Variant("layers", "cnn", abrupt, target="blocks.0.conv1"),
+            Variant("layers", "cnn", abrupt, target="blocks.3.conv2")]
+
+
+def variants() -> dict[str, list[Variant]]:
+    """The sweep's groups."""
+    models = [Variant("models", m, ("healthy", *ALL_FAULTS)) for m in SWEEP_RECIPES if m != "gru"]
+    models.append(Variant("models", "gru", ("healthy", "ramp", "jump", "dead", "lr100", "nan", "data")))
+    rates = [Variant("rates", m, ("ramp",), growth=g) for m in ("mlp", "cnn", "gpt2") for g in (1.005, 1.05)]
+    rates += [Variant("rates", m, ("jump",), jump=j) for m in ("mlp", "cnn", "gpt2") for j in (3.0, 100.0)]
+    onsets = [Variant("onsets", m, ("healthy", "ramp", "jump"), steps=300, onset=f) for m in ("mlp", "cnn", "gpt2")
+              for f in (0.2, 0.9)]
+    every = [Variant("every", m, ("healthy", "ramp", "jump", "dead"), every=e, steps=max(200, 60 * e))
+             for m in ("mlp", "cnn", "gpt2") for e in (1, 3, 10)]
+    optim = [Variant("optim", "mlp", ("healthy", "ramp", "jump", "lr100"), optimizer="sgd", lr=0.02),
+             Variant("optim", "mlp", ("healthy", "ramp", "jump", "lr100"), optimizer="adamw", lr=2e-3),
+             Variant("optim", "cnn", ("healthy", "ramp", "jump", "lr100"), optimizer="adamw", lr=2e-3),
+             Variant("optim", "mlp", ("healthy", "ramp", "jump"), precision="bf16-mixed"),
+             Variant("optim", "cnn", ("healthy", "ramp", "jump"), precision="bf16-mixed")]
+    return {"models": models, "layers": _layers(), "rates": rates, "onsets": onsets, "every": every, "optim": optim}
+
+
+def run_variant(v: Variant, fault: str, seed: int = 0) -> Case:
+    """Train one case of a variant (``healthy``: without a fault)."""
+    fault_zoo.JUMP = v.jump  # the zoo's jump factor, read by its module at each step
+    try:
+        return run_case(register(v), None if fault == "healthy" else fault, v.steps, int(v.onset * v.steps), v.every,
+                        seed, growth=v.growth)
+    finally:
+        fault_zoo.JUMP = JUMP
+
+
+def verdict(v: Variant, row: dict[str, Any], culprit: str) -> dict[str, Any]:
+    """The zoo's row of a case, with its variant and whether the culprit was named first, graded."""
+    row.update(group=v.group, variant=v.name, every=v.every, growth=v.growth, jump=v.jump)
+    if row["fault"] not in ("healthy", "data"):
+        row["culprit_first"] = fault_zoo.is_culprit(row["first"] or "", culprit)
+    return grade(row)
+
+
+def grade(row: dict[str, Any]) -> dict[str, Any]:
+    """Set ``ok`` if the case meets the goals, and ``goal`` in words.
+
+    A ramp not named while the loss never moved 5% is ``unmoved`` (not counted as a failure: no
+    harm yet); one named after the loss moved is ``late`` (ramp timing, reported apart).
+    """
+    row["goal"] = "ok"
+    if row["fault"] == "healthy":
+        row["ok"] = row["alarms"] == 0
+    elif row["fault"] == "data":
+        row["ok"] = row["first"] == "(every layer) (data)" and row["delay"] is not None and row["delay"] < row["every"]
+    else:
+        ramp, delay, loss5 = row["fault"] in ("ramp", "attn"), row["delay"], row["loss5"]
+        if ramp and delay is None and row["before"] == 0 and loss5 is None:
+            row["goal"] = "unmoved"
+        elif ramp and delay is not None and loss5 is not None and delay >= loss5:
+            row["goal"] = "late"
+        in_time = delay is not None and (ramp or delay < row["every"])
+        row["ok"] = row["goal"] == "unmoved" or (row["culprit_first"] and row["before"] == 0 and in_time)
+    if not row["ok"]:
+        row["goal"] = "**FAIL**"
+    return row
+
+
+def describe(row: dict[str, Any]) -> str:
+    """One markdown line."""
+    if row["fault"] == "healthy":
+        said = f"{row['alarms']} lines after 10%" + (f": {'; '.join(row['lines'][:3])}" if row["alarms"] else "")
+    elif row["fault"] == "data":
+        said = f"{row['first']} ({row['delay']})"
+    else:
+        names = f" ({'; '.join(row['before_names'])})" if row["before"] else ""
+        said = f"{row['first']} ({row['delay']}), {row['before']} before{names}"
+        said += f", loss moved 5% at {row['loss5']}" if row["fault"] == "ramp" else ""
+    change = {"ramp": f" x{row['growth']:g}/step", "jump": f" x{row['jump']:g}"}.get(row["fault"], "")
+    return (f"| {row['group']} | {row['variant']} | every {row['every']}, onset {row['onset']} | "
+            f"{row['fault']}{change} | {said} | {row['goal']} | {row['s']} |")
+
+
+HEADER = ("| group | variant | run | fault | named first (delay), named before it | goal | s |\n"
+          "|---|---|---|---|---|---|---:|")
+
+
+def table(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Print saved rows, graded again, as the sweep prints them."""
+    print(HEADER)
+    for row in rows:
+        print(describe(grade(row)))
+    print(f"\n{sum(r['ok'] for r in rows)} of {len(rows)} cases meet the goals")
+    return rows
+
+
+def _table_rows(paths: list[str]) -> dict[tuple[str, ...], list[str]]:
+    """The sweep's printed table lines in these files (its output), by case: group, variant, run, fault."""
+    found = {}
+    for path in paths:
+        for line in Path(path).read_text().splitlines():
+            cells = [c.strip() for c in line.strip().strip("|").split(" | ")]
+            if len(cells) == 7 and cells[0] in variants():
+                found[tuple(cells[:4])] = cells
+    return found
+
+
+def compare(before: list[str], after: list[str]) -> None:
+    """Print each case's line under an earlier judge and under this one (the sweep's printed output), changes first."""
+    old, new = _table_rows(before), _table_rows(after)
+    print("| group | variant | run | fault | before | after | goal before -> after |\n|---|---|---|---|---|---|---|")
+    for key in sorted(new, key=lambda k: old.get(k, [""] * 7)[4] == new[k][4]):
+        was = old.get(key, ["-"] * 7)
+        print("| " + " | ".join([*key, was[4], new[key][4], f"{was[5]} -> {new[key][5]}"]) + " |")
+    ok = [sum(cells[5] != "**FAIL**" for cells in rows.values()) for rows in (old, new)]
+    print(f"\nbefore: {ok[0]} of {len(old)} cases meet the goals; after: {ok[1]} of {len(new)}")
+
+
+def main(argv: Optional[list[str]] = None) -> list[dict[str, Any]]:
+    """Run the chosen groups, print a markdown table, optionally write the rows as JSON."""
+    groups = variants()
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--groups", nargs="+", default=list(groups), choices=list(groups))
+    parser.add_argument("--models", nargs="+", help="only the variants of these models")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", help="write the rows to this file")
+    parser.add_argument("--rows", nargs="+", help="print the table of rows written before (--json), graded again")
+    parser.add_argument("--before", nargs="+", help="the sweep's output (its printed table) under an earlier judge")
+    parser.add_argument("--after", nargs="+", help="with --before: the sweep's output under this one, side by side")
+    args = parser.parse_args(argv)
+    if args.before:
+        compare(args.before, args.after or [])
+        return []
+    if args.rows:
+        return table([row for path in args.rows for row in json.loads(Path(path).read_text())])
+    torch.set_num_threads(1)
+    rows: list[dict[str, Any]] = []
+    twins: dict[tuple[Any, ...], Case] = {}
+    print(HEADER)
+    for v in (v for g in args.groups for v in groups[g] if not args.models or v.model in args.models):
+        if v.recipe_key() not in twins:
+            twins[v.recipe_key()] = run_variant(v, "healthy", args.seed)
+        for fault in v.faults:
+            case = twins[v.recipe_key()] if fault == "healthy" else run_variant(v, fault, args.seed)
+            rows.append(verdict(v, judge_case(case, twins[v.recipe_key()]), case.culprit))
+            print(describe(rows[-1]), flush=True)
+            if args.json:  # after every case: a long sweep stopped keeps what it ran
+                Path(args.json).write_text(json.dumps(rows, indent=1, default=str))
+    print(f"\n{sum(r['ok'] for r in rows)} of {len(rows)} cases meet the goals")
+    return rows
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,94 @@
+"""A module against its peers of the same kind before it: a move they all made is the recipe, not a fault.
+
+Host-side and torch-free, a part of :mod:`lightning_hooks.output._judge` (docs/verdicts.md). Two
+modules are of the same kind where their names differ only in their numbered parts
+(``encoder.layer.2.attention.self.key`` and ``encoder.layer.0.attention.self.key``; ``model.4`` and
+``model.2``). A healthy recipe can move every module of a kind together (a BERT's attention keys
+and queries grow 3x as its attention sharpens, in every block); a fault in one module cannot move
+its peers *before* it in forward order (their inputs do not pass through it). So a module whose
+outputs left their range is not named where its peers before it made at least half its move, over
+its last ``window`` logged values, and it is within the figure's factor of theirs (the nearest
+one's, or their median's): it learned with them. Only peers in their own range count: a move a
+peer made out of its range is a fault's, and what follows it its victim. The first module of its
+kind, with no peer before it, is compared with the copies after it, in their own range: a fault
+there that moved them made them victims, out of their range too. A module with no move of its own
+past the factor within its window (a jump its window has forgotten) is never excused: it stays out.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import statistics
+from collections import deque
+from collections.abc import Collection, Mapping
+from typing import Any
+
+#: A numbered part of a module's name (a block's or a Sequential's index).
+_NUMBER = re.compile(r"(^|\.)\d+(?=\.|$)")
+
+
+def kind(row: str) -> str:
+    """A module's name with its numbered parts replaced by ``#``: the same for every block's copy of it."""
+    return _NUMBER.sub(r"\1#", row)
+
+
+class Peers:
+    """Each module's recent values of a figure (log), to compare its move with its peers'.
+
+    Args:
+        window: How many logged values each row keeps.
+        least: The fewest values a row needs before its move counts.
+    """
+
+    def __init__(self, window: int, least: int) -> None:
+        self.window, self.least = window, least
+        self.history: dict[str, dict[str, deque[float]]] = {}
+
+    def add(self, figure: str, logs: Mapping[str, float]) -> None:
+        """Keep one step's finite log values of ``figure``."""
+        rows = self.history.setdefault(figure, {})
+        for row, x in logs.items():
+            if math.isfinite(x):
+                rows.setdefault(row, deque(maxlen=self.window)).append(x)
+
+    def move(self, figure: str, row: str) -> float | None:
+        """The row's newest value minus the median of the older half of its window (log), or None."""
+        values = self.history.get(figure, {}).get(row)
+        if values is None or len(values) < self.least:
+            return None
+        return values[-1] - statistics.median(list(values)[:len(values) // 2])
+
+    def shared(self, figure: str, row: str, depth: Mapping[str, int], margin: float, up: bool,
+               out: Collection[str]) -> bool:
+        """Whether ``row``'s move (``up`` or down) is its peers': half of it theirs, and at most ``margin`` past.
+
+        Its peers' move: the nearest one's before it (the block before's copy, the likest) or their
+        median's, of the peers in their own range (not in ``out``): a move a peer made out of its
+        range is a fault's, and what follows it is its victim, not the recipe. With no peer before
+        it, the copies after it.
+        """
+        mine = self.move(figure, row)
+        sign = 1 if up else -1
+        if mine is None or sign * mine <= margin:  # no move of its own in its window: still out since a step, named
+            return False
+        own, at = kind(row), depth.get(row, 0)
+        peers = sorted((depth.get(other, 0), m) for other in self.history.get(figure, {})
+                       if other not in out and other != row and kind(other) == own
+                       and (m := self.move(figure, other)) is not None)
+        before = [m for d, m in peers if d < at]
+        near = before[-1:] or [m for d, m in peers if d > at][:1]  # the first of its kind: the copies after it
+        if not near:
+            return False
+        typical = statistics.median(before or [m for d, m in peers if d > at])
+        # theirs at least half of its move, and its own part within the margin
+        return any(sign * m >= sign * mine / 2 and sign * (mine - m) <= margin for m in (near[0], typical))
+
+    def state_dict(self) -> dict[str, Any]:
+        """The kept values, as plain lists."""
+        return {figure: {row: list(v) for row, v in rows.items()} for figure, rows in self.history.items()}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore :meth:`state_dict`."""
+        self.history = {figure: {row: deque(v, maxlen=self.window) for row, v in rows.items()}
+                        for figure, rows in state.items()}

@@ -1,0 +1,62 @@
+"""A module against its same-kind peers before it: a move every block's copy made is learning, one block's a fault."""
+
+import math
+import random
+
+import pytest
+
+from lightning_hooks.output._health_bands import Bands
+from lightning_hooks.output._judge import Judge
+from lightning_hooks.output._peers import kind
+
+BLOCKS = 6
+KINDS = ("ln", "key")  # per block: a norm (its std steady to 0.1%), a key projection that grows as attention sharpens
+
+
+def growing_keys(rng: random.Random, step: int, fault=None) -> dict[str, dict[str, float]]:
+    """Every block's key std grows 1.2% a point for 60 points then settles (learning), with 3% noise;
+    ``fault(step, row)`` multiplies one row."""
+    growth = math.exp(0.012 * min(max(step - 40, 0), 60))
+    level = {}
+    for b in range(BLOCKS):
+        for k in KINDS:
+            row = f"enc.layer.{b}.{k}"
+            base, noise = (1.0, 0.001) if k == "ln" else (0.2 * growth, 0.03)
+            level[row] = base * math.exp(rng.gauss(0, noise)) * (fault(step, row) if fault else 1.0)
+    return {"level": level}
+
+
+def named_rows(fault=None, points: int = 160, seed: int = 0) -> list[tuple[int, str]]:
+    order = [f"enc.layer.{b}.{k}" for b in range(BLOCKS) for k in KINDS]
+    rng, judge, named = random.Random(seed), Judge(Bands(), order), []
+    for step in range(points):
+        named += [(step, f.layer) for f in judge.step(growing_keys(rng, step, fault)).named]
+    return named
+
+
+def test_the_kind_of_a_module_is_its_name_without_its_numbered_parts():
+    assert kind("net.bert.encoder.layer.2.attention.self.key") == "net.bert.encoder.layer.#.attention.self.key"
+    assert kind("model.4") == kind("model.10") == "model.#"
+    assert kind("4") == "#" and kind("blocks.1.conv1") == "blocks.#.conv1"
+
+
+def test_keys_growing_in_every_block_together_are_learning_not_a_fault():
+    for seed in range(6):
+        assert named_rows(seed=seed) == [], seed
+
+
+@pytest.mark.parametrize("block", [3, 0])  # the first block's key has no peer before it: the copies after it
+def test_one_blocks_key_ramping_while_all_keys_grow_is_named_first_and_alone(block):
+    culprit = f"enc.layer.{block}.key"
+    ramp = lambda step, row: 1.05 ** max(0, step - 70) if row == culprit else 1.0  # noqa: E731
+    for seed in range(3):
+        named = named_rows(ramp, seed=seed)
+        assert {layer for _, layer in named} == {culprit} and 70 < named[0][0] <= 85, (seed, named[:3])
+
+
+@pytest.mark.parametrize("block", [0, 3])  # the first block's key: no peer before it
+def test_a_jump_is_named_at_once_and_stays_named_after_its_window_forgot_the_step(block):
+    culprit = f"enc.layer.{block}.key"
+    jump = lambda step, row: 10.0 if row == culprit and step >= 100 else 1.0  # noqa: E731
+    named = named_rows(jump, points=200)
+    assert named[:1] == [(100, culprit)] and (199, culprit) in named  # 100 points on: still out of its range
