@@ -123,6 +123,17 @@ def _batches(sizes: list[int]) -> list[tuple[int, int]]:
     return [*ranges, (start, len(sizes))]
 
 
+def _in_parts(kernel: Callable[..., None], lists: Sequence[Sequence[Tensor]],
+              others: Callable[[list[int]], Tensor]) -> Tensor:
+    """One sum per tensor: the C pass ``kernel`` over the tensors it reads as they are, ``others(rest)`` else."""
+    native, rest = _split(list(zip(*lists)))
+    sums = torch.empty(len(native), dtype=torch.float64)
+    if native:
+        kernel(*[[_buffer(tensors[i]) for i in native] for tensors in lists], sums.numpy(), torch.get_num_threads())
+    rest_sums = others(rest) if rest else torch.zeros(0, dtype=torch.float64)
+    return _gather(len(lists[0]), native, sums, rest, rest_sums)
+
+
 def _gather(n: int, native: list[int], native_sums: Tensor, rest: list[int], rest_sums: Tensor) -> Tensor:
     if not rest:
         return native_sums
@@ -151,16 +162,12 @@ def copy_squares_(copies: Sequence[Tensor], params: Sequence[Tensor], squares: b
     if not squares:
         torch._foreach_copy_(list(copies), list(params))
         return None
-    native, rest = _split(list(zip(copies, params)))
-    sums = torch.empty(len(native), dtype=torch.float64)
-    if native:
-        cupdate.copy_squares([_buffer(copies[i]) for i in native], [_buffer(params[i]) for i in native],
-                             sums.numpy(), torch.get_num_threads())
-    others = torch.zeros(0, dtype=torch.float64)
-    if rest:
+
+    def others(rest: list[int]) -> Tensor:
         torch._foreach_copy_([copies[i] for i in rest], [params[i] for i in rest])
-        others = _squares_of_norms([params[i] for i in rest])
-    return _gather(len(params), native, sums, rest, others)
+        return _squares_of_norms([params[i] for i in rest])
+
+    return _in_parts(cupdate.copy_squares if cupdate is not None else _none, [copies, params], others)
 
 
 @torch.no_grad()
@@ -171,12 +178,8 @@ def squares(tensors: Sequence[Tensor]) -> Tensor:
     found = _all_native(cupdate.squares if cupdate is not None else _none, [tensors])
     if found is not None:
         return found
-    native, rest = _split([(t,) for t in tensors])
-    sums = torch.empty(len(native), dtype=torch.float64)
-    if native:
-        cupdate.squares([_buffer(tensors[i]) for i in native], sums.numpy(), torch.get_num_threads())
-    others = _squares_of_norms([tensors[i] for i in rest]) if rest else torch.zeros(0, dtype=torch.float64)
-    return _gather(len(tensors), native, sums, rest, others)
+    return _in_parts(cupdate.squares if cupdate is not None else _none, [tensors],
+                     lambda rest: _squares_of_norms([tensors[i] for i in rest]))
 
 
 @torch.no_grad()
@@ -194,18 +197,13 @@ def update_squares(after: Sequence[Tensor], before: Sequence[Tensor], in_place: 
     found = _all_native(cupdate.diff_squares if cupdate is not None else _none, [after, before])
     if found is not None:
         return found
-    native, rest = _split(list(zip(after, before)))
-    sums = torch.empty(len(native), dtype=torch.float64)
-    if native:
-        cupdate.diff_squares([_buffer(after[i]) for i in native], [_buffer(before[i]) for i in native],
-                             sums.numpy(), torch.get_num_threads())
-    others = torch.zeros(0, dtype=torch.float64)
-    if rest:
+
+    def others(rest: list[int]) -> Tensor:
         olds, news = [before[i] for i in rest], [after[i] for i in rest]
         if in_place:
             torch._foreach_sub_(olds, news)  # w_before - w_after: the same norm
-            others = _squares_of_norms(olds)
-        else:
-            others = torch.cat([_squares_of_norms(list(torch._foreach_sub(news[lo:hi], olds[lo:hi])))
-                                for lo, hi in _batches([t.numel() for t in news])])
-    return _gather(len(after), native, sums, rest, others)
+            return _squares_of_norms(olds)
+        return torch.cat([_squares_of_norms(list(torch._foreach_sub(news[lo:hi], olds[lo:hi])))
+                          for lo, hi in _batches([t.numel() for t in news])])
+
+    return _in_parts(cupdate.diff_squares if cupdate is not None else _none, [after, before], others)
