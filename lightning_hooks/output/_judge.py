@@ -48,7 +48,7 @@ from __future__ import annotations
 import math
 import statistics
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any, Optional
 
 from lightning_hooks.output._findings import (
@@ -183,9 +183,7 @@ class Judge:
             return found
         kept, out = [], {f.row for f in found}
         for f in found:
-            up = f.moved > 0
-            margin = least_change(figure, self.bands) * (1 if up else 2)
-            if self.peers.shared(figure, f.row, self.depth, margin, up, out):
+            if self._with_peers(figure, f.row, f.moved > 0, out):
                 follow(self.tracks[figure][f.row], self.bands.window)
             else:
                 kept.append(f)
@@ -314,8 +312,12 @@ class Judge:
     def _learning_with_peers(self, row: str, up: bool) -> bool:
         """Whether a module's outputs lean the way its same-kind peers before it moved too (``_peers.py``)."""
         figure = "gain" if self._track(row) is self.tracks.get("gain", {}).get(row) else "level"
+        return self._with_peers(figure, row, up)
+
+    def _with_peers(self, figure: str, row: str, up: bool, out: Collection[str] = ()) -> bool:
+        """Whether ``row``'s move of ``figure`` (up or down) is one its same-kind peers before it made too."""
         margin = least_change(figure, self.bands) * (1 if up else 2)
-        return self.peers.shared(figure, row, self.depth, margin, up, ())
+        return self.peers.shared(figure, row, self.depth, margin, up, out)
 
     def state_dict(self) -> dict[str, Any]:
         """The judge's memory, as plain values."""
@@ -334,4 +336,4 @@ class Judge:
                        for f, rows in state["tracks"].items()}
         self.named, self.affected = set(state["named"]), set(state["affected"])
         self.first_entropy = dict(state["first_entropy"])
-        self.peers.load_state_dict(state.get("peers", {}))
+        self.peers.load_state_dict(state["peers"])
