@@ -66,3 +66,11 @@ def test_a_monitors_checkpoint_holds_the_step_before_it(tmp_path):
     (path,) = tmp_path.glob("*.ckpt")
     (state,) = [s for k, s in torch.load(path, weights_only=False)["callbacks"].items() if "GradientMonitor" in k]
     assert state["detector"]["seen"] == monitor._detector.state_dict()["seen"] == {0: SAVED}  # the last step too
+
+
+def test_a_monitors_checkpoint_counts_an_anomaly_on_the_step_before_it(tmp_path):
+    monitor = GradientMonitor(log_every_n_steps=50, norm_threshold=1e3, histogram=False, prog_bar=False)
+    fit(tmp_path, [monitor, saver(tmp_path)], SAVED)  # the spike at the last step before the checkpoint
+    (path,) = tmp_path.glob("*.ckpt")
+    (state,) = [s for k, s in torch.load(path, weights_only=False)["callbacks"].items() if "GradientMonitor" in k]
+    assert state["anomalies"] == 1

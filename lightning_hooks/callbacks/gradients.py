@@ -290,7 +290,8 @@ class GradientMonitor(GradientCheck):
 
     def state_dict(self) -> dict[str, Any]:
         """Return the anomaly count and the running median windows."""
-        return {"anomalies": self._anomalies, **self._state()}
+        checks = self._state()  # first: it reads a step waiting to be read late, which may add an anomaly
+        return {"anomalies": self._anomalies, **checks}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore what :meth:`state_dict` returned."""

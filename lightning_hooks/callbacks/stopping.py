@@ -250,13 +250,12 @@ class GradientAnomalyStopping(AnomalyActions):
         read and acted on first, as at the end of training (a checkpoint waits for the device
         anyway): a run resumed from it judges every step, the last one before it too.
         """
-        if self._shared is not None:
-            self._shared.finish(at_end=True)
+        checks = self._state()  # first: it reads and acts on a step waiting to be read late
         counters = {name: getattr(self, name) for name in (*_COUNTERS, "skipping")}
         if self._rollback is not None:
             counters["resume_at"] = self._rollback.resume_at
         last = {"last_rollback": list(self.last_rollback)} if self.last_rollback is not None else {}
-        return {**counters, **last, **self._state(), **self._watch.state_dict()}
+        return {**counters, **last, **checks, **self._watch.state_dict()}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore what :meth:`state_dict` returned."""
