@@ -161,7 +161,7 @@ class StepRewrite:
         """Step pre-hook: hold the parameters the step may move (one copy, on their device, shared)."""
         plan = self._plan(optimizer) if id(optimizer) in self._planners else None
         if plan is not None:
-            step_copies(optimizer).hold(self, plan.params)
+            step_copies(optimizer).hold(self, plan.params, squares=plan.scales is not None)  # measured: ||w_before||²
             self._holding[id(optimizer)] = optimizer
 
     @torch.no_grad()
@@ -171,25 +171,25 @@ class StepRewrite:
         if self._holding.pop(id(optimizer), None) is None or plan is None:
             return
         before, alone = copies.copies(self), copies.exclusive(self)
+        weight = copies.squares(self) if plan.scales is not None else None  # summed as they were copied
         copies.release(self, keep=True)  # the list keeps them alive; the memory kept for the next step's copy
         if all(p.grad is None for group in optimizer.param_groups for p in group["params"]):
             return  # GradientAnomalyStopping dropped it: nothing moved, no norm to remember
         after = [local(p).detach() for p in plan.params]
         if not alone:
-            self._rewrite_in_parameters(optimizer, plan, before, after)
+            self._rewrite_in_parameters(optimizer, plan, before, after, weight)
             return
-        if plan.scales is None:
+        if weight is None:
             torch._foreach_sub_(before, after)  # w_before - w_after
             torch._foreach_mul_(before, [1.0 - s for s in plan.scale_list])
         else:
-            factor = self._factors(optimizer, plan, before, after)
+            factor = self._factors(optimizer, plan, before, after, weight)
             torch._foreach_mul_(before, list((1.0 - factor).unbind()))  # 0-dim float64: each keeps its dtype
         torch._foreach_add_(after, before)
 
     def _rewrite_in_parameters(self, optimizer: Any, plan: OptimizerPlan, before: list[Tensor],
-                               after: list[Tensor]) -> None:
+                               after: list[Tensor], weight: Optional[Tensor]) -> None:
         """The rewrite leaving the copy as it is (another reader measures the update from it): Δw in the parameters."""
-        weight = squares(before) if plan.scales is not None else None
         torch._foreach_sub_(after, before)  # the parameters hold w_after - w_before
         if weight is None:
             torch._foreach_mul_(after, plan.scale_list)
@@ -197,16 +197,16 @@ class StepRewrite:
             torch._foreach_mul_(after, list(self._measured(optimizer, plan, weight, squares(after)).unbind()))
         torch._foreach_add_(after, before)
 
-    def _factors(self, optimizer: Any, plan: OptimizerPlan, before: list[Tensor], after: list[Tensor]) -> Tensor:
-        weight = squares(before)
+    def _factors(self, optimizer: Any, plan: OptimizerPlan, before: list[Tensor], after: list[Tensor],
+                 weight: Tensor) -> Tensor:
         torch._foreach_sub_(before, after)  # now w_before - w_after
         return self._measured(optimizer, plan, weight, squares(before))
 
     def _measured(self, optimizer: Any, plan: OptimizerPlan, weight: Tensor, delta: Tensor) -> Tensor:
         """The factors from each parameter's ``||w_before||²`` and ``||Δw||²`` (float64; summed over shards).
 
-        The squares come from ``measure._update_passes.squares``: float64 sums, so float64 parameters
-        are measured too (float32 norms refused them).
+        Float64 sums of the update passes (``measure._update_passes``): ``||w_before||²`` summed as the
+        step copy was made, ``||Δw||²`` after the step; float64 parameters are measured too.
         """
         both = torch.stack([weight, delta])
         shards = self._shard_groups(plan.params)
