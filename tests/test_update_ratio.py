@@ -160,8 +160,9 @@ class SpareAtStepStart(L.Callback):
 
 
 def test_a_copy_memory_is_kept_only_for_a_next_step_that_is_measured(tmp_path, monkeypatch):
-    # Logged (and measured) steps: 0, 1, 3, 5. Step 0's copy is copied into at step 1; no memory
-    # is held into steps 2 and 4, which are not measured, nor after the fit; the ratios stay exact.
+    # Logged (and measured) steps: 0, 1, 3, 5. Step 0's copy is kept for step 1, which holds it as
+    # step 0's measuring pass left it (chained: nothing copied); no memory is held into steps 2
+    # and 4, which are not measured, nor after the fit; the ratios stay exact.
     copied: list[tuple[int, int]] = []  # per hold: elements copied into a fresh tensor, into a spare
     original = _step_copies.copies_of
 
@@ -177,7 +178,7 @@ def test_a_copy_memory_is_kept_only_for_a_next_step_that_is_measured(tmp_path, m
     probe = fit(tmp_path, monitor, model, spare, max_steps=6)
     every = sum(p.numel() for p in model.parameters())
     assert spare.kept == [0, every, 0, 0, 0, 0]
-    assert copied == [(every, 0), (0, every), (every, 0), (every, 0)]  # steps 0, 1 (into step 0's), 3, 5
+    assert copied == [(every, 0), (0, 0), (every, 0), (every, 0)]  # steps 0, 1 (chained from step 0's), 3, 5
     shared = step_copies(model.trainer.optimizers[0])
     assert shared.numel == 0 and shared.spare_numel == 0
     got = ratios(tmp_path, "updates/net.0.weight/ratio")

@@ -19,6 +19,18 @@ allocation faults in every page, 16 ms against 3.5 ms for 8 x ``Linear(1024, 102
 holder keeps (each released with ``keep=False``: a step nobody measures comes, or the fit ends),
 the spares are freed, so the steps between a sparse logger's hold no copy.
 
+A copy kept as a spare may also be *chained*: its last reader, alone with it after the step,
+overwrote it with the parameters as the step left them (``chain_squares_``: the update's norm
+and that copy in one pass, on the CPU) and said so (:meth:`~StepCopies.chain`). The next
+:meth:`~StepCopies.hold` then copies nothing for a parameter that has not changed since: one whose
+version counter (``param._version``, raised by every in-place op on it or a view, under
+``no_grad`` too: a rollback's ``copy_``, ``load_state_dict``, another callback's rewrite) and
+storage (``data_ptr``, held alive by the record so no other tensor can take its address: a
+``p.data = x``) are those the chain saw. A parameter written through ``p.data`` in place
+(``p.data.clamp_()``; ``.data`` is a tensor with a version counter of its own), through a numpy
+view or its storage, is not seen: ``LIGHTNING_HOOKS_NATIVE=0`` turns chaining off with the C
+passes. Only plain, unsplit parameters are chained (not DTensors, nor FSDP1's flat shards).
+
 The step post-hooks run in the order they were put on: a reader that must see the update
 UpdateTransform made puts its post-hook on after ``on_fit_start`` (UpdateTransform's).
 """
@@ -27,13 +39,13 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Hashable, Sequence
-from typing import Any, Optional
+from typing import Any, NamedTuple, Optional
 
 import torch
 from torch import Tensor
 
 from lightning_hooks.measure import _update_passes as update_passes
-from lightning_hooks.measure._sharding import local
+from lightning_hooks.measure._sharding import local, takes_gradient_directly
 
 _BY_OPTIMIZER: weakref.WeakKeyDictionary[Any, StepCopies] = weakref.WeakKeyDictionary()
 
@@ -64,6 +76,26 @@ def copies_of(params: Sequence[Tensor], spares: Sequence[Optional[Tensor]],
     return copies, update_passes.copy_squares_(copies, parts, squares)
 
 
+class _Chained(NamedTuple):
+    """A spare that holds its parameter as it was when :meth:`StepCopies.chain` was told."""
+
+    param: Tensor
+    storage: Tensor  # a view of the parameter's memory then: keeps its address from being taken by another tensor
+    version: int
+    sums: Tensor  # the squares of the copy, summed as it was written: ``sums[index]``
+    index: int
+
+    def holds(self, param: Tensor) -> bool:
+        """Whether ``param`` has not changed since (same object, no in-place op, same memory)."""
+        return (param is self.param and param._version == self.version
+                and param.data_ptr() == self.storage.data_ptr() and param.shape == self.storage.shape)
+
+
+def _chainable(param: Tensor) -> bool:
+    """Whether a copy of ``param`` may be chained: a plain tensor, whole on this rank."""
+    return type(param) in (torch.nn.Parameter, Tensor) and not takes_gradient_directly(param)
+
+
 class StepCopies:
     """The parameters of one optimizer as they were before its step, one copy each, held by readers."""
 
@@ -74,6 +106,7 @@ class StepCopies:
         self._spares: dict[int, Tensor] = {}  # by id of parameter: a released copy's memory, for the next hold
         self._keepers: set[Hashable] = set()  # the holders whose next step holds again
         self._squares: dict[int, tuple[Tensor, int]] = {}  # by id of parameter: (sums, index) of its copy's squares
+        self._chained: dict[int, _Chained] = {}  # by id of parameter: a spare that holds it as it is (see chain)
 
     @torch.no_grad()
     def hold(self, holder: Hashable, params: Sequence[Tensor], squares: bool = False) -> None:
@@ -90,6 +123,8 @@ class StepCopies:
         """
         self.release(holder, keep=holder in self._keepers)
         missing = {id(param): param for param in params if id(param) not in self._copies}
+        if self._chained:
+            self._take_chained(missing)
         made, sums = copies_of(list(missing.values()), [self._spares.pop(key, None) for key in missing], squares)
         self._copies.update(zip(missing, made))
         if sums is not None:
@@ -101,6 +136,28 @@ class StepCopies:
         if squares and unsummed:
             sums = update_passes.squares([self._copies[key] for key in unsummed])
             self._squares.update((key, (sums, i)) for i, key in enumerate(unsummed))
+
+    def _take_chained(self, missing: dict[int, Tensor]) -> None:
+        """Hold the chained spares of ``missing``'s unchanged parameters as they are (taken out of ``missing``)."""
+        for key, param in list(missing.items()):
+            chained = self._chained.pop(key, None)
+            if chained is not None and chained.holds(param):
+                self._copies[key] = self._spares.pop(key)
+                self._squares[key] = chained.sums, chained.index
+                del missing[key]
+
+    def chain(self, params: Sequence[Tensor], copies: Sequence[Tensor], sums: Tensor) -> None:
+        """Say that each of ``copies``, a spare now, was just overwritten with its parameter as it is.
+
+        Called by the last reader of a step's copies after the step, alone with them, once it has
+        written each parameter into its copy (``sums``: each one's squares, as the copy summed
+        them). The next :meth:`hold` of a parameter that has not changed since copies nothing.
+        A copy that is not its parameter's spare, or whose parameter cannot be chained (a
+        DTensor, FSDP1's flat shards), is left as any spare.
+        """
+        for i, (param, copy) in enumerate(zip(params, copies)):
+            if self._spares.get(id(param)) is copy and _chainable(param):
+                self._chained[id(param)] = _Chained(param, param.detach(), param._version, sums, i)
 
     def holds(self, holder: Hashable) -> bool:
         """Whether ``holder`` holds copies now."""
@@ -149,6 +206,7 @@ class StepCopies:
                     self._spares[key] = copy
         if not self._keepers:
             self._spares.clear()
+            self._chained.clear()
 
     @property
     def numel(self) -> int:

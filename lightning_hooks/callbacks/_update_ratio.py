@@ -12,7 +12,7 @@ from torch.utils.hooks import RemovableHandle
 
 from lightning_hooks.callbacks._base import log_step
 from lightning_hooks.callbacks._gradient_rows import Row, Rows
-from lightning_hooks.callbacks._step_copies import step_copies
+from lightning_hooks.callbacks._step_copies import StepCopies, step_copies
 from lightning_hooks.measure import _update_passes as update_passes
 from lightning_hooks.measure._sharding import ShardGroupCache, ShardGroups, grad_of, local
 from lightning_hooks.output.figures import ScalarBlock
@@ -36,11 +36,19 @@ class UpdateRatio:
     :meth:`discard` drops its snapshot. Between consecutive measured steps the copy's memory is
     kept and copied into (``discard(keep=True)``); at a batch whose next step is not measured it is
     freed.
+
+    When the next step is measured too (``take(..., next_measured=True)``) and this reader is the
+    copies' last, on the CPU the update's norm is taken in the pass that also writes ``w_after``
+    into the copy (summing its squares): the next step holds that copy as it is when no parameter
+    changed in between (see :meth:`StepCopies.chain
+    <lightning_hooks.callbacks._step_copies.StepCopies.chain>`), three passes a step instead of
+    four, with the same figures.
     """
 
     def __init__(self, norms: bool = False) -> None:
         self.norms = norms  # also the update's norm and, where the optimizer keeps them, Adam's moments' norms
         self._rows: Rows = []
+        self._next_measured = False  # the step after this one is measured too: chain its copy
         self._optimizer: Any = None  # the optimizer whose snapshot holds this step's parameters
         self._kept: dict[int, Any] = {}  # by id: the optimizers asked to keep their copies' memory for the next step
         self._shard_groups = ShardGroupCache()  # how the rows' parameters are split across ranks
@@ -50,9 +58,18 @@ class UpdateRatio:
         """Whether a snapshot is held (between :meth:`take` and :meth:`finish` or :meth:`discard`)."""
         return self._optimizer is not None and step_copies(self._optimizer).holds(self)
 
-    def take(self, rows: Rows, optimizer: Any) -> None:
-        """Hold ``rows``' parameters (those with a gradient) in ``optimizer``'s snapshot before it steps."""
+    def take(self, rows: Rows, optimizer: Any, next_measured: bool = False) -> None:
+        """Hold ``rows``' parameters (those with a gradient) in ``optimizer``'s snapshot before it steps.
+
+        Args:
+            rows: The rows to measure.
+            optimizer: The optimizer about to step.
+            next_measured: The next step is measured too: :meth:`finish` may leave the parameters
+                as they are after this step in the copy (in the pass that measures the update),
+                for that step to hold without a copy.
+        """
         self.discard(keep=True)
+        self._next_measured = next_measured
         stepped = [Row(name, [p for p in params if grad_of(p) is not None]) for name, params in rows]
         self._rows = [row for row in stepped if row.params]
         if not self._rows:
@@ -105,7 +122,8 @@ class UpdateRatio:
         if not to_host and not shards.sharded:
             return []
         moments = _moment_squares(optimizer, rows) if self.norms else None
-        squares = _row_squares(rows, before, weights, shards, moments, alone)  # sharded: every rank sums
+        deltas = self._update_squares(shared, [p for _, params in rows for p in params], before, alone)
+        squares = _row_squares(rows, deltas, weights, shards, moments)  # sharded: every rank sums
         if not to_host:
             return []
         deltas, weights, *moment_sums = squares.cpu().tolist()  # the one transfer
@@ -123,6 +141,20 @@ class UpdateRatio:
         if self.norms and kept:
             blocks += _norm_blocks(rows, deltas, moment_sums, optimizer)
         return blocks
+
+    def _update_squares(self, shared: StepCopies, params: list[Tensor], before: list[Tensor], alone: bool) -> Tensor:
+        """Each parameter's ``||w_after - w_before||²``; chained (the copies left holding ``w_after``) where it may.
+
+        ``alone``: the copies are this reader's (spares now), so they may be overwritten: with
+        the update (the tensor ops), or with ``w_after`` for the next measured step (the C pass).
+        """
+        after = [local(p).detach() for p in params]
+        if alone and self._next_measured and len({id(p) for p in params}) == len(params):  # tied: one copy twice
+            chained = update_passes.chain_squares_(after, before)  # None where the C passes cannot take them all
+            if chained is not None:
+                shared.chain(params, before, chained[1])
+                return chained[0]
+        return update_passes.update_squares(after, before, alone)
 
 
 def _norm_blocks(rows: Rows, deltas: list[float], moments: list[list[float]], optimizer: Any) -> list[ScalarBlock]:
@@ -165,21 +197,17 @@ def _moment_squares(optimizer: Any, rows: Rows) -> Optional[Tensor]:
         return squares
 
 
-def _row_squares(rows: Rows, before: list[Tensor], weights: Tensor, shards: ShardGroups,
-                 moments: Optional[Tensor] = None, in_place: bool = False) -> Tensor:
+def _row_squares(rows: Rows, deltas: Tensor, weights: Tensor, shards: ShardGroups,
+                 moments: Optional[Tensor] = None) -> Tensor:
     """Per row, the squared norms of the update and of the weights before it: a ``(2, rows)`` tensor.
 
-    ``weights``: each parameter's ``||w_before||²``, summed as it was copied. With ``moments``
-    (``(2, params)``: Adam's ``||m||²`` and ``sum(v)`` per parameter), two rows more.
-    ``in_place``: ``before`` is this reader's alone, and may become the update (no second copy).
-
-    The update's norm is one pass over ``w_after`` and ``w_before`` (on the CPU the update is
-    never stored; see ``measure/_update_passes.py``). The rows' parameters lie one after another,
-    so each row is a slice (views, no index goes to the device). Sharded parameters' squares
-    are summed over their shards first, in one collective.
+    ``deltas`` and ``weights``: each parameter's ``||w_after - w_before||²`` (one pass over both;
+    on the CPU the update is never stored, see ``measure/_update_passes.py``) and ``||w_before||²``
+    (summed as it was copied). With ``moments`` (``(2, params)``: Adam's ``||m||²`` and ``sum(v)``
+    per parameter), two rows more. The rows' parameters lie one after another, so each row is a
+    slice (views, no index goes to the device). Sharded parameters' squares are summed over their
+    shards first, in one collective.
     """
-    after = [local(p).detach() for _, params in rows for p in params]
-    deltas = update_passes.update_squares(after, before, in_place)
     squares = torch.stack([deltas, weights.to(deltas.device)])
     if moments is not None:
         squares = torch.cat([squares, moments.to(deltas.device)])

@@ -277,7 +277,7 @@ class GradientMonitor(GradientCheck):
             log_scalars(trainer, metrics, log_step(trainer), figures)
         self._raised = raised
         if self.update_ratio and self._logged and not check.amp_overflow:
-            self._updates.take(self._rows.rows, optimizer)
+            self._updates.take(self._rows.rows, optimizer, self._is_logged_next(trainer, self._every))
         if check.anomalous:
             fired = frozenset(name for name, on in check.flags.items() if on)
             if fired - self._fired and self._reporter is None:  # agreed flags: every rank reports, or none

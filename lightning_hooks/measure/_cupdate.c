@@ -6,7 +6,10 @@
  * Here two: copy_squares copies each parameter into its buffer and adds up the squares of
  * the values it moves, in the same read; diff_squares reads w_after and w_before once each
  * and adds up the squares of their differences, which are never stored. squares is the
- * norm pass alone (a copy someone else made).
+ * norm pass alone (a copy someone else made). chain_squares is diff_squares that also moves
+ * w_after into the buffer of w_before and sums its squares, as copy_squares would at the next
+ * step's copy (the same sums, bit for bit): when the parameters do not move between two measured
+ * steps, that step needs no copy (three passes a step where copy and update take four).
  *
  * Sums are float64, each value widened exactly to float64 first (float32, float16 and
  * bfloat16 values are exact in float64; so is a float32 difference's square up to its one
@@ -28,7 +31,7 @@
 #endif
 
 enum { F32, F64, F16, BF16 };
-enum { COPY, DIFF, NORM };
+enum { COPY, DIFF, NORM, CHAIN };
 
 #define CHUNK (1 << 16)          /* values per work item */
 #define MIN_PER_THREAD (1 << 17) /* values; fewer are not worth a thread's start */
@@ -44,8 +47,8 @@ enum { COPY, DIFF, NORM };
 #include "_cupdate_passes.h"
 
 typedef struct {
-    char *first;        /* COPY: the destination; DIFF: w_after; NORM: the values */
-    const char *second; /* COPY: the source; DIFF: w_before */
+    char *first;  /* COPY: the destination; DIFF, CHAIN: w_after; NORM: the values */
+    char *second; /* COPY: the source; DIFF: w_before; CHAIN: w_before, overwritten by w_after */
     int kind, size;
 } Item;
 
@@ -56,18 +59,19 @@ typedef struct {
 
 typedef struct {
     const Chunk *chunks;
-    double *sums;
+    double *sums; /* two per chunk: its sum, and CHAIN's squares moved */
     int64_t first, last; /* chunks [first, last) */
     int mode;
 } Job;
 
-static double run_chunk(const Chunk *c, int mode) {
+static double run_chunk(const Chunk *c, int mode, double *moved) {
     const Item *it = c->item;
     char *p = it->first + c->start * it->size;
-    const char *q = it->second == NULL ? NULL : it->second + c->start * it->size;
+    char *q = it->second == NULL ? NULL : it->second + c->start * it->size;
 #define DISPATCH(NAME, T)                                                              \
     return mode == COPY ? NAME##_copy((T *)p, (const T *)q, c->n)                      \
          : mode == DIFF ? NAME##_diff((const T *)p, (const T *)q, c->n)                \
+         : mode == CHAIN ? NAME##_chain((const T *)p, (T *)q, c->n, moved)             \
                         : NAME##_norm((const T *)p, c->n);
     switch (it->kind) {
     case F32: DISPATCH(f32, float)
@@ -80,16 +84,18 @@ static double run_chunk(const Chunk *c, int mode) {
 
 static void *run_job(void *arg) {
     Job *job = (Job *)arg;
-    for (int64_t k = job->first; k < job->last; k++) job->sums[k] = run_chunk(&job->chunks[k], job->mode);
+    for (int64_t k = job->first; k < job->last; k++)
+        job->sums[2 * k] = run_chunk(&job->chunks[k], job->mode, &job->sums[2 * k + 1]);
     return NULL;
 }
 
-/* The passes over n items into out[n] (float64 sums), on up to `threads` threads. Returns 0, or -1 out of memory. */
+/* The passes over n items into out[n] (float64 sums; CHAIN: out[2n], the squares moved after the
+ * sums of the differences), on up to `threads` threads. Returns 0, or -1 out of memory. */
 static int run_passes(const Item *items, const int64_t *lengths, Py_ssize_t n, int mode, double *out, int threads) {
     int64_t n_chunks = 0, total = 0;
     for (Py_ssize_t i = 0; i < n; i++) n_chunks += (lengths[i] + CHUNK - 1) / CHUNK, total += lengths[i];
     Chunk *chunks = (Chunk *)calloc((size_t)(n_chunks > 0 ? n_chunks : 1), sizeof(Chunk));
-    double *sums = (double *)calloc((size_t)(n_chunks > 0 ? n_chunks : 1), sizeof(double));
+    double *sums = (double *)calloc(2 * (size_t)(n_chunks > 0 ? n_chunks : 1), sizeof(double));
     if (chunks == NULL || sums == NULL) {
         free(chunks), free(sums);
         return -1;
@@ -127,9 +133,10 @@ static int run_passes(const Item *items, const int64_t *lengths, Py_ssize_t n, i
 #endif
     k = 0;
     for (Py_ssize_t i = 0; i < n; i++) {
-        double s = 0;
-        for (int64_t start = 0; start < lengths[i]; start += CHUNK) s += sums[k++];
+        double s = 0, t = 0;
+        for (int64_t start = 0; start < lengths[i]; start += CHUNK, k++) s += sums[2 * k], t += sums[2 * k + 1];
         out[i] = s;
+        if (mode == CHAIN) out[n + i] = t;
     }
     free(chunks), free(sums);
     return 0;
@@ -168,7 +175,8 @@ static int get_buffer(PyObject *obj, Py_buffer *view, int writable, const char *
  * views, checking kinds and lengths; returns how many views are held, -1 after an error (views released). */
 static Py_ssize_t read_items(PyObject *firsts, PyObject *seconds, int mode, Py_ssize_t n, Item *items,
                              int64_t *lengths, Py_buffer *views) {
-    static const char *names[3][2] = {{"copies", "params"}, {"after", "before"}, {"tensors", ""}};
+    static const char *names[4][2] = {{"copies", "params"}, {"after", "before"}, {"tensors", ""},
+                                      {"after", "before"}};
     Py_ssize_t held = 0;
     for (Py_ssize_t i = 0; i < n; i++) {
         Py_buffer *a = &views[held];
@@ -177,7 +185,7 @@ static Py_ssize_t read_items(PyObject *firsts, PyObject *seconds, int mode, Py_s
         Item it = {(char *)a->buf, NULL, kind_of(a), (int)a->itemsize};
         if (mode != NORM) {
             Py_buffer *b = &views[held];
-            if (get_buffer(PySequence_Fast_GET_ITEM(seconds, i), b, 0, names[mode][1], i) < 0) goto fail;
+            if (get_buffer(PySequence_Fast_GET_ITEM(seconds, i), b, mode == CHAIN, names[mode][1], i) < 0) goto fail;
             held++;
             if (kind_of(b) != it.kind || b->len != a->len) {
                 PyErr_Format(PyExc_ValueError, "`%s[%zd]` and `%s[%zd]` must hold as many items of one type; got"
@@ -185,7 +193,7 @@ static Py_ssize_t read_items(PyObject *firsts, PyObject *seconds, int mode, Py_s
                              a->len, a->format, b->len, b->format);
                 goto fail;
             }
-            it.second = (const char *)b->buf;
+            it.second = (char *)b->buf;
         }
         items[i] = it;
         lengths[i] = (int64_t)(a->len / a->itemsize);
@@ -220,8 +228,9 @@ static PyObject *passes(int mode, PyObject *args) {
         PyErr_Format(PyExc_ValueError, "expected as many tensors in both lists, got %zd and %zd", n,
                      PySequence_Fast_GET_SIZE(seconds));
     } else if (PyObject_GetBuffer(out_obj, &out, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | PyBUF_WRITABLE) == 0) {
-        if (kind_of(&out) != F64 || out.len != n * 8) {
-            PyErr_Format(PyExc_ValueError, "`out` must hold %zd float64 items, got %zd bytes of '%s'", n, out.len,
+        Py_ssize_t wanted = mode == CHAIN ? 2 * n : n;
+        if (kind_of(&out) != F64 || out.len != wanted * 8) {
+            PyErr_Format(PyExc_ValueError, "`out` must hold %zd float64 items, got %zd bytes of '%s'", wanted, out.len,
                          out.format != NULL ? out.format : "B");
         } else if ((held = read_items(firsts, seconds, mode, n, items, lengths, views)) >= 0) {
             Py_BEGIN_ALLOW_THREADS
@@ -241,6 +250,7 @@ static PyObject *passes(int mode, PyObject *args) {
 static PyObject *py_copy_squares(PyObject *self, PyObject *args) { (void)self; return passes(COPY, args); }
 static PyObject *py_diff_squares(PyObject *self, PyObject *args) { (void)self; return passes(DIFF, args); }
 static PyObject *py_squares(PyObject *self, PyObject *args) { (void)self; return passes(NORM, args); }
+static PyObject *py_chain_squares(PyObject *self, PyObject *args) { (void)self; return passes(CHAIN, args); }
 
 static PyMethodDef methods[] = {
     {"copy_squares", py_copy_squares, METH_VARARGS,
@@ -249,13 +259,16 @@ static PyMethodDef methods[] = {
     {"diff_squares", py_diff_squares, METH_VARARGS,
      "diff_squares(after, before, out, threads): out[i] = sum((after[i] - before[i]) ** 2), in float64."},
     {"squares", py_squares, METH_VARARGS, "squares(tensors, out, threads): out[i] = sum(tensors[i] ** 2), in float64."},
+    {"chain_squares", py_chain_squares, METH_VARARGS,
+     "chain_squares(after, before, out, threads): out[i] = sum((after[i] - before[i]) ** 2), then before[i] ="
+     " after[i] (`before` writable) and out[n + i] = sum(after[i] ** 2), in float64; `out` holds 2n items."},
     {NULL, NULL, 0, NULL},
 };
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_cupdate", NULL, -1, methods, NULL, NULL, NULL, NULL};
 
 /* Raised with every change of the functions' arguments: _update_passes.py ignores a stale build. */
-#define ABI_VERSION 1
+#define ABI_VERSION 2
 
 PyMODINIT_FUNC PyInit__cupdate(void) {
     PyObject *m = PyModule_Create(&module);

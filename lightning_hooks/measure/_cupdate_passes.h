@@ -1,5 +1,6 @@
 /* The passes of _cupdate.c for each element type: NAME_copy (copy and sum the squares moved),
- * NAME_diff (sum the squares of a - b) and NAME_norm (sum the squares), each in LANES float64
+ * NAME_diff (sum the squares of a - b), NAME_chain (NAME_diff's sum, and NAME_copy's of a moved
+ * into b, in one read of each) and NAME_norm (sum the squares), each in LANES float64
  * partial sums that the compiler turns into vectors. Included once, after LANES and CLONES. */
 
 static inline double from_f16(uint16_t h) { /* exact: every float16 is a float64 */
@@ -58,6 +59,29 @@ static inline double from_bf16(uint16_t b) {
         }                                                                                            \
         double s = 0;                                                                                \
         for (int j = 0; j < LANES; j++) s += acc[j];                                                 \
+        return s;                                                                                    \
+    }                                                                                                \
+    CLONES static double NAME##_chain(const T *restrict a, T *restrict b, int64_t n, double *moved) {   \
+        double acc[LANES] = {0}, sq[LANES] = {0};                                                    \
+        int64_t i = 0;                                                                               \
+        for (; i + LANES <= n; i += LANES)                                                           \
+            for (int j = 0; j < LANES; j++) {                                                        \
+                T v = a[i + j];                                                                      \
+                double w = OF(v), d = w - OF(b[i + j]);                                              \
+                b[i + j] = v;                                                                        \
+                acc[j] += d * d;                                                                     \
+                sq[j] += w * w;                                                                      \
+            }                                                                                        \
+        for (; i < n; i++) {                                                                         \
+            T v = a[i];                                                                              \
+            double w = OF(v), d = w - OF(b[i]);                                                      \
+            b[i] = v;                                                                                \
+            acc[0] += d * d;                                                                         \
+            sq[0] += w * w;                                                                          \
+        }                                                                                            \
+        double s = 0, t = 0;                                                                         \
+        for (int j = 0; j < LANES; j++) s += acc[j], t += sq[j];                                     \
+        *moved = t;                                                                                  \
         return s;                                                                                    \
     }                                                                                                \
     CLONES static double NAME##_norm(const T *restrict x, int64_t n) {                                \

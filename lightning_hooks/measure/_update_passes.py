@@ -1,5 +1,8 @@
 """The update ratio's passes over parameters: a copy that also sums the squares it moves, and ``sum((a - b)²)``.
 
+And, on the CPU only, the two at once: ``sum((a - b)²)`` that also moves ``a`` into ``b`` and sums
+its squares (:func:`chain_squares_`), so that a step measured right after another needs no copy.
+
 On the CPU the C passes of ``_cupdate.c`` run (float64 sums; the copy and its norm in one read,
 the update's norm without storing the update); elsewhere, or where a tensor is not a plain
 contiguous float32/float64/float16/bfloat16 CPU tensor, or while ``torch.compile`` traces or a
@@ -20,7 +23,7 @@ from torch import Tensor
 
 from lightning_hooks.core._torch_internals import torch_modes_on
 
-NATIVE_ABI = 1  # _cupdate.c's ABI_VERSION: a build left over from older sources is not used
+NATIVE_ABI = 2  # _cupdate.c's ABI_VERSION: a build left over from older sources is not used
 try:  # built at install time where a C compiler is available
     from lightning_hooks.measure import _cupdate as cupdate  # type: ignore[attr-defined]
 
@@ -51,8 +54,8 @@ def _buffer(tensor: Tensor) -> object:
     return (tensor if as_int is None else tensor.view(as_int)).numpy()
 
 
-def _all_native(kernel: Callable[..., None], lists: Sequence[Sequence[Tensor]]) -> Optional[Tensor]:
-    """The C pass ``kernel`` over every tensor of ``lists`` at once: one sum each; None where it cannot take them all.
+def _all_native(kernel: Callable[..., None], lists: Sequence[Sequence[Tensor]], per: int = 1) -> Optional[Tensor]:
+    """The C pass ``kernel`` over every tensor of ``lists`` at once: ``per`` sums each; None where it cannot take all.
 
     The hot path: no check per tensor beyond what making its view and the C code's own checks
     (contiguity, types, lengths, all read before any work) do; a list it refuses goes through
@@ -62,7 +65,7 @@ def _all_native(kernel: Callable[..., None], lists: Sequence[Sequence[Tensor]]) 
         return None
     try:
         views = [[_buffer(t) for t in tensors] for tensors in lists]
-        sums = torch.empty(len(lists[0]), dtype=torch.float64)
+        sums = torch.empty(per * len(lists[0]), dtype=torch.float64)
         kernel(*views, sums.numpy(), torch.get_num_threads())
     except (KeyError, TypeError, ValueError, RuntimeError):
         return None
@@ -207,3 +210,20 @@ def update_squares(after: Sequence[Tensor], before: Sequence[Tensor], in_place: 
                           for lo, hi in _batches([t.numel() for t in news])])
 
     return _in_parts(cupdate.diff_squares if cupdate is not None else _none, [after, before], others)
+
+
+@torch.no_grad()
+def chain_squares_(after: Sequence[Tensor], before: Sequence[Tensor]) -> Optional[tuple[Tensor, Tensor]]:
+    """:func:`update_squares`, and ``before`` made a copy of ``after`` with its sums of squares, in one pass.
+
+    The same figures, bit for bit, as :func:`update_squares` followed by :func:`copy_squares_`
+    of ``after`` into ``before`` (the C passes sum in the same order). Only where the C passes
+    take every tensor (see :func:`_all_native`); else None, and nothing is read or written.
+
+    Returns:
+        Each parameter's ``sum((after - before)²)`` and ``sum(after²)`` (float64), or None.
+    """
+    if not after or cupdate is None:
+        return None
+    found = _all_native(cupdate.chain_squares, [after, before], per=2)
+    return None if found is None else (found[:len(after)], found[len(after):])
