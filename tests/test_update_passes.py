@@ -64,6 +64,31 @@ def test_c_passes_copy_bit_for_bit_and_sum_in_float64_for_every_dtype(dtype, thr
     assert all(torch.equal(c, k) for c, k in zip(copies, kept))  # no update was stored, not even in place
 
 
+@needs_native
+@pytest.mark.parametrize("threads", [1, 3])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_the_chained_pass_gives_the_update_and_the_next_copy_bit_for_bit(dtype, threads, monkeypatch):
+    # One pass: the update's sums as update_squares gives them, and the copy holding w_after with
+    # the sums copy_squares_ would give at the next step's copy (the same bits, not just close).
+    monkeypatch.setattr(passes, "NATIVE_PASSES", True)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
+    params = _params(dtype)
+    after, copies = _stepped(params), [p.clone() for p in params]
+    deltas, moved = passes.chain_squares_(after, copies)
+    assert torch.equal(deltas, passes.update_squares(after, params))
+    assert torch.equal(moved, passes.copy_squares_([torch.empty_like(a) for a in after], after))
+    assert all(torch.equal(c.view(torch.uint8), a.view(torch.uint8)) for c, a in zip(copies, after))
+    assert deltas.tolist() == pytest.approx(_update_sums(after, params).tolist(), rel=1e-12)
+
+
+def test_the_chained_pass_takes_all_or_nothing():
+    # A tensor the C passes cannot read (here not contiguous): None, and no copy written.
+    params = [torch.randn(5, 6), torch.randn(6, 5).t()]
+    after, copies = _stepped(params), [p.clone() for p in params]
+    assert passes.chain_squares_(after, copies) is None
+    assert all(torch.equal(c, p) for c, p in zip(copies, params))
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_the_tensor_ops_give_the_same_figures(dtype, monkeypatch):
     monkeypatch.setattr(passes, "NATIVE_PASSES", False)
@@ -107,6 +132,12 @@ def test_the_c_passes_refuse_buffers_that_do_not_pair():
         passes.cupdate.squares([np.zeros(3, np.int64)], out, 1)
     with pytest.raises(ValueError, match=r"`out` must hold 2 float64 items"):
         passes.cupdate.squares([np.zeros(3), np.zeros(2)], out, 1)
+    with pytest.raises(ValueError, match=r"`out` must hold 2 float64 items"):  # the chained pass: two sums each
+        passes.cupdate.chain_squares([np.zeros(3)], [np.zeros(3)], out, 1)
+    read_only = np.zeros(3)
+    read_only.flags.writeable = False
+    with pytest.raises(TypeError, match=r"`before\[0\]` must be a C-contiguous, writable buffer"):
+        passes.cupdate.chain_squares([np.zeros(3)], [read_only], np.zeros(2), 1)
 
 
 def _ratio_step_ops(native: bool, monkeypatch: pytest.MonkeyPatch) -> tuple[set[str], int, list[float]]:

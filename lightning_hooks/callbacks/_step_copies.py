@@ -194,8 +194,7 @@ class StepCopies:
             self._keepers.add(holder)
         else:
             self._keepers.discard(holder)
-        for param in self._held.pop(holder, ()):
-            key = id(param)
+        for key in {id(param) for param in self._held.pop(holder, ())}:  # once each: a tied one may be held twice
             holders = self._holders[key]
             holders.discard(holder)
             if not holders:
