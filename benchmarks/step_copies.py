@@ -5,8 +5,11 @@ the update ratio of every parameter measured at every step (``UpdateRatio.take``
 step, ``finish`` after it, as GradientMonitor(update_ratio=True, log_every_n_steps=1) does).
 "kept": the copy's memory is kept for the next step and copied into; "fresh": it is freed at
 each step's end (as at a step whose next step is not measured), so each copy is a fresh
-allocation. The two run interleaved, in rounds; reported: each one's median hook time, and
-their ratio per round (the machine may be shared: ratios only).
+allocation; "chained": kept, and the next step measured too, so the pass that measures the
+update also writes ``w_after`` into the copy and the next step holds it without a copy
+(``take(..., next_measured=True)``, as GradientMonitor logging every step does). The three run
+interleaved, in rounds; reported: each one's median hook time, and their ratios per round (the
+machine may be shared: ratios only).
 
 Usage::
 
@@ -36,7 +39,7 @@ def _faults() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 
-def hook_times(keep: bool, steps: int) -> tuple[float, float]:
+def hook_times(keep: bool, steps: int, chain: bool = False) -> tuple[float, float]:
     """The median time of the update ratio's hooks (take + finish) over ``steps`` steps, and its page faults."""
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Linear(1024, 1024) for _ in range(8)])
@@ -48,7 +51,7 @@ def hook_times(keep: bool, steps: int) -> tuple[float, float]:
         optimizer.zero_grad(set_to_none=True)  # a real step between: the allocator's memory moves
         model(x).square().mean().backward()
         start, faulted = time.perf_counter(), _faults()
-        ratio.take(rows, optimizer)
+        ratio.take(rows, optimizer, next_measured=chain)
         took, faulted = time.perf_counter() - start, _faults() - faulted
         optimizer.step()
         start, before = time.perf_counter(), _faults()
@@ -65,16 +68,20 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=20)
     args = parser.parse_args()
-    kept, fresh, faults = [], [], {False: [], True: []}
+    kept, fresh, chained, faults = [], [], [], {False: [], True: []}
     for _ in range(args.rounds):
         for keep, times in ((False, fresh), (True, kept)):
             took, faulted = hook_times(keep, args.steps)
             times.append(took)
             faults[keep].append(faulted)
+        chained.append(hook_times(True, args.steps, chain=True)[0])
     ratios = [k / f for k, f in zip(kept, fresh)]
+    chain_ratios = [c / k for c, k in zip(chained, kept)]
     print(f"update ratio hooks per step, 8 x Linear(1024, 1024), {args.rounds} rounds of {args.steps} steps:")
     print(f"fresh copy {statistics.median(fresh) * 1e3:.1f} ms, kept memory {statistics.median(kept) * 1e3:.1f} ms, "
           f"kept / fresh {statistics.median(ratios):.2f} (per round {', '.join(f'{r:.2f}' for r in ratios)})")
+    print(f"chained {statistics.median(chained) * 1e3:.1f} ms, chained / kept {statistics.median(chain_ratios):.2f}"
+          f" (per round {', '.join(f'{r:.2f}' for r in chain_ratios)})")
     print(f"page faults per step in the hooks: fresh {statistics.mean(faults[False]):.0f}, "
           f"kept {statistics.mean(faults[True]):.0f} (a 4 KiB page each; the parameters are "
           f"{8 * (1024 * 1024 + 1024) * 4 // 4096} pages)")

@@ -10,8 +10,13 @@ before the step, ``finish`` after it, the copy's memory kept between steps). Con
   step (``_foreach_copy_``) and one norm of them after it (``_foreach_norm``);
 - ``ratio, tensor ops``: the update ratio through the multi-tensor ops (as before the C passes,
   and as on a GPU): the copy, a norm of it, the update in the copy, its norm;
-- ``ratio, C passes``: the update ratio on the CPU now: the copy summing what it moves, one pass
-  over ``w_after`` and ``w_before``.
+- ``ratio, C passes``: the update ratio on the CPU with a copy at every step (as at a measured
+  step whose next step is not measured): the copy summing what it moves, one pass over
+  ``w_after`` and ``w_before``;
+- ``ratio, C passes, chained``: the update ratio on the CPU when the next step is measured too
+  (``log_every_n_steps=1``): one pass after the step reads ``w_after`` and the copy, sums the
+  update's squares and ``w_after``'s, and writes ``w_after`` into the copy, which the next step
+  holds as it is (no copy before the step).
 
 All four run step by step in turn, in one process, so a machine whose load changes hits them
 alike; reported: each one's median step (wall, and this thread's CPU time), its median ratio to
@@ -59,13 +64,13 @@ from lightning_hooks.measure import _update_passes  # noqa: E402
 Hooks = tuple[Callable[[], None], Callable[[], None]]  # before the step, after it
 
 
-def _ratio_hooks(model: nn.Module, optimizer: torch.optim.Optimizer, native: bool) -> Hooks:
+def _ratio_hooks(model: nn.Module, optimizer: torch.optim.Optimizer, native: bool, chain: bool = False) -> Hooks:
     rows = [Row(name, [p]) for name, p in model.named_parameters()]
     ratio = UpdateRatio()
 
     def before() -> None:
         _update_passes.NATIVE_PASSES = native
-        ratio.take(rows, optimizer)
+        ratio.take(rows, optimizer, next_measured=chain)
 
     def after() -> None:
         _update_passes.NATIVE_PASSES = native
@@ -98,6 +103,7 @@ def setups() -> dict[str, Callable[[nn.Module, torch.optim.Optimizer], Hooks]]:
         "copy + norm": lambda model, optimizer: _reference_hooks(model),
         "ratio, tensor ops": lambda model, optimizer: _ratio_hooks(model, optimizer, False),
         "ratio, C passes": lambda model, optimizer: _ratio_hooks(model, optimizer, True),
+        "ratio, C passes, chained": lambda model, optimizer: _ratio_hooks(model, optimizer, True, chain=True),
     }
 
 
@@ -152,7 +158,7 @@ def _report(times: dict[str, list[tuple[float, float, float]]], args: argparse.N
 
     hooks = {name: statistics.median(t[2] for t in ts) for name, ts in times.items()}
     print(f"8 x Linear(1024, 1024), AdamW, batch 64, one thread; {args.rounds} rounds of {args.steps} steps,"
-          f" the four configurations in turn at every step")
+          f" the {len(times)} configurations in turn at every step")
     print("| configuration | median step, wall / CPU (ms) | x plain, wall | x plain, CPU | hooks, CPU (ms) |"
           " hooks / copy + norm's |")
     print("|---|---:|---:|---:|---:|---:|")

@@ -37,6 +37,7 @@ enum { COPY, DIFF, NORM, CHAIN };
 #define MIN_PER_THREAD (1 << 17) /* values; fewer are not worth a thread's start */
 #define MAX_THREADS 16
 #define LANES 8
+#define BLOCK 1024 /* values: CHAIN's two loops over a block, the second from the L1 cache (a multiple of LANES) */
 
 #if defined(__x86_64__) && defined(__linux__) && defined(__GNUC__)
 #define CLONES __attribute__((target_clones("avx2", "default")))

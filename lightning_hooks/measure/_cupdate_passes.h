@@ -64,14 +64,22 @@ static inline double from_bf16(uint16_t b) {
     CLONES static double NAME##_chain(const T *restrict a, T *restrict b, int64_t n, double *moved) {   \
         double acc[LANES] = {0}, sq[LANES] = {0};                                                    \
         int64_t i = 0;                                                                               \
-        for (; i + LANES <= n; i += LANES)                                                           \
-            for (int j = 0; j < LANES; j++) {                                                        \
-                T v = a[i + j];                                                                      \
-                double w = OF(v), d = w - OF(b[i + j]);                                              \
-                b[i + j] = v;                                                                        \
-                acc[j] += d * d;                                                                     \
-                sq[j] += w * w;                                                                      \
-            }                                                                                        \
+        while (i + LANES <= n) { /* a block at a time: the second loop finds it in the L1 cache */  \
+            int64_t end = i + BLOCK < n ? i + BLOCK : n - (n - i) % LANES;                           \
+            for (int64_t k = i; k < end; k += LANES) /* NAME_diff's sums */                          \
+                for (int j = 0; j < LANES; j++) {                                                    \
+                    double d = OF(a[k + j]) - OF(b[k + j]);                                          \
+                    acc[j] += d * d;                                                                 \
+                }                                                                                    \
+            for (int64_t k = i; k < end; k += LANES) /* NAME_copy's, of a into b */                  \
+                for (int j = 0; j < LANES; j++) {                                                    \
+                    T v = a[k + j];                                                                  \
+                    b[k + j] = v;                                                                    \
+                    double d = OF(v);                                                                \
+                    sq[j] += d * d;                                                                  \
+                }                                                                                    \
+            i = end;                                                                                 \
+        }                                                                                            \
         for (; i < n; i++) {                                                                         \
             T v = a[i];                                                                              \
             double w = OF(v), d = w - OF(b[i]);                                                      \
