@@ -32,6 +32,7 @@ Usage::
 
     python benchmarks/update_ratio.py                 # 5 rounds of 10 steps each
     python benchmarks/update_ratio.py --rounds 3 --steps 5
+    python benchmarks/update_ratio.py --depth 100 --width 64   # many small parameters
     python benchmarks/update_ratio.py --fit --rounds 3 --steps 12
 """
 
@@ -112,16 +113,18 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=10, help="timed steps per configuration per round")
     parser.add_argument("--fit", action="store_true", help="Lightning fits with GradientMonitor instead")
+    parser.add_argument("--depth", type=int, default=8, help="Linear layers (not with --fit)")
+    parser.add_argument("--width", type=int, default=1024, help="their width (not with --fit)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     if args.fit:
         fits(args.rounds, args.steps)
         return
-    x = torch.randn(64, 1024, generator=torch.Generator().manual_seed(1))
+    x = torch.randn(64, args.width, generator=torch.Generator().manual_seed(1))
     runs = {}
     for name, make in setups().items():  # one model and optimizer each: their states stay apart
         torch.manual_seed(0)
-        model = nn.Sequential(*[nn.Linear(1024, 1024) for _ in range(8)])
+        model = nn.Sequential(*[nn.Linear(args.width, args.width) for _ in range(args.depth)])
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
         runs[name] = (model, optimizer, make(model, optimizer))
     times: dict[str, list[tuple[float, float, float]]] = {name: [] for name in runs}
@@ -157,7 +160,8 @@ def _report(times: dict[str, list[tuple[float, float, float]]], args: argparse.N
         return statistics.median(t[column] / p[column] for t, p in zip(times[name], plain))
 
     hooks = {name: statistics.median(t[2] for t in ts) for name, ts in times.items()}
-    print(f"8 x Linear(1024, 1024), AdamW, batch 64, one thread; {args.rounds} rounds of {args.steps} steps,"
+    print(f"{args.depth} x Linear({args.width}, {args.width}), AdamW, batch 64, one thread; {args.rounds} rounds of"
+          f" {args.steps} steps,"
           f" the {len(times)} configurations in turn at every step")
     print("| configuration | median step, wall / CPU (ms) | x plain, wall | x plain, CPU | hooks, CPU (ms) |"
           " hooks / copy + norm's |")

@@ -212,6 +212,8 @@ def _row_squares(rows: Rows, deltas: Tensor, weights: Tensor, shards: ShardGroup
     if moments is not None:
         squares = torch.cat([squares, moments.to(deltas.device)])
     squares = shards.sum_(squares.T.contiguous()).T
+    if len(rows) == squares.shape[1]:  # a parameter a row (the default): nothing to add up
+        return squares
     bounds, start = [], 0
     for _, params in rows:
         bounds.append((start, start + len(params)))
