@@ -6,10 +6,12 @@ hooks: the pre-hook holds the optimizer's trainable parameters in its
 UpdateTransform and GradientMonitor's update ratios: a parameter they hold for the same step is
 not copied again); the post-hook takes one multi-tensor norm of ``w_after - w_before`` and lets
 go, keeping the copies' memory for the next step's copy (every step holds). On the CPU the norm
-is one pass over ``w_after`` and ``w_before`` that stores no update (``measure/_update_passes.py``);
-elsewhere, alone with its copies, it turns them into the update in place (no second buffer), and
-when another reader holds them too, the differences are made a batch at a time (at most 2^24
-values more). Nothing leaves the device. The post-hook is put on at ``on_train_start``,
+is one pass over ``w_after`` and ``w_before`` that stores no update (``measure/_update_passes.py``)
+and, when this reader is the copies' last, also leaves ``w_after`` in them: the next step holds
+them without a copy where no parameter changed in between (``StepCopies.chain``). Elsewhere,
+alone with its copies, it turns them into the update in place (no second buffer), and when
+another reader holds them too, the differences are made a batch at a time (at most 2^24 values
+more). Nothing leaves the device. The post-hook is put on at ``on_train_start``,
 after UpdateTransform's (``on_fit_start``), so it measures the update UpdateTransform made.
 """
 
@@ -73,5 +75,10 @@ class UpdateNorms:
         if all(p.grad is None for p in params):  # GradientAnomalyStopping dropped it: no update made
             return
         after = [local(p).detach() for p in params]
-        norm = update_passes.update_squares(after, before, in_place=alone).sum().sqrt()
+        unique = len({id(p) for p in params}) == len(params)  # a parameter given twice: one copy, written twice
+        chained = update_passes.chain_squares_(after, before) if alone and unique else None  # every step holds
+        if chained is not None:
+            copies.chain(params, before, chained[1])
+        squares = chained[0] if chained is not None else update_passes.update_squares(after, before, in_place=alone)
+        norm = squares.sum().sqrt()
         self._norms[key] = torch.where(norm > 0, norm, math.nan)  # nothing moved (an LBFGS step undone): no update
