@@ -14,6 +14,7 @@ from lightning_hooks import GradientMonitor
 from lightning_hooks.callbacks import _step_copies
 from lightning_hooks.callbacks._gradient_rows import Row
 from lightning_hooks.callbacks._step_copies import step_copies
+from lightning_hooks.callbacks._update_norm import UpdateNorms
 from lightning_hooks.callbacks._update_ratio import UpdateRatio
 from lightning_hooks.measure import _update_passes as passes
 from tests.grad_helpers import GradNet
@@ -180,3 +181,33 @@ def test_in_a_fit_a_callback_changing_parameters_between_steps_is_seen_and_spars
         assert counts.chained == 0 and counts.copied == [all_params] * 3
     shared = step_copies(model.trainer.optimizers[0])
     assert shared.numel == 0 and shared.spare_numel == 0 and not shared._chained  # nothing held after the fit
+
+
+@pytest.mark.parametrize("width", [256, 32])
+def test_the_update_norm_signal_chains_tensors_worth_it_and_its_norms_stay_those_of_a_fresh_copy(monkeypatch, width):
+    # 256: over 16,384 values a tensor on average, chained; 32: copied at every step in one op.
+    counts = Counts(monkeypatch)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(width, width), nn.Tanh(), nn.Linear(width, width))
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    norms, x = UpdateNorms(), torch.randn(8, width, generator=torch.Generator().manual_seed(1))
+    handles = norms.register([optimizer])
+    for step in range(4):
+        optimizer.zero_grad(set_to_none=True)
+        model(x).square().mean().backward()
+        before = [p.detach().double() for p in model.parameters()]
+        optimizer.step()
+        expected = math.sqrt(sum((p.detach().double() - b).square().sum().item()
+                                 for p, b in zip(model.parameters(), before)))
+        assert norms.take(0, torch.device("cpu")).item() == pytest.approx(expected, rel=1e-9)
+        if step == 1:
+            _in_place(step, model)  # changed between steps: copied afresh
+    every = sum(p.numel() for p in model.parameters())
+    if width == 256:
+        assert counts.copied == [every, 0, model[0].weight.numel(), 0] and counts.chained == 4
+    else:
+        assert counts.copied == [every] * 4 and counts.chained == 0
+    for handle in handles:
+        handle.remove()
+    norms.forget()
+    assert step_copies(optimizer).spare_numel == 0 and not step_copies(optimizer)._chained

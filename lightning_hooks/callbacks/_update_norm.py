@@ -75,8 +75,10 @@ class UpdateNorms:
         if all(p.grad is None for p in params):  # GradientAnomalyStopping dropped it: no update made
             return
         after = [local(p).detach() for p in params]
-        unique = len({id(p) for p in params}) == len(params)  # a parameter given twice: one copy, written twice
-        chained = update_passes.chain_squares_(after, before) if alone and unique else None  # every step holds
+        # Every step holds: chain the copy where it is worth it (small tensors copy in one op, cheaper
+        # than the C pass's views) and safe (a parameter given twice has one copy, written twice).
+        chain = alone and not update_passes.small(after) and len({id(p) for p in params}) == len(params)
+        chained = update_passes.chain_squares_(after, before) if chain else None
         if chained is not None:
             copies.chain(params, before, chained[1])
         squares = chained[0] if chained is not None else update_passes.update_squares(after, before, in_place=alone)
