@@ -45,7 +45,7 @@ import torch
 from torch import Tensor
 
 from lightning_hooks.measure import _update_passes as update_passes
-from lightning_hooks.measure._sharding import local, takes_gradient_directly
+from lightning_hooks.measure._sharding import SHARD_GROUP_ATTRIBUTE, local
 
 _BY_OPTIMIZER: weakref.WeakKeyDictionary[Any, StepCopies] = weakref.WeakKeyDictionary()
 
@@ -91,9 +91,12 @@ class _Chained(NamedTuple):
                 and param.data_ptr() == self.storage.data_ptr() and param.shape == self.storage.shape)
 
 
+_PLAIN = (torch.nn.Parameter, Tensor)  # a DTensor parameter is of type DTensor; FSDP1's FlatParameter a subclass
+
+
 def _chainable(param: Tensor) -> bool:
-    """Whether a copy of ``param`` may be chained: a plain tensor, whole on this rank."""
-    return type(param) in (torch.nn.Parameter, Tensor) and not takes_gradient_directly(param)
+    """Whether a copy of ``param`` may be chained: a plain tensor, whole on this rank (FSDP1 splits none of it)."""
+    return type(param) in _PLAIN and not hasattr(param, SHARD_GROUP_ATTRIBUTE)
 
 
 class StepCopies:
@@ -146,7 +149,8 @@ class StepCopies:
                 self._squares[key] = chained.sums, chained.index
                 del missing[key]
 
-    def chain(self, params: Sequence[Tensor], copies: Sequence[Tensor], sums: Tensor) -> None:
+    def chain(self, params: Sequence[Tensor], copies: Sequence[Tensor], sums: Tensor,
+              views: Sequence[Tensor]) -> None:
         """Say that each of ``copies``, a spare now, was just overwritten with its parameter as it is.
 
         Called by the last reader of a step's copies after the step, alone with them, once it has
@@ -154,10 +158,17 @@ class StepCopies:
         them). The next :meth:`hold` of a parameter that has not changed since copies nothing.
         A copy that is not its parameter's spare, or whose parameter cannot be chained (a
         DTensor, FSDP1's flat shards), is left as any spare.
+
+        Args:
+            params: The parameters.
+            copies: Their copies, each now holding its parameter's values.
+            sums: Each copy's sum of squares (float64), in this order.
+            views: A detached view of each parameter (``param.detach()``), kept with the record:
+                its memory stays allocated, so no other tensor can take its address.
         """
         for i, (param, copy) in enumerate(zip(params, copies)):
             if self._spares.get(id(param)) is copy and _chainable(param):
-                self._chained[id(param)] = _Chained(param, param.detach(), param._version, sums, i)
+                self._chained[id(param)] = _Chained(param, views[i], param._version, sums, i)
 
     def holds(self, holder: Hashable) -> bool:
         """Whether ``holder`` holds copies now."""

@@ -80,7 +80,7 @@ class UpdateNorms:
         chain = alone and not update_passes.small(after) and len({id(p) for p in params}) == len(params)
         chained = update_passes.chain_squares_(after, before) if chain else None
         if chained is not None:
-            copies.chain(params, before, chained[1])
+            copies.chain(params, before, chained[1], after)
         squares = chained[0] if chained is not None else update_passes.update_squares(after, before, in_place=alone)
         norm = squares.sum().sqrt()
         self._norms[key] = torch.where(norm > 0, norm, math.nan)  # nothing moved (an LBFGS step undone): no update

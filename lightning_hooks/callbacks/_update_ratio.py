@@ -152,7 +152,7 @@ class UpdateRatio:
         if alone and self._next_measured and len({id(p) for p in params}) == len(params):  # tied: one copy twice
             chained = update_passes.chain_squares_(after, before)  # None where the C passes cannot take them all
             if chained is not None:
-                shared.chain(params, before, chained[1])
+                shared.chain(params, before, chained[1], after)
                 return chained[0]
         return update_passes.update_squares(after, before, alone)
 
