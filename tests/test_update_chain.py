@@ -211,3 +211,32 @@ def test_the_update_norm_signal_chains_tensors_worth_it_and_its_norms_stay_those
         handle.remove()
     norms.forget()
     assert step_copies(optimizer).spare_numel == 0 and not step_copies(optimizer)._chained
+
+
+class TiedNet(L.LightningModule):
+    """Two module rows sharing one weight (``a`` and ``b``), as tied input and output embeddings."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+        self.b.weight = self.a.weight
+        self.head = nn.Linear(8, 1)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return nn.functional.mse_loss(self.head(self.b(torch.tanh(self.a(x)))), y)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.Adam(self.parameters(), lr=1e-2)
+
+
+def test_module_rows_sharing_a_weight_are_measured_from_one_copy_each_step(tmp_path, monkeypatch):
+    counts = Counts(monkeypatch)
+    monitor = GradientMonitor(granularity="module", update_ratio=True, histogram=False, log_every_n_steps=1)
+    model = TiedNet()
+    trainer(tmp_path, [monitor], max_steps=4, logger=CSVLogger(tmp_path, name="", version="")).fit(model, loader())
+    rows = {r["step"]: r for r in csv_metrics(str(tmp_path)) if r.get("updates/a/ratio", "") != ""}
+    assert len(rows) == 4 and all(float(r["updates/b/ratio"]) > 0 for r in rows.values())
+    every = sum(p.numel() for p in model.parameters())  # the tied weight counted once
+    assert counts.chained == 0 and counts.copied == [every] * 4  # a row list naming a weight twice: not chained
