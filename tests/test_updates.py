@@ -18,6 +18,7 @@ from lightning_hooks import GradientMonitor, GradientTransform, UpdateTransform
 from lightning_hooks.callbacks import _step_copies as step_copies_module
 from lightning_hooks.callbacks._step_copies import step_copies
 from lightning_hooks.callbacks._update_step import NormHistory
+from lightning_hooks.measure import _update_passes as passes
 from tests.helpers import csv_metrics, trainer
 from tests.update_helpers import BackboneHead, Updates, data, fit, largest_difference
 
@@ -171,9 +172,9 @@ def test_with_update_ratios_one_copy_a_step_serves_both_and_the_ratio_is_of_the_
     got = fit(tmp_path, model, [UpdateTransform(**config), monitor, copies, updates], steps=6, logger=logger,
               log_every_n_steps=1)
     every = sum(p.numel() for p in model.parameters())
-    # The union, once: the head's 17 not copied a second time; the ratio is the copy's last reader
-    # after the step, so its pass leaves the parameters in it and the next steps copy nothing (chained).
-    assert copies.counts == [every] + [0] * 5
+    # The union, once: the head's 17 not copied a second time. On the CPU the ratio is the copy's last
+    # reader after the step, so its pass leaves the parameters in it and the next steps copy nothing (chained).
+    assert copies.counts == ([every] + [0] * 5 if passes.NATIVE_PASSES else [every] * 6)
     shared = step_copies(model.trainer.optimizers[0])
     assert shared.numel == 0 and shared.spare_numel == 0  # nothing held, nor kept, after the fit
     alone = fit(tmp_path, BackboneHead("adam"), [UpdateTransform(**config)], steps=6)
