@@ -141,7 +141,7 @@ def agree(trainer: pl.Trainer, detectors: Sequence[AnomalyDetector], steps: Sequ
     norms = shared.figures.group_norms
     device = norms.device
     if shared.flags is None:  # one process, flags made on the host: the norms are all there is to bring
-        parts = {"norms": norms, "grads": shared.figures.norms}
+        parts = {"norms": norms, "grads": shared.figures.measured}
         parts.update({f"vote/{i}/{name}": t for i, own in enumerate(own_votes) for name, t in own.items()})
         parts.update({f"{i}/{name}": t for i, extra in enumerate(extras) for name, t in extra.items()})
         own = {f"{i}/{name}": t.numel() for i, own in enumerate(own_votes) for name, t in own.items()}
