@@ -83,7 +83,7 @@ class GradientFigures:
         return self.group_norms.isfinite() if self._by_norm else self.nonfinite == 0
 
 
-def _foreach_norms(tensors: list[Tensor], ord: float) -> tuple[list[Tensor], bool]:
+def _foreach_norms(tensors: Sequence[Tensor], ord: float) -> tuple[list[Tensor], bool]:
     """Per-tensor norms, batched, accumulated in at least float32; and whether every tensor was float32 or narrower."""
     if not tensors:
         return [], True
@@ -165,7 +165,7 @@ def gradient_figures(
     ):
         raise ValueError(f"`group_sizes` {list(group_sizes)} must add up to the {len(grads)} gradients")
     device = grads[0].device if device is None else device
-    parts = list(grads) if shards is not None and not shards.distributed else [local(g) for g in grads]
+    parts = grads if shards is not None and not shards.distributed else [local(g) for g in grads]
     found, narrow = _foreach_norms(parts, 2.0)
     sharded = shards is not None and shards.sharded
     # Float32 norms stay float32 (read in float64, as the sums below take them, where something reads them).
