@@ -69,7 +69,7 @@ class AnomalyActions(FigureListener, GradientCheck):
 
     def _may_wait(self, trainer: pl.Trainer) -> bool:
         """``warn``, ``raise``, ``stop`` and ``rollback`` act a step late; ``skip`` needs the answer at once."""
-        return self.act_late and super()._may_wait(trainer) and self.action != "skip"
+        return self.action != "skip" and self.act_late and super()._may_wait(trainer)
 
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int

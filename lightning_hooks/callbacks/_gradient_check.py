@@ -180,8 +180,9 @@ class GradientCheck(HookCallback):
         Not before it is first non-zero: a healthy run's bar carries no count. A ``log`` call
         costs a good part of a millisecond, and on an accelerator a host-to-device copy.
         """
-        bar = trainer.progress_bar_callback
-        if bar is not None and value != self._shown and (value or self._shown is not None) and not self._at_end:
+        if value == self._shown or not (value or self._shown is not None) or self._at_end:
+            return  # the usual case, nothing new to show: no look for the bar among the callbacks
+        if trainer.progress_bar_callback is not None:
             self._bar(value)
             pl_module.log(name, self._bar, prog_bar=True, logger=False, on_step=True, on_epoch=False,
                           metric_attribute=name)

@@ -10,7 +10,6 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any, NamedTuple, Optional
-from weakref import WeakKeyDictionary
 
 import lightning.pytorch as pl
 
@@ -42,9 +41,10 @@ def log_step(trainer: pl.Trainer) -> int:
     ``trainer.global_step`` where the loop has no such count. While a step's check is acted on
     a step late (:func:`acting_late`), that step's.
     """
-    late = _LATE.get(trainer)
-    if late is not None:
-        return late.log_step
+    if _LATE:  # the usual case, nothing acted on late: no look-up
+        late = _LATE.get(id(trainer))
+        if late is not None:
+            return late.log_step
     loop = getattr(getattr(trainer, "fit_loop", None), "epoch_loop", None)
     return int(getattr(loop, "_batches_that_stepped", trainer.global_step))
 
@@ -57,24 +57,24 @@ class Moment(NamedTuple):
     epoch: int
 
 
-# Per Trainer: the step whose check is acted on now, a step late (see `acting_late`).
-_LATE: WeakKeyDictionary[Any, Moment] = WeakKeyDictionary()
+# Per Trainer (by id: only while `acting_late` runs, which always removes it): the step acted on now, a step late.
+_LATE: dict[int, Moment] = {}
 
 
 def moment(trainer: pl.Trainer) -> Moment:
     """The step running now (or the one acted on late): its log step, global step and epoch."""
-    late = _LATE.get(trainer)
+    late = _LATE.get(id(trainer)) if _LATE else None
     return late if late is not None else Moment(log_step(trainer), trainer.global_step, trainer.current_epoch)
 
 
 @contextmanager
 def acting_late(trainer: pl.Trainer, at: Moment) -> Iterator[None]:
     """Within it, :func:`log_step` and :func:`moment` give the step ``at``: a check read a step late logs there."""
-    _LATE[trainer] = at
+    _LATE[id(trainer)] = at
     try:
         yield
     finally:
-        _LATE.pop(trainer, None)
+        _LATE.pop(id(trainer), None)
 
 
 def _is_logged_step(step: int, every: int) -> bool:

@@ -56,7 +56,10 @@ class HostTransfer:
         self._sizes = [(name, t.numel()) for name, t in zip(parts, flat)]
         if not any(t.dtype is torch.float64 for t in flat):  # else `cat` promotes every part to float64 itself
             flat = [t.double() for t in flat]
-        joined = torch.cat(flat) if flat else torch.zeros(0, dtype=torch.float64)
+        if len(flat) == 1:  # nothing to join (on the CPU read as it is: each part is made for the step)
+            joined = flat[0]
+        else:
+            joined = torch.cat(flat) if flat else torch.zeros(0, dtype=torch.float64)
         self._ready: Optional[torch.cuda.Event] = None
         if joined.is_cuda:
             self._host = torch.empty(joined.shape, dtype=joined.dtype, pin_memory=True)
@@ -140,11 +143,15 @@ def agree(trainer: pl.Trainer, detectors: Sequence[AnomalyDetector], steps: Sequ
     shared = steps[0]
     norms = shared.figures.group_norms
     device = norms.device
-    if shared.flags is None:  # one process, flags made on the host: the norms are all there is to bring
-        parts = {"norms": norms, "grads": shared.figures.norms}
-        parts.update({f"vote/{i}/{name}": t for i, own in enumerate(own_votes) for name, t in own.items()})
-        parts.update({f"{i}/{name}": t for i, extra in enumerate(extras) for name, t in extra.items()})
-        own = {f"{i}/{name}": t.numel() for i, own in enumerate(own_votes) for name, t in own.items()}
+    if shared.flags is None:  # one process, flags made on the host: the group and total norms are all there is to bring
+        parts = {"norms": norms}
+        own: dict[str, int] = {}
+        for i, mine in enumerate(own_votes):
+            for name, t in mine.items():
+                parts[f"vote/{i}/{name}"], own[f"{i}/{name}"] = t, t.numel()
+        for i, extra in enumerate(extras):
+            for name, t in extra.items():
+                parts[f"{i}/{name}"] = t
         return Agreed(HostTransfer(parts, device), list(detectors), list(steps), [list(e) for e in extras],
                       [list(own) for own in own_votes], {}, own, list(own), {})
     votes: dict[str, Union[Tensor, float]] = {}
@@ -209,7 +216,7 @@ class Agreed:
         """
         arrays = {f"{i}/{name}" for i, names in enumerate(self.extras) for name in names}
         if self.steps[0].flags is None:
-            return self._checks_on_host(self.transfer.read(arrays | {"grads"}), remember)
+            return self._checks_on_host(self.transfer.read(arrays), remember)
         host = self.transfer.read(arrays)
         offsets, voted = self.offsets, host.get("votes")
         if voted is None:  # one process: the votes as they were cast
@@ -239,8 +246,9 @@ class Agreed:
     def _checks_on_host(self, host: dict[str, Any], remember: bool) -> list[Check]:
         """:meth:`checks` where the flags are made on the host (one process, no scaler, see :func:`host_flags`)."""
         norms, checks = host["norms"], []
-        # A gradient's infinite norm (a finite gradient's may overflow) makes the total's infinite or NaN.
-        unsure_any = not math.isfinite(norms[-1]) and bool(np.isinf(host["grads"]).any())
+        # A gradient's infinite norm (a finite gradient's may overflow) makes the total's infinite or NaN:
+        # only then are the gradients' own norms read (on such a step alone, a second read).
+        unsure_any = not math.isfinite(norms[-1]) and bool(torch.isinf(self.steps[0].figures.measured).any())
         alike: dict[Any, dict[str, bool]] = {}  # detectors that flag alike: made once
         for i, (detector, step) in enumerate(zip(self.detectors, self.steps)):
             flags = alike.get(detector.shares_flags)

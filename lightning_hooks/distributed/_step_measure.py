@@ -36,7 +36,7 @@ def _params_with_grads(optimizer: Any) -> tuple[list[Tensor], list[Tensor], list
         start = len(params)
         group_params = group["params"]
         group_grads = [param.grad for param in group_params]
-        if all(grad is not None and grad.layout is _STRIDED for grad in group_grads):  # no call per parameter
+        if _all_dense(group_grads):  # the usual case: no call per parameter
             params.extend(group_params)
             grads.extend(group_grads)
         else:
@@ -50,6 +50,14 @@ def _params_with_grads(optimizer: Any) -> tuple[list[Tensor], list[Tensor], list
 
 
 _STRIDED = torch.strided
+
+
+def _all_dense(grads: list[Optional[Tensor]]) -> bool:
+    """Whether every one of ``grads`` is there and dense (a loop, not ``all`` over a generator: no frame each)."""
+    for grad in grads:
+        if grad is None or grad.layout is not _STRIDED:
+            return False
+    return True
 
 
 def _amp_overflow(trainer: pl.Trainer, optimizer: Any, device: torch.device) -> Optional[Tensor]:
@@ -122,7 +130,7 @@ def measure_step(trainer: pl.Trainer, optimizer: Any, detectors: Sequence[Anomal
     key = next((i for i, opt in enumerate(trainer.optimizers) if opt is optimizer), 0)
     if flags_on_host(trainer, detectors, figures, overflow):  # the flags follow from the norms, on the host
         return [Step(key, params, figures, None, None, None) for _ in detectors]
-    unsure = torch.zeros((), device=device) if exact else torch.isinf(figures.norms).sum()
+    unsure = torch.zeros((), device=device) if exact else torch.isinf(figures.measured).sum()
     shared: dict[Any, Tensor] = {}  # detectors that flag alike share one computation of the flags
     steps = []
     for detector in detectors:

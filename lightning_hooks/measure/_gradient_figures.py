@@ -22,21 +22,29 @@ _NARROW = (torch.float16, torch.bfloat16, torch.float32)
 class GradientFigures:
     """What :func:`gradient_figures` measures; every field stays on the gradients' device.
 
-    ``bad`` and ``nonfinite`` are made when first read: a clean step that nothing logs reads
-    neither, and its flags need only :attr:`finite`.
+    ``norms`` (widened to float64), ``bad`` and ``nonfinite`` are made when first read: a clean
+    step that nothing logs reads none of them, and its flags need only :attr:`finite`.
     """
 
-    __slots__ = ("norms", "group_norms", "_sizes", "_bad", "_nonfinite", "_by_norm")
+    __slots__ = ("measured", "_norms", "group_norms", "_sizes", "_bad", "_nonfinite", "_by_norm")
 
     def __init__(self, norms: Tensor, group_norms: Tensor, sizes: Sequence[int], bad: Optional[Tensor] = None,
                  by_norm: bool = False) -> None:
-        self.norms = norms
-        """(P,) float64: the L2 norm of each gradient."""
+        self.measured = norms
+        """(P,): the L2 norm of each gradient as measured (float32 for float32 and narrower gradients)."""
+        self._norms = norms if norms.dtype is torch.float64 else None
         self.group_norms = group_norms
         """(G + 1,) float64: the L2 norm per parameter group (NaN for a group without
         gradients), then of all gradients together."""
         self._sizes, self._bad, self._nonfinite = tuple(sizes), bad, None
         self._by_norm = by_norm  # a column is finite exactly when its norm is (see `finite`)
+
+    @property
+    def norms(self) -> Tensor:
+        """(P,) float64: the L2 norm of each gradient (:attr:`measured`, widened)."""
+        if self._norms is None:
+            self._norms = self.measured.double()
+        return self._norms
 
     @property
     def by_norm(self) -> bool:
@@ -47,7 +55,7 @@ class GradientFigures:
     def bad(self) -> Tensor:
         """(P,) bool: which gradients hold a NaN or an Inf (see ``exact`` in :func:`gradient_figures`)."""
         if self._bad is None:
-            self._bad = ~torch.isfinite(self.norms)
+            self._bad = ~torch.isfinite(self.measured)
         return self._bad
 
     @property
@@ -75,7 +83,7 @@ class GradientFigures:
         return self.group_norms.isfinite() if self._by_norm else self.nonfinite == 0
 
 
-def _foreach_norms(tensors: list[Tensor], ord: float) -> tuple[list[Tensor], bool]:
+def _foreach_norms(tensors: Sequence[Tensor], ord: float) -> tuple[list[Tensor], bool]:
     """Per-tensor norms, batched, accumulated in at least float32; and whether every tensor was float32 or narrower."""
     if not tensors:
         return [], True
@@ -94,16 +102,18 @@ def _foreach_norms(tensors: list[Tensor], ord: float) -> tuple[list[Tensor], boo
     return [norm for norm in out if norm is not None], False
 
 
-def _stacked(norms: list[Tensor], device: torch.device) -> Tensor:
-    """``norms`` as one float64 tensor on ``device``; empty if there are none."""
+def _stacked(norms: list[Tensor], device: torch.device, dtype: Optional[torch.dtype] = torch.float64) -> Tensor:
+    """``norms`` as one tensor on ``device``, of ``dtype`` (None: as they are); empty if there are none."""
     if not norms:
-        return torch.zeros(0, dtype=torch.float64, device=device)
+        return torch.zeros(0, dtype=dtype or torch.float32, device=device)
     try:  # the usual case, every norm on one device: no check per norm
         stacked = torch.stack(norms)
     except RuntimeError:  # norms on several devices
         # One `to` per tensor is one ATen call each, kernel or not: only for norms elsewhere.
         stacked = torch.stack([n if n.device == device else n.to(device) for n in norms])
-    return stacked.to(device, torch.float64)
+    if dtype is None:
+        return stacked if stacked.device == device else stacked.to(device)
+    return stacked.to(device, dtype)
 
 
 @torch.no_grad()
@@ -155,10 +165,11 @@ def gradient_figures(
     ):
         raise ValueError(f"`group_sizes` {list(group_sizes)} must add up to the {len(grads)} gradients")
     device = grads[0].device if device is None else device
-    parts = list(grads) if shards is not None and not shards.distributed else [local(g) for g in grads]
+    parts = grads if shards is not None and not shards.distributed else [local(g) for g in grads]
     found, narrow = _foreach_norms(parts, 2.0)
-    norms = _stacked(found, device)
     sharded = shards is not None and shards.sharded
+    # Float32 norms stay float32 (read in float64, as the sums below take them, where something reads them).
+    norms = _stacked(found, device, None if narrow and not sharded else torch.float64)
     bad = None  # made from the norms when read, unless it must be measured apart (exact) or summed (shards)
     if exact or sharded:
         bad = ~torch.isfinite(_stacked(_foreach_norms(parts, math.inf)[0], device) if exact else norms)
@@ -167,12 +178,14 @@ def gradient_figures(
         summed = shards.sum_(torch.stack([norms.square(), bad.double()], 1))
         norms, bad = summed[:, 0].sqrt(), summed[:, 1] > 0
     by_norm = bad is None and narrow and all(group_sizes)
+    f64 = torch.float64
     if len(group_sizes) == 1 and grads:  # the usual case, one group: its figures are the totals, computed once
-        return GradientFigures(norms, torch.linalg.vector_norm(norms).expand(2), group_sizes, bad, by_norm=by_norm)
-    nan = torch.full((), math.nan, dtype=torch.float64, device=device)
+        total = torch.linalg.vector_norm(norms, dtype=f64)
+        return GradientFigures(norms, total.expand(2), group_sizes, bad, by_norm=by_norm)
+    nan = torch.full((), math.nan, dtype=f64, device=device)
     group_norms, start = [], 0
     for size in group_sizes:
-        group_norms.append(torch.linalg.vector_norm(norms[start : start + size]) if size else nan)
+        group_norms.append(torch.linalg.vector_norm(norms[start : start + size], dtype=f64) if size else nan)
         start += size
-    group_norms.append(torch.linalg.vector_norm(norms) if grads else nan)
+    group_norms.append(torch.linalg.vector_norm(norms, dtype=f64) if grads else nan)
     return GradientFigures(norms, torch.stack(group_norms), group_sizes, bad, by_norm=by_norm)
