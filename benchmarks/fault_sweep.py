@@ -21,7 +21,8 @@ Added after the judge was built on the groups above (none of it seen while build
 - ``layers2``: an attention output projection, the final norm (GPT-2's ``ln_f``, Qwen2's ``norm``),
   an MLP's first projection (GPT-2's ``c_fc``, Qwen2's ``up_proj``).
 - ``rates2``: ramps of 1% and 2% a step, a jump x1.5. A jump under x2 is graded as a ramp: not
-  named while the loss never moved 5% is ``unmoved``; named, it must be first, before the loss moved.
+  named while the loss never moved 5% is ``unmoved``; named, it must be first, and at the first
+  logged step or before the loss moved (else ``late``).
 - ``every2``: logged every 5 steps, the onset at 50%.
 - ``optim2``: Adam (MLP) and AdamW (GPT-2) with the gradients' norm clipped to 1; SGD with
   Nesterov momentum (MLP, CNN); four micro-batches a step (MLP, CNN, GPT-2).
@@ -185,9 +186,10 @@ def grade(row: dict[str, Any]) -> dict[str, Any]:
         row["ok"] = row["first"] == "(every layer) (data)" and row["delay"] is not None and row["delay"] < row["every"]
     else:
         ramp, delay, loss5 = _gradual(row), row["delay"], row["loss5"]
+        is_jump = row["fault"] == "jump"  # a small jump named at the first logged step is never late
         if ramp and delay is None and row["before"] == 0 and loss5 is None:
             row["goal"] = "unmoved"
-        elif ramp and delay is not None and loss5 is not None and delay >= loss5:
+        elif ramp and delay is not None and loss5 is not None and delay >= max(loss5, row["every"] * is_jump):
             row["goal"] = "late"
         in_time = delay is not None and (ramp or delay < row["every"])
         row["ok"] = row["goal"] == "unmoved" or (row["culprit_first"] and row["before"] == 0 and in_time)

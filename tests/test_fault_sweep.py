@@ -38,6 +38,8 @@ def test_a_jump_under_x2_is_graded_as_a_ramp_and_a_large_one_as_abrupt():
     assert grade({**unnamed, "jump": 20.0})["goal"] == "**FAIL**"
     named_late = {**unnamed, "delay": 9, "culprit_first": True}
     assert grade({**named_late, "jump": 1.5})["ok"] and not grade({**named_late, "jump": 20.0})["ok"]
+    at_once = {**named_late, "delay": 1, "loss5": 0, "jump": 1.5}  # the loss moved at the onset: first logged step
+    assert grade(at_once)["goal"] == "ok" and grade({**at_once, "delay": 3})["goal"] == "late"
 
 
 @pytest.mark.slow
