@@ -167,7 +167,8 @@ def run_variant(v: Variant, fault: str, seed: int = 0) -> Case:
 
 def verdict(v: Variant, row: dict[str, Any], culprit: str) -> dict[str, Any]:
     """The zoo's row of a case, with its variant and whether the culprit was named first, graded."""
-    row.update(group=v.group, variant=v.name, every=v.every, growth=v.growth, jump=v.jump)
+    row.update(group=v.group, variant=v.name, every=v.every, growth=v.growth, jump=v.jump,
+               onset=int(v.onset * v.steps))  # a healthy twin shared by two onsets: the variant's
     if row["fault"] not in ("healthy", "data"):
         row["culprit_first"] = fault_zoo.is_culprit(row["first"] or "", culprit)
     return grade(row)
