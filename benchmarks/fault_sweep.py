@@ -260,6 +260,7 @@ def main(argv: Optional[list[str]] = None) -> list[dict[str, Any]]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--groups", nargs="+", default=list(groups), choices=list(groups))
     parser.add_argument("--models", nargs="+", help="only the variants of these models")
+    parser.add_argument("--variants", nargs="+", help="only these variants, by name (as the table prints them)")
     parser.add_argument("--faults", nargs="+", help="only these of each variant's faults (and its healthy twin)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--verbose", action="store_true", help="after a case that fails, LayerHealth's summary")
@@ -277,7 +278,8 @@ def main(argv: Optional[list[str]] = None) -> list[dict[str, Any]]:
     rows: list[dict[str, Any]] = []
     twins: dict[tuple[Any, ...], Case] = {}
     print(HEADER)
-    for v in (v for g in args.groups for v in groups[g] if not args.models or v.model in args.models):
+    chosen = (v for g in args.groups for v in groups[g] if not args.models or v.model in args.models)
+    for v in (v for v in chosen if not args.variants or v.name in args.variants):
         if v.recipe_key() not in twins:
             twins[v.recipe_key()] = run_variant(v, "healthy", args.seed)
         for fault in (f for f in v.faults if not args.faults or f in args.faults):
