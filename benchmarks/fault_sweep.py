@@ -16,7 +16,8 @@ row) on variations it never held, in groups:
 Added after the judge was built on the groups above (none of it seen while building it):
 
 - ``models2``: a Qwen2 (a Mistral/LLaMA-style decoder: grouped-query attention, RMSNorm) and an OPT
-  (head tied to the token embedding) from ``transformers`` configs, three stacked LSTMs
+  (head tied to the token embedding) from ``transformers`` configs (with ``attn`` too: one block's
+  queries grow 4% a step), three stacked LSTMs
   (``(output, (h, c))``), a plain CNN (six convolutions, no normalisation, no residual).
 - ``layers2``: an attention output projection, the final norm (GPT-2's ``ln_f``, Qwen2's ``norm``),
   an MLP's first projection (GPT-2's ``c_fc``, Qwen2's ``up_proj``).
@@ -136,7 +137,8 @@ def variants() -> dict[str, list[Variant]]:
 
 def _unseen() -> dict[str, list[Variant]]:
     """The groups added after the judge was built (``models2`` ... ``optim2``)."""
-    models = [Variant("models2", m, ("healthy", *ALL_FAULTS)) for m in ("qwen2", "opt", "cnn-plain")]
+    models = [Variant("models2", m, ("healthy", *ALL_FAULTS, "attn")) for m in ("qwen2", "opt")]  # attn: queries grow
+    models.append(Variant("models2", "cnn-plain", ("healthy", *ALL_FAULTS)))
     models.append(Variant("models2", "lstm", ("healthy", "ramp", "jump", "dead", "lr100", "nan", "data")))
     abrupt = ("ramp", "jump")
     layers = [Variant("layers2", "gpt2", abrupt, target=f"net.transformer.{t}") for t in
