@@ -25,6 +25,7 @@ Added after the judge was built on the groups above (none of it seen while build
   named while the loss never moved 5% is ``unmoved``; named, it must be first, and at the first
   logged step or before the loss moved (else ``late``).
 - ``every2``: logged every 5 steps, the onset at 50%.
+- ``long2``: 1,000 steps, logged every 5, the onset at step 500 (the judge's history five times longer).
 - ``optim2``: Adam (MLP) and AdamW (GPT-2) with the gradients' norm clipped to 1; SGD with
   Nesterov momentum (MLP, CNN); four micro-batches a step (MLP, CNN, GPT-2).
 
@@ -136,7 +137,7 @@ def variants() -> dict[str, list[Variant]]:
 
 
 def _unseen() -> dict[str, list[Variant]]:
-    """The groups added after the judge was built (``models2`` ... ``optim2``)."""
+    """The groups added after the judge was built (``models2`` ... ``optim2``, ``long2``)."""
     models = [Variant("models2", m, ("healthy", *ALL_FAULTS, "attn")) for m in ("qwen2", "opt")]  # attn: queries grow
     models.append(Variant("models2", "cnn-plain", ("healthy", *ALL_FAULTS)))
     models.append(Variant("models2", "lstm", ("healthy", "ramp", "jump", "dead", "lr100", "nan", "data")))
@@ -149,12 +150,14 @@ def _unseen() -> dict[str, list[Variant]]:
     rates += [Variant("rates2", m, ("jump",), jump=1.5) for m in ("mlp", "cnn", "gpt2", "qwen2")]
     every = [Variant("every2", m, ("healthy", "ramp", "jump", "dead"), every=5, steps=300)
              for m in ("mlp", "cnn", "gpt2", "qwen2")]
+    long = [Variant("long2", m, ("healthy", "ramp", "jump", "dead"), every=5, steps=1000)
+            for m in ("mlp", "cnn", "gpt2")]
     faults = ("healthy", "ramp", "jump", "lr100")
     optim = [Variant("optim2", "mlp", faults, clip=1.0), Variant("optim2", "gpt2", faults, clip=1.0),
              Variant("optim2", "mlp", faults, optimizer="sgd-nesterov", lr=0.02),
              Variant("optim2", "cnn", faults, optimizer="sgd-nesterov"),
              *(Variant("optim2", m, faults, accumulate=4) for m in ("mlp", "cnn", "gpt2"))]
-    return {"models2": models, "layers2": layers, "rates2": rates, "every2": every, "optim2": optim}
+    return {"models2": models, "layers2": layers, "rates2": rates, "every2": every, "long2": long, "optim2": optim}
 
 
 def run_variant(v: Variant, fault: str, seed: int = 0) -> Case:
