@@ -17,8 +17,8 @@ Added after the judge was built on the groups above (none of it seen while build
 
 - ``models2``: a Qwen2 (a Mistral/LLaMA-style decoder: grouped-query attention, RMSNorm) and an OPT
   (head tied to the token embedding) from ``transformers`` configs (with ``attn`` too: one block's
-  queries grow 4% a step), three stacked LSTMs
-  (``(output, (h, c))``), a plain CNN (six convolutions, no normalisation, no residual).
+  queries grow 4% a step), three stacked LSTMs (``(output, (h, c))``), a plain CNN (six
+  convolutions, no normalisation, no residual).
 - ``layers2``: an attention output projection, the final norm (GPT-2's ``ln_f``, Qwen2's ``norm``),
   an MLP's first projection (GPT-2's ``c_fc``, Qwen2's ``up_proj``).
 - ``rates2``: ramps of 1% and 2% a step, a jump x1.5. A jump under x2 is graded as a ramp: not
