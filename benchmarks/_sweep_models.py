@@ -8,10 +8,25 @@ this module adds their recipes to :data:`benchmarks._zoo_models.RECIPES`.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import Tensor, nn
 
-from benchmarks._zoo_models import CNN, LM, RECIPES, VOCAB, WIDTH, Recipe, image_batches, lm_batches, regression_batches
+from benchmarks._zoo_models import (
+    CNN,
+    DEPTH,
+    LM,
+    RECIPES,
+    SEQ,
+    SWEEP_LMS,
+    VOCAB,
+    WIDTH,
+    Recipe,
+    image_batches,
+    lm_batches,
+    regression_batches,
+)
 
 
 def deep_mlp(depth: int = 10, width: int = 64) -> nn.Module:
@@ -55,13 +70,25 @@ class ViT(nn.Module):
         return self.head(self.norm(self.blocks(tokens)).mean(1))
 
 
-class GRUStack(nn.Module):
-    """An embedding, three single-layer GRUs (each returns ``(output, state)``) and a head: a causal LM."""
+def plain_cnn(width: int = 16, depth: int = 6) -> nn.Module:
+    """``depth`` 3x3 convolutions with ReLUs, no normalisation and no residual, then a pool and a head: conv i is
+    module ``2 * i``."""
+    layers: list[nn.Module] = []
+    for i in range(depth):
+        layers += [nn.Conv2d(3 if i == 0 else width, width, 3, padding=1), nn.ReLU()]
+    return nn.Sequential(*layers, nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(width, 10))
 
-    def __init__(self) -> None:
+
+class GRUStack(nn.Module):
+    """An embedding, three single-layer GRUs (each returns ``(output, state)``) and a head: a causal LM.
+
+    ``cell=nn.LSTM``: three LSTMs, each returning ``(output, (h, c))``.
+    """
+
+    def __init__(self, cell: type[nn.Module] = nn.GRU) -> None:
         super().__init__()
         self.embed = nn.Embedding(VOCAB, WIDTH)
-        self.grus = nn.ModuleList(nn.GRU(WIDTH, WIDTH, batch_first=True) for _ in range(3))
+        self.grus = nn.ModuleList(cell(WIDTH, WIDTH, batch_first=True) for _ in range(3))
         self.head = nn.Linear(WIDTH, VOCAB)
 
     def get_input_embeddings(self) -> nn.Module:
@@ -78,9 +105,9 @@ class GRUStack(nn.Module):
 class GRULM(nn.Module):
     """The GRU stack as ``net``, as the zoo's LMs hold theirs."""
 
-    def __init__(self) -> None:
+    def __init__(self, cell: type[nn.Module] = nn.GRU) -> None:
         super().__init__()
-        self.net = GRUStack()
+        self.net = GRUStack(cell)
 
     def forward(self, tokens: Tensor) -> Tensor:
         return self.net(tokens)
@@ -90,6 +117,24 @@ def _targets(middle: str, linear: str = "") -> dict[str, str]:
     return {**dict.fromkeys(("ramp", "jump", "dead", "nan", "vanish", "lr100"), middle), "data": "",
             **({"vanish": linear, "lr100": linear} if linear else {})}
 
+
+def _qwen2(transformers: Any) -> nn.Module:
+    """A Qwen2 (a Mistral/LLaMA-style decoder): grouped-query attention (4 query heads, 2 key/value), RMSNorm,
+    SwiGLU, biased q/k/v; its own head (not tied)."""
+    return transformers.Qwen2ForCausalLM(transformers.Qwen2Config(
+        vocab_size=VOCAB, hidden_size=WIDTH, intermediate_size=4 * WIDTH, num_hidden_layers=DEPTH,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ, tie_word_embeddings=False))
+
+
+def _opt(transformers: Any) -> nn.Module:
+    """An OPT: pre-LayerNorm, ReLU MLP (fc1, fc2), learned positions, the head tied to the token embedding."""
+    return transformers.OPTForCausalLM(transformers.OPTConfig(
+        vocab_size=VOCAB, hidden_size=WIDTH, ffn_dim=4 * WIDTH, num_hidden_layers=DEPTH, num_attention_heads=4,
+        max_position_embeddings=SEQ, word_embed_proj_dim=WIDTH, dropout=0.0, attention_dropout=0.0,
+        tie_word_embeddings=True))
+
+
+SWEEP_LMS.update(qwen2=_qwen2, opt=_opt)
 
 SWEEP_RECIPES = {
     "bert": Recipe("bert", lambda: LM("bert"), lm_batches, "lm", "adamw", 1e-3, 8, {
@@ -103,5 +148,13 @@ SWEEP_RECIPES = {
                      _targets("blocks.1.conv1")),
     "vit": Recipe("vit", ViT, image_batches, "ce", "adamw", 1e-3, 32, _targets("blocks.1.fc2", "blocks.1.fc1")),
     "gru": Recipe("gru", GRULM, lm_batches, "lm", "adam", 3e-3, 8, _targets("net.grus.1")),
+    "qwen2": Recipe("qwen2", lambda: LM("qwen2"), lm_batches, "lm", "adamw", 1e-3, 8, {
+        **_targets("net.model.layers.2.mlp.down_proj", "net.model.layers.2.mlp.up_proj"),
+        "attn": "net.model.layers.2.self_attn.q_proj"}),
+    "opt": Recipe("opt", lambda: LM("opt"), lm_batches, "lm", "adamw", 1e-3, 8, {
+        **_targets("net.model.decoder.layers.2.fc2", "net.model.decoder.layers.2.fc1"),
+        "attn": "net.model.decoder.layers.2.self_attn.q_proj"}),
+    "lstm": Recipe("lstm", lambda: GRULM(nn.LSTM), lm_batches, "lm", "adam", 3e-3, 8, _targets("net.grus.1")),
+    "cnn-plain": Recipe("cnn-plain", plain_cnn, image_batches, "ce", "sgd", 0.02, 32, _targets("6")),
 }
 RECIPES.update(SWEEP_RECIPES)

@@ -146,12 +146,14 @@ class Recipe:
     build: Callable[[], nn.Module]
     data: Callable[[int, int], Callable[[int], tuple[Tensor, Tensor]]]
     loss: str  # "lm", "ce" or "mse"
-    optimizer: str  # "adamw", "sgd" or "adam"
+    optimizer: str  # "adamw", "sgd", "sgd-nesterov" or "adam"
     lr: float
     batch: int
     targets: dict[str, str]  # fault -> the module it is injected in (the culprit)
     precision: str = "32-true"
     cycle: int = 0  # a cyclic LR (triangular, from lr/10 up to lr and back) of this many steps; 0: the usual schedule
+    clip: float = 0.0  # the gradients' norm clipped to this (Lightning's ``gradient_clip_val``); 0: not clipped
+    accumulate: int = 1  # micro-batches a step (Lightning's ``accumulate_grad_batches``), each drawn apart
 
 
 def _lm_targets(block: str, mlp_in: str, mlp_out: str, query: str) -> dict[str, str]:
@@ -185,7 +187,7 @@ def schedule(recipe: Recipe, steps: int) -> Callable[[int], float]:
     if recipe.optimizer == "adamw":
         warm = max(1, steps // 10)
         return lambda s: (s + 1) / warm if s < warm else 0.1 + 0.45 * (1 + math.cos(math.pi * (s - warm) / steps))
-    if recipe.optimizer == "sgd":
+    if recipe.optimizer.startswith("sgd"):
         return lambda s: 0.1 ** (s // max(1, steps // 3))
     return lambda s: 1.0
 RECIPES["mlp-cyclic"] = Recipe(**{**vars(RECIPES["mlp"]), "name": "mlp-cyclic", "lr": 5e-3, "cycle": 60})

@@ -118,8 +118,9 @@ class Lit(pl.LightningModule):
                   {"params": [p for p in self.model.parameters() if id(p) in own]}]
         if self.recipe.optimizer == "adamw":
             return torch.optim.AdamW(groups, lr=self.recipe.lr, weight_decay=0.1, betas=(0.9, 0.95))
-        if self.recipe.optimizer == "sgd":
-            return torch.optim.SGD(groups, lr=self.recipe.lr, momentum=0.9, weight_decay=5e-4)
+        if self.recipe.optimizer.startswith("sgd"):
+            return torch.optim.SGD(groups, lr=self.recipe.lr, momentum=0.9, weight_decay=5e-4,
+                                   nesterov=self.recipe.optimizer == "sgd-nesterov")
         return torch.optim.Adam(groups, lr=self.recipe.lr)
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
@@ -127,12 +128,13 @@ class Lit(pl.LightningModule):
         for i, group in enumerate(self.optimizers().optimizer.param_groups):
             boost = LR_FACTOR if self.fault == "lr100" and i == 1 and step >= self.onset else 1.0
             group["lr"] = self.recipe.lr * self.mult(step) * boost
-        if self.fault == "vanish" and step == self.onset:
+        if self.fault == "vanish" and step == self.onset and batch_idx % self.recipe.accumulate == 0:
             with torch.no_grad():
                 self.get_submodule(self.culprit).weight.mul_(SHRINK)
 
     def training_step(self, batch: Any, batch_idx: int) -> Tensor:
-        x, y = self.draw(self._step())
+        acc = self.recipe.accumulate  # with accumulation, each micro-batch is drawn apart
+        x, y = self.draw(self._step() if acc == 1 else self._step() * acc + batch_idx % acc)
         if self.fault == "data" and self._step() >= self.onset and self.recipe.loss != "lm":
             x = x * DATA_SCALE
         out = self.model(x)
@@ -176,6 +178,8 @@ class Probe(FigureListener, pl.Callback):
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
+        if (batch_idx + 1) % trainer.accumulate_grad_batches:  # a micro-batch that did not step
+            return
         self.losses.append(float(outputs["loss"]) if isinstance(outputs, dict) else float(outputs))
         verdicts = self.health.verdicts
         now = sorted(((p, layer, e) for (p, layer), e in verdicts.episodes.items() if e.ongoing), key=verdicts.order)
@@ -217,7 +221,9 @@ def run_case(model: str, fault: Optional[str], steps: int, onset: int, every: in
     callbacks = [watch, GradientMonitor(histogram=False, update_ratio=True), health, probe]
     trainer = pl.Trainer(max_steps=steps, logger=logger or False, enable_checkpointing=False, enable_progress_bar=False,
                          enable_model_summary=False, log_every_n_steps=every, callbacks=callbacks,
-                         precision=recipe.precision, accelerator="cpu", devices=1, num_sanity_val_steps=0)
+                         precision=recipe.precision, gradient_clip_val=recipe.clip or None,
+                         accumulate_grad_batches=recipe.accumulate, accelerator="cpu", devices=1,
+                         num_sanity_val_steps=0)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         trainer.fit(lit)

@@ -16,8 +16,30 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.fault_sweep import Variant, run_variant, verdict  # noqa: E402
+from benchmarks._zoo_models import RECIPES  # noqa: E402
+from benchmarks.fault_sweep import Variant, grade, register, run_variant, variants, verdict  # noqa: E402
 from benchmarks.fault_zoo import judge_case  # noqa: E402
+
+
+def test_every_sweep_variant_puts_its_faults_in_modules_its_model_has():
+    built: dict[str, object] = {}
+    for group in variants().values():
+        for v in group:
+            recipe = RECIPES[register(v)]
+            model = built.setdefault(v.model, recipe.build())
+            for fault in v.faults:
+                if recipe.targets.get(fault):
+                    model.get_submodule(recipe.targets[fault])  # raises if the model has no such module
+
+
+def test_a_jump_under_x2_is_graded_as_a_ramp_and_a_large_one_as_abrupt():
+    unnamed = {"fault": "jump", "delay": None, "before": 0, "loss5": None, "culprit_first": False, "every": 2}
+    assert grade({**unnamed, "jump": 1.5})["goal"] == "unmoved"
+    assert grade({**unnamed, "jump": 20.0})["goal"] == "**FAIL**"
+    named_late = {**unnamed, "delay": 9, "culprit_first": True}
+    assert grade({**named_late, "jump": 1.5})["ok"] and not grade({**named_late, "jump": 20.0})["ok"]
+    at_once = {**named_late, "delay": 1, "loss5": 0, "jump": 1.5}  # the loss moved at the onset: first logged step
+    assert grade(at_once)["goal"] == "ok" and grade({**at_once, "delay": 3})["goal"] == "late"
 
 
 @pytest.mark.slow
