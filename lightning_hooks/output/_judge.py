@@ -76,6 +76,8 @@ QUIETER = 1.5
 #: The rows' ranges judge from this many steps per ``min_points`` on (48): logged every step, a small model's
 #: fastest learning (the zoo's MLP: layers moving 20-80% over steps 25-60) is history, as logged every 2.
 WARM_STEPS_PER_POINT = 2
+#: A gain's finding stands where the module's own outputs moved the same way, this share of the gain's move at least.
+AGREE = 0.5
 
 
 class Judge:
@@ -131,7 +133,19 @@ class Judge:
         by_gain = {row for row in self.levels if self._track(row) is self.tracks["gain"].get(row)}
         kept = [f for f in found if not (f.problem in RELATIVE["level"] and f.row in by_gain)]
         return kept + [Finding(f.row, f.layer, f.problem, self.levels[f.row], "level", f.moved)
-                       for f in gains if f.row in by_gain]
+                       for f in gains if f.row in by_gain and self._level_agrees(f)]
+
+    def _level_agrees(self, found: Finding) -> bool:
+        """Whether a module's own outputs moved the way its gain did, at least ``AGREE`` as far (from their median).
+
+        A gain that fell while the outputs rose is the module before it rising faster (a saturating
+        layer that does not pass it on): that module's move, not this one's fault; and likewise up.
+        """
+        track, level = self.tracks.get("level", {}).get(found.row), self.levels.get(found.row, 0.0)
+        if track is None or not track.logs or not level > 0:
+            return True
+        moved = math.log(level) - statistics.median(track.logs)
+        return moved * math.copysign(1.0, found.moved) >= AGREE * abs(found.moved)
 
     def _gains(self) -> dict[str, float]:
         """Each module's activation std over the one's before it in forward order: its gain."""
