@@ -178,12 +178,13 @@ class Verdicts:
     def order(self, item: tuple[str, str, Episode]) -> tuple[int, int, int]:
         """The sort key of an episode ``(problem, row, episode)`` in the summary and the diagnosis.
 
-        The earliest episode first (the layer named first is the culprit), then the problem kind
-        (as :data:`PROBLEMS` lists them), then the layer's place in forward order.
+        The earliest episode first (the layer named first is the culprit), then the layer's place in
+        forward order (a parameter's row at its module's: a cause upstream comes before what it did
+        downstream at the same step), then the problem kind (as :data:`PROBLEMS` lists them).
         """
         problem, row, episode = item
         depth = self.judge.depth.get(row, self.judge.depth.get(row.rsplit(".", 1)[0], 0))
-        return episode.first, list(PROBLEMS).index(problem), depth
+        return episode.first, depth, list(PROBLEMS).index(problem)
 
 
 def _figure_of(problem: str) -> str:
