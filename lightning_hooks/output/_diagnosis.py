@@ -139,7 +139,8 @@ def _said(problem: str, layer: str, episode: Episode, verdicts: Verdicts) -> str
     usual = verdicts.judge.usual(_FIGURE[problem], layer)
     if usual is not None and problem not in ("dead", "nonfinite", "nonfinite_grad"):
         return (f"{title} since step {episode.first}, worst {episode.worst:.4g}, x{episode.worst / usual:.3g} its usual"
-                f" {usual:.4g}" + (f"; it was {first[1]:.4g} at step {first[0]}" if first else ""))
+                f" {usual:.4g}" + (f"; it was {first[1]:.4g} at step {first[0]}" if first else "")
+                + _gain_said(problem, layer, verdicts))
     far = ""
     if bound is not None and bound > 0 and math.isfinite(episode.worst):
         if episode.worst >= bound:
@@ -149,6 +150,16 @@ def _said(problem: str, layer: str, episode: Episode, verdicts: Verdicts) -> str
             far = f", {times}below the bound {bound:.4g}"
     start = f"; it was {first[1]:.4g} at step {first[0]}" if first and first[0] < episode.first else ""
     return f"{title} since step {episode.first}, worst {episode.worst:.4g}{far}{start}"
+
+
+def _gain_said(problem: str, layer: str, verdicts: Verdicts) -> str:
+    """``; judged by its gain ...``: where a module's outputs are judged by their gain, that figure's own numbers."""
+    gain = verdicts.judge.gain(layer) if problem in ("blowup", "collapse") else None
+    if gain is None:
+        return ""
+    before, now, usual = gain
+    return (f"; judged by its gain (its output std over {before}'s, the quieter figure): {now:.4g} now,"
+            f" x{now / usual:.3g} its usual {usual:.4g}")
 
 
 def _after(layer: str, verdicts: Verdicts) -> str:

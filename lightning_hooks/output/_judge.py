@@ -133,7 +133,7 @@ class Judge:
         by_gain = {row for row in self.levels if self._track(row) is self.tracks["gain"].get(row)}
         kept = [f for f in found if not (f.problem in RELATIVE["level"] and f.row in by_gain)]
         return kept + [Finding(f.row, f.layer, f.problem, self.levels[f.row], "level", f.moved)
-                       for f in gains if f.row in by_gain and self._level_agrees(f)]
+                       for f in gains if f.row in by_gain and (f.row in self.named or self._level_agrees(f))]
 
     def _level_agrees(self, found: Finding) -> bool:
         """Whether a module's own outputs moved the way its gain did, at least ``AGREE`` as far (from their median).
@@ -305,6 +305,14 @@ class Judge:
         if track is None or len(track.logs) < self.bands.min_points:
             return None
         return math.exp(statistics.median(track.logs) + self.offset.get(figure, 0.0))
+
+    def gain(self, row: str) -> tuple[str, float, float] | None:
+        """A module's gain where its outputs are judged by it: the module before it, the gain now, its usual; or None."""
+        before = [r for r in self.levels if self.depth.get(r, 0) < self.depth.get(row, 0)]
+        now, usual = self._gains().get(row), self.usual("gain", row)
+        if not before or now is None or usual is None or self._track(row) is not self.tracks.get("gain", {}).get(row):
+            return None
+        return max(before, key=lambda r: self.depth.get(r, 0)), now, usual
 
     def _leaning(self, first: Finding) -> str | None:
         """The first module before ``first`` already leaning out the same way, or None.
