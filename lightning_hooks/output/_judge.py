@@ -307,7 +307,10 @@ class Judge:
         return math.exp(statistics.median(track.logs) + self.offset.get(figure, 0.0))
 
     def gain(self, row: str) -> tuple[str, float, float] | None:
-        """A module's gain where its outputs are judged by it: the module before it, the gain now, its usual; or None."""
+        """Where a module's outputs are judged by their gain: the module before it, the gain now and its usual.
+
+        None where its outputs are judged by their own std, or the gain has too little history.
+        """
         before = [r for r in self.levels if self.depth.get(r, 0) < self.depth.get(row, 0)]
         now, usual = self._gains().get(row), self.usual("gain", row)
         if not before or now is None or usual is None or self._track(row) is not self.tracks.get("gain", {}).get(row):
