@@ -15,7 +15,8 @@ step at a time, with every judged figure of that step. How it decides (docs/verd
 - A module's outputs are judged by its gain (its std over the std of the module before it in
   forward order) where that is ``QUIETER`` times quieter than its std: in a plain stack the batch
   moves every module's std together, and the module before it carries that share. A fault moves
-  its own gain, not the gains after it.
+  its own gain, not the gains after it. A gain's finding stands where the module's own std moved
+  the same way (``AGREE``): a gain that moved against it is its input's move.
 - Gradient norms and update ratios are judged against their peers too: the step's median change
   over all rows (the learning-rate schedule, the loss falling, the batch's own noise) is taken
   out first, so no fixed band judges the recipe. Activations are not taken net of every row's
