@@ -1,6 +1,5 @@
 """The judge's references are robust to one point: a jump is measured from a level, a crossing from the noise."""
 
-import math
 import random
 from collections import deque
 
