@@ -79,6 +79,9 @@ QUIETER = 1.5
 WARM_STEPS_PER_POINT = 2
 #: A gain's finding stands where the module's own outputs moved the same way, this share of the gain's move at least.
 AGREE = 0.5
+#: The data rule measures a jump of every gradient from the median of the common path's last this many logged
+#: points: near convergence one easy batch drops every gradient for a point, and is no level to jump from.
+REFERENCE_POINTS = 5
 
 
 class Judge:
@@ -218,16 +221,21 @@ class Judge:
             return False  # a layer's outputs, its output gradient or its update ratio single it out
         # Every gradient jumped together, far beyond the batch-to-batch move they share, and stayed there.
         common = self.tracks.setdefault("common", {}).setdefault("norm", Track(deque(maxlen=self.bands.window)))
-        moves, move = common.logs, self.moves.get("norm", 0.0)
+        moves, move, path, now = common.logs, self.moves.get("norm", 0.0), common.held, self.offset["norm"]
         limit = math.inf if len(moves) < self.bands.min_points else max(
             math.log(self.bands.norm_factor), self.bands.cusum * 1.4826 * statistics.median(abs(m) for m in moves))
+        # From the common path's level over its last points, not its last point: one easy batch is no level.
+        level = statistics.median(list(path)[-REFERENCE_POINTS:]) if path else now - move
         if common.frozen:  # the step after a jump: the batch's labels if the gradients stayed up, else a hard batch
             common.frozen = 0
-            return self.offset["norm"] - common.worst > limit
-        if move > limit:
-            common.frozen, common.worst = 1, self.offset["norm"] - move
+            if now - common.worst > limit:
+                return True
+        elif move > limit and now - level > limit:
+            common.frozen, common.worst = 1, level
+            return False
         else:
             moves.append(move)
+        path.append(now)
         return False
 
     def _loss_side_move(self, logs: Mapping[str, float], last: Mapping[str, float]) -> float:

@@ -21,6 +21,10 @@ from lightning_hooks.output._health_bands import Bands
 #: against its inputs'), 25% for gradients (of parameters or of outputs), 10% for ratios.
 MIN_NOISE = {"level": math.log(1.05), "gain": math.log(1.02), "norm": math.log(1.25), "ratio": math.log(1.1),
              "output_grad": math.log(1.25)}
+#: A row that crept out slower than this (log) per logged point leaned must pass its floor by ``NOISE_FLOOR`` more.
+CREEP = math.log(1.02)
+#: A move of a few percent is never a blow-up: the point-to-point noise of a quiet row crossing its floor.
+NOISE_FLOOR = math.log(1.03)
 #: The band (a field ``<name>_factor`` of :class:`Bands`) each relative figure is judged by: a gain is an output's.
 FACTOR = {"level": "level", "gain": "level", "norm": "norm", "ratio": "ratio", "output_grad": "output_grad"}
 #: A gain's least change, as a power of ``level_factor`` (1.25 ** 0.7 = 1.17): the batch's share of an output's
@@ -108,7 +112,9 @@ def judge_value(track: Track, x: float, figure: str, bands: Bands, warm: bool = 
     track.up = max(0.0, track.up + deviation - noise)
     track.down = max(0.0, track.down - deviation - noise)
     leaning = bool(track.up or track.down)
-    if max(track.up, track.down) > bands.cusum * noise and (deviation > floor or deviation < -2 * floor):
+    margin = creep_margin(track, deviation)
+    if max(track.up, track.down) > bands.cusum * noise and (deviation > floor + margin
+                                                            or deviation < -2 * floor - margin):
         track.frozen += 1
         if abs(deviation) > abs(track.worst) + max(noise, floor):  # still moving away
             track.worst, track.frozen = deviation, 0
@@ -127,6 +133,16 @@ def judge_value(track: Track, x: float, figure: str, bands: Bands, warm: bool = 
         track.logs.append(x)
     _settle(track, bands.window)
     return None
+
+
+def creep_margin(track: Track, deviation: float) -> float:
+    """The further move (log) a row that crept out must make past its floor to be named: 0 for one that moved.
+
+    A row out by less than ``CREEP`` per point it has leaned (a healthy layer's slow drift late in a
+    schedule) sits on its floor with its noise, one point a few percent above its neighbours: it is
+    named past the floor by ``NOISE_FLOOR`` more. A blow-up keeps going and gets there.
+    """
+    return NOISE_FLOOR if abs(deviation) < CREEP * (len(track.held) + 1) else 0.0
 
 
 def _deviation(track: Track, x: float, figure: str, floor: float) -> tuple[Optional[float], float]:

@@ -1,0 +1,59 @@
+"""The judge's references are robust to one point: a jump is measured from a level, a crossing from the noise."""
+
+import random
+from collections import deque
+
+from lightning_hooks.output._health_verdicts import EVERY_LAYER, Bands
+from lightning_hooks.output._row_range import Track, judge_value, least_change
+from tests.test_health_verdicts import first_named, run
+
+
+def test_one_easy_batch_near_convergence_is_not_every_layer_jumping_back():
+    """Every gradient x0.01 for one logged point, then back at its level: the rebound is no jump that stayed."""
+    def easy(step, figures):
+        if step == 60:
+            for row in figures["norm"]:
+                figures["norm"][row] *= 0.01
+    assert first_named(run(easy)) is None
+
+
+def test_every_gradient_jumping_from_its_level_and_staying_is_still_the_data():
+    def labels(step, figures):
+        if step == 59:  # one easy batch first: the jump after it is measured from the level, not from it
+            for row in figures["norm"]:
+                figures["norm"][row] *= 0.01
+        if step >= 60:
+            for row in figures["norm"]:
+                figures["norm"][row] *= 100.0
+    assert first_named(run(labels)) == (61, [(EVERY_LAYER, "data")])
+
+
+def feed(track: Track, values, bands: Bands) -> list[int]:
+    """The points (indices into ``values``) at which a gain row's value is a finding."""
+    return [i for i, x in enumerate(values) if judge_value(track, x, "gain", bands) is not None]
+
+
+def quiet_track(bands: Bands, rng: random.Random) -> Track:
+    """A gain row's history late in a schedule: flat, with 1% noise."""
+    track = Track(deque(maxlen=bands.window))
+    for _ in range(bands.window):
+        judge_value(track, rng.gauss(0, 0.01), "gain", bands)
+    return track
+
+
+def test_a_row_creeping_onto_its_floor_is_not_named_for_a_point_a_few_percent_above_its_neighbours():
+    bands, rng = Bands(), random.Random(0)
+    track = quiet_track(bands, rng)
+    floor = max(track.logs) + least_change("gain", bands)  # past the values its range has seen, by the floor
+    creep = [min(0.01 * i, floor - 0.015) for i in range(40)]  # 1% a point, then sitting just under the floor
+    values = [x + (0.025 if i % 5 == 4 else 0.0) for i, x in enumerate(creep)]  # every 5th point 2.5% above
+    assert sum(v > floor + 0.005 for v in values) >= 3  # points cross the floor ...
+    assert feed(track, values, bands) == []  # ... by a few percent: never a blow-up
+
+
+def test_a_ramp_is_named_at_the_first_point_past_its_floor_as_before():
+    bands, rng = Bands(), random.Random(1)
+    floor = least_change("gain", bands)
+    values = [0.05 * (i + 1) for i in range(12)]  # x1.05 a point
+    first = next(i for i, x in enumerate(values) if x > floor + 0.015)
+    assert feed(quiet_track(bands, rng), values, bands)[0] == first
