@@ -64,6 +64,7 @@ from lightning_hooks.output._findings import (
 )
 from lightning_hooks.output._health_bands import Bands
 from lightning_hooks.output._judge_absolute import absolute_problems
+from lightning_hooks.output._judge_data import gradients_jumped_together, outputs_out_together, singled_out
 from lightning_hooks.output._peers import Peers
 from lightning_hooks.output._row_range import Track, follow, judge_value, least_change, track_from_state, track_state
 
@@ -79,9 +80,6 @@ QUIETER = 1.5
 WARM_STEPS_PER_POINT = 2
 #: A gain's finding stands where the module's own outputs moved the same way, this share of the gain's move at least.
 AGREE = 0.5
-#: The data rule measures a jump of every gradient from the median of the common path's last this many logged
-#: points: near convergence one easy batch drops every gradient for a point, and is no level to jump from.
-REFERENCE_POINTS = 5
 
 
 class Judge:
@@ -208,35 +206,14 @@ class Judge:
         return kept
 
     def _is_data(self, found: list[Finding], figures: Mapping[str, Mapping[str, float]]) -> bool:
-        """Every layer at once, the batch rather than a layer (see the module docstring)."""
+        """Every layer at once, the batch rather than a layer (:mod:`~lightning_hooks.output._judge_data`)."""
         levels = figures.get("level", {})
-        if len(levels) >= 3:
-            first = self._first()
-            for problem in RELATIVE["level"]:
-                side = {f.row for f in found if f.problem == problem}
-                if first in side and len(side) >= len(levels) / 2:
-                    return True
-        if len(figures.get("norm", ())) < 3 or any(f.problem in OUTPUT_PROBLEMS or f.problem == "too_fast"
-                                                   or f.figure == BACKWARD for f in found):
-            return False  # a layer's outputs, its output gradient or its update ratio single it out
-        # Every gradient jumped together, far beyond the batch-to-batch move they share, and stayed there.
-        common = self.tracks.setdefault("common", {}).setdefault("norm", Track(deque(maxlen=self.bands.window)))
-        moves, move, path, now = common.logs, self.moves.get("norm", 0.0), common.held, self.offset["norm"]
-        limit = math.inf if len(moves) < self.bands.min_points else max(
-            math.log(self.bands.norm_factor), self.bands.cusum * 1.4826 * statistics.median(abs(m) for m in moves))
-        # From the common path's level over its last points, not its last point: one easy batch is no level.
-        level = statistics.median(list(path)[-REFERENCE_POINTS:]) if path else now - move
-        if common.frozen:  # the step after a jump: the batch's labels if the gradients stayed up, else a hard batch
-            common.frozen = 0
-            if now - common.worst > limit:
-                return True
-        elif move > limit and now - level > limit:
-            common.frozen, common.worst = 1, level
+        if outputs_out_together(found, levels, self._first() if len(levels) >= 3 else None):
+            return True
+        if len(figures.get("norm", ())) < 3 or singled_out(found):
             return False
-        else:
-            moves.append(move)
-        path.append(now)
-        return False
+        common = self.tracks.setdefault("common", {}).setdefault("norm", Track(deque(maxlen=self.bands.window)))
+        return gradients_jumped_together(common, self.moves.get("norm", 0.0), self.offset["norm"], self.bands)
 
     def _loss_side_move(self, logs: Mapping[str, float], last: Mapping[str, float]) -> float:
         """The move (log) of the gradient reaching the last module's output since its last value, or 0.
