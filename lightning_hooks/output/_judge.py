@@ -102,6 +102,8 @@ class Judge:
         self.affected: set[str] = set()  # rows out as victims, not named while they stay out
         self.first_entropy: dict[str, float] = {}
         self.start: Optional[int] = None  # the first logged step judged
+        self.last_step: Optional[int] = None  # the last logged step judged
+        self.gap = 1  # the steps from the logged step before to this one
         self.warm = True  # whether the rows' own ranges judge at this step (past the warm-up in steps)
         self.peers = Peers(bands.window, bands.min_points)
 
@@ -115,7 +117,8 @@ class Judge:
                 min_points`` steps after the first logged step on (and from their ``min_points``-th value).
         """
         if step is not None:
-            self.start = step if self.start is None else self.start
+            self.gap = max(1, step - self.last_step) if self.last_step is not None else 1
+            self.start, self.last_step = (step if self.start is None else self.start), step
             self.warm = step - self.start + 1 >= WARM_STEPS_PER_POINT * self.bands.min_points  # steps seen
         for figure, rows in sorted(figures.items(), key=lambda item: item[0] in PARAMETER_FIGURES):
             for row in rows:  # a module figure's rows are modules; a parameter's belongs to its module
@@ -183,7 +186,7 @@ class Judge:
             if math.isfinite(x):
                 last[row] = x
             track = tracks.setdefault(row, Track(deque(maxlen=self.bands.window)))
-            moved = judge_value(track, x - self.offset[figure], figure, self.bands, self.warm)
+            moved = judge_value(track, x - self.offset[figure], figure, self.bands, self.warm, self.gap)
             if moved is not None:
                 up, down = RELATIVE[figure]
                 found.append(Finding(row, self.layer(figure, row), up if moved > 0 else down, values[row], figure,
@@ -333,7 +336,7 @@ class Judge:
     def state_dict(self) -> dict[str, Any]:
         """The judge's memory, as plain values."""
         return {"depth": dict(self.depth), "last": {f: dict(v) for f, v in self.last.items()},
-                "offset": dict(self.offset), "start": self.start,
+                "offset": dict(self.offset), "start": self.start, "last_step": self.last_step, "gap": self.gap,
                 "tracks": {f: {r: track_state(t) for r, t in rows.items()} for f, rows in self.tracks.items()},
                 "named": sorted(self.named), "affected": sorted(self.affected),
                 "first_entropy": dict(self.first_entropy), "peers": self.peers.state_dict()}
@@ -343,6 +346,7 @@ class Judge:
         self.depth = dict(state["depth"])
         self.last = {f: dict(v) for f, v in state["last"].items()}
         self.offset, self.start = dict(state["offset"]), state["start"]
+        self.last_step, self.gap = state["last_step"], state["gap"]
         self.tracks = {f: {r: track_from_state(t, self.bands.window) for r, t in rows.items()}
                        for f, rows in state["tracks"].items()}
         self.named, self.affected = set(state["named"]), set(state["affected"])

@@ -21,10 +21,10 @@ from lightning_hooks.output._health_bands import Bands
 #: against its inputs'), 25% for gradients (of parameters or of outputs), 10% for ratios.
 MIN_NOISE = {"level": math.log(1.05), "gain": math.log(1.02), "norm": math.log(1.25), "ratio": math.log(1.1),
              "output_grad": math.log(1.25)}
-#: A row that crept out slower than this (log) per logged point leaned must pass its floor by ``NOISE_FLOOR`` more.
-CREEP = math.log(1.02)
-#: A move of a few percent is never a blow-up: the point-to-point noise of a quiet row crossing its floor.
-NOISE_FLOOR = math.log(1.03)
+#: A row that drifted out slower than this (log) a step since it leaned is learning, not a blow-up (x1.35 in
+#: 100 steps): a healthy layer's slow creep late in a long run (GPT-2's attention, 0.25% a step) is not
+#: named; the slowest fault ramp of the sweep (0.5% a step) gets past it. Measured in steps, not logged points.
+CREEP_PER_STEP = math.log(1.003)
 #: The band (a field ``<name>_factor`` of :class:`Bands`) each relative figure is judged by: a gain is an output's.
 FACTOR = {"level": "level", "gain": "level", "norm": "norm", "ratio": "ratio", "output_grad": "output_grad"}
 #: A gain's least change, as a power of ``level_factor`` (1.25 ** 0.7 = 1.17): the batch's share of an output's
@@ -88,7 +88,7 @@ def follow(track: Track, window: int) -> None:
     _settle(track, window)
 
 
-def judge_value(track: Track, x: float, figure: str, bands: Bands, warm: bool = True) -> Optional[float]:
+def judge_value(track: Track, x: float, figure: str, bands: Bands, warm: bool = True, gap: int = 1) -> Optional[float]:
     """Add one log value to a row's track; its deviation from its range if that is a finding, else None.
 
     Before ``min_points`` values, or while not ``warm`` (the judge's warm-up in steps), the value
@@ -98,7 +98,8 @@ def judge_value(track: Track, x: float, figure: str, bands: Bands, warm: bool = 
     factor up (its square down). Values seen while the row leans out are held back from its
     level: let in if it comes back or the drift never adds up to a finding, or as its new level
     if it drifted just past its range and settled there (learning); a row that went out by a step
-    stays out until it comes back.
+    stays out until it comes back. A row that drifted out slower than ``CREEP_PER_STEP`` a step
+    (``gap``: the steps from the logged point before) is held as a drift, not named.
     """
     if len(track.logs) < bands.min_points or not warm:
         if math.isfinite(x):
@@ -112,9 +113,8 @@ def judge_value(track: Track, x: float, figure: str, bands: Bands, warm: bool = 
     track.up = max(0.0, track.up + deviation - noise)
     track.down = max(0.0, track.down - deviation - noise)
     leaning = bool(track.up or track.down)
-    margin = creep_margin(track, deviation)
-    if max(track.up, track.down) > bands.cusum * noise and (deviation > floor + margin
-                                                            or deviation < -2 * floor - margin):
+    if (max(track.up, track.down) > bands.cusum * noise and (deviation > floor or deviation < -2 * floor)
+            and not creeping(track, deviation, gap)):
         track.frozen += 1
         if abs(deviation) > abs(track.worst) + max(noise, floor):  # still moving away
             track.worst, track.frozen = deviation, 0
@@ -135,14 +135,13 @@ def judge_value(track: Track, x: float, figure: str, bands: Bands, warm: bool = 
     return None
 
 
-def creep_margin(track: Track, deviation: float) -> float:
-    """The further move (log) a row that crept out must make past its floor to be named: 0 for one that moved.
+def creeping(track: Track, deviation: float, gap: int) -> bool:
+    """Whether a row out by ``deviation`` (log) drifted out slower than ``CREEP_PER_STEP`` a step.
 
-    A row out by less than ``CREEP`` per point it has leaned (a healthy layer's slow drift late in a
-    schedule) sits on its floor with its noise, one point a few percent above its neighbours: it is
-    named past the floor by ``NOISE_FLOOR`` more. A blow-up keeps going and gets there.
+    ``gap`` is the steps between logged points: the row has leaned for ``len(track.held) + 1`` points.
+    Such a row is held as a drift (its level follows it after ``min_points`` points), not named.
     """
-    return NOISE_FLOOR if abs(deviation) < CREEP * (len(track.held) + 1) else 0.0
+    return abs(deviation) < CREEP_PER_STEP * gap * (len(track.held) + 1)
 
 
 def _deviation(track: Track, x: float, figure: str, floor: float) -> tuple[Optional[float], float]:
