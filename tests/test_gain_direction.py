@@ -82,3 +82,15 @@ def test_episodes_of_one_step_are_listed_in_forward_order_before_the_problem_kin
         verdicts._note(problem, row, 5, 1.0)
     ongoing = sorted(((p, row, e) for (p, row), e in verdicts.episodes.items()), key=verdicts.order)
     assert [row for _, row, _ in ongoing] == ["net.2.weight", "net.4"]
+
+
+def test_at_one_step_the_gradients_a_fault_sent_back_upstream_come_after_its_outputs():
+    """A NaN born in net.4 makes every gradient before it non-finite at once: net.4's outputs come first."""
+    verdicts = Verdicts(Bands())
+    verdicts.judge.depth.update({name: i for i, name in enumerate(LAYERS)})
+    verdicts.add("level", 0, {name: 1.0 for name in LAYERS})
+    verdicts.flush()
+    for problem, row in (("nonfinite_grad", "net.0.weight"), ("exploding", "net.2.weight"), ("nonfinite", "net.4")):
+        verdicts._note(problem, row, 5, 1.0)
+    ongoing = sorted(((p, row, e) for (p, row), e in verdicts.episodes.items()), key=verdicts.order)
+    assert [row for _, row, _ in ongoing] == ["net.4", "net.0.weight", "net.2.weight"]

@@ -54,6 +54,9 @@ FIGURE_PROBLEMS = {
     "logit_abs_max": ("output_logits",), "massive_ratio": ("massive",),
 }
 
+#: The figures of the backward pass: a fault's gradients go out in every layer before it at its step.
+BACKWARD_FIGURES = ("norm", "output_grad")
+
 Figures = Mapping[str, Mapping[str, float]]
 """One logged step's judged figures: per figure (a value of :data:`JUDGED`), each row's value."""
 
@@ -175,16 +178,18 @@ class Verdicts:
                 lines.append(f"    ... and {len(before) - top_k} more")
         return "\n".join(lines)
 
-    def order(self, item: tuple[str, str, Episode]) -> tuple[int, int, int]:
+    def order(self, item: tuple[str, str, Episode]) -> tuple[int, bool, int, int]:
         """The sort key of an episode ``(problem, row, episode)`` in the summary and the diagnosis.
 
-        The earliest episode first (the layer named first is the culprit), then the layer's place in
-        forward order (a parameter's row at its module's: a cause upstream comes before what it did
-        downstream at the same step), then the problem kind (as :data:`PROBLEMS` lists them).
+        The earliest episode first (the layer named first is the culprit); at one step the forward
+        pass's figures (outputs, update ratios, the bounds) before the backward pass's (gradients,
+        which a fault sends to every layer *before* it); then the layer's place in forward order (a
+        parameter's row at its module's: a cause upstream comes before what it did downstream), then
+        the problem kind (as :data:`PROBLEMS` lists them).
         """
         problem, row, episode = item
         depth = self.judge.depth.get(row, self.judge.depth.get(row.rsplit(".", 1)[0], 0))
-        return episode.first, depth, list(PROBLEMS).index(problem)
+        return episode.first, _figure_of(problem) in BACKWARD_FIGURES, depth, list(PROBLEMS).index(problem)
 
 
 def _figure_of(problem: str) -> str:
