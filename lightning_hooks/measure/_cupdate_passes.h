@@ -24,60 +24,65 @@ static inline double from_bf16(uint16_t b) {
 #define F16_OF(v) from_f16(v)
 #define BF16_OF(v) from_bf16(v)
 
-/* For one element type T widened by OF: the three passes over n values, each returning its sum. */
+/* The passes' lanes: over k in [from, to) (a multiple of LANES long), each value's square into its
+ * lane's float64 sum acc[j]; every pass sums in this order, so a fused pass gives the same sums. */
+#define LANES_DIFF(OF, a, b, from, to, acc)                                                          \
+    for (int64_t k_ = (from); k_ < (to); k_ += LANES)                                                \
+        for (int j_ = 0; j_ < LANES; j_++) {                                                         \
+            double d_ = OF((a)[k_ + j_]) - OF((b)[k_ + j_]);                                         \
+            (acc)[j_] += d_ * d_;                                                                    \
+        }
+#define LANES_COPY(T, OF, x, y, from, to, acc) /* x into y, the squares moved */                     \
+    for (int64_t k_ = (from); k_ < (to); k_ += LANES)                                                \
+        for (int j_ = 0; j_ < LANES; j_++) {                                                         \
+            T v_ = (x)[k_ + j_];                                                                     \
+            (y)[k_ + j_] = v_;                                                                       \
+            double d_ = OF(v_);                                                                      \
+            (acc)[j_] += d_ * d_;                                                                    \
+        }
+#define LANES_NORM(OF, x, from, to, acc)                                                             \
+    for (int64_t k_ = (from); k_ < (to); k_ += LANES)                                                \
+        for (int j_ = 0; j_ < LANES; j_++) {                                                         \
+            double d_ = OF((x)[k_ + j_]);                                                            \
+            (acc)[j_] += d_ * d_;                                                                    \
+        }
+
+static inline double lanes_sum(const double *acc) {
+    double s = 0;
+    for (int j = 0; j < LANES; j++) s += acc[j];
+    return s;
+}
+
+/* For one element type T widened by OF: the four passes over n values, each returning its sum. */
 #define PASSES(NAME, T, OF)                                                                            \
     CLONES static double NAME##_copy(T *restrict y, const T *restrict x, int64_t n) {                   \
         double acc[LANES] = {0};                                                                     \
-        int64_t i = 0;                                                                               \
-        for (; i + LANES <= n; i += LANES)                                                           \
-            for (int j = 0; j < LANES; j++) {                                                        \
-                T v = x[i + j];                                                                      \
-                y[i + j] = v;                                                                        \
-                double d = OF(v);                                                                    \
-                acc[j] += d * d;                                                                     \
-            }                                                                                        \
+        int64_t i = n - n % LANES;                                                                   \
+        LANES_COPY(T, OF, x, y, 0, i, acc);                                                          \
         for (; i < n; i++) {                                                                         \
             y[i] = x[i];                                                                             \
             double d = OF(x[i]);                                                                     \
             acc[0] += d * d;                                                                         \
         }                                                                                            \
-        double s = 0;                                                                                \
-        for (int j = 0; j < LANES; j++) s += acc[j];                                                 \
-        return s;                                                                                    \
+        return lanes_sum(acc);                                                                       \
     }                                                                                                \
     CLONES static double NAME##_diff(const T *restrict a, const T *restrict b, int64_t n) {            \
         double acc[LANES] = {0};                                                                     \
-        int64_t i = 0;                                                                               \
-        for (; i + LANES <= n; i += LANES)                                                           \
-            for (int j = 0; j < LANES; j++) {                                                        \
-                double d = OF(a[i + j]) - OF(b[i + j]);                                              \
-                acc[j] += d * d;                                                                     \
-            }                                                                                        \
+        int64_t i = n - n % LANES;                                                                   \
+        LANES_DIFF(OF, a, b, 0, i, acc);                                                             \
         for (; i < n; i++) {                                                                         \
             double d = OF(a[i]) - OF(b[i]);                                                          \
             acc[0] += d * d;                                                                         \
         }                                                                                            \
-        double s = 0;                                                                                \
-        for (int j = 0; j < LANES; j++) s += acc[j];                                                 \
-        return s;                                                                                    \
+        return lanes_sum(acc);                                                                       \
     }                                                                                                \
     CLONES static double NAME##_chain(const T *restrict a, T *restrict b, int64_t n, double *moved) {   \
         double acc[LANES] = {0}, sq[LANES] = {0};                                                    \
         int64_t i = 0;                                                                               \
         while (i + LANES <= n) { /* a block at a time: the second loop finds it in the L1 cache */  \
             int64_t end = i + BLOCK < n ? i + BLOCK : n - (n - i) % LANES;                           \
-            for (int64_t k = i; k < end; k += LANES) /* NAME_diff's sums */                          \
-                for (int j = 0; j < LANES; j++) {                                                    \
-                    double d = OF(a[k + j]) - OF(b[k + j]);                                          \
-                    acc[j] += d * d;                                                                 \
-                }                                                                                    \
-            for (int64_t k = i; k < end; k += LANES) /* NAME_copy's, of a into b */                  \
-                for (int j = 0; j < LANES; j++) {                                                    \
-                    T v = a[k + j];                                                                  \
-                    b[k + j] = v;                                                                    \
-                    double d = OF(v);                                                                \
-                    sq[j] += d * d;                                                                  \
-                }                                                                                    \
+            LANES_DIFF(OF, a, b, i, end, acc);    /* NAME_diff's sums */                             \
+            LANES_COPY(T, OF, a, b, i, end, sq);  /* NAME_copy's, of a into b */                     \
             i = end;                                                                                 \
         }                                                                                            \
         for (; i < n; i++) {                                                                         \
@@ -87,26 +92,18 @@ static inline double from_bf16(uint16_t b) {
             acc[0] += d * d;                                                                         \
             sq[0] += w * w;                                                                          \
         }                                                                                            \
-        double s = 0, t = 0;                                                                         \
-        for (int j = 0; j < LANES; j++) s += acc[j], t += sq[j];                                     \
-        *moved = t;                                                                                  \
-        return s;                                                                                    \
+        *moved = lanes_sum(sq);                                                                      \
+        return lanes_sum(acc);                                                                       \
     }                                                                                                \
     CLONES static double NAME##_norm(const T *restrict x, int64_t n) {                                \
         double acc[LANES] = {0};                                                                     \
-        int64_t i = 0;                                                                               \
-        for (; i + LANES <= n; i += LANES)                                                           \
-            for (int j = 0; j < LANES; j++) {                                                        \
-                double d = OF(x[i + j]);                                                             \
-                acc[j] += d * d;                                                                     \
-            }                                                                                        \
+        int64_t i = n - n % LANES;                                                                   \
+        LANES_NORM(OF, x, 0, i, acc);                                                                \
         for (; i < n; i++) {                                                                         \
             double d = OF(x[i]);                                                                     \
             acc[0] += d * d;                                                                         \
         }                                                                                            \
-        double s = 0;                                                                                \
-        for (int j = 0; j < LANES; j++) s += acc[j];                                                 \
-        return s;                                                                                    \
+        return lanes_sum(acc);                                                                       \
     }
 
 PASSES(f32, float, F32_OF)
