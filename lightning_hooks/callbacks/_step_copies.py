@@ -170,6 +170,27 @@ class StepCopies:
             if self._spares.get(id(param)) is copy and _chainable(param):
                 self._chained[id(param)] = _Chained(param, views[i], param._version, sums, i)
 
+    def update_squares(self, params: Sequence[Tensor], after: Sequence[Tensor], before: Sequence[Tensor],
+                       alone: bool, chain: bool) -> Tensor:
+        """Each parameter's ``||w_after - w_before||²`` (float64), its copies chained where asked and safe.
+
+        Args:
+            params: The parameters, as held.
+            after: A detached view of each (``w_after``, this rank's part).
+            before: Their copies (``w_before``), spares now.
+            alone: The copies are the caller's alone: they may be overwritten (with the update,
+                or with ``w_after``).
+            chain: The next step holds these parameters again: with ``alone``, on the CPU the
+                update's norm is taken in the pass that leaves ``w_after`` in the copies, and
+                :meth:`chain` is told. Not for a parameter given twice (one copy, written twice).
+        """
+        if chain and alone and len({id(p) for p in params}) == len(params):
+            chained = update_passes.chain_squares_(after, before)  # None where the C passes cannot take them all
+            if chained is not None:
+                self.chain(params, before, chained[1], after)
+                return chained[0]
+        return update_passes.update_squares(after, before, in_place=alone)
+
     def holds(self, holder: Hashable) -> bool:
         """Whether ``holder`` holds copies now."""
         return holder in self._held

@@ -76,11 +76,7 @@ class UpdateNorms:
             return
         after = [local(p).detach() for p in params]
         # Every step holds: chain the copy where it is worth it (small tensors copy in one op, cheaper
-        # than the C pass's views) and safe (a parameter given twice has one copy, written twice).
-        chain = alone and not update_passes.small(after) and len({id(p) for p in params}) == len(params)
-        chained = update_passes.chain_squares_(after, before) if chain else None
-        if chained is not None:
-            copies.chain(params, before, chained[1], after)
-        squares = chained[0] if chained is not None else update_passes.update_squares(after, before, in_place=alone)
+        # than the C pass's views).
+        squares = copies.update_squares(params, after, before, alone, chain=not update_passes.small(after))
         norm = squares.sum().sqrt()
         self._norms[key] = torch.where(norm > 0, norm, math.nan)  # nothing moved (an LBFGS step undone): no update

@@ -12,8 +12,7 @@ from torch.utils.hooks import RemovableHandle
 
 from lightning_hooks.callbacks._base import log_step
 from lightning_hooks.callbacks._gradient_rows import Row, Rows
-from lightning_hooks.callbacks._step_copies import StepCopies, step_copies
-from lightning_hooks.measure import _update_passes as update_passes
+from lightning_hooks.callbacks._step_copies import step_copies
 from lightning_hooks.measure._sharding import ShardGroupCache, ShardGroups, grad_of, local
 from lightning_hooks.output.figures import ScalarBlock
 from lightning_hooks.output.sinks import log_scalars
@@ -122,7 +121,8 @@ class UpdateRatio:
         if not to_host and not shards.sharded:
             return []
         moments = _moment_squares(optimizer, rows) if self.norms else None
-        deltas = self._update_squares(shared, [p for _, params in rows for p in params], before, alone)
+        flat = [p for _, params in rows for p in params]
+        deltas = shared.update_squares(flat, [local(p).detach() for p in flat], before, alone, self._next_measured)
         squares = _row_squares(rows, deltas, weights, shards, moments)  # sharded: every rank sums
         if not to_host:
             return []
@@ -141,20 +141,6 @@ class UpdateRatio:
         if self.norms and kept:
             blocks += _norm_blocks(rows, deltas, moment_sums, optimizer)
         return blocks
-
-    def _update_squares(self, shared: StepCopies, params: list[Tensor], before: list[Tensor], alone: bool) -> Tensor:
-        """Each parameter's ``||w_after - w_before||²``; chained (the copies left holding ``w_after``) where it may.
-
-        ``alone``: the copies are this reader's (spares now), so they may be overwritten: with
-        the update (the tensor ops), or with ``w_after`` for the next measured step (the C pass).
-        """
-        after = [local(p).detach() for p in params]
-        if alone and self._next_measured and len({id(p) for p in params}) == len(params):  # tied: one copy twice
-            chained = update_passes.chain_squares_(after, before)  # None where the C passes cannot take them all
-            if chained is not None:
-                shared.chain(params, before, chained[1], after)
-                return chained[0]
-        return update_passes.update_squares(after, before, alone)
 
 
 def _norm_blocks(rows: Rows, deltas: list[float], moments: list[list[float]], optimizer: Any) -> list[ScalarBlock]:
