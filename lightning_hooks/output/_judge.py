@@ -152,11 +152,15 @@ class Judge:
         moved = math.log(level) - statistics.median(track.logs)
         return moved * math.copysign(1.0, found.moved) >= AGREE * abs(found.moved)
 
-    def _gains(self) -> dict[str, float]:
-        """Each module's activation std over the one's before it in forward order: its gain."""
+    def _before(self) -> dict[str, str]:
+        """Each module with a finite std at the step, by the one before it in forward order (of those)."""
         rows = sorted((r for r, v in self.levels.items() if math.isfinite(v) and v >= 0),
                       key=lambda row: self.depth.get(row, 0))
-        return {row: self.levels[row] / self.levels[before] for before, row in zip(rows, rows[1:])
+        return dict(zip(rows[1:], rows))
+
+    def _gains(self) -> dict[str, float]:
+        """Each module's activation std over the one's before it in forward order: its gain."""
+        return {row: self.levels[row] / self.levels[before] for row, before in self._before().items()
                 if self.levels[before] > 0}
 
     def _track(self, row: str) -> Track | None:
@@ -300,11 +304,11 @@ class Judge:
 
         None where its outputs are judged by their own std, or the gain has too little history.
         """
-        before = [r for r in self.levels if self.depth.get(r, 0) < self.depth.get(row, 0)]
-        now, usual = self._gains().get(row), self.usual("gain", row)
-        if not before or now is None or usual is None or self._track(row) is not self.tracks.get("gain", {}).get(row):
+        before, now, usual = self._before().get(row), self._gains().get(row), self.usual("gain", row)
+        judged_by_gain = self._track(row) is self.tracks.get("gain", {}).get(row)
+        if before is None or now is None or usual is None or not judged_by_gain:
             return None
-        return max(before, key=lambda r: self.depth.get(r, 0)), now, usual
+        return before, now, usual
 
     def _leaning(self, first: Finding) -> str | None:
         """The first module before ``first`` already leaning out the same way, or None.
