@@ -42,14 +42,15 @@ STABILITY_STATS = ("attention_max_logit", "attention_entropy", "logit_abs_max", 
 #: Which judged figure each logged ``(kind, stat)`` feeds: LayerHealth and the Layers tab judge these, and only these.
 JUDGED = {("activations", "zero_fraction"): "zero_fraction", ("gradients", "norm"): "norm",
           ("activations", "std"): "level", ("activation_grads", "std"): "output_grad",
-          ("updates", "ratio"): "ratio", **{("activations", stat): "nonfinite" for stat in NONFINITE_STATS},
+          ("updates", "ratio"): "ratio", ("activation_grads", "pull"): "pull",
+          **{("activations", stat): "nonfinite" for stat in NONFINITE_STATS},
           **{("activations", stat): stat for stat in STABILITY_STATS}}
 
 #: The problems each figure can show.
 FIGURE_PROBLEMS = {
     "zero_fraction": ("dead",), "nonfinite": ("nonfinite",), "ratio": ("too_fast", "too_slow"),
     "level": ("blowup", "collapse", "data"), "norm": ("nonfinite_grad", "exploding", "vanishing"),
-    "output_grad": ("output_grad_exploding", "output_grad_vanishing"),
+    "output_grad": ("output_grad_exploding", "output_grad_vanishing"), "pull": (),
     "attention_max_logit": ("attention_logits",), "attention_entropy": ("entropy_collapse",),
     "logit_abs_max": ("output_logits",), "massive_ratio": ("massive",),
 }

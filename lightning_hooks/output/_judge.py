@@ -37,6 +37,10 @@ step at a time, with every judged figure of that step. How it decides (docs/verd
   range) is named; the modules after it, and other layers' gradients and ratios, are its victims.
   Without an output finding, the update ratio that moved most, then the gradient norm, is named.
   While a named layer is still out, the others that go out are counted as affected, not named.
+- The prediction layer (the last module in forward order, whose output feeds the loss) growing
+  while the loss asks for it is learning: its ``blowup`` is not named while its ``pull`` (LayerHealth's
+  ``sum(y * dL/dy)`` of its output ``y``, ``dL/d(scale of y)``) is below 0 at the step. A fault that
+  overshoots has it above 0 (the loss wants it smaller, yet it grows), and is named then.
 - Absolute rules where the physics gives a bound (:mod:`~lightning_hooks.output._judge_absolute`):
   a NaN or Inf; more than ``max_zero_fraction`` exact zeros (dead units); TransformerStability's
   logit, entropy and massive-activation bounds. They judge from the first logged step.
@@ -80,6 +84,8 @@ QUIETER = 1.5
 WARM_STEPS_PER_POINT = 2
 #: A gain's finding stands where the module's own outputs moved the same way, this share of the gain's move at least.
 AGREE = 0.5
+#: The figure of ``sum(y * dL/dy)`` of a module's output ``y``: below 0 the loss asks for a larger output.
+PULL = "pull"
 
 
 class Judge:
@@ -98,6 +104,7 @@ class Judge:
         self.offset: dict[str, float] = {}  # by figure: the peers' common path so far (log), taken out
         self.moves: dict[str, float] = {}  # by figure: the step's common move (log)
         self.levels: Mapping[str, float] = {}  # the step's activation std by module
+        self.pulls: Mapping[str, float] = {}  # the step's pull by module (LayerHealth's, the prediction layer's)
         self.named: set[str] = set()  # layers named and still out
         self.affected: set[str] = set()  # rows out as victims, not named while they stay out
         self.first_entropy: dict[str, float] = {}
@@ -124,8 +131,10 @@ class Judge:
             for row in rows:  # a module figure's rows are modules; a parameter's belongs to its module
                 self.depth.setdefault(self.layer(figure, row), len(self.depth))
         found: list[Finding] = []
-        self.moves, self.levels = {}, figures.get("level", {})
+        self.moves, self.levels, self.pulls = {}, figures.get("level", {}), figures.get(PULL, {})
         for figure, values in figures.items():
+            if figure == PULL:
+                continue
             if figure in RELATIVE:
                 found.extend(self._relative(figure, values))
             else:
@@ -137,8 +146,20 @@ class Judge:
         gains = self._relative("gain", self._gains())
         by_gain = {row for row in self.levels if self._track(row) is self.tracks["gain"].get(row)}
         kept = [f for f in found if not (f.problem in RELATIVE["level"] and f.row in by_gain)]
-        return kept + [Finding(f.row, f.layer, f.problem, self.levels[f.row], "level", f.moved)
-                       for f in gains if f.row in by_gain and (f.row in self.named or self._level_agrees(f))]
+        kept += [Finding(f.row, f.layer, f.problem, self.levels[f.row], "level", f.moved)
+                 for f in gains if f.row in by_gain and (f.row in self.named or self._level_agrees(f))]
+        return [f for f in kept if not self._asked_for(f)]
+
+    def _asked_for(self, found: Finding) -> bool:
+        """Whether ``found`` is the prediction layer's ``blowup`` while the loss asks for a larger output (learning).
+
+        The last module in forward order feeds the loss: its ``pull``, ``sum(y * dL/dy)``, is the
+        loss's derivative in the scale of its output; below 0 the loss wants it larger. A layer
+        named already stays named while it is out.
+        """
+        if found.problem != "blowup" or found.row in self.named or not self.pulls.get(found.row, 0.0) < 0:
+            return False
+        return found.row == max(self.levels, key=lambda row: self.depth.get(row, 0))
 
     def _level_agrees(self, found: Finding) -> bool:
         """Whether a module's own outputs moved the way its gain did, at least ``AGREE`` as far (from their median).
