@@ -143,7 +143,7 @@ def test_the_summary_names_the_dead_layer_first_in_tensorboard_and_on_the_consol
     assert "net.1" in text.tensor_proto.string_val[0].decode()
 
 
-def test_it_adds_no_host_transfer_and_no_device_work(tmp_path):
+def test_it_adds_one_number_to_the_host_per_logged_step_the_prediction_layers_pull_and_nothing_else(tmp_path):
     def counted(with_health: bool) -> Counter:
         callbacks = [ActivationMonitor(), GradientMonitor(update_ratio=True)]
         torch.manual_seed(0)
@@ -153,7 +153,11 @@ def test_it_adds_no_host_transfer_and_no_device_work(tmp_path):
                     logger=logger, max_steps=4).fit(TinyNet(), loader())
         return calls
 
-    assert counted(True) == counted(False)
+    added = counted(True)
+    added.subtract(counted(False))
+    pulls = events(str(tmp_path / "True")).Scalars("activation_grads/net.2/pull")
+    assert {name: n for name, n in added.items() if n} == {"item": len(pulls)}
+    assert [p.step for p in pulls] == [1, 2, 3]  # from the step after the forward order is known on
 
 
 def test_a_heatmap_panel_keeps_at_most_max_columns_steps_spread_over_the_run():

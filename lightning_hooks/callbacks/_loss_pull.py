@@ -1,4 +1,4 @@
-"""The prediction layer's pull: ``sum(y * dL/dy)`` of the last module's output ``y``, from its own parameters' gradients.
+"""The prediction layer's pull: ``sum(y * dL/dy)`` of the last module's output, from its own parameters' gradients.
 
 ``sum(y * dL/dy)`` is the loss's derivative in the scale of ``y`` (``dL/dc`` at ``c = 1`` for
 ``c * y``): below 0 the loss asks for a larger output, above 0 a smaller one. A prediction layer
@@ -11,10 +11,16 @@ has anyway: no activation hook, two small reductions on a logged step.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Optional
 
+import lightning.pytorch as pl
 import torch
+from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
 from torch import Tensor, nn
+
+from lightning_hooks.callbacks._steps import _is_logged_step, log_step
+from lightning_hooks.output.figures import ScalarBlock
+from lightning_hooks.output.sinks import log_scalars
 
 #: Modules whose output is linear in their own parameters (weight and bias) taken together.
 LINEAR_IN_PARAMETERS = (nn.Linear, nn.Bilinear, nn.modules.conv._ConvNd, nn.Embedding, nn.LayerNorm, nn.GroupNorm,
@@ -46,8 +52,52 @@ def own_parameters(root: nn.Module, name: str) -> Optional[list[Tensor]]:
 
 
 def pull(params: list[Tensor]) -> Optional[Tensor]:
-    """``sum(<p, dL/dp>)`` over ``params`` in float32, on their device (no sync); None where one has no dense gradient."""
+    """``sum(<p, dL/dp>)`` over ``params`` in float32, on their device (no sync); None without a dense gradient."""
     if any(p.grad is None or p.grad.is_sparse for p in params):
         return None
     with torch.no_grad():
         return torch.stack([(p.detach().float() * p.grad.float()).sum() for p in params]).sum()
+
+
+class PredictionPull:
+    """LayerHealth's measure of the prediction layer's pull: taken before the optimizer step, sent after it.
+
+    On a step the ActivationMonitor logs (``every``), on rank zero: taken in
+    ``on_before_optimizer_step`` (the parameters that made the output, and their gradients: after
+    accumulation and AMP's unscaling), read in ``on_train_batch_end`` (one number to the host,
+    once the step's own transfers are made) and logged as ``activation_grads/<module>/pull``,
+    which LayerHealth and the Layers tab judge. Not taken under a sharded strategy (a shard's
+    parameters give a part of the sum).
+    """
+
+    def __init__(self) -> None:
+        self.row: Optional[str] = None  # the prediction layer: the last module in forward order
+        self.every = 0  # the steps between the ActivationMonitor's logged steps (0: none)
+        self.params: dict[str, Optional[list[Tensor]]] = {}  # by module: its own parameters, None where no pull
+        self.pending: Optional[tuple[int, str, Tensor]] = None  # the step, the module and its pull, on device
+
+    def start(self, trainer: pl.Trainer, every: int) -> None:
+        """Take the pull at this interval (0: never), on the strategies that hold whole parameters."""
+        whole = isinstance(trainer.strategy, (SingleDeviceStrategy, DDPStrategy))
+        self.row, self.params, self.pending, self.every = None, {}, None, every if whole else 0
+
+    def take(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """In ``on_before_optimizer_step``: the pull of a logged step, left on the device."""
+        step, name = log_step(trainer), self.row
+        if name is None or not trainer.is_global_zero or not _is_logged_step(step, self.every):
+            return
+        if name not in self.params:
+            self.params[name] = own_parameters(pl_module, name)
+        params = self.params[name]
+        value = pull(params) if params else None
+        if value is not None and (self.pending is None or self.pending[0] != step):
+            self.pending = (step, name, value)
+
+    def send(self, trainer: pl.Trainer, *_: Any) -> None:
+        """In ``on_train_batch_end``: the step's pull logged, and handed to the figures' listeners."""
+        if self.pending is None:
+            return
+        step, name, value = self.pending
+        self.pending = None
+        log_scalars(trainer, {}, step, [ScalarBlock("activation_grads", "pull", [name], [value.item()],
+                                                    [f"activation_grads/{name}/pull"])])

@@ -13,10 +13,8 @@ import lightning.pytorch as pl
 import numpy as np
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
-from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
-
-from lightning_hooks.callbacks._base import _is_logged_step, _log_interval, claim, log_step, release
-from lightning_hooks.callbacks._loss_pull import own_parameters, pull
+from lightning_hooks.callbacks._base import _log_interval, claim, release
+from lightning_hooks.callbacks._loss_pull import PredictionPull
 from lightning_hooks.callbacks.activations import ActivationMonitor
 from lightning_hooks.callbacks.gradients import GradientMonitor
 from lightning_hooks.callbacks.stability import TransformerStability
@@ -25,8 +23,7 @@ from lightning_hooks.core._validation import check_int
 from lightning_hooks.output._diagnosis import diagnose, param_groups
 from lightning_hooks.output._health_verdicts import JUDGED, STABILITY_BANDS, Bands, Verdicts, unjudged_ratios
 from lightning_hooks.output.figures import Diagnoses, FigureListener, HistogramColumns
-from lightning_hooks.output.figures import ScalarBlock
-from lightning_hooks.output.sinks import log_scalars, log_text
+from lightning_hooks.output.sinks import log_text
 
 if TYPE_CHECKING:
     from lightning_hooks.output.figures import HistogramBlock, ScalarBlock
@@ -146,10 +143,7 @@ class LayerHealth(FigureListener, Diagnoses, *CALLBACK_BASES):  # type: ignore[m
         self._histograms = HistogramColumns("activations", self.max_panels, self.max_columns)
         self._images, self._next_image = 0, 0
         self._last: Optional[int] = None  # the last logged step
-        self._pulled: dict[str, Optional[list[Any]]] = {}  # the prediction layer's own parameters (None: no pull)
-        self._pull_row: Optional[str] = None  # the prediction layer: the last module in forward order
-        self._pull_every = 0  # the steps between the ActivationMonitor's logged steps (0: none)
-        self._pull_step: Optional[int] = None  # the last step its pull was taken at
+        self._pull = PredictionPull()
         self._fresh = False  # whether figures came in since the last pictures
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -162,8 +156,7 @@ class LayerHealth(FigureListener, Diagnoses, *CALLBACK_BASES):  # type: ignore[m
         self._vectors = unjudged_ratios(pl_module)
         self._groups = {}
         monitors = callbacks_of(trainer, ActivationMonitor)
-        sharded = not isinstance(trainer.strategy, (SingleDeviceStrategy, DDPStrategy))
-        self._pull_every = 0 if sharded or not monitors else _log_interval(monitors[0].log_every_n_steps, trainer)
+        self._pull.start(trainer, _log_interval(monitors[0].log_every_n_steps, trainer) if monitors else 0)
         for stability in callbacks_of(trainer, TransformerStability)[:1]:  # judge its figures by its bands
             self._bands = replace(self._bands, **{name: getattr(stability.bands, name) for name in STABILITY_BANDS})
             self._verdicts = Verdicts(self._bands)
@@ -213,22 +206,15 @@ class LayerHealth(FigureListener, Diagnoses, *CALLBACK_BASES):  # type: ignore[m
         ranked = [*order, *(name for name in depth if name not in set(order))]
         depth.clear()
         depth.update((name, i) for i, name in enumerate(ranked))
-        self._pull_row = order[-1] if order else self._pull_row
+        self._pull.row = order[-1] if order else self._pull.row
 
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
-        """On a logged step, the prediction layer's pull, ``sum(y * dL/dy)``, logged and judged (``_loss_pull.py``)."""
-        step, name = log_step(trainer), self._pull_row
-        if (name is None or step == self._pull_step or not trainer.is_global_zero
-                or not _is_logged_step(step, self._pull_every)):
-            return
-        self._pull_step = step
-        if name not in self._pulled:
-            self._pulled[name] = own_parameters(pl_module, name)
-        params = self._pulled[name]
-        value = pull(params) if params else None
-        if value is not None:
-            tag = f"activation_grads/{name}/pull"
-            log_scalars(trainer, {}, step, [ScalarBlock("activation_grads", "pull", [name], [value.item()], [tag])])
+        """On a logged step, take the prediction layer's pull, ``sum(y * dL/dy)`` (``_loss_pull.py``)."""
+        self._pull.take(trainer, pl_module)
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        """Log the step's pull: LayerHealth and the Layers tab judge it with the step's other figures."""
+        self._pull.send(trainer)
 
     def record_histograms(self, histograms: HistogramBlock, edges: Sequence[float], step: int) -> None:
         """Keep the activation histograms' counts, exact zeros apart, one column per logged step (bounded)."""

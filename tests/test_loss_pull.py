@@ -1,0 +1,98 @@
+"""The prediction layer's pull, ``sum(y * dL/dy)``: measured right, and a layer the loss asks to grow is not named.
+
+The fault sweep's MLP trained with SGD + momentum grows its last Linear's outputs 4-17x while the
+loss falls (the slow optimizer fitting the targets' scale): learning, which the judge named as
+"outputs blowing up". The pull tells it from a fault: below 0 the loss wants the output larger.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_hooks.callbacks._loss_pull import own_parameters, pull
+from lightning_hooks.output._health_bands import Bands
+from lightning_hooks.output._judge import Judge
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+
+@pytest.mark.parametrize("layer, shape", [(nn.Linear(6, 3), (5, 6)), (nn.Conv2d(2, 4, 3), (2, 2, 7, 7)),
+                                          (nn.LayerNorm(6), (5, 6))])
+def test_the_pull_is_the_output_times_the_gradient_reaching_it(layer, shape):
+    torch.manual_seed(0)
+    root = nn.Sequential(layer)
+    y = root(torch.randn(shape))
+    y.retain_grad()
+    target = torch.randn_like(y)
+    ((y - target) ** 2).mean().backward()
+    expected = (y * y.grad).sum()
+    assert torch.allclose(pull(own_parameters(root, "0")), expected, rtol=1e-4, atol=1e-7)
+
+
+def test_no_pull_where_the_output_is_not_linear_in_the_modules_own_parameters_or_a_parameter_is_shared():
+    embed, head = nn.Embedding(10, 4), nn.Linear(4, 10, bias=False)
+    head.weight = embed.weight  # tied: the gradient holds the embedding's use too
+    root = nn.ModuleDict({"embed": embed, "lstm": nn.LSTM(4, 4), "act": nn.ReLU(), "head": head,
+                          "block": nn.Sequential(nn.Linear(4, 4))})
+    assert [own_parameters(root, name) for name in ("lstm", "act", "head", "block", "missing")] == [None] * 5
+    assert own_parameters(root, "block.0") is not None
+
+
+def test_the_prediction_layers_blowup_waits_while_the_loss_asks_for_it_and_is_named_once_it_does_not():
+    judge = Judge(Bands(), order=["a", "b", "head"])
+    levels = {"a": 1.0, "b": 1.0, "head": 1.0}
+    for step in range(60):  # history: every row steady
+        judge.step({"level": levels}, step)
+    growing = {**levels, "head": 3.0}
+    assert not judge.step({"level": growing, "pull": {"head": -0.2}}, 60).named  # the loss asks for it: learning
+    (found,) = judge.step({"level": growing, "pull": {"head": 0.4}}, 61).named  # overshot: the loss wants it smaller
+    assert (found.row, found.problem) == ("head", "blowup")
+    assert judge.step({"level": growing, "pull": {"head": -0.1}}, 62).named  # named: it stays named while out
+
+
+def test_a_module_before_the_last_is_named_whatever_its_pull():
+    judge = Judge(Bands(), order=["a", "b", "head"])
+    for step in range(60):
+        judge.step({"level": {"a": 1.0, "b": 1.0, "head": 1.0}}, step)
+    (found,) = judge.step({"level": {"a": 1.0, "b": 3.0, "head": 3.0}, "pull": {"b": -1.0, "head": -1.0}}, 60).named
+    assert (found.row, found.problem) == ("b", "blowup")
+
+
+@pytest.mark.slow
+def test_the_sgd_mlps_learning_prediction_layer_is_not_named_and_a_fault_in_it_is():
+    from benchmarks.fault_sweep import Variant, run_variant, verdict
+    from benchmarks.fault_zoo import judge_case
+
+    variant = Variant("test", "mlp", ("healthy", "ramp", "jump"), target="10", optimizer="sgd", lr=0.02)
+    healthy = run_variant(variant, "healthy")
+    row = verdict(variant, judge_case(healthy, healthy), healthy.culprit)
+    assert row["alarms"] == 0, row["lines"]  # it grows 4x over steps 40-120: named at steps 59-92 before the pull
+    for fault in ("ramp", "jump"):
+        case = run_variant(variant, fault)
+        row = verdict(variant, judge_case(case, healthy), case.culprit)
+        assert row["culprit_first"] and row["before"] == 0, row
+        # A ramp from step 100 overshoots the targets' scale some 30 steps on: named then, before the loss moved 5%.
+        assert row["delay"] is not None and row["delay"] < (row["loss5"] if fault == "ramp" else row["every"]), row
+
+
+def test_the_tab_judges_the_logged_pull_as_layer_health_does():
+    from lightning_hooks.tensorboard_plugin.run_data import Figure
+    from lightning_hooks.tensorboard_plugin.verdicts import judge
+
+    steps = list(range(0, 620, 10))
+    levels = {"a": [1.0] * 62, "head": [1.0] * 60 + [3.0, 3.0]}
+    pulls = {"head": [-0.1] * 60 + [-0.2, 0.4]}
+    marked = [{(fig.rows[r], fig.steps[c], v) for fig, found in judge(figures, Bands()).figures for r, c, v in found}
+              for figures in ([Figure("activations/std", "", "activations", "std", list(levels), steps,
+                                      list(levels.values()))],
+                              [Figure("activations/std", "", "activations", "std", list(levels), steps,
+                                      list(levels.values())),
+                               Figure("activation_grads/pull", "", "activation_grads", "pull", list(pulls), steps,
+                                      list(pulls.values()))])]
+    assert ("head", 600, "blowup") in marked[0]  # without the pull: named at once
+    assert ("head", 600, "blowup") not in marked[1] and ("head", 610, "blowup") in marked[1]
