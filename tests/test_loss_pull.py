@@ -34,13 +34,14 @@ def test_the_pull_is_the_output_times_the_gradient_reaching_it(layer, shape):
     assert torch.allclose(pull(own_parameters(root, "0")), expected, rtol=1e-4, atol=1e-7)
 
 
-def test_no_pull_where_the_output_is_not_linear_in_the_modules_own_parameters_or_a_parameter_is_shared():
+def test_no_pull_where_the_output_is_not_linear_in_the_modules_own_parameters_shared_or_not_the_models_last():
     embed, head = nn.Embedding(10, 4), nn.Linear(4, 10, bias=False)
     head.weight = embed.weight  # tied: the gradient holds the embedding's use too
     root = nn.ModuleDict({"embed": embed, "lstm": nn.LSTM(4, 4), "act": nn.ReLU(), "head": head,
-                          "block": nn.Sequential(nn.Linear(4, 4))})
+                          "block": nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))})
     assert [own_parameters(root, name) for name in ("lstm", "act", "head", "block", "missing")] == [None] * 5
-    assert own_parameters(root, "block.0") is not None
+    assert own_parameters(root, "block.0") is None  # not the last: a watched selection that stops mid-model
+    assert own_parameters(root, "block.1") is not None
 
 
 def test_the_prediction_layers_blowup_waits_while_the_loss_asks_for_it_and_is_named_once_it_does_not():

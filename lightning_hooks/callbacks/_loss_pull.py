@@ -33,8 +33,9 @@ def own_parameters(root: nn.Module, name: str) -> Optional[list[Tensor]]:
     """The parameters of ``root``'s module ``name`` (not its children's), where ``sum(<p, dL/dp>)`` is its pull.
 
     None where the module is not linear in its own parameters (:data:`LINEAR_IN_PARAMETERS`), has
-    none, or shares one with another module (a tied output embedding: its gradient holds the
-    other use's too).
+    none, shares one with another module (a tied output embedding: its gradient holds the other
+    use's too), or is not the last module of ``root`` that holds parameters: the last module an
+    ActivationMonitor watches is the prediction layer only where it watches the model to its end.
     """
     try:
         module = root.get_submodule(name)
@@ -46,7 +47,8 @@ def own_parameters(root: nn.Module, name: str) -> Optional[list[Tensor]]:
     uses: dict[int, int] = {}
     for _, param in root.named_parameters(remove_duplicate=False):
         uses[id(param)] = uses.get(id(param), 0) + 1
-    if not params or any(uses.get(id(p), 0) != 1 for p in params):
+    holders = [n for n, m in root.named_modules() if next(m.parameters(recurse=False), None) is not None]
+    if not params or any(uses.get(id(p), 0) != 1 for p in params) or holders[-1] != name:
         return None
     return params
 
