@@ -237,7 +237,14 @@ def _gpt2_deep(transformers: Any) -> nn.Module:
         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0))
 
 
-SWEEP_LMS.update(qwen2=_qwen2, opt=_opt, gptj=_gptj, **{"gpt2-deep": _gpt2_deep})
+def _gpt2_dropout(transformers: Any) -> nn.Module:
+    """The zoo's GPT-2 with dropout 0.1 (residual, embedding, attention), as GPT-2 itself trained."""
+    return transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        vocab_size=VOCAB, n_positions=SEQ, n_embd=WIDTH, n_layer=DEPTH, n_head=4, activation_function="gelu",
+        resid_pdrop=0.1, embd_pdrop=0.1, attn_pdrop=0.1, bos_token_id=0, eos_token_id=0))
+
+
+SWEEP_LMS.update(qwen2=_qwen2, opt=_opt, gptj=_gptj, **{"gpt2-deep": _gpt2_deep, "gpt2-dropout": _gpt2_dropout})
 
 SWEEP_RECIPES = {
     "bert": Recipe("bert", lambda: LM("bert"), lm_batches, "lm", "adamw", 1e-3, 8, {
@@ -265,6 +272,8 @@ SWEEP_RECIPES = {
         "attn": "net.transformer.h.2.attn.q_proj"}),
     "gpt2-deep": Recipe("gpt2-deep", lambda: LM("gpt2-deep"), lm_batches, "lm", "adamw", 1e-3, 8,
                         _targets("net.transformer.h.5.mlp.c_proj", "net.transformer.h.5.mlp.c_fc")),
+    "gpt2-dropout": Recipe("gpt2-dropout", lambda: LM("gpt2-dropout"), lm_batches, "lm", "adamw", 1e-3, 8,
+                           _targets("net.transformer.h.2.mlp.c_proj", "net.transformer.h.2.mlp.c_fc")),
     "mlp-cls": Recipe("mlp-cls", mlp_classifier, image_batches, "ce", "adam", 1e-3, 32, _targets("5")),
     "resnet-preact": Recipe("resnet-preact", PreActResNet, image_batches, "ce", "sgd", 0.02, 32,
                             _targets("blocks.1.conv1")),

@@ -10,6 +10,11 @@ Added after the judge passed every earlier group, none of it seen while building
 - ``unseen3b``: rates (ramps of 0.7% and 3% a step, a shrink x0.3 and a jump x10), an onset at 35%,
   AdamW with weight decay 0.1 at a constant LR without warm-up (``adamw-flat``), and the zoo's own
   models and faults at new seeds (1-3).
+- ``unseen3c``: the MLP-Mixer's other faults; a GPT-2 with dropout 0.1; GPT-J logged every step and
+  600 steps logged every 5, the ten-block GPT-2 logged every 5; onsets at 25% (just past the
+  judge's warm-up); a ramp of 0.3% a step; jumps x2.5 and x0.5; the MLP classifier's prediction
+  layer, LLaMA's value projection dead, the deep GPT-2's first block, GPT-J's last attention output;
+  the CNN with AdamW at a constant 3e-3; the pre-activation ResNet at seed 1.
 """
 
 from __future__ import annotations
@@ -49,6 +54,25 @@ def _recipes() -> list[Variant]:
     return [*rates, *onsets, *optim, *seeds]
 
 
+def _harder() -> list[Variant]:
+    mixer = [Variant("unseen3c", "mixer", ("jump", "dead", "lr100", "nan", "data"))]
+    models = [Variant("unseen3c", "gpt2-dropout", ("healthy", "ramp", "jump", "dead")),
+              Variant("unseen3c", "gptj", ("healthy", "jump"), every=1),
+              Variant("unseen3c", "gpt2-deep", ("healthy", "ramp"), every=5, steps=300),
+              Variant("unseen3c", "gptj", ("healthy", "ramp"), every=5, steps=600),
+              Variant("unseen3c", "mixer", ("healthy",), every=5, steps=600)]
+    timing = [Variant("unseen3c", m, ("jump",), onset=0.25) for m in ("mlp", "cnn", "gpt2")]
+    timing += [Variant("unseen3c", m, ("ramp",), growth=1.003) for m in ("mlp", "gpt2")]
+    timing += [Variant("unseen3c", m, ("jump",), jump=j) for m, j in (("cnn", 2.5), ("llama", 2.5), ("gpt2", 0.5))]
+    layers = [Variant("unseen3c", "mlp-cls", ABRUPT, target="9"),  # the prediction layer (Adam)
+              Variant("unseen3c", "llama", ("dead",), target="net.model.layers.2.self_attn.v_proj"),
+              Variant("unseen3c", "gpt2-deep", ("ramp",), target="net.transformer.h.0.mlp.c_proj"),
+              Variant("unseen3c", "gptj", ("jump",), target="net.transformer.h.5.attn.out_proj")]
+    optim = [Variant("unseen3c", "cnn", ("healthy", *ABRUPT), optimizer="adamw-flat", lr=3e-3),
+             Variant("unseen3c", "resnet-preact", ("healthy", "ramp"), seed=1)]
+    return [*mixer, *models, *timing, *layers, *optim]
+
+
 def unseen3() -> dict[str, list[Variant]]:
-    """The groups: ``unseen3`` (models and layers) and ``unseen3b`` (rates, onset, optimizer, seeds)."""
-    return {"unseen3": _models(), "unseen3b": _recipes()}
+    """The groups: ``unseen3`` (models and layers), ``unseen3b`` (rates, onset, optimizer, seeds), ``unseen3c``."""
+    return {"unseen3": _models(), "unseen3b": _recipes(), "unseen3c": _harder()}

@@ -50,8 +50,10 @@ from typing import Any, Optional
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks import fault_zoo  # noqa: E402
-from benchmarks import _sweep_models  # noqa: E402,F401  (adds the sweep's recipes)
+from benchmarks import (
+    _sweep_models,  # noqa: E402,F401  (adds the sweep's recipes)
+    fault_zoo,  # noqa: E402
+)
 from benchmarks._sweep_unseen3 import unseen3  # noqa: E402
 from benchmarks._sweep_variant import Variant, register  # noqa: E402
 from benchmarks.fault_zoo import JUMP, Case, judge_case, run_case  # noqa: E402

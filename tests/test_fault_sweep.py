@@ -5,6 +5,9 @@ own machinery (``benchmarks/fault_sweep.py``); the whole sweep is ``python bench
 Before the judge compared a module's outputs with its same-kind peers before it, the BERT's keys
 and queries, which grow 3x in every block as its attention sharpens, were named on a healthy run
 (and hid the culprit's ramp), and the MLP logged every step named a Linear learning with the others.
+Before a module's move between its same-kind neighbours' moves was taken as learning, the MLP-Mixer's
+token-mixing output in blocks 1-2 (each block's growing more than the one's before it) was named on its
+healthy run, and before the culprit in every fault case (sweep group ``unseen3``).
 """
 
 from __future__ import annotations
@@ -43,7 +46,8 @@ def test_a_jump_under_x2_is_graded_as_a_ramp_and_a_large_one_as_abrupt():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("model, every, faults", [("bert", 2, ("ramp",)), ("mlp", 1, ("jump", "dead"))])
+@pytest.mark.parametrize("model, every, faults", [("bert", 2, ("ramp",)), ("mlp", 1, ("jump", "dead")),
+                                                  ("mixer", 2, ("ramp", "vanish"))])
 def test_a_recipe_whose_layers_learn_together_gets_no_verdict_and_its_culprit_is_named_first(model, every, faults):
     variant = Variant("test", model, ("healthy", *faults), every=every)
     healthy = run_variant(variant, "healthy")
