@@ -3,7 +3,10 @@
 A BERT (post-LayerNorm encoder) and a GPT-NeoX (parallel residual) from ``transformers`` configs,
 a deeper MLP with LayerNorm and GELU, the zoo's CNN with GroupNorm instead of BatchNorm, a small
 hand-written ViT and a stack of GRUs (their outputs are tuples: ``(output, state)``). Importing
-this module adds their recipes to :data:`benchmarks._zoo_models.RECIPES`.
+this module adds their recipes to :data:`benchmarks._zoo_models.RECIPES`. For the groups ``models2`` and
+``unseen3`` too: a Qwen2, an OPT, an LSTM stack, a plain CNN; a GPT-J, a ten-block GPT-2 and one with
+dropout, an MLP classifier, a pre-activation ResNet without normalisation, an MLP-Mixer and a
+ConvNeXt-style CNN (depthwise convolutions).
 """
 
 from __future__ import annotations

@@ -29,6 +29,16 @@ Added after the judge was built on the groups above (none of it seen while build
 - ``optim2``: Adam (MLP) and AdamW (GPT-2) with the gradients' norm clipped to 1; SGD with
   Nesterov momentum (MLP, CNN); four micro-batches a step (MLP, CNN, GPT-2).
 
+Added once every group above met its goals but the SGD prediction layer (``benchmarks/_sweep_unseen3.py``):
+
+- ``unseen3``: a GPT-J, a ten-block GPT-2, an MLP classifier, a pre-activation ResNet without norm,
+  an MLP-Mixer, a ConvNeXt-style CNN (a depthwise convolution too); LLaMA's value projection, its
+  first and last block, GPT-2's ``lm_head``.
+- ``unseen3b``: ramps of 0.7% and 3% a step, a shrink x0.3 and a jump x10 (a change past x2 either
+  way is graded as abrupt), an onset at 35%, AdamW at a constant LR, the zoo's models at seeds 1-3.
+- ``unseen3c``: the Mixer's other faults, a GPT-2 with dropout, other log intervals and lengths,
+  onsets at 25%, a ramp of 0.3% a step, jumps x2.5 and x0.5, more layers, AdamW on the CNN.
+
 Per case: the culprit named first, the layers named before it, the delay (steps from the onset
 to the first logged step that names it), on healthy runs the verdict lines after the first 10%,
 and for a data fault whether it was said as "every layer at once".

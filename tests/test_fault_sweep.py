@@ -45,6 +45,15 @@ def test_a_jump_under_x2_is_graded_as_a_ramp_and_a_large_one_as_abrupt():
     assert grade(at_once)["goal"] == "ok" and grade({**at_once, "delay": 3})["goal"] == "late"
 
 
+def test_a_shrink_past_x0_5_is_graded_as_abrupt_and_a_variant_with_its_own_seed_has_its_own_twin():
+    unnamed = {"fault": "jump", "delay": None, "before": 0, "loss5": None, "culprit_first": False, "every": 2}
+    assert grade({**unnamed, "jump": 0.3})["goal"] == "**FAIL**"  # x0.3 not named: a miss, not "unmoved"
+    assert grade({**unnamed, "jump": 0.7})["goal"] == "unmoved"  # within x2 either way: graded as a ramp
+    assert grade({**unnamed, "jump": 0.3, "delay": 1, "culprit_first": True})["ok"]
+    seeded, plain = Variant("test", "mlp", ("healthy",), seed=3), Variant("test", "mlp", ("healthy",))
+    assert seeded.name == "mlp+s3" and seeded.recipe_key() != plain.recipe_key()
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("model, every, faults", [("bert", 2, ("ramp",)), ("mlp", 1, ("jump", "dead")),
                                                   ("mixer", 2, ("ramp", "vanish"))])
