@@ -116,7 +116,7 @@ class Lit(pl.LightningModule):
         own = set(map(id, self.model.get_submodule(self.recipe.targets["lr100"]).parameters()))
         groups = [{"params": [p for p in self.model.parameters() if id(p) not in own]},
                   {"params": [p for p in self.model.parameters() if id(p) in own]}]
-        if self.recipe.optimizer == "adamw":
+        if self.recipe.optimizer.startswith("adamw"):  # "adamw-flat": a constant LR (``schedule``)
             return torch.optim.AdamW(groups, lr=self.recipe.lr, weight_decay=0.1, betas=(0.9, 0.95))
         if self.recipe.optimizer.startswith("sgd"):
             return torch.optim.SGD(groups, lr=self.recipe.lr, momentum=0.9, weight_decay=5e-4,

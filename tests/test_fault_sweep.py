@@ -5,6 +5,9 @@ own machinery (``benchmarks/fault_sweep.py``); the whole sweep is ``python bench
 Before the judge compared a module's outputs with its same-kind peers before it, the BERT's keys
 and queries, which grow 3x in every block as its attention sharpens, were named on a healthy run
 (and hid the culprit's ramp), and the MLP logged every step named a Linear learning with the others.
+Before a module's move between its same-kind neighbours' moves was taken as learning, the MLP-Mixer's
+token-mixing output in blocks 1-2 (each block's growing more than the one's before it) was named on its
+healthy run, and before the culprit in every fault case (sweep group ``unseen3``).
 """
 
 from __future__ import annotations
@@ -42,8 +45,18 @@ def test_a_jump_under_x2_is_graded_as_a_ramp_and_a_large_one_as_abrupt():
     assert grade(at_once)["goal"] == "ok" and grade({**at_once, "delay": 3})["goal"] == "late"
 
 
+def test_a_shrink_past_x0_5_is_graded_as_abrupt_and_a_variant_with_its_own_seed_has_its_own_twin():
+    unnamed = {"fault": "jump", "delay": None, "before": 0, "loss5": None, "culprit_first": False, "every": 2}
+    assert grade({**unnamed, "jump": 0.3})["goal"] == "**FAIL**"  # x0.3 not named: a miss, not "unmoved"
+    assert grade({**unnamed, "jump": 0.7})["goal"] == "unmoved"  # within x2 either way: graded as a ramp
+    assert grade({**unnamed, "jump": 0.3, "delay": 1, "culprit_first": True})["ok"]
+    seeded, plain = Variant("test", "mlp", ("healthy",), seed=3), Variant("test", "mlp", ("healthy",))
+    assert seeded.name == "mlp+s3" and seeded.recipe_key() != plain.recipe_key()
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("model, every, faults", [("bert", 2, ("ramp",)), ("mlp", 1, ("jump", "dead"))])
+@pytest.mark.parametrize("model, every, faults", [("bert", 2, ("ramp",)), ("mlp", 1, ("jump", "dead")),
+                                                  ("mixer", 2, ("ramp", "vanish"))])
 def test_a_recipe_whose_layers_learn_together_gets_no_verdict_and_its_culprit_is_named_first(model, every, faults):
     variant = Variant("test", model, ("healthy", *faults), every=every)
     healthy = run_variant(variant, "healthy")

@@ -356,7 +356,8 @@ class Judge:
     def _with_peers(self, figure: str, row: str, up: bool, out: Collection[str] = ()) -> bool:
         """Whether ``row``'s move of ``figure`` (up or down) is one its same-kind peers before it made too."""
         margin = least_change(figure, self.bands) * (1 if up else 2)
-        return self.peers.shared(figure, row, self.depth, margin, up, out)
+        leaning = {other for other, track in self.tracks.get(figure, {}).items() if track.up or track.down}
+        return self.peers.shared(figure, row, self.depth, margin, up, out, leaning)
 
     def state_dict(self) -> dict[str, Any]:
         """The judge's memory, as plain values."""

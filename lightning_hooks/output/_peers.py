@@ -13,6 +13,10 @@ peer made out of its range is a fault's, and what follows it its victim. The fir
 kind, with no peer before it, is compared with the copies after it, in their own range: a fault
 there that moved them made them victims, out of their range too. A module with no move of its own
 past the factor within its window (a jump its window has forgotten) is never excused: it stays out.
+A module whose move lies between its neighbours' is learning too: the peer before it moved the same
+way, and the peer after it, steady in its own range, at least as far (an MLP-Mixer's token-mixing
+layers each grow more than the block's before: a gradient over depth, not one block's fault, which
+cannot move a later copy as far while leaving it in its range).
 """
 
 from __future__ import annotations
@@ -60,7 +64,7 @@ class Peers:
         return values[-1] - statistics.median(list(values)[:len(values) // 2])
 
     def shared(self, figure: str, row: str, depth: Mapping[str, int], margin: float, up: bool,
-               out: Collection[str]) -> bool:
+               out: Collection[str], leaning: Collection[str] = ()) -> bool:
         """Whether ``row``'s move (``up`` or down) is its peers': half of it theirs, and at most ``margin`` past.
 
         Its peers' move: the nearest one's before it (the block before's copy, the likest) or their
@@ -73,16 +77,21 @@ class Peers:
         if mine is None or sign * mine <= margin:  # no move of its own in its window: still out since a step, named
             return False
         own, at = kind(row), depth.get(row, 0)
-        peers = sorted((depth.get(other, 0), m) for other in self.history.get(figure, {})
+        peers = sorted((depth.get(other, 0), m, other) for other in self.history.get(figure, {})
                        if other not in out and other != row and kind(other) == own
                        and (m := self.move(figure, other)) is not None)
-        before = [m for d, m in peers if d < at]
-        near = before[-1:] or [m for d, m in peers if d > at][:1]  # the first of its kind: the copies after it
+        before = [m for d, m, _ in peers if d < at]
+        after = [m for d, m, _ in peers if d > at]
+        near = before[-1:] or after[:1]  # the first of its kind: the copies after it
         if not near:
             return False
-        typical = statistics.median(before or [m for d, m in peers if d > at])
+        typical = statistics.median(before or after)
         # theirs at least half of its move, and its own part within the margin
-        return any(sign * m >= sign * mine / 2 and sign * (mine - m) <= margin for m in (near[0], typical))
+        if any(sign * m >= sign * mine / 2 and sign * (mine - m) <= margin for m in (near[0], typical)):
+            return True
+        # between its neighbours: the one before moved the same way, the one after (steady) at least as far
+        steady = [m for d, m, other in peers if d > at and other not in leaning]
+        return bool(before and steady) and sign * before[-1] > 0 and sign * steady[0] >= sign * mine
 
     def state_dict(self) -> dict[str, Any]:
         """The kept values, as plain lists."""

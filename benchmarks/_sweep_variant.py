@@ -1,0 +1,60 @@
+"""A fault-sweep variant: one recipe varied from the zoo's, and how it is added to the zoo's recipes.
+
+Used by ``benchmarks/fault_sweep.py`` and its groups (``benchmarks/_sweep_unseen3.py``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any, Optional
+
+from benchmarks._zoo_models import RECIPES
+from benchmarks.fault_zoo import GROWTH, JUMP
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One recipe varied from the zoo's, with the faults it is run with (``healthy``: none)."""
+
+    group: str
+    model: str
+    faults: tuple[str, ...]
+    target: str = ""  # the module every fault goes in, if not the recipe's own
+    steps: int = 200
+    onset: float = 0.5  # as a fraction of the run
+    every: int = 2
+    growth: float = GROWTH
+    jump: float = JUMP
+    optimizer: str = ""  # "sgd", "adamw" (warm-up and cosine), "adamw-flat" (constant LR), if not the recipe's own
+    lr: float = 0.0
+    precision: str = ""
+    clip: float = 0.0  # the gradients' norm clipped to this; 0: the recipe's own (not clipped)
+    accumulate: int = 1  # micro-batches a step
+    seed: Optional[int] = None  # the variant's own seed; None: the sweep's ``--seed``
+
+    @property
+    def name(self) -> str:
+        """The variant's recipe name: the model and what differs from it."""
+        parts = [self.model, self.target and f"@{self.target}", self.optimizer, self.precision,
+                 self.clip and f"clip{self.clip:g}", self.accumulate > 1 and f"acc{self.accumulate}",
+                 self.seed is not None and f"s{self.seed}"]
+        return "+".join(p for p in parts if p)
+
+    def recipe_key(self) -> tuple[Any, ...]:
+        """What a healthy twin shares: recipe, run length, log interval and seed."""
+        return (self.model, self.optimizer, self.lr, self.precision, self.clip, self.accumulate, self.steps,
+                self.every, self.seed)
+
+
+def _fault_targets(v: Variant) -> dict[str, str]:
+    targets = dict(RECIPES[v.model].targets)
+    return {**targets, **dict.fromkeys(("ramp", "jump", "dead", "nan", "vanish"), v.target)} if v.target else targets
+
+
+def register(v: Variant) -> str:
+    """Add the variant's recipe to the zoo's recipes, under its name."""
+    base = RECIPES[v.model]
+    RECIPES[v.name] = replace(base, name=v.name, targets=_fault_targets(v), optimizer=v.optimizer or base.optimizer,
+                              lr=v.lr or base.lr, precision=v.precision or base.precision, clip=v.clip or base.clip,
+                              accumulate=v.accumulate)
+    return v.name
