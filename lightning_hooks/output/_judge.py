@@ -40,7 +40,9 @@ step at a time, with every judged figure of that step. How it decides (docs/verd
 - The prediction layer (the last module in forward order, whose output feeds the loss) growing
   while the loss asks for it is learning: its ``blowup`` is not named while its ``pull`` (LayerHealth's
   ``sum(y * dL/dy)`` of its output ``y``, ``dL/d(scale of y)``) is below 0 at the step. A fault that
-  overshoots has it above 0 (the loss wants it smaller, yet it grows), and is named then.
+  overshoots has it above 0 (the loss wants it smaller, yet it grows), and is named then; named
+  first where it moved ``OVERSHOOT`` times as far as every module before it that is out (under
+  SGD a jump's gradient moves their weights in the same step).
 - Absolute rules where the physics gives a bound (:mod:`~lightning_hooks.output._judge_absolute`):
   a NaN or Inf; more than ``max_zero_fraction`` exact zeros (dead units); TransformerStability's
   logit, entropy and massive-activation bounds. They judge from the first logged step.
@@ -69,6 +71,7 @@ from lightning_hooks.output._findings import (
 from lightning_hooks.output._health_bands import Bands
 from lightning_hooks.output._judge_absolute import absolute_problems
 from lightning_hooks.output._judge_data import gradients_jumped_together, outputs_out_together, singled_out
+from lightning_hooks.output._judge_pull import PULL, asked_for, overshot
 from lightning_hooks.output._peers import Peers
 from lightning_hooks.output._row_range import Track, follow, judge_value, least_change, track_from_state, track_state
 
@@ -84,8 +87,6 @@ QUIETER = 1.5
 WARM_STEPS_PER_POINT = 2
 #: A gain's finding stands where the module's own outputs moved the same way, this share of the gain's move at least.
 AGREE = 0.5
-#: The figure of ``sum(y * dL/dy)`` of a module's output ``y``: below 0 the loss asks for a larger output.
-PULL = "pull"
 
 
 class Judge:
@@ -148,18 +149,11 @@ class Judge:
         kept = [f for f in found if not (f.problem in RELATIVE["level"] and f.row in by_gain)]
         kept += [Finding(f.row, f.layer, f.problem, self.levels[f.row], "level", f.moved)
                  for f in gains if f.row in by_gain and (f.row in self.named or self._level_agrees(f))]
-        return [f for f in kept if not self._asked_for(f)]
+        return [f for f in kept if not asked_for(f, self._last(), self.pulls, self.named)]
 
-    def _asked_for(self, found: Finding) -> bool:
-        """Whether ``found`` is the prediction layer's ``blowup`` while the loss asks for a larger output (learning).
-
-        The last module in forward order feeds the loss: its ``pull``, ``sum(y * dL/dy)``, is the
-        loss's derivative in the scale of its output; below 0 the loss wants it larger. A layer
-        named already stays named while it is out.
-        """
-        if found.problem != "blowup" or found.row in self.named or not self.pulls.get(found.row, 0.0) < 0:
-            return False
-        return found.row == max(self.levels, key=lambda row: self.depth.get(row, 0))
+    def _last(self) -> str | None:
+        """The last module in forward order whose outputs are judged at the step (the loss's side), or None."""
+        return max(self.levels, key=lambda row: self.depth.get(row, 0)) if self.levels else None
 
     def _level_agrees(self, found: Finding) -> bool:
         """Whether a module's own outputs moved the way its gain did, at least ``AGREE`` as far (from their median).
@@ -303,7 +297,7 @@ class Judge:
         outputs = [f for f in fresh if f.problem in OUTPUT_PROBLEMS]
         if outputs:
             first = min(outputs, key=lambda f: self.depth.get(f.layer, 0))
-            return self._leaning(first) or first.layer
+            return overshot(outputs, self._last(), self.pulls) or self._leaning(first) or first.layer
         backward = [f for f in fresh if f.figure == BACKWARD]
         if backward:  # the first module the backward pass reached whose output gradient went out
             return max(backward, key=lambda f: self.depth.get(f.layer, 0)).layer
