@@ -17,7 +17,8 @@ import {thresholdToggle} from "./thresholds.js";
 const PLUGIN = "lightning_hooks_layers";
 const TITLES = {std: "activation std", zero_fraction: "zero fraction (dead units)",
                 nonfinite_fraction: "non-finite fraction", norm: "gradient norm",
-                log10_ratio: "log10 update / parameter ratio"};
+                log10_ratio: "log10 update / parameter ratio",
+                pull: "the loss's pull on the prediction layer's scale, sum(y·dL/dy): below 0 it asks for larger outputs"};
 const state = {answers: [], data: {}, groups: {}, open: {}, bannerOpen: {}, baseline: {}, filter: "", focus: null,
                thresholds: {}, defaults: {}, problems: {}, hosted: false, loading: null, tbRuns: null};
 let tip = null;
