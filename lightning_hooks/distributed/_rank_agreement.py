@@ -76,10 +76,10 @@ class HostTransfer:
         """
         if self._ready is not None:
             self._ready.synchronize()
-        host = self._host.cpu()
+        on_host = self._host.cpu()
         if len(self._sizes) == 1 and self._sizes[0][0] not in arrays:  # the usual step, one part: no numpy view
-            return {self._sizes[0][0]: host.tolist()}
-        host = host.numpy()
+            return {self._sizes[0][0]: on_host.tolist()}
+        host = on_host.numpy()
         out, start = {}, 0
         for name, size in self._sizes:
             piece = host[start : start + size]
