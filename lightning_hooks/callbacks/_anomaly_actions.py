@@ -92,7 +92,7 @@ class AnomalyActions(FigureListener, GradientCheck):
                 check: Check) -> None:
         """Count the step at its first evaluation, or at a later one that finds it anomalous (LBFGS)."""
         check = self._watch.conclude(trainer, step, check)
-        self._flags = tuple(name for name, on in check.flags.items() if on)
+        self._flags = tuple(name for name, on in check.flags.items() if on) if check.anomalous else ()
         step_now = (id(optimizer), trainer.global_step)
         if self._evaluation != 1 or self._decided_for != step_now:  # not right after a late read decided for it
             self._dropper.new_evaluation(first=self._evaluation == 1)
@@ -111,17 +111,19 @@ class AnomalyActions(FigureListener, GradientCheck):
                 check: Check) -> None:
         self.amp_overflows += bool(check.amp_overflow)
         self.anomalous_steps += check.anomalous
-        measured, update = moment(trainer).global_step, None if self._at_end else trainer.global_step
-        if self._rollback is not None and self._rollback.pass_over(measured):  # measured on a discarded state
-            self._settled = True
-            return
+        rollback = self._rollback
+        if rollback is not None:  # the step measured, and the update about to be made: read by the rollback alone
+            measured, update = moment(trainer).global_step, None if self._at_end else trainer.global_step
+            if rollback.pass_over(measured):  # measured on a discarded state
+                self._settled = True
+                return
         if not check.skipped:  # a step the scaler skipped says nothing: the streak stays
             self.streak = self.streak + 1 if check.anomalous else 0
         if self.prog_bar:
             self._show(trainer, pl_module, "anomaly_streak", self.streak)
         act = check.anomalous and self.streak > self.patience
-        if self._rollback is not None and not check.skipped:  # a step the scaler skipped leaves the count
-            self._rollback.decide(act, not check.anomalous, measured, update, trainer, pl_module)
+        if rollback is not None and not check.skipped:  # a step the scaler skipped leaves the count
+            rollback.decide(act, not check.anomalous, measured, update, trainer, pl_module)
         if not act:
             return
         if self.watch_after:  # the monitors log every step for a while

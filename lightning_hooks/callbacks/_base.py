@@ -141,12 +141,14 @@ class HookCallback(*CALLBACK_BASES):  # type: ignore[misc]  # the Callback of ea
 
     def _is_logged(self, trainer: pl.Trainer, every: int) -> bool:
         """Whether the step running now is logged at an interval of ``every`` (0: never), or watched closely."""
-        step = log_step(trainer)
-        return _is_logged_step(step, every) or (every > 0 and step <= self._watched_until)
+        return self._logs_at(log_step(trainer), every)
 
     def _is_logged_next(self, trainer: pl.Trainer, every: int) -> bool:
         """Whether the step after the one running now is logged (see :meth:`_is_logged`)."""
-        step = log_step(trainer) + 1
+        return self._logs_at(log_step(trainer) + 1, every)
+
+    def _logs_at(self, step: int, every: int) -> bool:
+        """Whether log step ``step`` is logged at an interval of ``every`` (0: never), or watched closely."""
         return _is_logged_step(step, every) or (every > 0 and step <= self._watched_until)
 
     @property

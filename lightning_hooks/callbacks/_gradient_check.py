@@ -194,15 +194,17 @@ class GradientCheck(HookCallback):
         """Note the micro-batch (and keep the batch, to save it) until its optimizer step."""
         if len(self._micro_batches) >= trainer.accumulate_grad_batches:  # no step came (manual optimization)
             self._new_step()
-        self._trace.mark()
+        if self.provenance:  # the trace's micro-batches, and its hooks' gate: with provenance alone
+            self._trace.mark()
+            self._collecting = True
         self._micro_batches.append((batch_idx, batch if self.dirpath is not None else None))
-        self._collecting = self.provenance
 
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         """Close the gate; drop the step's batches once its optimizer step is done."""
-        self._collecting = False
+        if self._gate or self._gated:  # open with provenance alone
+            self._collecting = False
         if self._stepped:
             self._new_step()
 

@@ -46,7 +46,9 @@ def log_step(trainer: pl.Trainer) -> int:
         if late is not None:
             return late.log_step
     loop = getattr(getattr(trainer, "fit_loop", None), "epoch_loop", None)
-    return int(getattr(loop, "_batches_that_stepped", trainer.global_step))
+    # Not `trainer.global_step` as getattr's default: it would be read (a chain of properties) at every call.
+    stepped = getattr(loop, "_batches_that_stepped", None)
+    return int(stepped) if stepped is not None else int(trainer.global_step)
 
 
 class Moment(NamedTuple):

@@ -236,7 +236,7 @@ class ActivationMonitor(HookCallback):
         step = log_step(trainer)
         if self._pending_step is not None and self._pending_step != step:
             self._flush(trainer, "train")  # an earlier step ended without an optimizer step
-        if "train" in self._blocks and self._is_logged(trainer, self._every):
+        if "train" in self._blocks and self._logs_at(step, self._every):
             if self._pending_step is None:
                 self._pending_global = trainer.global_step
             self._block, self._collecting, self._pending_step = self._blocks["train"], True, step
@@ -256,8 +256,10 @@ class ActivationMonitor(HookCallback):
         Flushing here rather than at the optimizer step keeps every forward of the batch in its
         step: closures re-run by LBFGS, several optimizers under manual optimization.
         """
-        # Logging every step, the hooks stay for the next one (the gate closed; see `_close_gate`).
-        self._close_gate(reopens="train" in self._blocks and self._is_logged_next(trainer, self._every))
+        # Logging every step, the hooks stay for the next one (the gate closed; see `_close_gate`). A step
+        # that never opened the gate has nothing to close: no look at the next step.
+        if self._gate or self._gated:
+            self._close_gate(reopens="train" in self._blocks and self._is_logged_next(trainer, self._every))
         if self._pending_step is not None and self._pending_global != trainer.global_step:
             self._flush(trainer, "train")
 

@@ -263,13 +263,13 @@ class GradientMonitor(GradientCheck):
 
     def _handle(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any, step: Step,
                 check: Check) -> None:
-        metrics = {f"anomalies/{name}": float(fired) for name, fired in check.flags.items()}
-        if check.amp_overflow is not None:
-            metrics["anomalies/amp_overflow"] = float(check.amp_overflow)
-        raised = any(metrics.values())
+        raised = check.anomalous or bool(check.amp_overflow)  # a flag or the scaler's overflow: what is logged as 1
         # Flags go out on logged steps, and whenever one is raised or was at the step before (so
-        # the plot comes back down where it did): no logger call on a quiet step.
+        # the plot comes back down where it did): no logger call, and no dict of them, on a quiet step.
         if self._logged or raised or self._raised:
+            metrics = {f"anomalies/{name}": float(fired) for name, fired in check.flags.items()}
+            if check.amp_overflow is not None:
+                metrics["anomalies/amp_overflow"] = float(check.amp_overflow)
             figures: list[ScalarBlock] = []
             if self._logged:
                 totals, figures = self._rows.metrics(trainer, check, self._histograms)

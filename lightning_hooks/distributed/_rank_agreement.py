@@ -76,7 +76,10 @@ class HostTransfer:
         """
         if self._ready is not None:
             self._ready.synchronize()
-        host = self._host.cpu().numpy()
+        on_host = self._host.cpu()
+        if len(self._sizes) == 1 and self._sizes[0][0] not in arrays:  # the usual step, one part: no numpy view
+            return {self._sizes[0][0]: on_host.tolist()}
+        host = on_host.numpy()
         out, start = {}, 0
         for name, size in self._sizes:
             piece = host[start : start + size]
@@ -258,8 +261,9 @@ class Agreed:
             anomalous = any(flags.values())
             if remember and not anomalous and not unsure and step.params:
                 detector.remember(step.figures.group_norms, step.key)
-            extra = {name: host[f"{i}/{name}"] for name in self.extras[i]}
-            summed = {name: host[f"vote/{i}/{name}"] for name in (self.own_votes[i] if self.own_votes else [])}
+            names, mine = self.extras[i], self.own_votes[i] if self.own_votes else None
+            extra = {name: host[f"{i}/{name}"] for name in names} if names else {}
+            summed = {name: host[f"vote/{i}/{name}"] for name in mine} if mine else {}
             checks.append(Check(dict(flags), None, norms, anomalous, extra, not step.params, unsure, summed))
         return checks
 

@@ -77,6 +77,14 @@ def _amp_overflow(trainer: pl.Trainer, optimizer: Any, device: torch.device) -> 
     return torch.stack([f.to(device) for f in found]).sum() > 0 if found else None
 
 
+def _index(optimizers: Sequence[Any], optimizer: Any) -> int:
+    """Where ``optimizer`` is in ``optimizers`` (by identity), 0 if it is not there; a loop, no generator frame."""
+    for i, opt in enumerate(optimizers):
+        if opt is optimizer:
+            return i
+    return 0
+
+
 @dataclass
 class Step:
     """One optimizer step's figures, still on device."""
@@ -127,7 +135,7 @@ def measure_step(trainer: pl.Trainer, optimizer: Any, detectors: Sequence[Anomal
     device = params[0].device if params else trainer.strategy.root_device
     overflow = _amp_overflow(trainer, optimizer, device) if params else None  # may unscale (in place): first
     figures = gradient_figures(grads, sizes, device=device, exact=exact, shards=shard_groups(params))
-    key = next((i for i, opt in enumerate(trainer.optimizers) if opt is optimizer), 0)
+    key = _index(trainer.optimizers, optimizer)
     if flags_on_host(trainer, detectors, figures, overflow):  # the flags follow from the norms, on the host
         return [Step(key, params, figures, None, None, None) for _ in detectors]
     unsure = torch.zeros((), device=device) if exact else torch.isinf(figures.measured).sum()

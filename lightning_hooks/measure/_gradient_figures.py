@@ -116,7 +116,6 @@ def _stacked(norms: list[Tensor], device: torch.device, dtype: Optional[torch.dt
     return stacked.to(device, dtype)
 
 
-@torch.no_grad()
 def gradient_figures(
     grads: Sequence[Tensor], group_sizes: Sequence[int], device: Optional[torch.device] = None,
     *, exact: bool = True, shards: Optional[ShardGroups] = None,
@@ -160,11 +159,21 @@ def gradient_figures(
         total_norm = figures.group_norms[-1]
 
     """
-    if any(size < 0 for size in group_sizes) or sum(group_sizes) != len(grads) or (
-        not grads and device is None
-    ):
+    if sum(group_sizes) != len(grads) or min(group_sizes, default=0) < 0 or (not grads and device is None):
         raise ValueError(f"`group_sizes` {list(group_sizes)} must add up to the {len(grads)} gradients")
-    device = grads[0].device if device is None else device
+    # Not `torch.no_grad()` as a decorator: its Python frames (a context object made at each call) run at
+    # every optimizer step, right after the backward pass has evicted them from the caches.
+    enabled = torch.is_grad_enabled()
+    torch._C._set_grad_enabled(False)
+    try:
+        return _figures(grads, group_sizes, grads[0].device if device is None else device, exact, shards)
+    finally:
+        torch._C._set_grad_enabled(enabled)
+
+
+def _figures(grads: Sequence[Tensor], group_sizes: Sequence[int], device: torch.device, exact: bool,
+             shards: Optional[ShardGroups]) -> GradientFigures:
+    """:func:`gradient_figures`, its arguments checked, under ``no_grad``."""
     parts = grads if shards is not None and not shards.distributed else [local(g) for g in grads]
     found, narrow = _foreach_norms(parts, 2.0)
     sharded = shards is not None and shards.sharded

@@ -131,13 +131,17 @@ class AnomalyDetector:
         check_int("window", self.window, high=MAX_WINDOW)
         self._history: dict[int, Tensor] = {}
         self._seen: dict[int, int] = {}
+        # Read at every step by both gradient callbacks: made once (the settings are fixed once validated).
+        exploding = self.norm_threshold is not None or self.relative_threshold is not None
+        enabled = (self.check_finite, exploding, self.min_norm is not None)
+        self._enabled = tuple(name for name, on in zip(FLAG_NAMES, enabled) if on)
+        self._shares = None if self.relative_threshold is not None else (
+            self.check_finite, self.norm_threshold, self.min_norm)
 
     @property
     def enabled_flags(self) -> tuple[str, ...]:
         """The flags these settings can raise."""
-        exploding = self.norm_threshold is not None or self.relative_threshold is not None
-        enabled = (self.check_finite, exploding, self.min_norm is not None)
-        return tuple(name for name, on in zip(FLAG_NAMES, enabled) if on)
+        return self._enabled
 
     @property
     def shares_flags(self) -> Optional[tuple[Any, ...]]:
@@ -145,9 +149,7 @@ class AnomalyDetector:
 
         Two detectors with the same value flag the same figures alike: a step computes their flags once.
         """
-        if self.relative_threshold is not None:
-            return None
-        return (self.check_finite, self.norm_threshold, self.min_norm)
+        return self._shares
 
     def flags(self, figures: GradientFigures, key: int = 0) -> Tensor:
         """:func:`anomaly_flags` for one optimizer (``key``) against its running median."""
