@@ -27,7 +27,6 @@ from torch.utils.hooks import RemovableHandle
 
 from lightning_hooks.callbacks._step_copies import step_copies
 from lightning_hooks.measure import _update_passes as update_passes
-from lightning_hooks.measure._sharding import local
 
 
 class UpdateNorms:
@@ -74,9 +73,8 @@ class UpdateNorms:
         copies.release(self, keep=True)  # the list keeps them alive; alone, they are this hook's to change
         if all(p.grad is None for p in params):  # GradientAnomalyStopping dropped it: no update made
             return
-        after = [local(p).detach() for p in params]
         # Every step holds: chain the copy where it is worth it (small tensors copy in one op, cheaper
         # than the C pass's views).
-        squares = copies.update_squares(params, after, before, alone, chain=not update_passes.small(after))
+        squares = copies.update_squares(params, before, alone, chain=not update_passes.small(params))
         norm = squares.sum().sqrt()
         self._norms[key] = torch.where(norm > 0, norm, math.nan)  # nothing moved (an LBFGS step undone): no update
