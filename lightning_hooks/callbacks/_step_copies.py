@@ -195,10 +195,12 @@ class StepCopies:
         if chain and alone:
             keys = list(map(id, params))
             record = self._plan(params, keys, before)
-            found = record.plan.run() if record is not None else None
-            if found is not None:
-                self._chain(record, found[1])  # type: ignore[union-attr]
-                return found[0]
+            if record is not None:
+                versions = [p._version for p in params]  # read here, while the plan's check left them in cache
+                found = record.plan.run()
+                if found is not None:
+                    self._chain(record, found[1], versions)
+                    return found[0]
         return update_passes.update_squares([local(p).detach() for p in params], before, in_place=alone)
 
     def _plan(self, params: Sequence[Tensor], keys: list[int], before: Sequence[Tensor]) -> Optional[Chain]:
@@ -214,14 +216,17 @@ class StepCopies:
         self._last = Chain(list(params), keys, list(before), plan, [p.data_ptr() for p in params])
         return self._last
 
-    def _chain(self, record: Chain, sums: Tensor) -> None:
-        """Keep ``record``'s copies, each now holding its parameter, for the next hold (when they are spares)."""
+    def _chain(self, record: Chain, sums: Tensor, versions: list[int]) -> None:
+        """Keep ``record``'s copies, each now holding its parameter, for the next hold (when they are spares).
+
+        ``versions``: the parameters' version counters as the pass saw them.
+        """
         spares = self._spares
         if not all(map(operator.is_, map(spares.get, record.keys), record.copies)):
             return  # not kept (no holder's next step holds), or another reader's too
         for key in record.keys:
             del spares[key]
-        record.versions, record.sums = [p._version for p in record.params], sums
+        record.versions, record.sums = versions, sums
         if not any(r is record for r in self._chained):
             self._chained.append(record)
 

@@ -8,7 +8,7 @@ not copied again); the post-hook takes one multi-tensor norm of ``w_after - w_be
 go, keeping the copies' memory for the next step's copy (every step holds). On the CPU the norm
 is one pass over ``w_after`` and ``w_before`` that stores no update (``measure/_update_passes.py``)
 and, when this reader is the copies' last, also leaves ``w_after`` in them: the next step holds
-them without a copy where no parameter changed in between (``StepCopies.chain``). Elsewhere,
+them without a copy where no parameter changed in between (``StepCopies.update_squares``). Elsewhere,
 alone with its copies, it turns them into the update in place (no second buffer), and when
 another reader holds them too, the differences are made a batch at a time (at most 2^24 values
 more). Nothing leaves the device. The post-hook is put on at ``on_train_start``,
