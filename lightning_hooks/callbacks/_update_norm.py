@@ -26,7 +26,6 @@ from torch import Tensor
 from torch.utils.hooks import RemovableHandle
 
 from lightning_hooks.callbacks._step_copies import step_copies
-from lightning_hooks.measure import _update_passes as update_passes
 
 
 class UpdateNorms:
@@ -73,8 +72,6 @@ class UpdateNorms:
         copies.release(self, keep=True)  # the list keeps them alive; alone, they are this hook's to change
         if all(p.grad is None for p in params):  # GradientAnomalyStopping dropped it: no update made
             return
-        # Every step holds: chain the copy where it is worth it (small tensors copy in one op, cheaper
-        # than the C pass's views).
-        squares = copies.update_squares(params, before, alone, chain=not update_passes.small(params))
+        squares = copies.update_squares(params, before, alone, chain=True)  # every step holds: chain the copy
         norm = squares.sum().sqrt()
         self._norms[key] = torch.where(norm > 0, norm, math.nan)  # nothing moved (an LBFGS step undone): no update
