@@ -130,3 +130,24 @@ def test_a_weight_tied_into_two_rows_is_not_chained_and_gives_the_unbatched_figu
     got = _run(tied, 4, alone=True)
     assert got == expected and all(len(step) == 49 for step in got)
     assert copied.chained == 0 and copied.per_hold == [sum(p.numel() for p in _params())] * 4
+
+
+@pytest.mark.skipif(passes.cupdate is None, reason="chained by the C passes only")
+def test_a_reader_in_another_order_gets_its_squares_in_its_order_after_every_chained_parameter_changed(monkeypatch):
+    monkeypatch.setattr(passes, "NATIVE_PASSES", True)
+    gen = torch.Generator().manual_seed(0)
+    params = [torch.randn(5 + i, generator=gen) for i in range(4)]
+    shared = StepCopies()
+    shared.hold("a", params, squares=True)
+    before = shared.copies("a")
+    shared.release("a", keep=True)
+    for p in params:
+        p.add_(1.0)  # the step
+    shared.update_squares(params, before, alone=True, chain=True)
+    assert shared._chained  # the copies hold the parameters as they are now
+    for p in params:
+        p.mul_(2.0)  # every one changed since: each copied afresh, into the chained copies' memory
+    shared.hold("b", params[::-1], squares=True)
+    expected = [p.double().square().sum().item() for p in params[::-1]]
+    assert shared.squares("b").tolist() == pytest.approx(expected, rel=1e-12)
+    assert all(torch.equal(c, p) for c, p in zip(shared.copies("b"), params[::-1]))

@@ -134,11 +134,11 @@ class StepCopies:
         whole = len(missing) == len(keys)  # every one missing, each once: a tensor of sums may be in its order
         sums = self._take_chained(missing) if self._chained else None
         if missing:
+            whole = whole and list(missing) == keys  # (a changed chained copy puts its key back: in its order)
             made, sums = copies_of(list(missing.values()), [self._spares.pop(key, None) for key in missing], squares)
             copies.update(zip(missing, made))
             if sums is not None:
                 self._squares.update(zip(missing, zip(repeat(sums), range(len(missing)))))
-            whole = whole and len(missing) == len(keys)
         self._held[holder] = _Held(list(params), keys, set(keys), sums if whole else None)
         if squares and (sums is None or not whole):
             unsummed = [key for key in keys if key not in self._squares]
