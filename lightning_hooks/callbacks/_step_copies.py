@@ -90,7 +90,7 @@ def copies_of(params: Sequence[Tensor], spares: Sequence[Optional[Tensor]],
 class _Held:
     """What one holder holds: its parameters in its order, their ids, and their copies' squares if in one tensor."""
 
-    params: list[Tensor]
+    params: list[Tensor]  # kept alive while held: their ids key the copies
     keys: list[int]
     keyset: set[int]
     sums: Optional[Tensor]  # the squares of its copies in its order, where one hold found them together
