@@ -33,6 +33,7 @@ Usage::
     python benchmarks/update_ratio.py                 # 5 rounds of 10 steps each
     python benchmarks/update_ratio.py --rounds 3 --steps 5
     python benchmarks/update_ratio.py --depth 100 --width 64   # many small parameters
+    python benchmarks/update_ratio.py --depth 1000 --width 16 --rounds 3   # 2,000 tensors
     python benchmarks/update_ratio.py --fit --rounds 3 --steps 12
 """
 

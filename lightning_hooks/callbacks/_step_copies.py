@@ -20,16 +20,22 @@ holder keeps (each released with ``keep=False``: a step nobody measures comes, o
 the spares are freed, so the steps between a sparse logger's hold no copy.
 
 A copy kept as a spare may also be *chained*: its last reader, alone with it after the step,
-overwrote it with the parameters as the step left them (``chain_squares_``: the update's norm
-and that copy in one pass, on the CPU) and said so (:meth:`~StepCopies.chain`). The next
-:meth:`~StepCopies.hold` then copies nothing for a parameter that has not changed since: one whose
-version counter (``param._version``, raised by every in-place op on it or a view, under
-``no_grad`` too: a rollback's ``copy_``, ``load_state_dict``, another callback's rewrite) and
-storage (``data_ptr``, held alive by the record so no other tensor can take its address: a
-``p.data = x``) are those the chain saw. A parameter written through ``p.data`` in place
-(``p.data.clamp_()``; ``.data`` is a tensor with a version counter of its own), through a numpy
-view or its storage, is not seen: ``LIGHTNING_HOOKS_NATIVE=0`` turns chaining off with the C
-passes. Only plain, unsplit parameters are chained (not DTensors, nor FSDP1's flat shards).
+measured the update in the C pass that also overwrote the copy with the parameters as the step
+left them (:meth:`~StepCopies.update_squares`). The next :meth:`~StepCopies.hold` then copies
+nothing for a parameter that has not changed since: the same object, whose version counter
+(``param._version``, raised by every in-place op on it or a view, under ``no_grad`` too: a
+rollback's ``copy_``, ``load_state_dict``, another callback's rewrite), address (``data_ptr``,
+its memory held alive by the record so no other tensor can take it: a ``p.data = x``) and shape
+are those the pass saw. A parameter written through ``p.data`` in place (``p.data.clamp_()``;
+``.data`` is a tensor with a version counter of its own), through a numpy view or its storage,
+is not seen: ``LIGHTNING_HOOKS_NATIVE=0`` turns chaining off with the C passes. Only plain,
+unsplit parameters are chained (not DTensors, nor FSDP1's flat shards), and only when every
+parameter the reader measures is one, each given once.
+
+Many small parameters: a reader holding the same parameters at every step (the record of the
+last chained pass, :class:`~lightning_hooks.callbacks._step_chain.Chain`, kept from step to step)
+costs list operations done in C, not Python work per parameter: the checks compare lists of ids,
+version counters, addresses and shapes, and the C pass's views of the tensors are made once.
 
 The step post-hooks run in the order they were put on: a reader that must see the update
 UpdateTransform made puts its post-hook on after ``on_fit_start`` (UpdateTransform's).
@@ -37,15 +43,19 @@ UpdateTransform made puts its post-hook on after ``on_fit_start`` (UpdateTransfo
 
 from __future__ import annotations
 
+import operator
 import weakref
 from collections.abc import Hashable, Sequence
-from typing import Any, NamedTuple, Optional
+from dataclasses import dataclass
+from itertools import repeat
+from typing import Any, Optional
 
 import torch
 from torch import Tensor
 
+from lightning_hooks.callbacks._step_chain import Chain, chainable
 from lightning_hooks.measure import _update_passes as update_passes
-from lightning_hooks.measure._sharding import SHARD_GROUP_ATTRIBUTE, local
+from lightning_hooks.measure._sharding import local
 
 _BY_OPTIMIZER: weakref.WeakKeyDictionary[Any, StepCopies] = weakref.WeakKeyDictionary()
 
@@ -76,47 +86,40 @@ def copies_of(params: Sequence[Tensor], spares: Sequence[Optional[Tensor]],
     return copies, update_passes.copy_squares_(copies, parts, squares)
 
 
-class _Chained(NamedTuple):
-    """A spare that holds its parameter as it was when :meth:`StepCopies.chain` was told."""
+@dataclass
+class _Held:
+    """What one holder holds: its parameters in its order, their ids, and their copies' squares if in one tensor."""
 
-    param: Tensor
-    storage: Tensor  # a view of the parameter's memory then: keeps its address from being taken by another tensor
-    version: int
-    sums: Tensor  # the squares of the copy, summed as it was written: ``sums[index]``
-    index: int
-
-    def holds(self, param: Tensor) -> bool:
-        """Whether ``param`` has not changed since (same object, no in-place op, same memory)."""
-        return (param is self.param and param._version == self.version
-                and param.data_ptr() == self.storage.data_ptr() and param.shape == self.storage.shape)
-
-
-_PLAIN = (torch.nn.Parameter, Tensor)  # a DTensor parameter is of type DTensor; FSDP1's FlatParameter a subclass
-
-
-def _chainable(param: Tensor) -> bool:
-    """Whether a copy of ``param`` may be chained: a plain tensor, whole on this rank (FSDP1 splits none of it)."""
-    return type(param) in _PLAIN and not hasattr(param, SHARD_GROUP_ATTRIBUTE)
+    params: list[Tensor]  # kept alive while held: their ids key the copies
+    keys: list[int]
+    keyset: set[int]
+    sums: Optional[Tensor]  # the squares of its copies in its order, where one hold found them together
 
 
 class StepCopies:
-    """The parameters of one optimizer as they were before its step, one copy each, held by readers."""
+    """The parameters of one optimizer as they were before its step, one copy each, held by readers.
+
+    The common case, one reader holding the same parameters at every step, costs no Python work
+    per parameter beyond list operations done in C (ids, version counters, addresses compared as
+    lists); sharing between readers, and a parameter changed between steps, take the general path.
+    """
 
     def __init__(self) -> None:
         self._copies: dict[int, Tensor] = {}  # by id of parameter
-        self._holders: dict[int, set[Hashable]] = {}  # by id of parameter: who holds its copy
-        self._held: dict[Hashable, list[Tensor]] = {}  # by holder: its parameters, in its order
+        self._held: dict[Hashable, _Held] = {}  # by holder
         self._spares: dict[int, Tensor] = {}  # by id of parameter: a released copy's memory, for the next hold
         self._keepers: set[Hashable] = set()  # the holders whose next step holds again
         self._squares: dict[int, tuple[Tensor, int]] = {}  # by id of parameter: (sums, index) of its copy's squares
-        self._chained: dict[int, _Chained] = {}  # by id of parameter: a spare that holds it as it is (see chain)
+        self._chained: list[Chain] = []  # spares holding their parameters as they are (see update_squares)
+        self._last: Optional[Chain] = None  # the last chained pass's record: its plan serves the next one
 
     @torch.no_grad()
     def hold(self, holder: Hashable, params: Sequence[Tensor], squares: bool = False) -> None:
         """Keep ``params`` as they are now for ``holder`` until it releases them (copying those not yet held).
 
         A holder holds one step at a time: what it held before is released first. A copy is made
-        into a spare's memory where one is kept for that parameter.
+        into a spare's memory where one is kept for that parameter, and none where a chained
+        spare holds its parameter unchanged.
 
         Args:
             holder: The reader.
@@ -125,71 +128,107 @@ class StepCopies:
                 are copied (in the same read on the CPU), or from a copy another holder made.
         """
         self.release(holder, keep=holder in self._keepers)
-        missing = {id(param): param for param in params if id(param) not in self._copies}
-        if self._chained:
-            self._take_chained(missing)
-        made, sums = copies_of(list(missing.values()), [self._spares.pop(key, None) for key in missing], squares)
-        self._copies.update(zip(missing, made))
-        if sums is not None:
-            self._squares.update((key, (sums, i)) for i, key in enumerate(missing))
-        for param in params:
-            self._holders.setdefault(id(param), set()).add(holder)
-        self._held[holder] = list(params)
-        unsummed = [id(param) for param in params if id(param) not in self._squares]
-        if squares and unsummed:
-            sums = update_passes.squares([self._copies[key] for key in unsummed])
-            self._squares.update((key, (sums, i)) for i, key in enumerate(unsummed))
+        keys = list(map(id, params))
+        copies = self._copies
+        missing = {k: p for k, p in zip(keys, params) if k not in copies} if copies else dict(zip(keys, params))
+        whole = len(missing) == len(keys)  # every one missing, each once: a tensor of sums may be in its order
+        sums = self._take_chained(missing) if self._chained else None
+        if missing:
+            whole = whole and list(missing) == keys  # (a changed chained copy puts its key back: in its order)
+            made, sums = copies_of(list(missing.values()), [self._spares.pop(key, None) for key in missing], squares)
+            copies.update(zip(missing, made))
+            if sums is not None:
+                self._squares.update(zip(missing, zip(repeat(sums), range(len(missing)))))
+        self._held[holder] = _Held(list(params), keys, set(keys), sums if whole else None)
+        if squares and (sums is None or not whole):
+            unsummed = [key for key in keys if key not in self._squares]
+            if unsummed:
+                found = update_passes.squares([copies[key] for key in unsummed])
+                self._squares.update(zip(unsummed, zip(repeat(found), range(len(unsummed)))))
 
-    def _take_chained(self, missing: dict[int, Tensor]) -> None:
-        """Hold the chained spares of ``missing``'s unchanged parameters as they are (taken out of ``missing``)."""
-        for key, param in list(missing.items()):
-            chained = self._chained.pop(key, None)
-            if chained is not None and chained.holds(param):
-                self._copies[key] = self._spares.pop(key)
-                self._squares[key] = chained.sums, chained.index
-                del missing[key]
+    def _take_chained(self, missing: dict[int, Tensor]) -> Optional[Tensor]:
+        """Hold the chained spares of ``missing``'s unchanged parameters (taken out of ``missing``).
 
-    def chain(self, params: Sequence[Tensor], copies: Sequence[Tensor], sums: Tensor,
-              views: Sequence[Tensor]) -> None:
-        """Say that each of ``copies``, a spare now, was just overwritten with its parameter as it is.
-
-        Called by the last reader of a step's copies after the step, alone with them, once it has
-        written each parameter into its copy (``sums``: each one's squares, as the copy summed
-        them). The next :meth:`hold` of a parameter that has not changed since copies nothing.
-        A copy that is not its parameter's spare, or whose parameter cannot be chained (a
-        DTensor, FSDP1's flat shards), is left as any spare.
-
-        Args:
-            params: The parameters.
-            copies: Their copies, each now holding its parameter's values.
-            sums: Each copy's sum of squares (float64), in this order.
-            views: A detached view of each parameter (``param.detach()``), kept with the record:
-                its memory stays allocated, so no other tensor can take its address.
+        Returns the squares of the copies when one record held them all, in ``missing``'s order.
         """
-        for i, (param, copy) in enumerate(zip(params, copies)):
-            if self._spares.get(id(param)) is copy and _chainable(param):
-                self._chained[id(param)] = _Chained(param, views[i], param._version, sums, i)
+        keys = list(missing)
+        for record in self._chained:
+            if record.keys == keys and record.unchanged():  # the common case: at C speed
+                self._chained.remove(record)
+                self._copies.update(zip(keys, record.copies))
+                self._squares.update(zip(keys, zip(repeat(record.sums), range(len(keys)))))
+                missing.clear()
+                return record.sums
+        for record in list(self._chained):
+            left = []
+            for i, key in enumerate(record.keys):
+                param = missing.pop(key, None)
+                if param is None:
+                    left.append(i)
+                elif record.holds(i, param):
+                    self._copies[key], self._squares[key] = record.copies[i], (record.sums, i)
+                else:
+                    missing[key] = param  # changed: copied again, into this memory
+                    self._spares[key] = record.copies[i]
+            if len(left) < len(record.keys):
+                self._chained.remove(record)
+                if left:
+                    self._chained.append(record.part(left))
+        return None
 
-    def update_squares(self, params: Sequence[Tensor], after: Sequence[Tensor], before: Sequence[Tensor],
-                       alone: bool, chain: bool) -> Tensor:
+    def update_squares(self, params: Sequence[Tensor], before: Sequence[Tensor], alone: bool, chain: bool) -> Tensor:
         """Each parameter's ``||w_after - w_before||²`` (float64), its copies chained where asked and safe.
 
+        Chained: on the CPU, one pass sums the update's squares and writes ``w_after`` into the
+        copies, summing its squares; the next :meth:`hold` of a parameter that has not changed
+        since (the same object, version counter, address and shape) copies nothing. Only when
+        every parameter is plain and whole on this rank (not a DTensor, nor FSDP1's flat shards),
+        each given once, and the copies are spares nobody else holds.
+
         Args:
-            params: The parameters, as held.
-            after: A detached view of each (``w_after``, this rank's part).
+            params: The parameters, as held (``w_after`` now).
             before: Their copies (``w_before``), spares now.
             alone: The copies are the caller's alone: they may be overwritten (with the update,
                 or with ``w_after``).
-            chain: The next step holds these parameters again: with ``alone``, on the CPU the
-                update's norm is taken in the pass that leaves ``w_after`` in the copies, and
-                :meth:`chain` is told. Not for a parameter given twice (one copy, written twice).
+            chain: The next step holds these parameters again: with ``alone``, chain the copies.
         """
-        if chain and alone and len({id(p) for p in params}) == len(params):
-            chained = update_passes.chain_squares_(after, before)  # None where the C passes cannot take them all
-            if chained is not None:
-                self.chain(params, before, chained[1], after)
-                return chained[0]
-        return update_passes.update_squares(after, before, in_place=alone)
+        if chain and alone:
+            keys = list(map(id, params))
+            record = self._plan(params, keys, before)
+            if record is not None:
+                versions = [p._version for p in params]  # read here, while the plan's check left them in cache
+                found = record.plan.run()
+                if found is not None:
+                    self._chain(record, found[1], versions)
+                    return found[0]
+        return update_passes.update_squares([local(p).detach() for p in params], before, in_place=alone)
+
+    def _plan(self, params: Sequence[Tensor], keys: list[int], before: Sequence[Tensor]) -> Optional[Chain]:
+        """The record whose plan chains ``params`` into ``before``: the last one where it fits, else a new one."""
+        last = self._last
+        if last is not None and last.runs_on(keys, before, params):
+            return last
+        if len(set(keys)) < len(keys) or not all(map(chainable, params)):
+            return None  # a parameter given twice (one copy, written twice), or sharded
+        plan = update_passes.ChainPlan.of([p.detach() for p in params], before)
+        if plan is None:
+            return None
+        self._last = Chain(list(params), keys, list(before), plan, [p.data_ptr() for p in params])
+        return self._last
+
+    def _chain(self, record: Chain, sums: Tensor, versions: list[int]) -> None:
+        """Keep ``record``'s copies, each now holding its parameter, for the next hold (when they are spares).
+
+        ``versions``: the parameters' version counters as the pass saw them.
+        """
+        spares = self._spares
+        if not all(map(operator.is_, map(spares.get, record.keys), record.copies)):
+            return  # not kept (no holder's next step holds), or another reader's too
+        for key in record.keys:
+            del spares[key]
+        record.versions, record.sums = versions, sums
+        if not any(r is record for r in self._chained):
+            self._chained.append(record)
 
     def holds(self, holder: Hashable) -> bool:
         """Whether ``holder`` holds copies now."""
@@ -197,22 +236,28 @@ class StepCopies:
 
     def copies(self, holder: Hashable) -> list[Tensor]:
         """``holder``'s copies, in the order it gave the parameters."""
-        return [self._copies[id(param)] for param in self._held[holder]]
+        return list(map(self._copies.__getitem__, self._held[holder].keys))
 
     def squares(self, holder: Hashable) -> Tensor:
         """The sum of squares of each of ``holder``'s copies as they were made (float64), in its order.
 
         Only for a holder that asked for them (``hold(..., squares=True)``).
         """
-        found = [self._squares[id(param)] for param in self._held[holder]]
+        held = self._held[holder]
+        if held.sums is not None:
+            return held.sums  # the common case: one hold found them all, in this order
+        found = [self._squares[key] for key in held.keys]
         sums = found[0][0] if found else None
         if sums is not None and len(sums) == len(found) and all(s is sums and i == j for j, (s, i) in enumerate(found)):
-            return sums  # the common case: one hold copied them all, in this order
+            return sums
         return torch.stack([s[i] for s, i in found]) if found else torch.zeros(0, dtype=torch.float64)
 
     def exclusive(self, holder: Hashable) -> bool:
         """Whether no other holder holds any of ``holder``'s copies (then it may change them in place)."""
-        return all(self._holders[id(param)] == {holder} for param in self._held.get(holder, ()))
+        held = self._held.get(holder)
+        if held is None or len(self._held) == 1:
+            return True
+        return all(held.keyset.isdisjoint(other.keyset) for other in self._held.values() if other is not held)
 
     def release(self, holder: Hashable, keep: bool = False) -> None:
         """Let go of ``holder``'s copies (if it holds any) and say whether its next step holds again.
@@ -226,18 +271,21 @@ class StepCopies:
             self._keepers.add(holder)
         else:
             self._keepers.discard(holder)
-        for key in {id(param) for param in self._held.pop(holder, ())}:  # once each: a tied one may be held twice
-            holders = self._holders[key]
-            holders.discard(holder)
-            if not holders:
-                del self._holders[key]
-                copy = self._copies.pop(key)
-                self._squares.pop(key, None)  # a copy changed in place by its last reader: no longer its sum
-                if self._keepers:
-                    self._spares[key] = copy
+        held = self._held.pop(holder, None)
+        if held is not None:
+            freed = held.keyset.difference(*(other.keyset for other in self._held.values()))
+            if len(freed) == len(self._copies):  # nobody holds any copy now (one holder: the common case)
+                gone, self._copies, self._squares = self._copies, {}, {}
+            else:  # a copy changed in place by its last reader no longer has its sum: dropped with it
+                gone = {key: self._copies.pop(key) for key in freed}
+                for key in freed:
+                    self._squares.pop(key, None)
+            if self._keepers:
+                self._spares.update(gone)
         if not self._keepers:
             self._spares.clear()
             self._chained.clear()
+            self._last = None
 
     @property
     def numel(self) -> int:
@@ -246,5 +294,6 @@ class StepCopies:
 
     @property
     def spare_numel(self) -> int:
-        """How many elements of released copies are kept for the next hold."""
-        return sum(spare.numel() for spare in self._spares.values())
+        """How many elements of released copies are kept for the next hold (chained ones included)."""
+        return (sum(spare.numel() for spare in self._spares.values())
+                + sum(copy.numel() for record in self._chained for copy in record.copies))

@@ -8,7 +8,7 @@ not copied again); the post-hook takes one multi-tensor norm of ``w_after - w_be
 go, keeping the copies' memory for the next step's copy (every step holds). On the CPU the norm
 is one pass over ``w_after`` and ``w_before`` that stores no update (``measure/_update_passes.py``)
 and, when this reader is the copies' last, also leaves ``w_after`` in them: the next step holds
-them without a copy where no parameter changed in between (``StepCopies.chain``). Elsewhere,
+them without a copy where no parameter changed in between (``StepCopies.update_squares``). Elsewhere,
 alone with its copies, it turns them into the update in place (no second buffer), and when
 another reader holds them too, the differences are made a batch at a time (at most 2^24 values
 more). Nothing leaves the device. The post-hook is put on at ``on_train_start``,
@@ -26,8 +26,6 @@ from torch import Tensor
 from torch.utils.hooks import RemovableHandle
 
 from lightning_hooks.callbacks._step_copies import step_copies
-from lightning_hooks.measure import _update_passes as update_passes
-from lightning_hooks.measure._sharding import local
 
 
 class UpdateNorms:
@@ -74,9 +72,6 @@ class UpdateNorms:
         copies.release(self, keep=True)  # the list keeps them alive; alone, they are this hook's to change
         if all(p.grad is None for p in params):  # GradientAnomalyStopping dropped it: no update made
             return
-        after = [local(p).detach() for p in params]
-        # Every step holds: chain the copy where it is worth it (small tensors copy in one op, cheaper
-        # than the C pass's views).
-        squares = copies.update_squares(params, after, before, alone, chain=not update_passes.small(after))
+        squares = copies.update_squares(params, before, alone, chain=True)  # every step holds: chain the copy
         norm = squares.sum().sqrt()
         self._norms[key] = torch.where(norm > 0, norm, math.nan)  # nothing moved (an LBFGS step undone): no update

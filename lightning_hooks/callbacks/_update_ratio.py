@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import math
-from typing import Any, Optional
+import operator
+from itertools import repeat
+from typing import Any, NamedTuple, Optional
 
 import lightning.pytorch as pl
 import torch
@@ -39,14 +41,19 @@ class UpdateRatio:
     When the next step is measured too (``take(..., next_measured=True)``) and this reader is the
     copies' last, on the CPU the update's norm is taken in the pass that also writes ``w_after``
     into the copy (summing its squares): the next step holds that copy as it is when no parameter
-    changed in between (see :meth:`StepCopies.chain
-    <lightning_hooks.callbacks._step_copies.StepCopies.chain>`), three passes a step instead of
-    four, with the same figures.
+    changed in between (see :meth:`StepCopies.update_squares
+    <lightning_hooks.callbacks._step_copies.StepCopies.update_squares>`), three passes a step instead of
+    four, with the same figures. The rows' names and tags are made once per list of rows, and a
+    step where every parameter has its gradient and every row a ratio checks that in C-level list
+    operations: many small parameters cost little more than their copy and norm.
     """
 
     def __init__(self, norms: bool = False) -> None:
         self.norms = norms  # also the update's norm and, where the optimizer keeps them, Adam's moments' norms
         self._rows: Rows = []
+        self._flat: list[Tensor] = []  # the rows' parameters, one after another
+        self._every = False  # every row of the rows given is held, each parameter with a gradient
+        self._layout: Optional[_Layout] = None  # the last rows' names and tags, made once
         self._next_measured = False  # the step after this one is measured too: chain its copy
         self._optimizer: Any = None  # the optimizer whose snapshot holds this step's parameters
         self._kept: dict[int, Any] = {}  # by id: the optimizers asked to keep their copies' memory for the next step
@@ -69,11 +76,19 @@ class UpdateRatio:
         """
         self.discard(keep=True)
         self._next_measured = next_measured
-        stepped = [Row(name, [p for p in params if grad_of(p) is not None]) for name, params in rows]
-        self._rows = [row for row in stepped if row.params]
+        flat = [p for _, params in rows for p in params]
+        layout = self._layout
+        if layout is None or layout.keys != list(map(id, flat)):
+            layout = self._layout = _Layout.of(rows, flat)
+        if layout.every_row and _all_present([p.grad for p in flat]):  # the common case: no check per parameter
+            self._rows, self._flat, self._every = rows, flat, True
+        else:
+            stepped = [Row(name, [p for p in params if grad_of(p) is not None]) for name, params in rows]
+            self._rows, self._every = [row for row in stepped if row.params], False
+            self._flat = [p for _, params in self._rows for p in params]
         if not self._rows:
             return
-        step_copies(optimizer).hold(self, [p for _, params in self._rows for p in params], squares=True)
+        step_copies(optimizer).hold(self, self._flat, squares=True)
         self._optimizer = optimizer
 
     def register(self, trainer: pl.Trainer) -> list[RemovableHandle]:
@@ -97,7 +112,7 @@ class UpdateRatio:
             step_copies(optimizer).release(self, keep)
         if not keep:
             self._kept.clear()
-        self._rows, self._optimizer = [], None
+        self._rows, self._flat, self._optimizer = [], [], None
 
     def forget(self) -> None:
         """Drop the snapshot and what was learnt of the parameters' layout (at the end of a fit)."""
@@ -114,33 +129,66 @@ class UpdateRatio:
         """
         if not self.pending or optimizer is not self._optimizer:
             return []
-        shared, rows = step_copies(optimizer), self._rows
+        shared, rows, flat, every = step_copies(optimizer), self._rows, self._flat, self._every
         before, weights, alone = shared.copies(self), shared.squares(self), shared.exclusive(self)
         self.discard(keep=True)  # the memory is freed at the batch's end unless the next step is measured
-        shards = self._shard_groups([p for _, params in rows for p in params])
+        shards = self._shard_groups(flat)
         if not to_host and not shards.sharded:
             return []
         moments = _moment_squares(optimizer, rows) if self.norms else None
-        flat = [p for _, params in rows for p in params]
-        deltas = shared.update_squares(flat, [local(p).detach() for p in flat], before, alone, self._next_measured)
+        grads = [p.grad for p in flat]  # before the pass: it would evict the parameters from the cache
+        deltas = shared.update_squares(flat, before, alone, self._next_measured)
         squares = _row_squares(rows, deltas, weights, shards, moments)  # sharded: every rank sums
         if not to_host:
             return []
         deltas, weights, *moment_sums = squares.cpu().tolist()  # the one transfer
-        names, ratios = [], []
-        # A dropped update leaves no gradient at all; FSDP1 leaves none where this rank's part is empty.
-        kept = any(p.grad is not None for _, params in rows for p in params)
-        for (name, params), delta, weight in zip(rows, deltas, weights):
-            # All zeros before the step (a bias at initialisation): no ratio is defined (it would be inf).
-            if weight > 0 and kept and all(p.grad is not None or p.numel() == 0 for p in params):
-                names.append(name)
-                ratios.append(math.sqrt(delta / weight))
+        layout = self._layout
+        if every and layout is not None and _all_present(grads) and all(w > 0 for w in weights):
+            names, ratios = layout.names, list(map(math.sqrt, map(operator.truediv, deltas, weights)))
+            tags = layout.tags
+        else:
+            names, ratios = _ratios(rows, deltas, weights, grads)
+            tags = [f"updates/{n}/ratio" for n in names], [f"updates/{n}/log10_ratio" for n in names]
         logs = [math.log10(ratio) if ratio > 0 else -math.inf for ratio in ratios]
-        blocks = [ScalarBlock("updates", "ratio", names, ratios, [f"updates/{n}/ratio" for n in names]),
-                  ScalarBlock("updates", "log10_ratio", names, logs, [f"updates/{n}/log10_ratio" for n in names])]
-        if self.norms and kept:
+        blocks = [ScalarBlock("updates", "ratio", names, ratios, tags[0]),
+                  ScalarBlock("updates", "log10_ratio", names, logs, tags[1])]
+        if self.norms and any(g is not None for g in grads):
             blocks += _norm_blocks(rows, deltas, moment_sums, optimizer)
         return blocks
+
+
+class _Layout(NamedTuple):
+    """What one list of rows logs under, worked out once: its parameters' ids, its names and tags."""
+
+    keys: list[int]
+    every_row: bool  # no row is empty
+    names: list[str]
+    tags: tuple[list[str], list[str]]  # ratio, log10_ratio
+
+    @staticmethod
+    def of(rows: Rows, flat: list[Tensor]) -> _Layout:
+        names = [name for name, _ in rows]
+        return _Layout(list(map(id, flat)), all(params for _, params in rows), names,
+                       ([f"updates/{n}/ratio" for n in names], [f"updates/{n}/log10_ratio" for n in names]))
+
+
+def _all_present(grads: list[Optional[Tensor]]) -> bool:
+    """Whether no gradient is None (compared in C: a Python loop per parameter costs more than the check)."""
+    return all(map(operator.is_not, grads, repeat(None)))
+
+
+def _ratios(rows: Rows, deltas: list[float], weights: list[float],
+            grads: list[Optional[Tensor]]) -> tuple[list[str], list[float]]:
+    """The rows with a ratio, and their ratios: those whose update was made, and weights not all zero before it."""
+    # A dropped update leaves no gradient at all; FSDP1 leaves none where this rank's part is empty.
+    kept = any(g is not None for g in grads)
+    names, ratios = [], []
+    for (name, params), delta, weight in zip(rows, deltas, weights):
+        # All zeros before the step (a bias at initialisation): no ratio is defined (it would be inf).
+        if weight > 0 and kept and all(p.grad is not None or p.numel() == 0 for p in params):
+            names.append(name)
+            ratios.append(math.sqrt(delta / weight))
+    return names, ratios
 
 
 def _norm_blocks(rows: Rows, deltas: list[float], moments: list[list[float]], optimizer: Any) -> list[ScalarBlock]:
@@ -197,7 +245,8 @@ def _row_squares(rows: Rows, deltas: Tensor, weights: Tensor, shards: ShardGroup
     squares = torch.stack([deltas, weights.to(deltas.device)])
     if moments is not None:
         squares = torch.cat([squares, moments.to(deltas.device)])
-    squares = shards.sum_(squares.T.contiguous()).T
+    if shards.sharded:
+        squares = shards.sum_(squares.T.contiguous()).T
     if len(rows) == squares.shape[1]:  # a parameter a row (the default): nothing to add up
         return squares
     bounds, start = [], 0

@@ -221,18 +221,65 @@ def update_squares(after: Sequence[Tensor], before: Sequence[Tensor], in_place: 
     return _in_parts(cupdate.diff_squares if cupdate is not None else _none, [after, before], others)
 
 
+class ChainPlan:
+    """The chained C pass over fixed lists of tensors, their views made once and the pass run at every step.
+
+    A numpy view costs about 1 us a tensor, more than the pass itself on a small one: a step that
+    measures the same parameters into the same copies as the step before reuses the plan (see
+    ``StepCopies``). The views hold each tensor's memory as it was when the plan was made: a
+    plan is run only while every tensor still has that memory (the caller checks its address).
+    """
+
+    __slots__ = ("after", "before", "count")
+
+    def __init__(self, after: list[object], before: list[object]) -> None:
+        self.after, self.before, self.count = after, before, len(after)
+
+    @staticmethod
+    def of(after: Sequence[Tensor], before: Sequence[Tensor]) -> Optional[ChainPlan]:
+        """The plan over ``after`` and ``before`` (``before`` writable); None where the C passes cannot take them all.
+
+        Only plain tensors on the CPU (their view, else a refusal: another dtype, a subclass, one
+        that requires grad); the C pass checks the rest (contiguity, types, lengths) as it runs.
+        """
+        if not after or not ChainPlan.usable():
+            return None
+        try:
+            return ChainPlan([_buffer(t) for t in after], [_buffer(t) for t in before])
+        except (KeyError, TypeError, RuntimeError):
+            return None
+
+    @staticmethod
+    def usable() -> bool:
+        """Whether the C passes run here and now: built, not turned off, no tracing, no torch mode on."""
+        return cupdate is not None and NATIVE_PASSES and not torch.compiler.is_compiling() and not torch_modes_on()
+
+    def run(self) -> Optional[tuple[Tensor, Tensor]]:
+        """Each pair's ``sum((after - before)²)`` and ``sum(after²)`` (float64), ``after`` moved into ``before``.
+
+        None, with nothing read or written, where the C pass refuses a pair (not C-contiguous,
+        another type or length) or cannot run now (:meth:`usable`).
+        """
+        if not ChainPlan.usable():
+            return None
+        sums = torch.empty(2 * self.count, dtype=torch.float64)
+        try:
+            cupdate.chain_squares(self.after, self.before, sums.numpy(), torch.get_num_threads())
+        except (TypeError, ValueError):
+            return None
+        return sums[:self.count], sums[self.count:]
+
+
 @torch.no_grad()
 def chain_squares_(after: Sequence[Tensor], before: Sequence[Tensor]) -> Optional[tuple[Tensor, Tensor]]:
     """:func:`update_squares`, and ``before`` made a copy of ``after`` with its sums of squares, in one pass.
 
     The same figures, bit for bit, as :func:`update_squares` followed by :func:`copy_squares_`
     of ``after`` into ``before`` (the C passes sum in the same order). Only where the C passes
-    take every tensor (see :func:`_all_native`); else None, and nothing is read or written.
+    take every tensor (see :class:`ChainPlan`); else None, and nothing is read or written.
 
     Returns:
         Each parameter's ``sum((after - before)²)`` and ``sum(after²)`` (float64), or None.
     """
-    if not after or cupdate is None:
-        return None
-    found = _all_native(cupdate.chain_squares, [after, before], per=2)
-    return None if found is None else (found[:len(after)], found[len(after):])
+    plan = ChainPlan.of(after, before)
+    return None if plan is None else plan.run()

@@ -1,0 +1,153 @@
+"""The update ratio on many small parameters, every step measured: the step copies' fast path (one
+holder, the same parameters each step, the last chained pass's record reused) gives the figures of
+the unbatched path, each row measured alone, bit for bit."""
+
+from typing import Any, Callable, Optional
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_hooks.callbacks import _step_copies
+from lightning_hooks.callbacks._gradient_rows import Row
+from lightning_hooks.callbacks._step_copies import StepCopies, step_copies
+from lightning_hooks.callbacks._update_ratio import UpdateRatio
+from lightning_hooks.measure import _update_passes as passes
+
+DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16]
+Change = Callable[[int, list[nn.Parameter]], None]  # (step, params): what happens to them after that step
+
+
+def _params(count: int = 48) -> list[nn.Parameter]:
+    """Many small parameters of every dtype the passes read (sizes 1 to 300: under one C chunk, odd lengths)."""
+    gen = torch.Generator().manual_seed(0)
+    sizes = [1 + (37 * i) % 300 for i in range(count)]
+    return [nn.Parameter(torch.randn(size, generator=gen).to(DTYPES[i % len(DTYPES)])) for i, size in enumerate(sizes)]
+
+
+def _grads(params: list[nn.Parameter], step: int) -> None:
+    gen = torch.Generator().manual_seed(100 + step)
+    for p in params:
+        p.grad = torch.randn(p.shape, generator=gen).to(p.dtype)
+
+
+def _run(rows_of: Callable[[list[nn.Parameter]], list[Row]], steps: int, alone: bool,
+         change: Optional[Change] = None) -> list[dict[str, float]]:
+    """Each step's ratios by row name: one UpdateRatio over every row, every step measured (``alone``), or
+    one UpdateRatio per row, each step copied afresh (the unbatched path: no chain, one holder per row)."""
+    params = _params()
+    optimizer = torch.optim.SGD(params, lr=0.1, momentum=0.9)
+    rows = rows_of(params)
+    readers = [(UpdateRatio(), rows)] if alone else [(UpdateRatio(), [row]) for row in rows]
+    got = []
+    for step in range(steps):
+        _grads(params, step)
+        for reader, chosen in readers:
+            reader.take(chosen, optimizer, next_measured=alone)
+        optimizer.step()
+        figures: dict[str, float] = {}
+        for reader, _ in readers:
+            block = reader.finish(optimizer, True)[0]
+            figures.update(zip(block.rows, block.values))
+            reader.discard(keep=alone)
+        got.append(figures)
+        if change is not None:
+            change(step, params)
+    for reader, _ in readers:
+        reader.forget()
+    assert step_copies(optimizer).spare_numel == 0 and not step_copies(optimizer)._chained
+    return got
+
+
+def _one_each(params: list[nn.Parameter]) -> list[Row]:
+    return [Row(f"p{i}", [p]) for i, p in enumerate(params)]
+
+
+def _in_place(step: int, params: list[nn.Parameter]) -> None:
+    if step == 1:
+        with torch.no_grad():
+            params[5].mul_(0.5)  # changed between steps: must be copied afresh, not chained
+
+
+def _assigned(step: int, params: list[nn.Parameter]) -> None:
+    if step == 2:
+        params[9].data = params[9].detach() * 0.5  # new memory, no version raised
+
+
+class Copied:
+    """Elements copied per hold (``copies_of``) and chained passes run, counted."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.per_hold: list[int] = []
+        self.chained = 0
+        hold, copies_of, run = StepCopies.hold, _step_copies.copies_of, passes.ChainPlan.run
+
+        def counting_hold(shared: StepCopies, *args: Any, **kwargs: Any) -> None:
+            self.per_hold.append(0)
+            hold(shared, *args, **kwargs)
+
+        def counting_copies(params: list[torch.Tensor], *args: Any) -> Any:
+            self.per_hold[-1] += sum(p.numel() for p in params)
+            return copies_of(params, *args)
+
+        def counting_run(plan: passes.ChainPlan) -> Any:
+            self.chained += 1
+            return run(plan)
+
+        monkeypatch.setattr(StepCopies, "hold", counting_hold)
+        monkeypatch.setattr(_step_copies, "copies_of", counting_copies)
+        monkeypatch.setattr(passes.ChainPlan, "run", counting_run)
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["C passes", "LIGHTNING_HOOKS_NATIVE=0"])
+@pytest.mark.parametrize("change", [None, _in_place, _assigned], ids=["unchanged", "in place", "p.data = x"])
+def test_many_small_mixed_dtype_parameters_give_the_unbatched_figures_bit_for_bit(monkeypatch, native, change):
+    monkeypatch.setattr(passes, "NATIVE_PASSES", native and passes.cupdate is not None)
+    expected = _run(_one_each, 5, alone=False, change=change)
+    copied = Copied(monkeypatch)
+    got = _run(_one_each, 5, alone=True, change=change)
+    assert got == expected  # floats compared exactly
+    assert all(len(step) == 48 and all(v > 0 for v in step.values()) for step in got)
+    every = sum(p.numel() for p in _params())
+    if not passes.NATIVE_PASSES:  # no chaining: a copy at every step
+        assert copied.per_hold == [every] * 5 and copied.chained == 0
+        return
+    changed = {None: [], _in_place: [(2, 5)], _assigned: [(3, 9)]}[change]
+    expected_copies = [every, 0, 0, 0, 0]
+    for step, index in changed:  # only the changed parameter is copied again, at the step after the change
+        expected_copies[step] = _params()[index].numel()
+    assert copied.per_hold == expected_copies and copied.chained == 5
+
+
+def test_a_weight_tied_into_two_rows_is_not_chained_and_gives_the_unbatched_figures(monkeypatch):
+    def tied(params: list[nn.Parameter]) -> list[Row]:
+        rows = _one_each(params)
+        return [*rows, Row("tied", [params[3], params[7]])]  # params[3] and [7] also have rows of their own
+
+    monkeypatch.setattr(passes, "NATIVE_PASSES", passes.cupdate is not None)
+    expected = _run(tied, 4, alone=False)
+    copied = Copied(monkeypatch)
+    got = _run(tied, 4, alone=True)
+    assert got == expected and all(len(step) == 49 for step in got)
+    assert copied.chained == 0 and copied.per_hold == [sum(p.numel() for p in _params())] * 4
+
+
+@pytest.mark.skipif(passes.cupdate is None, reason="chained by the C passes only")
+def test_a_reader_in_another_order_gets_its_squares_in_its_order_after_every_chained_parameter_changed(monkeypatch):
+    monkeypatch.setattr(passes, "NATIVE_PASSES", True)
+    gen = torch.Generator().manual_seed(0)
+    params = [torch.randn(5 + i, generator=gen) for i in range(4)]
+    shared = StepCopies()
+    shared.hold("a", params, squares=True)
+    before = shared.copies("a")
+    shared.release("a", keep=True)
+    for p in params:
+        p.add_(1.0)  # the step
+    shared.update_squares(params, before, alone=True, chain=True)
+    assert shared._chained  # the copies hold the parameters as they are now
+    for p in params:
+        p.mul_(2.0)  # every one changed since: each copied afresh, into the chained copies' memory
+    shared.hold("b", params[::-1], squares=True)
+    expected = [p.double().square().sum().item() for p in params[::-1]]
+    assert shared.squares("b").tolist() == pytest.approx(expected, rel=1e-12)
+    assert all(torch.equal(c, p) for c, p in zip(shared.copies("b"), params[::-1]))
