@@ -328,9 +328,11 @@ class Judge:
     def _leaning(self, first: Finding) -> str | None:
         """The first module before ``first`` already leaning out the same way, or None.
 
-        A ramp crosses its victims' ranges in any order, its own not always first.
+        A ramp crosses its victims' ranges in any order, its own not always first. A step is not a
+        ramp: where ``first`` left its range in one point (it held no value out before), it is named.
         """
-        if first.problem not in RELATIVE["level"]:
+        own = self._track(first.row)
+        if first.problem not in RELATIVE["level"] or (own is not None and len(own.held) <= 1):
             return None
         up = first.problem == RELATIVE["level"][0]
         # Half the way out already, and half as far as ``first``: the same move, not a drift of its own.
