@@ -108,3 +108,32 @@ def test_the_tab_judges_the_logged_pull_as_layer_health_does():
                                       list(pulls.values()))])]
     assert ("head", 600, "blowup") in marked[0]  # without the pull: named at once
     assert ("head", 600, "blowup") not in marked[1] and ("head", 610, "blowup") in marked[1]
+
+
+def test_the_pull_is_taken_only_where_parameters_are_whole():
+    """One device and DDP hold whole parameters; DeepSpeed (a DDP subclass, ZeRO-3 partitions them) does not."""
+    from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
+
+    from lightning_hooks.callbacks._loss_pull import whole_parameters
+
+    class DeepSpeedStrategy(DDPStrategy):  # Lightning's own subclasses DDPStrategy the same way
+        pass
+
+    assert whole_parameters(SingleDeviceStrategy(torch.device("cpu")))
+    assert whole_parameters(DDPStrategy())
+    assert not whole_parameters(DeepSpeedStrategy())
+
+
+def test_the_pull_follows_the_monitors_logged_steps_and_its_watched_ones():
+    """After an anomaly the monitor logs every step for a while (``watch_after``): the pull is taken there too."""
+    from lightning_hooks import ActivationMonitor
+    from lightning_hooks.callbacks._loss_pull import PredictionPull
+
+    monitor = ActivationMonitor(log_every_n_steps=10)
+    taker = PredictionPull()
+    taker.monitor, taker.every = monitor, 10
+    assert [s for s in range(25) if taker._logged(s)] == [0, 9, 19]  # Lightning's: the first, then every 10th
+    monitor.watch_until(13)
+    assert [s for s in range(25) if taker._logged(s)] == [*range(14), 19]
+    taker.stop()
+    assert taker.monitor is None and taker.every == 0 and not taker.params

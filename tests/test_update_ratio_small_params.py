@@ -151,3 +151,23 @@ def test_a_reader_in_another_order_gets_its_squares_in_its_order_after_every_cha
     expected = [p.double().square().sum().item() for p in params[::-1]]
     assert shared.squares("b").tolist() == pytest.approx(expected, rel=1e-12)
     assert all(torch.equal(c, p) for c, p in zip(shared.copies("b"), params[::-1]))
+
+
+@pytest.mark.skipif(not passes.ChainPlan.usable(), reason="the chained C pass is not built here")
+def test_a_split_record_keeps_the_shapes_its_pass_saw():
+    """A parameter cut to a smaller shape at the same address, after its record was split, is copied afresh."""
+    torch.manual_seed(0)
+    a, b = nn.Parameter(torch.randn(7)), nn.Parameter(torch.randn(5))
+    copies = StepCopies()
+    copies.hold("r", [a, b], squares=True)
+    with torch.no_grad():
+        a.add_(1)
+        b.add_(1)
+    before = copies.copies("r")
+    copies.release("r", keep=True)
+    copies.update_squares([a, b], before, True, True)
+    a.data = a.data[:2]  # the same address, the same version, a new shape
+    copies.hold("other", [b], squares=True)
+    copies.hold("r", [a], squares=True)
+    held = copies.copies("r")[0]
+    assert held.shape == a.shape and torch.equal(held, a.detach())

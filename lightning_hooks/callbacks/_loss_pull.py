@@ -57,8 +57,19 @@ def pull(params: list[Tensor]) -> Optional[Tensor]:
     """``sum(<p, dL/dp>)`` over ``params`` in float32, on their device (no sync); None without a dense gradient."""
     if any(p.grad is None or p.grad.is_sparse for p in params):
         return None
-    with torch.no_grad():
-        return torch.stack([(p.detach().float() * p.grad.float()).sum() for p in params]).sum()
+    with torch.no_grad():  # a dot product: no temporary the size of the parameter (in float32)
+        return torch.stack([torch.dot(p.detach().reshape(-1).float(), p.grad.reshape(-1).float())
+                            for p in params]).sum()
+
+
+def whole_parameters(strategy: Any) -> bool:
+    """Whether ``strategy`` holds every parameter whole on each rank: one device, or DDP (not DeepSpeed or XLA).
+
+    DeepSpeed's and XLA's strategies are DDP's subclasses, but ZeRO-3 partitions the parameters.
+    """
+    kinds = {kind.__name__ for kind in type(strategy).__mro__}
+    partitioned = {"DeepSpeedStrategy", "XLAStrategy"}
+    return isinstance(strategy, (SingleDeviceStrategy, DDPStrategy)) and not kinds & partitioned
 
 
 class PredictionPull:
@@ -77,16 +88,25 @@ class PredictionPull:
         self.every = 0  # the steps between the ActivationMonitor's logged steps (0: none)
         self.params: dict[str, Optional[list[Tensor]]] = {}  # by module: its own parameters, None where no pull
         self.pending: Optional[tuple[int, str, Tensor]] = None  # the step, the module and its pull, on device
+        self.monitor: Optional[Any] = None  # the ActivationMonitor whose logged steps take the pull
 
-    def start(self, trainer: pl.Trainer, every: int) -> None:
-        """Take the pull at this interval (0: never), on the strategies that hold whole parameters."""
-        whole = isinstance(trainer.strategy, (SingleDeviceStrategy, DDPStrategy))
-        self.row, self.params, self.pending, self.every = None, {}, None, every if whole else 0
+    def start(self, trainer: pl.Trainer, every: int, monitor: Optional[Any] = None) -> None:
+        """Take the pull on the steps ``monitor`` logs at ``every`` (0: never), where parameters are whole.
+
+        ``monitor``: the ActivationMonitor whose figures are judged: its logged steps include the
+        steps it watches closely after an anomaly (``watch_after``), where the judge needs the pull too.
+        """
+        self.row, self.params, self.pending, self.monitor = None, {}, None, monitor
+        self.every = every if whole_parameters(trainer.strategy) else 0
+
+    def stop(self) -> None:
+        """Let go of the parameters, the monitor and a pull not yet sent (at the end of fit, or when it raises)."""
+        self.row, self.params, self.pending, self.monitor, self.every = None, {}, None, None, 0
 
     def take(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """In ``on_before_optimizer_step``: the pull of a logged step, left on the device."""
         step, name = log_step(trainer), self.row
-        if name is None or not trainer.is_global_zero or not _is_logged_step(step, self.every):
+        if name is None or not trainer.is_global_zero or not self._logged(step):
             return
         if name not in self.params:
             self.params[name] = own_parameters(pl_module, name)
@@ -94,6 +114,12 @@ class PredictionPull:
         value = pull(params) if params else None
         if value is not None and (self.pending is None or self.pending[0] != step):
             self.pending = (step, name, value)
+
+    def _logged(self, step: int) -> bool:
+        """Whether the monitor logs (or watches) ``step``."""
+        if self.monitor is not None:
+            return bool(self.monitor._logs_at(step, self.every))
+        return _is_logged_step(step, self.every)
 
     def send(self, trainer: pl.Trainer, *_: Any) -> None:
         """In ``on_train_batch_end``: the step's pull logged, and handed to the figures' listeners."""

@@ -64,6 +64,7 @@ class Chain:
         part = Chain([self.params[i] for i in indices], [self.keys[i] for i in indices],
                       [self.copies[i] for i in indices], plan, [self.ptrs[i] for i in indices])
         part.versions, part.sums = [self.versions[i] for i in indices], self.sums[indices]
+        part.shapes = [self.shapes[i] for i in indices]  # as the pass saw them, not as the parameters are now
         return part
 
 

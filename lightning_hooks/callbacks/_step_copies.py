@@ -208,7 +208,7 @@ class StepCopies:
         last = self._last
         if last is not None and last.runs_on(keys, before, params):
             return last
-        if len(set(keys)) < len(keys) or not all(map(chainable, params)):
+        if not params or not params[0].is_cpu or len(set(keys)) < len(keys) or not all(map(chainable, params)):
             return None  # a parameter given twice (one copy, written twice), or sharded
         plan = update_passes.ChainPlan.of([p.detach() for p in params], before)
         if plan is None:

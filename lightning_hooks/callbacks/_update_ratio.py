@@ -118,6 +118,7 @@ class UpdateRatio:
         """Drop the snapshot and what was learnt of the parameters' layout (at the end of a fit)."""
         self.discard()
         self._shard_groups.clear()
+        self._layout = None
 
     def finish(self, optimizer: Any, to_host: bool) -> list[ScalarBlock]:
         """The rows' ``updates/<row>/ratio`` and ``log10_ratio`` after ``optimizer``'s step; none for another one.

@@ -156,7 +156,8 @@ class LayerHealth(FigureListener, Diagnoses, *CALLBACK_BASES):  # type: ignore[m
         self._vectors = unjudged_ratios(pl_module)
         self._groups = {}
         monitors = callbacks_of(trainer, ActivationMonitor)
-        self._pull.start(trainer, _log_interval(monitors[0].log_every_n_steps, trainer) if monitors else 0)
+        self._pull.start(trainer, _log_interval(monitors[0].log_every_n_steps, trainer) if monitors else 0,
+                         monitors[0] if monitors else None)
         for stability in callbacks_of(trainer, TransformerStability)[:1]:  # judge its figures by its bands
             self._bands = replace(self._bands, **{name: getattr(stability.bands, name) for name in STABILITY_BANDS})
             self._verdicts = Verdicts(self._bands)
@@ -170,10 +171,12 @@ class LayerHealth(FigureListener, Diagnoses, *CALLBACK_BASES):  # type: ignore[m
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         """Free the instance for another Trainer."""
+        self._pull.stop()
         release(self, trainer)
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         """Free the instance for another Trainer when ``fit`` raises."""
+        self._pull.stop()
         release(self, trainer)
 
     def record_figures(self, figures: Sequence[ScalarBlock], metrics: Mapping[str, float], step: int) -> None:

@@ -34,6 +34,11 @@ def fsdp1_ignored_parameters(unit: nn.Module) -> tuple[nn.Parameter, ...]:
     return tuple(getattr(unit, "_ignored_params", ()))
 
 
+def set_grad_mode(enabled: bool) -> None:
+    """Turn autograd's grad mode on or off, with no context object (``torch.no_grad()`` makes one at each use)."""
+    torch._C._set_grad_enabled(enabled)
+
+
 def is_view(tensor: Tensor) -> bool:
     """Whether ``tensor`` is a view of another tensor's storage (``Tensor._is_view``)."""
     return tensor._is_view()

@@ -14,6 +14,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from lightning_hooks.core._torch_internals import set_grad_mode
 from lightning_hooks.measure._sharding import ShardGroups, local
 
 _NARROW = (torch.float16, torch.bfloat16, torch.float32)
@@ -164,11 +165,11 @@ def gradient_figures(
     # Not `torch.no_grad()` as a decorator: its Python frames (a context object made at each call) run at
     # every optimizer step, right after the backward pass has evicted them from the caches.
     enabled = torch.is_grad_enabled()
-    torch._C._set_grad_enabled(False)
+    set_grad_mode(False)
     try:
         return _figures(grads, group_sizes, grads[0].device if device is None else device, exact, shards)
     finally:
-        torch._C._set_grad_enabled(enabled)
+        set_grad_mode(enabled)
 
 
 def _figures(grads: Sequence[Tensor], group_sizes: Sequence[int], device: torch.device, exact: bool,

@@ -149,7 +149,8 @@ class Judge:
         kept = [f for f in found if not (f.problem in RELATIVE["level"] and f.row in by_gain)]
         kept += [Finding(f.row, f.layer, f.problem, self.levels[f.row], "level", f.moved)
                  for f in gains if f.row in by_gain and (f.row in self.named or self._level_agrees(f))]
-        return [f for f in kept if not asked_for(f, self._last(), self.pulls, self.named)]
+        last = self._last()
+        return [f for f in kept if not asked_for(f, last, self.pulls, self.named)]
 
     def _last(self) -> str | None:
         """The last module in forward order whose outputs are judged at the step (the loss's side), or None."""
