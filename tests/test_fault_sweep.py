@@ -22,6 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks._zoo_models import RECIPES  # noqa: E402
 from benchmarks.fault_sweep import Variant, grade, register, run_variant, variants, verdict  # noqa: E402
 from benchmarks.fault_zoo import judge_case  # noqa: E402
+from benchmarks.judge_replay import recording  # noqa: E402
 
 
 def test_every_sweep_variant_puts_its_faults_in_modules_its_model_has():
@@ -80,4 +81,23 @@ def test_a_step_is_named_on_its_own_layer_not_on_an_upstream_row_drifting_the_sa
     variant = Variant("test", "gpt2", ("jump",), jump=0.5)
     case = run_variant(variant, "jump", seed=2)
     row = verdict(variant, judge_case(case, None), case.culprit)
+    assert row["culprit_first"] and row["before"] == 0 and row["delay"] < variant.every, row
+
+
+@pytest.mark.slow
+def test_adam_giving_full_steps_to_weights_that_come_alive_is_not_too_fast_and_a_raised_lr_still_is():
+    """The sweep's MLP classifier under Adam at seed 1: near convergence a few of its head's weights, silent
+    until a unit came alive, take Adam's full step (``lr`` each) and the head's update ratio climbs to ~30x
+    the step's median, still under its first logged ratio (Adam's ``lr / rms(w)``): it was named
+    ``too_fast`` from step ~169. A param group's LR raised 100x on the same model is named at once."""
+    variant = Variant("test", "mlp-cls", ("healthy", "lr100"))
+    with recording():  # keeps the judge's inputs in ``extra["events"]``
+        healthy = run_variant(variant, "healthy", seed=1)
+    row = verdict(variant, judge_case(healthy, None), healthy.culprit)
+    ratios = [event[3] for event in healthy.extra["events"] if event[0] == "add" and event[1] == "ratio"]
+    late = max(v["model.9.weight"] / sorted(v.values())[len(v) // 2] for v in ratios[len(ratios) * 3 // 4:])
+    assert late > 8, late  # the case still shows what it tests: the head far above its peers late in the run
+    assert row["alarms"] == 0 and row["ok"], row
+    faulty = run_variant(variant, "lr100", seed=1)
+    row = verdict(variant, judge_case(faulty, None), faulty.culprit)
     assert row["culprit_first"] and row["before"] == 0 and row["delay"] < variant.every, row

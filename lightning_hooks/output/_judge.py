@@ -12,6 +12,10 @@ step at a time, with every judged figure of that step. How it decides (docs/verd
 - An update ratio more than ``ratio_factor`` cubed (64) times the step's median ratio is too fast
   from the first logged step on: one param group's learning rate far above the others'. A cause
   of its own (a fault elsewhere does not change Adam's ``lr / rms(w)``), named beside the culprit.
+- An update ratio above its own range but not above its first logged value is not too fast: Adam's
+  first step moves every element by ``lr`` (``lr / rms(w)``, the most it moves a layer at that LR),
+  and a ratio climbing back under it is Adam giving full steps to elements with no gradient history
+  (units come alive near convergence), not a learning rate above the recipe's.
 - A module's outputs are judged by its gain (its std over the std of the module before it in
   forward order) where that is ``QUIETER`` times quieter than its std: in a plain stack the batch
   moves every module's std together, and the module before it carries that share. A fault moves
@@ -109,6 +113,7 @@ class Judge:
         self.named: set[str] = set()  # layers named and still out
         self.affected: set[str] = set()  # rows out as victims, not named while they stay out
         self.first_entropy: dict[str, float] = {}
+        self.first_ratio: dict[str, float] = {}  # each row's first logged update ratio (Adam: lr / rms(w))
         self.start: Optional[int] = None  # the first logged step judged
         self.last_step: Optional[int] = None  # the last logged step judged
         self.gap = 1  # the steps from the logged step before to this one
@@ -200,6 +205,10 @@ class Judge:
             typical = statistics.median(finite)
             found += [Finding(row, self.layer(figure, row), "too_fast", values[row], "peers", x - typical)
                       for row, x in logs.items() if x - typical > 3 * math.log(self.bands.ratio_factor)]
+        if figure == "ratio":
+            for row, v in values.items():
+                if math.isfinite(v) and v > 0:
+                    self.first_ratio.setdefault(row, v)
         if figure in PEER_FIGURES:
             self.peers.add(figure, {row: x - self.offset[figure] for row, x in logs.items()})
         for row, x in logs.items():
@@ -207,11 +216,17 @@ class Judge:
                 last[row] = x
             track = tracks.setdefault(row, Track(deque(maxlen=self.bands.window)))
             moved = judge_value(track, x - self.offset[figure], figure, self.bands, self.warm, self.gap)
-            if moved is not None:
+            if moved is not None and not self._under_first_ratio(figure, row, values[row], moved):
                 up, down = RELATIVE[figure]
                 found.append(Finding(row, self.layer(figure, row), up if moved > 0 else down, values[row], figure,
                                      moved))
         return self._unshared(figure, found)
+
+    def _under_first_ratio(self, figure: str, row: str, value: float, moved: float) -> bool:
+        """Whether an update ratio's rise is no higher than its first logged value (see the module docstring)."""
+        if figure != "ratio":
+            return False
+        return moved > 0 and value <= self.first_ratio.get(row, 0.0)
 
     def _unshared(self, figure: str, found: list[Finding]) -> list[Finding]:
         """The findings of a module's outputs less those its same-kind peers before it moved alike (``_peers.py``).
@@ -362,7 +377,8 @@ class Judge:
                 "offset": dict(self.offset), "start": self.start, "last_step": self.last_step, "gap": self.gap,
                 "tracks": {f: {r: track_state(t) for r, t in rows.items()} for f, rows in self.tracks.items()},
                 "named": sorted(self.named), "affected": sorted(self.affected),
-                "first_entropy": dict(self.first_entropy), "peers": self.peers.state_dict()}
+                "first_entropy": dict(self.first_entropy), "first_ratio": dict(self.first_ratio),
+                "peers": self.peers.state_dict()}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore :meth:`state_dict`."""
@@ -374,4 +390,5 @@ class Judge:
                        for f, rows in state["tracks"].items()}
         self.named, self.affected = set(state["named"]), set(state["affected"])
         self.first_entropy = dict(state["first_entropy"])
+        self.first_ratio = dict(state["first_ratio"])
         self.peers.load_state_dict(state["peers"])
