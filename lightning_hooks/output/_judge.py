@@ -23,6 +23,8 @@ step at a time, with every judged figure of that step. How it decides (docs/verd
   move, where a single layer's fault would move every row downstream of it; a module's outputs
   that moved as far as its same-kind peers *before* it (in their own range) moved learned with
   them, and are not named (``_peers.py``).
+  Nor where its whole kind grew at once (every same-kind copy's outputs moved as far as a finding the
+  same way) and its gain led none of its copies' (a network without normalisation under SGD).
 - The gradient reaching each module's output (``output_grad``, ActivationMonitor's
   ``gradients=True``) against its own history, net of the move of the last module's (the
   loss's own move: the loss falling, the batch, the schedule): the backward pass's gain from the
