@@ -27,6 +27,8 @@ step at a time, with every judged figure of that step. How it decides (docs/verd
   move, where a single layer's fault would move every row downstream of it; a module's outputs
   that moved as far as its same-kind peers *before* it (in their own range) moved learned with
   them, and are not named (``_peers.py``).
+  Nor where its whole kind grew at once (every same-kind copy's outputs moved as far as a finding the
+  same way) and its gain led none of its copies' (a network without normalisation under SGD).
 - The gradient reaching each module's output (``output_grad``, ActivationMonitor's
   ``gradients=True``) against its own history, net of the move of the last module's (the
   loss's own move: the loss falling, the batch, the schedule): the backward pass's gain from the
@@ -151,11 +153,35 @@ class Judge:
         """Each module's outputs judged by its gain where that is the quieter figure (see the module docstring)."""
         gains = self._relative("gain", self._gains())
         by_gain = {row for row in self.levels if self._track(row) is self.tracks["gain"].get(row)}
-        kept = [f for f in found if not (f.problem in RELATIVE["level"] and f.row in by_gain)]
+        kept = self._stacked([f for f in found if not (f.problem in RELATIVE["level"] and f.row in by_gain)])
         kept += [Finding(f.row, f.layer, f.problem, self.levels[f.row], "level", f.moved)
-                 for f in gains if f.row in by_gain and (f.row in self.named or self._level_agrees(f))]
+                 for f in self._stacked([f for f in gains if f.row in by_gain])
+                 if f.row in self.named or self._level_agrees(f)]
         last = self._last()
         return [f for f in kept if not asked_for(f, last, self.pulls, self.named)]
+
+    def _stacked(self, found: list[Finding]) -> list[Finding]:
+        """The findings less the outputs that grew with their whole kind (:meth:`_grew_with_kind`).
+
+        Their ranges follow the move, as they follow the row's own learning (``_peers.py``).
+        """
+        kept = []
+        for f in found:
+            if f.figure in PEER_FIGURES and f.problem in RELATIVE["level"] and self._grew_with_kind(f.row, f.moved > 0):
+                follow(self.tracks[f.figure][f.row], self.bands.window)
+            else:
+                kept.append(f)
+        return kept
+
+    def _grew_with_kind(self, row: str, up: bool) -> bool:
+        """Whether a module's kind grew as a whole, as far as a finding, its gain leading none (``_peers.py``).
+
+        A network without normalisation under SGD grows everywhere at once: every copy is out of its
+        range together, and the peers rule has none in range to compare with.
+        """
+        scale = 1 if up else 2
+        return self.peers.grew_as_a_kind(row, least_change("level", self.bands) * scale,
+                                         least_change("gain", self.bands) * scale, up)
 
     def _last(self) -> str | None:
         """The last module in forward order whose outputs are judged at the step (the loss's side), or None."""
@@ -363,7 +389,7 @@ class Judge:
     def _learning_with_peers(self, row: str, up: bool) -> bool:
         """Whether a module's outputs lean the way its same-kind peers before it moved too (``_peers.py``)."""
         figure = "gain" if self._track(row) is self.tracks.get("gain", {}).get(row) else "level"
-        return self._with_peers(figure, row, up)
+        return self._with_peers(figure, row, up) or self._grew_with_kind(row, up)
 
     def _with_peers(self, figure: str, row: str, up: bool, out: Collection[str] = ()) -> bool:
         """Whether ``row``'s move of ``figure`` (up or down) is one its same-kind peers before it made too."""

@@ -93,6 +93,22 @@ class Peers:
         steady = [m for d, m, other in peers if d > at and other not in leaning]
         return bool(before and steady) and sign * before[-1] > 0 and sign * steady[0] >= sign * mine
 
+    def grew_as_a_kind(self, row: str, least: float, margin: float, up: bool) -> bool:
+        """Whether ``row``'s kind grew as a whole (``up`` or down), its gain leading none of its copies'.
+
+        Every copy's outputs moved at least ``least`` that way over its window (a fault in one module
+        cannot move the copies before it), and ``row``'s gain moved at most ``margin`` past the furthest
+        of theirs (a fault moves its own gain, not its copies'). False with fewer than two copies, or
+        where one has too little history.
+        """
+        sign = 1 if up else -1
+        copies = [other for other in self.history.get("level", {}) if other != row and kind(other) == kind(row)]
+        levels = [self.move("level", other) for other in copies]
+        gains = [self.move("gain", other) for other in (row, *copies)]
+        if len(copies) < 2 or None in levels or None in gains:
+            return False
+        return all(sign * m >= least for m in levels) and sign * gains[0] - max(sign * m for m in gains[1:]) <= margin
+
     def state_dict(self) -> dict[str, Any]:
         """The kept values, as plain lists."""
         return {figure: {row: list(v) for row, v in rows.items()} for figure, rows in self.history.items()}
