@@ -61,13 +61,11 @@ from __future__ import annotations
 import math
 import statistics
 from collections import deque
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, Optional
 
 from lightning_hooks.output._findings import (
     BACKWARD,
-    EVERY_LAYER,
-    OUTPUT_PROBLEMS,
     PARAMETER_FIGURES,
     RELATIVE,
     Finding,
@@ -76,18 +74,16 @@ from lightning_hooks.output._findings import (
 )
 from lightning_hooks.output._health_bands import Bands
 from lightning_hooks.output._judge_absolute import absolute_problems
+from lightning_hooks.output._judge_culprit import CulpritNaming
 from lightning_hooks.output._judge_data import gradients_jumped_together, outputs_out_together, singled_out
-from lightning_hooks.output._judge_pull import PULL, asked_for, overshot
+from lightning_hooks.output._judge_pull import PULL, asked_for
 from lightning_hooks.output._peers import Peers
-from lightning_hooks.output._row_range import Track, follow, judge_value, least_change, track_from_state, track_state
+from lightning_hooks.output._row_range import Track, follow, judge_value, track_from_state, track_state
 
 #: The relative figures whose step's common change over all rows is taken out (peers).
 COMMON_MODE = ("norm", "ratio", "gain")
 #: The figures of a module's outputs, judged against its same-kind peers before it too (``_peers.py``).
 PEER_FIGURES = ("level", "gain")
-#: A module's outputs are judged by its gain where that is this many times quieter than its level: where the
-#: module before it carries the batch-to-batch moves they share (an MLP's, a CNN's layers).
-QUIETER = 1.5
 #: The rows' ranges judge from this many steps per ``min_points`` on (48): logged every step, a small model's
 #: fastest learning (the zoo's MLP: layers moving 20-80% over steps 25-60) is history, as logged every 2.
 WARM_STEPS_PER_POINT = 2
@@ -95,7 +91,7 @@ WARM_STEPS_PER_POINT = 2
 AGREE = 0.5
 
 
-class Judge:
+class Judge(CulpritNaming):
     """Judge each logged step's figures, layer by layer, against each layer's own history and its peers.
 
     Args:
@@ -173,20 +169,6 @@ class Judge:
                 kept.append(f)
         return kept
 
-    def _grew_with_kind(self, row: str, up: bool) -> bool:
-        """Whether a module's kind grew as a whole, as far as a finding, its gain leading none (``_peers.py``).
-
-        A network without normalisation under SGD grows everywhere at once: every copy is out of its
-        range together, and the peers rule has none in range to compare with.
-        """
-        scale = 1 if up else 2
-        return self.peers.grew_as_a_kind(row, least_change("level", self.bands) * scale,
-                                         least_change("gain", self.bands) * scale, up)
-
-    def _last(self) -> str | None:
-        """The last module in forward order whose outputs are judged at the step (the loss's side), or None."""
-        return max(self.levels, key=lambda row: self.depth.get(row, 0)) if self.levels else None
-
     def _level_agrees(self, found: Finding) -> bool:
         """Whether a module's own outputs moved the way its gain did, at least ``AGREE`` as far (from their median).
 
@@ -209,11 +191,6 @@ class Judge:
         """Each module's activation std over the one's before it in forward order: its gain."""
         return {row: self.levels[row] / self.levels[before] for row, before in self._before().items()
                 if self.levels[before] > 0}
-
-    def _track(self, row: str) -> Track | None:
-        """The track a module's outputs are judged by: its gain's if that is quieter than its level's."""
-        level, gain = self.tracks.get("level", {}).get(row), self.tracks.get("gain", {}).get(row)
-        return gain if gain is not None and level is not None and gain.noise * QUIETER < level.noise else level
 
     def _relative(self, figure: str, values: Mapping[str, float]) -> list[Finding]:
         tracks, last = self.tracks.setdefault(figure, {}), self.last.setdefault(figure, {})
@@ -298,57 +275,6 @@ class Judge:
         """The layer a row of ``figure`` belongs to: a parameter's row is its module's."""
         return layer_of(row, self.depth) if figure in PARAMETER_FIGURES else row
 
-    def _sort(self, found: list[Finding], data: bool) -> Judged:
-        """Name the culprit, count the victims (see the module docstring)."""
-        judged = Judged()
-        self.affected &= {f.row for f in found}
-        self.named &= {f.layer for f in found}  # a named layer still out keeps its name; the rest is what it did
-        fresh = [f for f in found if f.row not in self.affected]
-        stability = [f for f in fresh if f.figure not in RELATIVE]
-        layered = [f for f in fresh if f not in stability]
-        if self.named:  # ... unless a module before every named one goes out: the cause is further up
-            top = min(self.depth.get(layer, 0) for layer in self.named)
-            upstream = [f for f in layered if f.problem in OUTPUT_PROBLEMS and self.depth.get(f.layer, 0) < top]
-            culprit = self._culprit(upstream) if upstream else None
-            judged.named = [f for f in layered if f.layer in self.named or f.layer == culprit]
-        elif layered and not data:
-            culprit = self._culprit(layered)
-            if culprit is not None and culprit == self._first() and any(
-                    f.layer == culprit and f.problem in RELATIVE["level"] for f in layered):
-                data = True  # the first module's inputs are the batch (its outputs moved; dead or NaN is its own)
-            elif culprit is not None:
-                if all(f.layer != culprit for f in layered):  # leaning, not yet out: named for the move it leads
-                    problem = next(f.problem for f in layered if f.problem in RELATIVE["level"])
-                    track = self._track(culprit)
-                    layered.append(Finding(culprit, culprit, problem, self.levels[culprit], "level",
-                                           track.deviation if track is not None else 0.0))
-                judged.named = [f for f in layered if f.layer == culprit]
-        if data and not self.named:
-            judged.named = [Finding(EVERY_LAYER, EVERY_LAYER, "data", len(found), "level")]
-        judged.victims = [f for f in layered if f not in judged.named]
-        judged.named = list({(f.row, f.problem): f for f in [*judged.named, *stability]}.values())
-        self.named |= {f.layer for f in judged.named if f.layer != EVERY_LAYER}
-        self.affected |= {f.row for f in judged.victims}
-        return judged
-
-    def _first(self) -> str | None:
-        """The first module in forward order whose outputs are judged."""
-        return min(self.levels, key=lambda row: self.depth.get(row, 0)) if self.levels else None
-
-    def _culprit(self, fresh: list[Finding]) -> str | None:
-        outputs = [f for f in fresh if f.problem in OUTPUT_PROBLEMS]
-        if outputs:
-            first = min(outputs, key=lambda f: self.depth.get(f.layer, 0))
-            return overshot(outputs, self._last(), self.pulls) or self._leaning(first) or first.layer
-        backward = [f for f in fresh if f.figure == BACKWARD]
-        if backward:  # the first module the backward pass reached whose output gradient went out
-            return max(backward, key=lambda f: self.depth.get(f.layer, 0)).layer
-        for figure in ("ratio", "norm"):
-            rows = [f for f in fresh if f.figure == figure]
-            if rows:
-                return max(rows, key=lambda f: abs(f.moved)).layer
-        return None
-
     def usual(self, figure: str, row: str) -> float | None:
         """A row's usual value of a relative figure (its level, with the peers' path put back), or None."""
         track = self.tracks.get(figure, {}).get(row)
@@ -366,36 +292,6 @@ class Judge:
         if before is None or now is None or usual is None or not judged_by_gain:
             return None
         return before, now, usual
-
-    def _leaning(self, first: Finding) -> str | None:
-        """The first module before ``first`` already leaning out the same way, or None.
-
-        A ramp crosses its victims' ranges in any order, its own not always first. A step is not a
-        ramp: where ``first`` left its range in one point (it held no value out before), it is named.
-        """
-        own = self._track(first.row)
-        if first.problem not in RELATIVE["level"] or (own is not None and len(own.held) <= 1):
-            return None
-        up = first.problem == RELATIVE["level"][0]
-        # Half the way out already, and half as far as ``first``: the same move, not a drift of its own.
-        least = max(math.log(self.bands.level_factor) / 2, abs(first.moved) / 2)
-        depth = self.depth.get(first.layer, 0)
-        tracks = {row: self._track(row) for row in self.levels if self.depth.get(row, 0) < depth}
-        leaning = [row for row, track in tracks.items() if track is not None
-                   and (track.deviation > least and track.up if up else track.deviation < -least and track.down)
-                   and not self._learning_with_peers(row, up)]
-        return min(leaning, key=lambda row: self.depth.get(row, 0)) if leaning else None
-
-    def _learning_with_peers(self, row: str, up: bool) -> bool:
-        """Whether a module's outputs lean the way its same-kind peers before it moved too (``_peers.py``)."""
-        figure = "gain" if self._track(row) is self.tracks.get("gain", {}).get(row) else "level"
-        return self._with_peers(figure, row, up) or self._grew_with_kind(row, up)
-
-    def _with_peers(self, figure: str, row: str, up: bool, out: Collection[str] = ()) -> bool:
-        """Whether ``row``'s move of ``figure`` (up or down) is one its same-kind peers before it made too."""
-        margin = least_change(figure, self.bands) * (1 if up else 2)
-        leaning = {other for other, track in self.tracks.get(figure, {}).items() if track.up or track.down}
-        return self.peers.shared(figure, row, self.depth, margin, up, out, leaning)
 
     def state_dict(self) -> dict[str, Any]:
         """The judge's memory, as plain values."""

@@ -47,6 +47,6 @@ def overshot(outputs: Sequence[Finding], last: str | None, pulls: Mapping[str, f
     """
     own = [f.moved for f in outputs if f.layer == last and f.problem == "blowup"]
     before = [abs(f.moved) for f in outputs if f.layer != last and f.problem in RELATIVE["level"]]
-    if own and pulls.get(last, 0.0) > 0 and own[0] > OVERSHOOT * max(before, default=0.0):
+    if own and last is not None and pulls.get(last, 0.0) > 0 and own[0] > OVERSHOOT * max(before, default=0.0):
         return last
     return None

@@ -1,0 +1,149 @@
+"""Which layer a judged step names: the culprit before its victims (host-side, torch-free).
+
+A part of :class:`~lightning_hooks.output._judge.Judge` (docs/verdicts.md, "Culprit and victims"):
+
+- The first module in forward order whose outputs are out (its inputs in range) is named; the
+  modules after it, and other layers' gradients and ratios, are its victims. A ramp crosses its
+  victims' ranges in any order: a module before it already leaning out the same way (and not
+  moving with its same-kind peers) is named instead, unless the first left its range in one
+  point (a step is not a ramp).
+- The prediction layer that overshot (its pull above 0) far past the modules before it is named
+  first (``_judge_pull.py``).
+- Without an output finding: the last module in forward order whose output gradient went out
+  (the first the backward pass reached), then the update ratio that moved most, then the
+  gradient norm.
+- While a named layer is still out, the others that go out are counted as affected, not named;
+  a module before every named one that goes out is the cause further up, and is named.
+- The first module in forward order moving out on its own is the batch (its input): ``data``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Collection, Mapping
+
+from lightning_hooks.output._findings import BACKWARD, EVERY_LAYER, OUTPUT_PROBLEMS, RELATIVE, Finding, Judged
+from lightning_hooks.output._health_bands import Bands
+from lightning_hooks.output._judge_pull import overshot
+from lightning_hooks.output._peers import Peers
+from lightning_hooks.output._row_range import Track, least_change
+
+#: A module's outputs are judged by its gain where that is this many times quieter than its level: where the
+#: module before it carries the batch-to-batch moves they share (an MLP's, a CNN's layers).
+QUIETER = 1.5
+
+
+class CulpritNaming:
+    """How the judge names a step's culprit among its findings: mixed into :class:`~.output._judge.Judge`.
+
+    It reads the judge's state, which the judge keeps (``_judge.py``).
+    """
+
+    bands: Bands
+    depth: dict[str, int]  # each module's place in forward order
+    tracks: dict[str, dict[str, Track]]  # by figure, by row: its range
+    levels: Mapping[str, float]  # the step's activation std by module
+    pulls: Mapping[str, float]  # the step's pull by module
+    named: set[str]  # layers named and still out
+    affected: set[str]  # rows out as victims
+    peers: Peers
+
+    def _sort(self, found: list[Finding], data: bool) -> Judged:
+        """Name the culprit, count the victims (see the module docstring)."""
+        judged = Judged()
+        self.affected &= {f.row for f in found}
+        self.named &= {f.layer for f in found}  # a named layer still out keeps its name; the rest is what it did
+        fresh = [f for f in found if f.row not in self.affected]
+        stability = [f for f in fresh if f.figure not in RELATIVE]
+        layered = [f for f in fresh if f not in stability]
+        if self.named:  # ... unless a module before every named one goes out: the cause is further up
+            top = min(self.depth.get(layer, 0) for layer in self.named)
+            upstream = [f for f in layered if f.problem in OUTPUT_PROBLEMS and self.depth.get(f.layer, 0) < top]
+            culprit = self._culprit(upstream) if upstream else None
+            judged.named = [f for f in layered if f.layer in self.named or f.layer == culprit]
+        elif layered and not data:
+            culprit = self._culprit(layered)
+            if culprit is not None and culprit == self._first() and any(
+                    f.layer == culprit and f.problem in RELATIVE["level"] for f in layered):
+                data = True  # the first module's inputs are the batch (its outputs moved; dead or NaN is its own)
+            elif culprit is not None:
+                if all(f.layer != culprit for f in layered):  # leaning, not yet out: named for the move it leads
+                    problem = next(f.problem for f in layered if f.problem in RELATIVE["level"])
+                    track = self._track(culprit)
+                    layered.append(Finding(culprit, culprit, problem, self.levels[culprit], "level",
+                                           track.deviation if track is not None else 0.0))
+                judged.named = [f for f in layered if f.layer == culprit]
+        if data and not self.named:
+            judged.named = [Finding(EVERY_LAYER, EVERY_LAYER, "data", len(found), "level")]
+        judged.victims = [f for f in layered if f not in judged.named]
+        judged.named = list({(f.row, f.problem): f for f in [*judged.named, *stability]}.values())
+        self.named |= {f.layer for f in judged.named if f.layer != EVERY_LAYER}
+        self.affected |= {f.row for f in judged.victims}
+        return judged
+
+    def _culprit(self, fresh: list[Finding]) -> str | None:
+        outputs = [f for f in fresh if f.problem in OUTPUT_PROBLEMS]
+        if outputs:
+            first = min(outputs, key=lambda f: self.depth.get(f.layer, 0))
+            return overshot(outputs, self._last(), self.pulls) or self._leaning(first) or first.layer
+        backward = [f for f in fresh if f.figure == BACKWARD]
+        if backward:  # the first module the backward pass reached whose output gradient went out
+            return max(backward, key=lambda f: self.depth.get(f.layer, 0)).layer
+        for figure in ("ratio", "norm"):
+            rows = [f for f in fresh if f.figure == figure]
+            if rows:
+                return max(rows, key=lambda f: abs(f.moved)).layer
+        return None
+
+    def _first(self) -> str | None:
+        """The first module in forward order whose outputs are judged."""
+        return min(self.levels, key=lambda row: self.depth.get(row, 0)) if self.levels else None
+
+    def _last(self) -> str | None:
+        """The last module in forward order whose outputs are judged at the step (the loss's side), or None."""
+        return max(self.levels, key=lambda row: self.depth.get(row, 0)) if self.levels else None
+
+    def _leaning(self, first: Finding) -> str | None:
+        """The first module before ``first`` already leaning out the same way, or None.
+
+        A ramp crosses its victims' ranges in any order, its own not always first. A step is not a
+        ramp: where ``first`` left its range in one point (it held no value out before), it is named.
+        """
+        own = self._track(first.row)
+        if first.problem not in RELATIVE["level"] or (own is not None and len(own.held) <= 1):
+            return None
+        up = first.problem == RELATIVE["level"][0]
+        # Half the way out already, and half as far as ``first``: the same move, not a drift of its own.
+        least = max(math.log(self.bands.level_factor) / 2, abs(first.moved) / 2)
+        depth = self.depth.get(first.layer, 0)
+        tracks = {row: self._track(row) for row in self.levels if self.depth.get(row, 0) < depth}
+        leaning = [row for row, track in tracks.items() if track is not None
+                   and (track.deviation > least and track.up if up else track.deviation < -least and track.down)
+                   and not self._learning_with_peers(row, up)]
+        return min(leaning, key=lambda row: self.depth.get(row, 0)) if leaning else None
+
+    def _track(self, row: str) -> Track | None:
+        """The track a module's outputs are judged by: its gain's if that is quieter than its level's."""
+        level, gain = self.tracks.get("level", {}).get(row), self.tracks.get("gain", {}).get(row)
+        return gain if gain is not None and level is not None and gain.noise * QUIETER < level.noise else level
+
+    def _learning_with_peers(self, row: str, up: bool) -> bool:
+        """Whether a module's outputs lean the way its same-kind peers before it moved too (``_peers.py``)."""
+        figure = "gain" if self._track(row) is self.tracks.get("gain", {}).get(row) else "level"
+        return self._with_peers(figure, row, up) or self._grew_with_kind(row, up)
+
+    def _with_peers(self, figure: str, row: str, up: bool, out: Collection[str] = ()) -> bool:
+        """Whether ``row``'s move of ``figure`` (up or down) is one its same-kind peers before it made too."""
+        margin = least_change(figure, self.bands) * (1 if up else 2)
+        leaning = {other for other, track in self.tracks.get(figure, {}).items() if track.up or track.down}
+        return self.peers.shared(figure, row, self.depth, margin, up, out, leaning)
+
+    def _grew_with_kind(self, row: str, up: bool) -> bool:
+        """Whether a module's kind grew as a whole, as far as a finding, its gain leading none (``_peers.py``).
+
+        A network without normalisation under SGD grows everywhere at once: every copy is out of its
+        range together, and the peers rule has none in range to compare with.
+        """
+        scale = 1 if up else 2
+        return self.peers.grew_as_a_kind(row, least_change("level", self.bands) * scale,
+                                         least_change("gain", self.bands) * scale, up)
