@@ -1,0 +1,169 @@
+"""Four of the judge's rules, each on hand-built figures (fast): a step is not a ramp, an update ratio under its
+first, a kind that grew as a whole, and the prediction layer's pull (docs/verdicts.md)."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+
+from lightning_hooks.output._health_bands import Bands
+from lightning_hooks.output._judge import Judge
+
+CHAIN = ["stem", "attn", "mlp", "out"]
+
+
+def first_named(judge: Judge, figures_at, points: int, every: int = 1) -> tuple[int, set[str], set[str]] | None:
+    """The first point at which ``judge`` names a layer: the point, the layers named and the victims' rows."""
+    for i in range(points):
+        judged = judge.step(figures_at(i), i * every)
+        if judged.named:
+            return i, {f.layer for f in judged.named}, {f.row for f in judged.victims}
+    return None
+
+
+def chain_levels(move, seed: int):
+    """Four modules' std, steady to 0.3% on their own, each times ``move(point, module)``."""
+    rng = random.Random(seed)
+    return lambda i: {"level": {row: (1 + d) * math.exp(rng.gauss(0, 0.003)) * move(i, row)
+                                for d, row in enumerate(CHAIN)}}
+
+
+@pytest.mark.parametrize("every, onset", [(1, 70), (10, 30)])  # logged every step, or every 10 (6 points past warm)
+def test_a_step_is_named_itself_not_a_module_before_it_drifting_the_same_way(every, onset):
+    """``attn`` drifts down 6% a point from 6 points before the onset (to x0.7, out of its own range but not yet
+    a finding); at the onset ``mlp`` drops x0.6 in one logged point. A step is not a ramp: ``mlp`` is named."""
+    def move(i, row):
+        if row == "attn":
+            return max(0.7, 0.94 ** max(0, i - onset + 6))
+        return 0.6 if row in ("mlp", "out") and i >= onset else 1.0
+    for seed in range(4):
+        found = first_named(Judge(Bands(), CHAIN), chain_levels(move, seed), onset + 6, every)
+        assert found is not None and found[:2] == (onset, {"mlp"}), (seed, found)
+
+
+@pytest.mark.parametrize("every, onset", [(1, 70), (10, 30)])  # coarse: 0.6% a step logged every 10, few points
+def test_a_ramp_upstream_is_named_over_the_module_after_it_that_crosses_its_range_first(every, onset):
+    """``attn`` ramps 6% a point; ``mlp`` and ``out`` carry it amplified (their std as ``attn``'s to the power 1.3)
+    and leave their range first, while ``attn`` leans out for several points: ``attn`` is named, they are victims."""
+    def move(i, row):
+        k = max(0, i - onset)
+        return {"attn": 1.06 ** k, "mlp": 1.06 ** (1.3 * k), "out": 1.06 ** (1.3 * k)}.get(row, 1.0)
+    for seed in range(4):
+        found = first_named(Judge(Bands(), CHAIN), chain_levels(move, seed), onset + 15, every)
+        assert found is not None and found[1] == {"attn"} and onset < found[0] <= onset + 4, (seed, found)
+        assert found[2] <= {"mlp", "out"}, (seed, found)
+
+
+RATIO_ROWS = [f"net.{i}.weight" for i in range(6)]
+
+
+def ratio_run(first: float, rise: float, seed: int, onset: int = 60) -> list[tuple[int, str, str, str]]:
+    """Six rows' update ratios: ``first`` (``net.3``) or 1e-2 (the rest) at the first logged step, Adam's
+    ``lr / rms(w)``, then 1e-4 with 5% noise; from ``onset`` ``net.3``'s times ``rise``. Each (point, layer,
+    problem, figure) named."""
+    rng, judge, named = random.Random(seed), Judge(Bands()), []
+    for i in range(onset + 10):
+        ratios = {row: 1e-2 if i == 0 else 1e-4 * math.exp(rng.gauss(0, 0.05)) for row in RATIO_ROWS}
+        ratios["net.3.weight"] = first if i == 0 else ratios["net.3.weight"] * (rise if i >= onset else 1.0)
+        named += [(i, f.layer, f.problem, f.figure) for f in judge.step({"ratio": ratios}).named]
+    return named
+
+
+def test_an_update_ratio_that_rises_above_its_range_but_not_above_its_first_is_not_too_fast():
+    """``net.3``'s ratio climbs x50 its usual (to 5e-3, under 64x the step's median) but stays under its first
+    logged ratio (1e-2: Adam's full step, as a unit coming alive takes it): not named."""
+    for seed in range(3):
+        assert ratio_run(1e-2, 50.0, seed) == [], seed
+
+
+def test_an_update_ratio_that_rises_above_its_first_is_too_fast():
+    """The same climb where its first logged ratio was 2e-3 (an LR warm-up's first step): above it, named."""
+    for seed in range(3):
+        assert ratio_run(2e-3, 50.0, seed)[0] == (60, "net.3", "too_fast", "ratio"), seed
+
+
+def test_an_update_ratio_64_times_the_steps_median_is_named_at_once_even_under_its_first():
+    """x80 the other rows' (8e-3), still under its first (1e-2): the 64x-the-median rule names it at the onset."""
+    for seed in range(3):
+        assert ratio_run(1e-2, 80.0, seed)[0] == (60, "net.3", "too_fast", "peers"), seed
+
+
+BLOCKS = 4
+NET = ["stem"] + [f"blocks.{b}.{k}" for b in range(BLOCKS) for k in ("conv", "act", "pool")]
+
+
+def stacked_levels(gain, seed: int, batch: float):
+    """A plain stack without normalisation: each module's std is the one's before it times its gain
+    (``gain(point, module)``, 1% noise of its own), all times one batch factor (``batch`` noise, log)."""
+    rng = random.Random(seed)
+
+    def levels(i: int) -> dict[str, dict[str, float]]:
+        factor, x, out = math.exp(rng.gauss(0, batch)), 1.0, {}
+        for row in NET:
+            x *= gain(i, row) * math.exp(rng.gauss(0, 0.01))
+            out[row] = factor * x
+        return {"level": out}
+    return levels
+
+
+@pytest.mark.parametrize("batch", [0.0, 0.05])  # judged by their std, or by their gain (the batch moving all)
+def test_a_kind_that_grew_as_a_whole_with_no_gain_leading_is_not_named(batch):
+    """From point 60 every ``blocks.#.conv``'s gain rises x1.5 at once: every copy's std moves (compounding
+    with depth, x1.5 to x5), every conv is out of its range together, and no copy's gain led: not named."""
+    def gain(i, row):
+        return 1.5 if row.endswith("conv") and i >= 60 else 1.0
+    for seed in range(4):
+        assert first_named(Judge(Bands(), NET), stacked_levels(gain, seed, batch), 120) is None, seed
+
+
+@pytest.mark.parametrize("batch", [0.0, 0.05])
+def test_one_copy_ramping_alone_with_its_gain_leading_is_named_before_the_copies_it_moved(batch):
+    """``blocks.0.conv``'s gain ramps 6% a point from point 60: every copy after it moves as far (its victims),
+    so every copy's std grew, but its gain led theirs: it is named, and no module after it first."""
+    def gain(i, row):
+        return 1.06 ** max(0, i - 60) if row == "blocks.0.conv" else 1.0
+    for seed in range(4):
+        found = first_named(Judge(Bands(), NET), stacked_levels(gain, seed, batch), 120)
+        assert found is not None and found[1] == {"blocks.0.conv"} and 60 < found[0] <= 66, (seed, found)
+
+
+HEAD = ["a", "b", "head"]
+
+
+def steady_head(seed: int) -> Judge:
+    """A judge that saw 60 logged steps of three modules steady (2% noise)."""
+    rng, judge = random.Random(seed), Judge(Bands(), HEAD)
+    for step in range(60):
+        assert not judge.step({"level": {row: math.exp(rng.gauss(0, 0.02)) for row in HEAD}}, step).named
+    return judge
+
+
+def head_named(judge: Judge, head: float, pull: dict[str, float], step: int, b: float = 1.0) -> set[str]:
+    return {f.row for f in judge.step({"level": {"a": 1.0, "b": b, "head": head}, "pull": pull}, step).named}
+
+
+def test_the_prediction_layers_growth_is_not_named_while_the_loss_asks_for_it_and_is_once_it_does_not():
+    """``head`` (the last module) x3: with its pull below 0 (the loss asks for a larger output) not named; above 0
+    named; once named it stays named while out, whatever its pull."""
+    for seed in range(3):
+        judge = steady_head(seed)
+        assert head_named(judge, 3.0, {"head": -0.2}, 60) == set(), seed
+        assert head_named(judge, 3.0, {"head": 0.4}, 61) == {"head"}, seed
+        assert head_named(judge, 3.0, {"head": -0.1}, 62) == {"head"}, seed
+
+
+@pytest.mark.parametrize("pull", [{}, {"b": -1.0}, {"head": 0.0}])  # not measured (or only for another module), 0
+def test_the_prediction_layers_growth_without_a_pull_below_0_is_judged_as_any_layers(pull):
+    """Where the pull of ``head`` is missing at the step, or 0, its blowup is named as without the rule."""
+    for seed in range(3):
+        assert head_named(steady_head(seed), 3.0, pull, 60) == {"head"}, seed
+
+
+@pytest.mark.parametrize("pull, named", [({"head": 5.0}, "head"), ({"head": -5.0}, "b"), ({}, "b")])
+def test_the_prediction_layer_that_overshot_far_past_the_modules_before_it_is_named_first(pull, named):
+    """``head`` x30 and ``b`` before it x1.6 (under SGD the jump's gradient moved ``b``'s weights in the same step):
+    with its pull above 0 ``head`` is named; below 0, or not measured, forward order names ``b``."""
+    for seed in range(3):
+        assert head_named(steady_head(seed), 30.0, pull, 60, b=1.6) == {named}, seed
