@@ -149,12 +149,26 @@ class Judge(CulpritNaming):
         """Each module's outputs judged by its gain where that is the quieter figure (see the module docstring)."""
         gains = self._relative("gain", self._gains())
         by_gain = {row for row in self.levels if self._track(row) is self.tracks["gain"].get(row)}
+        self._follow_input([f for f in found if f.problem in RELATIVE["level"] and f.row in by_gain], gains)
         kept = self._stacked([f for f in found if not (f.problem in RELATIVE["level"] and f.row in by_gain)])
         kept += [Finding(f.row, f.layer, f.problem, self.levels[f.row], "level", f.moved)
                  for f in self._stacked([f for f in gains if f.row in by_gain])
                  if f.row in self.named or self._level_agrees(f)]
         last = self._last()
         return [f for f in kept if not asked_for(f, last, self.pulls, self.named)]
+
+    def _follow_input(self, dropped: list[Finding], gains: list[Finding]) -> None:
+        """Let the level's range follow a move of a module judged by its gain where its gain held none of it.
+
+        Its gain in range (no finding, nothing held back) says the move is its input's: the level learned
+        it, as a move its peers excuse does (``follow``), and holds no stale finding should the module be
+        judged by its level later (its gain's noise jumping for a point).
+        """
+        moved = {f.row for f in gains}
+        for f in dropped:
+            gain = self.tracks["gain"].get(f.row)
+            if gain is not None and f.row not in moved and not gain.held:
+                follow(self.tracks["level"][f.row], self.bands.window)
 
     def _stacked(self, found: list[Finding]) -> list[Finding]:
         """The findings less the outputs that grew with their whole kind (:meth:`_grew_with_kind`).
