@@ -18,7 +18,7 @@ const PLUGIN = "lightning_hooks_layers";
 const TITLES = {std: "activation std", zero_fraction: "zero fraction (dead units)",
                 nonfinite_fraction: "non-finite fraction", norm: "gradient norm",
                 log10_ratio: "log10 update / parameter ratio",
-                pull: "the loss's pull on the prediction layer's scale, sum(y·dL/dy): below 0 it asks for larger outputs"};
+                pull: "the loss's pull on the prediction layer, sum(y·dL/dy)"};
 const state = {answers: [], data: {}, groups: {}, open: {}, bannerOpen: {}, baseline: {}, filter: "", focus: null,
                thresholds: {}, defaults: {}, problems: {}, hosted: false, loading: null, tbRuns: null};
 let tip = null;
@@ -172,7 +172,9 @@ function figureView(data, figure) {
   const shownValues = baseRun ? ratioValues(figure, values, base) : values;
   const scale = baseRun ? centredLogScale(shownValues, 10, 1000) : colourScale(values, figure.stat, figure.scale);
   const peers = ["norm", "ratio"].includes(figure.judged) ? " and the other layers'" : "";  // as the judge's headings say
-  if (!baseRun && !figure.scale) scale.stated = `${figure.judged ? `judged against each layer's own history${peers}, no fixed band` : "not judged"}: ${scale.stated}`;
+  const how = figure.judged === "pull" ? "read for its sign: below 0 the loss asks for larger outputs, and the layer's growth is not named"
+    : figure.judged ? `judged against each layer's own history${peers}, no fixed band` : "not judged";
+  if (!baseRun && !figure.scale) scale.stated = `${how}: ${scale.stated}`;
   if (baseRun) scale.stated = base ? `÷ ${baseRun} at the same step and layer: the middle colour is equal, yellow higher, purple lower (log)`
     : `${baseRun} has no ${figure.key}`;
   box.append(el("h3", {}, baseRun ? `${title} ÷ ${baseRun}` : title),
