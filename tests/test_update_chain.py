@@ -11,43 +11,18 @@ from lightning.pytorch.loggers import CSVLogger
 from torch import nn
 
 from lightning_hooks import GradientMonitor
-from lightning_hooks.callbacks import _step_copies
 from lightning_hooks.callbacks._gradient_rows import Row
-from lightning_hooks.callbacks._step_copies import StepCopies, step_copies
+from lightning_hooks.callbacks._step_copies import step_copies
 from lightning_hooks.callbacks._update_norm import UpdateNorms
 from lightning_hooks.callbacks._update_ratio import UpdateRatio
 from lightning_hooks.measure import _update_passes as passes
+from tests.copy_counts import Counts
 from tests.grad_helpers import GradNet
 from tests.helpers import csv_metrics, loader, trainer
 
 pytestmark = pytest.mark.skipif(not passes.NATIVE_PASSES, reason="chained by the C passes only (not built, or off)")
 
 Change = Callable[[int, nn.Module], None]  # (step, model): what happens to the parameters after that step
-
-
-class Counts:
-    """What the step copies did: elements copied per hold (``copies_of``), and the chained passes made."""
-
-    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
-        self.copied: list[int] = []
-        self.chained = 0
-        hold, copies_of, run = StepCopies.hold, _step_copies.copies_of, passes.ChainPlan.run
-
-        def counting_hold(shared: StepCopies, *args: Any, **kwargs: Any) -> None:
-            self.copied.append(0)  # a hold that copies nothing calls no copies_of
-            hold(shared, *args, **kwargs)
-
-        def counting_copies(params: list[torch.Tensor], spares: list[Any], *args: Any) -> Any:
-            self.copied[-1] += sum(p.numel() for p in params)
-            return copies_of(params, spares, *args)
-
-        def counting_run(plan: passes.ChainPlan) -> Any:
-            self.chained += 1
-            return run(plan)
-
-        monkeypatch.setattr(StepCopies, "hold", counting_hold)
-        monkeypatch.setattr(_step_copies, "copies_of", counting_copies)
-        monkeypatch.setattr(passes.ChainPlan, "run", counting_run)
 
 
 def _model() -> nn.Module:

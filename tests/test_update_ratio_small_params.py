@@ -2,17 +2,17 @@
 holder, the same parameters each step, the last chained pass's record reused) gives the figures of
 the unbatched path, each row measured alone, bit for bit."""
 
-from typing import Any, Callable, Optional
+from typing import Callable, Optional
 
 import pytest
 import torch
 from torch import nn
 
-from lightning_hooks.callbacks import _step_copies
 from lightning_hooks.callbacks._gradient_rows import Row
 from lightning_hooks.callbacks._step_copies import StepCopies, step_copies
 from lightning_hooks.callbacks._update_ratio import UpdateRatio
 from lightning_hooks.measure import _update_passes as passes
+from tests.copy_counts import Counts
 
 DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16]
 Change = Callable[[int, list[nn.Parameter]], None]  # (step, params): what happens to them after that step
@@ -74,49 +74,24 @@ def _assigned(step: int, params: list[nn.Parameter]) -> None:
         params[9].data = params[9].detach() * 0.5  # new memory, no version raised
 
 
-class Copied:
-    """Elements copied per hold (``copies_of``) and chained passes run, counted."""
-
-    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
-        self.per_hold: list[int] = []
-        self.chained = 0
-        hold, copies_of, run = StepCopies.hold, _step_copies.copies_of, passes.ChainPlan.run
-
-        def counting_hold(shared: StepCopies, *args: Any, **kwargs: Any) -> None:
-            self.per_hold.append(0)
-            hold(shared, *args, **kwargs)
-
-        def counting_copies(params: list[torch.Tensor], *args: Any) -> Any:
-            self.per_hold[-1] += sum(p.numel() for p in params)
-            return copies_of(params, *args)
-
-        def counting_run(plan: passes.ChainPlan) -> Any:
-            self.chained += 1
-            return run(plan)
-
-        monkeypatch.setattr(StepCopies, "hold", counting_hold)
-        monkeypatch.setattr(_step_copies, "copies_of", counting_copies)
-        monkeypatch.setattr(passes.ChainPlan, "run", counting_run)
-
-
 @pytest.mark.parametrize("native", [True, False], ids=["C passes", "LIGHTNING_HOOKS_NATIVE=0"])
 @pytest.mark.parametrize("change", [None, _in_place, _assigned], ids=["unchanged", "in place", "p.data = x"])
 def test_many_small_mixed_dtype_parameters_give_the_unbatched_figures_bit_for_bit(monkeypatch, native, change):
     monkeypatch.setattr(passes, "NATIVE_PASSES", native and passes.cupdate is not None)
     expected = _run(_one_each, 5, alone=False, change=change)
-    copied = Copied(monkeypatch)
+    copied = Counts(monkeypatch)
     got = _run(_one_each, 5, alone=True, change=change)
     assert got == expected  # floats compared exactly
     assert all(len(step) == 48 and all(v > 0 for v in step.values()) for step in got)
     every = sum(p.numel() for p in _params())
     if not passes.NATIVE_PASSES:  # no chaining: a copy at every step
-        assert copied.per_hold == [every] * 5 and copied.chained == 0
+        assert copied.copied == [every] * 5 and copied.chained == 0
         return
     changed = {None: [], _in_place: [(2, 5)], _assigned: [(3, 9)]}[change]
     expected_copies = [every, 0, 0, 0, 0]
     for step, index in changed:  # only the changed parameter is copied again, at the step after the change
         expected_copies[step] = _params()[index].numel()
-    assert copied.per_hold == expected_copies and copied.chained == 5
+    assert copied.copied == expected_copies and copied.chained == 5
 
 
 def test_a_weight_tied_into_two_rows_is_not_chained_and_gives_the_unbatched_figures(monkeypatch):
@@ -126,10 +101,10 @@ def test_a_weight_tied_into_two_rows_is_not_chained_and_gives_the_unbatched_figu
 
     monkeypatch.setattr(passes, "NATIVE_PASSES", passes.cupdate is not None)
     expected = _run(tied, 4, alone=False)
-    copied = Copied(monkeypatch)
+    copied = Counts(monkeypatch)
     got = _run(tied, 4, alone=True)
     assert got == expected and all(len(step) == 49 for step in got)
-    assert copied.chained == 0 and copied.per_hold == [sum(p.numel() for p in _params())] * 4
+    assert copied.chained == 0 and copied.copied == [sum(p.numel() for p in _params())] * 4
 
 
 @pytest.mark.skipif(passes.cupdate is None, reason="chained by the C passes only")

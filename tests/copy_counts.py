@@ -1,0 +1,37 @@
+"""Counting what the step copies do in a real fit: elements copied per hold, and the chained passes run."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from lightning_hooks.callbacks import _step_copies
+from lightning_hooks.callbacks._step_copies import StepCopies
+from lightning_hooks.measure import _update_passes as passes
+
+
+class Counts:
+    """What the step copies did: elements copied per hold (``copies_of``), and the chained passes made."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.copied: list[int] = []
+        self.chained = 0
+        hold, copies_of, run = StepCopies.hold, _step_copies.copies_of, passes.ChainPlan.run
+
+        def counting_hold(shared: StepCopies, *args: Any, **kwargs: Any) -> None:
+            self.copied.append(0)  # a hold that copies nothing calls no copies_of
+            hold(shared, *args, **kwargs)
+
+        def counting_copies(params: list[torch.Tensor], *args: Any) -> Any:
+            self.copied[-1] += sum(p.numel() for p in params)
+            return copies_of(params, *args)
+
+        def counting_run(plan: passes.ChainPlan) -> Any:
+            self.chained += 1
+            return run(plan)
+
+        monkeypatch.setattr(StepCopies, "hold", counting_hold)
+        monkeypatch.setattr(_step_copies, "copies_of", counting_copies)
+        monkeypatch.setattr(passes.ChainPlan, "run", counting_run)
