@@ -61,7 +61,7 @@ from __future__ import annotations
 import math
 import statistics
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Optional
 
 from lightning_hooks.output._findings import (
@@ -175,13 +175,8 @@ class Judge(CulpritNaming):
 
         Their ranges follow the move, as they follow the row's own learning (``_peers.py``).
         """
-        kept = []
-        for f in found:
-            if f.figure in PEER_FIGURES and f.problem in RELATIVE["level"] and self._grew_with_kind(f.row, f.moved > 0):
-                follow(self.tracks[f.figure][f.row], self.bands.window)
-            else:
-                kept.append(f)
-        return kept
+        return self._followed(found, lambda f: f.figure in PEER_FIGURES and f.problem in RELATIVE["level"]
+                              and self._grew_with_kind(f.row, f.moved > 0))
 
     def _level_agrees(self, found: Finding) -> bool:
         """Whether a module's own outputs moved the way its gain did, at least ``AGREE`` as far (from their median).
@@ -252,10 +247,15 @@ class Judge(CulpritNaming):
         """
         if figure not in PEER_FIGURES:
             return found
-        kept, out = [], {f.row for f in found}
+        out = {f.row for f in found}
+        return self._followed(found, lambda f: self._with_peers(figure, f.row, f.moved > 0, out))
+
+    def _followed(self, found: list[Finding], learned: Callable[[Finding], bool]) -> list[Finding]:
+        """``found`` less the findings whose move is ``learned``: their rows' ranges follow the move instead."""
+        kept = []
         for f in found:
-            if self._with_peers(figure, f.row, f.moved > 0, out):
-                follow(self.tracks[figure][f.row], self.bands.window)
+            if learned(f):
+                follow(self.tracks[f.figure][f.row], self.bands.window)
             else:
                 kept.append(f)
         return kept
