@@ -66,5 +66,3 @@ class Chain:
         part.versions, part.sums = [self.versions[i] for i in indices], self.sums[indices]
         part.shapes = [self.shapes[i] for i in indices]  # as the pass saw them, not as the parameters are now
         return part
-
-

@@ -149,7 +149,7 @@ class UpdateRatio:
             tags = layout.tags
         else:
             names, ratios = _ratios(rows, deltas, weights, grads)
-            tags = [f"updates/{n}/ratio" for n in names], [f"updates/{n}/log10_ratio" for n in names]
+            tags = _tags(names)
         logs = [math.log10(ratio) if ratio > 0 else -math.inf for ratio in ratios]
         blocks = [ScalarBlock("updates", "ratio", names, ratios, tags[0]),
                   ScalarBlock("updates", "log10_ratio", names, logs, tags[1])]
@@ -168,14 +168,24 @@ class _Layout(NamedTuple):
 
     @staticmethod
     def of(rows: Rows, flat: list[Tensor]) -> _Layout:
+        """The layout of ``rows``, whose parameters one after another are ``flat``."""
         names = [name for name, _ in rows]
-        return _Layout(list(map(id, flat)), all(params for _, params in rows), names,
-                       ([f"updates/{n}/ratio" for n in names], [f"updates/{n}/log10_ratio" for n in names]))
+        return _Layout(list(map(id, flat)), all(params for _, params in rows), names, _tags(names))
+
+
+def _tags(names: list[str]) -> tuple[list[str], list[str]]:
+    """The rows' ``updates/<row>/ratio`` and ``updates/<row>/log10_ratio`` tags."""
+    return [f"updates/{n}/ratio" for n in names], [f"updates/{n}/log10_ratio" for n in names]
 
 
 def _all_present(grads: list[Optional[Tensor]]) -> bool:
     """Whether no gradient is None (compared in C: a Python loop per parameter costs more than the check)."""
     return all(map(operator.is_not, grads, repeat(None)))
+
+
+def _updated(params: list[Tensor]) -> bool:
+    """Whether every parameter of a row was updated: each has a gradient (an empty one, on this rank, may not)."""
+    return all(p.grad is not None or p.numel() == 0 for p in params)
 
 
 def _ratios(rows: Rows, deltas: list[float], weights: list[float],
@@ -186,7 +196,7 @@ def _ratios(rows: Rows, deltas: list[float], weights: list[float],
     names, ratios = [], []
     for (name, params), delta, weight in zip(rows, deltas, weights):
         # All zeros before the step (a bias at initialisation): no ratio is defined (it would be inf).
-        if weight > 0 and kept and all(p.grad is not None or p.numel() == 0 for p in params):
+        if weight > 0 and kept and _updated(params):
             names.append(name)
             ratios.append(math.sqrt(delta / weight))
     return names, ratios
@@ -194,7 +204,7 @@ def _ratios(rows: Rows, deltas: list[float], weights: list[float],
 
 def _norm_blocks(rows: Rows, deltas: list[float], moments: list[list[float]], optimizer: Any) -> list[ScalarBlock]:
     """``updates/<row>/norm``; with Adam's moments, ``exp_avg_norm`` and ``exp_avg_sq_sqrt_norm`` (``||sqrt(v)||``)."""
-    present = [i for i, (_, params) in enumerate(rows) if all(p.grad is not None or p.numel() == 0 for p in params)]
+    present = [i for i, (_, params) in enumerate(rows) if _updated(params)]
     names = [rows[i].name for i in present]
     blocks = [ScalarBlock("updates", "norm", names, [math.sqrt(deltas[i]) for i in present],
                           [f"updates/{n}/norm" for n in names])]

@@ -1,7 +1,7 @@
 """The update ratio's passes over parameters: a copy that also sums the squares it moves, and ``sum((a - b)²)``.
 
 And, on the CPU only, the two at once: ``sum((a - b)²)`` that also moves ``a`` into ``b`` and sums
-its squares (:func:`chain_squares_`), so that a step measured right after another needs no copy.
+its squares (:class:`ChainPlan`), so that a step measured right after another needs no copy.
 
 On the CPU the C passes of ``_cupdate.c`` run (float64 sums; the copy and its norm in one read,
 the update's norm without storing the update); elsewhere, or where a tensor is not a plain
@@ -63,8 +63,8 @@ def _buffer(tensor: Tensor) -> object:
     return (tensor if as_int is None else tensor.view(as_int)).numpy()
 
 
-def _all_native(kernel: Callable[..., None], lists: Sequence[Sequence[Tensor]], per: int = 1) -> Optional[Tensor]:
-    """The C pass ``kernel`` over every tensor of ``lists`` at once: ``per`` sums each; None where it cannot take all.
+def _all_native(kernel: Callable[..., None], lists: Sequence[Sequence[Tensor]]) -> Optional[Tensor]:
+    """The C pass ``kernel`` over every tensor of ``lists`` at once: one sum each; None where it cannot take them all.
 
     The hot path: no check per tensor beyond what making its view and the C code's own checks
     (contiguity, types, lengths, all read before any work) do; a list it refuses goes through
@@ -74,7 +74,7 @@ def _all_native(kernel: Callable[..., None], lists: Sequence[Sequence[Tensor]], 
         return None
     try:
         views = [[_buffer(t) for t in tensors] for tensors in lists]
-        sums = torch.empty(per * len(lists[0]), dtype=torch.float64)
+        sums = torch.empty(len(lists[0]), dtype=torch.float64)
         kernel(*views, sums.numpy(), torch.get_num_threads())
     except (KeyError, TypeError, ValueError, RuntimeError):
         return None
@@ -268,18 +268,3 @@ class ChainPlan:
         except (TypeError, ValueError):
             return None
         return sums[:self.count], sums[self.count:]
-
-
-@torch.no_grad()
-def chain_squares_(after: Sequence[Tensor], before: Sequence[Tensor]) -> Optional[tuple[Tensor, Tensor]]:
-    """:func:`update_squares`, and ``before`` made a copy of ``after`` with its sums of squares, in one pass.
-
-    The same figures, bit for bit, as :func:`update_squares` followed by :func:`copy_squares_`
-    of ``after`` into ``before`` (the C passes sum in the same order). Only where the C passes
-    take every tensor (see :class:`ChainPlan`); else None, and nothing is read or written.
-
-    Returns:
-        Each parameter's ``sum((after - before)²)`` and ``sum(after²)`` (float64), or None.
-    """
-    plan = ChainPlan.of(after, before)
-    return None if plan is None else plan.run()
