@@ -18,7 +18,7 @@ import torch
 from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
 from torch import Tensor, nn
 
-from lightning_hooks.callbacks._steps import _is_logged_step, log_step
+from lightning_hooks.callbacks._steps import log_step
 from lightning_hooks.output.figures import ScalarBlock
 from lightning_hooks.output.sinks import log_scalars
 
@@ -116,10 +116,8 @@ class PredictionPull:
             self.pending = (step, name, value)
 
     def _logged(self, step: int) -> bool:
-        """Whether the monitor logs (or watches) ``step``."""
-        if self.monitor is not None:
-            return bool(self.monitor._logs_at(step, self.every))
-        return _is_logged_step(step, self.every)
+        """Whether the monitor logs (or watches) ``step`` (never without one)."""
+        return self.monitor is not None and bool(self.monitor._logs_at(step, self.every))
 
     def send(self, trainer: pl.Trainer, *_: Any) -> None:
         """In ``on_train_batch_end``: the step's pull logged, and handed to the figures' listeners."""
