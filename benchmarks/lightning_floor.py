@@ -55,16 +55,13 @@ def main() -> None:
     import torch
     from lightning.pytorch import Callback
 
-    from lightning_hooks import ActivationMonitor, GradientAnomalyStopping, GradientMonitor
 
     torch.set_num_threads(1)
     _wrap_dispatch()
     configs: dict[str, Callable[[], list[Any]]] = {
         "plain": list,
         "three empty callbacks": lambda: [type(f"Empty{i}", (Callback,), {})() for i in range(3)],
-        "the Quick start's three": lambda: [
-            ActivationMonitor(log_every_n_steps=nb.NEVER, max_rows=None),
-            GradientMonitor(log_every_n_steps=nb.NEVER, max_rows=None), GradientAnomalyStopping(action="skip")],
+        "the Quick start's three": nb.quick_start,
     }
     steps: dict[str, list[float]] = {name: [] for name in configs}
     dispatch: dict[str, list[float]] = {name: [] for name in configs}

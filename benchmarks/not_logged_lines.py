@@ -121,15 +121,11 @@ def run(depth: int, steps: int, rounds: int) -> None:
         for hook in nb.HOOKS:
             nb._wrap(cls, hook, f"{cls.__name__}.{hook}")
 
-    def quick() -> list:
-        return [ActivationMonitor(log_every_n_steps=nb.NEVER, max_rows=None),
-                GradientMonitor(log_every_n_steps=nb.NEVER, max_rows=None), GradientAnomalyStopping(action="skip")]
-
     for r in range(rounds):
         plain = nb._fit(depth, list, steps)
         nb.TIMES.clear()
         ticks.SUMS.clear()
-        three = nb._fit(depth, quick, steps)
+        three = nb._fit(depth, nb.quick_start, steps)
         print(f"round {r}: plain {plain:.0f} us, the three {three:.0f} us a step (median CPU)")
     n = len(nb.TIMES["GradientMonitor.on_before_optimizer_step"])
     print(f"\n{'part (in step order)':56s} us a step")
