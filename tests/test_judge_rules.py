@@ -180,3 +180,21 @@ def test_the_prediction_layer_that_overshot_far_past_the_modules_before_it_is_na
     with its pull above 0 ``head`` is named; below 0, or not measured, forward order names ``b``."""
     for seed in range(3):
         assert head_named(steady_head(seed), 30.0, pull, 60, b=1.6) == {named}, seed
+
+
+
+@pytest.mark.parametrize("rate, named", [(1.002, False), (1.003, False), (1.015, True)])
+def test_a_ramp_too_slow_to_cross_the_least_change_within_min_points_is_followed_not_named(rate, named):
+    """``mlp`` (and ``out`` after it) grows ``rate`` a step from point 60, logged every 2 steps, for 75 points.
+
+    The rate limit of docs/verdicts.md ("Very slow ramps"): a ramp that does not get a least change
+    (x1.17 for a gain) beyond its range within ``min_points`` (24) held points, 48 steps here, is a drift
+    its level follows, as a healthy layer's late creep is; 1.5% a step is named, ``mlp`` and not ``out``.
+    """
+    every, onset = 2, 60
+
+    def move(i, row):
+        return rate ** (every * max(0, i - onset)) if row in ("mlp", "out") else 1.0
+    for seed in range(4):
+        found = first_named(Judge(Bands(), CHAIN), chain_levels(move, seed), onset + 75, every)
+        assert (found is not None and found[1] == {"mlp"}) if named else found is None, (seed, found)
