@@ -228,6 +228,8 @@ class ChainPlan:
     measures the same parameters into the same copies as the step before reuses the plan (see
     ``StepCopies``). The views hold each tensor's memory as it was when the plan was made: a
     plan is run only while every tensor still has that memory (the caller checks its address).
+    The same views serve a step that is not chained (the copy before it, the update's norm after
+    it: :meth:`copy_squares`, :meth:`diff_squares`), where the same copies are held step after step.
     """
 
     __slots__ = ("after", "before", "count")
@@ -253,6 +255,24 @@ class ChainPlan:
     def usable() -> bool:
         """Whether the C passes run here and now: built, not turned off, no tracing, no torch mode on."""
         return cupdate is not None and NATIVE_PASSES and not torch.compiler.is_compiling() and not torch_modes_on()
+
+    def copy_squares(self) -> Optional[Tensor]:
+        """:func:`copy_squares_` of ``after`` into ``before`` by the C pass, through the views; None where refused."""
+        return self._sums(cupdate.copy_squares if cupdate is not None else _none, self.before, self.after)
+
+    def diff_squares(self) -> Optional[Tensor]:
+        """:func:`update_squares` of ``after`` against ``before`` by the C pass; None where refused."""
+        return self._sums(cupdate.diff_squares if cupdate is not None else _none, self.after, self.before)
+
+    def _sums(self, kernel: Callable[..., None], *views: list[object]) -> Optional[Tensor]:
+        if not ChainPlan.usable():
+            return None
+        sums = torch.empty(self.count, dtype=torch.float64)
+        try:
+            kernel(*views, sums.numpy(), torch.get_num_threads())
+        except (TypeError, ValueError):
+            return None
+        return sums
 
     def run(self) -> Optional[tuple[Tensor, Tensor]]:
         """Each pair's ``sum((after - before)²)`` and ``sum(after²)`` (float64), ``after`` moved into ``before``.
