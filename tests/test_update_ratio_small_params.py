@@ -151,7 +151,7 @@ def test_a_split_record_keeps_the_shapes_its_pass_saw():
 @pytest.mark.skipif(not passes.ChainPlan.usable(), reason="the C passes are not built here")
 @pytest.mark.parametrize("change", [None, _in_place, _assigned], ids=["unchanged", "in place", "p.data = x"])
 def test_steps_measured_one_after_another_without_a_chain_copy_through_views_made_once(monkeypatch, change):
-    """Another reader holding the copies too (no chain) copies them at every step: through the views of the step before."""
+    """Another reader holding the copies too (no chain) copies them at every step: through the last step's views."""
     monkeypatch.setattr(passes, "NATIVE_PASSES", True)
     expected = _run(_one_each, 5, alone=False, change=change)
     views, buffer = [], passes._buffer

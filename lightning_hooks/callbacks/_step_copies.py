@@ -78,7 +78,7 @@ def copies_of(params: Sequence[Tensor], spares: Sequence[Optional[Tensor]],
     only when asked (``squares``: a norm pass). Returns the copies and the sums (float64, one per
     parameter) or None.
     """
-    parts = [local(param).detach() for param in params]
+    parts = list(map(local, params))  # not detached: the C passes' views detach (the tensor ops need not)
     fits = [spare is not None and spare.shape == part.shape and spare.dtype == part.dtype
             and spare.device == part.device and spare.stride() == part.stride() for spare, part in zip(spares, parts)]
     copies = [spare if fit and spare is not None else torch.empty_like(part)
@@ -229,7 +229,7 @@ class StepCopies:
             deltas = record.plan.diff_squares()
             if deltas is not None:
                 return deltas
-        return update_passes.update_squares([local(p).detach() for p in params], before, in_place=alone)
+        return update_passes.update_squares(list(map(local, params)), before, in_place=alone)
 
     def _plan(self, params: Sequence[Tensor], keys: list[int], before: Sequence[Tensor]) -> Optional[Chain]:
         """The record whose plan chains ``params`` into ``before``: the last one where it fits, else a new one."""
@@ -239,7 +239,7 @@ class StepCopies:
         if (not params or not params[0].is_cpu or not update_passes.ChainPlan.usable() or len(set(keys)) < len(keys)
                 or not all(map(chainable, params))):
             return None  # no C pass (checked before any view), a parameter given twice (one copy, two writes), sharded
-        plan = update_passes.ChainPlan.of([p.detach() for p in params], before)
+        plan = update_passes.ChainPlan.of(params, before)
         if plan is None:
             return None
         self._last = Chain(list(params), keys, list(before), plan, [p.data_ptr() for p in params])
