@@ -135,7 +135,7 @@ class StepCopies:
         sums = self._take_chained(missing) if self._chained else None
         if missing:
             whole = whole and list(missing) == keys  # (a changed chained copy puts its key back: in its order)
-            planned = self._planned_copy(params, keys) if whole and squares and self._last is not None else None
+            planned = self._planned_copy(params, keys) if whole and squares else None
             if planned is not None:
                 made, sums = planned
             else:
@@ -152,23 +152,18 @@ class StepCopies:
                 self._squares.update(zip(unsummed, zip(repeat(found), range(len(unsummed)))))
 
     def _planned_copy(self, params: Sequence[Tensor], keys: list[int]) -> Optional[tuple[list[Tensor], Tensor]]:
-        """Copy ``params`` into their spares through the last plan's views, when it is of these very tensors.
+        """Copy ``params`` into their spares through the last plan's views (made once), where it is of these tensors.
 
-        Steps that are measured one after another without a chain (another reader holds the
-        copies too) copy the same parameters into the same spares: the views are made once.
+        Steps measured one after another without a chain (another reader holds the copies too,
+        or every parameter changed in between) copy the same parameters into the same spares.
         Returns the copies and their squares; None (nothing taken) where the plan does not fit.
         """
         last = self._last
-        assert last is not None
-        spares = self._spares
-        if (last.keys != keys or not all(map(operator.is_, map(spares.get, keys), last.copies))
-                or [p.data_ptr() for p in params] != last.ptrs or [p.shape for p in params] != last.shapes):
-            return None
-        sums = last.plan.copy_squares()
-        if sums is None:
+        sums = last.plan.copy_squares() if last is not None and last.copies_into(keys, self._spares, params) else None
+        if last is None or sums is None:
             return None
         for key in keys:
-            del spares[key]
+            del self._spares[key]
         return list(last.copies), sums
 
     def _take_chained(self, missing: dict[int, Tensor]) -> Optional[Tensor]:

@@ -294,14 +294,10 @@ class ActivationMonitor(HookCallback):
             self._figures.log_block(trainer, block, _PREFIXES["validate"], 0, log_step(trainer))
 
     def carry(self, step: int, values: torch.Tensor, figure: ScalarBlock) -> bool:
-        """Bring another callback's figures of log step ``step`` to the host in this step's one transfer.
+        """Bring another callback's ``values`` of log step ``step`` (on device) to the host in the step's one transfer.
 
-        ``values`` (on device, one per row of ``figure``) are logged as ``figure`` (whose values
-        they become) with the step's own figures, from rank zero: LayerHealth's pull costs no
-        host read of its own. Taken only while the training step ``step`` is being collected.
-
-        Returns:
-            Whether they were taken.
+        Logged as ``figure`` (whose values they become, one per row) with the step's own figures,
+        from rank zero (LayerHealth's pull). Returns whether taken: only while ``step`` is collected.
         """
         if self._pending_step != step:
             return False
