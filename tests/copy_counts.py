@@ -13,12 +13,13 @@ from lightning_hooks.measure import _update_passes as passes
 
 
 class Counts:
-    """What the step copies did: elements copied per hold (``copies_of``), and the chained passes made."""
+    """What the step copies did: elements copied per hold (``copies_of``, or a plan's views), and the chained passes."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
         self.copied: list[int] = []
         self.chained = 0
         hold, copies_of, run = StepCopies.hold, _step_copies.copies_of, passes.ChainPlan.run
+        planned = passes.ChainPlan.copy_squares
 
         def counting_hold(shared: StepCopies, *args: Any, **kwargs: Any) -> None:
             self.copied.append(0)  # a hold that copies nothing calls no copies_of
@@ -28,6 +29,10 @@ class Counts:
             self.copied[-1] += sum(p.numel() for p in params)
             return copies_of(params, *args)
 
+        def counting_planned(plan: passes.ChainPlan) -> Any:  # a copy through a plan's views (made once)
+            self.copied[-1] += sum(view.size for view in plan.after)  # type: ignore[attr-defined]
+            return planned(plan)
+
         def counting_run(plan: passes.ChainPlan) -> Any:
             self.chained += 1
             return run(plan)
@@ -35,3 +40,4 @@ class Counts:
         monkeypatch.setattr(StepCopies, "hold", counting_hold)
         monkeypatch.setattr(_step_copies, "copies_of", counting_copies)
         monkeypatch.setattr(passes.ChainPlan, "run", counting_run)
+        monkeypatch.setattr(passes.ChainPlan, "copy_squares", counting_planned)

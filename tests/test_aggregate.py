@@ -141,3 +141,21 @@ def test_blocks_of_the_same_bins_share_one_binning_and_its_edges():
     assert StatBlock(["m"], [-1.0, 0.0, 1.0], "cpu").edges == (-1.0, 0.0, 1.0)
     assert stats.binning(16).edges.tolist() == stats.histogram_edges(16).tolist()  # the outer edges left as they are
     assert stats.binning(16).left[0] == -math.inf  # the device form's copy takes the open outer bins
+
+
+def test_riders_come_over_in_the_rows_one_copy_with_their_exact_values_and_the_rows_as_drain_gives_them():
+    from tests.helpers import host_transfers
+
+    blocks = [StatBlock(["a", "b"], 16, "cpu") for _ in range(2)]
+    for block in blocks:
+        block.add(0, _values())
+        block.add(1, torch.arange(7.0))
+    riders = [torch.tensor(1 / 3, dtype=torch.float32), torch.tensor([0.1, -2.5e-30], dtype=torch.float32)]
+    expected = [riders[0].item(), *riders[1].tolist()]  # what a read of each would give
+    with host_transfers() as calls:
+        rows, values = blocks[0].drain_with(_OneRank(), riders)
+    assert calls == {"cpu": 1}
+    assert values == expected  # float32 is exact in float64: bit for bit
+    alone = blocks[1].drain(_OneRank())
+    assert rows.shape == alone.shape and rows.tobytes() == alone.tobytes()
+    assert blocks[0].rows.equal(blocks[1].rows)  # both reset

@@ -5,6 +5,7 @@ import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 import torch
 
@@ -81,6 +82,13 @@ def test_hooks_attach_on_every_rank_and_are_removed_after_fit(ddp_run):
     assert [r["hooks_during"] for r in ranks] == [3, 3]  # on the LightningModule, not the DDP wrapper
     assert [r["hooks_after"] for r in ranks] == [0, 0]
     assert [r["global_step"] for r in ranks] == [3, 3]
+
+
+def test_rank_zero_logs_the_pull_it_measured_in_the_monitors_transfer_at_the_logged_steps_after_the_first(ddp_run):
+    out, ranks = ddp_run
+    pulls = events(str(out)).Scalars("activation_grads/net.2/pull")
+    assert [p.step for p in pulls] == [1]  # logged at 0 and 1; from the step after the forward order is known on
+    assert pulls[0].value == np.float32(ranks[0]["pulls"]["1"])  # rank zero's own, bit for bit (TensorBoard's float32)
 
 
 def test_rank_zero_writes_the_layout_once(ddp_run):

@@ -143,7 +143,7 @@ def test_the_summary_names_the_dead_layer_first_in_tensorboard_and_on_the_consol
     assert "net.1" in text.tensor_proto.string_val[0].decode()
 
 
-def test_it_adds_one_number_to_the_host_per_logged_step_the_prediction_layers_pull_and_nothing_else(tmp_path):
+def test_its_pull_rides_the_monitors_one_transfer_a_logged_step_makes_no_more_host_reads_with_it(tmp_path):
     def counted(with_health: bool) -> Counter:
         callbacks = [ActivationMonitor(), GradientMonitor(update_ratio=True)]
         torch.manual_seed(0)
@@ -156,8 +156,8 @@ def test_it_adds_one_number_to_the_host_per_logged_step_the_prediction_layers_pu
     added = counted(True)
     added.subtract(counted(False))
     pulls = events(str(tmp_path / "True")).Scalars("activation_grads/net.2/pull")
-    assert {name: n for name, n in added.items() if n} == {"item": len(pulls)}
     assert [p.step for p in pulls] == [1, 2, 3]  # from the step after the forward order is known on
+    assert {name: n for name, n in added.items() if n} == {}  # every step logged: none more on any of them
 
 
 def test_a_heatmap_panel_keeps_at_most_max_columns_steps_spread_over_the_run():

@@ -184,6 +184,7 @@ def test_the_tab_in_a_browser_marks_the_dead_layer(tmp_path):
         with devtools(tab_url(base)) as tools:
             tip, shown = hover_and_click(tools, "activations/zero_fraction", "net.3", column=4)
             fields, relaxed = relax_the_dead_threshold(tools)
+            pull = pull_colours(tools, len(answer_pull(answer)))
 
     assert 'data-ready="true"' in dom
     # The strip names the planted dead layer as the run's first culprit, and so does the banner's first line.
@@ -209,6 +210,35 @@ def test_the_tab_in_a_browser_marks_the_dead_layer(tmp_path):
     pixels = matplotlib.image.imread(shot)[..., :3]
     red = (abs(pixels[..., 0] - 1.0) < 0.06) & (abs(pixels[..., 1] - 0.09) < 0.06) & (abs(pixels[..., 2] - 0.27) < 0.06)
     assert red.sum() > 200
+    # The pull is read for its sign: a scale symmetric about 0, neutral grey there, blue below and red above, the
+    # colour bar saying what each side means; every cell on the side of its value.
+    values = answer_pull(answer)
+    assert float(pull["lo"]) == -float(pull["hi"]) == -max(abs(v) for v in values if v is not None)
+    top, middle, bottom = pull["bar"]
+    assert max(middle) - min(middle) < 8 and min(middle) > 235  # neutral at 0
+    assert top[0] > top[2] + 60 and bottom[2] > bottom[0] + 60  # red at the top, blue at the bottom
+    assert "blue below 0, the loss asks the layer's outputs to grow; red above 0, to shrink" in pull["stated"]
+    for value, (r, _, b) in zip(values, pull["cells"]):
+        if value is not None and abs(value) > 0.1 * float(pull["hi"]):
+            assert (b > r) if value < 0 else (r > b), (value, r, b)
+
+
+def answer_pull(answer: dict[str, Any]) -> list[Any]:
+    """The pull's logged values in the route's answer (one row: the prediction layer)."""
+    return next(f for f in answer["figures"] if f["key"] == "activation_grads/pull")["values"][0]
+
+
+def pull_colours(tools: Any, steps: int) -> dict[str, Any]:
+    """The pull's heatmap: its scale's ends, the colour bar's top, middle and bottom pixels, each cell's, the legend."""
+    return tools.evaluate("""((steps) => { const box = document.querySelector('[data-figure="activation_grads/pull"]');
+        const canvas = box.querySelector('canvas'), d = canvas.dataset, g = canvas.getContext('2d');
+        const ratio = window.devicePixelRatio || 1;
+        const px = (x, y) => [...g.getImageData(Math.round(x * ratio), Math.round(y * ratio), 1, 1).data].slice(0, 3);
+        const x = +d.barX + 5, y = (p) => +d.barTop + p * (+d.barHeight - 1);
+        return {lo: d.scaleLo, hi: d.scaleHi, bar: [px(x, y(0)), px(x, y(0.5)), px(x, y(1))],
+                stated: box.querySelector('.lh-scale').textContent,
+                cells: [...Array(steps).keys()].map((c) => px(+d.labelWidth + (c + 0.5) * +d.cell, +d.top + 6))}; })"""
+                          + f"({steps})")
 
 
 def relax_the_dead_threshold(tools: Any) -> tuple[str, str]:

@@ -146,3 +146,35 @@ def test_a_split_record_keeps_the_shapes_its_pass_saw():
     copies.hold("r", [a], squares=True)
     held = copies.copies("r")[0]
     assert held.shape == a.shape and torch.equal(held, a.detach())
+
+
+@pytest.mark.skipif(not passes.ChainPlan.usable(), reason="the C passes are not built here")
+@pytest.mark.parametrize("change", [None, _in_place, _assigned], ids=["unchanged", "in place", "p.data = x"])
+def test_steps_measured_one_after_another_without_a_chain_copy_through_views_made_once(monkeypatch, change):
+    """Another reader holding the copies too (no chain) copies them at every step: through the last step's views."""
+    monkeypatch.setattr(passes, "NATIVE_PASSES", True)
+    expected = _run(_one_each, 5, alone=False, change=change)
+    views, buffer = [], passes._buffer
+
+    def counted(tensor: torch.Tensor) -> object:
+        views[-1] += 1
+        return buffer(tensor)
+
+    monkeypatch.setattr(passes, "_buffer", counted)
+    params = _params()
+    optimizer, rows, reader = torch.optim.SGD(params, lr=0.1, momentum=0.9), _one_each(params), UpdateRatio()
+    got = []
+    for step in range(5):
+        views.append(0)
+        _grads(params, step)
+        reader.take(rows, optimizer)  # the next step not chained, but measured: the memory kept
+        optimizer.step()
+        block = reader.finish(optimizer, True)[0]
+        got.append(dict(zip(block.rows, block.values)))
+        reader.discard(keep=True)
+        if change is not None:
+            change(step, params)
+    reader.forget()
+    assert got == expected  # floats compared exactly
+    made = {None: [], _in_place: [], _assigned: [3]}[change]  # new memory: its views made afresh, at the next step
+    assert [step for step, n in enumerate(views) if n] == [0, *made]

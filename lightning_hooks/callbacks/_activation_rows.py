@@ -8,6 +8,7 @@ from typing import Optional
 
 import lightning.pytorch as pl
 import numpy as np
+from torch import Tensor
 
 from lightning_hooks.callbacks._activation_grads import GRAD_PREFIX
 from lightning_hooks.core._compat import callbacks_of
@@ -72,7 +73,7 @@ class ActivationFigures:
         return {prefix: charts, f"{prefix}, non-finite": nonfinite}
 
     def log_block(self, trainer: pl.Trainer, block: StatBlock, prefix: str, grads: int, step: int,
-                  order: Sequence[str] = ()) -> None:
+                  order: Sequence[str] = (), carried: Sequence[tuple[Tensor, ScalarBlock]] = ()) -> None:
         """Drain ``block`` (one transfer) and log its rows at ``step`` from rank zero.
 
         Args:
@@ -84,8 +85,12 @@ class ActivationFigures:
             order: The modules in the order their hooks first fired, once per fit: given to the
                 figure listeners before the figures (LayerHealth judges in this order) and written
                 for the Layers tab after them (a JSON list of names); empty: nothing to tell.
+            carried: Other callbacks' figures of the step on device (:meth:`ActivationMonitor.carry`),
+                each with the block it is logged as (its values taken from the device's), brought
+                over in the same transfer and logged in the same event.
         """
-        rows = block.drain(trainer)  # the forward's rows and the gradients', in one transfer
+        # The forward's rows and the gradients', and whatever was carried, in one transfer.
+        rows, values = block.drain_with(trainer, [device for device, _ in carried])
         if not trainer.is_global_zero:
             return
         for listener in callbacks_of(trainer, FigureListener) if order else ():
@@ -94,6 +99,9 @@ class ActivationFigures:
         figures = self.log_rows(trainer, rows[:forward], block.names[:forward], prefix, step, block.edges)
         if grads:
             figures += self.log_rows(trainer, rows[forward:], block.names[forward:], GRAD_PREFIX, step, block.edges)
+        for _, figure in carried:
+            figures.append(figure._replace(values=values[:len(figure.rows)]))
+            values = values[len(figure.rows):]
         log_scalars(trainer, {}, step, figures)
         if order:
             log_plugin_data(trainer, FORWARD_ORDER_TAG, json.dumps(list(order)), step)

@@ -6,7 +6,8 @@ that grows because training pushes it (a slow optimizer fitting the targets' sca
 a fault that makes it overshoot has it above 0 while it grows on (docs/verdicts.md). For a module
 whose output is linear in its own parameters (``y = W x + b``: a Linear, a convolution, an
 embedding, a norm's affine) it is ``sum(<p, dL/dp>)`` over them, read from the gradients the step
-has anyway: no activation hook, two small reductions on a logged step.
+has anyway: no activation hook, two small reductions on a logged step, brought to the host in the
+ActivationMonitor's own transfer.
 """
 
 from __future__ import annotations
@@ -20,7 +21,6 @@ from torch import Tensor, nn
 
 from lightning_hooks.callbacks._steps import log_step
 from lightning_hooks.output.figures import ScalarBlock
-from lightning_hooks.output.sinks import log_scalars
 
 #: Modules whose output is linear in their own parameters (weight and bias) taken together.
 LINEAR_IN_PARAMETERS = (nn.Linear, nn.Bilinear, nn.modules.conv._ConvNd, nn.Embedding, nn.LayerNorm, nn.GroupNorm,
@@ -73,21 +73,22 @@ def whole_parameters(strategy: Any) -> bool:
 
 
 class PredictionPull:
-    """LayerHealth's measure of the prediction layer's pull: taken before the optimizer step, sent after it.
+    """LayerHealth's measure of the prediction layer's pull: taken before the optimizer step, sent with the monitor's.
 
     On a step the ActivationMonitor logs (``every``), on rank zero: taken in
     ``on_before_optimizer_step`` (the parameters that made the output, and their gradients: after
-    accumulation and AMP's unscaling), read in ``on_train_batch_end`` (one number to the host,
-    once the step's own transfers are made) and logged as ``activation_grads/<module>/pull``,
-    which LayerHealth and the Layers tab judge. Not taken under a sharded strategy (a shard's
-    parameters give a part of the sum).
+    accumulation and AMP's unscaling) and handed, on device, to the monitor
+    (:meth:`~lightning_hooks.ActivationMonitor.carry`), which brings it to the host in the step's
+    one transfer and logs it with the step's figures as ``activation_grads/<module>/pull``,
+    which LayerHealth and the Layers tab judge: no host read of its own. Not taken under a
+    sharded strategy (a shard's parameters give a part of the sum).
     """
 
     def __init__(self) -> None:
         self.row: Optional[str] = None  # the prediction layer: the last module in forward order
         self.every = 0  # the steps between the ActivationMonitor's logged steps (0: none)
         self.params: dict[str, Optional[list[Tensor]]] = {}  # by module: its own parameters, None where no pull
-        self.pending: Optional[tuple[int, str, Tensor]] = None  # the step, the module and its pull, on device
+        self.taken: Optional[int] = None  # the last step whose pull the monitor carries (one per step)
         self.monitor: Optional[Any] = None  # the ActivationMonitor whose logged steps take the pull
 
     def start(self, trainer: pl.Trainer, every: int, monitor: Optional[Any] = None) -> None:
@@ -96,34 +97,26 @@ class PredictionPull:
         ``monitor``: the ActivationMonitor whose figures are judged: its logged steps include the
         steps it watches closely after an anomaly (``watch_after``), where the judge needs the pull too.
         """
-        self.row, self.params, self.pending, self.monitor = None, {}, None, monitor
+        self.row, self.params, self.taken, self.monitor = None, {}, None, monitor
         self.every = every if whole_parameters(trainer.strategy) else 0
 
     def stop(self) -> None:
-        """Let go of the parameters, the monitor and a pull not yet sent (at the end of fit, or when it raises)."""
-        self.row, self.params, self.pending, self.monitor, self.every = None, {}, None, None, 0
+        """Let go of the parameters and the monitor (at the end of fit, or when it raises)."""
+        self.row, self.params, self.taken, self.monitor, self.every = None, {}, None, None, 0
 
     def take(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        """In ``on_before_optimizer_step``: the pull of a logged step, left on the device."""
+        """In ``on_before_optimizer_step``: the pull of a logged step, handed on device to the monitor (once a step)."""
         step, name = log_step(trainer), self.row
-        if name is None or not trainer.is_global_zero or not self._logged(step):
+        if name is None or not trainer.is_global_zero or self.taken == step or not self._logged(step):
             return
         if name not in self.params:
             self.params[name] = own_parameters(pl_module, name)
         params = self.params[name]
         value = pull(params) if params else None
-        if value is not None and (self.pending is None or self.pending[0] != step):
-            self.pending = (step, name, value)
+        figure = ScalarBlock("activation_grads", "pull", [name], [], [f"activation_grads/{name}/pull"])
+        if value is not None and self.monitor.carry(step, value.reshape(1), figure):  # type: ignore[union-attr]
+            self.taken = step
 
     def _logged(self, step: int) -> bool:
         """Whether the monitor logs (or watches) ``step`` (never without one)."""
         return self.monitor is not None and bool(self.monitor._logs_at(step, self.every))
-
-    def send(self, trainer: pl.Trainer, *_: Any) -> None:
-        """In ``on_train_batch_end``: the step's pull logged, and handed to the figures' listeners."""
-        if self.pending is None:
-            return
-        step, name, value = self.pending
-        self.pending = None
-        log_scalars(trainer, {}, step, [ScalarBlock("activation_grads", "pull", [name], [value.item()],
-                                                    [f"activation_grads/{name}/pull"])])

@@ -58,6 +58,11 @@ class Chain:
         return (keys == self.keys and all(map(operator.is_, before, self.copies))
                 and [p.data_ptr() for p in params] == self.ptrs)
 
+    def copies_into(self, keys: list[int], spares: dict[int, Tensor], params: Sequence[Tensor]) -> bool:
+        """Whether the plan copies these parameters into their ``spares``: the same tensors, memory and shapes."""
+        return (keys == self.keys and all(map(operator.is_, map(spares.get, keys), self.copies))
+                and [p.data_ptr() for p in params] == self.ptrs and [p.shape for p in params] == self.shapes)
+
     def part(self, indices: list[int]) -> Chain:
         """The record of the copies at ``indices`` only (the others were taken)."""
         plan = update_passes.ChainPlan([self.plan.after[i] for i in indices], [self.plan.before[i] for i in indices])

@@ -78,7 +78,7 @@ def copies_of(params: Sequence[Tensor], spares: Sequence[Optional[Tensor]],
     only when asked (``squares``: a norm pass). Returns the copies and the sums (float64, one per
     parameter) or None.
     """
-    parts = [local(param).detach() for param in params]
+    parts = list(map(local, params))  # not detached: the C passes' views detach (the tensor ops need not)
     fits = [spare is not None and spare.shape == part.shape and spare.dtype == part.dtype
             and spare.device == part.device and spare.stride() == part.stride() for spare, part in zip(spares, parts)]
     copies = [spare if fit and spare is not None else torch.empty_like(part)
@@ -135,7 +135,12 @@ class StepCopies:
         sums = self._take_chained(missing) if self._chained else None
         if missing:
             whole = whole and list(missing) == keys  # (a changed chained copy puts its key back: in its order)
-            made, sums = copies_of(list(missing.values()), [self._spares.pop(key, None) for key in missing], squares)
+            planned = self._planned_copy(params, keys) if whole and squares else None
+            if planned is not None:
+                made, sums = planned
+            else:
+                made, sums = copies_of(list(missing.values()), [self._spares.pop(key, None) for key in missing],
+                                       squares)
             copies.update(zip(missing, made))
             if sums is not None:
                 self._squares.update(zip(missing, zip(repeat(sums), range(len(missing)))))
@@ -145,6 +150,21 @@ class StepCopies:
             if unsummed:
                 found = update_passes.squares([copies[key] for key in unsummed])
                 self._squares.update(zip(unsummed, zip(repeat(found), range(len(unsummed)))))
+
+    def _planned_copy(self, params: Sequence[Tensor], keys: list[int]) -> Optional[tuple[list[Tensor], Tensor]]:
+        """Copy ``params`` into their spares through the last plan's views (made once), where it is of these tensors.
+
+        Steps measured one after another without a chain (another reader holds the copies too,
+        or every parameter changed in between) copy the same parameters into the same spares.
+        Returns the copies and their squares; None (nothing taken) where the plan does not fit.
+        """
+        last = self._last
+        sums = last.plan.copy_squares() if last is not None and last.copies_into(keys, self._spares, params) else None
+        if last is None or sums is None:
+            return None
+        for key in keys:
+            del self._spares[key]
+        return list(last.copies), sums
 
     def _take_chained(self, missing: dict[int, Tensor]) -> Optional[Tensor]:
         """Hold the chained spares of ``missing``'s unchanged parameters (taken out of ``missing``).
@@ -192,25 +212,29 @@ class StepCopies:
                 or with ``w_after``).
             chain: The next step holds these parameters again: with ``alone``, chain the copies.
         """
-        if chain and alone:
-            keys = list(map(id, params))
-            record = self._plan(params, keys, before)
-            if record is not None:
-                versions = [p._version for p in params]  # read here, while the plan's check left them in cache
-                found = record.plan.run()
-                if found is not None:
-                    self._chain(record, found[1], versions)
-                    return found[0]
-        return update_passes.update_squares([local(p).detach() for p in params], before, in_place=alone)
+        keys = list(map(id, params))
+        record = self._plan(params, keys, before)
+        if record is not None and chain and alone:
+            versions = [p._version for p in params]  # read here, while the plan's check left them in cache
+            found = record.plan.run()
+            if found is not None:
+                self._chain(record, found[1], versions)
+                return found[0]
+        elif record is not None:  # not chained: the same views, for the next hold's copy too
+            deltas = record.plan.diff_squares()
+            if deltas is not None:
+                return deltas
+        return update_passes.update_squares(list(map(local, params)), before, in_place=alone)
 
     def _plan(self, params: Sequence[Tensor], keys: list[int], before: Sequence[Tensor]) -> Optional[Chain]:
         """The record whose plan chains ``params`` into ``before``: the last one where it fits, else a new one."""
         last = self._last
         if last is not None and last.runs_on(keys, before, params):
             return last
-        if not params or not params[0].is_cpu or len(set(keys)) < len(keys) or not all(map(chainable, params)):
-            return None  # a parameter given twice (one copy, written twice), or sharded
-        plan = update_passes.ChainPlan.of([p.detach() for p in params], before)
+        if (not params or not params[0].is_cpu or not update_passes.ChainPlan.usable() or len(set(keys)) < len(keys)
+                or not all(map(chainable, params))):
+            return None  # no C pass (checked before any view), a parameter given twice (one copy, two writes), sharded
+        plan = update_passes.ChainPlan.of(params, before)
         if plan is None:
             return None
         self._last = Chain(list(params), keys, list(before), plan, [p.data_ptr() for p in params])

@@ -25,6 +25,7 @@ from lightning_hooks.core.selection import ModuleSelection, check_limit, validat
 from lightning_hooks.measure._stat_rows import DEFAULT_STATS, STAT_NAMES
 from lightning_hooks.measure.aggregate import StatBlock
 from lightning_hooks.measure.stats import Bins, binning
+from lightning_hooks.output.figures import ScalarBlock
 from lightning_hooks.output.sinks import destinations, log_layout
 
 Stage = Literal["train", "validate"]
@@ -160,6 +161,7 @@ class ActivationMonitor(HookCallback):
         self._forward_order: Optional[dict[str, None]] = None  # modules as their hooks first fire, once per fit
         self._grad_scale: list[Optional[torch.Tensor]] = [None]  # AMP's 1 / loss_scale for this backward
         self._hook_fns: dict[tuple[int, str, int], tuple[Callable[..., Any], Callable[..., Any]]] = {}
+        self._carried: list[tuple[torch.Tensor, ScalarBlock]] = []  # other callbacks' figures of the step (`carry`)
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         """Resolve modules and the logging interval before training starts."""
@@ -177,7 +179,7 @@ class ActivationMonitor(HookCallback):
                                   skipped="it computes nothing")
         self._blocks = {s: StatBlock(names + self._grad_names(s), self.bins, pl_module.device)
                         for s in self.stages} if written else {}
-        self._block, self._pending_step = None, None
+        self._block, self._pending_step, self._carried = None, None, []
         self._forward_order = {}
         self._figures = ActivationFigures(self.stats, self.histogram)
         grads = [GRAD_PREFIX] if self._grad_names("train") else []
@@ -291,12 +293,24 @@ class ActivationMonitor(HookCallback):
         if block is not None and not trainer.sanity_checking and self.is_attached:
             self._figures.log_block(trainer, block, _PREFIXES["validate"], 0, log_step(trainer))
 
+    def carry(self, step: int, values: torch.Tensor, figure: ScalarBlock) -> bool:
+        """Bring another callback's ``values`` of log step ``step`` (on device) to the host in the step's one transfer.
+
+        Logged as ``figure`` (whose values they become, one per row) with the step's own figures,
+        from rank zero (LayerHealth's pull). Returns whether taken: only while ``step`` is collected.
+        """
+        if self._pending_step != step:
+            return False
+        self._carried.append((values, figure))
+        return True
+
     def _flush(self, trainer: pl.Trainer, stage: str) -> None:
         step, self._pending_step = self._pending_step, None
         self._gate, self._block, self._grad_scale[0] = False, None, None  # the hooks as the gate's closer left them
         assert step is not None
         order = list(self._forward_order or ())  # once per fit: for LayerHealth and the Layers tab's row order
+        carried, self._carried = self._carried, []
         self._figures.log_block(trainer, self._blocks[stage], _PREFIXES[stage], len(self._grad_names(stage)), step,
-                                order)
+                                order, carried)
         if order:
             self._forward_order = None

@@ -48,7 +48,7 @@ class LayerHealth(FigureListener, Diagnoses, *CALLBACK_BASES):  # type: ignore[m
     a bounded record of them on the host. It measures one figure itself, on the monitor's logged
     steps: the prediction layer's (the last module in forward order's) ``sum(y * dL/dy)``,
     logged as ``activation_grads/<module>/pull``, from its own parameters' gradients (two small
-    reductions and one number to the host; not measured under sharded strategies, or where
+    reductions, brought to the host in the monitor's own transfer; not measured under sharded strategies, or where
     the module is not linear in its parameters or shares one): a prediction layer growing while
     the loss asks for it (below 0) is learning, not blowing up. From it, at the first logged step, every
     ``image_every_n_steps`` (as Lightning logs: at step ``n`` once ``n + 1`` reaches a multiple,
@@ -214,10 +214,6 @@ class LayerHealth(FigureListener, Diagnoses, *CALLBACK_BASES):  # type: ignore[m
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
         """On a logged step, take the prediction layer's pull, ``sum(y * dL/dy)`` (``_loss_pull.py``)."""
         self._pull.take(trainer, pl_module)
-
-    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
-        """Log the step's pull: LayerHealth and the Layers tab judge it with the step's other figures."""
-        self._pull.send(trainer)
 
     def record_histograms(self, histograms: HistogramBlock, edges: Sequence[float], step: int) -> None:
         """Keep the activation histograms' counts, exact zeros apart, one column per logged step (bounded)."""

@@ -84,6 +84,9 @@ def takes_gradient_directly(param: Tensor) -> bool:
 
 def local(tensor: Tensor) -> Tensor:
     """This rank's part of ``tensor``: the local shard of a DTensor, else the tensor itself."""
+    kind = type(tensor)
+    if kind is nn.Parameter or kind is Tensor:  # the usual case: no isinstance against DTensor (a few us a call)
+        return tensor
     return tensor.to_local() if is_sharded(tensor) else tensor
 
 

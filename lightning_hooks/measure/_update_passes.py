@@ -52,13 +52,16 @@ def small(tensors: Sequence[Tensor]) -> bool:
 
 
 def _buffer(tensor: Tensor) -> object:
-    """The numpy view of ``tensor``'s memory that the C passes read (bfloat16 as int16).
+    """The numpy view of ``tensor``'s memory that the C passes read (bfloat16 as int16), detached where it must be.
+
+    A parameter is detached here, where a view is made, not by every caller: the tensor ops
+    read it as it is, and a plan's views are made once.
 
     Raises (KeyError, TypeError, RuntimeError) where there is none: another dtype, a tensor
-    subclass or off the CPU, one that requires grad, a negated view.
+    subclass (other than a parameter's) or off the CPU, a negated view.
     """
-    if type(tensor) is not Tensor:
-        raise TypeError(f"the C passes read plain tensors, got {type(tensor).__name__}")
+    if type(tensor) is not Tensor or tensor.requires_grad:
+        tensor = _detached(tensor)
     as_int = _FORMATS[tensor.dtype]
     return (tensor if as_int is None else tensor.view(as_int)).numpy()
 
@@ -81,12 +84,21 @@ def _all_native(kernel: Callable[..., None], lists: Sequence[Sequence[Tensor]]) 
     return sums
 
 
+def _detached(tensor: Tensor) -> Tensor:
+    """``tensor.detach()`` (a parameter's is a plain tensor); TypeError where that is another subclass."""
+    tensor = tensor.detach()
+    if type(tensor) is not Tensor:
+        raise TypeError(f"the C passes read plain tensors, got {type(tensor).__name__}")
+    return tensor
+
+
 def _native(*tensors: Tensor) -> bool:
-    """Whether the C passes read these tensors (same dtype and size) as they are."""
+    """Whether the C passes read these tensors (same dtype and size) as their views (:func:`_buffer`) show them."""
+    tensors = tuple(t if type(t) is Tensor and not t.requires_grad else t.detach() for t in tensors)
     first = tensors[0]
     return all(type(t) is Tensor and t.is_cpu and t.layout is torch.strided and t.dtype in _FORMATS
                and t.dtype is first.dtype and t.numel() == first.numel() and t.is_contiguous()
-               and not t.is_neg() and not t.is_conj() and not t.requires_grad for t in tensors)
+               and not t.is_neg() and not t.is_conj() for t in tensors)
 
 
 def _none(*args: object) -> None:
@@ -228,6 +240,8 @@ class ChainPlan:
     measures the same parameters into the same copies as the step before reuses the plan (see
     ``StepCopies``). The views hold each tensor's memory as it was when the plan was made: a
     plan is run only while every tensor still has that memory (the caller checks its address).
+    The same views serve a step that is not chained (the copy before it, the update's norm after
+    it: :meth:`copy_squares`, :meth:`diff_squares`), where the same copies are held step after step.
     """
 
     __slots__ = ("after", "before", "count")
@@ -239,8 +253,8 @@ class ChainPlan:
     def of(after: Sequence[Tensor], before: Sequence[Tensor]) -> Optional[ChainPlan]:
         """The plan over ``after`` and ``before`` (``before`` writable); None where the C passes cannot take them all.
 
-        Only plain tensors on the CPU (their view, else a refusal: another dtype, a subclass, one
-        that requires grad); the C pass checks the rest (contiguity, types, lengths) as it runs.
+        Only plain tensors (or parameters) on the CPU (their view, else a refusal: another dtype, a
+        subclass); the C pass checks the rest (contiguity, types, lengths) as it runs.
         """
         if not after or not ChainPlan.usable():
             return None
@@ -253,6 +267,24 @@ class ChainPlan:
     def usable() -> bool:
         """Whether the C passes run here and now: built, not turned off, no tracing, no torch mode on."""
         return cupdate is not None and NATIVE_PASSES and not torch.compiler.is_compiling() and not torch_modes_on()
+
+    def copy_squares(self) -> Optional[Tensor]:
+        """:func:`copy_squares_` of ``after`` into ``before`` by the C pass, through the views; None where refused."""
+        return self._sums(cupdate.copy_squares if cupdate is not None else _none, self.before, self.after)
+
+    def diff_squares(self) -> Optional[Tensor]:
+        """:func:`update_squares` of ``after`` against ``before`` by the C pass; None where refused."""
+        return self._sums(cupdate.diff_squares if cupdate is not None else _none, self.after, self.before)
+
+    def _sums(self, kernel: Callable[..., None], *views: list[object]) -> Optional[Tensor]:
+        if not ChainPlan.usable():
+            return None
+        sums = torch.empty(self.count, dtype=torch.float64)
+        try:
+            kernel(*views, sums.numpy(), torch.get_num_threads())
+        except (TypeError, ValueError):
+            return None
+        return sums
 
     def run(self) -> Optional[tuple[Tensor, Tensor]]:
         """Each pair's ``sum((after - before)²)`` and ``sum(after²)`` (float64), ``after`` moved into ``before``.

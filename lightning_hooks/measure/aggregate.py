@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import lightning.pytorch as pl
@@ -120,12 +121,33 @@ class StatBlock:
 
         Every rank must call this together.
         """
+        return self.drain_with(trainer, ())[0]
+
+    def drain_with(self, trainer: pl.Trainer | Any, riders: Sequence[Tensor]) -> tuple[np.ndarray, list[float]]:
+        """:meth:`drain`, bringing ``riders`` (this rank's own values, not reduced) to the host in the same copy.
+
+        Every rank must call this together; ``riders`` may differ between ranks (rank zero's alone).
+
+        Args:
+            trainer: The trainer, for the ranks.
+            riders: Tensors on any device, each brought over whole (flattened, as float64: exact
+                for float32 and smaller), so that another callback's figures of the step cost no
+                host read of their own.
+
+        Returns:
+            The rows (as :meth:`drain`), and the riders' values in order, flattened.
+        """
         rows = self.rows
         if trainer.world_size > 1:
             rows = reduce_rows(trainer.strategy.all_gather(rows))
-        host = rows.cpu().numpy().copy()  # a copy: the reset below writes into a CPU block's memory
+        if not riders:
+            host = rows.cpu().numpy().copy()  # a copy: the reset below writes into a CPU block's memory
+            self.reset()
+            return host, []
+        flat = [rows.reshape(-1), *(r.detach().reshape(-1).to(rows.device, rows.dtype) for r in riders)]
+        joined = torch.cat(flat).cpu().numpy()  # a new tensor: the reset below cannot write into it
         self.reset()
-        return host
+        return joined[: rows.numel()].reshape(rows.shape), joined[rows.numel():].tolist()
 
     def reset(self) -> None:
         """Empty every row, on device, without reading it."""

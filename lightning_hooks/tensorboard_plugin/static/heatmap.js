@@ -1,5 +1,5 @@
-// The Layers tab's heatmap: rows by steps on a <canvas>, viridis colours, marked cells outlined, a colour
-// bar. Used by the run figures (index.js) and the flight records (flight.js): one drawing code for both.
+// The Layers tab's heatmap: rows by steps on a <canvas>, viridis colours (a diverging red-blue for a figure read
+// for its sign), marked cells outlined, a colour bar. Used by the run figures (index.js) and the flight records (flight.js): one drawing code for both.
 // A view is {figure: {rows, steps, marks}, values, marks (Map "row,col" -> verdict), scale, canvas, rows}
 // where rows are the visible rows ({label, members: [figure rows], lead, note}), set by the caller; optional: top
 // (the space above the grid), labelOf(row) (a row's label), overlay(g, labelWidth, cell) (drawn last).
@@ -19,6 +19,10 @@ const LOG_STATS = new Set(["std", "norm", "abs_max"]);
 // Viridis, nine stops: perceptually uniform, readable in grey.
 const VIRIDIS = [[68, 1, 84], [71, 44, 122], [59, 81, 139], [44, 113, 142], [33, 144, 141],
                  [39, 173, 129], [92, 200, 99], [170, 220, 50], [253, 231, 37]];
+// ColorBrewer's RdBu, eleven stops from blue to red: diverging, its middle a neutral light grey. Blue for below 0
+// and red for above, as the marks' blue is too low and red too high.
+const RED_BLUE = [[5, 48, 97], [33, 102, 172], [67, 147, 195], [146, 197, 222], [209, 229, 240], [247, 247, 247],
+                  [253, 219, 199], [244, 165, 130], [214, 96, 77], [178, 24, 43], [103, 0, 31]];
 
 export function el(tag, attrs = {}, children = []) {
   const node = document.createElement(tag);
@@ -74,6 +78,20 @@ function stopScale({stops, band, log}) {
           stated: `fixed scale: healthy ${healthy} in the middle colours, out of band at the ends`};
 }
 
+// A figure read for its sign (the loss's pull, sum(y·dL/dy)): a diverging scale symmetric about 0, neutral grey at
+// 0, as far either way as the largest value's magnitude; `ends` says what each side means (below 0 the loss asks the
+// layer's outputs to grow, above 0 to shrink), on the colour bar and in `stated`.
+const SIGN_BAR_W = 124;  // room for the ends' value and meaning beside the bar
+export function signScale(values) {
+  let m = 0;
+  for (const row of values) for (const v of row) if (v !== null && Number.isFinite(v)) m = Math.max(m, Math.abs(v));
+  if (!(m > 0)) m = 1;  // nothing but zeros (or nothing): any span shows them neutral
+  return {log: false, centred: true, lo: -m, hi: m, t: (v) => v, colour: redBlue, barWidth: SIGN_BAR_W,
+          ends: ["grow", "shrink"], at: (v) => Math.min(1, Math.max(0, (v + m) / (2 * m))),
+          stated: `a diverging scale centred on 0 (neutral grey at 0, ±${fmt(m)} at the ends): blue below 0, the loss`
+            + " asks the layer's outputs to grow; red above 0, to shrink"};
+}
+
 // A log scale centred on 1 (the middle colour), reaching at least `least` and at most `most` either way (beyond
 // it the colours saturate: the bar says so): for ratios to a usual level.
 export function centredLogScale(values, least, most) {
@@ -84,11 +102,14 @@ export function centredLogScale(values, least, most) {
   return {log: true, lo: -m, hi: m, t, clipped: seen > m, at: (v) => (v > 0 ? Math.min(1, Math.max(0, (t(v) + m) / (2 * m))) : 0)};
 }
 
-export function viridis(x) {
-  const p = x * (VIRIDIS.length - 1), i = Math.min(VIRIDIS.length - 2, Math.floor(p)), f = p - i;
-  const [a, b] = [VIRIDIS[i], VIRIDIS[i + 1]];
+// The colour at `x` (0-1) of a palette of evenly spaced stops, linear between them.
+function along(stops, x) {
+  const p = x * (stops.length - 1), i = Math.min(stops.length - 2, Math.floor(p)), f = p - i;
+  const [a, b] = [stops[i], stops[i + 1]];
   return `rgb(${a.map((c, k) => Math.round(c + f * (b[k] - c))).join(",")})`;
 }
+export const viridis = (x) => along(VIRIDIS, x);
+export const redBlue = (x) => along(RED_BLUE, x);
 
 export function draw(view) {
   const {figure, values, marks, scale, canvas} = view;
@@ -101,16 +122,17 @@ export function draw(view) {
   const markedRows = new Set(figure.marks.map(([r]) => r));
   const labels = view.rows.map((row) => (view.labelOf ? fit(g, "", view.labelOf(row), "") : label(g, row, markedRows)));
   const LABEL_W = view.labelWidth = 12 + Math.max(40, ...labels.map((text) => g.measureText(text).width));
-  const width = LABEL_W + steps * cell + BAR_W, height = TOP + view.rows.length * ROW_H + AXIS_H;
+  const width = LABEL_W + steps * cell + (scale.barWidth || BAR_W), height = TOP + view.rows.length * ROW_H + AXIS_H;
   const ratio = window.devicePixelRatio || 1;
   canvas.width = width * ratio; canvas.height = height * ratio;
   canvas.style.width = `${width}px`; canvas.style.height = `${height}px`;
   // The geometry, for whoever needs to find a cell (the browser tests do).
-  Object.assign(canvas.dataset, {labelWidth: LABEL_W, cell, rowHeight: ROW_H, top: TOP,
+  Object.assign(canvas.dataset, {labelWidth: LABEL_W, cell, rowHeight: ROW_H, top: TOP, scaleLo: scale.lo, scaleHi: scale.hi,
                                  rows: view.rows.map((row) => row.group && row.members.length > 1 ? row.group + ".*" : view.figure.rows[row.members[0]]).join(",")});
   g.scale(ratio, ratio);
   g.font = "11px Roboto, Arial, sans-serif";
   g.textBaseline = "middle";
+  const colour = scale.colour || viridis;
   view.rows.forEach((row, r) => {
     const y = TOP + r * ROW_H;
     let worst = null;
@@ -121,7 +143,7 @@ export function draw(view) {
       if (mark) worst = worst || mark;
       const v = m === null ? null : values[m][c];
       if (v === null) continue;
-      g.fillStyle = Number.isFinite(v) ? viridis(scale.at(v)) : NONFINITE;
+      g.fillStyle = Number.isFinite(v) ? colour(scale.at(v)) : NONFINITE;
       g.fillRect(LABEL_W + c * cell, y, cell, ROW_H - 1);
       if (mark) {
         g.strokeStyle = markColour(mark);
@@ -162,10 +184,17 @@ function axis(g, view, steps, cell, LABEL_W, TOP) {
 
 function colourBar(g, view, plotRight, TOP) {
   const {scale} = view;
-  const x = plotRight + 10, h = Math.max(40, view.rows.length * ROW_H);
-  for (let i = 0; i < h; i++) { g.fillStyle = viridis(1 - i / h); g.fillRect(x, TOP + i, 10, 1); }
+  const x = plotRight + 10, h = Math.max(40, view.rows.length * ROW_H), colour = scale.colour || viridis;
+  Object.assign(view.canvas.dataset, {barX: x, barTop: TOP, barHeight: h});  // for the browser tests, as the cells'
+  for (let i = 0; i < h; i++) { g.fillStyle = colour(1 - i / h); g.fillRect(x, TOP + i, 10, 1); }
   g.fillStyle = "#424242"; g.textBaseline = "middle";
   const label = (t) => fmt(scale.log ? 10 ** t : t);
+  if (scale.centred) {  // 0 in the middle (no tick: it would read as a minus), each end's value and its meaning
+    g.fillText(`+${label(scale.hi)} ${scale.ends[1]}`, x + 15, TOP + 5);
+    g.fillText("0", x + 15, TOP + h / 2);
+    g.fillText(`${label(scale.lo)} ${scale.ends[0]}`, x + 15, TOP + h - 5);
+    return;
+  }
   if (scale.fixed) {  // the band's ends where they sit on the palette, and the scale's ends
     const y = (p) => TOP + (1 - p) * h;
     const named = new Map(scale.stops.filter((stop) => stop[2]).map(([value, , name]) => [value, name]));

@@ -7,7 +7,7 @@
 
 import {CONTEXT_H, contextOverlay, depthProfile, ratioValues} from "./compare.js";
 import {flightView, timeline} from "./flight.js";
-import {MARK_COLOURS, NONFINITE, TOP_GAP, at, centredLogScale, colourScale, draw, el, fmt, num} from "./heatmap.js";
+import {MARK_COLOURS, NONFINITE, TOP_GAP, at, centredLogScale, colourScale, draw, el, fmt, num, signScale} from "./heatmap.js";
 import {histogramView} from "./histogram.js";
 import * as host from "./host.js";
 import {drawnMember, visibleRows} from "./rows.js";
@@ -170,9 +170,10 @@ function figureView(data, figure) {
   const base = baseData && baseData.figures.find((f) => f.key === figure.key);
   const title = `${figure.prefix ? figure.prefix + "-" : ""}${figure.kind} · ${TITLES[figure.stat] || figure.stat}`;
   const shownValues = baseRun ? ratioValues(figure, values, base) : values;
-  const scale = baseRun ? centredLogScale(shownValues, 10, 1000) : colourScale(values, figure.stat, figure.scale);
+  const scale = baseRun ? centredLogScale(shownValues, 10, 1000)
+    : figure.judged === "pull" ? signScale(values) : colourScale(values, figure.stat, figure.scale);
   const peers = ["norm", "ratio"].includes(figure.judged) ? " and the other layers'" : "";  // as the judge's headings say
-  const how = figure.judged === "pull" ? "read for its sign: below 0 the loss asks for larger outputs, and the layer's growth is not named"
+  const how = figure.judged === "pull" ? "read for its sign (the layer's growth is not named while it is below 0)"
     : figure.judged ? `judged against each layer's own history${peers}, no fixed band` : "not judged";
   if (!baseRun && !figure.scale) scale.stated = `${how}: ${scale.stated}`;
   if (baseRun) scale.stated = base ? `÷ ${baseRun} at the same step and layer: the middle colour is equal, yellow higher, purple lower (log)`
