@@ -38,6 +38,8 @@ Added once every group above met its goals but the SGD prediction layer (``bench
   way is graded as abrupt), an onset at 35%, AdamW at a constant LR, the zoo's models at seeds 1-3.
 - ``unseen3c``: the Mixer's other faults, a GPT-2 with dropout, other log intervals and lengths,
   onsets at 25%, a ramp of 0.3% a step, jumps x2.5 and x0.5, more layers, AdamW on the CNN.
+- ``lastblock``: the fault in the last block of the Mixer, the pre-activation ResNet and LLaMA, where a
+  healthy gradient over depth is cleared (``benchmarks/_sweep_lastblock.py``).
 
 Per case: the culprit named first, the layers named before it, the delay (steps from the onset
 to the first logged step that names it), on healthy runs the verdict lines after the first 10%,
@@ -64,6 +66,7 @@ from benchmarks import (
     _sweep_models,  # noqa: E402,F401  (adds the sweep's recipes)
     fault_zoo,  # noqa: E402
 )
+from benchmarks._sweep_lastblock import lastblock  # noqa: E402
 from benchmarks._sweep_unseen3 import unseen3  # noqa: E402
 from benchmarks._sweep_variant import Variant, register  # noqa: E402
 from benchmarks.fault_zoo import JUMP, Case, judge_case, run_case  # noqa: E402
@@ -102,7 +105,7 @@ def variants() -> dict[str, list[Variant]]:
              Variant("optim", "mlp", ("healthy", "ramp", "jump"), precision="bf16-mixed"),
              Variant("optim", "cnn", ("healthy", "ramp", "jump"), precision="bf16-mixed")]
     return {"models": models, "layers": _layers(), "rates": rates, "onsets": onsets, "every": every, "optim": optim,
-            **_unseen(), **unseen3()}
+            **_unseen(), **unseen3(), **lastblock()}
 
 
 def _unseen() -> dict[str, list[Variant]]:

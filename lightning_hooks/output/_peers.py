@@ -30,6 +30,9 @@ from typing import Any
 
 #: A numbered part of a module's name (a block's or a Sequential's index).
 _NUMBER = re.compile(r"(^|\.)\d+(?=\.|$)")
+#: The last copy of a kind ends a gradient over depth where it moved at most this many times the copy before it
+#: (the Mixer's last token-mixing layer x2.7 its predecessor's move, the pre-activation ResNet's last conv x2.3).
+STEEPEST = 3.0
 
 
 def kind(row: str) -> str:
@@ -91,7 +94,25 @@ class Peers:
             return True
         # between its neighbours: the one before moved the same way, the one after (steady) at least as far
         steady = [m for d, m, other in peers if d > at and other not in leaning]
-        return bool(before and steady) and sign * before[-1] > 0 and sign * steady[0] >= sign * mine
+        if before and steady:
+            return sign * before[-1] > 0 and sign * steady[0] >= sign * mine
+        return self._ends_gradient(figure, row, depth, before, mine, sign, margin)
+
+    def _ends_gradient(self, figure: str, row: str, depth: Mapping[str, int], before: list[float], mine: float,
+                       sign: int, margin: float) -> bool:
+        """Whether ``row``, the last copy of its kind, ends a gradient over depth (see the module docstring).
+
+        No copy after it bounds its move, so the one before does: it moved the same way past half the
+        ``margin`` (more than its noise), and ``row`` at most ``STEEPEST`` times as far.
+        """
+        return bool(before) and self._last_of_kind(figure, row, depth) and sign * before[-1] >= margin / 2 \
+            and sign * mine <= STEEPEST * sign * before[-1]
+
+    def _last_of_kind(self, figure: str, row: str, depth: Mapping[str, int]) -> bool:
+        """Whether no copy of ``row``'s kind with values of ``figure`` comes after it in forward order."""
+        at, own = depth.get(row, 0), kind(row)
+        return all(depth.get(other, 0) < at for other in self.history.get(figure, {})
+                   if other != row and kind(other) == own)
 
     def grew_as_a_kind(self, row: str, least: float, margin: float, up: bool) -> bool:
         """Whether ``row``'s kind grew as a whole (``up`` or down), its gain leading none of its copies'.
