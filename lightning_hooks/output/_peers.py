@@ -103,10 +103,12 @@ class Peers:
         """Whether ``row``, the last copy of its kind, ends a gradient over depth (see the module docstring).
 
         No copy after it bounds its move, so the one before does: it moved the same way past half the
-        ``margin`` (more than its noise), and ``row`` at most ``STEEPEST`` times as far.
+        ``margin`` (more than its noise), and ``row`` at most ``STEEPEST`` times as far, over the points
+        before its newest too: a step in one point, past the ``margin``, is its own (a fault), not learning.
         """
+        values = self.history[figure][row]
         return bool(before) and self._last_of_kind(figure, row, depth) and sign * before[-1] >= margin / 2 \
-            and sign * mine <= STEEPEST * sign * before[-1]
+            and sign * mine <= STEEPEST * sign * before[-1] and sign * (values[-1] - values[-2]) <= margin
 
     def _last_of_kind(self, figure: str, row: str, depth: Mapping[str, int]) -> bool:
         """Whether no copy of ``row``'s kind with values of ``figure`` comes after it in forward order."""
