@@ -222,3 +222,13 @@ def test_a_ramp_in_the_last_block_after_the_gradients_learning_is_named_within_a
         ramp = depth_gradient(seed, lambda i: 1.05 ** max(0, i - 110))
         found = first_named(Judge(Bands(), MIXER), ramp, 130)
         assert found is not None and found[1] == {"blocks.3.mix"} and 110 < found[0] <= 118, (seed, found)
+
+
+@pytest.mark.parametrize("rise", [1.02, 1.03])
+def test_a_ramp_in_the_last_block_during_its_predecessors_learning_is_named_not_learned(rise):
+    """Blocks 2 and 3 learn alike (1.2% a point, points 50-80); block 3 ramps from point 60 on top: excused while
+    block 2 moves, its range held, not learned: named once it goes on past block 2's move, before point 90."""
+    for seed in range(4):
+        ramp = depth_gradient(seed, lambda i: rise ** max(0, i - 60), (0.0, 0.002, 0.012, 0.012))
+        found = first_named(Judge(Bands(), MIXER), ramp, 90)
+        assert found is not None and found[1] == {"blocks.3.mix"}, (seed, found)
