@@ -26,7 +26,8 @@ step at a time, with every judged figure of that step. How it decides (docs/verd
   out first, so no fixed band judges the recipe. Activations are not taken net of every row's
   move, where a single layer's fault would move every row downstream of it; a module's outputs
   that moved as far as its same-kind peers *before* it (in their own range) moved learned with
-  them, and are not named (``_peers.py``).
+  them, and are not named (``_peers.py``); the last copy of a kind ending a gradient over depth is
+  excused while the copy before it moves, its range held until it stops too.
   Nor where its whole kind grew at once (every same-kind copy's outputs moved as far as a finding the
   same way) and its gain led none of its copies' (a network without normalisation under SGD).
 - The gradient reaching each module's output (``output_grad``, ActivationMonitor's

@@ -20,6 +20,7 @@ cannot move a later copy as far while leaving it in its range). The last copy of
 peer after it, ends such a gradient where the peer before it moved the same way past half the margin
 (more than its noise) and it at most ``STEEPEST`` times as far, and its newest point alone did not move
 past the margin: a fault in the last block moves it alone (its predecessor in place), and a step is its own.
+Excused, not learned (the judge holds its range until it stops: ``_judge_culprit.py``).
 """
 
 from __future__ import annotations
