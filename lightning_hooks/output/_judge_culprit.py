@@ -156,9 +156,9 @@ class CulpritNaming:
                 follow(self.tracks[figure][f.row], self.bands.window)  # it stopped with its predecessor: learning
             else:
                 kept.append(f)
-        outside = {f.row for f in found}
-        self.excused -= {f"{figure}/{row}" for row in self.tracks.get(figure, {})
-                         if row not in outside or any(f.row == row for f in kept)}
+        # back in range, or named: no longer excused
+        excused = {f.row for f in found} - {f.row for f in kept}
+        self.excused -= {f"{figure}/{row}" for row in self.tracks.get(figure, {}) if row not in excused}
         return kept
 
     def _stopped(self, figure: str, row: str, up: bool) -> bool:
