@@ -40,6 +40,8 @@ Added once every group above met its goals but the SGD prediction layer (``bench
   onsets at 25%, a ramp of 0.3% a step, jumps x2.5 and x0.5, more layers, AdamW on the CNN.
 - ``creep`` (``benchmarks/_sweep_creep.py``): ramps of 0.15-0.4% a step, around the judge's creep
   bound, on the MLP, CNN, GPT-2 and LLaMA, with their healthy twins.
+- ``lastblock``: the fault in the last block of the Mixer, the pre-activation ResNet and LLaMA, where a
+  healthy gradient over depth is cleared (``benchmarks/_sweep_lastblock.py``).
 
 Per case: the culprit named first, the layers named before it, the delay (steps from the onset
 to the first logged step that names it), on healthy runs the verdict lines after the first 10%,
@@ -67,6 +69,7 @@ from benchmarks import (
     fault_zoo,  # noqa: E402
 )
 from benchmarks._sweep_creep import creep  # noqa: E402
+from benchmarks._sweep_lastblock import lastblock  # noqa: E402
 from benchmarks._sweep_unseen3 import unseen3  # noqa: E402
 from benchmarks._sweep_variant import Variant, register  # noqa: E402
 from benchmarks.fault_zoo import JUMP, Case, judge_case, run_case  # noqa: E402
@@ -105,7 +108,7 @@ def variants() -> dict[str, list[Variant]]:
              Variant("optim", "mlp", ("healthy", "ramp", "jump"), precision="bf16-mixed"),
              Variant("optim", "cnn", ("healthy", "ramp", "jump"), precision="bf16-mixed")]
     return {"models": models, "layers": _layers(), "rates": rates, "onsets": onsets, "every": every, "optim": optim,
-            **_unseen(), **unseen3(), **creep()}
+            **_unseen(), **unseen3(), **creep(), **lastblock()}
 
 
 def _unseen() -> dict[str, list[Variant]]:

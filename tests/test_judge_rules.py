@@ -1,5 +1,6 @@
-"""Four of the judge's rules, each on hand-built figures (fast): a step is not a ramp, an update ratio under its
-first, a kind that grew as a whole, and the prediction layer's pull (docs/verdicts.md)."""
+"""Five of the judge's rules, each on hand-built figures (fast): a step is not a ramp, an update ratio under its
+first, a kind that grew as a whole, the prediction layer's pull, and the last block of a depth gradient
+(docs/verdicts.md)."""
 
 from __future__ import annotations
 
@@ -198,3 +199,52 @@ def test_a_ramp_too_slow_to_cross_the_least_change_within_min_points_is_followed
     for seed in range(4):
         found = first_named(Judge(Bands(), CHAIN), chain_levels(move, seed), onset + 75, every)
         assert (found is not None and found[1] == {"mlp"}) if named else found is None, (seed, found)
+MIXER = [f"blocks.{b}.{k}" for b in range(BLOCKS) for k in ("ln", "mix")]
+DEPTH_RATES = (0.0, 0.001, 0.004, 0.011)  # each block's ``mix`` grows faster than the block's before (a point)
+
+
+def depth_gradient(seed: int, fault=lambda i: 1.0, rates=DEPTH_RATES):
+    """A Mixer's depth gradient: each ``blocks.#.mix`` grows ``rates`` a point for 30 points from point 50 (by default
+    block 3 x1.39, 2.75 times block 2's move: no copy after it to bound it), 2% noise, the LayerNorms before them
+    steady; the last block's ``mix`` times ``fault(point)``."""
+    rng = random.Random(seed)
+
+    def levels(i: int) -> dict[str, dict[str, float]]:
+        grown = min(max(i - 50, 0), 30)
+        out = {f"blocks.{b}.ln": math.exp(rng.gauss(0, 0.002)) for b in range(BLOCKS)}
+        out.update({f"blocks.{b}.mix": math.exp(rates[b] * grown + rng.gauss(0, 0.02)) for b in range(BLOCKS)})
+        out["blocks.3.mix"] *= fault(i)
+        return {"level": out}
+    return levels
+
+
+def test_the_last_block_of_a_depth_gradient_is_learning_not_a_fault():
+    """``blocks.3.mix`` moves 2.75 times as far as ``blocks.2.mix``, which moved the same way: not named."""
+    for seed in range(4):
+        assert first_named(Judge(Bands(), MIXER), depth_gradient(seed), 140) is None, seed
+
+
+@pytest.mark.parametrize("onset, rates", [(75, (0.0, 0.002, 0.012, 0.012)), (110, DEPTH_RATES)])
+def test_a_jump_in_the_last_block_of_a_depth_gradient_is_named_at_once(onset, rates):
+    """x1.5 in one point, during a gradient's learning (block 3 moving as block 2, the jump within 3 times
+    their move: a step is its own, not learning) and after it."""
+    for seed in range(4):
+        jump = depth_gradient(seed, lambda i: 1.5 if i >= onset else 1.0, rates)
+        assert first_named(Judge(Bands(), MIXER), jump, onset + 5)[:2] == (onset, {"blocks.3.mix"}), seed
+
+
+def test_a_ramp_in_the_last_block_after_the_gradients_learning_is_named_within_a_few_points():
+    for seed in range(4):
+        ramp = depth_gradient(seed, lambda i: 1.05 ** max(0, i - 110))
+        found = first_named(Judge(Bands(), MIXER), ramp, 130)
+        assert found is not None and found[1] == {"blocks.3.mix"} and 110 < found[0] <= 118, (seed, found)
+
+
+@pytest.mark.parametrize("rise", [1.02, 1.03])
+def test_a_ramp_in_the_last_block_during_its_predecessors_learning_is_named_not_learned(rise):
+    """Blocks 2 and 3 learn alike (1.2% a point, points 50-80); block 3 ramps from point 60 on top: excused while
+    block 2 moves, its range held, not learned: named once it goes on past block 2's move, before point 90."""
+    for seed in range(4):
+        ramp = depth_gradient(seed, lambda i: rise ** max(0, i - 60), (0.0, 0.002, 0.012, 0.012))
+        found = first_named(Judge(Bands(), MIXER), ramp, 90)
+        assert found is not None and found[1] == {"blocks.3.mix"}, (seed, found)

@@ -26,7 +26,8 @@ step at a time, with every judged figure of that step. How it decides (docs/verd
   out first, so no fixed band judges the recipe. Activations are not taken net of every row's
   move, where a single layer's fault would move every row downstream of it; a module's outputs
   that moved as far as its same-kind peers *before* it (in their own range) moved learned with
-  them, and are not named (``_peers.py``).
+  them, and are not named (``_peers.py``); the last copy of a kind ending a gradient over depth is
+  excused while the copy before it moves, its range held until it stops too.
   Nor where its whole kind grew at once (every same-kind copy's outputs moved as far as a finding the
   same way) and its gain led none of its copies' (a network without normalisation under SGD).
 - The gradient reaching each module's output (``output_grad``, ActivationMonitor's
@@ -110,6 +111,7 @@ class Judge(CulpritNaming):
         self.pulls: Mapping[str, float] = {}  # the step's pull by module (LayerHealth's, the prediction layer's)
         self.named: set[str] = set()  # layers named and still out
         self.affected: set[str] = set()  # rows out as victims, not named while they stay out
+        self.excused: set[str] = set()  # "figure/row": the last of its kind excused as its gradient's end
         self.first_entropy: dict[str, float] = {}
         self.first_ratio: dict[str, float] = {}  # each row's first logged update ratio (Adam: lr / rms(w))
         self.start: Optional[int] = None  # the first logged step judged
@@ -243,12 +245,14 @@ class Judge(CulpritNaming):
     def _unshared(self, figure: str, found: list[Finding]) -> list[Finding]:
         """The findings of a module's outputs less those its same-kind peers before it moved alike (``_peers.py``).
 
-        A move they share is the recipe: the row's range follows it, as it follows its own learning.
+        A move they share is the recipe: the row's range follows it, as it follows its own learning. The
+        last copy of its kind ending a gradient over depth is excused (:meth:`_excused`).
         """
         if figure not in PEER_FIGURES:
             return found
         out = {f.row for f in found}
-        return self._followed(found, lambda f: self._with_peers(figure, f.row, f.moved > 0, out))
+        return self._excused(figure, self._followed(found, lambda f: self._with_peers(figure, f.row, f.moved > 0, out)),
+                             out)
 
     def _followed(self, found: list[Finding], learned: Callable[[Finding], bool]) -> list[Finding]:
         """``found`` less the findings whose move is ``learned``: their rows' ranges follow the move instead."""
@@ -312,7 +316,7 @@ class Judge(CulpritNaming):
         return {"depth": dict(self.depth), "last": {f: dict(v) for f, v in self.last.items()},
                 "offset": dict(self.offset), "start": self.start, "last_step": self.last_step, "gap": self.gap,
                 "tracks": {f: {r: track_state(t) for r, t in rows.items()} for f, rows in self.tracks.items()},
-                "named": sorted(self.named), "affected": sorted(self.affected),
+                "named": sorted(self.named), "affected": sorted(self.affected), "excused": sorted(self.excused),
                 "first_entropy": dict(self.first_entropy), "first_ratio": dict(self.first_ratio),
                 "peers": self.peers.state_dict()}
 
@@ -325,6 +329,7 @@ class Judge(CulpritNaming):
         self.tracks = {f: {r: track_from_state(t, self.bands.window) for r, t in rows.items()}
                        for f, rows in state["tracks"].items()}
         self.named, self.affected = set(state["named"]), set(state["affected"])
+        self.excused = set(state["excused"])
         self.first_entropy = dict(state["first_entropy"])
         self.first_ratio = dict(state["first_ratio"])
         self.peers.load_state_dict(state["peers"])

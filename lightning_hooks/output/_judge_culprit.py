@@ -26,7 +26,7 @@ from lightning_hooks.output._findings import BACKWARD, EVERY_LAYER, OUTPUT_PROBL
 from lightning_hooks.output._health_bands import Bands
 from lightning_hooks.output._judge_pull import overshot
 from lightning_hooks.output._peers import Peers
-from lightning_hooks.output._row_range import Track, least_change
+from lightning_hooks.output._row_range import Track, follow, least_change
 
 #: A module's outputs are judged by its gain where that is this many times quieter than its level: where the
 #: module before it carries the batch-to-batch moves they share (an MLP's, a CNN's layers).
@@ -46,6 +46,7 @@ class CulpritNaming:
     pulls: Mapping[str, float]  # the step's pull by module
     named: set[str]  # layers named and still out
     affected: set[str]  # rows out as victims
+    excused: set[str]  # "figure/row": the last of its kind excused as the end of its kind's gradient
     peers: Peers
 
     def _sort(self, found: list[Finding], data: bool) -> Judged:
@@ -130,13 +131,45 @@ class CulpritNaming:
     def _learning_with_peers(self, row: str, up: bool) -> bool:
         """Whether a module's outputs lean the way its same-kind peers before it moved too (``_peers.py``)."""
         figure = "gain" if self._track(row) is self.tracks.get("gain", {}).get(row) else "level"
-        return self._with_peers(figure, row, up) or self._grew_with_kind(row, up)
+        return (self._with_peers(figure, row, up) or self._ends_gradient(figure, row, up)
+                or self._grew_with_kind(row, up))
 
     def _with_peers(self, figure: str, row: str, up: bool, out: Collection[str] = ()) -> bool:
         """Whether ``row``'s move of ``figure`` (up or down) is one its same-kind peers before it made too."""
         margin = least_change(figure, self.bands) * (1 if up else 2)
         leaning = {other for other, track in self.tracks.get(figure, {}).items() if track.up or track.down}
         return self.peers.shared(figure, row, self.depth, margin, up, out, leaning)
+
+    def _excused(self, figure: str, found: list[Finding], out: Collection[str]) -> list[Finding]:
+        """``found`` less the last copies of their kind that end a gradient over depth (``_peers.py``).
+
+        Excused, not learned: no copy after it vouches for its move, so its range is held while its
+        predecessor moves, and follows the move only once it stopped too (its own move within the
+        margin again). One that goes on after its predecessor stopped (a ramp) is named then.
+        """
+        kept = []
+        for f in found:
+            key, up = f"{figure}/{f.row}", f.moved > 0
+            if self._ends_gradient(figure, f.row, up, out):
+                self.excused.add(key)
+            elif key in self.excused and self._stopped(figure, f.row, up):
+                follow(self.tracks[figure][f.row], self.bands.window)  # it stopped with its predecessor: learning
+            else:
+                kept.append(f)
+        # back in range, or named: no longer excused
+        excused = {f.row for f in found} - {f.row for f in kept}
+        self.excused -= {f"{figure}/{row}" for row in self.tracks.get(figure, {}) if row not in excused}
+        return kept
+
+    def _stopped(self, figure: str, row: str, up: bool) -> bool:
+        """Whether a row's own move is within the margin of a finding again (``up`` or down)."""
+        move = self.peers.move(figure, row)
+        return move is not None and (1 if up else -1) * move <= least_change(figure, self.bands) * (1 if up else 2)
+
+    def _ends_gradient(self, figure: str, row: str, up: bool, out: Collection[str] = ()) -> bool:
+        """Whether ``row``, the last copy of its kind, ends its kind's gradient over depth (``_peers.py``)."""
+        margin = least_change(figure, self.bands) * (1 if up else 2)
+        return self.peers.ends_gradient(figure, row, self.depth, margin, up, out)
 
     def _grew_with_kind(self, row: str, up: bool) -> bool:
         """Whether a module's kind grew as a whole, as far as a finding, its gain leading none (``_peers.py``).

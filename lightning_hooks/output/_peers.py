@@ -16,7 +16,11 @@ past the factor within its window (a jump its window has forgotten) is never exc
 A module whose move lies between its neighbours' is learning too: the peer before it moved the same
 way, and the peer after it, steady in its own range, at least as far (an MLP-Mixer's token-mixing
 layers each grow more than the block's before: a gradient over depth, not one block's fault, which
-cannot move a later copy as far while leaving it in its range).
+cannot move a later copy as far while leaving it in its range). The last copy of its kind, with no
+peer after it, ends such a gradient where the peer before it moved the same way past half the margin
+(more than its noise) and it at most ``STEEPEST`` times as far, and its newest point alone did not move
+past the margin: a fault in the last block moves it alone (its predecessor in place), and a step is its own.
+Excused, not learned (the judge holds its range until it stops: ``_judge_culprit.py``).
 """
 
 from __future__ import annotations
@@ -30,6 +34,9 @@ from typing import Any
 
 #: A numbered part of a module's name (a block's or a Sequential's index).
 _NUMBER = re.compile(r"(^|\.)\d+(?=\.|$)")
+#: The last copy of a kind ends a gradient over depth where it moved at most this many times the copy before it
+#: (the Mixer's last token-mixing layer x2.7 its predecessor's move, the pre-activation ResNet's last conv x2.3).
+STEEPEST = 3.0
 
 
 def kind(row: str) -> str:
@@ -72,14 +79,11 @@ class Peers:
         range is a fault's, and what follows it is its victim, not the recipe. With no peer before
         it, the copies after it.
         """
-        mine = self.move(figure, row)
-        sign = 1 if up else -1
-        if mine is None or sign * mine <= margin:  # no move of its own in its window: still out since a step, named
+        mine = self._own_move(figure, row, margin, up)
+        if mine is None:
             return False
-        own, at = kind(row), depth.get(row, 0)
-        peers = sorted((depth.get(other, 0), m, other) for other in self.history.get(figure, {})
-                       if other not in out and other != row and kind(other) == own
-                       and (m := self.move(figure, other)) is not None)
+        sign, at = 1 if up else -1, depth.get(row, 0)
+        peers = self._peers(figure, row, depth, out)
         before = [m for d, m, _ in peers if d < at]
         after = [m for d, m, _ in peers if d > at]
         near = before[-1:] or after[:1]  # the first of its kind: the copies after it
@@ -92,6 +96,39 @@ class Peers:
         # between its neighbours: the one before moved the same way, the one after (steady) at least as far
         steady = [m for d, m, other in peers if d > at and other not in leaning]
         return bool(before and steady) and sign * before[-1] > 0 and sign * steady[0] >= sign * mine
+
+    def ends_gradient(self, figure: str, row: str, depth: Mapping[str, int], margin: float, up: bool,
+                      out: Collection[str]) -> bool:
+        """Whether ``row``, the last copy of its kind, ends a gradient over depth (see the module docstring).
+
+        No copy after it bounds its move, so the one before (in its own range) does: it moved the same
+        way past half the ``margin`` (more than its noise), and ``row`` at most ``STEEPEST`` times as
+        far. Not where its newest point alone moved past the ``margin``: a step is its own (a fault).
+        """
+        mine = self._own_move(figure, row, margin, up)
+        at, own = depth.get(row, 0), kind(row)
+        if mine is None or any(depth.get(other, 0) > at for other in self.history[figure]
+                               if other != row and kind(other) == own):
+            return False
+        sign, values = 1 if up else -1, self.history[figure][row]
+        before = [m for d, m, _ in self._peers(figure, row, depth, out) if d < at]
+        return bool(before) and sign * before[-1] >= margin / 2 and sign * mine <= STEEPEST * sign * before[-1] \
+            and sign * (values[-1] - values[-2]) <= margin
+
+    def _own_move(self, figure: str, row: str, margin: float, up: bool) -> float | None:
+        """The row's move, where it moved past ``margin`` the way it is out (``up`` or down), else None.
+
+        None too where it has no such move in its window: it is still out since a step, and named.
+        """
+        mine = self.move(figure, row)
+        return mine if mine is not None and (1 if up else -1) * mine > margin else None
+
+    def _peers(self, figure: str, row: str, depth: Mapping[str, int],
+               out: Collection[str]) -> list[tuple[int, float, str]]:
+        """``row``'s same-kind peers in their own range (not in ``out``) with a move: (depth, move, name), in order."""
+        return sorted((depth.get(other, 0), m, other) for other in self.history.get(figure, {})
+                      if other not in out and other != row and kind(other) == kind(row)
+                      and (m := self.move(figure, other)) is not None)
 
     def grew_as_a_kind(self, row: str, least: float, margin: float, up: bool) -> bool:
         """Whether ``row``'s kind grew as a whole (``up`` or down), its gain leading none of its copies'.
