@@ -39,6 +39,14 @@ Added once every group above met its goals but the SGD prediction layer (``bench
 - ``unseen3c``: the Mixer's other faults, a GPT-2 with dropout, other log intervals and lengths,
   onsets at 25%, a ramp of 0.3% a step, jumps x2.5 and x0.5, more layers, AdamW on the CNN.
 
+Added once those were met (``benchmarks/_sweep_unseen4.py``, models in ``benchmarks/_sweep_models4.py``):
+
+- ``unseen4``: a Phi, Falcon, BLOOM, GPT-BigCode, Gemma, DistilBERT and RoBERTa; a WaveNet-like
+  dilated convolution stack, torch's post-norm ``nn.TransformerEncoder``, a U-Net-like denoiser, an
+  MLP autoencoder, a mixture-of-experts MLP.
+- ``unseen4b``: an embedding's norm and output, a router, a post-norm, first convolutions, a skip branch.
+- ``unseen4c``: RMSprop, Adagrad, SGD without momentum, Adafactor.
+
 Per case: the culprit named first, the layers named before it, the delay (steps from the onset
 to the first logged step that names it), on healthy runs the verdict lines after the first 10%,
 and for a data fault whether it was said as "every layer at once".
@@ -65,6 +73,7 @@ from benchmarks import (
     fault_zoo,  # noqa: E402
 )
 from benchmarks._sweep_unseen3 import unseen3  # noqa: E402
+from benchmarks._sweep_unseen4 import unseen4  # noqa: E402
 from benchmarks._sweep_variant import Variant, register  # noqa: E402
 from benchmarks.fault_zoo import JUMP, Case, judge_case, run_case  # noqa: E402
 
@@ -102,7 +111,7 @@ def variants() -> dict[str, list[Variant]]:
              Variant("optim", "mlp", ("healthy", "ramp", "jump"), precision="bf16-mixed"),
              Variant("optim", "cnn", ("healthy", "ramp", "jump"), precision="bf16-mixed")]
     return {"models": models, "layers": _layers(), "rates": rates, "onsets": onsets, "every": every, "optim": optim,
-            **_unseen(), **unseen3()}
+            **_unseen(), **unseen3(), **unseen4()}
 
 
 def _unseen() -> dict[str, list[Variant]]:

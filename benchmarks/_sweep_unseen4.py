@@ -1,0 +1,53 @@
+"""The fault sweep's fourth unseen groups, ``unseen4``, ``unseen4b`` and ``unseen4c`` (issue 29, item 2).
+
+Added after the judge passed the ``unseen3`` groups, none of it seen while building it
+(models in ``benchmarks/_sweep_models4.py``):
+
+- ``unseen4``: models: a Phi, a Falcon (multi-query, parallel), a BLOOM (ALiBi), a GPT-BigCode
+  (multi-query), a Gemma, a DistilBERT and a RoBERTa from ``transformers`` configs; a WaveNet-like
+  stack of gated dilated causal convolutions, torch's post-norm ``nn.TransformerEncoder``, a U-Net-like
+  denoiser (skip concatenations, MSE), an MLP autoencoder (MSE), a mixture-of-experts MLP with a router.
+- ``unseen4b``: positions: BLOOM's LayerNorm on the embedding, GPT-BigCode's token embedding, the MoE's
+  router, the encoder's first norm (post-norm), the U-Net's first convolution and the WaveNet's, a
+  WaveNet skip branch, a Gemma RMSNorm.
+- ``unseen4c``: optimizers at a constant LR: RMSprop (MLP), Adagrad (CNN), SGD without momentum
+  (MLP classifier), ``torch.optim.Adafactor`` (GPT-2).
+"""
+
+from __future__ import annotations
+
+from benchmarks import _sweep_models4  # noqa: F401  (adds the recipes)
+from benchmarks._sweep_variant import Variant
+
+ABRUPT = ("ramp", "jump")
+
+
+def _models() -> list[Variant]:
+    faults = {"phi": ("dead", "data"), "falcon": ("lr100",), "bloom": ("vanish",), "bigcode": ("nan",),
+              "gemma": ("dead",), "distilbert": (), "roberta": ("data",), "wavenet": ("dead",),
+              "tfenc": ("vanish",), "unet": ("data",), "autoenc": ("dead",), "moe": ()}
+    return [Variant("unseen4", m, ("healthy", *ABRUPT, *more)) for m, more in faults.items()]
+
+
+def _positions() -> list[Variant]:
+    return [Variant("unseen4b", "bloom", ABRUPT, target="net.transformer.word_embeddings_layernorm"),
+            Variant("unseen4b", "bigcode", ("jump",), target="net.transformer.wte"),  # an embedding's output
+            Variant("unseen4b", "moe", ABRUPT, target="moe.1.router"),
+            Variant("unseen4b", "tfenc", ("jump",), target="net.encoder.layers.1.norm1"),  # a post-norm
+            Variant("unseen4b", "unet", ("jump",), target="enc1"),  # the first convolution
+            Variant("unseen4b", "wavenet", ("jump",), target="net.first"),
+            Variant("unseen4b", "wavenet", ABRUPT, target="net.layers.2.skip"),  # a skip branch
+            Variant("unseen4b", "gemma", ("ramp",), target="net.model.layers.2.input_layernorm")]
+
+
+def _optimizers() -> list[Variant]:
+    faults = ("healthy", *ABRUPT)
+    return [Variant("unseen4c", "mlp", faults, optimizer="rmsprop", lr=1e-3),
+            Variant("unseen4c", "cnn", faults, optimizer="adagrad", lr=0.05),
+            Variant("unseen4c", "mlp-cls", faults, optimizer="plain-sgd", lr=0.05),
+            Variant("unseen4c", "gpt2", faults, optimizer="adafactor", lr=1e-2)]
+
+
+def unseen4() -> dict[str, list[Variant]]:
+    """The groups: ``unseen4`` (models), ``unseen4b`` (positions), ``unseen4c`` (optimizers)."""
+    return {"unseen4": _models(), "unseen4b": _positions(), "unseen4c": _optimizers()}
