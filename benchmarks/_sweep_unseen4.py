@@ -12,6 +12,9 @@ Added after the judge passed the ``unseen3`` groups, none of it seen while build
   WaveNet skip branch, a Gemma RMSNorm.
 - ``unseen4c``: optimizers at a constant LR: RMSprop (MLP), Adagrad (CNN), SGD without momentum
   (MLP classifier), ``torch.optim.Adafactor`` (GPT-2).
+- ``unseen4d``: the new models at a ramp of 1% a step, jumps x3 and x0.3, logged every 5 over 300
+  steps, onsets at 30%, their other faults (LR x100, vanish, NaN, data); RMSprop on the MoE,
+  Adafactor on the LLaMA.
 """
 
 from __future__ import annotations
@@ -48,6 +51,20 @@ def _optimizers() -> list[Variant]:
             Variant("unseen4c", "gpt2", faults, optimizer="adafactor", lr=1e-2)]
 
 
+def _harder() -> list[Variant]:
+    rates = [Variant("unseen4d", m, ("ramp",), growth=1.01) for m in ("phi", "wavenet", "unet", "moe")]
+    rates += [Variant("unseen4d", m, ("jump",), jump=j) for m, j in
+              (("roberta", 3.0), ("autoenc", 3.0), ("wavenet", 0.3), ("moe", 0.3))]
+    timing = [Variant("unseen4d", m, ("healthy", "ramp"), every=5, steps=300) for m in ("bloom", "gemma", "tfenc")]
+    timing += [Variant("unseen4d", m, ("jump",), onset=0.3) for m in ("falcon", "distilbert")]
+    faults = [Variant("unseen4d", "wavenet", ("lr100", "nan", "data")), Variant("unseen4d", "unet", ("lr100", "vanish")),
+              Variant("unseen4d", "moe", ("lr100", "vanish", "nan", "data")), Variant("unseen4d", "gemma", ("lr100",)),
+              Variant("unseen4d", "autoenc", ("vanish", "data")), Variant("unseen4d", "tfenc", ("nan", "data")),
+              Variant("unseen4d", "moe", ("healthy", *ABRUPT), optimizer="rmsprop", lr=1e-3),
+              Variant("unseen4d", "llama", ("healthy", *ABRUPT), optimizer="adafactor", lr=1e-2)]
+    return [*rates, *timing, *faults]
+
+
 def unseen4() -> dict[str, list[Variant]]:
-    """The groups: ``unseen4`` (models), ``unseen4b`` (positions), ``unseen4c`` (optimizers)."""
-    return {"unseen4": _models(), "unseen4b": _positions(), "unseen4c": _optimizers()}
+    """The groups: ``unseen4`` (models), ``unseen4b`` (positions), ``unseen4c`` (optimizers), ``unseen4d``."""
+    return {"unseen4": _models(), "unseen4b": _positions(), "unseen4c": _optimizers(), "unseen4d": _harder()}
