@@ -180,3 +180,30 @@ def test_the_prediction_layer_that_overshot_far_past_the_modules_before_it_is_na
     with its pull above 0 ``head`` is named; below 0, or not measured, forward order names ``b``."""
     for seed in range(3):
         assert head_named(steady_head(seed), 30.0, pull, 60, b=1.6) == {named}, seed
+
+
+def curve_then_ramp(onset: int, seed: int):
+    """``mlp``'s std learns along a curve (x40 over the first 30 points, then flattening; 1% noise), the others
+    steady; from ``onset`` ``mlp`` (and ``out`` after it) ramps 20% a point (4% a step logged every 5)."""
+    rng = random.Random(seed)
+
+    def levels(i: int) -> dict[str, dict[str, float]]:
+        curve = math.exp(3.7 * (1 - math.exp(-i / 10))) * 1.2 ** max(0, i - onset)
+        return {"level": {row: (1 + d) * math.exp(rng.gauss(0, 0.01)) * (curve if row in ("mlp", "out") else 1.0)
+                          for d, row in enumerate(CHAIN)}}
+    return levels
+
+
+def test_a_ramp_on_a_row_that_learned_along_a_curve_is_named_its_noise_from_its_moves():
+    """A window holding the curve strays 20-30% from any straight line through it, though each point is within 1%
+    of the one before: judged by the moves' spread, the ramp from point 30 is named within 6 points (x3; judged
+    by the line's, 11 or more)."""
+    for seed in range(4):
+        found = first_named(Judge(Bands(), CHAIN), curve_then_ramp(30, seed), 60, every=5)
+        assert found is not None and found[1] == {"mlp"} and 30 < found[0] <= 36, (seed, found)
+
+
+def test_a_row_still_learning_along_a_curve_is_not_named():
+    """The same curve without a ramp: its moves are its learning, not a finding, at any point."""
+    for seed in range(4):
+        assert first_named(Judge(Bands(), CHAIN), curve_then_ramp(10 ** 6, seed), 120, every=5) is None, seed
