@@ -15,6 +15,9 @@ Added after the judge passed the ``unseen3`` groups, none of it seen while build
 - ``unseen4d``: the new models at a ramp of 1% a step, jumps x3 and x0.3, logged every 5 over 300
   steps, onsets at 30%, their other faults (LR x100, vanish, NaN, data); RMSprop on the MoE,
   Adafactor on the LLaMA.
+- ``unseen4e``: attention's tuple output (``nn.MultiheadAttention``), ramps in first modules, a
+  router dead or vanishing, an embedding's norm shrunk; logged every step, and 600 healthy steps
+  logged every 5; LR x100 under RMSprop, plain SGD, Adagrad and Adafactor.
 """
 
 from __future__ import annotations
@@ -57,7 +60,8 @@ def _harder() -> list[Variant]:
               (("roberta", 3.0), ("autoenc", 3.0), ("wavenet", 0.3), ("moe", 0.3))]
     timing = [Variant("unseen4d", m, ("healthy", "ramp"), every=5, steps=300) for m in ("bloom", "gemma", "tfenc")]
     timing += [Variant("unseen4d", m, ("jump",), onset=0.3) for m in ("falcon", "distilbert")]
-    faults = [Variant("unseen4d", "wavenet", ("lr100", "nan", "data")), Variant("unseen4d", "unet", ("lr100", "vanish")),
+    faults = [Variant("unseen4d", "wavenet", ("lr100", "nan", "data")),
+              Variant("unseen4d", "unet", ("lr100", "vanish")),
               Variant("unseen4d", "moe", ("lr100", "vanish", "nan", "data")), Variant("unseen4d", "gemma", ("lr100",)),
               Variant("unseen4d", "autoenc", ("vanish", "data")), Variant("unseen4d", "tfenc", ("nan", "data")),
               Variant("unseen4d", "moe", ("healthy", *ABRUPT), optimizer="rmsprop", lr=1e-3),
@@ -65,6 +69,25 @@ def _harder() -> list[Variant]:
     return [*rates, *timing, *faults]
 
 
+def _more() -> list[Variant]:
+    places = [Variant("unseen4e", "tfenc", ABRUPT, target="net.encoder.layers.1.self_attn"),  # a tuple output
+              Variant("unseen4e", "unet", ("ramp",), target="enc1"),
+              Variant("unseen4e", "bigcode", ("ramp", "nan"), target="net.transformer.wte"),
+              Variant("unseen4e", "moe", ("dead", "vanish"), target="moe.1.router"),
+              Variant("unseen4e", "bloom", ("vanish",), target="net.transformer.word_embeddings_layernorm")]
+    every = [Variant("unseen4e", "wavenet", ("healthy", "jump"), every=1),
+             Variant("unseen4e", "unet", ("healthy", "ramp"), every=1)]
+    every += [Variant("unseen4e", m, ("healthy",), every=5, steps=600) for m in ("phi", "falcon", "bigcode")]
+    every += [Variant("unseen4e", "gemma", ("jump",), every=5, steps=300, jump=3.0),
+              Variant("unseen4e", "distilbert", ("ramp",), every=5, steps=300)]
+    lr = [Variant("unseen4e", "mlp", ("lr100",), optimizer="rmsprop", lr=1e-3),
+          Variant("unseen4e", "mlp-cls", ("lr100",), optimizer="plain-sgd", lr=0.05),
+          Variant("unseen4e", "cnn", ("lr100",), optimizer="adagrad", lr=0.05),
+          Variant("unseen4e", "gpt2", ("lr100",), optimizer="adafactor", lr=1e-2)]
+    return [*places, *every, *lr]
+
+
 def unseen4() -> dict[str, list[Variant]]:
-    """The groups: ``unseen4`` (models), ``unseen4b`` (positions), ``unseen4c`` (optimizers), ``unseen4d``."""
-    return {"unseen4": _models(), "unseen4b": _positions(), "unseen4c": _optimizers(), "unseen4d": _harder()}
+    """The groups: ``unseen4`` (models), ``unseen4b`` (positions), ``unseen4c`` (optimizers), ``unseen4d``, ``e``."""
+    return {"unseen4": _models(), "unseen4b": _positions(), "unseen4c": _optimizers(), "unseen4d": _harder(),
+            "unseen4e": _more()}
