@@ -207,3 +207,21 @@ def test_a_row_still_learning_along_a_curve_is_not_named():
     """The same curve without a ramp: its moves are its learning, not a finding, at any point."""
     for seed in range(4):
         assert first_named(Judge(Bands(), CHAIN), curve_then_ramp(10 ** 6, seed), 120, every=5) is None, seed
+
+
+@pytest.mark.parametrize("rate", [1.08, 1.15])
+def test_the_first_module_ramping_out_is_named_itself_not_the_batch(rate):
+    """``stem`` (the first module, its input the batch) ramps 8% or 15% a point from point 60, every module after
+    it carried along: no step, so not the batch; ``stem`` is named, the modules after it its victims."""
+    def move(i, row):
+        return rate ** max(0, i - 60)
+    for seed in range(4):
+        found = first_named(Judge(Bands(), CHAIN), chain_levels(move, seed), 90)
+        assert found is not None and found[1] == {"stem"} and 60 < found[0] <= 66, (seed, found)
+
+
+def test_the_first_module_and_every_module_after_it_out_by_a_step_is_the_batch():
+    """Every module x5 in one point at point 60 (the batch out of range): every layer at once, named at once."""
+    for seed in range(4):
+        found = first_named(Judge(Bands(), CHAIN), chain_levels(lambda i, row: 5.0 if i >= 60 else 1.0, seed), 70)
+        assert found is not None and found[:2] == (60, {"(every layer)"}), (seed, found)
