@@ -234,18 +234,22 @@ def _targets(middle: str, linear: str = "") -> dict[str, str]:
             **({"vanish": linear, "lr100": linear} if linear else {})}
 
 
-def _lm(kind: str, middle: str, linear: str) -> Recipe:
-    return Recipe(kind, lambda: LM(kind), lm_batches, "lm", "adamw", 1e-3, 8, _targets(middle, linear))
+def _lm(kind: str, middle: str, linear: str, query: str = "") -> Recipe:
+    """An LM's recipe; ``query``: the module the ``attn`` fault grows (its queries, or a fused q/k/v projection)."""
+    targets = {**_targets(middle, linear), **({"attn": query} if query else {})}
+    return Recipe(kind, lambda: LM(kind), lm_batches, "lm", "adamw", 1e-3, 8, targets)
 
 
 def _recipes() -> dict[str, Recipe]:
     blk = "net.model.layers.2"
     return {
-        "phi": _lm("phi", f"{blk}.mlp.fc2", f"{blk}.mlp.fc1"),
-        "falcon": _lm("falcon", "net.transformer.h.2.mlp.dense_4h_to_h", "net.transformer.h.2.mlp.dense_h_to_4h"),
+        "phi": _lm("phi", f"{blk}.mlp.fc2", f"{blk}.mlp.fc1", f"{blk}.self_attn.q_proj"),
+        "falcon": _lm("falcon", "net.transformer.h.2.mlp.dense_4h_to_h", "net.transformer.h.2.mlp.dense_h_to_4h",
+                      "net.transformer.h.2.self_attention.query_key_value"),
         "bloom": _lm("bloom", "net.transformer.h.2.mlp.dense_4h_to_h", "net.transformer.h.2.mlp.dense_h_to_4h"),
-        "bigcode": _lm("bigcode", "net.transformer.h.2.mlp.c_proj", "net.transformer.h.2.mlp.c_fc"),
-        "gemma": _lm("gemma", f"{blk}.mlp.down_proj", f"{blk}.mlp.up_proj"),
+        "bigcode": _lm("bigcode", "net.transformer.h.2.mlp.c_proj", "net.transformer.h.2.mlp.c_fc",
+                       "net.transformer.h.2.attn.c_attn"),
+        "gemma": _lm("gemma", f"{blk}.mlp.down_proj", f"{blk}.mlp.up_proj", f"{blk}.self_attn.q_proj"),
         "distilbert": _lm("distilbert", "net.distilbert.transformer.layer.2.ffn.lin2",
                           "net.distilbert.transformer.layer.2.ffn.lin1"),
         "roberta": _lm("roberta", "net.roberta.encoder.layer.2.output.dense",

@@ -18,6 +18,9 @@ Added after the judge passed the ``unseen3`` groups, none of it seen while build
 - ``unseen4e``: attention's tuple output (``nn.MultiheadAttention``), ramps in first modules, a
   router dead or vanishing, an embedding's norm shrunk; logged every step, and 600 healthy steps
   logged every 5; LR x100 under RMSprop, plain SGD, Adagrad and Adafactor.
+- ``unseen4f``: one block's queries growing 4% a step (``attn``) in the Phi, Gemma, Falcon (a fused
+  q/k/v: all of it grows) and GPT-BigCode (a fused multi-query ``c_attn``: its first third grows, half
+  its queries).
 """
 
 from __future__ import annotations
@@ -89,5 +92,6 @@ def _more() -> list[Variant]:
 
 def unseen4() -> dict[str, list[Variant]]:
     """The groups: ``unseen4`` (models), ``unseen4b`` (positions), ``unseen4c`` (optimizers), ``unseen4d``, ``e``."""
+    attn = [Variant("unseen4f", m, ("attn",)) for m in ("phi", "falcon", "gemma", "bigcode")]  # queries grow
     return {"unseen4": _models(), "unseen4b": _positions(), "unseen4c": _optimizers(), "unseen4d": _harder(),
-            "unseen4e": _more()}
+            "unseen4e": _more(), "unseen4f": attn}
