@@ -146,7 +146,7 @@ class Recipe:
     build: Callable[[], nn.Module]
     data: Callable[[int, int], Callable[[int], tuple[Tensor, Tensor]]]
     loss: str  # "lm", "ce" or "mse"
-    optimizer: str  # "adamw", "adamw-flat" (AdamW, constant LR), "sgd", "sgd-nesterov" or "adam"
+    optimizer: str  # "adamw", "adamw-flat" (constant LR), "sgd", "sgd-nesterov", "adam", or OTHER_OPTIMIZERS
     lr: float
     batch: int
     targets: dict[str, str]  # fault -> the module it is injected in (the culprit)

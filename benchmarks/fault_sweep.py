@@ -43,6 +43,14 @@ Added once every group above met its goals but the SGD prediction layer (``bench
 - ``lastblock``: the fault in the last block of the Mixer, the pre-activation ResNet and LLaMA, where a
   healthy gradient over depth is cleared (``benchmarks/_sweep_lastblock.py``).
 
+Added next, on models and settings none of the above held (``benchmarks/_sweep_unseen4.py``, models in ``benchmarks/_sweep_models4.py``):
+
+- ``unseen4``: a Phi, Falcon, BLOOM, GPT-BigCode, Gemma, DistilBERT and RoBERTa; a WaveNet-like
+  dilated convolution stack, torch's post-norm ``nn.TransformerEncoder``, a U-Net-like denoiser, an
+  MLP autoencoder, a mixture-of-experts MLP.
+- ``unseen4b``: an embedding's norm and output, a router, a post-norm, first convolutions, a skip branch.
+- ``unseen4c``: RMSprop, Adagrad, SGD without momentum, Adafactor.
+
 Per case: the culprit named first, the layers named before it, the delay (steps from the onset
 to the first logged step that names it), on healthy runs the verdict lines after the first 10%,
 and for a data fault whether it was said as "every layer at once".
@@ -71,6 +79,7 @@ from benchmarks import (
 from benchmarks._sweep_creep import creep  # noqa: E402
 from benchmarks._sweep_lastblock import lastblock  # noqa: E402
 from benchmarks._sweep_unseen3 import unseen3  # noqa: E402
+from benchmarks._sweep_unseen4 import unseen4  # noqa: E402
 from benchmarks._sweep_variant import Variant, register  # noqa: E402
 from benchmarks.fault_zoo import JUMP, Case, judge_case, run_case  # noqa: E402
 
@@ -108,7 +117,7 @@ def variants() -> dict[str, list[Variant]]:
              Variant("optim", "mlp", ("healthy", "ramp", "jump"), precision="bf16-mixed"),
              Variant("optim", "cnn", ("healthy", "ramp", "jump"), precision="bf16-mixed")]
     return {"models": models, "layers": _layers(), "rates": rates, "onsets": onsets, "every": every, "optim": optim,
-            **_unseen(), **unseen3(), **creep(), **lastblock()}
+            **_unseen(), **unseen3(), **unseen4(), **creep(), **lastblock()}
 
 
 def _unseen() -> dict[str, list[Variant]]:

@@ -50,6 +50,11 @@ from lightning_hooks.callbacks._flight_recorder import analyse  # noqa: E402
 from lightning_hooks.output.figures import FigureListener  # noqa: E402
 
 FAULTS = ("ramp", "jump", "dead", "vanish", "lr100", "attn", "nan", "data", "gradvanish")
+#: Optimizers the sweep's ``unseen4`` adds (each at a constant LR): RMSprop, Adagrad, SGD without momentum, Adafactor.
+OTHER_OPTIMIZERS = {"rmsprop": lambda groups, lr: torch.optim.RMSprop(groups, lr=lr),
+                    "adagrad": lambda groups, lr: torch.optim.Adagrad(groups, lr=lr),
+                    "plain-sgd": lambda groups, lr: torch.optim.SGD(groups, lr=lr),
+                    "adafactor": lambda groups, lr: torch.optim.Adafactor(groups, lr=lr)}
 HEALTHY = ("healthy", "swing")  # runs without a fault: every verdict line after the first 10% is a false alarm
 GROWTH, JUMP, SHRINK, LR_FACTOR, DATA_SCALE, SWING, GRAD_CUT = 1.04, 20.0, 1e-3, 100.0, 30.0, 1.3, 1e-6
 
@@ -116,12 +121,14 @@ class Lit(pl.LightningModule):
         own = set(map(id, self.model.get_submodule(self.recipe.targets["lr100"]).parameters()))
         groups = [{"params": [p for p in self.model.parameters() if id(p) not in own]},
                   {"params": [p for p in self.model.parameters() if id(p) in own]}]
-        if self.recipe.optimizer.startswith("adamw"):  # "adamw-flat": a constant LR (``schedule``)
-            return torch.optim.AdamW(groups, lr=self.recipe.lr, weight_decay=0.1, betas=(0.9, 0.95))
-        if self.recipe.optimizer.startswith("sgd"):
-            return torch.optim.SGD(groups, lr=self.recipe.lr, momentum=0.9, weight_decay=5e-4,
-                                   nesterov=self.recipe.optimizer == "sgd-nesterov")
-        return torch.optim.Adam(groups, lr=self.recipe.lr)
+        name, lr = self.recipe.optimizer, self.recipe.lr
+        if name.startswith("adamw"):  # "adamw-flat": a constant LR (``schedule``)
+            return torch.optim.AdamW(groups, lr=lr, weight_decay=0.1, betas=(0.9, 0.95))
+        if name.startswith("sgd"):
+            return torch.optim.SGD(groups, lr=lr, momentum=0.9, weight_decay=5e-4, nesterov=name == "sgd-nesterov")
+        if name in OTHER_OPTIMIZERS:  # the sweep's unseen4: a constant LR
+            return OTHER_OPTIMIZERS[name](groups, lr)
+        return torch.optim.Adam(groups, lr=lr)
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         step = self._step()

@@ -248,3 +248,46 @@ def test_a_ramp_in_the_last_block_during_its_predecessors_learning_is_named_not_
         ramp = depth_gradient(seed, lambda i: rise ** max(0, i - 60), (0.0, 0.002, 0.012, 0.012))
         found = first_named(Judge(Bands(), MIXER), ramp, 90)
         assert found is not None and found[1] == {"blocks.3.mix"}, (seed, found)
+def curve_then_ramp(onset: int, seed: int):
+    """``mlp``'s std learns along a curve (x40 over the first 30 points, then flattening; 1% noise), the others
+    steady; from ``onset`` ``mlp`` (and ``out`` after it) ramps 20% a point (4% a step logged every 5)."""
+    rng = random.Random(seed)
+
+    def levels(i: int) -> dict[str, dict[str, float]]:
+        curve = math.exp(3.7 * (1 - math.exp(-i / 10))) * 1.2 ** max(0, i - onset)
+        return {"level": {row: (1 + d) * math.exp(rng.gauss(0, 0.01)) * (curve if row in ("mlp", "out") else 1.0)
+                          for d, row in enumerate(CHAIN)}}
+    return levels
+
+
+def test_a_ramp_on_a_row_that_learned_along_a_curve_is_named_its_noise_from_its_moves():
+    """A window holding the curve strays 20-30% from any straight line through it, though each point is within 1%
+    of the one before: judged by the moves' spread, the ramp from point 30 is named within 6 points (x3; judged
+    by the line's, 11 or more)."""
+    for seed in range(4):
+        found = first_named(Judge(Bands(), CHAIN), curve_then_ramp(30, seed), 60, every=5)
+        assert found is not None and found[1] == {"mlp"} and 30 < found[0] <= 36, (seed, found)
+
+
+def test_a_row_still_learning_along_a_curve_is_not_named():
+    """The same curve without a ramp: its moves are its learning, not a finding, at any point."""
+    for seed in range(4):
+        assert first_named(Judge(Bands(), CHAIN), curve_then_ramp(10 ** 6, seed), 120, every=5) is None, seed
+
+
+@pytest.mark.parametrize("rate", [1.08, 1.15])
+def test_the_first_module_ramping_out_is_named_itself_not_the_batch(rate):
+    """``stem`` (the first module, its input the batch) ramps 8% or 15% a point from point 60, every module after
+    it carried along: no step, so not the batch; ``stem`` is named, the modules after it its victims."""
+    def move(i, row):
+        return rate ** max(0, i - 60)
+    for seed in range(4):
+        found = first_named(Judge(Bands(), CHAIN), chain_levels(move, seed), 90)
+        assert found is not None and found[1] == {"stem"} and 60 < found[0] <= 66, (seed, found)
+
+
+def test_the_first_module_and_every_module_after_it_out_by_a_step_is_the_batch():
+    """Every module x5 in one point at point 60 (the batch out of range): every layer at once, named at once."""
+    for seed in range(4):
+        found = first_named(Judge(Bands(), CHAIN), chain_levels(lambda i, row: 5.0 if i >= 60 else 1.0, seed), 70)
+        assert found is not None and found[:2] == (60, {"(every layer)"}), (seed, found)

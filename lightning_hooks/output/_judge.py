@@ -267,7 +267,8 @@ class Judge(CulpritNaming):
     def _is_data(self, found: list[Finding], figures: Mapping[str, Mapping[str, float]]) -> bool:
         """Every layer at once, the batch rather than a layer (:mod:`~lightning_hooks.output._judge_data`)."""
         levels = figures.get("level", {})
-        if outputs_out_together(found, levels, self._first() if len(levels) >= 3 else None):
+        first = self._first() if len(levels) >= 3 else None
+        if outputs_out_together(found, levels, first if first and self._left_by_a_step(first) else None):
             return True
         if len(figures.get("norm", ())) < 3 or singled_out(found):
             return False

@@ -64,7 +64,7 @@ class CulpritNaming:
             judged.named = [f for f in layered if f.layer in self.named or f.layer == culprit]
         elif layered and not data:
             culprit = self._culprit(layered)
-            if culprit is not None and culprit == self._first() and any(
+            if culprit is not None and culprit == self._first() and self._left_by_a_step(culprit) and any(
                     f.layer == culprit and f.problem in RELATIVE["level"] for f in layered):
                 data = True  # the first module's inputs are the batch (its outputs moved; dead or NaN is its own)
             elif culprit is not None:
@@ -122,6 +122,19 @@ class CulpritNaming:
                    and (track.deviation > least and track.up if up else track.deviation < -least and track.down)
                    and not self._learning_with_peers(row, up)]
         return min(leaning, key=lambda row: self.depth.get(row, 0)) if leaning else None
+
+    def _left_by_a_step(self, row: str) -> bool:
+        """Whether a module's outputs left their range by a step (past the factor from the value before).
+
+        Their first value held out moved past the figure's factor from the value let in before it. A
+        batch out of range is a step (every layer at once, from one batch on); the first module
+        ramping out over several points is its own fault, named as any module's.
+        """
+        track = self._track(row)
+        if track is None or not track.held or not track.logs:
+            return True
+        figure = "gain" if track is self.tracks.get("gain", {}).get(row) else "level"
+        return abs(track.held[0] - track.logs[-1]) > least_change(figure, self.bands)
 
     def _track(self, row: str) -> Track | None:
         """The track a module's outputs are judged by: its gain's if that is quieter than its level's."""

@@ -64,6 +64,21 @@ def usual_range(logs: Sequence[float]) -> tuple[float, float, float, float]:
     return new, slope, len(values) - centre, noise
 
 
+def step_noise(values: Sequence[float]) -> float:
+    """A row's noise from its point-to-point moves: the spread of its moves about their median, over sqrt(2).
+
+    A row that learned along a curve (fast early, slow later) strays far from any one straight
+    line through its window, yet each point sits close to the one before: its moves are the noise.
+    A value is judged against the smaller of the two (the line's noise still says which of a
+    module's figures, its std or its gain, is the quieter).
+    """
+    moves = [b - a for a, b in zip(values, values[1:])]
+    if len(moves) < 2:
+        return math.inf
+    typical = statistics.median(moves)
+    return 1.4826 * statistics.median(abs(m - typical) for m in moves) / math.sqrt(2)
+
+
 def track_state(track: Track) -> list:
     """A track as plain values (for a checkpoint); :func:`track_from_state` restores it."""
     return [list(track.logs), track.up, track.down, track.frozen, track.worst, list(track.held), track.deviation,
@@ -167,7 +182,25 @@ def _deviation(track: Track, x: float, figure: str, floor: float) -> tuple[Optio
     seen = list(track.logs)[:len(track.logs) - track.learned]
     track.learned = 0
     high, low = max(level, ahead, *seen), min(level, ahead, *seen)
-    return max(0.0, x - high) + min(0.0, x - low), max(noise, MIN_NOISE[figure])
+    return max(0.0, x - high) + min(0.0, x - low), max(_judging_noise(track, noise, slope, floor), MIN_NOISE[figure])
+
+
+def _judging_noise(track: Track, noise: float, slope: float, floor: float) -> float:
+    """The noise a value is judged by: the line's, or the moves' where the row learned along a settling curve.
+
+    That is a row that moved past ``floor`` in its window, its newer half's moves under half its older
+    half's (it learned fast, then slowed): only such a curve strays from one straight line by its
+    shape. A steady row's misfit is its wander, which its moves do not show; a row whose learning
+    speeds up (a layer waking up early in training) is still learning, its next moves unknown.
+    """
+    if abs(slope) * len(track.logs) / 2 <= floor:
+        return noise
+    logs = list(track.logs)
+    moves = [b - a for a, b in zip(logs, logs[1:])]
+    half = len(moves) // 2
+    if abs(statistics.median(moves[half:])) >= abs(statistics.median(moves[:half])) / 2:
+        return noise
+    return min(noise, step_noise(logs))
 
 
 def _settle(track: Track, window: int) -> None:
