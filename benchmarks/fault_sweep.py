@@ -40,16 +40,20 @@ Added once every group above met its goals but the SGD prediction layer (``bench
   onsets at 25%, a ramp of 0.3% a step, jumps x2.5 and x0.5, more layers, AdamW on the CNN.
 - ``creep`` (``benchmarks/_sweep_creep.py``): ramps of 0.15-0.4% a step, around the judge's creep
   bound, on the MLP, CNN, GPT-2 and LLaMA, with their healthy twins.
+- ``creep-long``: the MLP, CNN and GPT-2 over 400 steps, ramps of 0.2% and 0.4% a step from step 200.
 - ``lastblock``: the fault in the last block of the Mixer, the pre-activation ResNet and LLaMA, where a
   healthy gradient over depth is cleared (``benchmarks/_sweep_lastblock.py``).
 
-Added next, on models and settings none of the above held (``benchmarks/_sweep_unseen4.py``, models in ``benchmarks/_sweep_models4.py``):
+Added next, on models and settings none of the above held (``benchmarks/_sweep_unseen4.py``,
+models in ``benchmarks/_sweep_models4.py``):
 
 - ``unseen4``: a Phi, Falcon, BLOOM, GPT-BigCode, Gemma, DistilBERT and RoBERTa; a WaveNet-like
   dilated convolution stack, torch's post-norm ``nn.TransformerEncoder``, a U-Net-like denoiser, an
   MLP autoencoder, a mixture-of-experts MLP.
 - ``unseen4b``: an embedding's norm and output, a router, a post-norm, first convolutions, a skip branch.
 - ``unseen4c``: RMSprop, Adagrad, SGD without momentum, Adafactor.
+- ``unseen4d`` to ``unseen4f``: harder rates, intervals and onsets on those models, tuple outputs,
+  first modules ramping, routers dead, LR x100 under the new optimizers, queries growing.
 
 Per case: the culprit named first, the layers named before it, the delay (steps from the onset
 to the first logged step that names it), on healthy runs the verdict lines after the first 10%,

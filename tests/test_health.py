@@ -160,6 +160,26 @@ def test_its_pull_rides_the_monitors_one_transfer_a_logged_step_makes_no_more_ho
     assert {name: n for name, n in added.items() if n} == {}  # every step logged: none more on any of them
 
 
+def test_a_fit_that_raises_after_the_pull_was_handed_over_leaves_no_tensor_with_the_monitor(tmp_path):
+    """The pull waits with the monitor until the step is logged; a fit that raises before then lets it go."""
+
+    class Boom(L.Callback):
+        def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
+            if trainer.global_step == 2:
+                raise RuntimeError("boom")
+
+    monitor = ActivationMonitor()
+    torch.manual_seed(0)
+    run = trainer(tmp_path, [monitor, LayerHealth(image_every_n_steps=1), Boom()], max_steps=4)
+    taken = []
+    original = monitor.carry
+    monitor.carry = lambda *args: taken.append(args[0]) or original(*args)  # type: ignore[method-assign]
+    with pytest.raises(RuntimeError, match="boom"):
+        run.fit(TinyNet(), loader())
+    assert 2 in taken  # the raising step's pull was handed over before the raise
+    assert monitor._carried == [] and monitor._pending_step is None
+
+
 def test_a_heatmap_panel_keeps_at_most_max_columns_steps_spread_over_the_run():
     health = LayerHealth(max_columns=4, max_panels=1)
     for step in range(10):

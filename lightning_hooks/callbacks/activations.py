@@ -293,6 +293,11 @@ class ActivationMonitor(HookCallback):
         if block is not None and not trainer.sanity_checking and self.is_attached:
             self._figures.log_block(trainer, block, _PREFIXES["validate"], 0, log_step(trainer))
 
+    def detach(self) -> None:
+        """Remove the hooks and drop what other callbacks handed over for a step never logged (a fit that raised)."""
+        super().detach()
+        self._carried, self._pending_step = [], None
+
     def carry(self, step: int, values: torch.Tensor, figure: ScalarBlock) -> bool:
         """Bring another callback's ``values`` of log step ``step`` (on device) to the host in the step's one transfer.
 
