@@ -104,10 +104,12 @@ class Peers:
         No copy after it bounds its move, so the one before (in its own range) does: it moved the same
         way past half the ``margin`` (more than its noise), and ``row`` at most ``STEEPEST`` times as
         far. Not where its newest point alone moved past the ``margin``: a step is its own (a fault).
+        Only a block's named part (``blocks.3.mix``): a Sequential's children (``net.2``, ``mlp.2``) are
+        of one kind by name but not by type (the head after its activation), no gradient over depth.
         """
         mine = self._own_move(figure, row, margin, up)
         at, own = depth.get(row, 0), kind(row)
-        if mine is None or any(depth.get(other, 0) > at for other in self.history[figure]
+        if mine is None or own.endswith("#") or any(depth.get(other, 0) > at for other in self.history[figure]
                                if other != row and kind(other) == own):
             return False
         sign, values = 1 if up else -1, self.history[figure][row]
