@@ -158,12 +158,15 @@ class CulpritNaming:
 
         Excused, not learned: no copy after it vouches for its move, so its range is held while its
         predecessor moves, and follows the move only once it stopped too (its own move within the
-        margin again). One that goes on after its predecessor stopped (a ramp) is named then.
+        margin again). One that goes on after its predecessor stopped (a ramp) is named then. One
+        named (a step, or a ramp) stays named while out: its move is its own, not its predecessor's.
         """
         kept = []
         for f in found:
             key, up = f"{figure}/{f.row}", f.moved > 0
-            if self._ends_gradient(figure, f.row, up, out):
+            if f.layer in self.named:
+                kept.append(f)
+            elif self._ends_gradient(figure, f.row, up, out):
                 self.excused.add(key)
             elif key in self.excused and self._stopped(figure, f.row, up):
                 follow(self.tracks[figure][f.row], self.bands.window)  # it stopped with its predecessor: learning

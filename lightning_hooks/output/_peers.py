@@ -16,10 +16,11 @@ past the factor within its window (a jump its window has forgotten) is never exc
 A module whose move lies between its neighbours' is learning too: the peer before it moved the same
 way, and the peer after it, steady in its own range, at least as far (an MLP-Mixer's token-mixing
 layers each grow more than the block's before: a gradient over depth, not one block's fault, which
-cannot move a later copy as far while leaving it in its range). The last copy of its kind, with no
-peer after it, ends such a gradient where the peer before it moved the same way past half the margin
-(more than its noise) and it at most ``STEEPEST`` times as far, and its newest point alone did not move
-past the margin: a fault in the last block moves it alone (its predecessor in place), and a step is its own.
+cannot move a later copy as far while leaving it in its range). The last copy of its kind (a block's
+named part, not a Sequential's child), with no peer after it, ends such a gradient where the peer
+before it moved the same way past half the margin (more than its noise) and it at most ``STEEPEST``
+times as far, and its newest point alone did not move past the margin: a fault in the last block
+moves it alone (its predecessor in place), and a step is its own.
 Excused, not learned (the judge holds its range until it stops: ``_judge_culprit.py``).
 """
 
@@ -104,10 +105,12 @@ class Peers:
         No copy after it bounds its move, so the one before (in its own range) does: it moved the same
         way past half the ``margin`` (more than its noise), and ``row`` at most ``STEEPEST`` times as
         far. Not where its newest point alone moved past the ``margin``: a step is its own (a fault).
+        Only a block's named part (``blocks.3.mix``): a Sequential's children (``net.2``, ``mlp.2``) are
+        of one kind by name but not by type (the head after its activation), no gradient over depth.
         """
         mine = self._own_move(figure, row, margin, up)
         at, own = depth.get(row, 0), kind(row)
-        if mine is None or any(depth.get(other, 0) > at for other in self.history[figure]
+        if mine is None or own.endswith("#") or any(depth.get(other, 0) > at for other in self.history[figure]
                                if other != row and kind(other) == own):
             return False
         sign, values = 1 if up else -1, self.history[figure][row]
