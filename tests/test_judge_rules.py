@@ -1,6 +1,6 @@
-"""Five of the judge's rules, each on hand-built figures (fast): a step is not a ramp, an update ratio under its
-first, a kind that grew as a whole, the prediction layer's pull, and the last block of a depth gradient
-(docs/verdicts.md)."""
+"""The judge's rules, each on hand-built figures (fast): a step is not a ramp, an update ratio under its first,
+a kind that grew as a whole, the prediction layer's pull, the rate limit of slow ramps, the last block of a depth
+gradient, a row that learned along a curve, and the first module ramping out (docs/verdicts.md)."""
 
 from __future__ import annotations
 
@@ -183,7 +183,6 @@ def test_the_prediction_layer_that_overshot_far_past_the_modules_before_it_is_na
         assert head_named(steady_head(seed), 30.0, pull, 60, b=1.6) == {named}, seed
 
 
-
 @pytest.mark.parametrize("rate, named", [(1.002, False), (1.003, False), (1.015, True)])
 def test_a_ramp_too_slow_to_cross_the_least_change_within_min_points_is_followed_not_named(rate, named):
     """``mlp`` (and ``out`` after it) grows ``rate`` a step from point 60, logged every 2 steps, for 75 points.
@@ -199,6 +198,8 @@ def test_a_ramp_too_slow_to_cross_the_least_change_within_min_points_is_followed
     for seed in range(4):
         found = first_named(Judge(Bands(), CHAIN), chain_levels(move, seed), onset + 75, every)
         assert (found is not None and found[1] == {"mlp"}) if named else found is None, (seed, found)
+
+
 MIXER = [f"blocks.{b}.{k}" for b in range(BLOCKS) for k in ("ln", "mix")]
 DEPTH_RATES = (0.0, 0.001, 0.004, 0.011)  # each block's ``mix`` grows faster than the block's before (a point)
 
@@ -252,6 +253,8 @@ def test_a_ramp_in_the_last_block_during_its_predecessors_learning_is_named_not_
         ramp = depth_gradient(seed, lambda i: rise ** max(0, i - 60), (0.0, 0.002, 0.012, 0.012))
         found = first_named(Judge(Bands(), MIXER), ramp, 90)
         assert found is not None and found[1] == {"blocks.3.mix"}, (seed, found)
+
+
 def curve_then_ramp(onset: int, seed: int):
     """``mlp``'s std learns along a curve (x40 over the first 30 points, then flattening; 1% noise), the others
     steady; from ``onset`` ``mlp`` (and ``out`` after it) ramps 20% a point (4% a step logged every 5)."""
