@@ -1,0 +1,96 @@
+"""Could another spread, threshold or co-occurrence rule clear the healthy runs and keep the real spikes?
+
+An approximate, vectorised replay of the spike judge (the steps flagged keep their deviations in
+the spread, which the package's ``SpikeWindows`` leaves out: a delay may differ by a step at the
+threshold) over the healthy series ``benchmarks/spikes_models.py`` recorded, and over the faulty
+series of ``benchmarks/spikes_healthy.py`` (a fault at step 2,000 of a 3,000-step run: a corrupt
+batch, wrong targets, the learning rate x30; MLP and attention, seeds 0 and 1), recorded here
+into the same store if missing. Per variant: the healthy runs with a flag after the first 10%,
+their flags, and the delay from each fault to its first flag (X: missed).
+
+    python benchmarks/spikes_variants.py      # after spikes_models.py; about a minute
+"""
+
+from __future__ import annotations
+
+import glob
+import math
+import os
+import sys
+import warnings
+from typing import Any
+
+import numpy as np
+import torch
+from numpy.lib.stride_tricks import sliding_window_view
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from spikes_healthy import FAULTS, train  # noqa: E402
+from spikes_models import STORE  # noqa: E402
+
+VARIANTS: dict[str, dict[str, Any]] = {
+    "shipped (q75 / 1.15, z 6)": {}, "tail q90 / 1.645": dict(q=0.9, k=1 / 1.645),
+    "tail q95 / 1.96": dict(q=0.95, k=1 / 1.96), "z 7": dict(thr=7.0), "floor 0.1": dict(floor=0.1),
+    "both signals (other z > 2)": dict(co=2.0), "both signals (other z > 3)": dict(co=3.0)}
+
+
+def _median(rows: np.ndarray) -> np.ndarray:
+    """Each row's median, the lower of the middle two for an even count (as torch's), NaNs skipped."""
+    return np.nanquantile(rows, 0.5, axis=1, method="lower")
+
+
+def zscores(values: np.ndarray, window: int = 128, recent: int = 16, warmup: int = 64, floor: float = 0.05,
+            q: float = 0.75, k: float = 1 / 1.1503) -> np.ndarray:
+    """Each step's robust z-score of a positive series, as ``robust_zscore`` computes it, all steps at once."""
+    log = np.log(np.clip(values, 1e-300, None))
+    past = sliding_window_view(np.concatenate([np.full(window, np.nan), log]), window)[: len(log)]
+    level = _median(past[:, -recent:])
+    steps = _median(np.abs(np.diff(past, axis=1))) * 1.4826 / math.sqrt(2)
+    before = sliding_window_view(np.concatenate([np.full(recent, np.nan), log]), recent)[: len(log)]
+    deviation = log - _median(before)
+    tails = sliding_window_view(np.concatenate([np.full(window, np.nan), deviation]), window)[: len(log)]
+    spread = np.fmax(np.fmax(steps, np.nanquantile(np.abs(tails), q, axis=1) * k), floor)
+    z = np.nan_to_num((log - level) / spread)
+    z[np.isfinite(past).sum(1) < warmup] = 0
+    return z
+
+
+def flags(values: np.ndarray, thr: float = 6.0, co: float = 0.0, **kwargs: Any) -> np.ndarray:
+    """The steps flagged: either signal above ``thr`` (with ``co``: and the other above ``co``)."""
+    loss, norm = zscores(values[:, 0], **kwargs), zscores(values[:, 1], **kwargs)
+    if co:
+        return ((loss > thr) & (norm > co)) | ((norm > thr) & (loss > co))
+    return (loss > thr) | (norm > thr)
+
+
+def faulty(store: str) -> dict[str, np.ndarray]:
+    """spikes_healthy.py's faulty runs (2,100 steps, the fault at 2,000), recorded into ``store`` if missing."""
+    out = {}
+    for kind in ("mlp", "attention"):
+        for seed in (0, 1):
+            for i, fault in enumerate(FAULTS):
+                path = os.path.join(store, f"spike_fault{i}_{kind}_s{seed}.pt")
+                if not os.path.exists(path):
+                    torch.save(train(kind, seed, 2100, fault, 2000), path)
+                out[f"{fault}, {kind} s{seed}"] = torch.load(path).numpy()
+    return out
+
+
+def main() -> int:
+    torch.set_num_threads(1)
+    warnings.simplefilter("ignore", RuntimeWarning)  # the medians of the first, empty windows
+    healthy = {p: torch.load(p)["values"].numpy() for p in sorted(glob.glob(os.path.join(STORE, "spike_series_*.pt")))}
+    faults = faulty(STORE)
+    print(f"{len(healthy)} healthy runs; delays from the fault (step 2,000) to the first flag, in the order:")
+    print("; ".join(faults) + "\n")
+    print("| variant | runs flagged | flags after 10% | delays |\n|---|---:|---:|---|")
+    for name, kwargs in VARIANTS.items():
+        late = [int(flags(v, **kwargs)[len(v) // 10:].sum()) for v in healthy.values()]
+        delays = [np.nonzero(flags(v, **kwargs)[2000:])[0] for v in faults.values()]
+        cells = " ".join(str(d[0]) if len(d) else "X" for d in delays)
+        print(f"| {name} | {sum(n > 0 for n in late)} | {sum(late)} | {cells} |", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
