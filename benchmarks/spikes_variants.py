@@ -28,8 +28,11 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from spikes_healthy import FAULTS, train  # noqa: E402
 from spikes_models import STORE  # noqa: E402
 
+from lightning_hooks.measure.spikes import _TAIL_TO_STD, TAIL_QUANTILE  # noqa: E402
+
 VARIANTS: dict[str, dict[str, Any]] = {
-    "shipped (q75 / 1.15, z 6)": {}, "tail q90 / 1.645": dict(q=0.9, k=1 / 1.645),
+    "before (tail q75 / 1.15)": dict(q=0.75, k=1 / 1.1503), "shipped (tail q90 / 1.645, z 6)": {},
+    "tail q85 / 1.44": dict(q=0.85, k=1 / 1.4395),
     "tail q95 / 1.96": dict(q=0.95, k=1 / 1.96), "z 7": dict(thr=7.0), "floor 0.1": dict(floor=0.1),
     "both signals (other z > 2)": dict(co=2.0), "both signals (other z > 3)": dict(co=3.0)}
 
@@ -40,7 +43,7 @@ def _median(rows: np.ndarray) -> np.ndarray:
 
 
 def zscores(values: np.ndarray, window: int = 128, recent: int = 16, warmup: int = 64, floor: float = 0.05,
-            q: float = 0.75, k: float = 1 / 1.1503) -> np.ndarray:
+            q: float = TAIL_QUANTILE, k: float = _TAIL_TO_STD) -> np.ndarray:
     """Each step's robust z-score of a positive series, as ``robust_zscore`` computes it, all steps at once."""
     log = np.log(np.clip(values, 1e-300, None))
     past = sliding_window_view(np.concatenate([np.full(window, np.nan), log]), window)[: len(log)]

@@ -75,9 +75,9 @@ def test_robust_zscore_is_the_jump_from_the_recent_level_in_robust_step_changes_
     assert robust_zscore(flat, torch.tensor(2.0 * math.exp(0.5)), min_spread=0.05).item() == pytest.approx(10.0)
     signed = torch.tensor([-1.0, 1.0, -1.0, 1.0])  # not positive: judged as it is, on the linear scale
     assert robust_zscore(signed, torch.tensor(9.0), recent=4).item() == pytest.approx(10 / (2 * 1.4826 / math.sqrt(2)))
-    deviations = torch.tensor([2.0, -2.0, 0.1, 2.0, -2.0, math.nan])  # upper quartile of |.| 2.0: a wider spread
+    deviations = torch.tensor([2.0, -2.0, 0.1, 2.0, -2.0, math.nan])  # 90th percentile of |.| 2.0: a wider spread
     assert robust_zscore(window, torch.tensor(16.0), recent=4, deviations=deviations).item() == pytest.approx(
-        (math.log(16) - level) / (2.0 / 1.1503), rel=1e-3)
+        (math.log(16) - level) / (2.0 / 1.6449), rel=1e-3)
     assert robust_zscore(signed, torch.tensor(9.0), recent=4, deviations=torch.full((4,), 100.0)).item() == (
         pytest.approx(10 / (2 * 1.4826 / math.sqrt(2))))  # on the linear scale: deviations not used
     assert level_deviation(torch.tensor([[1.0], [2.0], [4.0]]), torch.tensor([8.0]), recent=2).item() == (
@@ -291,8 +291,10 @@ def test_the_example_catches_the_shard_by_its_gradient_norm_rolls_back_and_names
     proc = run_example("spike_flight_recorder", tmp_path)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-5000:]
+    # Every step's flags, not only the reports: the shard's first batch, and the loss when good data come back
+    # (the gradient norm's return at step 95 is within its spread since the 90th-percentile tail).
     assert ("gradient-norm trigger fired at step 80, loss trigger at step 95 (steps flagged: gradient norm"
-            " [80, 95], loss [95])") in out, out[-3000:]  # every step's flags, not only the reports
+            " [80], loss [95])") in out, out[-3000:]
     assert "Lightning's SpikeDetection (loss only) raised at step 95" in out
     # The broken shard moved several layers' gradients at step 80 at once: a tie, said as one.
     assert re.search(r"the flight record of steps \d+-95: a tie, \d+ layers left their usual gradient norm range at"
@@ -401,3 +403,19 @@ def test_a_classifiers_heavy_tailed_batch_losses_are_not_spikes_and_a_corrupt_ba
         corrupt = trace[: at + 1, :2].clone()
         corrupt[at] *= 1e4  # a batch of wrong labels: a loss of ~10 where the level is 1e-3
         assert judge_now(corrupt, SpikeTrigger())[-1:] == [at]
+
+
+def test_a_vits_recurring_hard_batches_near_100_percent_train_accuracy_widen_its_spread_by_their_90th_percentile():
+    # benchmarks/spikes_models.py's healthy ViT (AdamW) at 1,000 steps: its batch loss falls to ~3e-4, and a
+    # misclassified sample lifts a batch x30 to x300 every 20-40 steps. The deviations' upper quartile missed that
+    # tail (24 loss and 2 gradient-norm flags after the first 10%); their 90th percentile sees most of it.
+    trace = torch.tensor(np.loadtxt(Path(__file__).parent / "data" / "vit_adamw_1000.csv", delimiter=",", skiprows=3))
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    from spikes_models import replay  # benchmarks/spikes_models.py
+
+    flags = replay(trace, SpikeTrigger())[1][100:]
+    assert flags[:, 1].sum() == 0 and flags[:, 0].sum() <= 12  # 9 here, not met yet (docs/spikes_and_rollback.md)
+    for at in (500, 800):
+        corrupt = trace[: at + 1].clone()
+        corrupt[at] *= 1e3  # a corrupt batch: loss and gradient norm x1000
+        assert replay(corrupt, SpikeTrigger())[1][at].any()  # the step is flagged (by its loss)
