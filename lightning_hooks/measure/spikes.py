@@ -43,7 +43,7 @@ _MAD_TO_STD = 1.4826
 #: deviation for normal values (their 90th percentile is 1.645 of it). The 90th, not the upper quartile:
 #: a heavy tail (a classifier's batch loss near 100% train accuracy) shows further out, where the quartile
 #: misses it. On 70 healthy recipes (``benchmarks/spikes_models.py``) it halves the false flags
-#: (36 -> 20 after the first 10%, the ViT's 22 -> 9), the real spikes of ``benchmarks/spikes_healthy.py``
+#: (36 -> 20 steps after the first 10%; the ViT's loss 24 -> 9), the real spikes of ``benchmarks/spikes_healthy.py``
 #: caught as soon (``benchmarks/spikes_variants.py``).
 TAIL_QUANTILE, _TAIL_TO_STD = 0.9, 1 / 1.6449
 
