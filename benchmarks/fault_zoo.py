@@ -125,7 +125,8 @@ class Lit(pl.LightningModule):
         if name.startswith("adamw"):  # "adamw-flat": a constant LR (``schedule``)
             return torch.optim.AdamW(groups, lr=lr, weight_decay=0.1, betas=(0.9, 0.95))
         if name.startswith("sgd"):
-            return torch.optim.SGD(groups, lr=lr, momentum=0.9, weight_decay=5e-4, nesterov=name == "sgd-nesterov")
+            return torch.optim.SGD(groups, lr=lr, momentum=0.9, weight_decay=self.recipe.weight_decay,
+                                   nesterov=name == "sgd-nesterov")
         if name in OTHER_OPTIMIZERS:  # the sweep's unseen4: a constant LR
             return OTHER_OPTIMIZERS[name](groups, lr)
         return torch.optim.Adam(groups, lr=lr)
