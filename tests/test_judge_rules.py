@@ -298,3 +298,28 @@ def test_the_first_module_and_every_module_after_it_out_by_a_step_is_the_batch()
     for seed in range(4):
         found = first_named(Judge(Bands(), CHAIN), chain_levels(lambda i, row: 5.0 if i >= 60 else 1.0, seed), 70)
         assert found is not None and found[:2] == (60, {"(every layer)"}), (seed, found)
+
+
+LEAN = ["emb", "h.0.a", "h.0.m", "h.1.a", "h.1.m", "h.2.a", "h.2.m", "out"]
+
+
+def slow_lean(seed: int, peers_rate: float):
+    """``h.2.a`` leans out x1.17 at point 50 (under a finding), 23 points on a further x1.13 (past it); the copies
+    of its kind before it (``h.0.a``, ``h.1.a``) climb ``peers_rate`` (log) a point all along, in their own range."""
+    rng = random.Random(seed)
+
+    def figures(i: int) -> dict[str, dict[str, float]]:
+        move = {"h.0.a": peers_rate * i, "h.1.a": peers_rate * i,
+                "h.2.a": 0.16 * (i >= 50) + 0.12 * (i >= 73)}
+        return {"level": {row: (1 + d) * math.exp(move.get(row, 0.0) + rng.gauss(0, 0.005))
+                          for d, row in enumerate(LEAN)}}
+    return figures
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_a_slow_lean_out_of_a_range_older_than_the_peers_window_is_compared_with_the_peers_from_its_range(seed):
+    """Its move within the peers' window (32 points) is under the margin, its move from its range (held since 23
+    points) past it: measured from its range, its peers before it moved as far (x1.2 in the window), learning."""
+    assert first_named(Judge(Bands(), LEAN), slow_lean(seed, 0.008), 110, 2) is None
+    found = first_named(Judge(Bands(), LEAN), slow_lean(seed, 0.0), 110, 2)  # peers steady: named
+    assert found is not None and found[1] == {"h.2.a"} and found[0] == 73, found

@@ -62,7 +62,7 @@ from __future__ import annotations
 import math
 import statistics
 from collections import deque
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any, Optional
 
 from lightning_hooks.output._findings import (
@@ -251,8 +251,16 @@ class Judge(CulpritNaming):
         if figure not in PEER_FIGURES:
             return found
         out = {f.row for f in found}
-        return self._excused(figure, self._followed(found, lambda f: self._with_peers(figure, f.row, f.moved > 0, out)),
-                             out)
+        return self._excused(figure, self._followed(found, lambda f: self._shares_move(figure, f, out)), out)
+
+    def _shares_move(self, figure: str, found: Finding, out: Collection[str]) -> bool:
+        """Whether a finding's move is its peers' (``_with_peers``); one not named yet is measured from its range too.
+
+        A row leaning out slowly holds its range from before its window: its move within the window can be
+        under the margin while it is out past it. Its move from its range (the finding's) is compared then.
+        """
+        beyond = None if found.layer in self.named else found.moved
+        return self._with_peers(figure, found.row, found.moved > 0, out, beyond)
 
     def _followed(self, found: list[Finding], learned: Callable[[Finding], bool]) -> list[Finding]:
         """``found`` less the findings whose move is ``learned``: their rows' ranges follow the move instead."""
