@@ -323,3 +323,29 @@ def test_a_slow_lean_out_of_a_range_older_than_the_peers_window_is_compared_with
     assert first_named(Judge(Bands(), LEAN), slow_lean(seed, 0.008), 110, 2) is None
     found = first_named(Judge(Bands(), LEAN), slow_lean(seed, 0.0), 110, 2)  # peers steady: named
     assert found is not None and found[1] == {"h.2.a"} and found[0] == 73, found
+
+
+PULLED = ["stem", "enc", "mid", "dec", "out"]
+
+
+@pytest.mark.parametrize("rise, fall, lag", [(1.1, 0.85, 1), (1.06, 0.9, 2)])
+def test_a_gain_that_led_its_inputs_fall_is_named_though_its_std_held(rise, fall, lag):
+    """``dec``'s gain ramps ``rise`` a point from point 60; ``lag`` points later ``mid`` before it shrinks ``fall`` a
+    point (a loss pulling ``dec``'s outputs back through the modules before it), so ``dec``'s std moves less than
+    half its gain. Its gain led: ``dec`` is named, not ``mid`` whose std fell after it."""
+    def gain(i, row):
+        k = max(0, i - 60)
+        return {"dec": rise ** k, "mid": fall ** max(0, k - lag)}.get(row, 1.0)
+    for seed in range(4):
+        found = first_named(Judge(Bands(), PULLED), stacked_levels(gain, seed, 0.05, PULLED), 90)
+        assert found is not None and found[1] == {"dec"} and 60 < found[0] <= 65, (seed, found)
+
+
+def test_a_gain_moved_by_its_inputs_step_is_not_named_for_it():
+    """``mid``'s gain drops x0.8 at point 60 and ``dec``'s rises x1.15 (a saturating layer passing on less of its
+    input's fall): ``dec``'s std moved the other way, its input from the same point: ``mid`` is named, not ``dec``."""
+    def gain(i, row):
+        return {"mid": 0.8, "dec": 1.15}.get(row, 1.0) if i >= 60 else 1.0
+    for seed in range(4):
+        found = first_named(Judge(Bands(), PULLED), stacked_levels(gain, seed, 0.05, PULLED), 90)
+        assert found is None or "dec" not in found[1], (seed, found)

@@ -20,13 +20,15 @@ step at a time, with every judged figure of that step. How it decides (docs/verd
   forward order) where that is ``QUIETER`` times quieter than its std: in a plain stack the batch
   moves every module's std together, and the module before it carries that share. A fault moves
   its own gain, not the gains after it. A gain's finding stands where the module's own std moved
-  the same way (``AGREE``): a gain that moved against it is its input's move.
+  the same way (``AGREE``): a gain that moved against it is its input's move, unless the input's std leaned out
+  only after the gain had (a loss shrinking the modules before a growing one: the gain led).
 - Gradient norms and update ratios are judged against their peers too: the step's median change
   over all rows (the learning-rate schedule, the loss falling, the batch's own noise) is taken
   out first, so no fixed band judges the recipe. Activations are not taken net of every row's
   move, where a single layer's fault would move every row downstream of it; a module's outputs
   that moved as far as its same-kind peers *before* it (in their own range) moved learned with
-  them, and are not named (``_peers.py``); the last copy of a kind ending a gradient over depth is
+  them, and are not named (``_peers.py``; one leaning slowly, not yet named, by its move from its range where its
+  window's is under the margin); the last copy of a kind ending a gradient over depth is
   excused while the copy before it moves, its range held until it stops too.
   Nor where its whole kind grew at once (every same-kind copy's outputs moved as far as a finding the
   same way) and its gain led none of its copies' (a network without normalisation under SGD).
@@ -190,7 +192,18 @@ class Judge(CulpritNaming):
         if track is None or not track.logs or not level > 0:
             return True
         moved = math.log(level) - statistics.median(track.logs)
-        return moved * math.copysign(1.0, found.moved) >= AGREE * abs(found.moved)
+        return moved * math.copysign(1.0, found.moved) >= AGREE * abs(found.moved) or not self._input_led(found)
+
+    def _input_led(self, found: Finding) -> bool:
+        """Whether the std of the module before ``found``'s leaned out of range as early as its gain did, or earlier.
+
+        A gain moved by its input moves with it, from the same point; an input that leaned out only after the
+        gain had (or not at all) follows the module: a loss pulling a module's growing outputs back shrinks
+        the modules before it (Adam, a regression), which the gain's own move led.
+        """
+        before = self._before().get(found.row)
+        gain, track = self.tracks["gain"].get(found.row), self.tracks["level"].get(before or "")
+        return gain is None or track is None or len(track.held) >= len(gain.held)
 
     def _before(self) -> dict[str, str]:
         """Each module with a finite std at the step, by the one before it in forward order (of those)."""
