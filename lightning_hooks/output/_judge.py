@@ -81,7 +81,14 @@ from lightning_hooks.output._judge_culprit import CulpritNaming
 from lightning_hooks.output._judge_data import gradients_jumped_together, outputs_out_together, singled_out
 from lightning_hooks.output._judge_pull import PULL, asked_for
 from lightning_hooks.output._peers import Peers
-from lightning_hooks.output._row_range import Track, follow, judge_value, track_from_state, track_state
+from lightning_hooks.output._row_range import (
+    Track,
+    follow,
+    judge_value,
+    least_change,
+    track_from_state,
+    track_state,
+)
 
 #: The relative figures whose step's common change over all rows is taken out (peers).
 COMMON_MODE = ("norm", "ratio", "gain")
@@ -92,6 +99,8 @@ PEER_FIGURES = ("level", "gain")
 WARM_STEPS_PER_POINT = 2
 #: A gain's finding stands where the module's own outputs moved the same way, this share of the gain's move at least.
 AGREE = 0.5
+#: A gain leads its input's fall where the input leaned out 1 to this many logged points after the gain did.
+LEAD = 4
 
 
 class Judge(CulpritNaming):
@@ -197,13 +206,18 @@ class Judge(CulpritNaming):
     def _input_led(self, found: Finding) -> bool:
         """Whether the std of the module before ``found``'s leaned out of range as early as its gain did, or earlier.
 
-        A gain moved by its input moves with it, from the same point; an input that leaned out only after the
-        gain had (or not at all) follows the module: a loss pulling a module's growing outputs back shrinks
-        the modules before it (Adam, a regression), which the gain's own move led.
+        A gain moved by its input moves with it, from the same point (or its input moved within its range,
+        nothing held, or out past a finding's factor); an input leaning out, still within that, that began
+        1 to ``LEAD`` points after the gain had follows the module (a gain out long before is no cause of it): a loss
+        pulling a module's growing outputs back shrinks the modules before it (Adam, a regression), which
+        the gain's own move led.
         """
         before = self._before().get(found.row)
         gain, track = self.tracks["gain"].get(found.row), self.tracks["level"].get(before or "")
-        return gain is None or track is None or len(track.held) >= len(gain.held)
+        if gain is None or track is None or not 0 < len(gain.held) - len(track.held) <= LEAD or not track.held:
+            return True
+        floor = least_change("level", self.bands)
+        return not -2 * floor <= track.deviation <= floor  # the input out past a finding's factor: its own move
 
     def _before(self) -> dict[str, str]:
         """Each module with a finite std at the step, by the one before it in forward order (of those)."""
