@@ -1,6 +1,7 @@
 """The judge's rules, each on hand-built figures (fast): a step is not a ramp, an update ratio under its first,
 a kind that grew as a whole, the prediction layer's pull, the rate limit of slow ramps, the last block of a depth
-gradient, a row that learned along a curve, and the first module ramping out (docs/verdicts.md)."""
+gradient, a row that learned along a curve, the first module ramping out, a slow lean against its peers from its
+range, and a gain that led its input's fall (docs/verdicts.md)."""
 
 from __future__ import annotations
 
