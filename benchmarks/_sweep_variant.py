@@ -30,6 +30,8 @@ class Variant:
     precision: str = ""
     clip: float = 0.0  # the gradients' norm clipped to this; 0: the recipe's own (not clipped)
     accumulate: int = 1  # micro-batches a step
+    batch: int = 0  # the batch size; 0: the recipe's own
+    weight_decay: float = -1.0  # SGD's weight decay; below 0: the recipe's own (5e-4)
     seed: Optional[int] = None  # the variant's own seed; None: the sweep's ``--seed``
 
     @property
@@ -37,13 +39,14 @@ class Variant:
         """The variant's recipe name: the model and what differs from it."""
         parts = [self.model, self.target and f"@{self.target}", self.optimizer, self.precision,
                  self.clip and f"clip{self.clip:g}", self.accumulate > 1 and f"acc{self.accumulate}",
+                 self.batch and f"b{self.batch}", self.weight_decay >= 0 and f"wd{self.weight_decay:g}",
                  self.seed is not None and f"s{self.seed}"]
         return "+".join(p for p in parts if p)
 
     def recipe_key(self) -> tuple[Any, ...]:
         """What a healthy twin shares: recipe, run length, log interval and seed."""
         return (self.model, self.optimizer, self.lr, self.precision, self.clip, self.accumulate, self.steps,
-                self.every, self.seed)
+                self.every, self.seed, self.batch, self.weight_decay)
 
 
 def _fault_targets(v: Variant) -> dict[str, str]:
@@ -56,5 +59,6 @@ def register(v: Variant) -> str:
     base = RECIPES[v.model]
     RECIPES[v.name] = replace(base, name=v.name, targets=_fault_targets(v), optimizer=v.optimizer or base.optimizer,
                               lr=v.lr or base.lr, precision=v.precision or base.precision, clip=v.clip or base.clip,
-                              accumulate=v.accumulate)
+                              accumulate=v.accumulate, batch=v.batch or base.batch,
+                              weight_decay=base.weight_decay if v.weight_decay < 0 else v.weight_decay)
     return v.name

@@ -154,6 +154,7 @@ class Recipe:
     cycle: int = 0  # a cyclic LR (triangular, from lr/10 up to lr and back) of this many steps; 0: the usual schedule
     clip: float = 0.0  # the gradients' norm clipped to this (Lightning's ``gradient_clip_val``); 0: not clipped
     accumulate: int = 1  # micro-batches a step (Lightning's ``accumulate_grad_batches``), each drawn apart
+    weight_decay: float = 5e-4  # SGD's (the other optimizers keep their own)
 
 
 def _lm_targets(block: str, mlp_in: str, mlp_out: str, query: str) -> dict[str, str]:

@@ -55,6 +55,15 @@ models in ``benchmarks/_sweep_models4.py``):
 - ``unseen4d`` to ``unseen4f``: harder rates, intervals and onsets on those models, tuple outputs,
   first modules ramping, routers dead, LR x100 under the new optimizers, queries growing.
 
+Added next (``benchmarks/_sweep_unseen5.py``):
+
+- ``unseen5``: the ``unseen4`` models at seeds 2 and 3.
+- ``unseen5b``: a Qwen3 and its key RMSNorm, a key projection, GeGLU and SwiGLU gates, an MoE expert's first
+  Linear, a top-1 (switch-routed) MoE, LayerNorms of the new models, the U-Net's convolution after its skip
+  concatenation, a LLaMA 16 blocks deep.
+- ``unseen5c``: ramps of 2% and 6% a step, jumps x0.5, x1.8, x5, a shrink x0.2, onsets at 60% and 80%, logged
+  every 4 and 8, batch sizes 4 and 64, weight decay 0.1 under SGD, clipping at 0.5.
+
 Per case: the culprit named first, the layers named before it, the delay (steps from the onset
 to the first logged step that names it), on healthy runs the verdict lines after the first 10%,
 and for a data fault whether it was said as "every layer at once".
@@ -84,6 +93,7 @@ from benchmarks._sweep_creep import creep  # noqa: E402
 from benchmarks._sweep_lastblock import lastblock  # noqa: E402
 from benchmarks._sweep_unseen3 import unseen3  # noqa: E402
 from benchmarks._sweep_unseen4 import unseen4  # noqa: E402
+from benchmarks._sweep_unseen5 import unseen5  # noqa: E402
 from benchmarks._sweep_variant import Variant, register  # noqa: E402
 from benchmarks.fault_zoo import JUMP, Case, judge_case, run_case  # noqa: E402
 
@@ -121,7 +131,7 @@ def variants() -> dict[str, list[Variant]]:
              Variant("optim", "mlp", ("healthy", "ramp", "jump"), precision="bf16-mixed"),
              Variant("optim", "cnn", ("healthy", "ramp", "jump"), precision="bf16-mixed")]
     return {"models": models, "layers": _layers(), "rates": rates, "onsets": onsets, "every": every, "optim": optim,
-            **_unseen(), **unseen3(), **unseen4(), **creep(), **lastblock()}
+            **_unseen(), **unseen3(), **unseen4(), **unseen5(), **creep(), **lastblock()}
 
 
 def _unseen() -> dict[str, list[Variant]]:

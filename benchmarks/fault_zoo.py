@@ -125,7 +125,8 @@ class Lit(pl.LightningModule):
         if name.startswith("adamw"):  # "adamw-flat": a constant LR (``schedule``)
             return torch.optim.AdamW(groups, lr=lr, weight_decay=0.1, betas=(0.9, 0.95))
         if name.startswith("sgd"):
-            return torch.optim.SGD(groups, lr=lr, momentum=0.9, weight_decay=5e-4, nesterov=name == "sgd-nesterov")
+            return torch.optim.SGD(groups, lr=lr, momentum=0.9, weight_decay=self.recipe.weight_decay,
+                                   nesterov=name == "sgd-nesterov")
         if name in OTHER_OPTIMIZERS:  # the sweep's unseen4: a constant LR
             return OTHER_OPTIMIZERS[name](groups, lr)
         return torch.optim.Adam(groups, lr=lr)
@@ -173,9 +174,9 @@ class Probe(FigureListener, pl.Callback):
         self.named: dict[int, list[str]] = {}  # step -> layers named, in the summary's order
 
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
-        params = [(n, p) for n, p in pl_module.named_parameters() if p.grad is not None]
-        self.names = [n for n, _ in params]
-        self.norms.append(np.array([float(p.grad.float().norm()) for _, p in params]))
+        grads = {n: p.grad for n, p in pl_module.named_parameters() if p.grad is not None}
+        self.names = self.names or list(grads)  # the first step's: a switch-routed expert skipped at a step reads 0
+        self.norms.append(np.array([float(grads[n].float().norm()) if n in grads else 0.0 for n in self.names]))
 
     def record_figures(self, figures: Any, metrics: Any, step: int) -> None:
         """Keep the modules' output std logged at ``step``, as the flight recorder does."""

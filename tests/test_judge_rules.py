@@ -1,6 +1,7 @@
 """The judge's rules, each on hand-built figures (fast): a step is not a ramp, an update ratio under its first,
 a kind that grew as a whole, the prediction layer's pull, the rate limit of slow ramps, the last block of a depth
-gradient, a row that learned along a curve, and the first module ramping out (docs/verdicts.md)."""
+gradient, a row that learned along a curve, the first module ramping out, a slow lean against its peers from its
+range, and a gain that led its input's fall (docs/verdicts.md)."""
 
 from __future__ import annotations
 
@@ -298,3 +299,54 @@ def test_the_first_module_and_every_module_after_it_out_by_a_step_is_the_batch()
     for seed in range(4):
         found = first_named(Judge(Bands(), CHAIN), chain_levels(lambda i, row: 5.0 if i >= 60 else 1.0, seed), 70)
         assert found is not None and found[:2] == (60, {"(every layer)"}), (seed, found)
+
+
+LEAN = ["emb", "h.0.a", "h.0.m", "h.1.a", "h.1.m", "h.2.a", "h.2.m", "out"]
+
+
+def slow_lean(seed: int, peers_rate: float):
+    """``h.2.a`` leans out x1.17 at point 50 (under a finding), 23 points on a further x1.13 (past it); the copies
+    of its kind before it (``h.0.a``, ``h.1.a``) climb ``peers_rate`` (log) a point all along, in their own range."""
+    rng = random.Random(seed)
+
+    def figures(i: int) -> dict[str, dict[str, float]]:
+        move = {"h.0.a": peers_rate * i, "h.1.a": peers_rate * i,
+                "h.2.a": 0.16 * (i >= 50) + 0.12 * (i >= 73)}
+        return {"level": {row: (1 + d) * math.exp(move.get(row, 0.0) + rng.gauss(0, 0.005))
+                          for d, row in enumerate(LEAN)}}
+    return figures
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_a_slow_lean_out_of_a_range_older_than_the_peers_window_is_compared_with_the_peers_from_its_range(seed):
+    """Its move within the peers' window (32 points) is under the margin, its move from its range (held since 23
+    points) past it: measured from its range, its peers before it moved as far (x1.2 in the window), learning."""
+    assert first_named(Judge(Bands(), LEAN), slow_lean(seed, 0.008), 110, 2) is None
+    found = first_named(Judge(Bands(), LEAN), slow_lean(seed, 0.0), 110, 2)  # peers steady: named
+    assert found is not None and found[1] == {"h.2.a"} and found[0] == 73, found
+
+
+PULLED = ["stem", "enc", "mid", "dec", "out"]
+
+
+@pytest.mark.parametrize("rise, fall, lag", [(1.1, 0.85, 1), (1.06, 0.9, 2)])
+def test_a_gain_that_led_its_inputs_fall_is_named_though_its_std_held(rise, fall, lag):
+    """``dec``'s gain ramps ``rise`` a point from point 60; ``lag`` points later ``mid`` before it shrinks ``fall`` a
+    point (a loss pulling ``dec``'s outputs back through the modules before it), so ``dec``'s std moves less than
+    half its gain. Its gain led: ``dec`` is named, not ``mid`` whose std fell after it."""
+    def gain(i, row):
+        k = max(0, i - 60)
+        return {"dec": rise ** k, "mid": fall ** max(0, k - lag)}.get(row, 1.0)
+    for seed in range(4):
+        found = first_named(Judge(Bands(), PULLED), stacked_levels(gain, seed, 0.05, PULLED), 90)
+        assert found is not None and found[1] == {"dec"} and 60 < found[0] <= 65, (seed, found)
+
+
+def test_a_gain_moved_by_its_inputs_step_is_not_named_for_it():
+    """``mid``'s gain drops x0.8 at point 60 and ``dec``'s rises x1.15 (a saturating layer passing on less of its
+    input's fall): ``dec``'s std moved the other way, its input from the same point: ``mid`` is named, not ``dec``."""
+    def gain(i, row):
+        return {"mid": 0.8, "dec": 1.15}.get(row, 1.0) if i >= 60 else 1.0
+    for seed in range(4):
+        found = first_named(Judge(Bands(), PULLED), stacked_levels(gain, seed, 0.05, PULLED), 90)
+        assert found is None or "dec" not in found[1], (seed, found)

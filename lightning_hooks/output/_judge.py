@@ -20,13 +20,15 @@ step at a time, with every judged figure of that step. How it decides (docs/verd
   forward order) where that is ``QUIETER`` times quieter than its std: in a plain stack the batch
   moves every module's std together, and the module before it carries that share. A fault moves
   its own gain, not the gains after it. A gain's finding stands where the module's own std moved
-  the same way (``AGREE``): a gain that moved against it is its input's move.
+  the same way (``AGREE``): a gain that moved against it is its input's move, unless the input's std leaned out
+  only after the gain had (a loss shrinking the modules before a growing one: the gain led).
 - Gradient norms and update ratios are judged against their peers too: the step's median change
   over all rows (the learning-rate schedule, the loss falling, the batch's own noise) is taken
   out first, so no fixed band judges the recipe. Activations are not taken net of every row's
   move, where a single layer's fault would move every row downstream of it; a module's outputs
   that moved as far as its same-kind peers *before* it (in their own range) moved learned with
-  them, and are not named (``_peers.py``); the last copy of a kind ending a gradient over depth is
+  them, and are not named (``_peers.py``; one leaning slowly, not yet named, by its move from its range where its
+  window's is under the margin); the last copy of a kind ending a gradient over depth is
   excused while the copy before it moves, its range held until it stops too.
   Nor where its whole kind grew at once (every same-kind copy's outputs moved as far as a finding the
   same way) and its gain led none of its copies' (a network without normalisation under SGD).
@@ -62,7 +64,7 @@ from __future__ import annotations
 import math
 import statistics
 from collections import deque
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any, Optional
 
 from lightning_hooks.output._findings import (
@@ -79,7 +81,14 @@ from lightning_hooks.output._judge_culprit import CulpritNaming
 from lightning_hooks.output._judge_data import gradients_jumped_together, outputs_out_together, singled_out
 from lightning_hooks.output._judge_pull import PULL, asked_for
 from lightning_hooks.output._peers import Peers
-from lightning_hooks.output._row_range import Track, follow, judge_value, track_from_state, track_state
+from lightning_hooks.output._row_range import (
+    Track,
+    follow,
+    judge_value,
+    least_change,
+    track_from_state,
+    track_state,
+)
 
 #: The relative figures whose step's common change over all rows is taken out (peers).
 COMMON_MODE = ("norm", "ratio", "gain")
@@ -90,6 +99,8 @@ PEER_FIGURES = ("level", "gain")
 WARM_STEPS_PER_POINT = 2
 #: A gain's finding stands where the module's own outputs moved the same way, this share of the gain's move at least.
 AGREE = 0.5
+#: A gain leads its input's fall where the input leaned out 1 to this many logged points after the gain did.
+LEAD = 4
 
 
 class Judge(CulpritNaming):
@@ -190,7 +201,23 @@ class Judge(CulpritNaming):
         if track is None or not track.logs or not level > 0:
             return True
         moved = math.log(level) - statistics.median(track.logs)
-        return moved * math.copysign(1.0, found.moved) >= AGREE * abs(found.moved)
+        return moved * math.copysign(1.0, found.moved) >= AGREE * abs(found.moved) or not self._input_led(found)
+
+    def _input_led(self, found: Finding) -> bool:
+        """Whether the std of the module before ``found``'s leaned out of range as early as its gain did, or earlier.
+
+        A gain moved by its input moves with it, from the same point (or its input moved within its range,
+        nothing held, or out past a finding's factor); an input leaning out, still within that, that began
+        1 to ``LEAD`` points after the gain had follows the module (a gain out long before is no cause of it): a loss
+        pulling a module's growing outputs back shrinks the modules before it (Adam, a regression), which
+        the gain's own move led.
+        """
+        before = self._before().get(found.row)
+        gain, track = self.tracks["gain"].get(found.row), self.tracks["level"].get(before or "")
+        if gain is None or track is None or not 0 < len(gain.held) - len(track.held) <= LEAD or not track.held:
+            return True
+        floor = least_change("level", self.bands)
+        return not -2 * floor <= track.deviation <= floor  # the input out past a finding's factor: its own move
 
     def _before(self) -> dict[str, str]:
         """Each module with a finite std at the step, by the one before it in forward order (of those)."""
@@ -251,8 +278,16 @@ class Judge(CulpritNaming):
         if figure not in PEER_FIGURES:
             return found
         out = {f.row for f in found}
-        return self._excused(figure, self._followed(found, lambda f: self._with_peers(figure, f.row, f.moved > 0, out)),
-                             out)
+        return self._excused(figure, self._followed(found, lambda f: self._shares_move(figure, f, out)), out)
+
+    def _shares_move(self, figure: str, found: Finding, out: Collection[str]) -> bool:
+        """Whether a finding's move is its peers' (``_with_peers``); one not named yet is measured from its range too.
+
+        A row leaning out slowly holds its range from before its window: its move within the window can be
+        under the margin while it is out past it. Its move from its range (the finding's) is compared then.
+        """
+        beyond = None if found.layer in self.named else found.moved
+        return self._with_peers(figure, found.row, found.moved > 0, out, beyond)
 
     def _followed(self, found: list[Finding], learned: Callable[[Finding], bool]) -> list[Finding]:
         """``found`` less the findings whose move is ``learned``: their rows' ranges follow the move instead."""

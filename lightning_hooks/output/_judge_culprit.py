@@ -147,11 +147,15 @@ class CulpritNaming:
         return (self._with_peers(figure, row, up) or self._ends_gradient(figure, row, up)
                 or self._grew_with_kind(row, up))
 
-    def _with_peers(self, figure: str, row: str, up: bool, out: Collection[str] = ()) -> bool:
-        """Whether ``row``'s move of ``figure`` (up or down) is one its same-kind peers before it made too."""
+    def _with_peers(self, figure: str, row: str, up: bool, out: Collection[str] = (),
+                    beyond: float | None = None) -> bool:
+        """Whether ``row``'s move of ``figure`` (up or down) is one its same-kind peers before it made too.
+
+        ``beyond``: how far it is out of its range, its move where its window's is under the margin (a slow lean).
+        """
         margin = least_change(figure, self.bands) * (1 if up else 2)
         leaning = {other for other, track in self.tracks.get(figure, {}).items() if track.up or track.down}
-        return self.peers.shared(figure, row, self.depth, margin, up, out, leaning)
+        return self.peers.shared(figure, row, self.depth, margin, up, out, leaning, beyond)
 
     def _excused(self, figure: str, found: list[Finding], out: Collection[str]) -> list[Finding]:
         """``found`` less the last copies of their kind that end a gradient over depth (``_peers.py``).

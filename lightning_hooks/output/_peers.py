@@ -72,15 +72,18 @@ class Peers:
         return values[-1] - statistics.median(list(values)[:len(values) // 2])
 
     def shared(self, figure: str, row: str, depth: Mapping[str, int], margin: float, up: bool,
-               out: Collection[str], leaning: Collection[str] = ()) -> bool:
+               out: Collection[str], leaning: Collection[str] = (), beyond: float | None = None) -> bool:
         """Whether ``row``'s move (``up`` or down) is its peers': half of it theirs, and at most ``margin`` past.
 
         Its peers' move: the nearest one's before it (the block before's copy, the likest) or their
         median's, of the peers in their own range (not in ``out``): a move a peer made out of its
         range is a fault's, and what follows it is its victim, not the recipe. With no peer before
-        it, the copies after it.
+        it, the copies after it. ``beyond``: how far the row is out of its range (its finding's move), its
+        move where its window's is under the ``margin`` (a range held since before the window: a slow lean).
         """
         mine = self._own_move(figure, row, margin, up)
+        if mine is None and beyond is not None and (1 if up else -1) * beyond > margin:
+            mine = beyond  # out past the margin from a range older than its window: it moved that far
         if mine is None:
             return False
         sign, at = 1 if up else -1, depth.get(row, 0)
