@@ -20,8 +20,9 @@ step at a time, with every judged figure of that step. How it decides (docs/verd
   forward order) where that is ``QUIETER`` times quieter than its std: in a plain stack the batch
   moves every module's std together, and the module before it carries that share. A fault moves
   its own gain, not the gains after it. A gain's finding stands where the module's own std moved
-  the same way (``AGREE``): a gain that moved against it is its input's move, unless the input's std leaned out
-  only after the gain had (a loss shrinking the modules before a growing one: the gain led).
+  the same way (``_judge_gain.py``): a gain that moved against it is its input's move, unless the
+  input's std leaned out only after the gain had (a loss shrinking the modules before a growing one:
+  the gain led).
 - Gradient norms and update ratios are judged against their peers too: the step's median change
   over all rows (the learning-rate schedule, the loss falling, the batch's own noise) is taken
   out first, so no fixed band judges the recipe. Activations are not taken net of every row's
@@ -79,13 +80,13 @@ from lightning_hooks.output._health_bands import Bands
 from lightning_hooks.output._judge_absolute import absolute_problems
 from lightning_hooks.output._judge_culprit import CulpritNaming
 from lightning_hooks.output._judge_data import gradients_jumped_together, outputs_out_together, singled_out
+from lightning_hooks.output._judge_gain import GainJudging
 from lightning_hooks.output._judge_pull import PULL, asked_for
 from lightning_hooks.output._peers import Peers
 from lightning_hooks.output._row_range import (
     Track,
     follow,
     judge_value,
-    least_change,
     track_from_state,
     track_state,
 )
@@ -97,13 +98,9 @@ PEER_FIGURES = ("level", "gain")
 #: The rows' ranges judge from this many steps per ``min_points`` on (48): logged every step, a small model's
 #: fastest learning (the zoo's MLP: layers moving 20-80% over steps 25-60) is history, as logged every 2.
 WARM_STEPS_PER_POINT = 2
-#: A gain's finding stands where the module's own outputs moved the same way, this share of the gain's move at least.
-AGREE = 0.5
-#: A gain leads its input's fall where the input leaned out 1 to this many logged points after the gain did.
-LEAD = 4
 
 
-class Judge(CulpritNaming):
+class Judge(GainJudging, CulpritNaming):
     """Judge each logged step's figures, layer by layer, against each layer's own history and its peers.
 
     Args:
@@ -170,19 +167,6 @@ class Judge(CulpritNaming):
         last = self._last()
         return [f for f in kept if not asked_for(f, last, self.pulls, self.named)]
 
-    def _follow_input(self, dropped: list[Finding], gains: list[Finding]) -> None:
-        """Let the level's range follow a move of a module judged by its gain where its gain held none of it.
-
-        Its gain in range (no finding, nothing held back) says the move is its input's: the level learned
-        it, as a move its peers excuse does (``follow``), and holds no stale finding should the module be
-        judged by its level later (its gain's noise jumping for a point).
-        """
-        moved = {f.row for f in gains}
-        for f in dropped:
-            gain = self.tracks["gain"].get(f.row)
-            if gain is not None and f.row not in moved and not gain.held:
-                follow(self.tracks["level"][f.row], self.bands.window)
-
     def _stacked(self, found: list[Finding]) -> list[Finding]:
         """The findings less the outputs that grew with their whole kind (:meth:`_grew_with_kind`).
 
@@ -190,45 +174,6 @@ class Judge(CulpritNaming):
         """
         return self._followed(found, lambda f: f.figure in PEER_FIGURES and f.problem in RELATIVE["level"]
                               and self._grew_with_kind(f.row, f.moved > 0))
-
-    def _level_agrees(self, found: Finding) -> bool:
-        """Whether a module's own outputs moved the way its gain did, at least ``AGREE`` as far (from their median).
-
-        A gain that fell while the outputs rose is the module before it rising faster (a saturating
-        layer that does not pass it on): that module's move, not this one's fault; and likewise up.
-        """
-        track, level = self.tracks.get("level", {}).get(found.row), self.levels.get(found.row, 0.0)
-        if track is None or not track.logs or not level > 0:
-            return True
-        moved = math.log(level) - statistics.median(track.logs)
-        return moved * math.copysign(1.0, found.moved) >= AGREE * abs(found.moved) or not self._input_led(found)
-
-    def _input_led(self, found: Finding) -> bool:
-        """Whether the std of the module before ``found``'s leaned out of range as early as its gain did, or earlier.
-
-        A gain moved by its input moves with it, from the same point (or its input moved within its range,
-        nothing held, or out past a finding's factor); an input leaning out, still within that, that began
-        1 to ``LEAD`` points after the gain had follows the module (a gain out long before is no cause of it): a loss
-        pulling a module's growing outputs back shrinks the modules before it (Adam, a regression), which
-        the gain's own move led.
-        """
-        before = self._before().get(found.row)
-        gain, track = self.tracks["gain"].get(found.row), self.tracks["level"].get(before or "")
-        if gain is None or track is None or not 0 < len(gain.held) - len(track.held) <= LEAD or not track.held:
-            return True
-        floor = least_change("level", self.bands)
-        return not -2 * floor <= track.deviation <= floor  # the input out past a finding's factor: its own move
-
-    def _before(self) -> dict[str, str]:
-        """Each module with a finite std at the step, by the one before it in forward order (of those)."""
-        rows = sorted((r for r, v in self.levels.items() if math.isfinite(v) and v >= 0),
-                      key=lambda row: self.depth.get(row, 0))
-        return dict(zip(rows[1:], rows))
-
-    def _gains(self) -> dict[str, float]:
-        """Each module's activation std over the one's before it in forward order: its gain."""
-        return {row: self.levels[row] / self.levels[before] for row, before in self._before().items()
-                if self.levels[before] > 0}
 
     def _relative(self, figure: str, values: Mapping[str, float]) -> list[Finding]:
         tracks, last = self.tracks.setdefault(figure, {}), self.last.setdefault(figure, {})

@@ -1,0 +1,77 @@
+"""How the judge reads a module's gain: its std over the std of the module before it (host-side, torch-free).
+
+A part of :class:`~lightning_hooks.output._judge.Judge` (docs/verdicts.md): a module's outputs are
+judged by their gain where that is the quieter figure. A gain's finding stands where the module's own
+std moved the same way (``AGREE``), or where its input's std leaned out only after the gain had
+(``LEAD``): the gain led. A module judged by its gain whose level moved while its gain held has its
+level's range follow the move (its input's).
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+
+from lightning_hooks.output._findings import Finding
+from lightning_hooks.output._row_range import follow, least_change
+
+#: A gain's finding stands where the module's own outputs moved the same way, this share of the gain's move at least.
+AGREE = 0.5
+#: A gain leads its input's fall where the input leaned out 1 to this many logged points after the gain did.
+LEAD = 4
+
+
+class GainJudging:
+    """The gain's rules, mixed into :class:`~lightning_hooks.output._judge.Judge`, whose state they read."""
+
+    def _follow_input(self, dropped: list[Finding], gains: list[Finding]) -> None:
+        """Let the level's range follow a move of a module judged by its gain where its gain held none of it.
+
+        Its gain in range (no finding, nothing held back) says the move is its input's: the level learned
+        it, as a move its peers excuse does (``follow``), and holds no stale finding should the module be
+        judged by its level later (its gain's noise jumping for a point).
+        """
+        moved = {f.row for f in gains}
+        for f in dropped:
+            gain = self.tracks["gain"].get(f.row)
+            if gain is not None and f.row not in moved and not gain.held:
+                follow(self.tracks["level"][f.row], self.bands.window)
+
+    def _level_agrees(self, found: Finding) -> bool:
+        """Whether a module's own outputs moved the way its gain did, at least ``AGREE`` as far (from their median).
+
+        A gain that fell while the outputs rose is the module before it rising faster (a saturating
+        layer that does not pass it on): that module's move, not this one's fault; and likewise up.
+        """
+        track, level = self.tracks.get("level", {}).get(found.row), self.levels.get(found.row, 0.0)
+        if track is None or not track.logs or not level > 0:
+            return True
+        moved = math.log(level) - statistics.median(track.logs)
+        return moved * math.copysign(1.0, found.moved) >= AGREE * abs(found.moved) or not self._input_led(found)
+
+    def _input_led(self, found: Finding) -> bool:
+        """Whether the std of the module before ``found``'s leaned out of range as early as its gain did, or earlier.
+
+        A gain moved by its input moves with it, from the same point (or its input moved within its range,
+        nothing held, or out past a finding's factor); an input leaning out, still within that, that began
+        1 to ``LEAD`` points after the gain had follows the module (a gain out long before is no cause of it): a loss
+        pulling a module's growing outputs back shrinks the modules before it (Adam, a regression), which
+        the gain's own move led.
+        """
+        before = self._before().get(found.row)
+        gain, track = self.tracks["gain"].get(found.row), self.tracks["level"].get(before or "")
+        if gain is None or track is None or not 0 < len(gain.held) - len(track.held) <= LEAD or not track.held:
+            return True
+        floor = least_change("level", self.bands)
+        return not -2 * floor <= track.deviation <= floor  # the input out past a finding's factor: its own move
+
+    def _before(self) -> dict[str, str]:
+        """Each module with a finite std at the step, by the one before it in forward order (of those)."""
+        rows = sorted((r for r, v in self.levels.items() if math.isfinite(v) and v >= 0),
+                      key=lambda row: self.depth.get(row, 0))
+        return dict(zip(rows[1:], rows))
+
+    def _gains(self) -> dict[str, float]:
+        """Each module's activation std over the one's before it in forward order: its gain."""
+        return {row: self.levels[row] / self.levels[before] for row, before in self._before().items()
+                if self.levels[before] > 0}
