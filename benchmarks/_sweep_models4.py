@@ -213,12 +213,12 @@ class MoE(nn.Module):
 
 
 class MoEMLP(nn.Module):
-    """An input Linear, three mixture-of-experts layers with LayerNorms between, a head: 16 -> 1."""
+    """An input Linear, three mixture-of-experts layers (``layer(width)``) with LayerNorms between, a head: 16 -> 1."""
 
-    def __init__(self, width: int = 32) -> None:
+    def __init__(self, width: int = 32, layer: Callable[[int], nn.Module] = MoE) -> None:
         super().__init__()
         self.inp = nn.Linear(16, width)
-        self.moe = nn.ModuleList(MoE(width) for _ in range(3))
+        self.moe = nn.ModuleList(layer(width) for _ in range(3))
         self.norms = nn.ModuleList(nn.LayerNorm(width) for _ in range(3))
         self.head = nn.Linear(width, 1)
 

@@ -21,7 +21,7 @@ import torch
 from torch import Tensor, nn
 
 from benchmarks import _sweep_models4  # noqa: F401  (adds the unseen4 recipes)
-from benchmarks._sweep_models4 import _lm, _targets
+from benchmarks._sweep_models4 import MoE, MoEMLP, _lm, _targets
 from benchmarks._sweep_variant import Variant
 from benchmarks._zoo_models import RECIPES, SEQ, SWEEP_LMS, VOCAB, WIDTH, Recipe, regression_batches
 
@@ -44,14 +44,8 @@ def _llama16(t: Any) -> nn.Module:
 SWEEP_LMS.update(qwen3=_qwen3, llama16=_llama16)
 
 
-class SwitchMoE(nn.Module):
+class SwitchMoE(MoE):
     """A top-1 (switch-routed) mixture of four expert MLPs: each expert runs on the rows routed to it only."""
-
-    def __init__(self, width: int, experts: int = 4) -> None:
-        super().__init__()
-        self.router = nn.Linear(width, experts)
-        self.experts = nn.ModuleList(nn.Sequential(nn.Linear(width, 2 * width), nn.GELU(), nn.Linear(2 * width, width))
-                                     for _ in range(experts))
 
     def forward(self, x: Tensor) -> Tensor:
         gate, pick = torch.softmax(self.router(x), dim=-1).max(dim=-1)
@@ -63,28 +57,16 @@ class SwitchMoE(nn.Module):
         return x + out
 
 
-class SwitchMLP(nn.Module):
-    """An input Linear, three top-1 mixture-of-experts layers with LayerNorms between, a head: 16 -> 1."""
-
-    def __init__(self, width: int = 32) -> None:
-        super().__init__()
-        self.inp = nn.Linear(16, width)
-        self.moe = nn.ModuleList(SwitchMoE(width) for _ in range(3))
-        self.norms = nn.ModuleList(nn.LayerNorm(width) for _ in range(3))
-        self.head = nn.Linear(width, 1)
-
-    def forward(self, x: Tensor) -> Tensor:
-        x = self.inp(x)
-        for moe, norm in zip(self.moe, self.norms):
-            x = moe(norm(x))
-        return self.head(x)
+def switch_mlp() -> nn.Module:
+    """The ``moe`` recipe's network with top-1 (switch) routing: 16 -> 1."""
+    return MoEMLP(layer=SwitchMoE)
 
 
 BLK = "net.model.layers"
 RECIPES.update({
     "qwen3": _lm("qwen3", f"{BLK}.2.mlp.down_proj", f"{BLK}.2.mlp.up_proj", f"{BLK}.2.self_attn.q_proj"),
     "llama16": _lm("llama16", f"{BLK}.8.mlp.down_proj", f"{BLK}.8.mlp.up_proj"),
-    "moe-top1": Recipe("moe-top1", SwitchMLP, regression_batches, "mse", "adam", 1e-3, 32,
+    "moe-top1": Recipe("moe-top1", switch_mlp, regression_batches, "mse", "adam", 1e-3, 32,
                        _targets("moe.1.experts.2.2", "moe.1.experts.2.0")),
 })
 
