@@ -64,15 +64,14 @@ def usual_range(logs: Sequence[float]) -> tuple[float, float, float, float]:
     return new, slope, len(values) - centre, noise
 
 
-def step_noise(values: Sequence[float]) -> float:
-    """A row's noise from its point-to-point moves: the spread of its moves about their median, over sqrt(2).
+def step_noise(moves: Sequence[float]) -> float:
+    """A row's noise from its point-to-point ``moves``: their spread about their median, over sqrt(2).
 
     A row that learned along a curve (fast early, slow later) strays far from any one straight
     line through its window, yet each point sits close to the one before: its moves are the noise.
     A value is judged against the smaller of the two (the line's noise still says which of a
     module's figures, its std or its gain, is the quieter).
     """
-    moves = [b - a for a, b in zip(values, values[1:])]
     if len(moves) < 2:
         return math.inf
     typical = statistics.median(moves)
@@ -200,7 +199,7 @@ def _judging_noise(track: Track, noise: float, slope: float, floor: float) -> fl
     half = len(moves) // 2
     if abs(statistics.median(moves[half:])) >= abs(statistics.median(moves[:half])) / 2:
         return noise
-    return min(noise, step_noise(logs))
+    return min(noise, step_noise(moves))
 
 
 def _settle(track: Track, window: int) -> None:
