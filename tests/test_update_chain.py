@@ -160,7 +160,7 @@ def test_in_a_fit_a_callback_changing_parameters_between_steps_is_seen_and_spars
     else:  # the step after a measured one is not measured: no chained pass, no copy written for it
         assert counts.chained == 0 and counts.copied == [all_params] * 3
     shared = step_copies(model.trainer.optimizers[0])
-    assert shared.numel == 0 and shared.spare_numel == 0 and not shared._chained  # nothing held after the fit
+    assert shared.numel == 0 and shared.spare_numel == 0 and not shared._chains.kept  # nothing held after the fit
 
 
 @pytest.mark.parametrize("width", [256, 32])
@@ -187,7 +187,7 @@ def test_the_update_norm_signal_chains_its_copies_and_its_norms_stay_those_of_a_
     for handle in handles:
         handle.remove()
     norms.forget()
-    assert step_copies(optimizer).spare_numel == 0 and not step_copies(optimizer)._chained
+    assert step_copies(optimizer).spare_numel == 0 and not step_copies(optimizer)._chains.kept
 
 
 class TiedNet(L.LightningModule):

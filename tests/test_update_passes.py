@@ -13,6 +13,7 @@ from lightning_hooks.callbacks._gradient_rows import Row
 from lightning_hooks.callbacks._step_copies import StepCopies
 from lightning_hooks.callbacks._update_ratio import UpdateRatio
 from lightning_hooks.measure import _update_passes as passes
+from lightning_hooks.measure._chain_plan import ChainPlan
 
 needs_native = pytest.mark.skipif(passes.cupdate is None, reason="the C update passes were not built")
 DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
@@ -47,7 +48,7 @@ def test_update_passes_are_built_where_required():
 
 def _chained(after, copies):
     """The chained pass over ``after`` into ``copies``, as StepCopies runs it; None where the C passes refuse."""
-    plan = passes.ChainPlan.of(after, copies)
+    plan = ChainPlan.of(after, copies)
     return None if plan is None else plan.run()
 
 

@@ -12,6 +12,7 @@ from lightning_hooks.callbacks._gradient_rows import Row
 from lightning_hooks.callbacks._step_copies import StepCopies, step_copies
 from lightning_hooks.callbacks._update_ratio import UpdateRatio
 from lightning_hooks.measure import _update_passes as passes
+from lightning_hooks.measure._chain_plan import ChainPlan
 from tests.copy_counts import Counts
 
 DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16]
@@ -55,7 +56,7 @@ def _run(rows_of: Callable[[list[nn.Parameter]], list[Row]], steps: int, alone: 
             change(step, params)
     for reader, _ in readers:
         reader.forget()
-    assert step_copies(optimizer).spare_numel == 0 and not step_copies(optimizer)._chained
+    assert step_copies(optimizer).spare_numel == 0 and not step_copies(optimizer)._chains.kept
     return got
 
 
@@ -119,7 +120,7 @@ def test_a_reader_in_another_order_gets_its_squares_in_its_order_after_every_cha
     for p in params:
         p.add_(1.0)  # the step
     shared.update_squares(params, before, alone=True, chain=True)
-    assert shared._chained  # the copies hold the parameters as they are now
+    assert shared._chains.kept  # the copies hold the parameters as they are now
     for p in params:
         p.mul_(2.0)  # every one changed since: each copied afresh, into the chained copies' memory
     shared.hold("b", params[::-1], squares=True)
@@ -128,7 +129,7 @@ def test_a_reader_in_another_order_gets_its_squares_in_its_order_after_every_cha
     assert all(torch.equal(c, p) for c, p in zip(shared.copies("b"), params[::-1]))
 
 
-@pytest.mark.skipif(not passes.ChainPlan.usable(), reason="the chained C pass is not built here")
+@pytest.mark.skipif(not ChainPlan.usable(), reason="the chained C pass is not built here")
 def test_a_split_record_keeps_the_shapes_its_pass_saw():
     """A parameter cut to a smaller shape at the same address, after its record was split, is copied afresh."""
     torch.manual_seed(0)
@@ -148,19 +149,19 @@ def test_a_split_record_keeps_the_shapes_its_pass_saw():
     assert held.shape == a.shape and torch.equal(held, a.detach())
 
 
-@pytest.mark.skipif(not passes.ChainPlan.usable(), reason="the C passes are not built here")
+@pytest.mark.skipif(not ChainPlan.usable(), reason="the C passes are not built here")
 @pytest.mark.parametrize("change", [None, _in_place, _assigned], ids=["unchanged", "in place", "p.data = x"])
 def test_steps_measured_one_after_another_without_a_chain_copy_through_views_made_once(monkeypatch, change):
     """Another reader holding the copies too (no chain) copies them at every step: through the last step's views."""
     monkeypatch.setattr(passes, "NATIVE_PASSES", True)
     expected = _run(_one_each, 5, alone=False, change=change)
-    views, buffer = [], passes._buffer
+    views, buffer = [], passes.numpy_view
 
     def counted(tensor: torch.Tensor) -> object:
         views[-1] += 1
         return buffer(tensor)
 
-    monkeypatch.setattr(passes, "_buffer", counted)
+    monkeypatch.setattr(passes, "numpy_view", counted)
     params = _params()
     optimizer, rows, reader = torch.optim.SGD(params, lr=0.1, momentum=0.9), _one_each(params), UpdateRatio()
     got = []

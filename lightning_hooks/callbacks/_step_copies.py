@@ -19,23 +19,9 @@ allocation faults in every page, 16 ms against 3.5 ms for 8 x ``Linear(1024, 102
 holder keeps (each released with ``keep=False``: a step nobody measures comes, or the fit ends),
 the spares are freed, so the steps between a sparse logger's hold no copy.
 
-A copy kept as a spare may also be *chained*: its last reader, alone with it after the step,
-measured the update in the C pass that also overwrote the copy with the parameters as the step
-left them (:meth:`~StepCopies.update_squares`). The next :meth:`~StepCopies.hold` then copies
-nothing for a parameter that has not changed since: the same object, whose version counter
-(``param._version``, raised by every in-place op on it or a view, under ``no_grad`` too: a
-rollback's ``copy_``, ``load_state_dict``, another callback's rewrite), address (``data_ptr``,
-its memory held alive by the record so no other tensor can take it: a ``p.data = x``) and shape
-are those the pass saw. A parameter written through ``p.data`` in place (``p.data.clamp_()``;
-``.data`` is a tensor with a version counter of its own), through a numpy view or its storage,
-is not seen: ``LIGHTNING_HOOKS_NATIVE=0`` turns chaining off with the C passes. Only plain,
-unsplit parameters are chained (not DTensors, nor FSDP1's flat shards), and only when every
-parameter the reader measures is one, each given once.
-
-Many small parameters: a reader holding the same parameters at every step (the record of the
-last chained pass, :class:`~lightning_hooks.callbacks._step_chain.Chain`, kept from step to step)
-costs list operations done in C, not Python work per parameter: the checks compare lists of ids,
-version counters, addresses and shapes, and the C pass's views of the tensors are made once.
+A copy kept as a spare may also be *chained* (``_step_chain.py``): after a measured step, one C
+pass writes ``w_after`` into the copies, and the next hold copies nothing for a parameter that has
+not changed since.
 
 The step post-hooks run in the order they were put on: a reader that must see the update
 UpdateTransform made puts its post-hook on after ``on_fit_start`` (UpdateTransform's).
@@ -43,7 +29,6 @@ UpdateTransform made puts its post-hook on after ``on_fit_start`` (UpdateTransfo
 
 from __future__ import annotations
 
-import operator
 import weakref
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
@@ -53,7 +38,7 @@ from typing import Any, Optional
 import torch
 from torch import Tensor
 
-from lightning_hooks.callbacks._step_chain import Chain, chainable
+from lightning_hooks.callbacks._step_chain import Chains
 from lightning_hooks.measure import _update_passes as update_passes
 from lightning_hooks.measure._sharding import local
 
@@ -110,8 +95,7 @@ class StepCopies:
         self._spares: dict[int, Tensor] = {}  # by id of parameter: a released copy's memory, for the next hold
         self._keepers: set[Hashable] = set()  # the holders whose next step holds again
         self._squares: dict[int, tuple[Tensor, int]] = {}  # by id of parameter: (sums, index) of its copy's squares
-        self._chained: list[Chain] = []  # spares holding their parameters as they are (see update_squares)
-        self._last: Optional[Chain] = None  # the last chained pass's record: its plan serves the next one
+        self._chains = Chains()  # spares holding their parameters as they are (see update_squares), the last plan
 
     @torch.no_grad()
     def hold(self, holder: Hashable, params: Sequence[Tensor], squares: bool = False) -> None:
@@ -132,10 +116,10 @@ class StepCopies:
         copies = self._copies
         missing = {k: p for k, p in zip(keys, params) if k not in copies} if copies else dict(zip(keys, params))
         whole = len(missing) == len(keys)  # every one missing, each once: a tensor of sums may be in its order
-        sums = self._take_chained(missing) if self._chained else None
+        sums = self._chains.take(missing, copies, self._squares, self._spares) if self._chains.kept else None
         if missing:
             whole = whole and list(missing) == keys  # (a changed chained copy puts its key back: in its order)
-            planned = self._planned_copy(params, keys) if whole and squares else None
+            planned = self._chains.planned_copy(params, keys, self._spares) if whole and squares else None
             if planned is not None:
                 made, sums = planned
             else:
@@ -150,51 +134,6 @@ class StepCopies:
             if unsummed:
                 found = update_passes.squares([copies[key] for key in unsummed])
                 self._squares.update(zip(unsummed, zip(repeat(found), range(len(unsummed)))))
-
-    def _planned_copy(self, params: Sequence[Tensor], keys: list[int]) -> Optional[tuple[list[Tensor], Tensor]]:
-        """Copy ``params`` into their spares through the last plan's views (made once), where it is of these tensors.
-
-        Steps measured one after another without a chain (another reader holds the copies too,
-        or every parameter changed in between) copy the same parameters into the same spares.
-        Returns the copies and their squares; None (nothing taken) where the plan does not fit.
-        """
-        last = self._last
-        sums = last.plan.copy_squares() if last is not None and last.copies_into(keys, self._spares, params) else None
-        if last is None or sums is None:
-            return None
-        for key in keys:
-            del self._spares[key]
-        return list(last.copies), sums
-
-    def _take_chained(self, missing: dict[int, Tensor]) -> Optional[Tensor]:
-        """Hold the chained spares of ``missing``'s unchanged parameters (taken out of ``missing``).
-
-        Returns the squares of the copies when one record held them all, in ``missing``'s order.
-        """
-        keys = list(missing)
-        for record in self._chained:
-            if record.keys == keys and record.unchanged():  # the common case: at C speed
-                self._chained.remove(record)
-                self._copies.update(zip(keys, record.copies))
-                self._squares.update(zip(keys, zip(repeat(record.sums), range(len(keys)))))
-                missing.clear()
-                return record.sums
-        for record in list(self._chained):
-            left = []
-            for i, key in enumerate(record.keys):
-                param = missing.pop(key, None)
-                if param is None:
-                    left.append(i)
-                elif record.holds(i, param):
-                    self._copies[key], self._squares[key] = record.copies[i], (record.sums, i)
-                else:
-                    missing[key] = param  # changed: copied again, into this memory
-                    self._spares[key] = record.copies[i]
-            if len(left) < len(record.keys):
-                self._chained.remove(record)
-                if left:
-                    self._chained.append(record.part(left))
-        return None
 
     def update_squares(self, params: Sequence[Tensor], before: Sequence[Tensor], alone: bool, chain: bool) -> Tensor:
         """Each parameter's ``||w_after - w_before||²`` (float64), its copies chained where asked and safe.
@@ -213,46 +152,18 @@ class StepCopies:
             chain: The next step holds these parameters again: with ``alone``, chain the copies.
         """
         keys = list(map(id, params))
-        record = self._plan(params, keys, before)
+        record = self._chains.plan(params, keys, before)
         if record is not None and chain and alone:
             versions = [p._version for p in params]  # read here, while the plan's check left them in cache
             found = record.plan.run()
             if found is not None:
-                self._chain(record, found[1], versions)
+                self._chains.keep(record, found[1], versions, self._spares)
                 return found[0]
         elif record is not None:  # not chained: the same views, for the next hold's copy too
             deltas = record.plan.diff_squares()
             if deltas is not None:
                 return deltas
         return update_passes.update_squares(list(map(local, params)), before, in_place=alone)
-
-    def _plan(self, params: Sequence[Tensor], keys: list[int], before: Sequence[Tensor]) -> Optional[Chain]:
-        """The record whose plan chains ``params`` into ``before``: the last one where it fits, else a new one."""
-        last = self._last
-        if last is not None and last.runs_on(keys, before, params):
-            return last
-        if (not params or not params[0].is_cpu or not update_passes.ChainPlan.usable() or len(set(keys)) < len(keys)
-                or not all(map(chainable, params))):
-            return None  # no C pass (checked before any view), a parameter given twice (one copy, two writes), sharded
-        plan = update_passes.ChainPlan.of(params, before)
-        if plan is None:
-            return None
-        self._last = Chain(list(params), keys, list(before), plan, [p.data_ptr() for p in params])
-        return self._last
-
-    def _chain(self, record: Chain, sums: Tensor, versions: list[int]) -> None:
-        """Keep ``record``'s copies, each now holding its parameter, for the next hold (when they are spares).
-
-        ``versions``: the parameters' version counters as the pass saw them.
-        """
-        spares = self._spares
-        if not all(map(operator.is_, map(spares.get, record.keys), record.copies)):
-            return  # not kept (no holder's next step holds), or another reader's too
-        for key in record.keys:
-            del spares[key]
-        record.versions, record.sums = versions, sums
-        if not any(r is record for r in self._chained):
-            self._chained.append(record)
 
     def holds(self, holder: Hashable) -> bool:
         """Whether ``holder`` holds copies now."""
@@ -308,8 +219,7 @@ class StepCopies:
                 self._spares.update(gone)
         if not self._keepers:
             self._spares.clear()
-            self._chained.clear()
-            self._last = None
+            self._chains.clear()
 
     @property
     def numel(self) -> int:
@@ -319,5 +229,4 @@ class StepCopies:
     @property
     def spare_numel(self) -> int:
         """How many elements of released copies are kept for the next hold (chained ones included)."""
-        return (sum(spare.numel() for spare in self._spares.values())
-                + sum(copy.numel() for record in self._chained for copy in record.copies))
+        return sum(spare.numel() for spare in self._spares.values()) + self._chains.numel

@@ -7,19 +7,16 @@ from typing import Any, Literal, Optional, Union, get_args
 
 import lightning.pytorch as pl
 import torch
-from torch import nn
-from torch.utils.hooks import RemovableHandle
 
-from lightning_hooks.callbacks._activation_grads import GRAD_PREFIX, inverse_loss_scale, watch_output_gradients
+from lightning_hooks.callbacks._activation_grads import GRAD_PREFIX, inverse_loss_scale
+from lightning_hooks.callbacks._activation_hooks import ActivationHooks
 from lightning_hooks.callbacks._activation_rows import ActivationFigures
 from lightning_hooks.callbacks._base import (
-    HookCallback,
     _log_interval,
     _validate_interval,
     _validate_stats,
     log_step,
 )
-from lightning_hooks.core._torch_internals import in_backward
 from lightning_hooks.core._validation import check_bool, check_names
 from lightning_hooks.core.selection import ModuleSelection, check_limit, validate_limit
 from lightning_hooks.measure._stat_rows import DEFAULT_STATS, STAT_NAMES
@@ -33,7 +30,7 @@ Stage = Literal["train", "validate"]
 _PREFIXES = {"train": "activations", "validate": "val_activations"}
 
 
-class ActivationMonitor(HookCallback):
+class ActivationMonitor(ActivationHooks):
     """Log statistics and histograms of what the selected modules output during training.
 
     On a logged training step (as Lightning logs: the loop's step ``n`` with ``(n + 1) %
@@ -196,40 +193,6 @@ class ActivationMonitor(HookCallback):
         tags = self._figures.tags_per_row * (1 + self.inputs + self.gradients)
         check_limit(type(self).__name__, "max_rows", self.max_rows, len(self._targets), tags,
                     self.module_names)
-
-    def _register(self, index: int, name: str, module: nn.Module) -> list[RemovableHandle]:
-        # The hook functions are made once per fit, not at each logged step: a thousand new closures
-        # a step outlive a few collections and set off the garbage collector's full passes.
-        key = (index, name, len(self._targets))
-        hooks = self._hook_fns.get(key)
-        if hooks is None:
-            hooks = self._hook_fns[key] = self._hooks(index, name)
-        handles = [module.register_forward_hook(hooks[0])]
-        if self.inputs:
-            handles.append(module.register_forward_pre_hook(hooks[1]))
-        return handles
-
-    def _hooks(self, index: int, name: str) -> tuple[Callable[..., Any], Callable[..., Any]]:
-        """The guarded forward hook and input pre-hook of the module ``name``, row ``index``."""
-        input_index = index + len(self._targets)
-        grad_index = index + len(self._targets) * (1 + self.inputs)
-
-        def record(mod: nn.Module, args: tuple[Any, ...], output: Any) -> None:
-            if self._block is not None and not in_backward():
-                self._block.add_all(index, output)
-                if self.gradients and self._block is self._blocks.get("train") and torch.is_grad_enabled():
-                    watch_output_gradients(output, self._block, grad_index, self._grad_scale)
-                # Not while torch.compile traces: a dict that changes, then goes, would cost a third graph.
-                if not torch.compiler.is_compiling() and self._forward_order is not None:
-                    self._forward_order.setdefault(name)
-
-        # A pre-hook, as an in-place module (ReLU(inplace=True)) has overwritten its input by
-        # the time a forward hook runs.
-        def record_inputs(mod: nn.Module, args: tuple[Any, ...]) -> None:
-            if self._block is not None and not in_backward():
-                self._block.add_all(input_index, args)
-
-        return self._guard(name, record), self._guard(name, record_inputs)
 
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int

@@ -1,7 +1,8 @@
 """The update ratio's passes over parameters: a copy that also sums the squares it moves, and ``sum((a - b)²)``.
 
 And, on the CPU only, the two at once: ``sum((a - b)²)`` that also moves ``a`` into ``b`` and sums
-its squares (:class:`ChainPlan`), so that a step measured right after another needs no copy.
+its squares (:class:`~lightning_hooks.measure._chain_plan.ChainPlan`, through this module's
+:func:`numpy_view`), so that a step measured right after another needs no copy.
 
 On the CPU the C passes of ``_cupdate.c`` run (float64 sums; the copy and its norm in one read,
 the update's norm without storing the update); elsewhere, or where a tensor is not a plain
@@ -51,7 +52,7 @@ def small(tensors: Sequence[Tensor]) -> bool:
     return sum(t.numel() for t in tensors) < _SMALL * len(tensors)
 
 
-def _buffer(tensor: Tensor) -> object:
+def numpy_view(tensor: Tensor) -> object:
     """The numpy view of ``tensor``'s memory that the C passes read (bfloat16 as int16), detached where it must be.
 
     A parameter is detached here, where a view is made, not by every caller: the tensor ops
@@ -76,7 +77,7 @@ def _all_native(kernel: Callable[..., None], lists: Sequence[Sequence[Tensor]]) 
     if not NATIVE_PASSES or torch.compiler.is_compiling() or torch_modes_on():
         return None
     try:
-        views = [[_buffer(t) for t in tensors] for tensors in lists]
+        views = [[numpy_view(t) for t in tensors] for tensors in lists]
         sums = torch.empty(len(lists[0]), dtype=torch.float64)
         kernel(*views, sums.numpy(), torch.get_num_threads())
     except (KeyError, TypeError, ValueError, RuntimeError):
@@ -93,7 +94,7 @@ def _detached(tensor: Tensor) -> Tensor:
 
 
 def _native(*tensors: Tensor) -> bool:
-    """Whether the C passes read these tensors (same dtype and size) as their views (:func:`_buffer`) show them."""
+    """Whether the C passes read these tensors (same dtype and size) as their views (:func:`numpy_view`) show them."""
     tensors = tuple(t if type(t) is Tensor and not t.requires_grad else t.detach() for t in tensors)
     first = tensors[0]
     return all(type(t) is Tensor and t.is_cpu and t.layout is torch.strided and t.dtype in _FORMATS
@@ -153,7 +154,7 @@ def _in_parts(kernel: Callable[..., None], lists: Sequence[Sequence[Tensor]],
     native, rest = _split(list(zip(*lists)))
     sums = torch.empty(len(native), dtype=torch.float64)
     if native:
-        kernel(*[[_buffer(tensors[i]) for i in native] for tensors in lists], sums.numpy(), torch.get_num_threads())
+        kernel(*[[numpy_view(tensors[i]) for i in native] for tensors in lists], sums.numpy(), torch.get_num_threads())
     rest_sums = others(rest) if rest else torch.zeros(0, dtype=torch.float64)
     return _gather(len(lists[0]), native, sums, rest, rest_sums)
 
@@ -231,72 +232,3 @@ def update_squares(after: Sequence[Tensor], before: Sequence[Tensor], in_place: 
                           for lo, hi in _batches([t.numel() for t in news])])
 
     return _in_parts(cupdate.diff_squares if cupdate is not None else _none, [after, before], others)
-
-
-class ChainPlan:
-    """The chained C pass over fixed lists of tensors, their views made once and the pass run at every step.
-
-    A numpy view costs about 1 us a tensor, more than the pass itself on a small one: a step that
-    measures the same parameters into the same copies as the step before reuses the plan (see
-    ``StepCopies``). The views hold each tensor's memory as it was when the plan was made: a
-    plan is run only while every tensor still has that memory (the caller checks its address).
-    The same views serve a step that is not chained (the copy before it, the update's norm after
-    it: :meth:`copy_squares`, :meth:`diff_squares`), where the same copies are held step after step.
-    """
-
-    __slots__ = ("after", "before", "count")
-
-    def __init__(self, after: list[object], before: list[object]) -> None:
-        self.after, self.before, self.count = after, before, len(after)
-
-    @staticmethod
-    def of(after: Sequence[Tensor], before: Sequence[Tensor]) -> Optional[ChainPlan]:
-        """The plan over ``after`` and ``before`` (``before`` writable); None where the C passes cannot take them all.
-
-        Only plain tensors (or parameters) on the CPU (their view, else a refusal: another dtype, a
-        subclass); the C pass checks the rest (contiguity, types, lengths) as it runs.
-        """
-        if not after or not ChainPlan.usable():
-            return None
-        try:
-            return ChainPlan([_buffer(t) for t in after], [_buffer(t) for t in before])
-        except (KeyError, TypeError, RuntimeError):
-            return None
-
-    @staticmethod
-    def usable() -> bool:
-        """Whether the C passes run here and now: built, not turned off, no tracing, no torch mode on."""
-        return cupdate is not None and NATIVE_PASSES and not torch.compiler.is_compiling() and not torch_modes_on()
-
-    def copy_squares(self) -> Optional[Tensor]:
-        """:func:`copy_squares_` of ``after`` into ``before`` by the C pass, through the views; None where refused."""
-        return self._sums(cupdate.copy_squares if cupdate is not None else _none, self.before, self.after)
-
-    def diff_squares(self) -> Optional[Tensor]:
-        """:func:`update_squares` of ``after`` against ``before`` by the C pass; None where refused."""
-        return self._sums(cupdate.diff_squares if cupdate is not None else _none, self.after, self.before)
-
-    def _sums(self, kernel: Callable[..., None], *views: list[object]) -> Optional[Tensor]:
-        if not ChainPlan.usable():
-            return None
-        sums = torch.empty(self.count, dtype=torch.float64)
-        try:
-            kernel(*views, sums.numpy(), torch.get_num_threads())
-        except (TypeError, ValueError):
-            return None
-        return sums
-
-    def run(self) -> Optional[tuple[Tensor, Tensor]]:
-        """Each pair's ``sum((after - before)²)`` and ``sum(after²)`` (float64), ``after`` moved into ``before``.
-
-        None, with nothing read or written, where the C pass refuses a pair (not C-contiguous,
-        another type or length) or cannot run now (:meth:`usable`).
-        """
-        if not ChainPlan.usable():
-            return None
-        sums = torch.empty(2 * self.count, dtype=torch.float64)
-        try:
-            cupdate.chain_squares(self.after, self.before, sums.numpy(), torch.get_num_threads())
-        except (TypeError, ValueError):
-            return None
-        return sums[:self.count], sums[self.count:]
