@@ -124,16 +124,29 @@ def test_the_pull_is_taken_only_where_parameters_are_whole():
     assert not whole_parameters(DeepSpeedStrategy())
 
 
-def test_the_pull_follows_the_monitors_logged_steps_and_its_watched_ones():
+def test_a_pull_is_logged_at_each_step_the_monitor_logs_or_watches_and_taken_at_no_other(tmp_path):
     """After an anomaly the monitor logs every step for a while (``watch_after``): the pull is taken there too."""
-    from lightning_hooks import ActivationMonitor
-    from lightning_hooks.callbacks._loss_pull import PredictionPull
+    import lightning as L
+    from lightning.pytorch.loggers import TensorBoardLogger
 
-    monitor = ActivationMonitor(log_every_n_steps=10)
-    taker = PredictionPull()
-    taker.monitor, taker.every = monitor, 10
-    assert [s for s in range(25) if taker._logged(s)] == [0, 9, 19]  # Lightning's: the first, then every 10th
-    monitor.watch_until(13)
-    assert [s for s in range(25) if taker._logged(s)] == [*range(14), 19]
-    taker.stop()
-    assert taker.monitor is None and taker.every == 0 and not taker.params
+    from lightning_hooks import ActivationMonitor, LayerHealth
+    from lightning_hooks.callbacks._base import log_step
+    from tests.helpers import TinyNet, events, loader, trainer
+
+    monitor, health = ActivationMonitor(log_every_n_steps=5), LayerHealth(image_every_n_steps=100)
+
+    class Anomaly(L.Callback):  # what GradientAnomalyStopping(watch_after=5) does after an anomaly at step 7
+        def on_train_batch_start(self, trainer: L.Trainer, *args: object) -> None:
+            if log_step(trainer) == 7:
+                monitor.watch_until(12)
+
+    offered, carry = [], monitor.carry
+    monitor.carry = lambda step, *args: offered.append(step) or carry(step, *args)  # type: ignore[method-assign]
+    torch.manual_seed(0)
+    trainer(tmp_path, [Anomaly(), monitor, health], logger=TensorBoardLogger(tmp_path), max_steps=20).fit(
+        TinyNet(), loader(n=160))
+    logged = [p.step for p in events(str(tmp_path)).Scalars("activation_grads/net.2/pull")]
+    # Lightning's every 5th step (not step 0: the prediction layer is known once it is logged) and the watched ones.
+    assert logged == [4, 7, 8, 9, 10, 11, 12, 14, 19]
+    assert offered == logged  # taken at no step the monitor does not log
+    assert health._pull.monitor is None and not health._pull.params  # let go at the end of fit

@@ -20,6 +20,7 @@ from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
 from torch import Tensor, nn
 
 from lightning_hooks.callbacks._steps import log_step
+from lightning_hooks.callbacks.activations import ActivationMonitor
 from lightning_hooks.output.figures import ScalarBlock
 
 #: Modules whose output is linear in their own parameters (weight and bias) taken together.
@@ -75,7 +76,8 @@ def whole_parameters(strategy: Any) -> bool:
 class PredictionPull:
     """LayerHealth's measure of the prediction layer's pull: taken before the optimizer step, sent with the monitor's.
 
-    On a step the ActivationMonitor logs (``every``), on rank zero: taken in
+    On a step the ActivationMonitor collects (:meth:`~lightning_hooks.ActivationMonitor.collects`:
+    its logged steps, and those it watches closely after an anomaly), on rank zero: taken in
     ``on_before_optimizer_step`` (the parameters that made the output, and their gradients: after
     accumulation and AMP's unscaling) and handed, on device, to the monitor
     (:meth:`~lightning_hooks.ActivationMonitor.carry`), which brings it to the host in the step's
@@ -86,37 +88,33 @@ class PredictionPull:
 
     def __init__(self) -> None:
         self.row: Optional[str] = None  # the prediction layer: the last module in forward order
-        self.every = 0  # the steps between the ActivationMonitor's logged steps (0: none)
         self.params: dict[str, Optional[list[Tensor]]] = {}  # by module: its own parameters, None where no pull
         self.taken: Optional[int] = None  # the last step whose pull the monitor carries (one per step)
-        self.monitor: Optional[Any] = None  # the ActivationMonitor whose logged steps take the pull
+        self.monitor: Optional[ActivationMonitor] = None  # whose collected steps take the pull (None: no step)
 
-    def start(self, trainer: pl.Trainer, every: int, monitor: Optional[Any] = None) -> None:
-        """Take the pull on the steps ``monitor`` logs at ``every`` (0: never), where parameters are whole.
+    def start(self, trainer: pl.Trainer, monitor: Optional[ActivationMonitor]) -> None:
+        """Take the pull on the steps ``monitor`` collects (None: never), where parameters are whole.
 
-        ``monitor``: the ActivationMonitor whose figures are judged: its logged steps include the
-        steps it watches closely after an anomaly (``watch_after``), where the judge needs the pull too.
+        ``monitor``: the ActivationMonitor whose figures are judged: the steps it collects include
+        those it watches closely after an anomaly (``watch_after``), where the judge needs the pull too.
         """
-        self.row, self.params, self.taken, self.monitor = None, {}, None, monitor
-        self.every = every if whole_parameters(trainer.strategy) else 0
+        self.row, self.params, self.taken = None, {}, None
+        self.monitor = monitor if whole_parameters(trainer.strategy) else None
 
     def stop(self) -> None:
         """Let go of the parameters and the monitor (at the end of fit, or when it raises)."""
-        self.row, self.params, self.taken, self.monitor, self.every = None, {}, None, None, 0
+        self.row, self.params, self.taken, self.monitor = None, {}, None, None
 
     def take(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """In ``on_before_optimizer_step``: the pull of a logged step, handed on device to the monitor (once a step)."""
-        step, name = log_step(trainer), self.row
-        if name is None or not trainer.is_global_zero or self.taken == step or not self._logged(step):
+        step, name, monitor = log_step(trainer), self.row, self.monitor
+        if (name is None or monitor is None or not trainer.is_global_zero or self.taken == step
+                or not monitor.collects(step)):
             return
         if name not in self.params:
             self.params[name] = own_parameters(pl_module, name)
         params = self.params[name]
         value = pull(params) if params else None
         figure = ScalarBlock("activation_grads", "pull", [name], [], [f"activation_grads/{name}/pull"])
-        if value is not None and self.monitor.carry(step, value.reshape(1), figure):  # type: ignore[union-attr]
+        if value is not None and monitor.carry(step, value.reshape(1), figure):
             self.taken = step
-
-    def _logged(self, step: int) -> bool:
-        """Whether the monitor logs (or watches) ``step`` (never without one)."""
-        return self.monitor is not None and bool(self.monitor._logs_at(step, self.every))

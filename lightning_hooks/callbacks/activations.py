@@ -201,12 +201,16 @@ class ActivationMonitor(ActivationHooks):
         step = log_step(trainer)
         if self._pending_step is not None and self._pending_step != step:
             self._flush(trainer, "train")  # an earlier step ended without an optimizer step
-        if "train" in self._blocks and self._logs_at(step, self._every):
+        if self.collects(step):
             if self._pending_step is None:
                 self._pending_global = trainer.global_step
             self._block, self._collecting, self._pending_step = self._blocks["train"], True, step
         else:
             self._collecting = False  # hooks kept from the step before (see `_close_gate`) go
+
+    def collects(self, step: int) -> bool:
+        """Whether the training forwards of log step ``step`` are collected: a logged step, or one watched closely."""
+        return "train" in self._blocks and self._logs_at(step, self._every)
 
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor) -> None:
         """On a logged step, take AMP's ``1 / loss_scale`` for the gradients about to be recorded (no sync)."""

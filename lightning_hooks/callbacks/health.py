@@ -13,7 +13,7 @@ import lightning.pytorch as pl
 import numpy as np
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
-from lightning_hooks.callbacks._base import _log_interval, claim, release
+from lightning_hooks.callbacks._base import claim, release
 from lightning_hooks.callbacks._loss_pull import PredictionPull
 from lightning_hooks.callbacks.activations import ActivationMonitor
 from lightning_hooks.callbacks.gradients import GradientMonitor
@@ -156,8 +156,7 @@ class LayerHealth(FigureListener, Diagnoses, *CALLBACK_BASES):  # type: ignore[m
         self._vectors = unjudged_ratios(pl_module)
         self._groups = {}
         monitors = callbacks_of(trainer, ActivationMonitor)
-        self._pull.start(trainer, _log_interval(monitors[0].log_every_n_steps, trainer) if monitors else 0,
-                         monitors[0] if monitors else None)
+        self._pull.start(trainer, monitors[0] if monitors else None)
         for stability in callbacks_of(trainer, TransformerStability)[:1]:  # judge its figures by its bands
             self._bands = replace(self._bands, **{name: getattr(stability.bands, name) for name in STABILITY_BANDS})
             self._verdicts = Verdicts(self._bands)
