@@ -93,9 +93,13 @@ def _detached(tensor: Tensor) -> Tensor:
     return tensor
 
 
+def _plain(tensor: Tensor) -> Tensor:
+    """``tensor`` as the C passes read it: detached where it requires grad or is a parameter (a subclass stays one)."""
+    return tensor if type(tensor) is Tensor and not tensor.requires_grad else tensor.detach()
+
+
 def _native(*tensors: Tensor) -> bool:
-    """Whether the C passes read these tensors (same dtype and size) as their views (:func:`numpy_view`) show them."""
-    tensors = tuple(t if type(t) is Tensor and not t.requires_grad else t.detach() for t in tensors)
+    """Whether the C passes read these :func:`_plain` tensors (same dtype and size) as their views show them."""
     first = tensors[0]
     return all(type(t) is Tensor and t.is_cpu and t.layout is torch.strided and t.dtype in _FORMATS
                and t.dtype is first.dtype and t.numel() == first.numel() and t.is_contiguous()
@@ -106,15 +110,19 @@ def _none(*args: object) -> None:
     """No C pass (the extension is not built): never called, :data:`NATIVE_PASSES` is False then."""
 
 
-def _split(pairs: Sequence[tuple[Tensor, ...]]) -> tuple[list[int], list[int]]:
-    """The indices the C passes take, and the others; none native off the CPU, under tracing or a torch mode."""
+def _split(pairs: Sequence[tuple[Tensor, ...]]) -> tuple[list[int], list[int], list[tuple[Tensor, ...]]]:
+    """The indices the C passes take, the others, and the pairs :func:`_plain` (detached once, where checked).
+
+    None native (and no pair detached) off the CPU, under tracing or a torch mode.
+    """
     if not NATIVE_PASSES or not pairs or torch.compiler.is_compiling() or torch_modes_on():
-        return [], list(range(len(pairs)))
+        return [], list(range(len(pairs))), []
     if not all(t.is_cpu for pair in pairs for t in pair):
-        return [], list(range(len(pairs)))
-    native = [i for i, pair in enumerate(pairs) if _native(*pair)]
+        return [], list(range(len(pairs))), []
+    plain = [tuple(map(_plain, pair)) for pair in pairs]
+    native = [i for i, pair in enumerate(plain) if _native(*pair)]
     taken = set(native)
-    return native, [i for i in range(len(pairs)) if i not in taken]
+    return native, [i for i in range(len(pairs)) if i not in taken], plain
 
 
 def _squares_of_norms(tensors: list[Tensor]) -> Tensor:
@@ -151,10 +159,11 @@ def _batches(sizes: list[int]) -> list[tuple[int, int]]:
 def _in_parts(kernel: Callable[..., None], lists: Sequence[Sequence[Tensor]],
               others: Callable[[list[int]], Tensor]) -> Tensor:
     """One sum per tensor: the C pass ``kernel`` over the tensors it reads as they are, ``others(rest)`` else."""
-    native, rest = _split(list(zip(*lists)))
+    native, rest, plain = _split(list(zip(*lists)))
     sums = torch.empty(len(native), dtype=torch.float64)
-    if native:
-        kernel(*[[numpy_view(tensors[i]) for i in native] for tensors in lists], sums.numpy(), torch.get_num_threads())
+    if native:  # views of the tensors detached by the check: not detached again
+        views = [[numpy_view(plain[i][k]) for i in native] for k in range(len(lists))]
+        kernel(*views, sums.numpy(), torch.get_num_threads())
     rest_sums = others(rest) if rest else torch.zeros(0, dtype=torch.float64)
     return _gather(len(lists[0]), native, sums, rest, rest_sums)
 
