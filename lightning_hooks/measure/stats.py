@@ -112,6 +112,28 @@ def _accumulate_tensors_(row: Tensor, values: Tensor, binning: Binning, calls: i
     pivot = torch.where(n_finite > 0, torch.where(finite, values, -math.inf).amax(), 0.0).to(values.dtype)
     x = torch.where(finite, values, pivot)
     low, high = torch.aminmax(x)
+    total, sum_sq = _finite_sums(x, finite, n_finite, n_bad, pivot, low, high)
+    n_nan = torch.count_nonzero(values != values)
+    n_posinf = torch.count_nonzero(values == math.inf)
+    n_zero = n - torch.count_nonzero(values)
+    # In SUM_FIELDS order, from "finite" to "neginf".
+    sums = torch.cat([n_finite.double().view(1), total.view(1), sum_sq.view(1), n_zero.double().view(1),
+                      torch.stack([n_nan, n_posinf, n_bad - n_nan - n_posinf]).double()]).to(row.device)
+    row[_COL["finite"] : _COL["neginf"] + 1] += sums
+    row[_COL["count"]] += n
+    row[_COL["calls"]] += calls
+    extremes = torch.stack([high, -low]).double().view(2)
+    extremes = torch.where(n_finite > 0, extremes, -math.inf).to(row.device)
+    row[_MAX_SLICE] = torch.maximum(row[_MAX_SLICE], extremes)
+    row[N_FIELDS:] += _pivoted_counts(x, pivot, n_bad, binning).to(row.device)
+
+
+def _finite_sums(x: Tensor, finite: Tensor, n_finite: Tensor, n_bad: Tensor, pivot: Tensor, low: Tensor,
+                 high: Tensor) -> tuple[Tensor, Tensor]:
+    """The sum and the sum of squares (float64) of the ``n_finite`` finite values of ``x`` (within ``low``, ``high``).
+
+    ``x`` holds ``pivot`` where the values were not ``finite`` (``n_bad`` of them).
+    """
     # Values scaled by a power of two (exact) so that squares up to float32 max cannot
     # overflow; deviations taken from an estimate of the mean (outliers and a mean that dwarfs
     # the spread cost no accuracy), with non-finite entries zeroed so their count neither.
@@ -130,27 +152,18 @@ def _accumulate_tensors_(row: Tensor, values: Tensor, binning: Binning, calls: i
     sum_dev = dev.sum().double() / scale
     # Squared in place then summed: torch's pairwise sum, more accurate than a BLAS dot.
     sum_dev_sq = dev.square_().sum().double() / scale.square()
-    total = n_finite * centre + sum_dev
-    sum_sq = sum_dev_sq + 2 * centre * sum_dev + n_finite * centre.square()
-    n_nan = torch.count_nonzero(values != values)
-    n_posinf = torch.count_nonzero(values == math.inf)
-    n_zero = n - torch.count_nonzero(values)
-    # In SUM_FIELDS order, from "finite" to "neginf".
-    sums = torch.cat([n_finite.double().view(1), total.view(1), sum_sq.view(1), n_zero.double().view(1),
-                      torch.stack([n_nan, n_posinf, n_bad - n_nan - n_posinf]).double()]).to(row.device)
-    row[_COL["finite"] : _COL["neginf"] + 1] += sums
-    row[_COL["count"]] += n
-    row[_COL["calls"]] += calls
-    extremes = torch.stack([high, -low]).double().view(2)
-    extremes = torch.where(n_finite > 0, extremes, -math.inf).to(row.device)
-    row[_MAX_SLICE] = torch.maximum(row[_MAX_SLICE], extremes)
+    return n_finite * centre + sum_dev, sum_dev_sq + 2 * centre * sum_dev + n_finite * centre.square()
+
+
+def _pivoted_counts(x: Tensor, pivot: Tensor, n_bad: Tensor, binning: Binning) -> Tensor:
+    """The histogram (float64, on ``x``'s device) of ``x``'s finite values: the ``n_bad`` pivots taken out."""
     index = binning.index(x)
     # bincount sizes its output from the data: a host sync on accelerators, a graph break
     # under compile.
     if x.device.type != "cpu" or torch.compiler.is_compiling():
         counts = torch.zeros(binning.n_bins, dtype=torch.float64, device=x.device)
-        counts.index_put_((index.long(),), torch.ones((), dtype=torch.float64, device=x.device).expand(n), True)
+        counts.index_put_((index.long(),), torch.ones((), dtype=torch.float64, device=x.device).expand(x.numel()), True)
     else:
         counts = torch.bincount(index, minlength=binning.n_bins).double()
     counts.index_put_((binning.index(pivot.view(1)).long(),), -n_bad.double().view(1), accumulate=True)
-    row[N_FIELDS:] += counts.to(row.device)
+    return counts
