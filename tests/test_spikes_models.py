@@ -7,6 +7,7 @@ import warnings
 from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
 
 from lightning_hooks import SpikeTrigger
@@ -15,7 +16,7 @@ from lightning_hooks.measure.spikes import SpikeWindows
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 
 from spikes_models import Run, record, replay  # noqa: E402
-from spikes_variants import zscores  # noqa: E402
+from spikes_variants import above_scale, beyond_memory, zscores  # noqa: E402
 
 
 def test_the_vectorised_replay_scores_each_step_as_the_package_judge_does_on_a_run_without_flags():
@@ -45,3 +46,16 @@ def test_a_recorded_run_is_the_loss_and_gradient_norm_of_each_step_and_replays_t
     z, flags, levels = replay(series, SpikeTrigger(window=16, warmup=8))
     assert z.shape == flags.shape == levels.shape == (40, 2)
     assert (z[:8] == 0).all() and (z[8:] != 0).any()  # judged from the 9th step on
+
+
+@pytest.mark.filterwarnings("ignore:All-NaN slice:RuntimeWarning")  # the first step has no level
+def test_the_variants_scale_floor_weighs_a_rise_by_the_runs_highest_level_and_the_memory_by_its_largest_excursion():
+    classifier = np.r_[np.full(20, 2.3), np.full(20, 1e-5), 3e-3]  # from 2.3 to 1e-5, then one hard sample: x300
+    regression = np.r_[np.full(20, 1.0), np.full(20, 1e-4), 0.1]  # from 1.0 to 1e-4, then a corrupt batch: x1000
+    assert not above_scale(classifier, 0.01)[-1]  # it rose by 0.1% of the run's highest level (2.3)
+    assert above_scale(regression, 0.05)[-1]  # by 10% of its 1.0
+    assert above_scale(classifier, 1e-3)[-1]
+    wander = np.exp(0.1 * np.random.default_rng(0).standard_normal(120))
+    wander[[70, 100]] *= [30, 20]  # a hard batch, then a smaller one, both after step 64
+    beyond = beyond_memory(wander)
+    assert beyond[70] and not beyond[100]
