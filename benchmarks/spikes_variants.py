@@ -85,7 +85,7 @@ def beyond_memory(values: np.ndarray, start: int = 64) -> np.ndarray:
     return deviation > np.concatenate([[-np.inf], seen[:-1]])
 
 
-def flags(values: np.ndarray, thr: float = 6.0, co: float = 0.0, scale: float = 0.0, scaled: tuple = (0, 1),
+def flags(values: np.ndarray, thr: float = 6.0, co: float = 0.0, scale: float = 0.0, scaled: tuple[int, ...] = (0, 1),
           memory: bool = False, **kwargs: Any) -> np.ndarray:
     """The steps flagged: either signal above ``thr`` (with ``co``: and the other above ``co``).
 
@@ -141,7 +141,8 @@ def main() -> int:
     for name, kwargs in VARIANTS.items():
         late = [int(flags(v, **kwargs)[len(v) // 10:].sum()) for v in healthy.values()]
         delays = [np.nonzero(flags(v, **kwargs)[2000:])[0] for v in faults.values()]
-        cells = ", ".join(" ".join(str(d[0]) if len(d) else "X" for d in delays[i:i + 3]) for i in (0, 3, 6, 9))
+        firsts = [str(d[0]) if len(d) else "X" for d in delays]
+        cells = ", ".join(" ".join(firsts[i:i + 3]) for i in range(0, len(firsts), 3))
         caught = [bool(flags(v, **kwargs)[at]) for v, at in batches]
         found = ", ".join(f"{sum(caught[i:i + len(p[2])])}/{len(p[2])}" for i, p in
                           zip(np.cumsum([0] + [len(p[2]) for p in PLANTED]), PLANTED))

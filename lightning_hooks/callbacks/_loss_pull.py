@@ -106,7 +106,7 @@ class PredictionPull:
         self.row, self.params, self.taken, self.monitor = None, {}, None, None
 
     def take(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        """In ``on_before_optimizer_step``: the pull of a logged step, handed on device to the monitor (once a step)."""
+        """In ``on_before_optimizer_step``: a collected step's pull, handed on device to the monitor."""
         step, name, monitor = log_step(trainer), self.row, self.monitor
         if (name is None or monitor is None or not trainer.is_global_zero or self.taken == step
                 or not monitor.collects(step)):
