@@ -12,6 +12,9 @@ Qwen2); none of it seen while building the judge:
   settle) and at 95%.
 - ``unseen7d``: schedules: AdamW at 3e-3 (warm-up and cosine), AdamW with linear decay to 0, a one-cycle LR, a
   warm-up over 40% of the run, AdamW at a constant LR on LLaMA; healthy runs of 400-500 steps logged every step.
+- ``unseen7e``, added with the judge's warm-up jump rule (seen after it): jumps x10 and x5 and a dead module at
+  12-15% of the run, ramps from 20%, healthy MLPs logged every step under RMSprop and AdamW at 3e-3 without
+  warm-up (large first steps).
 """
 
 from __future__ import annotations
@@ -63,6 +66,17 @@ def _schedules() -> list[Variant]:
               (("mlp", 500), ("cnn", 500), ("gpt2", 400)))]
 
 
+def _early() -> list[Variant]:
+    return [*(Variant("unseen7e", m, ("jump",), onset=0.15, jump=j) for m, j in
+              (("gpt2", 10.0), ("cnn", 10.0), ("mlp", 5.0))),
+            Variant("unseen7e", "gpt2", ("dead",), onset=0.12),
+            *(Variant("unseen7e", m, ("ramp",), onset=0.2) for m in ("gpt2", "cnn", "mlp")),
+            Variant("unseen7e", "mlp", ("healthy",), optimizer="rmsprop", every=1),
+            Variant("unseen7e", "mlp", ("healthy",), optimizer="adamw-flat", lr=3e-3, every=1)]
+
+
 def unseen7() -> dict[str, list[Variant]]:
-    """The groups: ``unseen7`` (seeds), ``unseen7b`` (positions), ``unseen7c`` (rates, onsets), ``unseen7d``."""
-    return {"unseen7": _seeds(), "unseen7b": _positions(), "unseen7c": _settings(), "unseen7d": _schedules()}
+    """The groups: ``unseen7`` (seeds), ``unseen7b`` (positions), ``unseen7c`` (rates, onsets), ``unseen7d``
+    (schedules), ``unseen7e`` (early onsets and fast first steps, added with the judge's warm-up jump rule)."""
+    return {"unseen7": _seeds(), "unseen7b": _positions(), "unseen7c": _settings(), "unseen7d": _schedules(),
+            "unseen7e": _early()}
