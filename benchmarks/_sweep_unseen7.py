@@ -12,8 +12,8 @@ Qwen2); none of it seen while building the judge:
   settle) and at 95%.
 - ``unseen7d``: schedules: AdamW at 3e-3 (warm-up and cosine), AdamW with linear decay to 0, a one-cycle LR, a
   warm-up over 40% of the run, AdamW at a constant LR on LLaMA; healthy runs of 400-500 steps logged every step.
-- ``unseen7e``, added with the judge's warm-up jump rule (seen after it): jumps x10 and x5 and a dead module at
-  12-15% of the run, ramps from 20%, healthy MLPs logged every step under RMSprop and AdamW at 3e-3 without
+- ``unseen7e``, added with the judge's warm-up jump rule (seen after it): jumps x10 and x5, a dead module and a bad
+  batch at 12-15% of the run, ramps from 20%, healthy MLPs logged every step under RMSprop and AdamW at 3e-3 without
   warm-up (large first steps).
 """
 
@@ -70,6 +70,7 @@ def _early() -> list[Variant]:
     return [*(Variant("unseen7e", m, ("jump",), onset=0.15, jump=j) for m, j in
               (("gpt2", 10.0), ("cnn", 10.0), ("mlp", 5.0))),
             Variant("unseen7e", "gpt2", ("dead",), onset=0.12),
+            *(Variant("unseen7e", m, ("data",), onset=0.12) for m in ("gpt2", "cnn")),
             *(Variant("unseen7e", m, ("ramp",), onset=0.2) for m in ("gpt2", "cnn", "mlp")),
             Variant("unseen7e", "mlp", ("healthy",), optimizer="rmsprop", every=1),
             Variant("unseen7e", "mlp", ("healthy",), optimizer="adamw-flat", lr=3e-3, every=1)]

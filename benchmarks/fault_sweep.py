@@ -73,8 +73,8 @@ Added next, settings on the zoo's and earlier sweeps' models (``benchmarks/_swee
   onsets at 12%, 15% and 95%.
 - ``unseen7d``: AdamW at 3e-3, linear decay to 0, a one-cycle LR, a warm-up over 40% of the run, healthy
   runs of 400-500 steps logged every step.
-- ``unseen7e``: jumps x10 and x5 and a dead module at 12-15% of the run, ramps from 20%, healthy MLPs logged
-  every step under RMSprop and AdamW at 3e-3 without warm-up.
+- ``unseen7e``: jumps x10 and x5, a dead module and a bad batch at 12-15% of the run, ramps from 20%, healthy
+  MLPs logged every step under RMSprop and AdamW at 3e-3 without warm-up.
 
 Per case: the culprit named first, the layers named before it, the delay (steps from the onset
 to the first logged step that names it), on healthy runs the verdict lines after the first 10%,

@@ -51,3 +51,10 @@ def test_fast_early_learning_and_a_small_jump_in_the_warm_up_are_not_named(rate)
         return 4.0 if row == "attn" and i >= 12 else 1.0
     for seed in range(3):
         assert named_at(move, seed, 24) == {}, seed
+
+
+def test_every_module_out_by_a_step_in_the_warm_up_is_the_batch():
+    """Every module x30 at point 12 (a bad batch in the warm-up): every layer at once, no layer named."""
+    for seed in range(3):
+        named = named_at(lambda i, row: 30.0 if i >= 12 else 1.0, seed, 16)
+        assert named == dict.fromkeys(range(12, 16), ["(every layer)"]), (seed, named)
