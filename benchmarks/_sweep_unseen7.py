@@ -15,6 +15,8 @@ Qwen2); none of it seen while building the judge:
 - ``unseen7e``, added with the judge's warm-up jump rule (seen after it): jumps x10 and x5, a dead module and a bad
   batch at 12-15% of the run, ramps from 20%, healthy MLPs logged every step under RMSprop and AdamW at 3e-3 without
   warm-up (large first steps).
+- ``unseen7f``, added after the rule: one-cycle on GPT-2 and the CNN, linear decay on LLaMA, a 40% warm-up on
+  Qwen2 at 3e-3, healthy LLaMA (500 steps) and Qwen2 (400) logged every step.
 """
 
 from __future__ import annotations
@@ -76,8 +78,17 @@ def _early() -> list[Variant]:
             Variant("unseen7e", "mlp", ("healthy",), optimizer="adamw-flat", lr=3e-3, every=1)]
 
 
+def _more() -> list[Variant]:
+    return [Variant("unseen7f", "gpt2", FULL, optimizer="adamw-onecycle", lr=2e-3),
+            Variant("unseen7f", "cnn", FULL, optimizer="adamw-onecycle", lr=2e-3),
+            Variant("unseen7f", "llama", ("healthy", "jump"), optimizer="adamw-linear", lr=6e-4),
+            Variant("unseen7f", "qwen2", ("healthy", "ramp"), optimizer="adamw-warm40", lr=3e-3),
+            *(Variant("unseen7f", m, ("healthy",), steps=n, every=1) for m, n in (("llama", 500), ("qwen2", 400)))]
+
+
 def unseen7() -> dict[str, list[Variant]]:
     """The groups: ``unseen7`` (seeds), ``unseen7b`` (positions), ``unseen7c`` (rates, onsets), ``unseen7d``
-    (schedules), ``unseen7e`` (early onsets and fast first steps, added with the judge's warm-up jump rule)."""
+    (schedules), ``unseen7e`` (early onsets and fast first steps, added with the judge's warm-up jump rule),
+    ``unseen7f`` (more schedules and long runs, added after it)."""
     return {"unseen7": _seeds(), "unseen7b": _positions(), "unseen7c": _settings(), "unseen7d": _schedules(),
-            "unseen7e": _early()}
+            "unseen7e": _early(), "unseen7f": _more()}

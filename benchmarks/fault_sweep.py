@@ -75,6 +75,8 @@ Added next, settings on the zoo's and earlier sweeps' models (``benchmarks/_swee
   runs of 400-500 steps logged every step.
 - ``unseen7e``: jumps x10 and x5, a dead module and a bad batch at 12-15% of the run, ramps from 20%, healthy
   MLPs logged every step under RMSprop and AdamW at 3e-3 without warm-up.
+- ``unseen7f``: one-cycle on GPT-2 and the CNN, linear decay on LLaMA, a 40% warm-up on Qwen2 at 3e-3, healthy
+  LLaMA and Qwen2 runs of 400-500 steps logged every step.
 
 Per case: the culprit named first, the layers named before it, the delay (steps from the onset
 to the first logged step that names it), on healthy runs the verdict lines after the first 10%,
