@@ -24,8 +24,9 @@ class Variant:
     onset: float = 0.5  # as a fraction of the run
     every: int = 2
     growth: float = GROWTH
+    hold: int = 0  # a ramp grows for this many steps from the onset, then holds; 0: it grows to the end
     jump: float = JUMP
-    optimizer: str = ""  # "sgd", "adamw" (warm-up and cosine), "adamw-flat" (constant LR), if not the recipe's own
+    optimizer: str = ""  # "sgd", "adamw" (warm-up and cosine), "adamw-flat" (constant LR) ... (``schedule``)
     lr: float = 0.0
     precision: str = ""
     clip: float = 0.0  # the gradients' norm clipped to this; 0: the recipe's own (not clipped)

@@ -180,14 +180,23 @@ RECIPES["gpt2-bf16"] = Recipe(**{**vars(RECIPES["gpt2"]), "name": "gpt2-bf16", "
 def schedule(recipe: Recipe, steps: int) -> Callable[[int], float]:
     """The LR multiplier: warm-up (10%) and cosine for the transformers, step decay for the CNN, flat else.
 
+    The fault sweep's ``unseen7`` adds AdamW with a warm-up over 40% of the run (``adamw-warm40``), with
+    linear decay to 0 (``adamw-linear``) and with a one-cycle LR (``adamw-onecycle``).
     A recipe with a ``cycle`` has a triangular cyclic LR (Smith 2017, ``torch.optim.lr_scheduler.CyclicLR``):
     from a tenth of its LR up to its LR in half a cycle, and back.
     """
     if recipe.cycle:
         return lambda s: 0.1 + 0.9 * (1 - abs(2 * (s % recipe.cycle) / recipe.cycle - 1))
-    if recipe.optimizer == "adamw":
-        warm = max(1, steps // 10)
+    if recipe.optimizer in ("adamw", "adamw-warm40"):  # the sweep's unseen7: a warm-up over 40% of the run
+        warm = max(1, steps * (4 if recipe.optimizer == "adamw-warm40" else 1) // 10)
         return lambda s: (s + 1) / warm if s < warm else 0.1 + 0.45 * (1 + math.cos(math.pi * (s - warm) / steps))
+    if recipe.optimizer == "adamw-linear":  # warm-up (10%), then linear decay to 0 at the last step
+        warm = max(1, steps // 10)
+        return lambda s: (s + 1) / warm if s < warm else max(0.0, 1 - (s - warm) / (steps - warm))
+    if recipe.optimizer == "adamw-onecycle":  # torch's OneCycleLR: lr/25 up to lr (cosine, 30%), down to ~0
+        up = max(1, int(0.3 * steps))
+        return lambda s: (1 / 25 + (1 - 1 / 25) * (1 - math.cos(math.pi * s / up)) / 2 if s < up else
+                          1e-5 + (1 - 1e-5) * (1 + math.cos(math.pi * (s - up) / max(1, steps - up))) / 2)
     if recipe.optimizer.startswith("sgd"):
         return lambda s: 0.1 ** (s // max(1, steps // 3))
     return lambda s: 1.0

@@ -64,6 +64,20 @@ Added next (``benchmarks/_sweep_unseen5.py``):
 - ``unseen5c``: ramps of 2% and 6% a step, jumps x0.5, x1.8, x5, a shrink x0.2, onsets at 60% and 80%, logged
   every 4 and 8, batch sizes 4 and 64, weight decay 0.1 under SGD, clipping at 0.5.
 
+Added next, settings on the zoo's and earlier sweeps' models (``benchmarks/_sweep_unseen7.py``):
+
+- ``unseen7``: the zoo's four models at seeds 4 and 5.
+- ``unseen7b``: positions: LLaMA's head and final norm, a GPT-2 block's whole output (the residual stream),
+  a BatchNorm's output, the CNN's head, Qwen2's first and last block.
+- ``unseen7c``: ramps of 8%, 12% and 20% a step, jumps x1.3 and x0.75, a ramp that stops after 20 steps,
+  onsets at 12%, 15% and 95%.
+- ``unseen7d``: AdamW at 3e-3, linear decay to 0, a one-cycle LR, a warm-up over 40% of the run, healthy
+  runs of 400-500 steps logged every step.
+- ``unseen7e``: jumps x10 and x5, a dead module and a bad batch at 12-15% of the run, ramps from 20%, healthy
+  MLPs logged every step under RMSprop and AdamW at 3e-3 without warm-up.
+- ``unseen7f``: one-cycle on GPT-2 and the CNN, linear decay on LLaMA, a 40% warm-up on Qwen2 at 3e-3, healthy
+  LLaMA and Qwen2 runs of 400-500 steps logged every step.
+
 Per case: the culprit named first, the layers named before it, the delay (steps from the onset
 to the first logged step that names it), on healthy runs the verdict lines after the first 10%,
 and for a data fault whether it was said as "every layer at once".
@@ -94,6 +108,7 @@ from benchmarks._sweep_lastblock import lastblock  # noqa: E402
 from benchmarks._sweep_unseen3 import unseen3  # noqa: E402
 from benchmarks._sweep_unseen4 import unseen4  # noqa: E402
 from benchmarks._sweep_unseen5 import unseen5  # noqa: E402
+from benchmarks._sweep_unseen7 import unseen7  # noqa: E402
 from benchmarks._sweep_variant import Variant, register  # noqa: E402
 from benchmarks.fault_zoo import JUMP, Case, judge_case, run_case  # noqa: E402
 
@@ -131,7 +146,7 @@ def variants() -> dict[str, list[Variant]]:
              Variant("optim", "mlp", ("healthy", "ramp", "jump"), precision="bf16-mixed"),
              Variant("optim", "cnn", ("healthy", "ramp", "jump"), precision="bf16-mixed")]
     return {"models": models, "layers": _layers(), "rates": rates, "onsets": onsets, "every": every, "optim": optim,
-            **_unseen(), **unseen3(), **unseen4(), **unseen5(), **creep(), **lastblock()}
+            **_unseen(), **unseen3(), **unseen4(), **unseen5(), **unseen7(), **creep(), **lastblock()}
 
 
 def _unseen() -> dict[str, list[Variant]]:
@@ -163,7 +178,7 @@ def run_variant(v: Variant, fault: str, seed: int = 0) -> Case:
     fault_zoo.JUMP = v.jump  # the zoo's jump factor, read by its module at each step
     try:
         return run_case(register(v), None if fault == "healthy" else fault, v.steps, int(v.onset * v.steps), v.every,
-                        seed if v.seed is None else v.seed, growth=v.growth)
+                        seed if v.seed is None else v.seed, growth=v.growth, hold=v.hold)
     finally:
         fault_zoo.JUMP = JUMP
 
@@ -172,6 +187,8 @@ def verdict(v: Variant, row: dict[str, Any], culprit: str) -> dict[str, Any]:
     """The zoo's row of a case, with its variant and whether the culprit was named first, graded."""
     row.update(group=v.group, variant=v.name, every=v.every, growth=v.growth, jump=v.jump,
                onset=int(v.onset * v.steps))  # a healthy twin shared by two onsets: the variant's
+    if v.hold:
+        row["hold"] = v.hold
     if row["fault"] not in ("healthy", "data"):
         row["culprit_first"] = fault_zoo.is_culprit(row["first"] or "", culprit)
     return grade(row)
@@ -220,7 +237,8 @@ def describe(row: dict[str, Any]) -> str:
         names = f" ({'; '.join(row['before_names'])})" if row["before"] else ""
         said = f"{row['first']} ({row['delay']}), {row['before']} before{names}"
         said += f", loss moved 5% at {row['loss5']}" if _gradual(row) else ""
-    change = {"ramp": f" x{row['growth']:g}/step", "jump": f" x{row['jump']:g}"}.get(row["fault"], "")
+    hold = f" for {row['hold']} steps" if row.get("hold") else ""
+    change = {"ramp": f" x{row['growth']:g}/step{hold}", "jump": f" x{row['jump']:g}"}.get(row["fault"], "")
     return (f"| {row['group']} | {row['variant']} | every {row['every']}, onset {row['onset']} | "
             f"{row['fault']}{change} | {said} | {row['goal']} | {row['s']} |")
 

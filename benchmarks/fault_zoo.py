@@ -63,9 +63,9 @@ class Lit(pl.LightningModule):
     """A recipe's model, trained as the recipe says, with one fault injected from step ``onset``."""
 
     def __init__(self, recipe: Recipe, fault: Optional[str], onset: int, steps: int, seed: int, every: int,
-                 growth: float = GROWTH) -> None:
+                 growth: float = GROWTH, hold: int = 0) -> None:
         super().__init__()
-        self.every, self.growth = every, growth
+        self.every, self.growth, self.hold = every, growth, hold
         torch.manual_seed(seed)
         self.recipe, self.fault, self.onset, self.steps = recipe, fault, onset, steps
         self.model = recipe.build()
@@ -100,8 +100,8 @@ class Lit(pl.LightningModule):
             return out * SWING ** -math.cos(2 * math.pi * self._step() / self.recipe.cycle)
         if t < 0 or not self.training:
             return None
-        if self.fault == "ramp":
-            return out * self.growth ** t
+        if self.fault == "ramp":  # ``hold``: it grows for that many steps, then holds
+            return out * self.growth ** (min(t, self.hold) if self.hold else t)
         if self.fault == "jump":
             return out * JUMP
         if self.fault == "dead":
@@ -213,7 +213,7 @@ class Case:
 
 def run_case(model: str, fault: Optional[str], steps: int, onset: int, every: int, seed: int = 0,
              flight: int = 30, logger: Optional[Logger] = None, gradients: bool = False,
-             growth: float = GROWTH) -> Case:
+             growth: float = GROWTH, hold: int = 0) -> Case:
     """Train one case and return what the verdicts said at each step.
 
     ``logger`` (say a ``TensorBoardLogger``) receives the monitors' figures and the loss, for the
@@ -222,7 +222,7 @@ def run_case(model: str, fault: Optional[str], steps: int, onset: int, every: in
     """
     recipe = RECIPES[model]
     start = time.perf_counter()
-    lit = Lit(recipe, fault, onset, steps, seed, every, growth)
+    lit = Lit(recipe, fault, onset, steps, seed, every, growth, hold)
     health = LayerHealth()
     probe = Probe(health)
     watch = ActivationMonitor(histogram=False, gradients=gradients or fault == "gradvanish")

@@ -100,7 +100,7 @@ def replayed_row(case: fault_zoo.Case, healthy: Optional[fault_zoo.Case], row: d
     new = fault_zoo.judge_case(again, again if healthy is case else healthy)
     if "group" not in row:
         return new
-    new.update({key: row[key] for key in ("group", "variant", "every", "growth", "jump")})
+    new.update({key: row[key] for key in ("group", "variant", "every", "growth", "jump", "hold") if key in row})
     if new["fault"] not in ("healthy", "data"):
         new["culprit_first"] = fault_zoo.is_culprit(new["first"] or "", case.culprit)
     return fault_sweep.grade(new)

@@ -16,12 +16,13 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks._zoo_models import RECIPES  # noqa: E402
-from benchmarks.fault_sweep import Variant, grade, register, run_variant, variants, verdict  # noqa: E402
-from benchmarks.fault_zoo import judge_case  # noqa: E402
+from benchmarks._zoo_models import RECIPES, schedule  # noqa: E402
+from benchmarks.fault_sweep import Variant, describe, grade, register, run_variant, variants, verdict  # noqa: E402
+from benchmarks.fault_zoo import Lit, judge_case  # noqa: E402
 from benchmarks.judge_replay import recording  # noqa: E402
 
 
@@ -120,3 +121,22 @@ def test_a_network_without_normalisation_growing_as_a_whole_is_learning_and_its_
             assert row["delay"] < variant.every, row  # the first logged step after the onset
         else:
             assert row["delay"] is not None and (row["loss5"] is None or row["delay"] < row["loss5"]), row
+
+
+
+def test_a_ramp_that_holds_stops_growing_and_the_unseen7_schedules_have_their_shapes():
+    """``hold``: the ramp grows for that many steps from the onset, then holds (and the table says so); the
+    ``unseen7`` schedules: linear decay to 0, one-cycle (from lr/25, its peak at 30%), a warm-up over 40%."""
+    lit = Lit(RECIPES["mlp"], "ramp", onset=10, steps=100, seed=0, every=2, growth=1.1, hold=5)
+    out = torch.ones(3)
+    for step, scale in ((12, 1.1 ** 2), (15, 1.1 ** 5), (60, 1.1 ** 5)):
+        lit._step = lambda step=step: step
+        assert torch.allclose(lit._hurt(lit.model, (), out), out * scale)
+    row = {"group": "g", "variant": "mlp", "every": 2, "onset": 10, "fault": "ramp", "growth": 1.1, "jump": 20.0,
+           "hold": 5, "first": "model.4 (blowup)", "delay": 5, "before": 0, "loss5": None, "goal": "ok", "s": 1.0}
+    assert "x1.1/step for 5 steps" in describe(row)
+    lr = {name: schedule(RECIPES[register(Variant("test", "gpt2", (), optimizer=name))], 200)
+          for name in ("adamw-linear", "adamw-onecycle", "adamw-warm40")}
+    assert lr["adamw-linear"](19) == 1.0 and lr["adamw-linear"](199) < 0.01
+    assert lr["adamw-onecycle"](0) == pytest.approx(1 / 25) and lr["adamw-onecycle"](60) == pytest.approx(1.0)
+    assert lr["adamw-warm40"](30) < 0.5 < lr["adamw-warm40"](79) == 1.0

@@ -30,6 +30,11 @@ FACTOR = {"level": "level", "gain": "level", "norm": "norm", "ratio": "ratio", "
 #: A gain's least change, as a power of ``level_factor`` (1.25 ** 0.7 = 1.17): the batch's share of an output's
 #: moves, which the factor's margin is for, is taken out of a gain by the module before it.
 GAIN_POWER = 0.7
+#: Before a row is judged by its range (its first ``min_points`` values and the judge's warm-up in steps), an
+#: output (its std or its gain) this far (log) above every value its history holds, from ``WARM_POINTS`` values on,
+#: is a finding: a step no early learning takes (healthy: at most x2.4 over every recorded case).
+WARM_JUMP = math.log(5.0)
+WARM_POINTS = 4
 
 
 @dataclass
@@ -114,11 +119,13 @@ def judge_value(track: Track, x: float, figure: str, bands: Bands, warm: bool = 
     if it drifted just past its range and settled there (learning); a row that went out by a step
     stays out until it comes back. A row that drifted out slower than ``CREEP_PER_STEP`` a step
     (``gap``: the steps from the logged point before) is held as a drift, not named.
+    Before that, an output out by a step past ``WARM_JUMP`` (:func:`jumped_early`) is a finding.
     """
     if len(track.logs) < bands.min_points or not warm:
-        if math.isfinite(x):
+        jumped = jumped_early(track, x, figure)
+        if jumped is None and math.isfinite(x):
             track.logs.append(x)
-        return None
+        return jumped
     floor = least_change(figure, bands)
     deviation, noise = _deviation(track, x, figure, floor)
     if deviation is None:
@@ -147,6 +154,20 @@ def judge_value(track: Track, x: float, figure: str, bands: Bands, warm: bool = 
         track.logs.append(x)
     _settle(track, bands.window)
     return None
+
+
+def jumped_early(track: Track, x: float, figure: str) -> Optional[float]:
+    """How far (log) an output's ``x`` is above every value of its short history, if past ``WARM_JUMP``; else None.
+
+    Judged from ``WARM_POINTS`` values on, while the row's range cannot judge yet (the first steps of
+    training move every layer, but no layer of any recorded healthy run went x2.4 above all its values
+    before). Such a value stays out of the row's history: it is named while it stays out, and its range
+    is the one it left.
+    """
+    if FACTOR[figure] != "level" or len(track.logs) < WARM_POINTS or not math.isfinite(x):
+        return None
+    over = x - max(track.logs)
+    return over if over > WARM_JUMP else None
 
 
 def creeping(track: Track, deviation: float, gap: int) -> bool:

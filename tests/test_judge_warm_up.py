@@ -1,0 +1,60 @@
+"""The judge's warm-up: an output out by a step before its range can judge is named (docs/verdicts.md).
+
+Hand-built figures (fast), as in ``tests/test_judge_rules.py``: four modules' std, logged every 2 steps, so the
+rows' ranges judge from their 24th value (step 46) and the judge's warm-up of 48 steps.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+
+from lightning_hooks.output._health_bands import Bands
+from lightning_hooks.output._judge import Judge
+
+CHAIN = ["stem", "attn", "mlp", "out"]
+
+
+def named_at(move, seed: int, points: int) -> dict[int, list[str]]:
+    """The layers named at each point (logged every 2 steps) where the four modules' std, steady to 0.3% on their
+    own, are each times ``move(point, module)``."""
+    rng, judge, named = random.Random(seed), Judge(Bands(), CHAIN), {}
+    for i in range(points):
+        levels = {row: (1 + d) * math.exp(rng.gauss(0, 0.003)) * move(i, row) for d, row in enumerate(CHAIN)}
+        layers = [f.layer for f in judge.step({"level": levels}, 2 * i).named]
+        if layers:
+            named[i] = layers
+    return named
+
+
+@pytest.mark.parametrize("onset, factor", [(6, 20.0), (12, 20.0), (20, 8.0)])
+def test_a_jump_before_the_ranges_judge_is_named_at_once_and_while_it_stays(onset, factor):
+    """``mlp`` (and ``out``, after it) jump x``factor`` at a point of the warm-up (step 12-40): ``mlp`` is named
+    there and at every point after, first; ``out``, whose gain held, never."""
+    def move(i, row):
+        return factor if row in ("mlp", "out") and i >= onset else 1.0
+    for seed in range(3):
+        named = named_at(move, seed, 40)
+        assert sorted(named) == list(range(onset, 40)), (seed, named)
+        assert all(layers == ["mlp"] for layers in named.values()), (seed, named)
+
+
+@pytest.mark.parametrize("rate", [1.5, 2.0])
+def test_fast_early_learning_and_a_small_jump_in_the_warm_up_are_not_named(rate):
+    """The prediction layer ``out`` grows x``rate`` a point over the first 10 points (an MLP's last Linear from a
+    near-zero start), and ``attn`` steps x4 at point 12: in the warm-up neither is a finding (x5 is)."""
+    def move(i, row):
+        if row == "out":
+            return rate ** min(i, 10)
+        return 4.0 if row == "attn" and i >= 12 else 1.0
+    for seed in range(3):
+        assert named_at(move, seed, 24) == {}, seed
+
+
+def test_every_module_out_by_a_step_in_the_warm_up_is_the_batch():
+    """Every module x30 at point 12 (a bad batch in the warm-up): every layer at once, no layer named."""
+    for seed in range(3):
+        named = named_at(lambda i, row: 30.0 if i >= 12 else 1.0, seed, 16)
+        assert named == dict.fromkeys(range(12, 16), ["(every layer)"]), (seed, named)
