@@ -1,0 +1,39 @@
+"""The fault sweep's sixth unseen groups, ``unseen6``, ``unseen6b`` and ``unseen6s`` (issue 29, item 2).
+
+Architectures the judge never saw (models in ``benchmarks/_sweep_models6.py``), each at seed 0:
+
+- ``unseen6``: a T5 encoder-decoder (the fault in the decoder's cross-attention output), a Mistral, a
+  Mixtral (the fault in a block's fused experts), a Mamba (a mixer's ``out_proj``), a StableLM, a Cohere, a
+  MobileNet-like CNN (a depthwise convolution), a DenseNet-like CNN (a layer whose output is concatenated)
+  and a message-passing network on graphs (a node update): healthy, ramp and jump; on the T5, the Mixtral
+  and the MobileNet also dead, LR x100 and NaN.
+- ``unseen6b``: other positions: the T5's encoder MLP, the MobileNet's excitation Linear (its squeeze-and-
+  excitation gate, before the hard sigmoid), the Mamba's ``in_proj``.
+- ``unseen6s``: the T5, the Mixtral and the MobileNet at seed 1.
+"""
+
+from __future__ import annotations
+
+from benchmarks import _sweep_models6  # noqa: F401  (adds the unseen6 recipes)
+from benchmarks._sweep_variant import Variant
+
+FULL = ("healthy", "ramp", "jump")
+MORE = ("dead", "lr100", "nan")
+
+
+def _models() -> list[Variant]:
+    more = ("t5", "mixtral", "mobilenet")
+    return [Variant("unseen6", m, (*FULL, *(MORE if m in more else ()))) for m in
+            ("t5", "mistral", "mixtral", "mamba", "stablelm", "cohere", "mobilenet", "densenet", "gnn")]
+
+
+def _positions() -> list[Variant]:
+    return [Variant("unseen6b", "t5", FULL[1:], target="net.encoder.block.1.layer.1.DenseReluDense.wo"),
+            Variant("unseen6b", "mobilenet", FULL[1:], target="blocks.1.se.2"),  # the excitation's Linear
+            Variant("unseen6b", "mamba", FULL[1:], target="net.backbone.layers.1.mixer.in_proj")]
+
+
+def unseen6() -> dict[str, list[Variant]]:
+    """The groups: ``unseen6`` (new architectures), ``unseen6b`` (other positions), ``unseen6s`` (seed 1)."""
+    return {"unseen6": _models(), "unseen6b": _positions(),
+            "unseen6s": [Variant("unseen6s", m, FULL, seed=1) for m in ("t5", "mixtral", "mobilenet")]}
