@@ -1,8 +1,9 @@
 """The fault sweep's sixth unseen models (group ``unseen6``, ``benchmarks/_sweep_unseen6.py``).
 
-From ``transformers`` configs (no download): a T5 encoder-decoder (relative position bias, RMS
-LayerNorm, the decoder's cross-attention reading the encoder's output) trained to continue the
-zoo's token sequences from their reversal (a seq2seq LM loss), a Mistral (sliding-window
+From ``transformers`` configs (no download): a T5 and a BART encoder-decoder (T5: relative position
+bias, RMS LayerNorm, pre-norm; BART: learned positions, post-LayerNorm; the decoder's cross-attention
+reading the encoder's output) trained to continue the zoo's token sequences from their reversal (a
+seq2seq LM loss), a Mistral (sliding-window
 attention, grouped-query), a Mixtral (transformers' own sparse top-2 MoE, its experts fused in one
 module), a Mamba (selective state-space blocks, the pure-PyTorch path), a StableLM (LayerNorm,
 partial rotary) and a Cohere (parallel attention and MLP, LayerNorm without bias, scaled logits).
@@ -29,6 +30,14 @@ def _t5(t: Any) -> nn.Module:
     return t.T5ForConditionalGeneration(t.T5Config(
         vocab_size=VOCAB, d_model=WIDTH, d_kv=16, d_ff=4 * WIDTH, num_layers=3, num_decoder_layers=3, num_heads=4,
         dropout_rate=0.0, decoder_start_token_id=0, pad_token_id=0, eos_token_id=1))
+
+
+def _bart(t: Any) -> nn.Module:
+    return t.BartForConditionalGeneration(t.BartConfig(
+        vocab_size=VOCAB, d_model=WIDTH, encoder_layers=3, decoder_layers=3, encoder_attention_heads=4,
+        decoder_attention_heads=4, encoder_ffn_dim=4 * WIDTH, decoder_ffn_dim=4 * WIDTH, max_position_embeddings=SEQ,
+        dropout=0.0, attention_dropout=0.0, activation_dropout=0.0, pad_token_id=1, bos_token_id=0, eos_token_id=2,
+        decoder_start_token_id=2))
 
 
 def _mistral(t: Any) -> nn.Module:
@@ -64,7 +73,8 @@ def _cohere(t: Any) -> nn.Module:
         pad_token_id=0, bos_token_id=1, eos_token_id=2))
 
 
-SWEEP_LMS.update(t5=_t5, mistral=_mistral, mixtral=_mixtral, mamba=_mamba, stablelm=_stablelm, cohere=_cohere)
+SWEEP_LMS.update(t5=_t5, bart=_bart, mistral=_mistral, mixtral=_mixtral, mamba=_mamba, stablelm=_stablelm,
+                 cohere=_cohere)
 
 
 class Seq2SeqLM(LM):
@@ -191,6 +201,8 @@ def _recipes() -> dict[str, Recipe]:
     return {
         "t5": Recipe("t5", lambda: Seq2SeqLM("t5"), lm_batches, "lm", "adamw", 1e-3, 8,
                      _targets("net.decoder.block.1.layer.1.EncDecAttention.o")),  # the decoder's cross-attention
+        "bart": Recipe("bart", lambda: Seq2SeqLM("bart"), lm_batches, "lm", "adamw", 1e-3, 8,
+                       _targets("net.model.decoder.layers.1.encoder_attn.out_proj")),
         "mistral": _lm("mistral", f"{blk}.mlp.down_proj", f"{blk}.mlp.up_proj", f"{blk}.self_attn.q_proj"),
         "mixtral": _lm("mixtral", "net.model.layers.1.mlp.experts", "net.model.layers.1.mlp.experts"),
         "mamba": _lm("mamba", "net.backbone.layers.1.mixer.out_proj", "net.backbone.layers.1.mixer.in_proj"),

@@ -10,6 +10,10 @@ Architectures the judge never saw (models in ``benchmarks/_sweep_models6.py``), 
 - ``unseen6b``: other positions: the T5's encoder MLP, the MobileNet's excitation Linear (its squeeze-and-
   excitation gate, before the hard sigmoid), the Mamba's ``in_proj``.
 - ``unseen6s``: the T5, the Mixtral and the MobileNet at seed 1.
+- ``unseen6c``: a BART (post-norm encoder-decoder, the fault in its decoder's cross-attention output); more
+  faults on the cheap and the odd: the GNN dead, LR x100, NaN and its message Linear (before the neighbours'
+  mean); the Mamba dead and NaN and its ``dt_proj`` (the step size, through a softplus into the scan); the
+  DenseNet's transition convolution; the Cohere's and the StableLM's queries growing (``attn``).
 """
 
 from __future__ import annotations
@@ -33,7 +37,17 @@ def _positions() -> list[Variant]:
             Variant("unseen6b", "mamba", FULL[1:], target="net.backbone.layers.1.mixer.in_proj")]
 
 
+def _more() -> list[Variant]:
+    return [Variant("unseen6c", "bart", (*FULL, "dead")), Variant("unseen6c", "gnn", MORE),
+            Variant("unseen6c", "gnn", FULL[1:], target="layers.1.message"),
+            Variant("unseen6c", "mamba", ("dead", "nan")),
+            Variant("unseen6c", "mamba", FULL[1:], target="net.backbone.layers.1.mixer.dt_proj"),
+            Variant("unseen6c", "densenet", FULL[1:], target="transition.2"),
+            Variant("unseen6c", "cohere", ("attn",)), Variant("unseen6c", "stablelm", ("attn",))]
+
+
 def unseen6() -> dict[str, list[Variant]]:
-    """The groups: ``unseen6`` (new architectures), ``unseen6b`` (other positions), ``unseen6s`` (seed 1)."""
+    """The groups: ``unseen6`` (new architectures), ``unseen6b`` (other positions), ``unseen6s`` (seed 1), more."""
     return {"unseen6": _models(), "unseen6b": _positions(),
-            "unseen6s": [Variant("unseen6s", m, FULL, seed=1) for m in ("t5", "mixtral", "mobilenet")]}
+            "unseen6s": [Variant("unseen6s", m, FULL, seed=1) for m in ("t5", "mixtral", "mobilenet")],
+            "unseen6c": _more()}
