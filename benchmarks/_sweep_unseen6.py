@@ -12,7 +12,8 @@ Architectures the judge never saw (models in ``benchmarks/_sweep_models6.py``), 
 - ``unseen6s``: the T5, the Mixtral and the MobileNet at seed 1.
 - ``unseen6c``: a BART (post-norm encoder-decoder, the fault in its decoder's cross-attention output); more
   faults on the cheap and the odd: the GNN dead, LR x100, NaN and its message Linear (before the neighbours'
-  mean); the Mamba dead and NaN and its ``dt_proj`` (the step size, through a softplus into the scan); the
+  mean); the Mamba dead and NaN and its ``x_proj`` (the scan's input-dependent step size, B and C; its ``conv1d`` and
+  ``dt_proj`` are used by their weights, never called, so never watched nor hurt); the
   DenseNet's transition convolution; the Cohere's and the StableLM's queries growing (``attn``).
 """
 
@@ -41,7 +42,7 @@ def _more() -> list[Variant]:
     return [Variant("unseen6c", "bart", (*FULL, "dead")), Variant("unseen6c", "gnn", MORE),
             Variant("unseen6c", "gnn", FULL[1:], target="layers.1.message"),
             Variant("unseen6c", "mamba", ("dead", "nan")),
-            Variant("unseen6c", "mamba", FULL[1:], target="net.backbone.layers.1.mixer.dt_proj"),
+            Variant("unseen6c", "mamba", FULL[1:], target="net.backbone.layers.1.mixer.x_proj"),
             Variant("unseen6c", "densenet", FULL[1:], target="transition.2"),
             Variant("unseen6c", "cohere", ("attn",)), Variant("unseen6c", "stablelm", ("attn",))]
 
