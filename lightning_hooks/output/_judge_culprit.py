@@ -11,7 +11,10 @@ A part of :class:`~lightning_hooks.output._judge.Judge` (docs/verdicts.md, "Culp
   first (``_judge_pull.py``).
 - Without an output finding: the last module in forward order whose output gradient went out
   (the first the backward pass reached), then the update ratio that moved most, then the
-  gradient norm.
+  gradient norm. Rows that moved alike (gradients gone to exactly 0 together, or non-finite
+  together) are told apart as output gradients are: the last in forward order, the first the
+  backward pass reached, is named (a zeroed or NaN output takes the gradients of what feeds it,
+  before it, with it).
 - While a named layer is still out, the others that go out are counted as affected, not named;
   a module before every named one that goes out is the cause further up, and is named.
 - The first module in forward order moving out on its own is the batch (its input): ``data``.
@@ -92,8 +95,8 @@ class CulpritNaming:
             return max(backward, key=lambda f: self.depth.get(f.layer, 0)).layer
         for figure in ("ratio", "norm"):
             rows = [f for f in fresh if f.figure == figure]
-            if rows:
-                return max(rows, key=lambda f: abs(f.moved)).layer
+            if rows:  # a tie (gradients gone to 0 together, or non-finite): the first the backward pass reached
+                return max(rows, key=lambda f: (abs(f.moved), self.depth.get(f.layer, 0))).layer
         return None
 
     def _first(self) -> str | None:
