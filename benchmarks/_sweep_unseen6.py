@@ -9,7 +9,7 @@ Architectures the judge never saw (models in ``benchmarks/_sweep_models6.py``), 
   and the MobileNet also dead, LR x100 and NaN.
 - ``unseen6b``: other positions: the T5's encoder MLP, the MobileNet's excitation Linear (its squeeze-and-
   excitation gate, before the hard sigmoid), the Mamba's ``in_proj``.
-- ``unseen6s``: the T5, the Mixtral and the MobileNet at seed 1.
+- ``unseen6s``: the T5, the Mixtral, the MobileNet, the Mamba (and its ``in_proj`` ramp) and the GNN at seed 1.
 - ``unseen6c``: a BART (post-norm encoder-decoder, the fault in its decoder's cross-attention output); more
   faults on the cheap and the odd: the GNN dead, LR x100, NaN and its message Linear (before the neighbours'
   mean); the Mamba dead and NaN and its ``x_proj`` (the scan's input-dependent step size, B and C; its ``conv1d`` and
@@ -24,6 +24,7 @@ from benchmarks._sweep_variant import Variant
 
 FULL = ("healthy", "ramp", "jump")
 MORE = ("dead", "lr100", "nan")
+IN_PROJ = "net.backbone.layers.1.mixer.in_proj"  # the Mamba mixer's first Linear: both branches, x and the gate z
 
 
 def _models() -> list[Variant]:
@@ -35,7 +36,7 @@ def _models() -> list[Variant]:
 def _positions() -> list[Variant]:
     return [Variant("unseen6b", "t5", FULL[1:], target="net.encoder.block.1.layer.1.DenseReluDense.wo"),
             Variant("unseen6b", "mobilenet", FULL[1:], target="blocks.1.se.2"),  # the excitation's Linear
-            Variant("unseen6b", "mamba", FULL[1:], target="net.backbone.layers.1.mixer.in_proj")]
+            Variant("unseen6b", "mamba", FULL[1:], target=IN_PROJ)]
 
 
 def _more() -> list[Variant]:
@@ -47,8 +48,14 @@ def _more() -> list[Variant]:
             Variant("unseen6c", "cohere", ("attn",)), Variant("unseen6c", "stablelm", ("attn",))]
 
 
+def _seeds() -> list[Variant]:
+    models = ("t5", "mixtral", "mobilenet", "mamba", "gnn")
+    return [*(Variant("unseen6s", m, FULL, seed=1) for m in models),
+            Variant("unseen6s", "mamba", ("ramp",), target=IN_PROJ, seed=1)]
+
+
 def unseen6() -> dict[str, list[Variant]]:
     """The groups: ``unseen6`` (new architectures), ``unseen6b`` (other positions), ``unseen6s`` (seed 1), more."""
     return {"unseen6": _models(), "unseen6b": _positions(),
-            "unseen6s": [Variant("unseen6s", m, FULL, seed=1) for m in ("t5", "mixtral", "mobilenet")],
+            "unseen6s": _seeds(),
             "unseen6c": _more()}
