@@ -372,3 +372,24 @@ def test_gradients_gone_to_0_together_name_the_last_in_forward_order():
         found = first_named(Judge(Bands(), CHAIN), zeroed_gradients(seed, {"attn", "mlp"}), 70)
         assert found is not None and found[:2] == (60, {"mlp"}) and found[2] == {"attn.weight"}, (seed, found)
 
+
+def product_levels(rate: float, seed: int):
+    """``attn`` (steady to 0.3%) ramps ``rate`` a point from point 70; ``mlp`` multiplies two branches of it (a gate
+    times its value, Mamba's ``y * silu(z)``): it moves as ``attn``'s square, noisier (3%), and ``out`` with it."""
+    rng = random.Random(seed)
+
+    def figures(i: int) -> dict[str, dict[str, float]]:
+        k = max(0, i - 70)
+        move = {"attn": (rate ** k, 0.003), "mlp": (rate ** (2.5 * k), 0.03), "out": (rate ** (2.5 * k), 0.03)}
+        return {"level": {row: (1 + d) * move.get(row, (1.0, 0.003))[0] * math.exp(rng.gauss(0, move.get(
+            row, (1.0, 0.003))[1])) for d, row in enumerate(CHAIN)}}
+    return figures
+
+
+@pytest.mark.parametrize("rate", [1.08, 1.1])  # logged every 2 steps: ramps of 4-5% a step
+def test_a_ramp_into_a_product_of_two_branches_is_named_over_the_product(rate):
+    """The product (``mlp``) leaves its range first, ``attn`` leaning out a little under half as far beyond its
+    range (its square's move less the product's noise): ``attn`` is named, ``mlp`` and ``out`` are its victims."""
+    for seed in range(4):
+        found = first_named(Judge(Bands(), CHAIN), product_levels(rate, seed), 100)
+        assert found is not None and found[1] == {"attn"} and 70 < found[0] <= 80, (seed, found)

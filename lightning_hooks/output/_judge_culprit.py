@@ -34,6 +34,10 @@ from lightning_hooks.output._row_range import Track, follow, least_change
 #: A module's outputs are judged by its gain where that is this many times quieter than its level: where the
 #: module before it carries the batch-to-batch moves they share (an MLP's, a CNN's layers).
 QUIETER = 1.5
+#: A module before the first one out, leaning out the same way at least 1/LEAN_SHARE as far (log), led it: a ramp
+#: through a product of two branches of one input (Mamba's ``y * silu(z)``, a GLU fed by a norm) moves the product
+#: as its square, twice as far, and the input's move beyond its range is less than half the product's (0.38).
+LEAN_SHARE = 3.0
 
 
 class CulpritNaming:
@@ -117,8 +121,9 @@ class CulpritNaming:
         if first.problem not in RELATIVE["level"] or (own is not None and len(own.held) <= 1):
             return None
         up = first.problem == RELATIVE["level"][0]
-        # Half the way out already, and half as far as ``first``: the same move, not a drift of its own.
-        least = max(math.log(self.bands.level_factor) / 2, abs(first.moved) / 2)
+        # Half the way out already, and a third as far as ``first``: the same move, not a drift of its own. A
+        # product of two branches of one input (a gate times its value) moves as its square: half as far, less noise.
+        least = max(math.log(self.bands.level_factor) / 2, abs(first.moved) / LEAN_SHARE)
         depth = self.depth.get(first.layer, 0)
         tracks = {row: self._track(row) for row in self.levels if self.depth.get(row, 0) < depth}
         leaning = [row for row, track in tracks.items() if track is not None
