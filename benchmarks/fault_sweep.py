@@ -64,6 +64,14 @@ Added next (``benchmarks/_sweep_unseen5.py``):
 - ``unseen5c``: ramps of 2% and 6% a step, jumps x0.5, x1.8, x5, a shrink x0.2, onsets at 60% and 80%, logged
   every 4 and 8, batch sizes 4 and 64, weight decay 0.1 under SGD, clipping at 0.5.
 
+Added next (``benchmarks/_sweep_unseen6.py``, models in ``benchmarks/_sweep_models6.py``):
+
+- ``unseen6``: a T5 encoder-decoder (its decoder's cross-attention), a Mistral, a Mixtral (its fused experts),
+  a Mamba, a StableLM, a Cohere, a MobileNet-like CNN (depthwise convolutions, squeeze-and-excitation), a
+  DenseNet-like CNN (concatenated features) and a message-passing network on graphs.
+- ``unseen6b``: the T5's encoder MLP, the MobileNet's excitation Linear, the Mamba's ``in_proj``.
+- ``unseen6s``: the T5, the Mixtral and the MobileNet at seed 1.
+
 Added next, settings on the zoo's and earlier sweeps' models (``benchmarks/_sweep_unseen7.py``):
 
 - ``unseen7``: the zoo's four models at seeds 4 and 5.
@@ -108,6 +116,7 @@ from benchmarks._sweep_lastblock import lastblock  # noqa: E402
 from benchmarks._sweep_unseen3 import unseen3  # noqa: E402
 from benchmarks._sweep_unseen4 import unseen4  # noqa: E402
 from benchmarks._sweep_unseen5 import unseen5  # noqa: E402
+from benchmarks._sweep_unseen6 import unseen6  # noqa: E402
 from benchmarks._sweep_unseen7 import unseen7  # noqa: E402
 from benchmarks._sweep_variant import Variant, register  # noqa: E402
 from benchmarks.fault_zoo import JUMP, Case, judge_case, run_case  # noqa: E402
@@ -146,7 +155,7 @@ def variants() -> dict[str, list[Variant]]:
              Variant("optim", "mlp", ("healthy", "ramp", "jump"), precision="bf16-mixed"),
              Variant("optim", "cnn", ("healthy", "ramp", "jump"), precision="bf16-mixed")]
     return {"models": models, "layers": _layers(), "rates": rates, "onsets": onsets, "every": every, "optim": optim,
-            **_unseen(), **unseen3(), **unseen4(), **unseen5(), **unseen7(), **creep(), **lastblock()}
+            **_unseen(), **unseen3(), **unseen4(), **unseen5(), **unseen6(), **unseen7(), **creep(), **lastblock()}
 
 
 def _unseen() -> dict[str, list[Variant]]:

@@ -1,7 +1,7 @@
 """The judge's rules, each on hand-built figures (fast): a step is not a ramp, an update ratio under its first,
 a kind that grew as a whole, the prediction layer's pull, the rate limit of slow ramps, the last block of a depth
 gradient, a row that learned along a curve, the first module ramping out, a slow lean against its peers from its
-range, and a gain that led its input's fall (docs/verdicts.md)."""
+range, a gain that led its input's fall, and gradients gone to 0 together (docs/verdicts.md)."""
 
 from __future__ import annotations
 
@@ -350,3 +350,46 @@ def test_a_gain_moved_by_its_inputs_step_is_not_named_for_it():
     for seed in range(4):
         found = first_named(Judge(Bands(), PULLED), stacked_levels(gain, seed, 0.05, PULLED), 90)
         assert found is None or "dec" not in found[1], (seed, found)
+
+
+def zeroed_gradients(seed: int, zero: set[str]):
+    """The chain's outputs steady; its parameters' gradient norms steady (3% noise), those in ``zero`` exactly 0 from
+    point 60 (a zeroed output takes the gradients of its own weights and of what feeds only it, before it, with it)."""
+    rng = random.Random(seed)
+    levels = chain_levels(lambda i, row: 1.0, seed)
+
+    def figures(i: int) -> dict[str, dict[str, float]]:
+        norms = {f"{row}.weight": 0.0 if i >= 60 and row in zero else (1 + d) * math.exp(rng.gauss(0, 0.03))
+                 for d, row in enumerate(CHAIN)}
+        return {**levels(i), "norm": norms}
+    return figures
+
+
+def test_gradients_gone_to_0_together_name_the_last_in_forward_order():
+    """``attn``'s and ``mlp``'s weight gradients are exactly 0 from point 60, both moved as far (to -inf): the last
+    in forward order, the first the backward pass reached, is named (``mlp``), ``attn`` its victim."""
+    for seed in range(4):
+        found = first_named(Judge(Bands(), CHAIN), zeroed_gradients(seed, {"attn", "mlp"}), 70)
+        assert found is not None and found[:2] == (60, {"mlp"}) and found[2] == {"attn.weight"}, (seed, found)
+
+
+def product_levels(rate: float, seed: int):
+    """``attn`` (steady to 0.3%) ramps ``rate`` a point from point 70; ``mlp`` multiplies two branches of it (a gate
+    times its value, Mamba's ``y * silu(z)``): it moves as ``attn``'s square, noisier (3%), and ``out`` with it."""
+    rng = random.Random(seed)
+
+    def figures(i: int) -> dict[str, dict[str, float]]:
+        k = max(0, i - 70)
+        move = {"attn": (rate ** k, 0.003), "mlp": (rate ** (2.5 * k), 0.03), "out": (rate ** (2.5 * k), 0.03)}
+        return {"level": {row: (1 + d) * move.get(row, (1.0, 0.003))[0] * math.exp(rng.gauss(0, move.get(
+            row, (1.0, 0.003))[1])) for d, row in enumerate(CHAIN)}}
+    return figures
+
+
+@pytest.mark.parametrize("rate", [1.08, 1.1])  # logged every 2 steps: ramps of 4-5% a step
+def test_a_ramp_into_a_product_of_two_branches_is_named_over_the_product(rate):
+    """The product (``mlp``) leaves its range first, ``attn`` leaning out a little under half as far beyond its
+    range (its square's move less the product's noise): ``attn`` is named, ``mlp`` and ``out`` are its victims."""
+    for seed in range(4):
+        found = first_named(Judge(Bands(), CHAIN), product_levels(rate, seed), 100)
+        assert found is not None and found[1] == {"attn"} and 70 < found[0] <= 80, (seed, found)

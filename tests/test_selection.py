@@ -27,12 +27,30 @@ class MyLinear(nn.Linear):
 
 
 class WithOwnParam(nn.Module):
-    """Has a parameter of its own and a child, so it is not a leaf."""
+    """Has a parameter of its own and a child holding none, so it is not a leaf but every parameter is its own."""
 
     def __init__(self) -> None:
         super().__init__()
         self.scale = nn.Parameter(torch.ones(4))
         self.inner = nn.Identity()
+
+
+class FusedExperts(nn.Module):
+    """Its weights are its own (3-D, as transformers 5's ``MixtralExperts``), its one child an activation."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = nn.Parameter(torch.ones(2, 4, 4))
+        self.act = nn.SiLU()
+
+
+class OwnParamAndLayer(nn.Module):
+    """A parameter of its own beside a child holding parameters: a container (a ViT's class token beside blocks)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.token = nn.Parameter(torch.ones(4))
+        self.inner = nn.Linear(4, 4)
 
 
 class Model(nn.Module):
@@ -46,6 +64,7 @@ class Model(nn.Module):
         self.mine = MyLinear(4, 2)
         self.own = WithOwnParam()
         self.prelu = nn.PReLU()
+        self.experts = FusedExperts()
 
 
 def names(selection, root=None):
@@ -55,8 +74,9 @@ def names(selection, root=None):
 def test_default_takes_leaves_with_parameters_and_activations():
     assert names(None) == [
         "encoder.0.lin", "encoder.0.relu", "encoder.1.lin", "encoder.1.relu",
-        "norm", "gelu", "mine", "prelu",
-    ]  # not: containers, dropout, flatten, a norm without parameters, a non-leaf with a parameter
+        "norm", "gelu", "mine", "own", "prelu", "experts", "experts.act",
+    ]  # not: containers, dropout, flatten, a norm without parameters; a module whose parameters are all its own
+    # is a layer (an activation inside it is an activation)
 
 
 def test_default_rule_module_by_module():
@@ -65,7 +85,8 @@ def test_default_rule_module_by_module():
     assert not is_default_module(nn.Dropout())  # parameter-free, not an activation
     assert not is_default_module(nn.BatchNorm1d(4, affine=False))
     assert not is_default_module(nn.Sequential(nn.Linear(2, 2)))  # a container
-    assert not is_default_module(WithOwnParam())  # own parameter, but not a leaf
+    assert is_default_module(WithOwnParam()) and is_default_module(FusedExperts())  # every parameter its own
+    assert not is_default_module(OwnParamAndLayer())  # own parameter, but a child with parameters: a container
     assert all(issubclass(t, nn.Module) for t in ACTIVATION_TYPES)
 
 

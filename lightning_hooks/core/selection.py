@@ -58,12 +58,14 @@ def is_default_module(module: nn.Module) -> bool:
     """Whether the default selection takes ``module``.
 
     It takes leaf modules with parameters, activation modules (:func:`is_activation`), and
-    ``WHOLE_TYPES``.
+    ``WHOLE_TYPES``; and a module holding parameters of its own whose children hold none (a layer
+    with an activation inside: transformers 5's fused MoE experts, ``MixtralExperts``, keep their
+    weights as 3-D parameters beside their ``act_fn``; skipped, their outputs were never watched).
     """
     if isinstance(module, WHOLE_TYPES) or is_activation(module):
         return True
-    is_leaf = next(module.children(), None) is None
-    return is_leaf and next(module.parameters(recurse=False), None) is not None
+    own = next(module.parameters(recurse=False), None) is not None
+    return own and all(next(child.parameters(), None) is None for child in module.children())
 
 
 def validate_selection(selection: ModuleSelection) -> None:

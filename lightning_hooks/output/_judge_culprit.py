@@ -11,7 +11,10 @@ A part of :class:`~lightning_hooks.output._judge.Judge` (docs/verdicts.md, "Culp
   first (``_judge_pull.py``).
 - Without an output finding: the last module in forward order whose output gradient went out
   (the first the backward pass reached), then the update ratio that moved most, then the
-  gradient norm.
+  gradient norm. Rows that moved alike (gradients gone to exactly 0 together, or non-finite
+  together) are told apart as output gradients are: the last in forward order, the first the
+  backward pass reached, is named (a zeroed or NaN output takes the gradients of what feeds it,
+  before it, with it).
 - While a named layer is still out, the others that go out are counted as affected, not named;
   a module before every named one that goes out is the cause further up, and is named.
 - The first module in forward order moving out on its own is the batch (its input): ``data``.
@@ -31,6 +34,10 @@ from lightning_hooks.output._row_range import Track, follow, least_change
 #: A module's outputs are judged by its gain where that is this many times quieter than its level: where the
 #: module before it carries the batch-to-batch moves they share (an MLP's, a CNN's layers).
 QUIETER = 1.5
+#: A module before the first one out, leaning out the same way at least 1/LEAN_SHARE as far (log), led it: a ramp
+#: through a product of two branches of one input (Mamba's ``y * silu(z)``, a GLU fed by a norm) moves the product
+#: as its square, twice as far, and the input's move beyond its range is less than half the product's (0.38).
+LEAN_SHARE = 3.0
 
 
 class CulpritNaming:
@@ -92,8 +99,8 @@ class CulpritNaming:
             return max(backward, key=lambda f: self.depth.get(f.layer, 0)).layer
         for figure in ("ratio", "norm"):
             rows = [f for f in fresh if f.figure == figure]
-            if rows:
-                return max(rows, key=lambda f: abs(f.moved)).layer
+            if rows:  # a tie (gradients gone to 0 together, or non-finite): the first the backward pass reached
+                return max(rows, key=lambda f: (abs(f.moved), self.depth.get(f.layer, 0))).layer
         return None
 
     def _first(self) -> str | None:
@@ -114,8 +121,9 @@ class CulpritNaming:
         if first.problem not in RELATIVE["level"] or (own is not None and len(own.held) <= 1):
             return None
         up = first.problem == RELATIVE["level"][0]
-        # Half the way out already, and half as far as ``first``: the same move, not a drift of its own.
-        least = max(math.log(self.bands.level_factor) / 2, abs(first.moved) / 2)
+        # Half the way out already, and a third as far as ``first``: the same move, not a drift of its own. A
+        # product of two branches of one input (a gate times its value) moves as its square: half as far, less noise.
+        least = max(math.log(self.bands.level_factor) / 2, abs(first.moved) / LEAN_SHARE)
         depth = self.depth.get(first.layer, 0)
         tracks = {row: self._track(row) for row in self.levels if self.depth.get(row, 0) < depth}
         leaning = [row for row, track in tracks.items() if track is not None
