@@ -70,7 +70,9 @@ Added next (``benchmarks/_sweep_unseen6.py``, models in ``benchmarks/_sweep_mode
   a Mamba, a StableLM, a Cohere, a MobileNet-like CNN (depthwise convolutions, squeeze-and-excitation), a
   DenseNet-like CNN (concatenated features) and a message-passing network on graphs.
 - ``unseen6b``: the T5's encoder MLP, the MobileNet's excitation Linear, the Mamba's ``in_proj``.
-- ``unseen6s``: the T5, the Mixtral and the MobileNet at seed 1.
+- ``unseen6s``: the T5, the Mixtral, the MobileNet, the Mamba (and its ``in_proj``) and the GNN at seed 1.
+- ``unseen6c``: a BART (post-norm encoder-decoder), the GNN's dead, LR x100, NaN and message Linear, the Mamba's
+  ``x_proj``, dead and NaN, the DenseNet's transition, Cohere's and StableLM's queries growing.
 
 Added next, settings on the zoo's and earlier sweeps' models (``benchmarks/_sweep_unseen7.py``):
 
