@@ -8,6 +8,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Optional, Union
 
 from torch import nn
+from torch.nn.utils import parametrize
 
 from lightning_hooks.core._validation import check_int
 
@@ -16,7 +17,8 @@ ModulePredicate = Callable[[str, nn.Module], bool]
 # type before it falls back to a glob, and lists serialize only with the predicate last.
 ModuleSelection = Union[None, type, str, Sequence[Union[type, str]], ModulePredicate]
 
-#: Parameter-free modules selected by default, beside every leaf module that has parameters.
+#: Parameter-free modules selected by default, beside the modules that hold parameters of their own
+#: (see :func:`is_default_module`).
 ACTIVATION_TYPES: tuple[type[nn.Module], ...] = (
     nn.ReLU, nn.ReLU6, nn.LeakyReLU, nn.PReLU, nn.ELU, nn.SELU, nn.CELU, nn.GELU, nn.SiLU,
     nn.Mish, nn.Sigmoid, nn.Tanh, nn.Hardtanh, nn.Hardsigmoid, nn.Hardswish, nn.Softplus,
@@ -57,15 +59,42 @@ def is_activation(module: nn.Module) -> bool:
 def is_default_module(module: nn.Module) -> bool:
     """Whether the default selection takes ``module``.
 
-    It takes leaf modules with parameters, activation modules (:func:`is_activation`), and
-    ``WHOLE_TYPES``; and a module holding parameters of its own whose children hold none (a layer
-    with an activation inside: transformers 5's fused MoE experts, ``MixtralExperts``, keep their
-    weights as 3-D parameters beside their ``act_fn``; skipped, their outputs were never watched).
+    It takes activation modules (:func:`is_activation`), ``WHOLE_TYPES``, and every module whose
+    parameters are all its own: one whose children hold none (a leaf module with parameters; or a
+    layer with an activation inside: transformers 5's fused MoE experts, ``MixtralExperts``, keep
+    their weights as 3-D parameters beside their ``act_fn``). A parametrized module
+    (``torch.nn.utils.parametrizations.weight_norm``, ``spectral_norm`` ...) counts as a leaf: the
+    parameters in its ``parametrizations`` are its own, and the ``ParametrizationList`` there, whose
+    forward runs on every read of the weight, is never taken. Nor is a module whose only own
+    parameter is an FSDP1 flat parameter (``use_orig_params=False``) beside children: it is a unit.
+
+    Example::
+
+        >>> from torch.nn.utils.parametrizations import weight_norm
+        >>> is_default_module(weight_norm(nn.Conv1d(2, 2, 3)))
+        True
     """
     if isinstance(module, WHOLE_TYPES) or is_activation(module):
         return True
-    own = next(module.parameters(recurse=False), None) is not None
-    return own and all(next(child.parameters(), None) is None for child in module.children())
+    if isinstance(module, parametrize.ParametrizationList):
+        return False
+    children = _children(module)
+    if not children:
+        return next(module.parameters(), None) is not None
+    own = [p for name, p in module.named_parameters(recurse=False) if name != _FLAT_PARAM]
+    if parametrize.is_parametrized(module):
+        own += list(module.parametrizations.parameters())
+    return bool(own) and all(next(child.parameters(), None) is None for child in children)
+
+
+#: The name under which FSDP1 (``use_orig_params=False``) registers a unit's flat parameter.
+_FLAT_PARAM = "_flat_param"
+
+
+def _children(module: nn.Module) -> list[nn.Module]:
+    """``module``'s children, less the ``parametrizations`` of a parametrized module."""
+    skip = module.parametrizations if parametrize.is_parametrized(module) else None
+    return [child for child in module.children() if child is not skip]
 
 
 def validate_selection(selection: ModuleSelection) -> None:
@@ -112,8 +141,8 @@ def select_modules(
 
     Args:
         root: The model, normally the LightningModule itself (never a DDP or FSDP wrapper).
-        selection: None for the default (leaf modules with parameters, plus activation
-            modules), a name glob (``"encoder.*"``), an ``nn.Module`` subclass, a predicate
+        selection: None for the default (:func:`is_default_module`: the modules whose parameters
+            are all their own, plus activation modules), a name glob (``"encoder.*"``), an ``nn.Module`` subclass, a predicate
             ``(name, module) -> bool``, or a list of globs and subclasses (their union).
         argument: The name of the argument the selection came from, for error messages.
 
@@ -129,7 +158,10 @@ def select_modules(
     ]
     names = list(dict.fromkeys(n for n, _ in named))
     if selection is None:
-        wholes = tuple(f"{n}." for n, m in named if isinstance(m, WHOLE_TYPES))
+        # Nothing inside a whole module or a parametrized module's ``parametrizations`` (a user's
+        # parametrization may be an activation, or hold parameters): its forward runs on weight reads.
+        wholes = tuple(f"{n}." for n, m in named if isinstance(m, WHOLE_TYPES)) + tuple(
+            f"{n}.parametrizations." for n, m in named if parametrize.is_parametrized(m))
         chosen = [(n, m) for n, m in named if is_default_module(m) and not n.startswith(wholes)]
     elif callable(selection) and not isinstance(selection, type):
         chosen = [(n, m) for n, m in named if selection(n, m)]
