@@ -2,7 +2,12 @@
 
 import pytest
 import torch
+from lightning.pytorch.loggers import TensorBoardLogger
 from torch import nn
+from torch.nn.utils.parametrizations import spectral_norm, weight_norm
+from torch.nn.utils.parametrize import register_parametrization
+
+from lightning_hooks import ActivationMonitor
 
 from lightning_hooks.core.selection import (
     ACTIVATION_NAMES,
@@ -12,6 +17,7 @@ from lightning_hooks.core.selection import (
     select_modules,
     validate_selection,
 )
+from tests.helpers import TinyNet, events, loader, trainer
 
 
 class Block(nn.Module):
@@ -275,3 +281,38 @@ def test_malformed_selections_fail_before_any_model(selection, error, match):
 @pytest.mark.parametrize("selection", [None, "a", nn.Linear, ["a", nn.ReLU], ("a",), lambda n, m: True])
 def test_well_formed_selections_pass(selection):
     validate_selection(selection)
+
+
+@pytest.mark.parametrize("norm", [weight_norm, spectral_norm])
+@pytest.mark.parametrize("layer", [lambda: nn.Linear(4, 4), lambda: nn.Conv1d(4, 4, 3)])
+def test_a_parametrized_layer_is_taken_whole_and_its_parametrization_list_never(norm, layer):
+    model = nn.Sequential(norm(layer()), nn.ReLU())
+    assert [n for n, _ in select_modules(model, None)] == ["0", "1"]  # not '0.parametrizations.weight'
+    assert not is_default_module(model[0].parametrizations.weight)  # its forward runs on every read of the weight
+
+
+def test_nothing_inside_parametrizations_is_taken_even_an_activation_or_a_module_with_parameters():
+    class Scale(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.scale = nn.Parameter(torch.ones(()))
+
+        def forward(self, weight: torch.Tensor) -> torch.Tensor:
+            return weight * self.scale
+
+    layer = nn.Linear(4, 4)
+    register_parametrization(layer, "weight", Scale())
+    register_parametrization(layer, "bias", nn.Tanh())
+    assert [n for n, _ in select_modules(nn.Sequential(layer), None)] == ["0"]
+
+
+def test_a_weight_normed_layer_logs_its_output_once_a_step(tmp_path):
+    torch.manual_seed(0)
+    model = TinyNet()
+    model.net[0] = weight_norm(model.net[0])
+    monitor = ActivationMonitor(stats=["mean", "calls"])
+    trainer(tmp_path, [monitor], logger=TensorBoardLogger(tmp_path), max_steps=3).fit(model, loader())
+    scalars = events(str(tmp_path)).Tags()["scalars"]
+    assert {t.rpartition("/")[0] for t in scalars} == {"activations/net.0", "activations/net.1", "activations/net.2"}
+    calls = events(str(tmp_path)).Scalars("activations/net.0/calls")
+    assert [(e.step, e.value) for e in calls] == [(0, 1.0), (1, 1.0), (2, 1.0)]  # one forward a step, no weight reads
