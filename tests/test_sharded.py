@@ -184,6 +184,7 @@ from torch import nn
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 sys.path.insert(0, {root!r})
 from lightning_hooks import GradientMonitor
+from lightning_hooks.core.selection import select_modules
 from lightning_hooks.measure._sharding import SHARD_GROUP_ATTRIBUTE, note_flat_shards
 os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="29541")
 dist.init_process_group("gloo", rank=0, world_size=1)
@@ -206,6 +207,10 @@ for where in ("nested", "root"):
 kept, ignored = nn.Linear(4, 4), nn.Linear(4, 1)
 note_flat_shards(FSDP(nn.Sequential(kept, ignored), device_id=cpu, use_orig_params=True, ignored_states=[ignored]))
 print("MARKED", [hasattr(p, SHARD_GROUP_ATTRIBUTE) for p in (*kept.parameters(), *ignored.parameters())])
+for orig in (False, True):
+    unit = FSDP(nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4)), device_id=cpu, use_orig_params=orig)
+    leaf = FSDP(nn.Linear(4, 1), device_id=cpu, use_orig_params=orig)
+    print(f"SELECTED {{'orig' if orig else 'flat'}}:", [n for n, _ in select_modules(nn.Sequential(unit, leaf), None)])
 dist.destroy_process_group()
 """
 
@@ -227,3 +232,9 @@ def test_fsdp1_without_use_orig_params_gets_a_warning_that_figures_are_of_flat_p
 def test_fsdp1_parameters_it_ignores_are_not_marked_as_split():
     marked = next(line for line in _fsdp1_one_process() if line.startswith("MARKED"))
     assert marked == "MARKED [True, True, False, False]"  # whole on every rank: never summed
+
+
+def test_fsdp1_the_default_selection_takes_no_unit_for_its_flat_parameter():
+    selected = dict(line[len("SELECTED "):].split(": ", 1) for line in _fsdp1_one_process() if line.startswith("SELECTED"))
+    # Without use_orig_params the unit's Sequential owns `_flat_param` and its Linears hold none: not a layer.
+    assert selected == {"flat": "['0.1', '1']", "orig": "['0.0', '0.1', '0.2', '1']"}

@@ -65,8 +65,8 @@ class ActivationMonitor(ActivationHooks):
     sparse, quantized and empty tensors are skipped.
 
     Args:
-        modules: Which modules to watch: None (every leaf module with parameters, plus
-            activation modules), a name glob, an ``nn.Module`` subclass, a predicate
+        modules: Which modules to watch: None (every module whose parameters are all its own,
+            a parametrized layer whole, plus activation modules: see ``is_default_module``), a name glob, an ``nn.Module`` subclass, a predicate
             ``(name, module) -> bool``, or a list of globs and subclasses. The only argument
             taken by position; the others are keyword-only.
         log_every_n_steps: Log every this many optimizer steps. None: the Trainer's

@@ -71,8 +71,8 @@ class GradientAnomalyStopping(AnomalyActions):
     their ``action`` or thresholds differ. Works beside Lightning's ``EarlyStopping``.
 
     Args:
-        modules: The modules ``provenance`` watches (None: leaf modules with parameters, and
-            activation modules). The only argument taken by position; the others are keyword-only.
+        modules: The modules ``provenance`` watches (None: every module whose parameters are all
+            its own, and activation modules: see ``is_default_module``). The only argument taken by position; the others are keyword-only.
         action: What to do: ``"stop"``, ``"skip"``, ``"rollback"``, ``"raise"`` or ``"warn"``.
         patience: How many anomalous optimizer steps in a row to tolerate before acting.
         check_finite: Flag gradients that hold a NaN or an Inf.
