@@ -8,7 +8,6 @@ from torch.nn.utils.parametrizations import spectral_norm, weight_norm
 from torch.nn.utils.parametrize import register_parametrization
 
 from lightning_hooks import ActivationMonitor
-
 from lightning_hooks.core.selection import (
     ACTIVATION_NAMES,
     ACTIVATION_TYPES,

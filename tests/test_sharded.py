@@ -235,6 +235,7 @@ def test_fsdp1_parameters_it_ignores_are_not_marked_as_split():
 
 
 def test_fsdp1_the_default_selection_takes_no_unit_for_its_flat_parameter():
-    selected = dict(line[len("SELECTED "):].split(": ", 1) for line in _fsdp1_one_process() if line.startswith("SELECTED"))
+    lines = [line[len("SELECTED "):] for line in _fsdp1_one_process() if line.startswith("SELECTED")]
+    selected = dict(line.split(": ", 1) for line in lines)
     # Without use_orig_params the unit's Sequential owns `_flat_param` and its Linears hold none: not a layer.
     assert selected == {"flat": "['0.1', '1']", "orig": "['0.0', '0.1', '0.2', '1']"}

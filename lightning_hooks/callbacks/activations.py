@@ -66,8 +66,9 @@ class ActivationMonitor(ActivationHooks):
 
     Args:
         modules: Which modules to watch: None (every module whose parameters are all its own,
-            a parametrized layer whole, plus activation modules: see ``is_default_module``), a name glob, an ``nn.Module`` subclass, a predicate
-            ``(name, module) -> bool``, or a list of globs and subclasses. The only argument
+            a parametrized layer whole, plus activation modules: see ``is_default_module``), a
+            name glob, an ``nn.Module`` subclass, a predicate ``(name, module) -> bool``, or a
+            list of globs and subclasses. The only argument
             taken by position; the others are keyword-only.
         log_every_n_steps: Log every this many optimizer steps. None: the Trainer's
             ``log_every_n_steps``.

@@ -81,10 +81,11 @@ class GradientMonitor(GradientCheck):
 
     Args:
         modules: The modules whose parameters get rows (None: every parameter, or with
-            ``"module"`` every module whose parameters are all its own: see ``is_default_module``); also the modules whose outputs
-            ``provenance`` watches. Rows follow what the optimizers train: a parameter in no
-            param group has none until one is added (``BackboneFinetuning``), and a selection
-            with nothing trained warns at fit start. The only argument taken by position; the
+            ``"module"`` every module whose parameters are all its own: see
+            ``is_default_module``); also the modules whose outputs ``provenance`` watches. Rows
+            follow what the optimizers train: a parameter in no param group has none until one
+            is added (``BackboneFinetuning``), and a selection with nothing trained warns at fit
+            start. The only argument taken by position; the
             others are keyword-only.
         log_every_n_steps: Log norms and histograms every this many optimizer steps. None: the
             Trainer's ``log_every_n_steps``.

@@ -72,7 +72,8 @@ class GradientAnomalyStopping(AnomalyActions):
 
     Args:
         modules: The modules ``provenance`` watches (None: every module whose parameters are all
-            its own, and activation modules: see ``is_default_module``). The only argument taken by position; the others are keyword-only.
+            its own, and activation modules: see ``is_default_module``). The only argument taken
+            by position; the others are keyword-only.
         action: What to do: ``"stop"``, ``"skip"``, ``"rollback"``, ``"raise"`` or ``"warn"``.
         patience: How many anomalous optimizer steps in a row to tolerate before acting.
         check_finite: Flag gradients that hold a NaN or an Inf.

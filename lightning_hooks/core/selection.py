@@ -142,8 +142,9 @@ def select_modules(
     Args:
         root: The model, normally the LightningModule itself (never a DDP or FSDP wrapper).
         selection: None for the default (:func:`is_default_module`: the modules whose parameters
-            are all their own, plus activation modules), a name glob (``"encoder.*"``), an ``nn.Module`` subclass, a predicate
-            ``(name, module) -> bool``, or a list of globs and subclasses (their union).
+            are all their own, plus activation modules), a name glob (``"encoder.*"``), an
+            ``nn.Module`` subclass, a predicate ``(name, module) -> bool``, or a list of globs and
+            subclasses (their union).
         argument: The name of the argument the selection came from, for error messages.
 
     Raises:
