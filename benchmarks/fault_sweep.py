@@ -94,6 +94,7 @@ from benchmarks._sweep_lastblock import lastblock  # noqa: E402
 from benchmarks._sweep_unseen3 import unseen3  # noqa: E402
 from benchmarks._sweep_unseen4 import unseen4  # noqa: E402
 from benchmarks._sweep_unseen5 import unseen5  # noqa: E402
+from benchmarks._sweep_unseen8 import unseen8  # noqa: E402
 from benchmarks._sweep_variant import Variant, register  # noqa: E402
 from benchmarks.fault_zoo import JUMP, Case, judge_case, run_case  # noqa: E402
 
@@ -131,7 +132,7 @@ def variants() -> dict[str, list[Variant]]:
              Variant("optim", "mlp", ("healthy", "ramp", "jump"), precision="bf16-mixed"),
              Variant("optim", "cnn", ("healthy", "ramp", "jump"), precision="bf16-mixed")]
     return {"models": models, "layers": _layers(), "rates": rates, "onsets": onsets, "every": every, "optim": optim,
-            **_unseen(), **unseen3(), **unseen4(), **unseen5(), **creep(), **lastblock()}
+            **_unseen(), **unseen3(), **unseen4(), **unseen5(), **unseen8(), **creep(), **lastblock()}
 
 
 def _unseen() -> dict[str, list[Variant]]:
