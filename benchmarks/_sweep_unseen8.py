@@ -11,6 +11,9 @@ models), each with its healthy twin, at seed 0:
   the LSTMs.
 - ``unseen8d``: a second position per transformer: an attention output projection, a norm (pre-norm, post-norm,
   an embedding's), dead or NaN.
+- ``unseen8e``: the LR x100 in an attention output projection, a pre-norm RMSNorm, a post-norm LayerNorm and a
+  token embedding (recipes ``<model>~<module>``, whose ``lr100`` param group is that module); the gradient cut
+  at an attention output projection; a pre-norm RMSNorm's weights shrunk; a token embedding dead.
 
 The ``attn`` fault grows a fused q/k/v projection where the model has one (BLOOM), else the queries.
 """
@@ -73,6 +76,24 @@ def _positions() -> list[Variant]:
             Variant("unseen8d", "llama16", ("nan",), target="net.model.layers.8.input_layernorm")]
 
 
+def _lr_at(model: str, module: str) -> str:
+    """A recipe ``<model>~<module's last name>`` whose ``lr100`` param group is ``module``."""
+    name = f"{model}~{module.rsplit('.', 1)[-1]}"
+    RECIPES[name] = replace(RECIPES[model], name=name, targets={**RECIPES[model].targets, "lr100": module})
+    return name
+
+
+def _elsewhere() -> list[Variant]:
+    blk = "net.model.layers.2"
+    lr = [Variant("unseen8e", _lr_at(m, t), ("lr100",)) for m, t in
+          (("qwen3", f"{blk}.self_attn.o_proj"), ("gemma", f"{blk}.post_attention_layernorm"),
+           ("roberta", "net.roberta.encoder.layer.2.attention.output.LayerNorm"), ("bigcode", "net.transformer.wte"))]
+    return [*lr, Variant("unseen8e", "phi", ("gradvanish",), target=f"{blk}.self_attn.dense"),
+            Variant("unseen8e", "llama16", ("vanish",), target="net.model.layers.8.post_attention_layernorm"),
+            Variant("unseen8e", "gptj", ("dead",), target="net.transformer.wte")]
+
+
 def unseen8() -> dict[str, list[Variant]]:
-    """The groups: ``unseen8``, ``unseen8b`` (transformers' faults), ``unseen8c`` (the others'), ``unseen8d``."""
-    return {"unseen8": _first(), "unseen8b": _second(), "unseen8c": _others(), "unseen8d": _positions()}
+    """The groups: ``unseen8``, ``unseen8b`` (transformers' faults), ``unseen8c`` (the others'), ``unseen8d``, ``e``."""
+    return {"unseen8": _first(), "unseen8b": _second(), "unseen8c": _others(), "unseen8d": _positions(),
+            "unseen8e": _elsewhere()}
