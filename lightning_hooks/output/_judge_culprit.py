@@ -14,7 +14,9 @@ A part of :class:`~lightning_hooks.output._judge.Judge` (docs/verdicts.md, "Culp
   gradient norm.
 - While a named layer is still out, the others that go out are counted as affected, not named;
   a module before every named one that goes out is the cause further up, and is named.
-- The first module in forward order moving out on its own is the batch (its input): ``data``.
+- The first module in forward order moving out on its own is the batch (its input): ``data``; not where its own
+  update ratio went out up at the step while its gradient norm did not (its learning rate), nor where its outputs
+  are dead or non-finite (``its_own``).
 """
 
 from __future__ import annotations
@@ -31,6 +33,20 @@ from lightning_hooks.output._row_range import Track, follow, least_change
 #: A module's outputs are judged by its gain where that is this many times quieter than its level: where the
 #: module before it carries the batch-to-batch moves they share (an MLP's, a CNN's layers).
 QUIETER = 1.5
+
+
+def its_own(layer: str, found: Collection[Finding]) -> bool:
+    """Whether the first module's step out is its own fault, not its input's (the batch's), at the step.
+
+    Its outputs dead (exact zeros) or non-finite are its own, as the judge says them of any module. Its own
+    update ratio out up while its gradient norm is not is a step size per unit of gradient out: its param
+    group's learning rate, which no batch moves (a batch x30 moves the gradient under SGD, and leaves Adam's
+    update about as it was).
+    """
+    if any(f.row == layer and f.problem in ("dead", "nonfinite") for f in found):
+        return True
+    fast = {f.row for f in found if f.layer == layer and f.problem == RELATIVE["ratio"][0]}
+    return bool(fast - {f.row for f in found if f.layer == layer and f.problem == RELATIVE["norm"][0]})
 
 
 class CulpritNaming:
@@ -65,7 +81,8 @@ class CulpritNaming:
         elif layered and not data:
             culprit = self._culprit(layered)
             if culprit is not None and culprit == self._first() and self._left_by_a_step(culprit) and any(
-                    f.layer == culprit and f.problem in RELATIVE["level"] for f in layered):
+                    f.layer == culprit and f.problem in RELATIVE["level"] for f in layered) and not its_own(
+                    culprit, layered):
                 data = True  # the first module's inputs are the batch (its outputs moved; dead or NaN is its own)
             elif culprit is not None:
                 if all(f.layer != culprit for f in layered):  # leaning, not yet out: named for the move it leads
