@@ -14,6 +14,9 @@ models), each with its healthy twin, at seed 0:
 - ``unseen8e``: the LR x100 in an attention output projection, a pre-norm RMSNorm, a post-norm LayerNorm and a
   token embedding (recipes ``<model>~<module>``, whose ``lr100`` param group is that module); the gradient cut
   at an attention output projection; a pre-norm RMSNorm's weights shrunk; a token embedding dead.
+- ``unseen8f`` (added after the judge's first-module rule, to try it where it was not built): the LR x100 in the
+  first module of the Qwen3, the Falcon (token embeddings), the MLP (Adam) and the CNN (SGD); a token embedding
+  dead in the Falcon and the Qwen3.
 
 The ``attn`` fault grows a fused q/k/v projection where the model has one (BLOOM), else the queries.
 """
@@ -93,7 +96,15 @@ def _elsewhere() -> list[Variant]:
             Variant("unseen8e", "gptj", ("dead",), target="net.transformer.wte")]
 
 
+def _first_modules() -> list[Variant]:
+    lr = [Variant("unseen8f", _lr_at(m, t), ("lr100",)) for m, t in
+          (("qwen3", "net.model.embed_tokens"), ("falcon", "net.transformer.word_embeddings"), ("mlp", "0"),
+           ("cnn", "stem.0"))]
+    return [*lr, Variant("unseen8f", "falcon", ("dead",), target="net.transformer.word_embeddings"),
+            Variant("unseen8f", "qwen3", ("dead",), target="net.model.embed_tokens")]
+
+
 def unseen8() -> dict[str, list[Variant]]:
-    """The groups: ``unseen8``, ``unseen8b`` (transformers' faults), ``unseen8c`` (the others'), ``unseen8d``, ``e``."""
+    """The groups: ``unseen8``, ``unseen8b`` (transformers' faults), ``unseen8c`` (the others'), ``unseen8d``-``f``."""
     return {"unseen8": _first(), "unseen8b": _second(), "unseen8c": _others(), "unseen8d": _positions(),
-            "unseen8e": _elsewhere()}
+            "unseen8e": _elsewhere(), "unseen8f": _first_modules()}
