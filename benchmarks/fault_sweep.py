@@ -64,12 +64,8 @@ Added next (``benchmarks/_sweep_unseen5.py``):
 - ``unseen5c``: ramps of 2% and 6% a step, jumps x0.5, x1.8, x5, a shrink x0.2, onsets at 60% and 80%, logged
   every 4 and 8, batch sizes 4 and 64, weight decay 0.1 under SGD, clipping at 0.5.
 
-Added next (``benchmarks/_sweep_unseen8.py``):
-
-- ``unseen8`` ... ``unseen8c``: the abrupt faults (dead, vanish, LR x100, NaN, data, the output gradient cut,
-  queries growing) on the ``unseen4``/``unseen5`` models, GPT-J, the ConvNeXt, the Mixer and the LSTMs.
-- ``unseen8d``, ``unseen8e``: attention output projections, norms and embeddings dead, NaN, at LR x100, cut.
-- ``unseen8f``: the LR x100 in first modules, token embeddings dead.
+Added next (``benchmarks/_sweep_unseen8.py``): ``unseen8`` ... ``unseen8f``, the abrupt faults on the later models,
+at attention output projections, norms, embeddings and first modules.
 
 Per case: the culprit named first, the layers named before it, the delay (steps from the onset
 to the first logged step that names it), on healthy runs the verdict lines after the first 10%,
