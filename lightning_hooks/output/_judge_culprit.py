@@ -41,11 +41,12 @@ def its_own(layer: str, found: Collection[Finding]) -> bool:
     Its outputs dead (exact zeros) or non-finite are its own, as the judge says them of any module. Its own
     update ratio out up while its gradient norm is not is a step size per unit of gradient out: its param
     group's learning rate, which no batch moves (a batch x30 moves the gradient under SGD, and leaves Adam's
-    update about as it was).
+    update about as it was). The ratio out of its own range at the step, not one far above its peers' from the
+    first step on (a param group's LR set high: no change at the step).
     """
     if any(f.row == layer and f.problem in ("dead", "nonfinite") for f in found):
         return True
-    fast = {f.row for f in found if f.layer == layer and f.problem == RELATIVE["ratio"][0]}
+    fast = {f.row for f in found if f.layer == layer and f.problem == RELATIVE["ratio"][0] and f.figure == "ratio"}
     return bool(fast - {f.row for f in found if f.layer == layer and f.problem == RELATIVE["norm"][0]})
 
 
