@@ -88,6 +88,9 @@ Added next, settings on the zoo's and earlier sweeps' models (``benchmarks/_swee
 - ``unseen7f``: one-cycle on GPT-2 and the CNN, linear decay on LLaMA, a 40% warm-up on Qwen2 at 3e-3, healthy
   LLaMA and Qwen2 runs of 400-500 steps logged every step.
 
+Added next (``benchmarks/_sweep_unseen8.py``): ``unseen8`` ... ``unseen8f``, the abrupt faults on the later models,
+at attention output projections, norms, embeddings and first modules.
+
 Per case: the culprit named first, the layers named before it, the delay (steps from the onset
 to the first logged step that names it), on healthy runs the verdict lines after the first 10%,
 and for a data fault whether it was said as "every layer at once".
@@ -120,6 +123,7 @@ from benchmarks._sweep_unseen4 import unseen4  # noqa: E402
 from benchmarks._sweep_unseen5 import unseen5  # noqa: E402
 from benchmarks._sweep_unseen6 import unseen6  # noqa: E402
 from benchmarks._sweep_unseen7 import unseen7  # noqa: E402
+from benchmarks._sweep_unseen8 import unseen8  # noqa: E402
 from benchmarks._sweep_variant import Variant, register  # noqa: E402
 from benchmarks.fault_zoo import JUMP, Case, judge_case, run_case  # noqa: E402
 
@@ -157,7 +161,8 @@ def variants() -> dict[str, list[Variant]]:
              Variant("optim", "mlp", ("healthy", "ramp", "jump"), precision="bf16-mixed"),
              Variant("optim", "cnn", ("healthy", "ramp", "jump"), precision="bf16-mixed")]
     return {"models": models, "layers": _layers(), "rates": rates, "onsets": onsets, "every": every, "optim": optim,
-            **_unseen(), **unseen3(), **unseen4(), **unseen5(), **unseen6(), **unseen7(), **creep(), **lastblock()}
+            **_unseen(), **unseen3(), **unseen4(), **unseen5(), **unseen6(), **unseen7(), **unseen8(), **creep(),
+            **lastblock()}
 
 
 def _unseen() -> dict[str, list[Variant]]:

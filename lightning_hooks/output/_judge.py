@@ -78,7 +78,7 @@ from lightning_hooks.output._findings import (
 )
 from lightning_hooks.output._health_bands import Bands
 from lightning_hooks.output._judge_absolute import absolute_problems
-from lightning_hooks.output._judge_culprit import CulpritNaming
+from lightning_hooks.output._judge_culprit import CulpritNaming, its_own
 from lightning_hooks.output._judge_data import gradients_jumped_together, outputs_out_together, singled_out
 from lightning_hooks.output._judge_gain import GainJudging
 from lightning_hooks.output._judge_pull import PULL, asked_for
@@ -248,7 +248,9 @@ class Judge(GainJudging, CulpritNaming):
         """Every layer at once, the batch rather than a layer (:mod:`~lightning_hooks.output._judge_data`)."""
         levels = figures.get("level", {})
         first = self._first() if len(levels) >= 3 else None
-        if outputs_out_together(found, levels, first if first and self._left_by_a_step(first) else None):
+        if first is not None and (not self._left_by_a_step(first) or its_own(first, found)):
+            first = None  # a ramp out of the first module, or its own fault: not the batch's step
+        if outputs_out_together(found, levels, first):
             return True
         if len(figures.get("norm", ())) < 3 or singled_out(found):
             return False

@@ -17,7 +17,9 @@ A part of :class:`~lightning_hooks.output._judge.Judge` (docs/verdicts.md, "Culp
   before it, with it).
 - While a named layer is still out, the others that go out are counted as affected, not named;
   a module before every named one that goes out is the cause further up, and is named.
-- The first module in forward order moving out on its own is the batch (its input): ``data``.
+- The first module in forward order moving out on its own is the batch (its input): ``data``; not where its own
+  update ratio went out up at the step while its gradient norm did not (its learning rate), nor where its outputs
+  are dead or non-finite (``its_own``).
 """
 
 from __future__ import annotations
@@ -39,6 +41,21 @@ QUIETER = 1.5
 #: of it (the Mamba mixer's ``out_proj``, ``y(x) * silu(z)``, 2.4 times its ``in_proj``'s move; 0.38 beyond their
 #: ranges). One leaning since before (a layer learning) must be half as far.
 LEAN_SHARE = 3.0
+
+
+def its_own(layer: str, found: Collection[Finding]) -> bool:
+    """Whether the first module's step out is its own fault, not its input's (the batch's), at the step.
+
+    Its outputs dead (exact zeros) or non-finite are its own, as the judge says them of any module. Its own
+    update ratio out up while its gradient norm is not is a step size per unit of gradient out: its param
+    group's learning rate, which no batch moves (a batch x30 moves the gradient under SGD, and leaves Adam's
+    update about as it was). The ratio out of its own range at the step, not one far above its peers' from the
+    first step on (a param group's LR set high: no change at the step).
+    """
+    if any(f.row == layer and f.problem in ("dead", "nonfinite") for f in found):
+        return True
+    fast = {f.row for f in found if f.layer == layer and f.problem == RELATIVE["ratio"][0] and f.figure == "ratio"}
+    return bool(fast - {f.row for f in found if f.layer == layer and f.problem == RELATIVE["norm"][0]})
 
 
 class CulpritNaming:
@@ -73,7 +90,8 @@ class CulpritNaming:
         elif layered and not data:
             culprit = self._culprit(layered)
             if culprit is not None and culprit == self._first() and self._left_by_a_step(culprit) and any(
-                    f.layer == culprit and f.problem in RELATIVE["level"] for f in layered):
+                    f.layer == culprit and f.problem in RELATIVE["level"] for f in layered) and not its_own(
+                    culprit, layered):
                 data = True  # the first module's inputs are the batch (its outputs moved; dead or NaN is its own)
             elif culprit is not None:
                 if all(f.layer != culprit for f in layered):  # leaning, not yet out: named for the move it leads
