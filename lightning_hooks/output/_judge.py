@@ -87,6 +87,7 @@ from lightning_hooks.output._row_range import (
     Track,
     follow,
     judge_value,
+    lean_slowed,
     track_from_state,
     track_state,
 )
@@ -165,7 +166,18 @@ class Judge(GainJudging, CulpritNaming):
                  for f in self._stacked([f for f in gains if f.row in by_gain])
                  if f.row in self.named or self._level_agrees(f)]
         last = self._last()
-        return [f for f in kept if not asked_for(f, last, self.pulls, self.named)]
+        return [f for f in kept if not asked_for(f, last, self.pulls, self.named) and not self._slowed(f)]
+
+    def _slowed(self, found: Finding) -> bool:
+        """Whether a module's outputs, out and not named yet, lean away from their range no faster than a creep.
+
+        A row whose lean slowed under ``CREEP_PER_STEP`` a step over its last points (``lean_slowed``) is a
+        layer's learning settling; a ramp keeps its pace. One named stays named while out.
+        """
+        if found.layer in self.named or found.problem not in RELATIVE["level"]:
+            return False
+        track = self._track(found.row)
+        return track is not None and lean_slowed(track, self.gap)
 
     def _stacked(self, found: list[Finding]) -> list[Finding]:
         """The findings less the outputs that grew with their whole kind (:meth:`_grew_with_kind`).
