@@ -8,6 +8,7 @@ rows: a ramp of 0.5% a step, the slowest the judge must catch, keeps its pace an
 from __future__ import annotations
 
 import json
+import math
 import random
 from collections import deque
 from pathlib import Path
@@ -17,7 +18,7 @@ import pytest
 from lightning_hooks.output import _judge
 from lightning_hooks.output._health_bands import Bands
 from lightning_hooks.output._judge import Judge
-from lightning_hooks.output._row_range import Track, judge_value, lean_slowed
+from lightning_hooks.output._row_range import Track, judge_value, lean_slowed, least_change
 
 RECORDED = Path(__file__).parent / "data" / "gpt2_onecycle_std.json"
 
@@ -38,7 +39,7 @@ def test_a_healthy_layer_whose_lean_slowed_before_it_was_named_is_not_named(monk
     Without the rule it is named at steps 107-119 (its std agreeing with its gain only by then).
     """
     assert recorded_names() == []
-    monkeypatch.setattr(_judge, "lean_slowed", lambda track, gap: False)
+    monkeypatch.setattr(_judge, "lean_slowed", lambda track, gap, floor: False)
     named = recorded_names()
     assert {layer for _, layer in named} == {"h.1.mlp.c_fc"} and 100 <= named[0][0] <= 120, named
 
@@ -49,7 +50,7 @@ def lean_track(move, seed: int, gap: int = 2, points: int = 120) -> list[bool]:
     for i in range(points):
         judge_value(track, move(i) + rng.gauss(0, 0.005), "gain", Bands(), gap=gap)
         if track.held:
-            slowed.append(lean_slowed(track, gap))
+            slowed.append(lean_slowed(track, gap, least_change("gain", Bands())))
     return slowed
 
 
@@ -69,3 +70,10 @@ def test_a_lean_that_stopped_reads_as_slowed(seed):
     """A gain x1.2 in 6 points, then steady (logged every 2): slowed once 8 held points passed the stop."""
     slowed = lean_track(lambda i: 0.03 * min(6, max(0, i - 40)), seed)
     assert len(slowed) >= 20 and slowed[-1] and not any(slowed[:8]), slowed
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_a_step_that_stays_far_out_never_reads_as_slowed(seed):
+    """A gain x1.5 at point 40, held there: out past twice its least change, a step's, however still it stays."""
+    slowed = lean_track(lambda i: math.log(1.5) * (i >= 40), seed)
+    assert len(slowed) >= 20 and not any(slowed), slowed

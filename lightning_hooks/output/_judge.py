@@ -88,6 +88,7 @@ from lightning_hooks.output._row_range import (
     follow,
     judge_value,
     lean_slowed,
+    least_change,
     track_from_state,
     track_state,
 )
@@ -177,7 +178,8 @@ class Judge(GainJudging, CulpritNaming):
         if found.layer in self.named or found.problem not in RELATIVE["level"]:
             return False
         track = self._track(found.row)
-        return track is not None and lean_slowed(track, self.gap)
+        figure = "gain" if track is self.tracks.get("gain", {}).get(found.row) else "level"
+        return track is not None and lean_slowed(track, self.gap, least_change(figure, self.bands))
 
     def _stacked(self, found: list[Finding]) -> list[Finding]:
         """The findings less the outputs that grew with their whole kind (:meth:`_grew_with_kind`).

@@ -182,13 +182,15 @@ def creeping(track: Track, deviation: float, gap: int) -> bool:
     return abs(deviation) < CREEP_PER_STEP * gap * (len(track.held) + 1)
 
 
-def lean_slowed(track: Track, gap: int) -> bool:
+def lean_slowed(track: Track, gap: int, floor: float) -> bool:
     """Whether a row leaning out now moves away from its range slower than ``CREEP_PER_STEP`` a step.
 
     Its held values' deviations beyond its (held) range, the newest ``SLOW_POINTS`` against the as many
-    before: a layer whose learning sped it out of its range and then slowed (healthy GPT-2 under a
-    one-cycle LR: 0.47% a step, then 0.1%) is not leaning away any more; a ramp keeps its pace. False
-    with fewer held values, or more than the track keeps (their points unknown).
+    before (or the newest alone, where it is further out: a step, or a ramp just begun on a slow lean): a
+    layer whose learning sped it out of its range and then slowed (healthy GPT-2 under a one-cycle LR: 0.47%
+    a step, then 0.1%) is not leaning away any more; a ramp keeps its pace. Only a row just past its range
+    (within twice its least change ``floor``, as a drift that settles): one further out went there by a step or
+    a fast ramp, and stays out. False with fewer held values, or more than the track keeps (their points unknown).
     """
     held = list(track.held)
     if len(held) < 2 * SLOW_POINTS or len(held) == track.held.maxlen or not track.logs:
@@ -197,8 +199,11 @@ def lean_slowed(track: Track, gap: int) -> bool:
     high, low = max(level, *track.logs), min(level, *track.logs)
     devs = [max(0.0, x - max(high, level + slope * (lag + i))) + min(0.0, x - min(low, level + slope * (lag + i)))
             for i, x in enumerate(held)]
-    moved = statistics.median(devs[-SLOW_POINTS:]) - statistics.median(devs[-2 * SLOW_POINTS:-SLOW_POINTS])
-    return math.copysign(moved, devs[-1]) < CREEP_PER_STEP * gap * SLOW_POINTS
+    sign = math.copysign(1.0, devs[-1])
+    if abs(devs[-1]) > 2 * floor * (1 if sign > 0 else 2):
+        return False
+    now = max(sign * statistics.median(devs[-SLOW_POINTS:]), sign * devs[-1])  # a step or a ramp's start: the newest
+    return now - sign * statistics.median(devs[-2 * SLOW_POINTS:-SLOW_POINTS]) < CREEP_PER_STEP * gap * SLOW_POINTS
 
 
 def _deviation(track: Track, x: float, figure: str, floor: float) -> tuple[Optional[float], float]:
