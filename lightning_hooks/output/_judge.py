@@ -56,6 +56,8 @@ step at a time, with every judged figure of that step. How it decides (docs/verd
 - Absolute rules where the physics gives a bound (:mod:`~lightning_hooks.output._judge_absolute`):
   a NaN or Inf; more than ``max_zero_fraction`` exact zeros (dead units); TransformerStability's
   logit, entropy and massive-activation bounds. They judge from the first logged step.
+- A module's outputs out of range, not named yet, whose lean slowed under ``CREEP_PER_STEP`` a step over its
+  last points (``lean_slowed``: a layer's learning settling, within twice the least change) are not named.
 - A row's own range judges from its ``min_points``-th value and ``WARM_STEPS_PER_POINT * min_points``
   steps on: the first steps move every layer, and no history tells learning from a fault there.
 """
