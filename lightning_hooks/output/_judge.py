@@ -56,6 +56,8 @@ step at a time, with every judged figure of that step. How it decides (docs/verd
 - Absolute rules where the physics gives a bound (:mod:`~lightning_hooks.output._judge_absolute`):
   a NaN or Inf; more than ``max_zero_fraction`` exact zeros (dead units); TransformerStability's
   logit, entropy and massive-activation bounds. They judge from the first logged step.
+- A module's outputs out of range, not named yet, whose lean slowed under ``CREEP_PER_STEP`` a step over its
+  last points (``lean_slowed``: a layer's learning settling, within twice the least change) are not named.
 - A row's own range judges from its ``min_points``-th value and ``WARM_STEPS_PER_POINT * min_points``
   steps on: the first steps move every layer, and no history tells learning from a fault there.
 """
@@ -87,6 +89,8 @@ from lightning_hooks.output._row_range import (
     Track,
     follow,
     judge_value,
+    lean_slowed,
+    least_change,
     track_from_state,
     track_state,
 )
@@ -165,7 +169,19 @@ class Judge(GainJudging, CulpritNaming):
                  for f in self._stacked([f for f in gains if f.row in by_gain])
                  if f.row in self.named or self._level_agrees(f)]
         last = self._last()
-        return [f for f in kept if not asked_for(f, last, self.pulls, self.named)]
+        return [f for f in kept if not asked_for(f, last, self.pulls, self.named) and not self._slowed(f)]
+
+    def _slowed(self, found: Finding) -> bool:
+        """Whether a module's outputs, out and not named yet, lean away from their range no faster than a creep.
+
+        A row whose lean slowed under ``CREEP_PER_STEP`` a step over its last points (``lean_slowed``) is a
+        layer's learning settling; a ramp keeps its pace. One named stays named while out.
+        """
+        if found.layer in self.named or found.problem not in RELATIVE["level"]:
+            return False
+        track = self._track(found.row)
+        figure = "gain" if track is self.tracks.get("gain", {}).get(found.row) else "level"
+        return track is not None and lean_slowed(track, self.gap, least_change(figure, self.bands))
 
     def _stacked(self, found: list[Finding]) -> list[Finding]:
         """The findings less the outputs that grew with their whole kind (:meth:`_grew_with_kind`).

@@ -35,6 +35,9 @@ GAIN_POWER = 0.7
 #: is a finding: a step no early learning takes (healthy: at most x2.4 over every recorded case).
 WARM_JUMP = math.log(5.0)
 WARM_POINTS = 4
+#: A lean has slowed to a creep where its deviation's median over its last this many held points moved less than
+#: ``CREEP_PER_STEP`` a step from the median of the as many before (a healthy layer learning fast, then slower).
+SLOW_POINTS = 8
 
 
 @dataclass
@@ -177,6 +180,30 @@ def creeping(track: Track, deviation: float, gap: int) -> bool:
     Such a row is held as a drift (its level follows it after ``min_points`` points), not named.
     """
     return abs(deviation) < CREEP_PER_STEP * gap * (len(track.held) + 1)
+
+
+def lean_slowed(track: Track, gap: int, floor: float) -> bool:
+    """Whether a row leaning out now moves away from its range slower than ``CREEP_PER_STEP`` a step.
+
+    Its held values' deviations beyond its (held) range, the newest ``SLOW_POINTS`` against the as many
+    before (or the newest alone, where it is further out: a step, or a ramp just begun on a slow lean): a
+    layer whose learning sped it out of its range and then slowed (healthy GPT-2 under a one-cycle LR: 0.47%
+    a step, then 0.1%) is not leaning away any more; a ramp keeps its pace. Only a row just past its range
+    (within twice its least change ``floor``, as a drift that settles): one further out went there by a step or
+    a fast ramp, and stays out. False with fewer held values, or more than the track keeps (their points unknown).
+    """
+    held = list(track.held)
+    if len(held) < 2 * SLOW_POINTS or len(held) == track.held.maxlen or not track.logs:
+        return False
+    level, slope, lag, _ = usual_range(track.logs)
+    high, low = max(level, *track.logs), min(level, *track.logs)
+    devs = [max(0.0, x - max(high, level + slope * (lag + i))) + min(0.0, x - min(low, level + slope * (lag + i)))
+            for i, x in enumerate(held)]
+    sign = math.copysign(1.0, devs[-1])
+    if abs(devs[-1]) > 2 * floor * (1 if sign > 0 else 2):
+        return False
+    now = max(sign * statistics.median(devs[-SLOW_POINTS:]), sign * devs[-1])  # a step or a ramp's start: the newest
+    return now - sign * statistics.median(devs[-2 * SLOW_POINTS:-SLOW_POINTS]) < CREEP_PER_STEP * gap * SLOW_POINTS
 
 
 def _deviation(track: Track, x: float, figure: str, floor: float) -> tuple[Optional[float], float]:

@@ -1,0 +1,79 @@
+"""A lean that slowed to a creep before it was named is a layer's learning settling, not a ramp (docs/verdicts.md).
+
+Fast: a recorded healthy GPT-2 under a one-cycle LR (its modules' stds, `tests/data/gpt2_onecycle_std.json`),
+whose block 1 ``mlp.c_fc`` gain leaned 0.47% a step and then 0.1-0.25% (`benchmarks/unseen7.md`); and hand-built
+rows: a ramp of 0.5% a step, the slowest the judge must catch, keeps its pace and never reads as slowed.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+from collections import deque
+from pathlib import Path
+
+import pytest
+
+from lightning_hooks.output import _judge
+from lightning_hooks.output._health_bands import Bands
+from lightning_hooks.output._judge import Judge
+from lightning_hooks.output._row_range import Track, judge_value, lean_slowed, least_change
+
+RECORDED = Path(__file__).parent / "data" / "gpt2_onecycle_std.json"
+
+
+def recorded_names() -> list[tuple[int, str]]:
+    """The (step, module) the judge names over the recorded healthy run's first 125 steps."""
+    data = json.loads(RECORDED.read_text())
+    judge, named = Judge(Bands(), data["modules"]), []
+    for step, stds in zip(data["steps"], data["std"]):
+        judged = judge.step({"level": dict(zip(data["modules"], stds))}, step)
+        named += [(step, f.layer) for f in judged.named]
+    return named
+
+
+def test_a_healthy_layer_whose_lean_slowed_before_it_was_named_is_not_named(monkeypatch):
+    """Block 1's ``mlp.c_fc`` gain x1.25 beyond its range by step 107, leaning 0.1% a step there: no name.
+
+    Without the rule it is named at steps 107-119 (its std agreeing with its gain only by then).
+    """
+    assert recorded_names() == []
+    monkeypatch.setattr(_judge, "lean_slowed", lambda track, gap, floor: False)
+    named = recorded_names()
+    assert {layer for _, layer in named} == {"h.1.mlp.c_fc"} and 100 <= named[0][0] <= 120, named
+
+
+def lean_track(move, seed: int, gap: int = 2, points: int = 120) -> list[bool]:
+    """``lean_slowed`` at each point of a gain row (steady to 0.5%, times ``exp(move(point))``) while it leans out."""
+    rng, track, slowed = random.Random(seed), Track(deque(maxlen=32)), []
+    for i in range(points):
+        judge_value(track, move(i) + rng.gauss(0, 0.005), "gain", Bands(), gap=gap)
+        if track.held:
+            slowed.append(lean_slowed(track, gap, least_change("gain", Bands())))
+    return slowed
+
+
+@pytest.mark.parametrize("gap", [2, 5])
+@pytest.mark.parametrize("seed", range(4))
+def test_a_ramp_of_half_a_percent_a_step_never_reads_as_slowed(gap, seed):
+    """From point 40 a gain grows 0.5% a step, logged every 2 or 5 steps: it leans out and keeps its pace.
+
+    (Logged every step, 0.5% a point is under the gain's noise floor: the row takes it in as its trend.)
+    """
+    slowed = lean_track(lambda i: 0.005 * gap * max(0, i - 40), seed, gap)
+    assert len(slowed) >= 2 * 8 and not any(slowed), slowed
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_a_lean_that_stopped_reads_as_slowed(seed):
+    """A gain x1.2 in 6 points, then steady (logged every 2): slowed once 8 held points passed the stop."""
+    slowed = lean_track(lambda i: 0.03 * min(6, max(0, i - 40)), seed)
+    assert len(slowed) >= 20 and slowed[-1] and not any(slowed[:8]), slowed
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_a_step_that_stays_far_out_never_reads_as_slowed(seed):
+    """A gain x1.5 at point 40, held there: out past twice its least change, a step's, however still it stays."""
+    slowed = lean_track(lambda i: math.log(1.5) * (i >= 40), seed)
+    assert len(slowed) >= 20 and not any(slowed), slowed
