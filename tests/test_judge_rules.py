@@ -410,3 +410,20 @@ def test_a_module_before_leaning_out_points_after_the_first_one_out_is_its_victi
         found = first_named(Judge(Bands(), CHAIN), figures(seed), 100)
         assert found is not None and found[1] == {"mlp"} and 70 < found[0] <= 76, (seed, found)
 
+
+@pytest.mark.parametrize("other", [0.0, 30.0])  # gone to 0, or x30 (at most 30 times its norm): NaN moved further
+def test_a_non_finite_gradient_ties_with_gradients_gone_to_0_and_beats_a_finite_move(other):
+    """From point 60 ``mlp``'s weight gradient is NaN and ``attn``'s ``other`` times its norm: the NaN counts as
+    moved without bound, so the last in forward order out so far (``mlp``) is named first."""
+    def figures(seed):
+        base = zeroed_gradients(seed, set())
+
+        def at(i: int) -> dict[str, dict[str, float]]:
+            found = base(i)
+            if i >= 60:
+                found["norm"]["mlp.weight"], found["norm"]["attn.weight"] = math.nan, other * 2.0
+            return found
+        return at
+    for seed in range(4):
+        found = first_named(Judge(Bands(), CHAIN), figures(seed), 70)
+        assert found is not None and found[:2] == (60, {"mlp"}), (seed, found)

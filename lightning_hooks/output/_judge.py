@@ -195,7 +195,7 @@ class Judge(GainJudging, CulpritNaming):
             common = self._loss_side_move(logs, last)
         self.moves[figure] = common
         self.offset[figure] = self.offset.get(figure, 0.0) + common  # the peers' path, taken out
-        found = [Finding(row, self.layer(figure, row), "nonfinite_grad", v, figure)
+        found = [Finding(row, self.layer(figure, row), "nonfinite_grad", v, figure, math.inf)  # moved past any bound
                  for row, v in values.items() if figure == "norm" and not math.isfinite(v)]
         finite = [x for x in logs.values() if math.isfinite(x)]
         if figure == "ratio" and len(finite) >= 3:  # far above its peers from the start: no history needed
