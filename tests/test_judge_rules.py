@@ -393,3 +393,37 @@ def test_a_ramp_into_a_product_of_two_branches_is_named_over_the_product(rate):
     for seed in range(4):
         found = first_named(Judge(Bands(), CHAIN), product_levels(rate, seed), 100)
         assert found is not None and found[1] == {"attn"} and 70 < found[0] <= 80, (seed, found)
+
+
+@pytest.mark.parametrize("share", [0.8, 0.9])
+def test_a_module_before_leaning_out_points_after_the_first_one_out_is_its_victim(share):
+    """``mlp`` (and ``out``) ramp 8% a point from point 70; ``attn`` before it follows ``share`` as fast from 2 points
+    later (a victim leaning out after the culprit, under SGD): ``mlp`` is named, not ``attn`` (a third as far is
+    enough only for a module out with the first one or one point after)."""
+    def figures(seed):
+        rng = random.Random(seed)
+        moves = {"attn": lambda i: 1.08 ** (share * max(0, i - 72)), "mlp": lambda i: 1.08 ** max(0, i - 70)}
+        moves["out"] = moves["mlp"]
+        return lambda i: {"level": {row: (1 + d) * moves.get(row, lambda i: 1.0)(i) * math.exp(rng.gauss(0, 0.003))
+                                    for d, row in enumerate(CHAIN)}}
+    for seed in range(10):
+        found = first_named(Judge(Bands(), CHAIN), figures(seed), 100)
+        assert found is not None and found[1] == {"mlp"} and 70 < found[0] <= 76, (seed, found)
+
+
+@pytest.mark.parametrize("other", [0.0, 30.0])  # gone to 0, or x30 (at most 30 times its norm): NaN moved further
+def test_a_non_finite_gradient_ties_with_gradients_gone_to_0_and_beats_a_finite_move(other):
+    """From point 60 ``mlp``'s weight gradient is NaN and ``attn``'s ``other`` times its norm: the NaN counts as
+    moved without bound, so the last in forward order out so far (``mlp``) is named first."""
+    def figures(seed):
+        base = zeroed_gradients(seed, set())
+
+        def at(i: int) -> dict[str, dict[str, float]]:
+            found = base(i)
+            if i >= 60:
+                found["norm"]["mlp.weight"], found["norm"]["attn.weight"] = math.nan, other * 2.0
+            return found
+        return at
+    for seed in range(4):
+        found = first_named(Judge(Bands(), CHAIN), figures(seed), 70)
+        assert found is not None and found[:2] == (60, {"mlp"}), (seed, found)

@@ -58,3 +58,33 @@ def test_every_module_out_by_a_step_in_the_warm_up_is_the_batch():
     for seed in range(3):
         named = named_at(lambda i, row: 30.0 if i >= 12 else 1.0, seed, 16)
         assert named == dict.fromkeys(range(12, 16), ["(every layer)"]), (seed, named)
+
+
+def named_with_pull(move, pull, chain: list[str], seed: int, points: int) -> dict[int, list[str]]:
+    """As :func:`named_at`, over ``chain``, with the last module's pull ``pull(point, rng)`` logged at every point."""
+    rng, judge, named = random.Random(seed), Judge(Bands(), chain), {}
+    for i in range(points):
+        levels = {row: (1 + d % 4) * math.exp(rng.gauss(0, 0.003)) * move(i, row) for d, row in enumerate(chain)}
+        layers = [f.layer for f in judge.step({"level": levels, "pull": {chain[-1]: pull(i, rng)}}, 2 * i).named]
+        if layers:
+            named[i] = layers
+    return named
+
+
+def test_a_head_stepping_up_early_as_the_loss_asks_is_let_in():
+    """The prediction layer ``out`` steps x8 at point 5 while the loss asks for more (pull < 0): excused, its range
+    follows the step, so once the pull wanders about 0 (from point 30) it is not named."""
+    def pull(i, rng):
+        return -1.0 if i < 30 else rng.gauss(0, 0.1)
+    for seed in range(3):
+        named = named_with_pull(lambda i, row: 8.0 if row == "out" and i >= 5 else 1.0, pull, CHAIN, seed, 150)
+        assert named == {}, (seed, named)
+
+
+def test_a_whole_kind_stepping_up_early_is_let_in():
+    """Every block's ``mlp`` steps x6 at point 8 (its kind growing together, in the warm-up): never named."""
+    chain = ["stem"] + [f"blocks.{b}.{part}" for b in range(4) for part in ("attn", "mlp")] + ["out"]
+    for seed in range(3):
+        named = named_with_pull(lambda i, row: 6.0 if row.endswith("mlp") and i >= 8 else 1.0,
+                                lambda i, rng: rng.gauss(0, 0.1), chain, seed, 100)
+        assert named == {}, (seed, named)

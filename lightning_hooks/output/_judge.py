@@ -86,6 +86,7 @@ from lightning_hooks.output._judge_gain import GainJudging
 from lightning_hooks.output._judge_pull import PULL, asked_for
 from lightning_hooks.output._peers import Peers
 from lightning_hooks.output._row_range import (
+    WARM_POINTS,
     Track,
     follow,
     judge_value,
@@ -130,7 +131,7 @@ class Judge(GainJudging, CulpritNaming):
         self.last_step: Optional[int] = None  # the last logged step judged
         self.gap = 1  # the steps from the logged step before to this one
         self.warm = True  # whether the rows' own ranges judge at this step (past the warm-up in steps)
-        self.peers = Peers(bands.window, bands.min_points)
+        self.peers = Peers(bands.window, WARM_POINTS)  # a warm-up step's peers judge it as they do later
 
     def step(self, figures: Mapping[str, Mapping[str, float]], step: Optional[int] = None) -> Judged:
         """Judge one logged step.
@@ -169,7 +170,18 @@ class Judge(GainJudging, CulpritNaming):
                  for f in self._stacked([f for f in gains if f.row in by_gain])
                  if f.row in self.named or self._level_agrees(f)]
         last = self._last()
-        return [f for f in kept if not asked_for(f, last, self.pulls, self.named) and not self._slowed(f)]
+        return [f for f in kept
+                if not self._let_in(f, asked_for(f, last, self.pulls, self.named)) and not self._slowed(f)]
+
+    def _let_in(self, found: Finding, learned: bool) -> bool:
+        """``learned``; if so, in the warm-up, the ranges of ``found``'s module follow its move (early learning).
+
+        Later a move the loss asks for stays held: named once the loss no longer asks for it.
+        """
+        for track in (self.tracks.get(figure, {}).get(found.row) for figure in ("level", "gain")):
+            if learned and track is not None and (not self.warm or len(track.logs) < self.bands.min_points):
+                follow(track, self.bands.window)
+        return learned
 
     def _slowed(self, found: Finding) -> bool:
         """Whether a module's outputs, out and not named yet, lean away from their range no faster than a creep.
@@ -200,7 +212,7 @@ class Judge(GainJudging, CulpritNaming):
             common = self._loss_side_move(logs, last)
         self.moves[figure] = common
         self.offset[figure] = self.offset.get(figure, 0.0) + common  # the peers' path, taken out
-        found = [Finding(row, self.layer(figure, row), "nonfinite_grad", v, figure)
+        found = [Finding(row, self.layer(figure, row), "nonfinite_grad", v, figure, math.inf)  # moved past any bound
                  for row, v in values.items() if figure == "norm" and not math.isfinite(v)]
         finite = [x for x in logs.values() if math.isfinite(x)]
         if figure == "ratio" and len(finite) >= 3:  # far above its peers from the start: no history needed

@@ -36,10 +36,10 @@ from lightning_hooks.output._row_range import Track, follow, least_change
 #: A module's outputs are judged by its gain where that is this many times quieter than its level: where the
 #: module before it carries the batch-to-batch moves they share (an MLP's, a CNN's layers).
 QUIETER = 1.5
-#: A module before the first one out, leaning out the same way since the same point or later, led it where it is
-#: 1/LEAN_SHARE as far out (log): a product of branches of one input moves with it, from the same point, as a power
-#: of it (the Mamba mixer's ``out_proj``, ``y(x) * silu(z)``, 2.4 times its ``in_proj``'s move; 0.38 beyond their
-#: ranges). One leaning since before (a layer learning) must be half as far.
+#: A module before the first one out, leaning out the same way since the same point or one point later, led it where
+#: it is 1/LEAN_SHARE as far out (log): a product of branches of one input moves with it, from the same point, as a
+#: power of it (the Mamba mixer's ``out_proj``, ``y(x) * silu(z)``, 2.4 times its ``in_proj``'s move; 0.38 beyond
+#: their ranges). One leaning since before (a layer learning), or later (a victim), must be half as far.
 LEAN_SHARE = 3.0
 
 
@@ -141,13 +141,15 @@ class CulpritNaming:
             return None
         up, held = first.problem == RELATIVE["level"][0], len(own.held) if own is not None else 0
         # Half the way out already, and half as far as ``first``: the same move, not a drift of its own. A third
-        # where it left its range with ``first`` or after (``LEAN_SHARE``): a product of branches of one input.
+        # where it left its range with ``first`` or one point after (``LEAN_SHARE``): a product of branches of one
+        # input (later: a victim leaning out after the culprit, under SGD).
         floor = math.log(self.bands.level_factor) / 2
         least = {True: max(floor, abs(first.moved) / LEAN_SHARE), False: max(floor, abs(first.moved) / 2)}
         depth = self.depth.get(first.layer, 0)
         tracks = {row: self._track(row) for row in self.levels if self.depth.get(row, 0) < depth}
         leaning = [row for row, t in tracks.items() if t is not None and not self._learning_with_peers(row, up)
-                   and (t.deviation if up else -t.deviation) > least[len(t.held) <= held] and (t.up if up else t.down)]
+                   and (t.deviation if up else -t.deviation) > least[held - 1 <= len(t.held) <= held]
+                   and (t.up if up else t.down)]
         return min(leaning, key=lambda row: self.depth.get(row, 0)) if leaning else None
 
     def _left_by_a_step(self, row: str) -> bool:

@@ -126,7 +126,10 @@ def judge_value(track: Track, x: float, figure: str, bands: Bands, warm: bool = 
     """
     if len(track.logs) < bands.min_points or not warm:
         jumped = jumped_early(track, x, figure)
-        if jumped is None and math.isfinite(x):
+        if jumped is not None:
+            track.held.append(x)  # out by a step: held, let in if an excuse says learning (follow)
+        elif math.isfinite(x):
+            track.held.clear()  # back in: the step was not its level
             track.logs.append(x)
         return jumped
     floor = least_change(figure, bands)
@@ -164,8 +167,9 @@ def jumped_early(track: Track, x: float, figure: str) -> Optional[float]:
 
     Judged from ``WARM_POINTS`` values on, while the row's range cannot judge yet (the first steps of
     training move every layer, but no layer of any recorded healthy run went x2.4 above all its values
-    before). Such a value stays out of the row's history: it is named while it stays out, and its range
-    is the one it left.
+    before). Such a value is held out of the row's history: it is named while it stays out, and its range
+    is the one it left, unless an excuse (the loss asking for it, its kind or peers moving alike) lets it in
+    as learning (:func:`follow`).
     """
     if FACTOR[figure] != "level" or len(track.logs) < WARM_POINTS or not math.isfinite(x):
         return None
