@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from lightning_hooks.output import _judge
+from lightning_hooks.output import _judge_learning
 from lightning_hooks.output._health_bands import Bands
 from lightning_hooks.output._judge import Judge
 from lightning_hooks.output._row_range import Track, judge_value, lean_slowed, least_change
@@ -39,7 +39,7 @@ def test_a_healthy_layer_whose_lean_slowed_before_it_was_named_is_not_named(monk
     Without the rule it is named at steps 107-119 (its std agreeing with its gain only by then).
     """
     assert recorded_names() == []
-    monkeypatch.setattr(_judge, "lean_slowed", lambda track, gap, floor: False)
+    monkeypatch.setattr(_judge_learning, "lean_slowed", lambda track, gap, floor: False)
     named = recorded_names()
     assert {layer for _, layer in named} == {"h.1.mlp.c_fc"} and 100 <= named[0][0] <= 120, named
 

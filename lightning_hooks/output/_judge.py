@@ -67,7 +67,7 @@ from __future__ import annotations
 import math
 import statistics
 from collections import deque
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, Optional
 
 from lightning_hooks.output._findings import (
@@ -83,29 +83,25 @@ from lightning_hooks.output._judge_absolute import absolute_problems
 from lightning_hooks.output._judge_culprit import CulpritNaming, its_own
 from lightning_hooks.output._judge_data import gradients_jumped_together, outputs_out_together, singled_out
 from lightning_hooks.output._judge_gain import GainJudging
+from lightning_hooks.output._judge_learning import PEER_FIGURES, LearningJudging
 from lightning_hooks.output._judge_pull import PULL, asked_for
 from lightning_hooks.output._peers import Peers
 from lightning_hooks.output._row_range import (
     WARM_POINTS,
     Track,
-    follow,
     judge_value,
-    lean_slowed,
-    least_change,
     track_from_state,
     track_state,
 )
 
 #: The relative figures whose step's common change over all rows is taken out (peers).
 COMMON_MODE = ("norm", "ratio", "gain")
-#: The figures of a module's outputs, judged against its same-kind peers before it too (``_peers.py``).
-PEER_FIGURES = ("level", "gain")
 #: The rows' ranges judge from this many steps per ``min_points`` on (48): logged every step, a small model's
 #: fastest learning (the zoo's MLP: layers moving 20-80% over steps 25-60) is history, as logged every 2.
 WARM_STEPS_PER_POINT = 2
 
 
-class Judge(GainJudging, CulpritNaming):
+class Judge(LearningJudging, GainJudging, CulpritNaming):
     """Judge each logged step's figures, layer by layer, against each layer's own history and its peers.
 
     Args:
@@ -173,36 +169,6 @@ class Judge(GainJudging, CulpritNaming):
         return [f for f in kept
                 if not self._let_in(f, asked_for(f, last, self.pulls, self.named)) and not self._slowed(f)]
 
-    def _let_in(self, found: Finding, learned: bool) -> bool:
-        """``learned``; if so, in the warm-up, the ranges of ``found``'s module follow its move (early learning).
-
-        Later a move the loss asks for stays held: named once the loss no longer asks for it.
-        """
-        for track in (self.tracks.get(figure, {}).get(found.row) for figure in ("level", "gain")):
-            if learned and track is not None and (not self.warm or len(track.logs) < self.bands.min_points):
-                follow(track, self.bands.window)
-        return learned
-
-    def _slowed(self, found: Finding) -> bool:
-        """Whether a module's outputs, out and not named yet, lean away from their range no faster than a creep.
-
-        A row whose lean slowed under ``CREEP_PER_STEP`` a step over its last points (``lean_slowed``) is a
-        layer's learning settling; a ramp keeps its pace. One named stays named while out.
-        """
-        if found.layer in self.named or found.problem not in RELATIVE["level"]:
-            return False
-        track = self._track(found.row)
-        figure = "gain" if track is self.tracks.get("gain", {}).get(found.row) else "level"
-        return track is not None and lean_slowed(track, self.gap, least_change(figure, self.bands))
-
-    def _stacked(self, found: list[Finding]) -> list[Finding]:
-        """The findings less the outputs that grew with their whole kind (:meth:`_grew_with_kind`).
-
-        Their ranges follow the move, as they follow the row's own learning (``_peers.py``).
-        """
-        return self._followed(found, lambda f: f.figure in PEER_FIGURES and f.problem in RELATIVE["level"]
-                              and self._grew_with_kind(f.row, f.moved > 0))
-
     def _relative(self, figure: str, values: Mapping[str, float]) -> list[Finding]:
         tracks, last = self.tracks.setdefault(figure, {}), self.last.setdefault(figure, {})
         logs = {row: (math.log(v) if v > 0 else -math.inf) for row, v in values.items() if math.isfinite(v) and v >= 0}
@@ -241,36 +207,6 @@ class Judge(GainJudging, CulpritNaming):
         if figure != "ratio":
             return False
         return moved > 0 and value <= self.first_ratio.get(row, 0.0)
-
-    def _unshared(self, figure: str, found: list[Finding]) -> list[Finding]:
-        """The findings of a module's outputs less those its same-kind peers before it moved alike (``_peers.py``).
-
-        A move they share is the recipe: the row's range follows it, as it follows its own learning. The
-        last copy of its kind ending a gradient over depth is excused (:meth:`_excused`).
-        """
-        if figure not in PEER_FIGURES:
-            return found
-        out = {f.row for f in found}
-        return self._excused(figure, self._followed(found, lambda f: self._shares_move(figure, f, out)), out)
-
-    def _shares_move(self, figure: str, found: Finding, out: Collection[str]) -> bool:
-        """Whether a finding's move is its peers' (``_with_peers``); one not named yet is measured from its range too.
-
-        A row leaning out slowly holds its range from before its window: its move within the window can be
-        under the margin while it is out past it. Its move from its range (the finding's) is compared then.
-        """
-        beyond = None if found.layer in self.named else found.moved
-        return self._with_peers(figure, found.row, found.moved > 0, out, beyond)
-
-    def _followed(self, found: list[Finding], learned: Callable[[Finding], bool]) -> list[Finding]:
-        """``found`` less the findings whose move is ``learned``: their rows' ranges follow the move instead."""
-        kept = []
-        for f in found:
-            if learned(f):
-                follow(self.tracks[f.figure][f.row], self.bands.window)
-            else:
-                kept.append(f)
-        return kept
 
     def _is_data(self, found: list[Finding], figures: Mapping[str, Mapping[str, float]]) -> bool:
         """Every layer at once, the batch rather than a layer (:mod:`~lightning_hooks.output._judge_data`)."""

@@ -1,0 +1,81 @@
+"""Which of the judge's findings are a layer learning, not a fault (host-side, torch-free).
+
+A part of :class:`~lightning_hooks.output._judge.Judge` (docs/verdicts.md, "How a layer is judged against its
+own history"): a move its same-kind peers before it share (the recipe), a whole kind growing together, a
+prediction layer's step the loss asked for in the warm-up, and a lean that slowed under the creep bound are
+not named; the first three have the row's range follow the move, as it follows the row's own learning.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Collection
+
+from lightning_hooks.output._findings import RELATIVE, Finding
+from lightning_hooks.output._row_range import follow, lean_slowed, least_change
+
+#: The figures of a module's outputs, judged against its same-kind peers before it too (``_peers.py``).
+PEER_FIGURES = ("level", "gain")
+
+
+class LearningJudging:
+    """The rules that excuse a move as learning, mixed into :class:`~lightning_hooks.output._judge.Judge`."""
+
+    def _let_in(self, found: Finding, learned: bool) -> bool:
+        """``learned``; if so, in the warm-up, the ranges of ``found``'s module follow its move (early learning).
+
+        Later a move the loss asks for stays held: named once the loss no longer asks for it.
+        """
+        for track in (self.tracks.get(figure, {}).get(found.row) for figure in ("level", "gain")):
+            if learned and track is not None and (not self.warm or len(track.logs) < self.bands.min_points):
+                follow(track, self.bands.window)
+        return learned
+
+    def _slowed(self, found: Finding) -> bool:
+        """Whether a module's outputs, out and not named yet, lean away from their range no faster than a creep.
+
+        A row whose lean slowed under ``CREEP_PER_STEP`` a step over its last points (``lean_slowed``) is a
+        layer's learning settling; a ramp keeps its pace. One named stays named while out.
+        """
+        if found.layer in self.named or found.problem not in RELATIVE["level"]:
+            return False
+        track = self._track(found.row)
+        figure = "gain" if track is self.tracks.get("gain", {}).get(found.row) else "level"
+        return track is not None and lean_slowed(track, self.gap, least_change(figure, self.bands))
+
+    def _stacked(self, found: list[Finding]) -> list[Finding]:
+        """The findings less the outputs that grew with their whole kind (:meth:`_grew_with_kind`).
+
+        Their ranges follow the move, as they follow the row's own learning (``_peers.py``).
+        """
+        return self._followed(found, lambda f: f.figure in PEER_FIGURES and f.problem in RELATIVE["level"]
+                              and self._grew_with_kind(f.row, f.moved > 0))
+
+    def _unshared(self, figure: str, found: list[Finding]) -> list[Finding]:
+        """The findings of a module's outputs less those its same-kind peers before it moved alike (``_peers.py``).
+
+        A move they share is the recipe: the row's range follows it, as it follows its own learning. The
+        last copy of its kind ending a gradient over depth is excused (:meth:`_excused`).
+        """
+        if figure not in PEER_FIGURES:
+            return found
+        out = {f.row for f in found}
+        return self._excused(figure, self._followed(found, lambda f: self._shares_move(figure, f, out)), out)
+
+    def _shares_move(self, figure: str, found: Finding, out: Collection[str]) -> bool:
+        """Whether a finding's move is its peers' (``_with_peers``); one not named yet is measured from its range too.
+
+        A row leaning out slowly holds its range from before its window: its move within the window can be
+        under the margin while it is out past it. Its move from its range (the finding's) is compared then.
+        """
+        beyond = None if found.layer in self.named else found.moved
+        return self._with_peers(figure, found.row, found.moved > 0, out, beyond)
+
+    def _followed(self, found: list[Finding], learned: Callable[[Finding], bool]) -> list[Finding]:
+        """``found`` less the findings whose move is ``learned``: their rows' ranges follow the move instead."""
+        kept = []
+        for f in found:
+            if learned(f):
+                follow(self.tracks[f.figure][f.row], self.bands.window)
+            else:
+                kept.append(f)
+        return kept
