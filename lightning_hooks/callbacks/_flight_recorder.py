@@ -41,13 +41,14 @@ from lightning_hooks.callbacks._flight_leader import (
 )
 from lightning_hooks.callbacks._flight_record import FlightRecord, record_json, record_markdown, write_csv
 from lightning_hooks.measure._device_ring import DeviceRing
+from lightning_hooks.output._findings import owner_of
 from lightning_hooks.output._plugin_data import FLIGHT_RECORD_TAG
 from lightning_hooks.output.sinks import log_plugin_data, log_text
 
 
 def layer_of(name: str) -> str:
     """The module a parameter belongs to: its name without the last part."""
-    return name.rsplit(".", 1)[0] if "." in name else name
+    return owner_of(name)
 
 
 def _layer_norms(norms: np.ndarray, names: Sequence[str]) -> tuple[list[str], np.ndarray]:

@@ -25,6 +25,7 @@ from lightning_hooks.distributed._rank_agreement import Check
 from lightning_hooks.measure._sharding import ShardGroups, grad_of, local
 from lightning_hooks.measure._stat_rows import N_FIELDS, summarize_rows
 from lightning_hooks.measure.aggregate import StatBlock
+from lightning_hooks.output._findings import owner_of
 from lightning_hooks.output._histograms import log_histograms
 from lightning_hooks.output.figures import HistogramBlock, ScalarBlock
 from lightning_hooks.output.sinks import Charts
@@ -99,7 +100,7 @@ def limit_rows(owner: str, rows: Rows, granularity: str, max_rows: Optional[int]
     """
     if starting:
         names = [name for name, _ in rows]
-        owners = names if granularity == "module" else [n.rpartition(".")[0] for n in names]
+        owners = names if granularity == "module" else [owner_of(n) for n in names]
         check_limit(owner, "max_rows", max_rows, len(rows), tags_per_row, owners)
     elif max_rows is not None and len(rows) > max_rows:
         rank_zero_warn(f"{owner}: the optimizers now train {len(rows)} rows, over `max_rows`={max_rows}: the first"

@@ -21,6 +21,7 @@ from lightning_hooks.callbacks.stability import TransformerStability
 from lightning_hooks.core._compat import CALLBACK_BASES, TENSORBOARD_LOGGERS, callbacks_of
 from lightning_hooks.core._validation import check_int
 from lightning_hooks.output._diagnosis import diagnose, param_groups
+from lightning_hooks.output._findings import owner_of
 from lightning_hooks.output._health_verdicts import JUDGED, STABILITY_BANDS, Bands, Verdicts, unjudged_ratios
 from lightning_hooks.output.figures import Diagnoses, FigureListener, HistogramColumns
 from lightning_hooks.output.sinks import log_text
@@ -286,7 +287,7 @@ class LayerHealth(FigureListener, Diagnoses, *CALLBACK_BASES):  # type: ignore[m
 
     def _kind(self, name: str) -> str:
         """The class name of the module a row belongs to (a parameter's: its owner's)."""
-        return self._kinds.get(name) or self._kinds.get(name.rpartition(".")[0], "other")
+        return self._kinds.get(name) or self._kinds.get(owner_of(name), "other")
 
     @property
     def verdicts(self) -> Verdicts:

@@ -12,6 +12,7 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from lightning_hooks.output._findings import owner_of
 from lightning_hooks.output._health_verdicts import FIGURE_PROBLEMS, Bands, Episode, Verdicts
 
 _LOWER_LR = ("lower the learning rate{group}",
@@ -191,7 +192,7 @@ def _group(layers: Sequence[str], groups: Mapping[str, str]) -> str:
 
 def param_groups(trainer: Any, pl_module: Any) -> dict[str, str]:
     """Each module's optimizer parameter group, as ``"param group 1 (lr 0.003)"``: where a remedy's learning rate is."""
-    owner = {id(p): name.rpartition(".")[0] for name, p in pl_module.named_parameters()}
+    owner = {id(p): owner_of(name) for name, p in pl_module.named_parameters()}
     found: dict[str, str] = {}
     for optimizer in getattr(trainer, "optimizers", ()):
         for index, group in enumerate(optimizer.param_groups):

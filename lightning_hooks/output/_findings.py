@@ -7,6 +7,7 @@ step's :class:`Judged`, and which module a row belongs to.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -23,14 +24,33 @@ PARAMETER_FIGURES = ("norm", "ratio")
 EVERY_LAYER = "(every layer)"
 
 
+#: A parametrized module's parameter (``torch.nn.utils.parametrize``): ``<module>.parametrizations.<name>.original``.
+_PARAMETRIZED = re.compile(r"(.+)\.parametrizations\.[^.]+\.original\d*")
+
+
+def owner_of(name: str) -> str:
+    """The module a parameter belongs to: its name without the last part.
+
+    A parametrized module's parameters (``0.parametrizations.weight.original0``, ``.original1``,
+    ``.original``) belong to the module itself (``0``), not to its ``parametrizations``.
+
+    Example:
+        >>> owner_of("net.0.bias"), owner_of("net.0.parametrizations.weight.original1")
+        ('net.0', 'net.0')
+    """
+    if (found := _PARAMETRIZED.fullmatch(name)) is not None:
+        return found.group(1)
+    return name.rpartition(".")[0] or name
+
+
 def layer_of(row: str, modules: Mapping[str, int]) -> str:
-    """The module a row belongs to: the row itself if it is a known module, else its name without the last part.
+    """The module a row belongs to: the row itself if it is a known module, else :func:`owner_of` it.
 
     Module figures come first in each step, so that every watched module is known.
     """
     if row in modules or "." not in row:
         return row
-    return row.rsplit(".", 1)[0]
+    return owner_of(row)
 
 
 @dataclass

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from lightning_hooks.output._findings import EVERY_LAYER as EVERY_LAYER
-from lightning_hooks.output._findings import Judged
+from lightning_hooks.output._findings import Judged, owner_of
 from lightning_hooks.output._health_bands import PROBLEMS as PROBLEMS
 from lightning_hooks.output._health_bands import Bands as Bands
 from lightning_hooks.output._judge import Judge
@@ -189,7 +189,7 @@ class Verdicts:
         the problem kind (as :data:`PROBLEMS` lists them).
         """
         problem, row, episode = item
-        depth = self.judge.depth.get(row, self.judge.depth.get(row.rsplit(".", 1)[0], 0))
+        depth = self.judge.depth.get(row, self.judge.depth.get(owner_of(row), 0))
         return episode.first, _figure_of(problem) in BACKWARD_FIGURES, depth, list(PROBLEMS).index(problem)
 
 

@@ -1,0 +1,42 @@
+"""A parametrized module's parameter rows (``0.parametrizations.weight.original0``) are its module's."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from lightning.pytorch.loggers import TensorBoardLogger
+from torch.nn.utils.parametrizations import weight_norm
+
+from lightning_hooks import ActivationMonitor, GradientMonitor, LayerHealth
+from lightning_hooks.output._findings import layer_of, owner_of
+from tests.helpers import TinyNet, loader, trainer
+
+
+@pytest.mark.parametrize(("row", "layer"), [
+    ("net.0.parametrizations.weight.original0", "net.0"),
+    ("net.0.parametrizations.weight.original1", "net.0"),
+    ("0.parametrizations.weight.original", "0"),  # spectral_norm's single original
+    ("net.0.bias", "net.0"),
+    ("net.0", "net.0"),  # a module's own row
+    ("head", "head"),
+])
+def test_a_parameter_row_belongs_to_its_module_a_parametrized_ones_too(row, layer):
+    assert layer_of(row, {"net.0": 0, "0": 0}) == layer
+    assert owner_of(row) == (layer if row != "net.0" else "net")  # owner_of always takes a parameter's name
+
+
+@pytest.mark.parametrize("granularity", ["parameter", "module"])
+def test_a_weight_normed_layers_gradient_and_ratio_rows_are_judged_as_that_layer(tmp_path, granularity):
+    torch.manual_seed(0)
+    model = TinyNet()
+    model.net[0] = weight_norm(model.net[0])
+    health = LayerHealth(max_images=1)
+    callbacks = [ActivationMonitor(), GradientMonitor(granularity=granularity, update_ratio=True), health]
+    trainer(tmp_path, callbacks, logger=TensorBoardLogger(tmp_path), max_steps=6).fit(model, loader())
+    judge = health._verdicts.judge
+    rows = {(figure, row) for figure in ("norm", "ratio") for row in judge.tracks.get(figure, {})}
+    assert rows, "the run judged no gradient or update-ratio row"
+    layers = {judge.layer(figure, row) for figure, row in rows}
+    assert not any(".parametrizations." in layer for layer in layers), layers
+    assert layers <= {"net.0", "net.2"} and "net.0" in layers
+    assert "other" not in {health._kind(row) for _, row in rows}  # the depth profile's kind is its module's
