@@ -5,9 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 from lightning.pytorch.loggers import TensorBoardLogger
-from torch.nn.utils.parametrizations import weight_norm
+from torch import nn
+from torch.nn.utils.parametrizations import spectral_norm, weight_norm
 
 from lightning_hooks import ActivationMonitor, GradientMonitor, LayerHealth
+from lightning_hooks.core.selection import select_modules
 from lightning_hooks.output._findings import layer_of, owner_of
 from tests.helpers import TinyNet, loader, trainer
 
@@ -40,3 +42,22 @@ def test_a_weight_normed_layers_gradient_and_ratio_rows_are_judged_as_that_layer
     assert not any(".parametrizations." in layer for layer in layers), layers
     assert layers <= {"net.0", "net.2"} and "net.0" in layers
     assert "other" not in {health._kind(row) for _, row in rows}  # the depth profile's kind is its module's
+
+
+@pytest.mark.parametrize("norm", [weight_norm, spectral_norm])
+def test_a_glob_or_a_type_never_picks_a_module_inside_parametrizations(norm):
+    """Their forward hooks would fire on every read of the weight, not once a forward."""
+    class Square(nn.Module):
+        def forward(self, w: torch.Tensor) -> torch.Tensor:
+            return w * w
+
+    model = nn.Sequential(norm(nn.Linear(4, 4)), nn.ReLU(), nn.Linear(4, 2))
+    torch.nn.utils.parametrize.register_parametrization(model[2], "weight", Square())
+    assert [n for n, _ in select_modules(model, "0*")] == ["0"]
+    assert [n for n, _ in select_modules(model, "*")] == ["0", "1", "2"]
+    with pytest.raises(ValueError, match="matched no module") as raised:
+        select_modules(model, "0.parametrizations*")
+    assert "parametrizations" not in str(raised.value).split("Available modules:")[1]
+    with pytest.raises(ValueError, match="holds no Square"):
+        select_modules(model, Square)
+    assert [n for n, _ in select_modules(model, [nn.Linear, "1"])] == ["0", "1", "2"]

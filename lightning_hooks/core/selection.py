@@ -144,7 +144,8 @@ def select_modules(
         selection: None for the default (:func:`is_default_module`: the modules whose parameters
             are all their own, plus activation modules), a name glob (``"encoder.*"``), an
             ``nn.Module`` subclass, a predicate ``(name, module) -> bool``, or a list of globs and
-            subclasses (their union).
+            subclasses (their union). A glob or type never picks a module inside a parametrized
+            module's ``parametrizations`` (its forward runs on every read of the weight).
         argument: The name of the argument the selection came from, for error messages.
 
     Raises:
@@ -158,20 +159,21 @@ def select_modules(
         if name and not _is_wrapper(m)
     ]
     names = list(dict.fromkeys(n for n, _ in named))
-    if selection is None:
-        # Nothing inside a whole module or a parametrized module's ``parametrizations`` (a user's
-        # parametrization may be an activation, or hold parameters): its forward runs on weight reads.
-        wholes = tuple(f"{n}." for n, m in named if isinstance(m, WHOLE_TYPES)) + tuple(
-            f"{n}.parametrizations." for n, m in named if parametrize.is_parametrized(m))
+    # Nothing inside a parametrized module's ``parametrizations`` (a user's parametrization may be an
+    # activation, or hold parameters): its forward runs on every read of the weight, not once a forward.
+    inside = tuple(f"{n}.parametrizations" for n, m in named if parametrize.is_parametrized(m))
+    if selection is None:  # nor inside a whole module
+        wholes = tuple(f"{n}." for n, m in named if isinstance(m, WHOLE_TYPES)) + tuple(f"{p}." for p in inside)
         chosen = [(n, m) for n, m in named if is_default_module(m) and not n.startswith(wholes)]
     elif callable(selection) and not isinstance(selection, type):
         chosen = [(n, m) for n, m in named if selection(n, m)]
     else:
         items = [selection] if isinstance(selection, (str, type)) else list(selection)
+        outside = [(n, m) for n, m in named if not any(n == p or n.startswith(f"{p}.") for p in inside)]
         for item in items:
-            if not any(_matches(item, n, m) for n, m in named):
-                raise ValueError(_no_match_message(argument, item, names))
-        chosen = [(n, m) for n, m in named if any(_matches(item, n, m) for item in items)]
+            if not any(_matches(item, n, m) for n, m in outside):
+                raise ValueError(_no_match_message(argument, item, list(dict.fromkeys(n for n, _ in outside))))
+        chosen = [(n, m) for n, m in outside if any(_matches(item, n, m) for item in items)]
     if not chosen:
         raise ValueError(
             f"`{argument}`={selection!r} selected no module of {type(root).__name__}."
