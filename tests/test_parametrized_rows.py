@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 from lightning.pytorch.loggers import TensorBoardLogger
@@ -42,6 +44,28 @@ def test_a_weight_normed_layers_gradient_and_ratio_rows_are_judged_as_that_layer
     assert not any(".parametrizations." in layer for layer in layers), layers
     assert layers <= {"net.0", "net.2"} and "net.0" in layers
     assert "other" not in {health._kind(row) for _, row in rows}  # the depth profile's kind is its module's
+
+
+class _NaNFrom(TinyNet):
+    """TinyNet whose loss is NaN from step 10 on: every gradient goes non-finite at once."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss = super().training_step(batch, batch_idx)
+        return loss * float("nan") if self.global_step >= 10 else loss
+
+
+def test_when_every_gradient_goes_nan_the_real_last_module_is_named_not_a_parametrization(tmp_path):
+    """The backward pass reaches the last module first: net.2, not the weight-normed net.0's rows."""
+    torch.manual_seed(0)
+    model = _NaNFrom()
+    model.net[0] = weight_norm(model.net[0])
+    health = LayerHealth(max_images=1)
+    callbacks = [ActivationMonitor(), GradientMonitor(update_ratio=True), health]
+    trainer(tmp_path, callbacks, logger=TensorBoardLogger(tmp_path), max_steps=14).fit(model, loader())
+    episodes = health._verdicts.episodes
+    first = min(e.first for e in episodes.values())
+    assert first == 10
+    assert {owner_of(row) for (_, row), e in episodes.items() if e.first == first} == {"net.2"}
 
 
 @pytest.mark.parametrize("norm", [weight_norm, spectral_norm])
