@@ -149,7 +149,7 @@ class CulpritNaming:
         tracks = {row: self._track(row) for row in self.levels if self.depth.get(row, 0) < depth}
         leaning = [row for row, t in tracks.items() if t is not None and not self._learning_with_peers(row, up)
                    and (t.deviation if up else -t.deviation) > least[held - 1 <= len(t.held) <= held]
-                   and (t.up if up else t.down)]
+                   and (t.up if up else t.down) and not self._lean_slowed(row)]
         return min(leaning, key=lambda row: self.depth.get(row, 0)) if leaning else None
 
     def _left_by_a_step(self, row: str) -> bool:

@@ -38,8 +38,15 @@ class LearningJudging:
         """
         if found.layer in self.named or found.problem not in RELATIVE["level"]:
             return False
-        track = self._track(found.row)
-        figure = "gain" if track is self.tracks.get("gain", {}).get(found.row) else "level"
+        return self._lean_slowed(found.row)
+
+    def _lean_slowed(self, row: str) -> bool:
+        """Whether a module's outputs (the track they are judged by) lean out no faster than a creep now.
+
+        Shared by :meth:`_slowed` (not named) and ``_leaning`` (not named as the cause further up either).
+        """
+        track = self._track(row)
+        figure = "gain" if track is self.tracks.get("gain", {}).get(row) else "level"
         return track is not None and lean_slowed(track, self.gap, least_change(figure, self.bands))
 
     def _stacked(self, found: list[Finding]) -> list[Finding]:
