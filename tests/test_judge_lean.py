@@ -95,3 +95,13 @@ def test_a_step_that_stays_far_out_never_reads_as_slowed(seed):
     slowed = lean_track(lambda i: math.log(1.5) * (i >= 40), seed)
     assert len(slowed) >= 20 and not any(slowed), slowed
 
+
+def test_a_downward_lean_back_at_its_edge_reads_as_slowed():
+    """A gain 30% below its range for 15 points, then back at its edge: slowed (the finding's way, down).
+
+    Read the way of its newest value alone (0, at the edge: up), the lean looked 30% further out than before.
+    """
+    rng = random.Random(0)
+    track = Track(deque([rng.gauss(0, 0.002) for _ in range(32)], maxlen=32), down=1.0, deviation=-0.3)
+    track.held.extend([-0.3] * 15 + [0.0])
+    assert lean_slowed(track, 2, least_change("gain", Bands()))

@@ -200,10 +200,11 @@ def lean_slowed(track: Track, gap: int, floor: float) -> bool:
     if len(held) < 2 * SLOW_POINTS or len(held) == track.held.maxlen or not track.logs:
         return False
     level, slope, lag, _ = usual_range(track.logs)
-    high, low = max(level, *track.logs), min(level, *track.logs)
+    seen = list(track.logs)[:len(track.logs) - track.learned]  # as ``_deviation``: not the newest learned
+    high, low = max([level, *seen]), min([level, *seen])
     devs = [max(0.0, x - max(high, level + slope * (lag + i))) + min(0.0, x - min(low, level + slope * (lag + i)))
             for i, x in enumerate(held)]
-    sign = math.copysign(1.0, devs[-1])
+    sign = math.copysign(1.0, track.deviation or devs[-1])  # the finding's way, where its newest is at the edge
     if abs(devs[-1]) > 2 * floor * (1 if sign > 0 else 2):
         return False
     now = max(sign * statistics.median(devs[-SLOW_POINTS:]), sign * devs[-1])  # a step or a ramp's start: the newest
