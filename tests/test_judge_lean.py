@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from lightning_hooks.output import _judge_learning
+from lightning_hooks.output._findings import Finding
 from lightning_hooks.output._health_bands import Bands
 from lightning_hooks.output._judge import Judge
 from lightning_hooks.output._row_range import Track, judge_value, lean_slowed, least_change
@@ -105,3 +106,15 @@ def test_a_downward_lean_back_at_its_edge_reads_as_slowed():
     track = Track(deque([rng.gauss(0, 0.002) for _ in range(32)], maxlen=32), down=1.0, deviation=-0.3)
     track.held.extend([-0.3] * 15 + [0.0])
     assert lean_slowed(track, 2, least_change("gain", Bands()))
+
+
+def test_a_victim_whose_lean_slowed_stays_a_victim():
+    """A row counted as a victim is not let go as a lean that slowed: going further later, it is not fresh."""
+    track = Track(deque([0.001 * (-1) ** i for i in range(32)], maxlen=32), down=1.0, deviation=-0.3)
+    track.held.extend([-0.3] * 16)
+    judge = Judge(Bands(), ["a", "b"])
+    judge.tracks = {"level": {"b": track}}
+    found = Finding("b", "b", "collapse", 0.7, "level", -0.3)
+    assert judge._slowed(found)
+    judge.affected.add("b")
+    assert not judge._slowed(found)

@@ -34,9 +34,10 @@ class LearningJudging:
         """Whether a module's outputs, out and not named yet, lean away from their range no faster than a creep.
 
         A row whose lean slowed under ``CREEP_PER_STEP`` a step over its last points (``lean_slowed``) is a
-        layer's learning settling; a ramp keeps its pace. One named stays named while out.
+        layer's learning settling; a ramp keeps its pace. One named stays named while out; one counted as a
+        victim stays counted while out (let go, its going further later would read as fresh).
         """
-        if found.layer in self.named or found.problem not in RELATIVE["level"]:
+        if found.layer in self.named or found.row in self.affected or found.problem not in RELATIVE["level"]:
             return False
         return self._lean_slowed(found.row)
 
