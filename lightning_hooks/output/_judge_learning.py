@@ -11,14 +11,26 @@ from __future__ import annotations
 from collections.abc import Callable, Collection
 
 from lightning_hooks.output._findings import RELATIVE, Finding
-from lightning_hooks.output._row_range import follow, lean_slowed, least_change
+from lightning_hooks.output._health_bands import Bands
+from lightning_hooks.output._row_range import Track, follow, lean_slowed, least_change
 
 #: The figures of a module's outputs, judged against its same-kind peers before it too (``_peers.py``).
 PEER_FIGURES = ("level", "gain")
 
 
 class LearningJudging:
-    """The rules that excuse a move as learning, mixed into :class:`~lightning_hooks.output._judge.Judge`."""
+    """The rules that excuse a move as learning, mixed into :class:`~lightning_hooks.output._judge.Judge`.
+
+    It reads the judge's state, which the judge keeps (``_judge.py``), and the culprit's rules on peers
+    (``_judge_culprit.py``: ``_track``, ``_with_peers``, ``_grew_with_kind``, ``_excused``).
+    """
+
+    bands: Bands
+    tracks: dict[str, dict[str, Track]]  # by figure, by row: its range
+    named: set[str]  # layers named and still out
+    affected: set[str]  # rows out as victims
+    warm: bool  # whether the rows' own ranges judge at this step (past the warm-up in steps)
+    gap: int  # the steps from the logged step before to this one
 
     def _let_in(self, found: Finding, learned: bool) -> bool:
         """``learned``; if so, in the warm-up, the ranges of ``found``'s module follow its move (early learning).
