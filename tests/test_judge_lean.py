@@ -19,7 +19,14 @@ from lightning_hooks.output import _judge_learning
 from lightning_hooks.output._findings import Finding
 from lightning_hooks.output._health_bands import Bands
 from lightning_hooks.output._judge import Judge
-from lightning_hooks.output._row_range import Track, judge_value, lean_slowed, least_change
+from lightning_hooks.output._row_range import (
+    Track,
+    judge_value,
+    lean_slowed,
+    least_change,
+    track_from_state,
+    track_state,
+)
 
 RECORDED = Path(__file__).parent / "data" / "gpt2_onecycle_std.json"
 
@@ -118,3 +125,29 @@ def test_a_victim_whose_lean_slowed_stays_a_victim():
     assert judge._slowed(found)
     judge.affected.add("b")
     assert not judge._slowed(found)
+
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_a_ramp_logged_across_a_resume_never_reads_as_slowed(seed):
+    """A gain growing 0.5% a step, logged every 2 steps and once after 12 (a resume) as it leans out: it keeps its pace.
+
+    Read as if every point were the newest gap apart (12 steps), the lean looked as slow as a creep there.
+    """
+    rng, track, slowed, step, resumed = random.Random(seed), Track(deque(maxlen=32)), [], 0, False
+    for _ in range(100):
+        gap = 12 if len(track.held) >= 16 and not resumed else 2
+        resumed, step = resumed or gap == 12, step + gap
+        judge_value(track, 0.005 * max(0, step - 80) + rng.gauss(0, 0.005), "gain", Bands(), gap=gap)
+        if track.held:
+            slowed.append(lean_slowed(track, gap, least_change("gain", Bands())))
+    assert resumed and len(slowed) > 40 and not any(slowed), slowed
+
+
+def test_the_steps_of_held_points_survive_a_checkpoint_and_an_older_state_still_loads():
+    """``track_state`` keeps ``clock`` and ``held_at``; a state saved without them loads with none (the gap then)."""
+    track = Track(deque([0.0] * 4, maxlen=32), clock=30, held=deque([0.2, 0.3]), held_at=deque([28, 30]))
+    again = track_from_state(track_state(track), 32)
+    assert (again.clock, list(again.held_at), list(again.held)) == (30, [28, 30], [0.2, 0.3])
+    old = track_from_state(track_state(track)[:9], 32)
+    assert (old.clock, list(old.held_at), list(old.held)) == (0, [], [0.2, 0.3])
