@@ -103,3 +103,21 @@ def test_a_sequentials_head_ramping_while_the_activation_before_it_learns_is_nam
                 found = i, named
                 break
         assert found is not None and found[1] == {"net.2"} and found[0] < 77, (seed, found)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_a_peer_that_started_late_does_not_excuse_a_step_after_the_warm_up(seed):
+    """Block 1's expert steps x1.6 at point 100; block 0's, first routed at point 90, made the same move.
+
+    With 10 values block 0's move is no one's yet (its own range would judge from ``min_points``): block 1 is named.
+    Counted from ``WARM_POINTS`` values (the warm-up's peers) it excused block 1's step.
+    """
+    rows = ["moe.0.expert", "moe.1.expert"]
+    rng, judge, named = random.Random(seed), Judge(Bands(), rows), []
+    for point in range(120):
+        jump = 1.6 if point >= 100 else 1.0
+        level = {"moe.1.expert": jump * math.exp(rng.gauss(0, 0.01))}
+        if point >= 90:
+            level["moe.0.expert"] = jump * math.exp(rng.gauss(0, 0.01))
+        named += [(point, f.layer) for f in judge.step({"level": level}, point).named]
+    assert named and named[0] == (100, "moe.1.expert"), named

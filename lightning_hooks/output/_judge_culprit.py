@@ -31,7 +31,7 @@ from lightning_hooks.output._findings import BACKWARD, EVERY_LAYER, OUTPUT_PROBL
 from lightning_hooks.output._health_bands import Bands
 from lightning_hooks.output._judge_pull import overshot
 from lightning_hooks.output._peers import Peers
-from lightning_hooks.output._row_range import Track, follow, least_change
+from lightning_hooks.output._row_range import WARM_POINTS, Track, follow, least_change
 
 #: A module's outputs are judged by its gain where that is this many times quieter than its level: where the
 #: module before it carries the batch-to-batch moves they share (an MLP's, a CNN's layers).
@@ -149,7 +149,7 @@ class CulpritNaming:
         tracks = {row: self._track(row) for row in self.levels if self.depth.get(row, 0) < depth}
         leaning = [row for row, t in tracks.items() if t is not None and not self._learning_with_peers(row, up)
                    and (t.deviation if up else -t.deviation) > least[held - 1 <= len(t.held) <= held]
-                   and (t.up if up else t.down)]
+                   and (t.up if up else t.down) and not self._lean_slowed(row)]
         return min(leaning, key=lambda row: self.depth.get(row, 0)) if leaning else None
 
     def _left_by_a_step(self, row: str) -> bool:
@@ -184,7 +184,7 @@ class CulpritNaming:
         """
         margin = least_change(figure, self.bands) * (1 if up else 2)
         leaning = {other for other, track in self.tracks.get(figure, {}).items() if track.up or track.down}
-        return self.peers.shared(figure, row, self.depth, margin, up, out, leaning, beyond)
+        return self._peers_for(row, figure).shared(figure, row, self.depth, margin, up, out, leaning, beyond)
 
     def _excused(self, figure: str, found: list[Finding], out: Collection[str]) -> list[Finding]:
         """``found`` less the last copies of their kind that end a gradient over depth (``_peers.py``).
@@ -212,13 +212,13 @@ class CulpritNaming:
 
     def _stopped(self, figure: str, row: str, up: bool) -> bool:
         """Whether a row's own move is within the margin of a finding again (``up`` or down)."""
-        move = self.peers.move(figure, row)
+        move = self._peers_for(row, figure).move(figure, row)
         return move is not None and (1 if up else -1) * move <= least_change(figure, self.bands) * (1 if up else 2)
 
     def _ends_gradient(self, figure: str, row: str, up: bool, out: Collection[str] = ()) -> bool:
         """Whether ``row``, the last copy of its kind, ends its kind's gradient over depth (``_peers.py``)."""
         margin = least_change(figure, self.bands) * (1 if up else 2)
-        return self.peers.ends_gradient(figure, row, self.depth, margin, up, out)
+        return self._peers_for(row, figure).ends_gradient(figure, row, self.depth, margin, up, out)
 
     def _grew_with_kind(self, row: str, up: bool) -> bool:
         """Whether a module's kind grew as a whole, as far as a finding, its gain leading none (``_peers.py``).
@@ -227,5 +227,17 @@ class CulpritNaming:
         range together, and the peers rule has none in range to compare with.
         """
         scale = 1 if up else 2
-        return self.peers.grew_as_a_kind(row, least_change("level", self.bands) * scale,
-                                         least_change("gain", self.bands) * scale, up)
+        return self._peers_for(row).grew_as_a_kind(row, least_change("level", self.bands) * scale,
+                                                   least_change("gain", self.bands) * scale, up)
+
+    def _peers_for(self, row: str, figure: str | None = None) -> Peers:
+        """The peers, the fewest values a move needs set for judging ``row`` (its ``figure``'s track, or ``_track``).
+
+        ``WARM_POINTS`` while ``row`` is in its own warm-up (fewer than ``min_points`` values: a warm-up step's
+        peers judge it as they do later); ``min_points`` after, as its own range: a peer that started late (an
+        expert first routed late) does not count with a few values.
+        """
+        track = self._track(row) if figure is None else self.tracks.get(figure, {}).get(row)
+        warm = track is None or len(track.logs) < self.bands.min_points
+        self.peers.least = WARM_POINTS if warm else self.bands.min_points
+        return self.peers

@@ -11,14 +11,26 @@ from __future__ import annotations
 from collections.abc import Callable, Collection
 
 from lightning_hooks.output._findings import RELATIVE, Finding
-from lightning_hooks.output._row_range import follow, lean_slowed, least_change
+from lightning_hooks.output._health_bands import Bands
+from lightning_hooks.output._row_range import Track, follow, lean_slowed, least_change
 
 #: The figures of a module's outputs, judged against its same-kind peers before it too (``_peers.py``).
 PEER_FIGURES = ("level", "gain")
 
 
 class LearningJudging:
-    """The rules that excuse a move as learning, mixed into :class:`~lightning_hooks.output._judge.Judge`."""
+    """The rules that excuse a move as learning, mixed into :class:`~lightning_hooks.output._judge.Judge`.
+
+    It reads the judge's state, which the judge keeps (``_judge.py``), and the culprit's rules on peers
+    (``_judge_culprit.py``: ``_track``, ``_with_peers``, ``_grew_with_kind``, ``_excused``).
+    """
+
+    bands: Bands
+    tracks: dict[str, dict[str, Track]]  # by figure, by row: its range
+    named: set[str]  # layers named and still out
+    affected: set[str]  # rows out as victims
+    warm: bool  # whether the rows' own ranges judge at this step (past the warm-up in steps)
+    gap: int  # the steps from the logged step before to this one
 
     def _let_in(self, found: Finding, learned: bool) -> bool:
         """``learned``; if so, in the warm-up, the ranges of ``found``'s module follow its move (early learning).
@@ -34,12 +46,20 @@ class LearningJudging:
         """Whether a module's outputs, out and not named yet, lean away from their range no faster than a creep.
 
         A row whose lean slowed under ``CREEP_PER_STEP`` a step over its last points (``lean_slowed``) is a
-        layer's learning settling; a ramp keeps its pace. One named stays named while out.
+        layer's learning settling; a ramp keeps its pace. One named stays named while out; one counted as a
+        victim stays counted while out (let go, its going further later would read as fresh).
         """
-        if found.layer in self.named or found.problem not in RELATIVE["level"]:
+        if found.layer in self.named or found.row in self.affected or found.problem not in RELATIVE["level"]:
             return False
-        track = self._track(found.row)
-        figure = "gain" if track is self.tracks.get("gain", {}).get(found.row) else "level"
+        return self._lean_slowed(found.row)
+
+    def _lean_slowed(self, row: str) -> bool:
+        """Whether a module's outputs (the track they are judged by) lean out no faster than a creep now.
+
+        Shared by :meth:`_slowed` (not named) and ``_leaning`` (not named as the cause further up either).
+        """
+        track = self._track(row)
+        figure = "gain" if track is self.tracks.get("gain", {}).get(row) else "level"
         return track is not None and lean_slowed(track, self.gap, least_change(figure, self.bands))
 
     def _stacked(self, found: list[Finding]) -> list[Finding]:

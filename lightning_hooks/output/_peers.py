@@ -50,7 +50,7 @@ class Peers:
 
     Args:
         window: How many logged values each row keeps.
-        least: The fewest values a row needs before its move counts.
+        least: The fewest values a row needs before its move counts (the judge sets it per judged row).
     """
 
     def __init__(self, window: int, least: int) -> None:

@@ -53,6 +53,8 @@ class Track:
     deviation: float = 0.0
     noise: float = math.inf  # the last noise measured from its history (log units), unfloored
     learned: int = 0  # the newest values let in as the row's own fast learning
+    clock: int = 0  # the steps over the points judged (each point's ``gap`` added)
+    held_at: deque[int] = field(default_factory=lambda: deque(maxlen=64))  # ``clock`` at each held value
 
 
 def usual_range(logs: Sequence[float]) -> tuple[float, float, float, float]:
@@ -89,14 +91,16 @@ def step_noise(moves: Sequence[float]) -> float:
 def track_state(track: Track) -> list:
     """A track as plain values (for a checkpoint); :func:`track_from_state` restores it."""
     return [list(track.logs), track.up, track.down, track.frozen, track.worst, list(track.held), track.deviation,
-            track.noise, track.learned]
+            track.noise, track.learned, track.clock, list(track.held_at)]
 
 
 def track_from_state(state: Sequence, window: int) -> Track:
     """The track of :func:`track_state`'s values."""
-    logs, up, down, frozen, worst, held, deviation, noise, learned = state
+    logs, up, down, frozen, worst, held, deviation, noise, learned = state[:9]
+    clock, held_at = state[9:] or (0, [])  # a state saved before they were kept: points of unknown steps
     return Track(deque(logs, maxlen=window), up=up, down=down, frozen=frozen, worst=worst,
-                 held=deque(held, maxlen=64), deviation=deviation, noise=noise, learned=learned)
+                 held=deque(held, maxlen=64), deviation=deviation, noise=noise, learned=learned,
+                 clock=clock, held_at=deque(held_at, maxlen=64))
 
 
 def least_change(figure: str, bands: Bands) -> float:
@@ -124,12 +128,14 @@ def judge_value(track: Track, x: float, figure: str, bands: Bands, warm: bool = 
     (``gap``: the steps from the logged point before) is held as a drift, not named.
     Before that, an output out by a step past ``WARM_JUMP`` (:func:`jumped_early`) is a finding.
     """
+    track.clock += gap
     if len(track.logs) < bands.min_points or not warm:
         jumped = jumped_early(track, x, figure)
         if jumped is not None:
-            track.held.append(x)  # out by a step: held, let in if an excuse says learning (follow)
+            _hold(track, x)  # out by a step: held, let in if an excuse says learning (follow)
         elif math.isfinite(x):
             track.held.clear()  # back in: the step was not its level
+            track.held_at.clear()
             track.logs.append(x)
         return jumped
     floor = least_change(figure, bands)
@@ -145,12 +151,12 @@ def judge_value(track: Track, x: float, figure: str, bands: Bands, warm: bool = 
         track.frozen += 1
         if abs(deviation) > abs(track.worst) + max(noise, floor):  # still moving away
             track.worst, track.frozen = deviation, 0
-        track.held.append(x)
+        _hold(track, x)
         if track.frozen < bands.min_points or abs(track.worst) > 2 * floor:
             return deviation
         track.logs = deque(track.held, maxlen=bands.window)  # settled: learning, at a new level
     elif leaning:
-        track.held.append(x)
+        _hold(track, x)
         track.frozen += 1
         if track.frozen < bands.min_points:
             return None
@@ -160,6 +166,12 @@ def judge_value(track: Track, x: float, figure: str, bands: Bands, warm: bool = 
         track.logs.append(x)
     _settle(track, bands.window)
     return None
+
+
+def _hold(track: Track, x: float) -> None:
+    """Hold ``x`` back from the row's history, with the steps at which it came (``clock``)."""
+    track.held.append(x)
+    track.held_at.append(track.clock)
 
 
 def jumped_early(track: Track, x: float, figure: str) -> Optional[float]:
@@ -200,14 +212,18 @@ def lean_slowed(track: Track, gap: int, floor: float) -> bool:
     if len(held) < 2 * SLOW_POINTS or len(held) == track.held.maxlen or not track.logs:
         return False
     level, slope, lag, _ = usual_range(track.logs)
-    high, low = max(level, *track.logs), min(level, *track.logs)
+    seen = list(track.logs)[:len(track.logs) - track.learned]  # as ``_deviation``: not the newest learned
+    high, low = max([level, *seen]), min([level, *seen])
     devs = [max(0.0, x - max(high, level + slope * (lag + i))) + min(0.0, x - min(low, level + slope * (lag + i)))
             for i, x in enumerate(held)]
-    sign = math.copysign(1.0, devs[-1])
+    sign = math.copysign(1.0, track.deviation or devs[-1])  # the finding's way, where its newest is at the edge
     if abs(devs[-1]) > 2 * floor * (1 if sign > 0 else 2):
         return False
     now = max(sign * statistics.median(devs[-SLOW_POINTS:]), sign * devs[-1])  # a step or a ramp's start: the newest
-    return now - sign * statistics.median(devs[-2 * SLOW_POINTS:-SLOW_POINTS]) < CREEP_PER_STEP * gap * SLOW_POINTS
+    at = list(track.held_at)
+    steps = (statistics.median(at[-SLOW_POINTS:]) - statistics.median(at[-2 * SLOW_POINTS:-SLOW_POINTS])
+             if len(at) == len(held) else gap * SLOW_POINTS)  # the steps its points span (a resume: not one gap)
+    return now - sign * statistics.median(devs[-2 * SLOW_POINTS:-SLOW_POINTS]) < CREEP_PER_STEP * steps
 
 
 def _deviation(track: Track, x: float, figure: str, floor: float) -> tuple[Optional[float], float]:
@@ -258,5 +274,6 @@ def _settle(track: Track, window: int) -> None:
     """The row is in range again (or has a new level): its held values join its history, its sums restart."""
     track.logs = deque((v for v in track.logs if math.isfinite(v)), maxlen=window)
     track.held.clear()
+    track.held_at.clear()
     track.up = track.down = track.worst = 0.0
     track.frozen = 0
