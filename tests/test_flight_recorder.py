@@ -10,7 +10,8 @@ import torch
 from lightning.pytorch.loggers import TensorBoardLogger
 
 from lightning_hooks import GradientAnomalyStopping
-from lightning_hooks.callbacks._flight_recorder import FlightRecorder, analyse, layer_of, record_json
+from lightning_hooks.callbacks._flight_recorder import FlightRecorder, analyse, record_json
+from lightning_hooks.output._findings import owner_of
 from tests.helpers import events
 from tests.test_spikes import TRIGGER, RampNet, fit
 
@@ -67,7 +68,7 @@ def test_a_record_too_short_to_have_a_usual_range_says_so():
 
 
 def test_parameters_are_grouped_by_module():
-    assert layer_of("blocks.0.attn.in_proj_weight") == "blocks.0.attn" and layer_of("pos") == "pos"
+    assert owner_of("blocks.0.attn.in_proj_weight") == "blocks.0.attn" and owner_of("pos") == "pos"
 
 
 def test_the_ring_keeps_the_last_steps_oldest_first_on_the_norms_device():

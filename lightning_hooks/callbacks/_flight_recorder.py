@@ -46,17 +46,12 @@ from lightning_hooks.output._plugin_data import FLIGHT_RECORD_TAG
 from lightning_hooks.output.sinks import log_plugin_data, log_text
 
 
-def layer_of(name: str) -> str:
-    """The module a parameter belongs to: its name without the last part."""
-    return owner_of(name)
-
-
 def _layer_norms(norms: np.ndarray, names: Sequence[str]) -> tuple[list[str], np.ndarray]:
-    layers = list(dict.fromkeys(layer_of(n) for n in names))
+    layers = list(dict.fromkeys(owner_of(n) for n in names))
     index = {layer: i for i, layer in enumerate(layers)}
     squares = np.zeros((norms.shape[0], len(layers)))
     for column, name in enumerate(names):
-        squares[:, index[layer_of(name)]] += norms[:, column] ** 2
+        squares[:, index[owner_of(name)]] += norms[:, column] ** 2
     return layers, np.sqrt(squares)
 
 

@@ -159,7 +159,7 @@ class Judge(LearningJudging, GainJudging, CulpritNaming):
     def _outputs(self, found: list[Finding]) -> list[Finding]:
         """Each module's outputs judged by its gain where that is the quieter figure (see the module docstring)."""
         gains = self._relative("gain", self._gains())
-        by_gain = {row for row in self.levels if self._track(row) is self.tracks["gain"].get(row)}
+        by_gain = {row for row in self.levels if self._judged_by(row) == "gain"}
         self._follow_input([f for f in found if f.problem in RELATIVE["level"] and f.row in by_gain], gains)
         kept = self._stacked([f for f in found if not (f.problem in RELATIVE["level"] and f.row in by_gain)])
         kept += [Finding(f.row, f.layer, f.problem, self.levels[f.row], "level", f.moved)
@@ -253,8 +253,7 @@ class Judge(LearningJudging, GainJudging, CulpritNaming):
         None where its outputs are judged by their own std, or the gain has too little history.
         """
         before, now, usual = self._before().get(row), self._gains().get(row), self.usual("gain", row)
-        judged_by_gain = self._track(row) is self.tracks.get("gain", {}).get(row)
-        if before is None or now is None or usual is None or not judged_by_gain:
+        if before is None or now is None or usual is None or self._judged_by(row) != "gain":
             return None
         return before, now, usual
 

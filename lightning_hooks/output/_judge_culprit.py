@@ -162,17 +162,20 @@ class CulpritNaming:
         track = self._track(row)
         if track is None or not track.held or not track.logs:
             return True
-        figure = "gain" if track is self.tracks.get("gain", {}).get(row) else "level"
-        return abs(track.held[0] - track.logs[-1]) > least_change(figure, self.bands)
+        return abs(track.held[0] - track.logs[-1]) > least_change(self._judged_by(row), self.bands)
 
     def _track(self, row: str) -> Track | None:
         """The track a module's outputs are judged by: its gain's if that is quieter than its level's."""
         level, gain = self.tracks.get("level", {}).get(row), self.tracks.get("gain", {}).get(row)
         return gain if gain is not None and level is not None and gain.noise * QUIETER < level.noise else level
 
+    def _judged_by(self, row: str) -> str:
+        """The figure a module's outputs are judged by (:meth:`_track`): ``"gain"`` or ``"level"``."""
+        return "gain" if self._track(row) is self.tracks.get("gain", {}).get(row) else "level"
+
     def _learning_with_peers(self, row: str, up: bool) -> bool:
         """Whether a module's outputs lean the way its same-kind peers before it moved too (``_peers.py``)."""
-        figure = "gain" if self._track(row) is self.tracks.get("gain", {}).get(row) else "level"
+        figure = self._judged_by(row)
         return (self._with_peers(figure, row, up) or self._ends_gradient(figure, row, up)
                 or self._grew_with_kind(row, up))
 

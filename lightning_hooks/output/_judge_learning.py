@@ -22,7 +22,7 @@ class LearningJudging:
     """The rules that excuse a move as learning, mixed into :class:`~lightning_hooks.output._judge.Judge`.
 
     It reads the judge's state, which the judge keeps (``_judge.py``), and the culprit's rules on peers
-    (``_judge_culprit.py``: ``_track``, ``_with_peers``, ``_grew_with_kind``, ``_excused``).
+    (``_judge_culprit.py``: ``_track``, ``_judged_by``, ``_with_peers``, ``_grew_with_kind``, ``_excused``).
     """
 
     bands: Bands
@@ -59,8 +59,7 @@ class LearningJudging:
         Shared by :meth:`_slowed` (not named) and ``_leaning`` (not named as the cause further up either).
         """
         track = self._track(row)
-        figure = "gain" if track is self.tracks.get("gain", {}).get(row) else "level"
-        return track is not None and lean_slowed(track, self.gap, least_change(figure, self.bands))
+        return track is not None and lean_slowed(track, self.gap, least_change(self._judged_by(row), self.bands))
 
     def _stacked(self, found: list[Finding]) -> list[Finding]:
         """The findings less the outputs that grew with their whole kind (:meth:`_grew_with_kind`).

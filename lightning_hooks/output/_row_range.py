@@ -134,8 +134,7 @@ def judge_value(track: Track, x: float, figure: str, bands: Bands, warm: bool = 
         if jumped is not None:
             _hold(track, x)  # out by a step: held, let in if an excuse says learning (follow)
         elif math.isfinite(x):
-            track.held.clear()  # back in: the step was not its level
-            track.held_at.clear()
+            _release(track)  # back in: the step was not its level
             track.logs.append(x)
         return jumped
     floor = least_change(figure, bands)
@@ -172,6 +171,12 @@ def _hold(track: Track, x: float) -> None:
     """Hold ``x`` back from the row's history, with the steps at which it came (``clock``)."""
     track.held.append(x)
     track.held_at.append(track.clock)
+
+
+def _release(track: Track) -> None:
+    """Drop the values a row held back, and the steps they came at (:func:`_hold`)."""
+    track.held.clear()
+    track.held_at.clear()
 
 
 def jumped_early(track: Track, x: float, figure: str) -> Optional[float]:
@@ -273,7 +278,6 @@ def _judging_noise(track: Track, noise: float, slope: float, floor: float) -> fl
 def _settle(track: Track, window: int) -> None:
     """The row is in range again (or has a new level): its held values join its history, its sums restart."""
     track.logs = deque((v for v in track.logs if math.isfinite(v)), maxlen=window)
-    track.held.clear()
-    track.held_at.clear()
+    _release(track)
     track.up = track.down = track.worst = 0.0
     track.frozen = 0
