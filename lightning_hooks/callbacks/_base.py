@@ -132,6 +132,10 @@ class HookCallback(*CALLBACK_BASES):  # type: ignore[misc]  # the Callback of ea
     #: Whether the hooks of :meth:`_register` are on the modules only while the gate is open.
     _hooks_follow_gate = True
 
+    #: Whether the default selection (``modules=None``) takes each block of a stack too
+    #: (:func:`~lightning_hooks.core.selection.stack_blocks`): a monitor of outputs sees the residual stream.
+    _watches_blocks = False
+
     #: The last log step this callback logs, whatever its interval (after an anomaly; see :meth:`watch_until`).
     _watched_until = -1
 
@@ -195,7 +199,7 @@ class HookCallback(*CALLBACK_BASES):  # type: ignore[misc]  # the Callback of ea
         """
         claim(self, trainer)
         if not configure_model_overridden(pl_module):
-            self._targets = select_modules(pl_module, self.modules)
+            self._targets = select_modules(pl_module, self.modules, blocks=self._watches_blocks)
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Register the hooks (after noting FSDP1's shards: its root unit wraps ``pl_module``)."""
@@ -224,7 +228,7 @@ class HookCallback(*CALLBACK_BASES):  # type: ignore[misc]  # the Callback of ea
     def attach(self, model: nn.Module) -> None:
         """Register this callback's hooks on ``model``, replacing any it registered before."""
         self.detach()
-        self._targets = select_modules(model, self.modules)
+        self._targets = select_modules(model, self.modules, blocks=self._watches_blocks)
         self._failed.clear()
         self._hook_targets(model)
 

@@ -198,7 +198,7 @@ class OutputLevels:
 
     def __init__(self, size: int) -> None:
         self.rows: deque[tuple[int, dict[str, float], dict[str, float]]] = deque(maxlen=size)
-        self.order: dict[str, None] = {}  # the modules as their rows first came: ActivationMonitor's order
+        self.order: dict[str, None] = {}  # the modules in forward order (``inner_first`` of their rows' order)
         self.grad_order: dict[str, None] = {}
 
     def add(self, step: int, levels: Mapping[str, float], gradients: Optional[Mapping[str, float]] = None) -> None:
@@ -206,8 +206,8 @@ class OutputLevels:
         gradients = gradients or {}
         if not levels and not gradients:
             return
-        for module in levels:
-            self.order.setdefault(module)
+        if any(module not in self.order for module in levels):
+            self.order = dict.fromkeys(inner_first(list(dict.fromkeys([*self.order, *levels]))))
         for module in gradients:
             self.grad_order.setdefault(module)
         if self.rows and self.rows[-1][0] == step:
@@ -257,6 +257,26 @@ class OutputLevels:
             if departure is not None:
                 found.append((module, departure))
         return found
+
+
+def inner_first(names: Sequence[str]) -> list[str]:
+    """``names`` (as rows first came: a container before the modules inside it), each after the modules inside it.
+
+    A module's forward hook fires once the modules it calls have run: watched whole beside the
+    layers inside it (a block of a stack, see ``stack_blocks``), it comes after them in forward order.
+
+    Example::
+
+        >>> inner_first(["h.0", "h.0.attn", "h.0.mlp", "h.1", "h.1.mlp", "head"])
+        ['h.0.attn', 'h.0.mlp', 'h.0', 'h.1.mlp', 'h.1', 'head']
+    """
+    ordered: list[str] = []
+    open_: list[str] = []  # the containers whose insides are still coming, innermost last
+    for name in names:
+        while open_ and not name.startswith(open_[-1] + "."):
+            ordered.append(open_.pop())
+        open_.append(name)
+    return ordered + open_[::-1]
 
 
 def output_levels(figures: Sequence[ScalarBlock], kind: str = "activations") -> dict[str, float]:

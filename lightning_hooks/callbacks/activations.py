@@ -66,7 +66,9 @@ class ActivationMonitor(ActivationHooks):
 
     Args:
         modules: Which modules to watch: None (every module whose parameters are all its own,
-            a parametrized layer whole, plus activation modules: see ``is_default_module``), a
+            a parametrized layer whole, plus activation modules: see ``is_default_module``; and
+            each block of a stack, a transformer's layers or a ResNet's blocks, whose output is
+            the residual stream: see ``stack_blocks``), a
             name glob, an ``nn.Module`` subclass, a predicate ``(name, module) -> bool``, or a
             list of globs and subclasses. The only argument
             taken by position; the others are keyword-only.
@@ -119,6 +121,8 @@ class ActivationMonitor(ActivationHooks):
 
         trainer = Trainer(callbacks=[ActivationMonitor(log_every_n_steps=10, modules="encoder.*")])
     """
+
+    _watches_blocks = True
 
     def __init__(
         self,

@@ -91,6 +91,45 @@ def is_default_module(module: nn.Module) -> bool:
 _FLAT_PARAM = "_flat_param"
 
 
+#: Containers whose repeated elements are the blocks of a stack: a transformer's layers, a ResNet stage's blocks.
+STACK_TYPES: tuple[type[nn.Module], ...] = (nn.ModuleList, nn.Sequential)
+
+
+def stack_blocks(root: nn.Module) -> set[int]:
+    """The ``id`` of every block of a stack in ``root``: what a block adds to the residual stream, watched whole.
+
+    A block is an element of an ``nn.ModuleList`` or ``nn.Sequential`` (behind any wrapper, see
+    ``WRAPPED_ATTRIBUTES``) that holds parameters in its submodules, of a class that element
+    repeats in the same container: GPT-2's ``transformer.h.<i>``, LLaMA's ``model.layers.<i>``, a
+    ResNet stage's residual blocks. The default selection watches the modules inside it, whose
+    outputs do not show what the block hands on: a residual stream scaled after the block's last
+    layer moves no output inside it, and the next block's norms take the scale out.
+
+    Example::
+
+        >>> stack = nn.Sequential(*(nn.Sequential(nn.Linear(2, 2), nn.ReLU()) for _ in range(2)))
+        >>> sorted(stack_blocks(nn.Sequential(stack, nn.Linear(2, 1)))) == sorted(map(id, stack))
+        True
+    """
+    blocks: set[int] = set()
+    for container in root.modules():
+        if not isinstance(container, STACK_TYPES):
+            continue
+        elements = [_unwrapped(child) for child in container.children()]
+        classes = [type(e) for e in elements]
+        blocks.update(id(e) for e in elements
+                      if classes.count(type(e)) > 1 and _children(e) and not is_default_module(e)
+                      and next(e.parameters(), None) is not None)
+    return blocks
+
+
+def _unwrapped(module: nn.Module) -> nn.Module:
+    """The module a wrapper (``torch.compile``'s, FSDP1's, activation checkpointing's) holds, or ``module``."""
+    while _is_wrapper(module):
+        module = next(getattr(module, a) for a in WRAPPED_ATTRIBUTES if isinstance(getattr(module, a, None), nn.Module))
+    return module
+
+
 def _children(module: nn.Module) -> list[nn.Module]:
     """``module``'s children, less the ``parametrizations`` of a parametrized module."""
     skip = module.parametrizations if parametrize.is_parametrized(module) else None
@@ -129,7 +168,7 @@ def validate_selection(selection: ModuleSelection) -> None:
 
 
 def select_modules(
-    root: nn.Module, selection: ModuleSelection, argument: str = "modules"
+    root: nn.Module, selection: ModuleSelection, argument: str = "modules", blocks: bool = False
 ) -> list[tuple[str, nn.Module]]:
     """Resolve ``selection`` against ``root`` into ``(qualified_name, module)`` pairs.
 
@@ -147,6 +186,7 @@ def select_modules(
             subclasses (their union). A glob or type never picks a module inside a parametrized
             module's ``parametrizations`` (its forward runs on every read of the weight).
         argument: The name of the argument the selection came from, for error messages.
+        blocks: With the default selection, take each block of a stack too (:func:`stack_blocks`).
 
     Raises:
         ValueError: If a glob or type matches no module (the message lists close names), or
@@ -164,7 +204,8 @@ def select_modules(
     inside = tuple(f"{n}.parametrizations" for n, m in named if parametrize.is_parametrized(m))
     if selection is None:  # nor inside a whole module
         wholes = tuple(f"{n}." for n, m in named if isinstance(m, WHOLE_TYPES)) + tuple(f"{p}." for p in inside)
-        chosen = [(n, m) for n, m in named if is_default_module(m) and not n.startswith(wholes)]
+        extra = stack_blocks(root) if blocks else set()
+        chosen = [(n, m) for n, m in named if (is_default_module(m) or id(m) in extra) and not n.startswith(wholes)]
     elif callable(selection) and not isinstance(selection, type):
         chosen = [(n, m) for n, m in named if selection(n, m)]
     else:

@@ -166,13 +166,16 @@ class Judge(LearningJudging, GainJudging, CulpritNaming):
                  for f in self._stacked([f for f in gains if f.row in by_gain])
                  if f.row in self.named or self._level_agrees(f)]
         last = self._last()
-        return [f for f in kept
+        kept = [f for f in kept
                 if not self._let_in(f, asked_for(f, last, self.pulls, self.named)) and not self._slowed(f)]
+        out = {f.row for f in kept}
+        return [self._inward(f, out) for f in kept]
 
     def _relative(self, figure: str, values: Mapping[str, float]) -> list[Finding]:
         tracks, last = self.tracks.setdefault(figure, {}), self.last.setdefault(figure, {})
         logs = {row: (math.log(v) if v > 0 else -math.inf) for row, v in values.items() if math.isfinite(v) and v >= 0}
-        moves = [logs[r] - last[r] for r in logs if r in last and math.isfinite(logs[r])]
+        blocks = self._containers() if figure == "gain" else ()  # a block's gain is no part of the layers' common move
+        moves = [logs[r] - last[r] for r in logs if r in last and math.isfinite(logs[r]) and r not in blocks]
         common = statistics.median(moves) if figure in COMMON_MODE and len(moves) >= 3 else 0.0
         if figure == BACKWARD:  # the gain from the loss: the loss-side row's own move taken out
             common = self._loss_side_move(logs, last)
@@ -195,7 +198,8 @@ class Judge(LearningJudging, GainJudging, CulpritNaming):
             if math.isfinite(x):
                 last[row] = x
             track = tracks.setdefault(row, Track(deque(maxlen=self.bands.window)))
-            moved = judge_value(track, x - self.offset[figure], figure, self.bands, self.warm, self.gap)
+            as_ = "level" if row in blocks else figure  # a block's gain: as far as a level must move
+            moved = judge_value(track, x - self.offset[figure], as_, self.bands, self.warm, self.gap)
             if moved is not None and not self._under_first_ratio(figure, row, values[row], moved):
                 up, down = RELATIVE[figure]
                 found.append(Finding(row, self.layer(figure, row), up if moved > 0 else down, values[row], figure,

@@ -24,6 +24,7 @@ A part of :class:`~lightning_hooks.output._judge.Judge` (docs/verdicts.md, "Culp
 
 from __future__ import annotations
 
+import bisect
 import math
 from collections.abc import Collection, Mapping
 
@@ -73,6 +74,7 @@ class CulpritNaming:
     affected: set[str]  # rows out as victims
     excused: set[str]  # "figure/row": the last of its kind excused as the end of its kind's gradient
     peers: Peers
+    _contained_in: tuple[frozenset[str], frozenset[str]] = (frozenset(), frozenset())  # rows seen, and containers
 
     def _sort(self, found: list[Finding], data: bool) -> Judged:
         """Name the culprit, count the victims (see the module docstring)."""
@@ -165,9 +167,56 @@ class CulpritNaming:
         return abs(track.held[0] - track.logs[-1]) > least_change(self._judged_by(row), self.bands)
 
     def _track(self, row: str) -> Track | None:
-        """The track a module's outputs are judged by: its gain's if that is quieter than its level's."""
+        """The track a module's outputs are judged by: its gain's if that is quieter than its level's.
+
+        A block watched whole beside the modules inside it is judged by its gain (what it adds to the
+        residual stream it is handed): its level is the stream's, which grows with every block before it.
+        """
         level, gain = self.tracks.get("level", {}).get(row), self.tracks.get("gain", {}).get(row)
+        if gain is not None and row in self._containers():
+            return gain
         return gain if gain is not None and level is not None and gain.noise * QUIETER < level.noise else level
+
+    def _inward(self, found: Finding, out: Collection[str]) -> Finding:
+        """A block out while no module inside it is (of ``out``): the inner module that moved with it, if one did.
+
+        A layer ramping from the warm-up on is taken in as its own trend, never out of its range; its block's
+        gain, judged as a level, goes out for it. The block's finding is the layer's then: the module inside
+        whose figure (gain or level, as it is judged) moved furthest the block's way over its window
+        (``_peers.py``), in least changes, where that is past one least change and at least half as far as
+        the block's gain moved (the stream a block is handed dilutes what a layer inside adds to it: the
+        layer moves further). A block's own fault (its whole output scaled) moves no module inside it, and
+        stays the block's.
+        """
+        if (found.row not in self._containers() or found.problem not in RELATIVE["level"]
+                or any(row.startswith(found.row + ".") for row in out)):
+            return found
+        own = self._peers_for(found.row, "gain").move("gain", found.row)
+        sign = 1 if found.moved > 0 else -1
+        inner = [(sign * move / least_change(figure, self.bands), move, row) for row in self.levels
+                 if row.startswith(found.row + ".") and (figure := self._judged_by(row))
+                 and (move := self._peers_for(row, figure).move(figure, row)) is not None]
+        if own is None or not inner:
+            return found
+        changes, move, row = max(inner)  # its move in its figure's least changes: past one, and the block's half
+        if changes < 1 or sign * move < sign * own / 2:
+            return found
+        return Finding(row, row, found.problem, self.levels[row], "level", move)
+
+    def _containers(self) -> frozenset[str]:
+        """The modules watched beside two or more modules inside them: blocks of a stack.
+
+        A layer with one module inside it (transformers' fused MoE experts beside their ``act_fn``) is a layer.
+        """
+        rows = frozenset(self.tracks.get("level", {}))
+        if rows != self._contained_in[0]:
+            ordered = sorted(rows)
+
+            def holds(row: str) -> bool:  # the names inside ``row`` sort from ``row.`` to ``row/``
+                return bisect.bisect_left(ordered, row + "/") - bisect.bisect_left(ordered, row + ".") >= 2
+
+            self._contained_in = (rows, frozenset(filter(holds, ordered)))
+        return self._contained_in[1]
 
     def _judged_by(self, row: str) -> str:
         """The figure a module's outputs are judged by (:meth:`_track`): ``"gain"`` or ``"level"``."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import statistics
+from collections.abc import Callable
 
 from lightning_hooks.output._findings import Finding
 from lightning_hooks.output._row_range import follow, least_change
@@ -23,6 +24,8 @@ LEAD = 4
 
 class GainJudging:
     """The gain's rules, mixed into :class:`~lightning_hooks.output._judge.Judge`, whose state they read."""
+
+    _containers: Callable[[], frozenset[str]]  # the blocks of a stack among the rows (``_judge_culprit.py``)
 
     def _follow_input(self, dropped: list[Finding], gains: list[Finding]) -> None:
         """Let the level's range follow a move of a module judged by its gain where its gain held none of it.
@@ -66,10 +69,21 @@ class GainJudging:
         return not -2 * floor <= track.deviation <= floor  # the input out past a finding's factor: its own move
 
     def _before(self) -> dict[str, str]:
-        """Each module with a finite std at the step, by the one before it in forward order (of those)."""
+        """Each module with a finite std at the step, by the one before it in forward order (of those).
+
+        A block of a stack watched beside the modules inside it (``_containers``) comes after them in
+        forward order, but its input is what came before them: the one before its first inner module.
+        """
         rows = sorted((r for r, v in self.levels.items() if math.isfinite(v) and v >= 0),
                       key=lambda row: self.depth.get(row, 0))
-        return dict(zip(rows[1:], rows))
+        before, blocks = {}, self._containers()
+        for i, row in enumerate(rows):
+            j = i - 1
+            while row in blocks and j >= 0 and rows[j].startswith(row + "."):
+                j -= 1
+            if j >= 0:
+                before[row] = rows[j]
+        return before
 
     def _gains(self) -> dict[str, float]:
         """Each module's activation std over the one's before it in forward order: its gain."""

@@ -1,0 +1,68 @@
+"""Blocks of a stack in the judge: a block's row judged by its gain, its fault named, an inner layer's its own.
+
+Hand-built figures (fast), as in ``tests/test_judge_warm_up.py``: a residual stack ``h.0``, ``h.1``, ``h.2``
+(each a ``norm`` and a ``lin`` inside, the block's row after them in forward order) and a ``head``, logged every
+2 steps. A block's output is its input plus its ``lin``'s output: the residual stream.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Callable
+
+from lightning_hooks.output._health_bands import Bands
+from lightning_hooks.output._judge import Judge
+
+ORDER = ["embed", *(f"h.{b}.{part}" for b in range(3) for part in ("norm", "lin", "")), "head"]
+ORDER = [name.rstrip(".") for name in ORDER]
+
+
+def stack(point: int, rng: random.Random, lin: Callable[[int, int], float], out: Callable[[int, int], float],
+          learn: float = 0.0) -> dict[str, float]:
+    """One point's std of every module: ``lin(point, block)`` scales a block's ``lin``, ``out(point, block)`` its whole
+    output; ``learn`` a point each block's ``lin`` grows, as it learns (the stream with it)."""
+    noise = lambda: math.exp(rng.gauss(0, 0.01))  # noqa: E731
+    stream, levels = 1.0, {"embed": noise()}
+    for b in range(3):
+        own = 0.3 * (1 + learn) ** point * lin(point, b) * noise()
+        levels[f"h.{b}.norm"], levels[f"h.{b}.lin"] = noise(), own
+        stream = math.hypot(stream, own) * out(point, b)
+        levels[f"h.{b}"] = stream * noise()
+    levels["head"] = 0.5 * noise()
+    return levels
+
+
+def named(lin: Callable[[int, int], float], out: Callable[[int, int], float], points: int = 100,
+          learn: float = 0.0, seed: int = 0) -> dict[int, list[str]]:
+    rng, judge, found = random.Random(seed), Judge(Bands(), ORDER), {}
+    for i in range(points):
+        layers = [f.layer for f in judge.step({"level": stack(i, rng, lin, out, learn)}, 2 * i).named]
+        if layers:
+            found[i] = layers
+    return found
+
+
+def test_a_blocks_whole_output_scaled_is_the_block_named_at_once_and_while_it_stays():
+    """``h.1``'s output x20 from point 60 (after its last layer): no module inside moved, so ``h.1`` is named,
+    from that point on, alone; the blocks after it carry the scale on (their gains held) and are not."""
+    for seed in range(3):
+        found = named(lambda i, b: 1.0, lambda i, b: 20.0 if b == 1 and i >= 60 else 1.0, seed=seed)
+        assert sorted(found) == list(range(60, 100)), (seed, found)
+        assert all(layers == ["h.1"] for layers in found.values()), (seed, found)
+
+
+def test_a_layer_ramping_from_the_warm_up_is_named_through_its_blocks_gain():
+    """``h.1.lin`` grows 8% a point from point 8 (in the judge's warm-up): its own range takes the ramp in as its
+    trend, but its block's gain leaves its range; the layer inside that moved furthest is named, never the block."""
+    for seed in range(3):
+        found = named(lambda i, b: 1.08 ** max(0, i - 8) if b == 1 else 1.0, lambda i, b: 1.0, seed=seed)
+        assert found, seed
+        assert all(layers[0] == "h.1.lin" for layers in found.values()), (seed, found)
+        assert all("h.1" not in layers for layers in found.values()), (seed, found)
+
+
+def test_blocks_learning_together_are_not_named():
+    """Every block's ``lin`` grows 0.5% a point (the stream grows with the depth, the last block's most): healthy."""
+    for seed in range(3):
+        assert named(lambda i, b: 1.0, lambda i, b: 1.0, learn=0.005, seed=seed) == {}, seed
