@@ -151,7 +151,7 @@ def test_a_logger_prefix_leads_the_layouts_regexes_as_it_leads_the_tags(tmp_path
 
 
 class _Blocks(L.LightningModule):
-    """Six blocks of Linear + ReLU: 12 modules, 12 parameters."""
+    """Six blocks of Linear + ReLU: 12 modules, 12 parameters (ActivationMonitor takes the 6 blocks too: 18 rows)."""
 
     steps = 0
 
@@ -171,7 +171,7 @@ class _Blocks(L.LightningModule):
     ("monitor_class", "limit", "match"),
     [
         (ActivationMonitor, 5,
-         r"ActivationMonitor would log 12 rows \(72 tags a logged step\), over `max_rows`=5: .*\(e\.g\."
+         r"ActivationMonitor would log 18 rows \(108 tags a logged step\), over `max_rows`=5: .*\(e\.g\."
          r" modules='blocks\.\*\.0' for one module a block, or modules=nn\.LayerNorm\), or raise `max_rows`"
          r" \(None: no limit\)"),
         (GradientMonitor, 11, r"GradientMonitor would log 12 rows \(12 tags a logged step\), over"

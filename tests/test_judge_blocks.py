@@ -7,13 +7,19 @@ Hand-built figures (fast), as in ``tests/test_judge_warm_up.py``: a residual sta
 
 from __future__ import annotations
 
+import gzip
+import json
 import math
 import random
 from collections.abc import Callable
+from pathlib import Path
+
+import pytest
 
 from lightning_hooks.output._health_bands import Bands
 from lightning_hooks.output._judge import Judge
 
+DATA = Path(__file__).parent / "data"
 ORDER = ["embed", *(f"h.{b}.{part}" for b in range(3) for part in ("norm", "lin", "")), "head"]
 ORDER = [name.rstrip(".") for name in ORDER]
 
@@ -34,10 +40,16 @@ def stack(point: int, rng: random.Random, lin: Callable[[int, int], float], out:
 
 
 def named(lin: Callable[[int, int], float], out: Callable[[int, int], float], points: int = 100,
-          learn: float = 0.0, seed: int = 0) -> dict[int, list[str]]:
-    rng, judge, found = random.Random(seed), Judge(Bands(), ORDER), {}
+          learn: float = 0.0, seed: int = 0, ordered: bool = True) -> dict[int, list[str]]:
+    """The layers named at each point; ``ordered``: the forward order given, else the rows as registered (a
+    compiled model records none): a block before the layers inside it."""
+    registered = ["embed", *(name for b in range(3) for name in (f"h.{b}", f"h.{b}.norm", f"h.{b}.lin")), "head"]
+    rng, judge, found = random.Random(seed), Judge(Bands(), ORDER if ordered else ()), {}
     for i in range(points):
-        layers = [f.layer for f in judge.step({"level": stack(i, rng, lin, out, learn)}, 2 * i).named]
+        levels = stack(i, rng, lin, out, learn)
+        if not ordered:
+            levels = {name: levels[name] for name in registered}
+        layers = [f.layer for f in judge.step({"level": levels}, 2 * i).named]
         if layers:
             found[i] = layers
     return found
@@ -57,7 +69,7 @@ def test_a_layer_ramping_from_the_warm_up_is_named_through_its_blocks_gain():
     trend, but its block's gain leaves its range; the layer inside that moved furthest is named, never the block."""
     for seed in range(3):
         found = named(lambda i, b: 1.08 ** max(0, i - 8) if b == 1 else 1.0, lambda i, b: 1.0, seed=seed)
-        assert found, seed
+        assert found and min(found) <= 40 and set(range(min(found), 60)) <= set(found), (seed, found)  # and stays
         assert all(layers[0] == "h.1.lin" for layers in found.values()), (seed, found)
         assert all("h.1" not in layers for layers in found.values()), (seed, found)
 
@@ -66,3 +78,34 @@ def test_blocks_learning_together_are_not_named():
     """Every block's ``lin`` grows 0.5% a point (the stream grows with the depth, the last block's most): healthy."""
     for seed in range(3):
         assert named(lambda i, b: 1.0, lambda i, b: 1.0, learn=0.005, seed=seed) == {}, seed
+
+
+def test_a_layer_inside_a_block_is_named_before_its_block_without_a_forward_order():
+    """``h.1.lin`` x20 from point 60, the rows as registered (``h.1`` before ``h.1.norm``, as a compiled model
+    gives them): the judge still ranks the block after the layers inside it, and names ``h.1.lin``."""
+    for ordered in (True, False):
+        for seed in range(3):
+            found = named(lambda i, b: 20.0 if b == 1 and i >= 60 else 1.0, lambda i, b: 1.0, seed=seed,
+                          ordered=ordered)
+            assert sorted(found) == list(range(60, 100)), (ordered, seed, found)
+            assert all(layers == ["h.1.lin"] for layers in found.values()), (ordered, seed, found)
+
+
+def test_a_blocks_gain_drifting_as_it_learns_is_not_named():
+    """Every block's ``lin`` grows 1% a point: the first block's gain drifts x1.23 over the run, past a gain's
+    least change (x1.17), not a level's (x1.25), by which a block's gain is judged."""
+    for seed in range(3):
+        assert named(lambda i, b: 1.0, lambda i, b: 1.0, learn=0.01, seed=seed) == {}, seed
+
+
+@pytest.mark.parametrize("recording", ["blocks_mixer_healthy", "blocks_gpt2_onecycle_healthy"])
+def test_recorded_healthy_runs_with_their_blocks_watched_name_nothing(recording):
+    """Two healthy runs of the fault sweep, each logged step's output std of every watched module (blocks too) as
+    LayerHealth got them (``benchmarks/judge_replay.py record``, levels only, 6 digits): the MLP-Mixer of ``unseen3``
+    (its blocks' gains drift x1.17 over steps 61-85: named as a gain, not as a level) and the one-cycle GPT-2 of
+    ``unseen7f`` (its blocks' gains taken into the layers' common move, ``h.1.mlp.c_fc`` was named)."""
+    data = json.loads(gzip.open(DATA / f"{recording}.json.gz", "rt").read())
+    judge = Judge(Bands(), data["order"])
+    named = {int(step): [f.layer for f in judge.step({"level": levels}, int(step)).named]
+             for step, levels in data["steps"].items()}
+    assert not any(named[step] for step in named if step >= 20), named

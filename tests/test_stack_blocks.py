@@ -57,7 +57,9 @@ def test_blocks_are_the_repeated_containers_of_a_list_or_sequential() -> None:
     lone = nn.ModuleList([Residual()])  # one block: no stack
     leaves = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))  # repeated, but already taken whole
     empty = nn.Sequential(nn.Sequential(nn.ReLU()), nn.Sequential(nn.ReLU()))  # no parameters: nothing to watch
-    root = nn.ModuleDict({"model": model, "mixed": mixed, "lone": lone, "leaves": leaves, "empty": empty})
+    experts = nn.ModuleList(nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8)) for _ in range(4))
+    root = nn.ModuleDict({"model": model, "mixed": mixed, "lone": lone, "leaves": leaves, "empty": empty,
+                          "experts": experts})  # side by side, each on its tokens: not a stack
     assert stack_blocks(root) == set(map(id, model.blocks))
 
 
@@ -109,3 +111,35 @@ def test_the_flight_record_crowns_the_layer_inside_a_block_not_the_block() -> No
     assert outputs.modules == ("h.0.lin", "h.0", "h.1.norm", "h.1.lin", "h.1", "head")
     leader = output_leader(outputs.modules, outputs.array())
     assert leader is not None and leader.names == ("h.1.lin",)
+
+
+class TupleResidual(Residual):
+    """Returns ``(stream, cache)`` as transformers 4's decoder layers do; the cache 100x the stream's scale."""
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # type: ignore[override]
+        out = super().forward(x)
+        return out, 100.0 * torch.randn(3, 5)
+
+
+class TupleStacked(Stacked):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(TupleResidual() for _ in range(3))
+        self.seen: list[float] = []
+        self.blocks[1].register_forward_hook(lambda module, args, out: self.seen.append(float(out[0].std())))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        for block in self.blocks:
+            h = block(h)[0]
+        return self.head(h)
+
+
+def test_a_block_returning_a_tuple_is_measured_on_its_stream(tmp_path: Any) -> None:
+    """The block's row is its first item's std (the stream), not the cache's beside it."""
+    torch.manual_seed(0)
+    model, logger = TupleStacked(), TensorBoardLogger(str(tmp_path), name="tuple")
+    trainer(tmp_path, [ActivationMonitor(log_every_n_steps=1, histogram=False)], logger=logger,
+            max_steps=1).fit(model, loader())
+    logged = events(logger.log_dir).Scalars("activations/blocks.1/std")[0].value
+    assert abs(logged - model.seen[0]) < 0.02 * model.seen[0]

@@ -35,28 +35,36 @@ class ActivationHooks(HookCallback):
     _block: Optional[StatBlock]
     _blocks: dict[str, StatBlock]
     _forward_order: Optional[dict[str, None]]
+    _stack_ids: set[int]
     _grad_scale: list[Optional[torch.Tensor]]
     _hook_fns: dict[tuple[int, str, int], tuple[Callable[..., Any], Callable[..., Any]]]
 
     def _register(self, index: int, name: str, module: nn.Module) -> list[RemovableHandle]:
         # The hook functions are made once per fit, not at each logged step: a thousand new closures
         # a step outlive a few collections and set off the garbage collector's full passes.
-        key = (index, name, len(self._targets))
+        block = id(module) in self._stack_ids
+        key = (index, name, len(self._targets), block)
         hooks = self._hook_fns.get(key)
         if hooks is None:
-            hooks = self._hook_fns[key] = self._hooks(index, name)
+            hooks = self._hook_fns[key] = self._hooks(index, name, block)
         handles = [module.register_forward_hook(hooks[0])]
         if self.inputs:
             handles.append(module.register_forward_pre_hook(hooks[1]))
         return handles
 
-    def _hooks(self, index: int, name: str) -> tuple[Callable[..., Any], Callable[..., Any]]:
-        """The guarded forward hook and input pre-hook of the module ``name``, row ``index``."""
+    def _hooks(self, index: int, name: str, block: bool = False) -> tuple[Callable[..., Any], Callable[..., Any]]:
+        """The guarded forward hook and input pre-hook of the module ``name``, row ``index``.
+
+        ``block``: a block of a stack, whose row is the residual stream it hands on: of a tuple it returns
+        (transformers 4's ``(hidden_states, present, ...)``, the cache beside the stream), the first item only.
+        """
         input_index = index + len(self._targets)
         grad_index = index + len(self._targets) * (1 + self.inputs)
 
         def record(mod: nn.Module, args: tuple[Any, ...], output: Any) -> None:
             if self._block is not None and not in_backward():
+                if block and isinstance(output, tuple) and output:
+                    output = output[0]
                 self._block.add_all(index, output)
                 if self.gradients and self._block is self._blocks.get("train") and torch.is_grad_enabled():
                     watch_output_gradients(output, self._block, grad_index, self._grad_scale)

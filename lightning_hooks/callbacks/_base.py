@@ -24,7 +24,7 @@ from lightning_hooks.callbacks._steps import (
 from lightning_hooks.core._compat import CALLBACK_BASES, configure_model_overridden
 from lightning_hooks.core._torch_internals import is_compiled
 from lightning_hooks.core._validation import check_names
-from lightning_hooks.core.selection import ModuleSelection, select_modules, validate_selection
+from lightning_hooks.core.selection import ModuleSelection, select_modules, stack_blocks, validate_selection
 from lightning_hooks.measure._sharding import note_flat_shards
 
 __all__ = [
@@ -121,6 +121,7 @@ class HookCallback(*CALLBACK_BASES):  # type: ignore[misc]  # the Callback of ea
         validate_selection(modules)
         self.modules = modules
         self._targets: list[tuple[str, nn.Module]] = []
+        self._stack_ids: set[int] = set()  # the ``id`` of each block of a stack among the default targets
         self._handles: list[RemovableHandle] = []  # on the model for the whole fit
         self._gated: list[RemovableHandle] = []  # on the model while the gate is open
         self._armed = False  # attached, with the gated hooks registered whenever the gate opens
@@ -229,6 +230,7 @@ class HookCallback(*CALLBACK_BASES):  # type: ignore[misc]  # the Callback of ea
         """Register this callback's hooks on ``model``, replacing any it registered before."""
         self.detach()
         self._targets = select_modules(model, self.modules, blocks=self._watches_blocks)
+        self._stack_ids = stack_blocks(model) if self._watches_blocks and self.modules is None else set()
         self._failed.clear()
         self._hook_targets(model)
 

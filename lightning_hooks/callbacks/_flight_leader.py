@@ -33,6 +33,7 @@ from typing import Optional
 import numpy as np
 
 from lightning_hooks.measure.spikes import _MAD_TO_STD
+from lightning_hooks.output._findings import inner_first
 from lightning_hooks.output._health_verdicts import NONFINITE_STATS
 from lightning_hooks.output.figures import ScalarBlock
 
@@ -257,26 +258,6 @@ class OutputLevels:
             if departure is not None:
                 found.append((module, departure))
         return found
-
-
-def inner_first(names: Sequence[str]) -> list[str]:
-    """``names`` (as rows first came: a container before the modules inside it), each after the modules inside it.
-
-    A module's forward hook fires once the modules it calls have run: watched whole beside the
-    layers inside it (a block of a stack, see ``stack_blocks``), it comes after them in forward order.
-
-    Example::
-
-        >>> inner_first(["h.0", "h.0.attn", "h.0.mlp", "h.1", "h.1.mlp", "head"])
-        ['h.0.attn', 'h.0.mlp', 'h.0', 'h.1.mlp', 'h.1', 'head']
-    """
-    ordered: list[str] = []
-    open_: list[str] = []  # the containers whose insides are still coming, innermost last
-    for name in names:
-        while open_ and not name.startswith(open_[-1] + "."):
-            ordered.append(open_.pop())
-        open_.append(name)
-    return ordered + open_[::-1]
 
 
 def output_levels(figures: Sequence[ScalarBlock], kind: str = "activations") -> dict[str, float]:

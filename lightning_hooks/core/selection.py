@@ -103,7 +103,9 @@ def stack_blocks(root: nn.Module) -> set[int]:
     repeats in the same container: GPT-2's ``transformer.h.<i>``, LLaMA's ``model.layers.<i>``, a
     ResNet stage's residual blocks. The default selection watches the modules inside it, whose
     outputs do not show what the block hands on: a residual stream scaled after the block's last
-    layer moves no output inside it, and the next block's norms take the scale out.
+    layer moves no output inside it, and the next block's norms take the scale out. A list of
+    experts (a container whose name holds ``expert``: ``experts``, ``local_experts``) is called in
+    parallel, each on its tokens, not in a chain: its elements are not blocks.
 
     Example::
 
@@ -112,8 +114,8 @@ def stack_blocks(root: nn.Module) -> set[int]:
         True
     """
     blocks: set[int] = set()
-    for container in root.modules():
-        if not isinstance(container, STACK_TYPES):
+    for name, container in root.named_modules():
+        if not isinstance(container, STACK_TYPES) or "expert" in name.rpartition(".")[2].lower():
             continue
         elements = [_unwrapped(child) for child in container.children()]
         classes = [type(e) for e in elements]
@@ -257,10 +259,13 @@ def check_limit(owner: str, argument: str, limit: Optional[int], rows: int, tags
 
 
 def _per_block_glob(names: list[str]) -> Optional[str]:
-    """A glob taking one module a block: the first name with an index in it, that index made ``*``."""
+    """A glob taking one module a block: the first name with an index inside it, that index made ``*``.
+
+    The index is not the name's last part: ``blocks.*`` of a block ``blocks.0`` would take everything in them.
+    """
     for name in names:
         parts = name.split(".")
-        index = next((i for i, part in enumerate(parts) if part.isdigit()), None)
+        index = next((i for i, part in enumerate(parts[:-1]) if part.isdigit()), None)
         if index is not None:
             return ".".join([*parts[:index], "*", *parts[index + 1 :]])
     return None

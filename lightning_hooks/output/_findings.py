@@ -8,7 +8,7 @@ step's :class:`Judged`, and which module a row belongs to.
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 #: The relative figures, each with its (up, down) problems.
@@ -51,6 +51,26 @@ def layer_of(row: str, modules: Mapping[str, int]) -> str:
     if row in modules or "." not in row:
         return row
     return owner_of(row)
+
+
+def inner_first(names: Sequence[str]) -> list[str]:
+    """``names`` (as rows first came: a container before the modules inside it), each after the modules inside it.
+
+    A module's forward hook fires once the modules it calls have run: watched whole beside the
+    layers inside it (a block of a stack, see ``stack_blocks``), it comes after them in forward order.
+
+    Example::
+
+        >>> inner_first(["h.0", "h.0.attn", "h.0.mlp", "h.1", "h.1.mlp", "head"])
+        ['h.0.attn', 'h.0.mlp', 'h.0', 'h.1.mlp', 'h.1', 'head']
+    """
+    ordered: list[str] = []
+    open_: list[str] = []  # the containers whose insides are still coming, innermost last
+    for name in names:
+        while open_ and not name.startswith(open_[-1] + "."):
+            ordered.append(open_.pop())
+        open_.append(name)
+    return ordered + open_[::-1]
 
 
 @dataclass

@@ -76,6 +76,7 @@ from lightning_hooks.output._findings import (
     RELATIVE,
     Finding,
     Judged,
+    inner_first,
     layer_of,
 )
 from lightning_hooks.output._health_bands import Bands
@@ -111,7 +112,7 @@ class Judge(LearningJudging, GainJudging, CulpritNaming):
 
     def __init__(self, bands: Bands, order: Sequence[str] = ()) -> None:
         self.bands = bands
-        self.depth: dict[str, int] = {name: i for i, name in enumerate(order)}
+        self.depth: dict[str, int] = {name: i for i, name in enumerate(inner_first(order))}
         self.tracks: dict[str, dict[str, Track]] = {}
         self.last: dict[str, dict[str, float]] = {}  # by figure: each row's last finite log value
         self.offset: dict[str, float] = {}  # by figure: the peers' common path so far (log), taken out
@@ -142,9 +143,14 @@ class Judge(LearningJudging, GainJudging, CulpritNaming):
             self.gap = max(1, step - self.last_step) if self.last_step is not None else 1
             self.start, self.last_step = (step if self.start is None else self.start), step
             self.warm = step - self.start + 1 >= WARM_STEPS_PER_POINT * self.bands.min_points  # steps seen
+        known = len(self.depth)
         for figure, rows in sorted(figures.items(), key=lambda item: item[0] in PARAMETER_FIGURES):
             for row in rows:  # a module figure's rows are modules; a parameter's belongs to its module
                 self.depth.setdefault(self.layer(figure, row), len(self.depth))
+        if len(self.depth) > known:  # rows as registered (no forward order known): a block after the layers inside it
+            ranked = inner_first(sorted(self.depth, key=self.depth.__getitem__))
+            self.depth.clear()
+            self.depth.update((name, i) for i, name in enumerate(ranked))
         found: list[Finding] = []
         self.moves, self.levels, self.pulls = {}, figures.get("level", {}), figures.get(PULL, {})
         for figure, values in figures.items():

@@ -74,7 +74,7 @@ class CulpritNaming:
     affected: set[str]  # rows out as victims
     excused: set[str]  # "figure/row": the last of its kind excused as the end of its kind's gradient
     peers: Peers
-    _contained_in: tuple[frozenset[str], frozenset[str]] = (frozenset(), frozenset())  # rows seen, and containers
+    _contained_in: tuple[tuple[int, int], frozenset[str]] = ((0, 0), frozenset())  # (the rows' dict, how many), blocks
 
     def _sort(self, found: list[Finding], data: bool) -> Judged:
         """Name the culprit, count the victims (see the module docstring)."""
@@ -186,11 +186,17 @@ class CulpritNaming:
         (``_peers.py``), in least changes, where that is past one least change and at least half as far as
         the block's gain moved (the stream a block is handed dilutes what a layer inside adds to it: the
         layer moves further). A block's own fault (its whole output scaled) moves no module inside it, and
-        stays the block's.
+        stays the block's. Whichever is named, the block or a layer inside it, stays named while the block is out.
         """
         if (found.row not in self._containers() or found.problem not in RELATIVE["level"]
                 or any(row.startswith(found.row + ".") for row in out)):
             return found
+        if found.row in self.named:  # named as itself: it stays the block's while it is out
+            return found
+        inward = sorted(row for row in self.named if row.startswith(found.row + "."))
+        if inward:  # named for a layer inside it: that layer's while the block is out
+            return Finding(inward[0], inward[0], found.problem, self.levels.get(inward[0], found.value), "level",
+                           found.moved)
         own = self._peers_for(found.row, "gain").move("gain", found.row)
         sign = 1 if found.moved > 0 else -1
         inner = [(sign * move / least_change(figure, self.bands), move, row) for row in self.levels
@@ -208,14 +214,15 @@ class CulpritNaming:
 
         A layer with one module inside it (transformers' fused MoE experts beside their ``act_fn``) is a layer.
         """
-        rows = frozenset(self.tracks.get("level", {}))
-        if rows != self._contained_in[0]:
-            ordered = sorted(rows)
+        levels = self.tracks.get("level", {})
+        key = (id(levels), len(levels))  # rows are only added (a restored judge has a new dict)
+        if key != self._contained_in[0]:
+            ordered = sorted(levels)
 
             def holds(row: str) -> bool:  # the names inside ``row`` sort from ``row.`` to ``row/``
                 return bisect.bisect_left(ordered, row + "/") - bisect.bisect_left(ordered, row + ".") >= 2
 
-            self._contained_in = (rows, frozenset(filter(holds, ordered)))
+            self._contained_in = (key, frozenset(filter(holds, ordered)))
         return self._contained_in[1]
 
     def _judged_by(self, row: str) -> str:
