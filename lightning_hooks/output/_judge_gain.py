@@ -72,15 +72,22 @@ class GainJudging:
         """Each module with a finite std at the step, by the one before it in forward order (of those).
 
         A block of a stack watched beside the modules inside it (``_containers``) comes after them in
-        forward order, but its input is what came before them: the one before its first inner module.
+        forward order, but its input is what came before them: the one before its first inner module. A
+        layer's gain is against the layer before it, blocks passed over: a block watched changes no layer's
+        gain (a network without normalisation, growing as a whole, holds its head's gain against its last
+        convolution, not against the stream).
         """
         rows = sorted((r for r, v in self.levels.items() if math.isfinite(v) and v >= 0),
                       key=lambda row: self.depth.get(row, 0))
         before, blocks = {}, self._containers()
         for i, row in enumerate(rows):
             j = i - 1
-            while row in blocks and j >= 0 and rows[j].startswith(row + "."):
-                j -= 1
+            if row in blocks:  # its input: what came before the modules inside it
+                while j >= 0 and rows[j].startswith(row + "."):
+                    j -= 1
+            else:  # a layer's gain as it was without the blocks watched: against the layer before it
+                while j >= 0 and rows[j] in blocks:
+                    j -= 1
             if j >= 0:
                 before[row] = rows[j]
         return before
