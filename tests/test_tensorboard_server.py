@@ -139,16 +139,16 @@ def test_a_12_layer_transformer_logs_a_few_hundred_tags_and_one_chart_per_stat_a
     trainer(tmp_path, [ActivationMonitor(), GradientMonitor()], logger=logger, max_steps=2).fit(model, data)
     logger.experiment.flush()
 
-    # Per block: 5 modules (attention whole, linear1, linear2, norm1, norm2) x 3 stats (mean,
-    # std, abs_max) and 12 parameter norms; plus the embedding and head (2 x 3 + 4), the total
-    # norm and one flag. No module here outputs an exact zero (the block's ReLU is a function,
+    # Per block: 6 rows (the block itself, a block of a stack, and attention whole, linear1, linear2,
+    # norm1, norm2) x 3 stats (mean, std, abs_max) and 12 parameter norms; plus the embedding and
+    # head (2 x 3 + 4), the total norm and one flag. No module here outputs an exact zero (the block's ReLU is a function,
     # not a module) and the run stays finite, so the default zero_fraction and
-    # nonfinite_fraction, flat at 0 by construction, are not logged: 460 tags before that rule.
+    # nonfinite_fraction, flat at 0 by construction, are not logged: 520 tags before that rule.
     tags = events(str(tmp_path)).Tags()
     params = len(list(model.parameters()))
     assert params == 12 * 12 + 4
-    assert len(tags["scalars"]) == (12 * 5 + 2) * 3 + params + 2 == 336
-    assert len(tags["histograms"]) == 12 * 5 + 2 + params == 210
+    assert len(tags["scalars"]) == (12 * 6 + 2) * 3 + params + 2 == 372
+    assert len(tags["histograms"]) == 12 * 6 + 2 + params == 222
 
     get = serve(tmp_path)
     _loaded(get, "activations/net.head/std")
@@ -157,7 +157,7 @@ def test_a_12_layer_transformer_logs_a_few_hundred_tags_and_one_chart_per_stat_a
     assert list(charts) == ["activations: mean, std, abs_max by layer",
                             "gradients: norm by parameter, total norm, anomaly flags"]
     charts = dict(zip(("activations", "gradients"), charts.values()))
-    for category, chart, rows in [("activations", "std by layer", 62), ("activations", "abs_max by layer", 62),
+    for category, chart, rows in [("activations", "std by layer", 74), ("activations", "abs_max by layer", 74),
                                   ("gradients", "norm by parameter", params)]:
         (regex,) = charts[category][chart]
         served = get("/data/plugin/custom_scalars/scalars", run=RUN, tag=regex)
