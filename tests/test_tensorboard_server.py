@@ -141,8 +141,8 @@ def test_a_12_layer_transformer_logs_a_few_hundred_tags_and_one_chart_per_stat_a
 
     # Per block: 6 rows (the block itself, a block of a stack, and attention whole, linear1, linear2,
     # norm1, norm2) x 3 stats (mean, std, abs_max) and 12 parameter norms; plus the embedding and
-    # head (2 x 3 + 4), the total norm and one flag. No module here outputs an exact zero (the block's ReLU is a function,
-    # not a module) and the run stays finite, so the default zero_fraction and
+    # head (2 x 3 + 4), the total norm and one flag. No module here outputs an exact zero (the
+    # block's ReLU is a function, not a module) and the run stays finite, so the default zero_fraction and
     # nonfinite_fraction, flat at 0 by construction, are not logged: 520 tags before that rule.
     tags = events(str(tmp_path)).Tags()
     params = len(list(model.parameters()))
