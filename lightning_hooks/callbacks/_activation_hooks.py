@@ -37,7 +37,7 @@ class ActivationHooks(HookCallback):
     _forward_order: Optional[dict[str, None]]
     _stack_ids: set[int]
     _grad_scale: list[Optional[torch.Tensor]]
-    _hook_fns: dict[tuple[int, str, int], tuple[Callable[..., Any], Callable[..., Any]]]
+    _hook_fns: dict[tuple[int, str, int, bool], tuple[Callable[..., Any], Callable[..., Any]]]
 
     def _register(self, index: int, name: str, module: nn.Module) -> list[RemovableHandle]:
         # The hook functions are made once per fit, not at each logged step: a thousand new closures

@@ -162,7 +162,7 @@ class ActivationMonitor(ActivationHooks):
         self._pending_global = 0  # ``trainer.global_step`` when it began: its optimizer step is done once this moves
         self._forward_order: Optional[dict[str, None]] = None  # modules as their hooks first fire, once per fit
         self._grad_scale: list[Optional[torch.Tensor]] = [None]  # AMP's 1 / loss_scale for this backward
-        self._hook_fns: dict[tuple[int, str, int], tuple[Callable[..., Any], Callable[..., Any]]] = {}
+        self._hook_fns: dict[tuple[int, str, int, bool], tuple[Callable[..., Any], Callable[..., Any]]] = {}
         self._carried: list[tuple[torch.Tensor, ScalarBlock]] = []  # other callbacks' figures of the step (`carry`)
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:

@@ -127,8 +127,8 @@ def stack_blocks(root: nn.Module) -> set[int]:
 
 def _unwrapped(module: nn.Module) -> nn.Module:
     """The module a wrapper (``torch.compile``'s, FSDP1's, activation checkpointing's) holds, or ``module``."""
-    while _is_wrapper(module):
-        module = next(getattr(module, a) for a in WRAPPED_ATTRIBUTES if isinstance(getattr(module, a, None), nn.Module))
+    while (inner := _wrapped(module)) is not None:
+        module = inner
     return module
 
 
@@ -277,9 +277,15 @@ def _per_block_glob(names: list[str]) -> Optional[str]:
 WRAPPED_ATTRIBUTES = ("_orig_mod", "_fsdp_wrapped_module", "_checkpoint_wrapped_module")
 
 
+def _wrapped(module: nn.Module) -> Optional[nn.Module]:
+    """The module ``module`` wraps (under one of ``WRAPPED_ATTRIBUTES``), or None when it is no wrapper."""
+    return next((inner for attr in WRAPPED_ATTRIBUTES if isinstance(inner := getattr(module, attr, None), nn.Module)),
+                None)
+
+
 def _is_wrapper(module: nn.Module) -> bool:
     """Whether ``module`` is only a wrapper around another (see ``WRAPPED_ATTRIBUTES``)."""
-    return any(isinstance(getattr(module, attr, None), nn.Module) for attr in WRAPPED_ATTRIBUTES)
+    return _wrapped(module) is not None
 
 
 def clean_name(name: str) -> str:

@@ -199,9 +199,13 @@ class CulpritNaming:
                            found.moved)
         own = self._peers_for(found.row, "gain").move("gain", found.row)
         sign = 1 if found.moved > 0 else -1
-        inner = [(sign * move / least_change(figure, self.bands), move, row) for row in self.levels
-                 if row.startswith(found.row + ".") and (figure := self._judged_by(row))
-                 and (move := self._peers_for(row, figure).move(figure, row)) is not None]
+        inner = []  # each module inside: its move in its figure's least changes, its move, its name
+        for row in self.levels:
+            if row.startswith(found.row + "."):
+                figure = self._judged_by(row)
+                move = self._peers_for(row, figure).move(figure, row)
+                if move is not None:
+                    inner.append((sign * move / least_change(figure, self.bands), move, row))
         if own is None or not inner:
             return found
         changes, move, row = max(inner)  # its move in its figure's least changes: past one, and the block's half
