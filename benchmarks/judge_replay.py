@@ -28,9 +28,10 @@ from typing import Any, Optional
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks import fault_sweep, fault_zoo  # noqa: E402
 from lightning_hooks.callbacks.health import LayerHealth  # noqa: E402
-from lightning_hooks.output._health_verdicts import Verdicts  # noqa: E402
+from lightning_hooks.output._health_verdicts import JUDGED, Verdicts  # noqa: E402
 
 Event = tuple[Any, ...]  # ("bands", Bands) | ("add", figure, step, values) | ("order", names) | ("read", step)
+#                          | ("vectors", figure, step, values): the 1-D rows LayerHealth keeps from the judge
 
 
 @contextlib.contextmanager
@@ -42,6 +43,7 @@ def recording() -> Iterator[list[tuple[fault_zoo.Case, fault_zoo.Case, dict[str,
     events: list[Event] = []
     kept: list[tuple[fault_zoo.Case, fault_zoo.Case, dict[str, Any]]] = []
     init, add, order = Verdicts.__init__, Verdicts.add, LayerHealth.record_forward_order
+    figures = LayerHealth.record_figures
     read, run, judge = fault_zoo.Probe.on_train_batch_end, fault_zoo.run_case, fault_zoo.judge_case
 
     def run_case(*args: Any, **kwargs: Any) -> fault_zoo.Case:
@@ -58,6 +60,15 @@ def recording() -> Iterator[list[tuple[fault_zoo.Case, fault_zoo.Case, dict[str,
     Verdicts.__init__ = lambda self, bands: (events.append(("bands", bands)), init(self, bands))[-1]
     Verdicts.add = lambda self, figure, step, values: (events.append(("add", figure, step, dict(values))),
                                                       add(self, figure, step, values))[-1]
+    def record_figures(self: LayerHealth, blocks: Any, metrics: Any, step: int) -> None:
+        for block in blocks:  # the 1-D rows' ratios and norms, kept apart so a replay may judge them
+            figure = JUDGED.get((block.kind, block.stat))
+            kept = {n: v for n, v in zip(block.rows, block.values) if figure in ("ratio", "norm") and n in self._vectors}
+            if kept:
+                events.append(("vectors", figure, step, kept))
+        figures(self, blocks, metrics, step)
+
+    LayerHealth.record_figures = record_figures
     LayerHealth.record_forward_order = lambda self, names: (events.append(("order", list(names))),
                                                             order(self, names))[-1]
     fault_zoo.Probe.on_train_batch_end = lambda self, trainer, *a: (events.append(("read", trainer.global_step - 1)),
@@ -68,6 +79,7 @@ def recording() -> Iterator[list[tuple[fault_zoo.Case, fault_zoo.Case, dict[str,
         yield kept
     finally:
         Verdicts.__init__, Verdicts.add, LayerHealth.record_forward_order = init, add, order
+        LayerHealth.record_figures = figures
         fault_zoo.Probe.on_train_batch_end = read
         fault_zoo.run_case = fault_sweep.run_case = run
         fault_zoo.judge_case = fault_sweep.judge_case = judge
@@ -87,7 +99,7 @@ def replay(events: Sequence[Event]) -> dict[int, list[str]]:
             ranked = [*event[1], *(name for name in depth if name not in set(event[1]))]
             depth.clear()
             depth.update((name, i) for i, name in enumerate(ranked))
-        else:
+        elif event[0] == "read":
             ongoing = sorted(((p, layer, e) for (p, layer), e in verdicts.episodes.items() if e.ongoing),
                              key=verdicts.order)
             named[event[1]] = list(dict.fromkeys(f"{layer} ({p})" for p, layer, _ in ongoing))
