@@ -86,8 +86,9 @@ class Lit(pl.LightningModule):
     def _bad_batch(self, module: nn.Module, args: Any, out: Tensor) -> Optional[Tensor]:
         return out * DATA_SCALE if self.training and self._step() >= self.onset else None
 
-    def _cut(self, module: nn.Module, args: Any, out: Tensor) -> None:
+    def _cut(self, module: nn.Module, args: Any, out: Any) -> None:
         """The gradient reaching the output cut x1e-6 (before the monitor's own hook on it sees it)."""
+        out = out[0] if isinstance(out, tuple) else out  # an RNN's (output, state): its output
         if self.training and self._step() >= self.onset and out.requires_grad:
             out.register_hook(lambda grad: grad * GRAD_CUT)
 
@@ -137,8 +138,10 @@ class Lit(pl.LightningModule):
             boost = LR_FACTOR if self.fault == "lr100" and i == 1 and step >= self.onset else 1.0
             group["lr"] = self.recipe.lr * self.mult(step) * boost
         if self.fault == "vanish" and step == self.onset and batch_idx % self.recipe.accumulate == 0:
-            with torch.no_grad():
-                self.get_submodule(self.culprit).weight.mul_(SHRINK)
+            with torch.no_grad():  # its weights: an LSTM's are ``weight_ih_l0``, ``weight_hh_l0``...
+                for name, param in self.get_submodule(self.culprit).named_parameters(recurse=False):
+                    if name.startswith("weight"):
+                        param.mul_(SHRINK)
 
     def training_step(self, batch: Any, batch_idx: int) -> Tensor:
         acc = self.recipe.accumulate  # with accumulation, each micro-batch is drawn apart
