@@ -35,6 +35,9 @@ GAIN_POWER = 0.7
 #: is a finding: a step no early learning takes (healthy: at most x2.4 over every recorded case).
 WARM_JUMP = math.log(5.0)
 WARM_POINTS = 4
+#: A Gaussian row's lowest point in a window of 24-32 lies about 2 noises below its line; one further than this
+#: many noises below it has a long lower tail (``_lower_tail``), which a fall is judged by.
+LOWER_TAIL = 3.0
 #: A lean has slowed to a creep where its deviation's median over its last this many held points moved less than
 #: ``CREEP_PER_STEP`` a step from the median of the as many before (a healthy layer learning fast, then slower).
 SLOW_POINTS = 8
@@ -254,7 +257,20 @@ def _deviation(track: Track, x: float, figure: str, floor: float) -> tuple[Optio
     seen = list(track.logs)[:len(track.logs) - track.learned]
     track.learned = 0
     high, low = max(level, ahead, *seen), min(level, ahead, *seen)
-    return max(0.0, x - high) + min(0.0, x - low), max(_judging_noise(track, noise, slope, floor), MIN_NOISE[figure])
+    deviation, noise = max(0.0, x - high) + min(0.0, x - low), _judging_noise(track, noise, slope, floor)
+    if deviation < 0:  # a std of a few values (a small batch's prediction) has a long lower tail on a log scale
+        noise = max(noise, _lower_tail(track.logs, level, slope, lag))
+    return deviation, max(noise, MIN_NOISE[figure])
+
+
+def _lower_tail(logs: Sequence[float], level: float, slope: float, lag: float) -> float:
+    """The noise a row's lowest point below its line implies: how far down its own history already went.
+
+    ``LOWER_TAIL`` noises below the line is as far as a Gaussian row's lowest point goes in a window; a row
+    that went further (a std of 4 values: its log is skewed down) is judged by that tail going down.
+    """
+    centre = len(logs) - lag  # where the line passes through ``level``, as ``usual_range`` draws it
+    return -min(0.0, *(v - level - slope * (i - centre) for i, v in enumerate(logs))) / LOWER_TAIL
 
 
 def _judging_noise(track: Track, noise: float, slope: float, floor: float) -> float:
