@@ -28,7 +28,8 @@ from typing import Any, Optional
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks import fault_sweep, fault_zoo  # noqa: E402
 from lightning_hooks.callbacks.health import LayerHealth  # noqa: E402
-from lightning_hooks.output._health_verdicts import JUDGED, Verdicts  # noqa: E402
+from lightning_hooks.output._findings import SCALE_RATIO  # noqa: E402
+from lightning_hooks.output._health_verdicts import JUDGED, Verdicts, judged_figure  # noqa: E402
 
 Event = tuple[Any, ...]  # ("bands", Bands) | ("add", figure, step, values) | ("order", names) | ("read", step)
 #                          | ("vectors", figure, step, values): the 1-D rows LayerHealth keeps from the judge
@@ -63,7 +64,8 @@ def recording() -> Iterator[list[tuple[fault_zoo.Case, fault_zoo.Case, dict[str,
     def record_figures(self: LayerHealth, blocks: Any, metrics: Any, step: int) -> None:
         for block in blocks:  # the 1-D rows' ratios and norms, kept apart so a replay may judge them
             figure = JUDGED.get((block.kind, block.stat))
-            kept = {n: v for n, v in zip(block.rows, block.values) if figure in ("ratio", "norm") and n in self._vectors}
+            kept = {n: v for n, v in zip(block.rows, block.values)
+                    if figure in ("ratio", "norm") and n in self._vectors}
             if kept:
                 events.append(("vectors", figure, step, kept))
         figures(self, blocks, metrics, step)
@@ -94,6 +96,11 @@ def replay(events: Sequence[Event]) -> dict[int, list[str]]:
             verdicts = Verdicts(event[1])
         elif event[0] == "add":
             verdicts.add(*event[1:])
+        elif event[0] == "vectors":  # as LayerHealth passes them on today (the recording kept them all)
+            figure, step, values = event[1:]
+            scales = {row: v for row, v in values.items() if judged_figure(figure, row, v, values) == SCALE_RATIO}
+            if scales:
+                verdicts.add(SCALE_RATIO, step, scales)
         elif event[0] == "order":  # as LayerHealth.record_forward_order
             depth = verdicts.judge.depth
             ranked = [*event[1], *(name for name in depth if name not in set(event[1]))]

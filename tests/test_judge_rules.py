@@ -10,7 +10,9 @@ import random
 
 import pytest
 
+from lightning_hooks.output._findings import SCALE_RATIO
 from lightning_hooks.output._health_bands import Bands
+from lightning_hooks.output._health_verdicts import judged_figure
 from lightning_hooks.output._judge import Judge
 
 CHAIN = ["stem", "attn", "mlp", "out"]
@@ -427,3 +429,40 @@ def test_a_non_finite_gradient_ties_with_gradients_gone_to_0_and_beats_a_finite_
     for seed in range(4):
         found = first_named(Judge(Bands(), CHAIN), figures(seed), 70)
         assert found is not None and found[:2] == (60, {"mlp"}), (seed, found)
+
+
+def scale_run(rise: float, seed: int, onset: int = 60) -> list[tuple[int, str, str, str]]:
+    """Six weights' update ratios at 1e-4 (5% noise) and a norm's scale's at 1e-3 (30% noise), all on a cosine
+    LR; from ``onset`` the scale's times ``rise`` (its param group's LR). Each (point, layer, problem, figure)
+    named."""
+    rng, judge, named = random.Random(seed), Judge(Bands()), []
+    for i in range(onset + 10):
+        lr = 0.5 * (1 + math.cos(math.pi * i / (2 * onset)))
+        ratios = {row: lr * 1e-4 * math.exp(rng.gauss(0, 0.05)) for row in RATIO_ROWS}
+        scale = lr * 1e-3 * math.exp(rng.gauss(0, 0.3)) * (rise if i >= onset else 1.0)
+        named += [(i, f.layer, f.problem, f.figure)
+                  for f in judge.step({"ratio": ratios, SCALE_RATIO: {"net.norm.weight": scale}}, i).named]
+    return named
+
+
+def test_a_norms_scale_whose_learning_rate_went_up_x100_is_named_too_fast_at_once():
+    """A norm's scale is judged by its update ratio alone (its outputs move a few %): x100 is named at the onset."""
+    for seed in range(4):
+        assert scale_run(100.0, seed)[:1] == [(60, "net.norm", "too_fast", "ratio")], seed
+
+
+def test_a_norms_scale_ratio_up_x5_is_not_named_where_a_weights_would_be():
+    """A few entries' ratio moves far more than a weight's: a scale is named only ``SCALE_JUMP`` (x10) beyond its
+    range; x5 that stays (over 30% noise) is not, though ``ratio_factor`` (x4) would name a weight's."""
+    for seed in range(4):
+        assert scale_run(5.0, seed) == [], seed
+
+
+@pytest.mark.parametrize("figure, row, value, judged", [
+    ("ratio", "net.norm.weight", 1e-3, SCALE_RATIO), ("ratio", "net.0.bias", 1e-3, None),
+    ("norm", "net.norm.weight", 1e-3, None), ("ratio", "net.0.bias", math.nan, "ratio"),
+    ("ratio", "net.0.weight", 1e-3, "ratio"), ("level", "net.norm", 1.0, "level")])
+def test_a_1d_rows_ratio_is_judged_apart_for_a_norms_scale_left_out_for_a_bias_and_a_nan_is_a_nan(
+        figure, row, value, judged):
+    """LayerHealth's and the tab's rule (``judged_figure``): 1-D rows are ``net.norm.weight`` and ``net.0.bias``."""
+    assert judged_figure(figure, row, value, {"net.norm.weight", "net.0.bias"}) == judged

@@ -22,7 +22,14 @@ from lightning_hooks.core._compat import CALLBACK_BASES, TENSORBOARD_LOGGERS, ca
 from lightning_hooks.core._validation import check_int
 from lightning_hooks.output._diagnosis import diagnose, param_groups
 from lightning_hooks.output._findings import owner_of
-from lightning_hooks.output._health_verdicts import JUDGED, STABILITY_BANDS, Bands, Verdicts, unjudged_ratios
+from lightning_hooks.output._health_verdicts import (
+    JUDGED,
+    STABILITY_BANDS,
+    Bands,
+    Verdicts,
+    judged_figure,
+    unjudged_ratios,
+)
 from lightning_hooks.output.figures import Diagnoses, FigureListener, HistogramColumns
 from lightning_hooks.output.sinks import log_text
 
@@ -193,12 +200,12 @@ class LayerHealth(FigureListener, Diagnoses, *CALLBACK_BASES):  # type: ignore[m
             figure = JUDGED.get(key)
             if figure is None:
                 continue
-            values = judged.setdefault(figure, {})
+            judged.setdefault(figure, {})
             for name, value in zip(block.rows, block.values):
-                if figure == "nonfinite":  # the worst of the non-finite share and counts
-                    values[name] = max(values.get(name, 0.0), value)
-                elif not (figure in ("ratio", "norm") and name in self._vectors and math.isfinite(value)):
-                    values[name] = value  # a 1-D row's few entries are too noisy to judge, but a NaN is a NaN
+                as_ = judged_figure(figure, name, value, self._vectors)  # a 1-D row: a norm's scale's ratio, or none
+                if as_ is not None:  # nonfinite: the worst of the non-finite share and counts
+                    kept = judged.setdefault(as_, {})
+                    kept[name] = max(kept.get(name, 0.0), value) if as_ == "nonfinite" else value
         for figure, values in judged.items():
             self._verdicts.add(figure, step, values)
         self._last, self._fresh = step, True

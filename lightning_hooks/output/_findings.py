@@ -18,8 +18,11 @@ RELATIVE = {"level": ("blowup", "collapse"), "gain": ("blowup", "collapse"), "no
 BACKWARD = "output_grad"
 #: The problems seen in a module's own outputs: the evidence a culprit is named from, in forward order.
 OUTPUT_PROBLEMS = ("nonfinite", "dead", "blowup", "collapse")
+#: The update ratio of a norm's scale (a 1-D ``weight``), judged only by a step far above its own history:
+#: its findings are the ``ratio`` figure's (``too_fast``), its rows kept apart from the other rows' ranges.
+SCALE_RATIO = "scale_ratio"
 #: The figures whose rows are parameters (or modules, with GradientMonitor's ``granularity="module"``).
-PARAMETER_FIGURES = ("norm", "ratio")
+PARAMETER_FIGURES = ("norm", "ratio", SCALE_RATIO)
 #: The layer a data fault is reported on.
 EVERY_LAYER = "(every layer)"
 

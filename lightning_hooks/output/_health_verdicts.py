@@ -9,12 +9,13 @@ and docs/verdicts.md; the thresholds: :class:`Bands` (re-exported here, where th
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import math
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from typing import Any, Optional
 
 from lightning_hooks.output._findings import EVERY_LAYER as EVERY_LAYER
-from lightning_hooks.output._findings import Judged, owner_of
+from lightning_hooks.output._findings import SCALE_RATIO, Judged, owner_of
 from lightning_hooks.output._health_bands import PROBLEMS as PROBLEMS
 from lightning_hooks.output._health_bands import Bands as Bands
 from lightning_hooks.output._judge import Judge
@@ -25,12 +26,25 @@ UNJUDGED_RATIOS_TAG = "layers/unjudged_ratios"
 
 
 def unjudged_ratios(pl_module: Any) -> set[str]:
-    """The rows whose update ratio is not judged: ``pl_module``'s 1-D parameters (biases, norms' scales).
+    """The rows whose update ratio is not judged with the others: ``pl_module``'s 1-D parameters.
 
-    Their few small entries give large, noisy ratios on healthy runs; a module row holds its
-    weights too, and is judged.
+    Their few small entries give large, noisy ratios on healthy runs (a bias crossing 0); a module
+    row holds its weights too, and is judged. A norm's scale (a 1-D ``weight``) is judged apart, by a
+    step far above its own history only (:func:`judged_figure`).
     """
     return {name for name, param in pl_module.named_parameters() if param.ndim < 2}
+
+
+def judged_figure(figure: str, row: str, value: float, vectors: Collection[str]) -> Optional[str]:
+    """The figure a row's value is judged as, or None where it is not judged; LayerHealth's and the tab's rule.
+
+    A 1-D parameter's (``vectors``, :func:`unjudged_ratios`) finite update ratio and gradient norm are left
+    out, but a norm's scale's ratio (a 1-D row named ``weight``) is :data:`SCALE_RATIO`: a param group's
+    learning rate raised on a norm shows there alone (its output moves a few %). A NaN is a NaN.
+    """
+    if figure not in ("ratio", "norm") or row not in vectors or not math.isfinite(value):
+        return figure
+    return SCALE_RATIO if figure == "ratio" and row.rpartition(".")[2] == "weight" else None
 
 
 #: The logged stats that say whether a layer's outputs held a non-finite value.

@@ -74,6 +74,7 @@ from lightning_hooks.output._findings import (
     BACKWARD,
     PARAMETER_FIGURES,
     RELATIVE,
+    SCALE_RATIO,
     Finding,
     Judged,
     inner_first,
@@ -97,6 +98,10 @@ from lightning_hooks.output._row_range import (
 
 #: The relative figures whose step's common change over all rows is taken out (peers).
 COMMON_MODE = ("norm", "ratio", "gain")
+#: A norm's scale's update ratio is named past this many times beyond its own range (net of the other rows' common
+#: move): its few entries move far more from step to step than a weight's; a param group's LR raised x100 moves it
+#: about x100.
+SCALE_JUMP = 10.0
 #: The rows' ranges judge from this many steps per ``min_points`` on (48): logged every step, a small model's
 #: fastest learning (the zoo's MLP: layers moving 20-80% over steps 25-60) is history, as logged every 2.
 WARM_STEPS_PER_POINT = 2
@@ -154,12 +159,13 @@ class Judge(LearningJudging, GainJudging, CulpritNaming):
         found: list[Finding] = []
         self.moves, self.levels, self.pulls = {}, figures.get("level", {}), figures.get(PULL, {})
         for figure, values in figures.items():
-            if figure == PULL:
+            if figure in (PULL, SCALE_RATIO):
                 continue
             if figure in RELATIVE:
                 found.extend(self._relative(figure, values))
             else:
                 found.extend(self._absolute(figure, values))
+        found.extend(self._scales(figures.get(SCALE_RATIO, {})))  # net of the step's common move of the ratios
         return self._sort(self._outputs(found), self._is_data(found, figures))
 
     def _outputs(self, found: list[Finding]) -> list[Finding]:
@@ -211,6 +217,23 @@ class Judge(LearningJudging, GainJudging, CulpritNaming):
                 found.append(Finding(row, self.layer(figure, row), up if moved > 0 else down, values[row], figure,
                                      moved))
         return self._unshared(figure, found)
+
+    def _scales(self, values: Mapping[str, float]) -> list[Finding]:
+        """Each norm's scale whose update ratio went ``SCALE_JUMP`` times beyond its own range: ``too_fast``.
+
+        Judged as a ratio is (its range, net of the other rows' common move), named only that far out: a
+        param group's learning rate raised on a norm shows there alone (its outputs move a few %).
+        """
+        tracks, found = self.tracks.setdefault(SCALE_RATIO, {}), []
+        for row, v in values.items():
+            if not (math.isfinite(v) and v > 0):
+                continue
+            track = tracks.setdefault(row, Track(deque(maxlen=self.bands.window)))
+            x = math.log(v) - self.offset.get("ratio", 0.0)
+            moved = judge_value(track, x, "ratio", self.bands, self.warm, self.gap)
+            if moved is not None and moved > math.log(SCALE_JUMP):
+                found.append(Finding(row, self.layer(SCALE_RATIO, row), RELATIVE["ratio"][0], v, "ratio", moved))
+        return found
 
     def _under_first_ratio(self, figure: str, row: str, value: float, moved: float) -> bool:
         """Whether an update ratio's rise is no higher than its first logged value (see the module docstring)."""

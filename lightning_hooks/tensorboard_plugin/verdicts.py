@@ -10,13 +10,12 @@ layers it hurt are not marked. The routes take any threshold as a query paramete
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Optional
 
 from lightning_hooks.output._findings import EVERY_LAYER
-from lightning_hooks.output._health_verdicts import JUDGED, STABILITY_BANDS, Bands, _figure_of
+from lightning_hooks.output._health_verdicts import JUDGED, STABILITY_BANDS, Bands, _figure_of, judged_figure
 from lightning_hooks.output._judge import Judge
 from lightning_hooks.tensorboard_plugin.run_data import Figure
 
@@ -77,8 +76,8 @@ def judge(figures: list[Figure], bands: Bands, unjudged: frozenset[str] = frozen
     Args:
         figures: A run's figures (those not judged come back unmarked).
         bands: The thresholds.
-        unjudged: 1-D parameter rows: their update ratio and finite gradient norm are not judged
-            (as LayerHealth leaves them out).
+        unjudged: 1-D parameter rows: their finite gradient norm is not judged, nor their update ratio
+            but a norm's scale's, judged apart (as LayerHealth judges them: ``judged_figure``).
         order: The modules in the order their forward hooks first fired (ActivationMonitor's
             ``layers/forward_order``), as LayerHealth judges them; else the figures' row order.
 
@@ -100,12 +99,13 @@ def judge(figures: list[Figure], bands: Bands, unjudged: frozenset[str] = frozen
             log10 = figure.stat == "log10_ratio"
             for row, series in enumerate(figure.values):
                 v, name = series[col], figure.rows[row]
-                if v is None or (kind in ("ratio", "norm") and name in unjudged and math.isfinite(v)):
+                value = None if v is None else 10.0 ** v if log10 else v
+                as_ = None if value is None else judged_figure(kind, name, value, unjudged)  # as LayerHealth
+                if as_ is None:
                     continue
-                value = 10.0 ** v if log10 else v
-                if kind == "nonfinite":
-                    value = max(values.get(kind, {}).get(name, 0.0), value)
-                values.setdefault(kind, {})[name] = value
+                if as_ == "nonfinite":
+                    value = max(values.get(as_, {}).get(name, 0.0), value)
+                values.setdefault(as_, {})[name] = value
                 where.setdefault((kind, name), (figure, row))
         for finding in referee.step(values, step).named:
             rows = [(finding.row, _figure_of(finding.problem))] if finding.problem != "data" else \
