@@ -32,7 +32,7 @@ from lightning_hooks.output._findings import SCALE_RATIO  # noqa: E402
 from lightning_hooks.output._health_verdicts import JUDGED, Verdicts, judged_figure  # noqa: E402
 
 Event = tuple[Any, ...]  # ("bands", Bands) | ("add", figure, step, values) | ("order", names) | ("read", step)
-#                          | ("vectors", figure, step, values): the 1-D rows LayerHealth keeps from the judge
+#                          | ("vectors", figure, step, values[, scales]): the 1-D rows, and which are norms' scales
 
 
 @contextlib.contextmanager
@@ -65,9 +65,9 @@ def recording() -> Iterator[list[tuple[fault_zoo.Case, fault_zoo.Case, dict[str,
         for block in blocks:  # the 1-D rows' ratios and norms, kept apart so a replay may judge them
             figure = JUDGED.get((block.kind, block.stat))
             kept = {n: v for n, v in zip(block.rows, block.values)
-                    if figure in ("ratio", "norm") and n in self._vectors}
+                    if figure in ("ratio", "norm") and (n in self._vectors or n in self._scales)}
             if kept:
-                events.append(("vectors", figure, step, kept))
+                events.append(("vectors", figure, step, kept, sorted(self._scales & set(kept))))
         figures(self, blocks, metrics, step)
 
     LayerHealth.record_figures = record_figures
@@ -94,11 +94,14 @@ def replay(events: Sequence[Event]) -> dict[int, list[str]]:
     for event in events:
         if event[0] == "bands":
             verdicts = Verdicts(event[1])
-        elif event[0] == "add":
+        elif event[0] == "add" and event[1] != SCALE_RATIO:  # a scale's ratio: from its "vectors" event
             verdicts.add(*event[1:])
         elif event[0] == "vectors":  # as LayerHealth passes them on today (the recording kept them all)
-            figure, step, values = event[1:]
-            scales = {row: v for row, v in values.items() if judged_figure(figure, row, v, values) == SCALE_RATIO}
+            figure, step, values = event[1:4]
+            # recorded before the scales were: a 1-D ``weight`` (every one in the recorded models is a norm's)
+            known = event[4] if len(event) > 4 else [row for row in values if row.rpartition(".")[2] == "weight"]
+            scales = {row: v for row, v in values.items()
+                      if judged_figure(figure, row, v, set(values) - set(known), set(known)) == SCALE_RATIO}
             if scales:
                 verdicts.add(SCALE_RATIO, step, scales)
         elif event[0] == "order":  # as LayerHealth.record_forward_order

@@ -9,7 +9,10 @@ import math
 import random
 
 import pytest
+import torch
+from torch import nn
 
+from lightning_hooks.callbacks._judged_rows import norm_scales, unjudged_ratios
 from lightning_hooks.output._findings import SCALE_RATIO
 from lightning_hooks.output._health_bands import Bands
 from lightning_hooks.output._health_verdicts import judged_figure
@@ -431,13 +434,13 @@ def test_a_non_finite_gradient_ties_with_gradients_gone_to_0_and_beats_a_finite_
         assert found is not None and found[:2] == (60, {"mlp"}), (seed, found)
 
 
-def scale_run(rise: float, seed: int, onset: int = 60) -> list[tuple[int, str, str, str]]:
+def scale_run(rise: float, seed: int, onset: int = 60, every: float = 1.0) -> list[tuple[int, str, str, str]]:
     """Six weights' update ratios at 1e-4 (5% noise) and a norm's scale's at 1e-3 (30% noise), all on a cosine
-    LR; from ``onset`` the scale's times ``rise`` (its param group's LR). Each (point, layer, problem, figure)
-    named."""
+    LR; from ``onset`` the scale's times ``rise`` (its param group's LR), every row's times ``every`` (the whole
+    schedule's). Each (point, layer, problem, figure) named."""
     rng, judge, named = random.Random(seed), Judge(Bands()), []
     for i in range(onset + 10):
-        lr = 0.5 * (1 + math.cos(math.pi * i / (2 * onset)))
+        lr = 0.5 * (1 + math.cos(math.pi * i / (2 * onset))) * (every if i >= onset else 1.0)
         ratios = {row: lr * 1e-4 * math.exp(rng.gauss(0, 0.05)) for row in RATIO_ROWS}
         scale = lr * 1e-3 * math.exp(rng.gauss(0, 0.3)) * (rise if i >= onset else 1.0)
         named += [(i, f.layer, f.problem, f.figure)
@@ -451,6 +454,20 @@ def test_a_norms_scale_whose_learning_rate_went_up_x100_is_named_too_fast_at_onc
         assert scale_run(100.0, seed)[:1] == [(60, "net.norm", "too_fast", "ratio")], seed
 
 
+def test_a_norms_scale_named_stays_named_while_out_near_the_threshold():
+    """x20 (its deviation from its range about x10, either side of ``SCALE_JUMP``): named at the onset and at every
+    point after, one episode, not one per point past the threshold."""
+    for seed in range(4):
+        points = [i for i, *_ in scale_run(20.0, seed)]
+        assert points and points[0] <= 61 and points == list(range(points[0], 70)), seed
+
+
+def test_a_norms_scale_moving_with_every_rows_ratio_is_not_named():
+    """The whole schedule x20 at once (every row's ratio with it): the common move, taken out, not the scale's."""
+    for seed in range(4):
+        assert [f for f in scale_run(1.0, seed, every=20.0) if f[1] == "net.norm"] == [], seed
+
+
 def test_a_norms_scale_ratio_up_x5_is_not_named_where_a_weights_would_be():
     """A few entries' ratio moves far more than a weight's: a scale is named only ``SCALE_JUMP`` (x10) beyond its
     range; x5 that stays (over 30% noise) is not, though ``ratio_factor`` (x4) would name a weight's."""
@@ -460,9 +477,54 @@ def test_a_norms_scale_ratio_up_x5_is_not_named_where_a_weights_would_be():
 
 @pytest.mark.parametrize("figure, row, value, judged", [
     ("ratio", "net.norm.weight", 1e-3, SCALE_RATIO), ("ratio", "net.0.bias", 1e-3, None),
-    ("norm", "net.norm.weight", 1e-3, None), ("ratio", "net.0.bias", math.nan, "ratio"),
-    ("ratio", "net.0.weight", 1e-3, "ratio"), ("level", "net.norm", 1.0, "level")])
+    ("ratio", "net.act.weight", 1e-3, None), ("norm", "net.norm.weight", 1e-3, None),
+    ("ratio", "net.0.bias", math.nan, "ratio"), ("ratio", "net.0.weight", 1e-3, "ratio"),
+    ("level", "net.norm", 1.0, "level")])
 def test_a_1d_rows_ratio_is_judged_apart_for_a_norms_scale_left_out_for_a_bias_and_a_nan_is_a_nan(
         figure, row, value, judged):
-    """LayerHealth's and the tab's rule (``judged_figure``): 1-D rows are ``net.norm.weight`` and ``net.0.bias``."""
-    assert judged_figure(figure, row, value, {"net.norm.weight", "net.0.bias"}) == judged
+    """LayerHealth's and the tab's rule (``judged_figure``): the 1-D rows are a bias, a PReLU's slope and a norm's
+    scale (``_judged_rows.py``)."""
+    assert judged_figure(figure, row, value, {"net.0.bias", "net.act.weight"}, {"net.norm.weight"}) == judged
+
+
+def test_the_rows_judged_apart_are_the_norms_scales_by_the_names_the_monitors_write():
+    """A LayerNorm's and an RMSNorm's weight are scales; a bias and a PReLU's 1-D slope are not judged; a compiled
+    submodule's names lose their ``_orig_mod`` as the monitors' rows do."""
+    model = nn.Sequential(nn.Linear(4, 8), nn.LayerNorm(8), nn.PReLU(8), nn.Linear(8, 8), nn.RMSNorm(8))
+    model[3] = torch.compile(model[3])
+    assert norm_scales(model) == {"1.weight", "4.weight"}
+    assert unjudged_ratios(model) == {"0.bias", "1.bias", "2.weight", "3.bias"}
+
+
+def spike_run(spike: dict[int, float], seed: int, with_ratio: bool = False) -> list[tuple[int, str, str]]:
+    """Six weights' gradient norms at 0.05 (20% noise); ``net.2``'s times ``spike[point]`` where given (every
+    other row's x2 there too, the batch's), and with ``with_ratio`` its update ratio as far. Each (point, layer,
+    problem) named."""
+    rng, judge, named = random.Random(seed), Judge(Bands()), []
+    for i in range(120):
+        jump = spike.get(i, 1.0)
+        norms = {row: 0.05 * math.exp(rng.gauss(0, 0.2)) * (2.0 if jump > 1 else 1.0) for row in RATIO_ROWS}
+        norms["net.2.weight"] *= jump / (2.0 if jump > 1 else 1.0)
+        ratios = {row: 1e-4 * math.exp(rng.gauss(0, 0.05)) for row in RATIO_ROWS}
+        ratios["net.2.weight"] *= jump if with_ratio else 1.0
+        named += [(i, f.layer, f.problem) for f in judge.step({"norm": norms, "ratio": ratios}, i).named]
+    return named
+
+
+def test_one_layers_gradient_out_for_one_step_alone_is_not_named():
+    """A batch's gradient concentrated in one layer for one step (x20 while the rest go x2; a healthy Qwen2's keys
+    at 3x its LR: x14): not the layer's fault."""
+    for seed in range(4):
+        assert spike_run({100: 20.0}, seed) == [], seed
+
+
+def test_one_layers_gradient_out_two_steps_running_is_named_at_the_second():
+    for seed in range(4):
+        assert spike_run({100: 20.0, 101: 20.0}, seed)[:1] == [(101, "net.2", "exploding")], seed
+
+
+def test_one_layers_gradient_out_with_its_update_ratio_is_named_at_once():
+    for seed in range(4):
+        named = spike_run({100: 20.0}, seed, with_ratio=True)
+        assert {(i, problem) for i, layer, problem in named if layer == "net.2" and i == named[0][0]} == {
+            (100, "exploding"), (100, "too_fast")}, seed

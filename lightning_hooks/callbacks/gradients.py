@@ -19,6 +19,7 @@ from lightning_hooks.callbacks._anomaly_report import AnomalyReport
 from lightning_hooks.callbacks._base import _log_interval, _validate_interval, _validate_stats, log_step
 from lightning_hooks.callbacks._gradient_check import GradientCheck, overruled
 from lightning_hooks.callbacks._gradient_rows import GradientRows, selection_key
+from lightning_hooks.callbacks._judged_rows import norm_scales, unjudged_ratios
 from lightning_hooks.callbacks._update_ratio import UpdateRatio
 from lightning_hooks.callbacks.stopping import GradientAnomalyStopping
 from lightning_hooks.core._compat import callbacks_of
@@ -27,7 +28,7 @@ from lightning_hooks.core.selection import ModuleSelection, validate_limit
 from lightning_hooks.distributed._rank_agreement import Check
 from lightning_hooks.distributed._step_measure import Step
 from lightning_hooks.measure.stats import STAT_NAMES, Bins, binning
-from lightning_hooks.output._health_verdicts import UNJUDGED_RATIOS_TAG, unjudged_ratios
+from lightning_hooks.output._health_verdicts import UNJUDGED_RATIOS_TAG
 from lightning_hooks.output.figures import ScalarBlock
 from lightning_hooks.output.sinks import destinations, log_layout, log_plugin_data, log_scalars
 
@@ -167,6 +168,7 @@ class GradientMonitor(GradientCheck):
         self.update_ratio, self.update_norms = update_ratio, update_norms
         self._updates = UpdateRatio(norms=update_norms)
         self._vectors: set[str] = set()  # 1-D parameters: their update ratios are not judged (LayerHealth, the tab)
+        self._scales: set[str] = set()  # norms' scales: their update ratios judged apart
         self.log_every_n_steps, self.granularity, self.stats = log_every_n_steps, granularity, tuple(stats)
         self.histogram, self.bins, self.prog_bar, self.max_rows = histogram, bins, prog_bar, max_rows
         self._last_report: Optional[AnomalyReport] = None
@@ -207,7 +209,8 @@ class GradientMonitor(GradientCheck):
         if message is not None:
             rank_zero_warn(message)
         self._every = _log_interval(self.log_every_n_steps, trainer)
-        self._vectors = unjudged_ratios(pl_module)  # as LayerHealth reads them: before a strategy wraps the model
+        # as LayerHealth reads them: before a strategy wraps the model
+        self._vectors, self._scales = unjudged_ratios(pl_module), norm_scales(pl_module)
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Register the hooks, choose the rows, allocate their buffers on the module's device, write the layout."""
@@ -223,8 +226,9 @@ class GradientMonitor(GradientCheck):
         """Choose the rows (:meth:`GradientRows.choose`); with update ratios, name those LayerHealth does not judge."""
         self._rows.choose(trainer, pl_module, self, self._histograms, starting)
         if self.update_ratio:  # for the Layers tab: the rows whose ratio LayerHealth does not judge
-            log_plugin_data(trainer, UNJUDGED_RATIOS_TAG, json.dumps(sorted(self._vectors & set(self._rows.names))),
-                            trainer.global_step)
+            rows = set(self._rows.names)
+            log_plugin_data(trainer, UNJUDGED_RATIOS_TAG, json.dumps(
+                {"unjudged": sorted(self._vectors & rows), "scales": sorted(self._scales & rows)}), trainer.global_step)
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Register the step post-hooks that measure update ratios (after tuners may have replaced optimizers)."""

@@ -14,6 +14,7 @@ import numpy as np
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from lightning_hooks.callbacks._base import claim, release
+from lightning_hooks.callbacks._judged_rows import norm_scales, unjudged_ratios
 from lightning_hooks.callbacks._loss_pull import PredictionPull
 from lightning_hooks.callbacks.activations import ActivationMonitor
 from lightning_hooks.callbacks.gradients import GradientMonitor
@@ -28,7 +29,6 @@ from lightning_hooks.output._health_verdicts import (
     Bands,
     Verdicts,
     judged_figure,
-    unjudged_ratios,
 )
 from lightning_hooks.output.figures import Diagnoses, FigureListener, HistogramColumns
 from lightning_hooks.output.sinks import log_text
@@ -141,7 +141,8 @@ class LayerHealth(FigureListener, Diagnoses, *CALLBACK_BASES):  # type: ignore[m
         self.norm_factor, self.ratio_factor, self.window = norm_factor, ratio_factor, window
         self.output_grad_factor = output_grad_factor
         self._kinds: dict[str, str] = {}
-        self._vectors: set[str] = set()  # 1-D parameters (biases, norm scales): ratios not judged
+        self._vectors: set[str] = set()  # 1-D parameters but norms' scales: ratios not judged
+        self._scales: set[str] = set()  # norms' scales: ratios judged apart
         self._groups: dict[str, str] = {}  # each module's optimizer param group, for the diagnosis
         self._reset()
 
@@ -161,7 +162,7 @@ class LayerHealth(FigureListener, Diagnoses, *CALLBACK_BASES):  # type: ignore[m
         claim(self, trainer)
         self._reset()
         self._kinds = {name: type(module).__name__ for name, module in pl_module.named_modules()}
-        self._vectors = unjudged_ratios(pl_module)
+        self._vectors, self._scales = unjudged_ratios(pl_module), norm_scales(pl_module)
         self._groups = {}
         monitors = callbacks_of(trainer, ActivationMonitor)
         self._pull.start(trainer, monitors[0] if monitors else None)
@@ -202,7 +203,7 @@ class LayerHealth(FigureListener, Diagnoses, *CALLBACK_BASES):  # type: ignore[m
                 continue
             judged.setdefault(figure, {})
             for name, value in zip(block.rows, block.values):
-                as_ = judged_figure(figure, name, value, self._vectors)  # a 1-D row: a norm's scale's ratio, or none
+                as_ = judged_figure(figure, name, value, self._vectors, self._scales)  # a 1-D row: apart, or none
                 if as_ is not None:  # nonfinite: the worst of the non-finite share and counts
                     kept = judged.setdefault(as_, {})
                     kept[name] = max(kept.get(name, 0.0), value) if as_ == "nonfinite" else value

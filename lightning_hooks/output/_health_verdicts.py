@@ -20,31 +20,24 @@ from lightning_hooks.output._health_bands import PROBLEMS as PROBLEMS
 from lightning_hooks.output._health_bands import Bands as Bands
 from lightning_hooks.output._judge import Judge
 
-#: A text entry (JSON: a list of names) GradientMonitor(update_ratio=True) writes once per fit: the
-#: update rows whose ratio is not judged, so that the Layers tab leaves out the rows LayerHealth does.
+#: A text entry (JSON: ``{"unjudged": [names], "scales": [names]}``) GradientMonitor(update_ratio=True) writes once
+#: per fit: the update rows whose ratio is not judged, and the norms' scales judged apart, so that the Layers tab
+#: judges the rows as LayerHealth does.
 UNJUDGED_RATIOS_TAG = "layers/unjudged_ratios"
 
 
-def unjudged_ratios(pl_module: Any) -> set[str]:
-    """The rows whose update ratio is not judged with the others: ``pl_module``'s 1-D parameters.
-
-    Their few small entries give large, noisy ratios on healthy runs (a bias crossing 0); a module
-    row holds its weights too, and is judged. A norm's scale (a 1-D ``weight``) is judged apart, by a
-    step far above its own history only (:func:`judged_figure`).
-    """
-    return {name for name, param in pl_module.named_parameters() if param.ndim < 2}
-
-
-def judged_figure(figure: str, row: str, value: float, vectors: Collection[str]) -> Optional[str]:
+def judged_figure(figure: str, row: str, value: float, unjudged: Collection[str],
+                  scales: Collection[str]) -> Optional[str]:
     """The figure a row's value is judged as, or None where it is not judged; LayerHealth's and the tab's rule.
 
-    A 1-D parameter's (``vectors``, :func:`unjudged_ratios`) finite update ratio and gradient norm are left
-    out, but a norm's scale's ratio (a 1-D row named ``weight``) is :data:`SCALE_RATIO`: a param group's
-    learning rate raised on a norm shows there alone (its output moves a few %). A NaN is a NaN.
+    A norm's scale's (``scales``, ``callbacks/_judged_rows.py``) finite update ratio is :data:`SCALE_RATIO`: a param
+    group's learning rate raised on a norm shows there alone (its outputs move a few %), judged by a step far
+    above its own range only. The other 1-D rows' (``unjudged``) and a scale's finite
+    ratio and gradient norm are left out. A NaN is a NaN.
     """
-    if figure not in ("ratio", "norm") or row not in vectors or not math.isfinite(value):
+    if figure not in ("ratio", "norm") or not math.isfinite(value) or (row not in unjudged and row not in scales):
         return figure
-    return SCALE_RATIO if figure == "ratio" and row.rpartition(".")[2] == "weight" else None
+    return SCALE_RATIO if figure == "ratio" and row in scales else None
 
 
 #: The logged stats that say whether a layer's outputs held a non-finite value.
@@ -111,8 +104,8 @@ class Verdicts:
         self._pending_step = step
         self._pending.setdefault(figure, {}).update(values)
         self.last_step = step if self.last_step is None else max(step, self.last_step)
-        for row, value in values.items():
-            self.first.setdefault((figure, row), (step, value))
+        for row, value in values.items():  # a scale's ratio is a ratio to the record
+            self.first.setdefault(("ratio" if figure == SCALE_RATIO else figure, row), (step, value))
 
     def flush(self) -> Optional[Judged]:
         """Judge the step taken so far (if any); return the judgement."""

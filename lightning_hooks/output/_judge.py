@@ -129,6 +129,7 @@ class Judge(LearningJudging, GainJudging, CulpritNaming):
         self.excused: set[str] = set()  # "figure/row": the last of its kind excused as its gradient's end
         self.first_entropy: dict[str, float] = {}
         self.first_ratio: dict[str, float] = {}  # each row's first logged update ratio (Adam: lr / rms(w))
+        self.fast_scales: set[str] = set()  # norms' scales named too fast and still out of their range
         self.start: Optional[int] = None  # the first logged step judged
         self.last_step: Optional[int] = None  # the last logged step judged
         self.gap = 1  # the steps from the logged step before to this one
@@ -166,7 +167,20 @@ class Judge(LearningJudging, GainJudging, CulpritNaming):
             else:
                 found.extend(self._absolute(figure, values))
         found.extend(self._scales(figures.get(SCALE_RATIO, {})))  # net of the step's common move of the ratios
-        return self._sort(self._outputs(found), self._is_data(found, figures))
+        data = self._is_data(found, figures)
+        return self._sort(self._outputs(self._lone_spikes(found)), data)
+
+    def _lone_spikes(self, found: list[Finding]) -> list[Finding]:
+        """The findings less a gradient norm out up at its first point with nothing else of its layer out.
+
+        One batch's gradient concentrated in one layer (a healthy Qwen2's keys: x14 for one step, every
+        other layer's x2) is not a fault of the layer: named at its second point out, or at once where
+        its outputs, output gradient or update ratio are out with it or the layer is named already.
+        """
+        others = {f.layer for f in found if f.figure != "norm"} | self.named
+        tracks = self.tracks.get("norm", {})
+        return [f for f in found if f.problem != RELATIVE["norm"][0] or f.layer in others
+                or len(tracks[f.row].held) >= 2]
 
     def _outputs(self, found: list[Finding]) -> list[Finding]:
         """Each module's outputs judged by its gain where that is the quieter figure (see the module docstring)."""
@@ -231,8 +245,9 @@ class Judge(LearningJudging, GainJudging, CulpritNaming):
             track = tracks.setdefault(row, Track(deque(maxlen=self.bands.window)))
             x = math.log(v) - self.offset.get("ratio", 0.0)
             moved = judge_value(track, x, "ratio", self.bands, self.warm, self.gap)
-            if moved is not None and moved > math.log(SCALE_JUMP):
+            if moved is not None and moved > (0.0 if row in self.fast_scales else math.log(SCALE_JUMP)):
                 found.append(Finding(row, self.layer(SCALE_RATIO, row), RELATIVE["ratio"][0], v, "ratio", moved))
+        self.fast_scales = {f.row for f in found}  # named stays named while out
         return found
 
     def _under_first_ratio(self, figure: str, row: str, value: float, moved: float) -> bool:
@@ -276,6 +291,8 @@ class Judge(LearningJudging, GainJudging, CulpritNaming):
     def usual(self, figure: str, row: str) -> float | None:
         """A row's usual value of a relative figure (its level, with the peers' path put back), or None."""
         track = self.tracks.get(figure, {}).get(row)
+        if track is None and figure == "ratio":  # a norm's scale: its ratio's range is kept apart
+            track = self.tracks.get(SCALE_RATIO, {}).get(row)
         if track is None or len(track.logs) < self.bands.min_points:
             return None
         return math.exp(statistics.median(track.logs) + self.offset.get(figure, 0.0))
@@ -297,6 +314,7 @@ class Judge(LearningJudging, GainJudging, CulpritNaming):
                 "tracks": {f: {r: track_state(t) for r, t in rows.items()} for f, rows in self.tracks.items()},
                 "named": sorted(self.named), "affected": sorted(self.affected), "excused": sorted(self.excused),
                 "first_entropy": dict(self.first_entropy), "first_ratio": dict(self.first_ratio),
+                "fast_scales": sorted(self.fast_scales),
                 "peers": self.peers.state_dict()}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -311,4 +329,5 @@ class Judge(LearningJudging, GainJudging, CulpritNaming):
         self.excused = set(state["excused"])
         self.first_entropy = dict(state["first_entropy"])
         self.first_ratio = dict(state["first_ratio"])
+        self.fast_scales = set(state["fast_scales"])
         self.peers.load_state_dict(state["peers"])

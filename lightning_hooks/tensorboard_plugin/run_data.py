@@ -219,11 +219,19 @@ class RunReader:
 
     def unjudged_ratios(self, run: str) -> frozenset[str]:
         """The update rows whose ratio LayerHealth does not judge, as GradientMonitor recorded them (latest fit)."""
+        return self._ratio_rows(run, "unjudged")
+
+    def scale_ratios(self, run: str) -> frozenset[str]:
+        """The update rows of norms' scales, whose ratio LayerHealth judges apart (latest fit)."""
+        return self._ratio_rows(run, "scales")
+
+    def _ratio_rows(self, run: str, key: str) -> frozenset[str]:
         texts = self._own_data(run, UNJUDGED_RATIOS_TAG)
         try:
-            names = json.loads(texts[max(texts)]) if texts else []
+            rows = json.loads(texts[max(texts)]) if texts else {}
         except ValueError:
             return frozenset()
+        names = rows.get(key, []) if isinstance(rows, dict) else []
         return frozenset(str(name) for name in names) if isinstance(names, list) else frozenset()
 
     def histogram(self, run: str, tag: str, step: int) -> Optional[dict[str, Any]]:

@@ -70,16 +70,17 @@ def judged_as(figure: Figure) -> Optional[str]:
 
 
 def judge(figures: list[Figure], bands: Bands, unjudged: frozenset[str] = frozenset(),
-          order: Sequence[str] = ()) -> Replay:
+          order: Sequence[str] = (), scales: frozenset[str] = frozenset()) -> Replay:
     """Each figure with its marked cells: the run replayed step by step through LayerHealth's judge.
 
     Args:
         figures: A run's figures (those not judged come back unmarked).
         bands: The thresholds.
-        unjudged: 1-D parameter rows: their finite gradient norm is not judged, nor their update ratio
-            but a norm's scale's, judged apart (as LayerHealth judges them: ``judged_figure``).
+        unjudged: 1-D parameter rows but norms' scales: their finite gradient norm and update ratio are not
+            judged (as LayerHealth leaves them out: ``judged_figure``).
         order: The modules in the order their forward hooks first fired (ActivationMonitor's
             ``layers/forward_order``), as LayerHealth judges them; else the figures' row order.
+        scales: Norms' scales: their update ratio is judged apart, their finite gradient norm not judged.
 
     Returns:
         The :class:`Replay`: every figure, in the order given, with its marked cells, and the judge.
@@ -100,7 +101,7 @@ def judge(figures: list[Figure], bands: Bands, unjudged: frozenset[str] = frozen
             for row, series in enumerate(figure.values):
                 v, name = series[col], figure.rows[row]
                 value = None if v is None else 10.0 ** v if log10 else v
-                as_ = None if value is None else judged_figure(kind, name, value, unjudged)  # as LayerHealth
+                as_ = None if value is None else judged_figure(kind, name, value, unjudged, scales)  # as LayerHealth
                 if as_ is None:
                     continue
                 if as_ == "nonfinite":
