@@ -434,17 +434,21 @@ def test_a_non_finite_gradient_ties_with_gradients_gone_to_0_and_beats_a_finite_
         assert found is not None and found[:2] == (60, {"mlp"}), (seed, found)
 
 
-def scale_run(rise: float, seed: int, onset: int = 60, every: float = 1.0) -> list[tuple[int, str, str, str]]:
+def scale_run(rise: float, seed: int, onset: int = 60, every: float = 1.0,
+              odd_without: bool = False) -> list[tuple[int, str, str, str]]:
     """Six weights' update ratios at 1e-4 (5% noise) and a norm's scale's at 1e-3 (30% noise), all on a cosine
     LR; from ``onset`` the scale's times ``rise`` (its param group's LR), every row's times ``every`` (the whole
-    schedule's). Each (point, layer, problem, figure) named."""
+    schedule's); with ``odd_without``, the odd points hold the weights' ratios only (the scale logged every
+    other point). Each (point, layer, problem, figure) named."""
     rng, judge, named = random.Random(seed), Judge(Bands()), []
     for i in range(onset + 10):
         lr = 0.5 * (1 + math.cos(math.pi * i / (2 * onset))) * (every if i >= onset else 1.0)
         ratios = {row: lr * 1e-4 * math.exp(rng.gauss(0, 0.05)) for row in RATIO_ROWS}
         scale = lr * 1e-3 * math.exp(rng.gauss(0, 0.3)) * (rise if i >= onset else 1.0)
-        named += [(i, f.layer, f.problem, f.figure)
-                  for f in judge.step({"ratio": ratios, SCALE_RATIO: {"net.norm.weight": scale}}, i).named]
+        figures = {"ratio": ratios, SCALE_RATIO: {"net.norm.weight": scale}}
+        if odd_without and i % 2:
+            del figures[SCALE_RATIO]
+        named += [(i, f.layer, f.problem, f.figure) for f in judge.step(figures, i).named]
     return named
 
 
@@ -460,6 +464,12 @@ def test_a_norms_scale_named_stays_named_while_out_near_the_threshold():
     for seed in range(4):
         points = [i for i, *_ in scale_run(20.0, seed)]
         assert points and points[0] <= 61 and points == list(range(points[0], 70)), seed
+
+
+def test_a_norms_scale_named_stays_named_across_points_that_do_not_hold_it():
+    for seed in range(4):
+        points = [i for i, *_ in scale_run(20.0, seed, odd_without=True)]
+        assert points and points[0] <= 64 and points == list(range(points[0], 70, 2)), seed
 
 
 def test_a_norms_scale_moving_with_every_rows_ratio_is_not_named():
@@ -496,10 +506,12 @@ def test_the_rows_judged_apart_are_the_norms_scales_by_the_names_the_monitors_wr
     assert unjudged_ratios(model) == {"0.bias", "1.bias", "2.weight", "3.bias"}
 
 
-def spike_run(spike: dict[int, float], seed: int, with_ratio: bool = False) -> list[tuple[int, str, str]]:
+def spike_run(spike: dict[int, float], seed: int, with_ratio: bool = False,
+              level: dict[int, float] | None = None) -> list[tuple[int, str, str]]:
     """Six weights' gradient norms at 0.05 (20% noise); ``net.2``'s times ``spike[point]`` where given (every
-    other row's x2 there too, the batch's), and with ``with_ratio`` its update ratio as far. Each (point, layer,
-    problem) named."""
+    other row's x2 there too, the batch's), and with ``with_ratio`` its update ratio as far; with ``level``,
+    ``net.0``'s and ``net.1``'s output std (1% noise), ``net.1``'s times ``level[point]``. Each (point, layer,
+    problem) named, and each (point, row, "victim") counted as one."""
     rng, judge, named = random.Random(seed), Judge(Bands()), []
     for i in range(120):
         jump = spike.get(i, 1.0)
@@ -507,7 +519,12 @@ def spike_run(spike: dict[int, float], seed: int, with_ratio: bool = False) -> l
         norms["net.2.weight"] *= jump / (2.0 if jump > 1 else 1.0)
         ratios = {row: 1e-4 * math.exp(rng.gauss(0, 0.05)) for row in RATIO_ROWS}
         ratios["net.2.weight"] *= jump if with_ratio else 1.0
-        named += [(i, f.layer, f.problem) for f in judge.step({"norm": norms, "ratio": ratios}, i).named]
+        figures = {"norm": norms, "ratio": ratios}
+        if level is not None:
+            figures["level"] = {"net.0": math.exp(rng.gauss(0, 0.01)),
+                                "net.1": math.exp(rng.gauss(0, 0.01)) * level.get(i, 1.0)}
+        judged = judge.step(figures, i)
+        named += [(i, f.layer, f.problem) for f in judged.named] + [(i, f.row, "victim") for f in judged.victims]
     return named
 
 
@@ -521,6 +538,15 @@ def test_one_layers_gradient_out_for_one_step_alone_is_not_named():
 def test_one_layers_gradient_out_two_steps_running_is_named_at_the_second():
     for seed in range(4):
         assert spike_run({100: 20.0, 101: 20.0}, seed)[:1] == [(101, "net.2", "exploding")], seed
+
+
+def test_a_gradient_out_one_step_beside_a_named_layer_is_its_victim_not_named_after_it():
+    """``net.1``'s outputs x10 at one point with ``net.2``'s gradient x20 at it and the next: ``net.1`` is named, the
+    gradient counted as its victim from the first point, and not named as it recovers."""
+    for seed in range(3):
+        named = spike_run({100: 20.0, 101: 20.0}, seed, level={100: 10.0})
+        assert (100, "net.1", "blowup") in named and (100, "net.2.weight", "victim") in named, (seed, named)
+        assert not [f for f in named if f[1] == "net.2"], (seed, named)
 
 
 def test_one_layers_gradient_out_with_its_update_ratio_is_named_at_once():

@@ -171,16 +171,17 @@ class Judge(LearningJudging, GainJudging, CulpritNaming):
         return self._sort(self._outputs(self._lone_spikes(found)), data)
 
     def _lone_spikes(self, found: list[Finding]) -> list[Finding]:
-        """The findings less a gradient norm out up at its first point with nothing else of its layer out.
+        """The findings, or none where they are only gradient norms out up at their first point, nothing named.
 
         One batch's gradient concentrated in one layer (a healthy Qwen2's keys: x14 for one step, every
-        other layer's x2) is not a fault of the layer: named at its second point out, or at once where
-        its outputs, output gradient or update ratio are out with it or the layer is named already.
+        other layer's x2) is not a fault of the layer: named at its second point out. Where anything else
+        is out (its outputs, output gradient or update ratio, another layer), or a layer is named, it is
+        judged at once with the rest: named with its own layer's, or counted as a victim.
         """
-        others = {f.layer for f in found if f.figure != "norm"} | self.named
         tracks = self.tracks.get("norm", {})
-        return [f for f in found if f.problem != RELATIVE["norm"][0] or f.layer in others
-                or len(tracks[f.row].held) >= 2]
+        lone = [f for f in found
+                if f.problem == RELATIVE["norm"][0] and f.row in tracks and len(tracks[f.row].held) < 2]
+        return found if self.named or len(lone) < len(found) else []
 
     def _outputs(self, found: list[Finding]) -> list[Finding]:
         """Each module's outputs judged by its gain where that is the quieter figure (see the module docstring)."""
@@ -247,7 +248,7 @@ class Judge(LearningJudging, GainJudging, CulpritNaming):
             moved = judge_value(track, x, "ratio", self.bands, self.warm, self.gap)
             if moved is not None and moved > (0.0 if row in self.fast_scales else math.log(SCALE_JUMP)):
                 found.append(Finding(row, self.layer(SCALE_RATIO, row), RELATIVE["ratio"][0], v, "ratio", moved))
-        self.fast_scales = {f.row for f in found}  # named stays named while out
+        self.fast_scales = (self.fast_scales - set(values)) | {f.row for f in found}  # named stays named while out
         return found
 
     def _under_first_ratio(self, figure: str, row: str, value: float, moved: float) -> bool:
@@ -329,5 +330,5 @@ class Judge(LearningJudging, GainJudging, CulpritNaming):
         self.excused = set(state["excused"])
         self.first_entropy = dict(state["first_entropy"])
         self.first_ratio = dict(state["first_ratio"])
-        self.fast_scales = set(state["fast_scales"])
+        self.fast_scales = set(state.get("fast_scales", ()))
         self.peers.load_state_dict(state["peers"])
