@@ -58,6 +58,10 @@ step at a time, with every judged figure of that step. How it decides (docs/verd
   logit, entropy and massive-activation bounds. They judge from the first logged step.
 - A module's outputs out of range, not named yet, whose lean slowed under ``CREEP_PER_STEP`` a step over its
   last points (``lean_slowed``: a layer's learning settling, within twice the least change) are not named.
+- A norm's scale's update ratio (``SCALE_RATIO``) is judged against its own range apart from the other rows,
+  named ``too_fast`` ``SCALE_JUMP`` times beyond it (an LR raised on the norm), then while it stays out.
+- A step whose findings are only gradient norms out up at their first point, nothing named, names none:
+  one batch's gradient landing in one layer; named at the second point out (``_lone_spikes``).
 - A row's own range judges from its ``min_points``-th value and ``WARM_STEPS_PER_POINT * min_points``
   steps on: the first steps move every layer, and no history tells learning from a fault there.
 """
