@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_hooks.callbacks._judged_rows import norm_scales, unjudged_ratios
+from lightning_hooks.callbacks._judged_rows import judged_apart
 from lightning_hooks.output._findings import SCALE_RATIO
 from lightning_hooks.output._health_bands import Bands
 from lightning_hooks.output._health_verdicts import judged_figure
@@ -502,8 +502,9 @@ def test_the_rows_judged_apart_are_the_norms_scales_by_the_names_the_monitors_wr
     submodule's names lose their ``_orig_mod`` as the monitors' rows do."""
     model = nn.Sequential(nn.Linear(4, 8), nn.LayerNorm(8), nn.PReLU(8), nn.Linear(8, 8), nn.RMSNorm(8))
     model[3] = torch.compile(model[3])
-    assert norm_scales(model) == {"1.weight", "4.weight"}
-    assert unjudged_ratios(model) == {"0.bias", "1.bias", "2.weight", "3.bias"}
+    unjudged, scales = judged_apart(model)
+    assert scales == {"1.weight", "4.weight"}
+    assert unjudged == {"0.bias", "1.bias", "2.weight", "3.bias"}
 
 
 def spike_run(spike: dict[int, float], seed: int, with_ratio: bool = False,

@@ -12,23 +12,20 @@ from lightning_hooks.core.selection import clean_name, named_parameters
 from lightning_hooks.output._findings import owner_of
 
 
-def unjudged_ratios(pl_module: Any) -> set[str]:
-    """The rows whose update ratio is not judged: ``pl_module``'s 1-D parameters but its norms' scales.
+def judged_apart(pl_module: Any) -> tuple[set[str], set[str]]:
+    """``pl_module``'s 1-D parameter rows, as the monitors name them (``clean_name``): unjudged, and norms' scales.
 
-    Their few small entries give large, noisy ratios on healthy runs (a bias or a PReLU's slope crossing
-    0); a module row holds its weights too, and is judged. Names as the monitors write them (``clean_name``).
-    """
-    scales = norm_scales(pl_module)
-    return {name for name, param in named_parameters(pl_module) if param.ndim < 2 and name not in scales}
-
-
-def norm_scales(pl_module: Any) -> set[str]:
-    """The rows of ``pl_module``'s norms' scales: the 1-D ``weight`` of a module whose class is a norm.
-
-    A norm is a class named ``*Norm*`` (``LayerNorm``, ``BatchNorm2d``, ``GroupNorm``, ``RMSNorm``, a
-    ``transformers`` model's ``LlamaRMSNorm``...). Their update ratio is judged apart
-    (``output._health_verdicts.judged_figure``).
+    A norm's scale is the 1-D ``weight`` of a module whose class is named ``*Norm*`` (``LayerNorm``,
+    ``BatchNorm2d``, ``GroupNorm``, ``RMSNorm``, a ``transformers`` model's ``LlamaRMSNorm``...): its update
+    ratio is judged apart (``output._health_verdicts.judged_figure``). The other 1-D rows' ratio is not judged:
+    their few small entries give large, noisy ratios on healthy runs (a bias or a PReLU's slope crossing 0);
+    a module row holds its weights too, and is judged.
     """
     norms = {clean_name(name) for name, module in pl_module.named_modules() if "Norm" in type(module).__name__}
-    return {name for name, param in named_parameters(pl_module)
-            if param.ndim == 1 and name.rpartition(".")[2] == "weight" and owner_of(name) in norms}
+    unjudged: set[str] = set()
+    scales: set[str] = set()
+    for name, param in named_parameters(pl_module):
+        if param.ndim < 2:
+            is_scale = param.ndim == 1 and name.rpartition(".")[2] == "weight" and owner_of(name) in norms
+            (scales if is_scale else unjudged).add(name)
+    return unjudged, scales

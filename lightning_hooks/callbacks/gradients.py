@@ -19,7 +19,7 @@ from lightning_hooks.callbacks._anomaly_report import AnomalyReport
 from lightning_hooks.callbacks._base import _log_interval, _validate_interval, _validate_stats, log_step
 from lightning_hooks.callbacks._gradient_check import GradientCheck, overruled
 from lightning_hooks.callbacks._gradient_rows import GradientRows, selection_key
-from lightning_hooks.callbacks._judged_rows import norm_scales, unjudged_ratios
+from lightning_hooks.callbacks._judged_rows import judged_apart
 from lightning_hooks.callbacks._update_ratio import UpdateRatio
 from lightning_hooks.callbacks.stopping import GradientAnomalyStopping
 from lightning_hooks.core._compat import callbacks_of
@@ -210,7 +210,7 @@ class GradientMonitor(GradientCheck):
             rank_zero_warn(message)
         self._every = _log_interval(self.log_every_n_steps, trainer)
         # as LayerHealth reads them: before a strategy wraps the model
-        self._vectors, self._scales = unjudged_ratios(pl_module), norm_scales(pl_module)
+        self._vectors, self._scales = judged_apart(pl_module)
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Register the hooks, choose the rows, allocate their buffers on the module's device, write the layout."""

@@ -14,7 +14,7 @@ import numpy as np
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from lightning_hooks.callbacks._base import claim, release
-from lightning_hooks.callbacks._judged_rows import norm_scales, unjudged_ratios
+from lightning_hooks.callbacks._judged_rows import judged_apart
 from lightning_hooks.callbacks._loss_pull import PredictionPull
 from lightning_hooks.callbacks.activations import ActivationMonitor
 from lightning_hooks.callbacks.gradients import GradientMonitor
@@ -162,7 +162,7 @@ class LayerHealth(FigureListener, Diagnoses, *CALLBACK_BASES):  # type: ignore[m
         claim(self, trainer)
         self._reset()
         self._kinds = {name: type(module).__name__ for name, module in pl_module.named_modules()}
-        self._vectors, self._scales = unjudged_ratios(pl_module), norm_scales(pl_module)
+        self._vectors, self._scales = judged_apart(pl_module)
         self._groups = {}
         monitors = callbacks_of(trainer, ActivationMonitor)
         self._pull.start(trainer, monitors[0] if monitors else None)

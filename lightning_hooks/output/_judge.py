@@ -182,9 +182,7 @@ class Judge(LearningJudging, GainJudging, CulpritNaming):
         is out (its outputs, output gradient or update ratio, another layer), or a layer is named, it is
         judged at once with the rest: named with its own layer's, or counted as a victim.
         """
-        tracks = self.tracks.get("norm", {})
-        lone = [f for f in found
-                if f.problem == RELATIVE["norm"][0] and f.row in tracks and len(tracks[f.row].held) < 2]
+        lone = [f for f in found if f.problem == RELATIVE["norm"][0] and len(self.tracks["norm"][f.row].held) < 2]
         return found if self.named or len(lone) < len(found) else []
 
     def _outputs(self, found: list[Finding]) -> list[Finding]:

@@ -100,8 +100,10 @@ def judge(figures: list[Figure], bands: Bands, unjudged: frozenset[str] = frozen
             log10 = figure.stat == "log10_ratio"
             for row, series in enumerate(figure.values):
                 v, name = series[col], figure.rows[row]
-                value = None if v is None else 10.0 ** v if log10 else v
-                as_ = None if value is None else judged_figure(kind, name, value, unjudged, scales)  # as LayerHealth
+                if v is None:
+                    continue
+                value = 10.0 ** v if log10 else v
+                as_ = judged_figure(kind, name, value, unjudged, scales)  # as LayerHealth
                 if as_ is None:
                     continue
                 if as_ == "nonfinite":
