@@ -38,7 +38,8 @@ class Variant:
     @property
     def name(self) -> str:
         """The variant's recipe name: the model and what differs from it."""
-        parts = [self.model, self.target and f"@{self.target}", self.optimizer, self.precision,
+        parts = [self.model, self.target and f"@{self.target}", self.optimizer, self.lr and f"lr{self.lr:g}",
+                 self.precision,
                  self.clip and f"clip{self.clip:g}", self.accumulate > 1 and f"acc{self.accumulate}",
                  self.batch and f"b{self.batch}", self.weight_decay >= 0 and f"wd{self.weight_decay:g}",
                  self.seed is not None and f"s{self.seed}"]

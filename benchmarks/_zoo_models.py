@@ -127,9 +127,9 @@ class CNN(nn.Module):
         return self.head(self.pool(self.blocks(self.stem(x))).flatten(1))
 
 
-def mlp() -> nn.Module:
-    """Six Linear layers with ReLUs between, 16 -> 1."""
-    sizes = [16, 64, 64, 64, 64, 64, 1]
+def mlp(width: int = 64) -> nn.Module:
+    """Six Linear layers with ReLUs between, 16 -> 1 (``width`` wide between)."""
+    sizes = [16, *[width] * 5, 1]
     layers: list[nn.Module] = []
     for i in range(6):
         layers.append(nn.Linear(sizes[i], sizes[i + 1]))

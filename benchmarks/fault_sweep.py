@@ -91,6 +91,10 @@ Added next, settings on the zoo's and earlier sweeps' models (``benchmarks/_swee
 Added next (``benchmarks/_sweep_unseen8.py``): ``unseen8`` ... ``unseen8f``, the abrupt faults on the later models,
 at attention output projections, norms, embeddings and first modules.
 
+Added next (``benchmarks/_sweep_unseen9.py``): ``unseen9`` and ``unseen9b``, wider (192 and 128 wide transformers,
+a 256-wide MLP, a 32-channel CNN) and deeper (a 12-block GPT-2, the issue's shape) models; ``unseen10`` and
+``unseen10b`` (``benchmarks/_sweep_unseen10.py``): batches of 2 to 16, learning rates 3-10x the recipes', 600-step runs.
+
 Per case: the culprit named first, the layers named before it, the delay (steps from the onset
 to the first logged step that names it), on healthy runs the verdict lines after the first 10%,
 and for a data fault whether it was said as "every layer at once".
@@ -124,6 +128,8 @@ from benchmarks._sweep_unseen5 import unseen5  # noqa: E402
 from benchmarks._sweep_unseen6 import unseen6  # noqa: E402
 from benchmarks._sweep_unseen7 import unseen7  # noqa: E402
 from benchmarks._sweep_unseen8 import unseen8  # noqa: E402
+from benchmarks._sweep_unseen9 import unseen9  # noqa: E402
+from benchmarks._sweep_unseen10 import unseen10  # noqa: E402
 from benchmarks._sweep_variant import Variant, register  # noqa: E402
 from benchmarks.fault_zoo import JUMP, Case, judge_case, run_case  # noqa: E402
 
@@ -161,8 +167,8 @@ def variants() -> dict[str, list[Variant]]:
              Variant("optim", "mlp", ("healthy", "ramp", "jump"), precision="bf16-mixed"),
              Variant("optim", "cnn", ("healthy", "ramp", "jump"), precision="bf16-mixed")]
     return {"models": models, "layers": _layers(), "rates": rates, "onsets": onsets, "every": every, "optim": optim,
-            **_unseen(), **unseen3(), **unseen4(), **unseen5(), **unseen6(), **unseen7(), **unseen8(), **creep(),
-            **lastblock()}
+            **_unseen(), **unseen3(), **unseen4(), **unseen5(), **unseen6(), **unseen7(), **unseen8(), **unseen9(),
+            **unseen10(), **creep(), **lastblock()}
 
 
 def _unseen() -> dict[str, list[Variant]]:

@@ -325,10 +325,12 @@ def slow_lean(seed: int, peers_rate: float):
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_a_slow_lean_out_of_a_range_older_than_the_peers_window_is_compared_with_the_peers_from_its_range(seed):
     """Its move within the peers' window (32 points) is under the margin, its move from its range (held since 23
-    points) past it: measured from its range, its peers before it moved as far (x1.2 in the window), learning."""
+    points) past it: measured from its range, its peers before it moved as far (x1.2 in the window), learning.
+    Peers steady, it is named at its step or the point after (a step on a slow lean, within twice the least change,
+    waits a point where the lean's pace before it was a creep: one batch's, or a step that stays)."""
     assert first_named(Judge(Bands(), LEAN), slow_lean(seed, 0.008), 110, 2) is None
     found = first_named(Judge(Bands(), LEAN), slow_lean(seed, 0.0), 110, 2)  # peers steady: named
-    assert found is not None and found[1] == {"h.2.a"} and found[0] == 73, found
+    assert found is not None and found[1] == {"h.2.a"} and found[0] in (73, 74), found
 
 
 PULLED = ["stem", "enc", "mid", "dec", "out"]

@@ -41,6 +41,8 @@ LOWER_TAIL = 3.0
 #: A lean has slowed to a creep where its deviation's median over its last this many held points moved less than
 #: ``CREEP_PER_STEP`` a step from the median of the as many before (a healthy layer learning fast, then slower).
 SLOW_POINTS = 8
+#: A lean's pace (``creeping``) is the median deviation of its newest this many points: one batch's step is not it.
+PACE_POINTS = 3
 
 
 @dataclass
@@ -148,8 +150,10 @@ def judge_value(track: Track, x: float, figure: str, bands: Bands, warm: bool = 
     track.up = max(0.0, track.up + deviation - noise)
     track.down = max(0.0, track.down - deviation - noise)
     leaning = bool(track.up or track.down)
-    if (max(track.up, track.down) > bands.cusum * noise and (deviation > floor or deviation < -2 * floor)
-            and not creeping(track, deviation, gap)):
+    out = max(track.up, track.down) > bands.cusum * noise and (deviation > floor or deviation < -2 * floor)
+    slow = out and creeping(track, deviation, gap)
+    waits = out and not slow and slow_paced(track, deviation, gap, floor)  # one batch out on a slow lean: wait
+    if out and not slow and not waits:
         track.frozen += 1
         if abs(deviation) > abs(track.worst) + max(noise, floor):  # still moving away
             track.worst, track.frozen = deviation, 0
@@ -160,7 +164,7 @@ def judge_value(track: Track, x: float, figure: str, bands: Bands, warm: bool = 
     elif leaning:
         _hold(track, x)
         track.frozen += 1
-        if track.frozen < bands.min_points:
+        if track.frozen < bands.min_points or waits:
             return None
         track.logs.extend(track.held)  # a drift too slow to add up: the level follows it
     else:
@@ -206,6 +210,27 @@ def creeping(track: Track, deviation: float, gap: int) -> bool:
     return abs(deviation) < CREEP_PER_STEP * gap * (len(track.held) + 1)
 
 
+def slow_paced(track: Track, deviation: float, gap: int, floor: float) -> bool:
+    """Whether a lean's pace, its median deviation over its newest ``PACE_POINTS`` points, is a creep.
+
+    One small batch (every module's std up x1.2 at once) on a healthy layer's slow lean is not the lean's
+    pace: such a point waits for the next (named then if it stays out, a step; let in as the lean if not).
+    A value out past twice ``floor`` (a jump) is judged by itself, as is a lean younger than the points.
+    """
+    if abs(deviation) > 2 * floor or len(track.held) < PACE_POINTS - 1:
+        return False
+    return creeping(track, statistics.median([*held_deviations(track)[-(PACE_POINTS - 1):], deviation]), gap)
+
+
+def held_deviations(track: Track) -> list[float]:
+    """The deviation of each value a row holds back, beyond its (held) range at that value's point."""
+    level, slope, lag, _ = usual_range(track.logs)
+    seen = list(track.logs)[:len(track.logs) - track.learned]  # as ``_deviation``: not the newest learned
+    high, low = max([level, *seen]), min([level, *seen])
+    return [max(0.0, x - max(high, level + slope * (lag + i))) + min(0.0, x - min(low, level + slope * (lag + i)))
+            for i, x in enumerate(track.held)]
+
+
 def lean_slowed(track: Track, gap: int, floor: float) -> bool:
     """Whether a row leaning out now moves away from its range slower than ``CREEP_PER_STEP`` a step.
 
@@ -219,11 +244,7 @@ def lean_slowed(track: Track, gap: int, floor: float) -> bool:
     held = list(track.held)
     if len(held) < 2 * SLOW_POINTS or len(held) == track.held.maxlen or not track.logs:
         return False
-    level, slope, lag, _ = usual_range(track.logs)
-    seen = list(track.logs)[:len(track.logs) - track.learned]  # as ``_deviation``: not the newest learned
-    high, low = max([level, *seen]), min([level, *seen])
-    devs = [max(0.0, x - max(high, level + slope * (lag + i))) + min(0.0, x - min(low, level + slope * (lag + i)))
-            for i, x in enumerate(held)]
+    devs = held_deviations(track)
     sign = math.copysign(1.0, track.deviation or devs[-1])  # the finding's way, where its newest is at the edge
     if abs(devs[-1]) > 2 * floor * (1 if sign > 0 else 2):
         return False
