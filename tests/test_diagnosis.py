@@ -53,7 +53,7 @@ def test_the_diagnosis_names_layer_signal_since_when_how_far_and_what_helps_with
 
 def test_units_dead_from_the_start_point_at_the_init_and_units_that_died_later_at_the_learning_rate():
     born, died = Verdicts(Bands()), Verdicts(Bands())  # one run each: a layer behind a dead one is its victim
-    for step, later in enumerate([0.1, 0.2, 0.95, 1.0]):
+    for step, later in enumerate([0.1, 0.2, 0.995, 1.0]):
         born.add("zero_fraction", step * 10, {"net.1": 1.0, "net.3": 0.1})
         died.add("zero_fraction", step * 10, {"net.1": 0.1, "net.3": later})
     lines = diagnose(born, top_k=5).splitlines()
@@ -63,6 +63,18 @@ def test_units_dead_from_the_start_point_at_the_init_and_units_that_died_later_a
     lines = diagnose(died, top_k=5, groups={"net.3": "param group 0 (lr 0.5)"}).splitlines()
     at = lines.index("  net.3: dead units since step 20, worst 1, 1.25x the bound 0.8; it was 0.1 at step 0")
     assert lines[at + 1].startswith("    - a lower learning rate of param group 0 (lr 0.5), which holds net.3")
+
+
+def test_most_outputs_zero_is_dead_units_where_it_stays_so_and_nearly_all_at_once():
+    """A small batch's ReLU sparsity crosses the bound for one logged point now and then (the sweep's 256-wide MLP at
+    batch 2: 0.65-0.81): not dead. Above the bound for 3 logged points in a row it is, named at the third (and the
+    episode goes on while it stays); 99% zeros are dead at once."""
+    record = Verdicts(Bands())
+    values = [0.7, 0.82, 0.7, 0.81, 0.75, 0.85, 0.9, 0.95, 0.93, 0.5, 0.7]
+    for step, value in enumerate(values):
+        record.add("zero_fraction", step * 10, {"net.1": value, "net.3": 0.995 if step >= 4 else 0.5})
+    assert record.episodes[("dead", "net.1")].first == 70
+    assert record.episodes[("dead", "net.3")].first == 40
 
 
 def test_the_record_survives_a_checkpoint_and_the_episode_goes_on():

@@ -28,9 +28,11 @@ def marks(*figs: Figure, bands: Bands = DEFAULTS, unjudged: frozenset[str] = fro
 
 
 def test_a_dead_relu_is_marked_and_a_half_zero_one_is_not():
-    fig = figure("activations", "zero_fraction", {"net.1": [0.5, 0.52, 0.49], "net.3": [0.7, 0.85, 0.9]})
-    assert marks(fig) == {("net.3", 10, "dead"), ("net.3", 20, "dead")}
+    fig = figure("activations", "zero_fraction", {"net.1": [0.5, 0.52, 0.49, 0.5], "net.3": [0.7, 0.85, 0.9, 0.9]})
+    assert marks(fig) == {("net.3", 30, "dead")}  # most outputs zero: dead once it stays so for 3 logged points
     assert marks(fig, bands=Bands(max_zero_fraction=0.95)) == set()
+    assert marks(figure("activations", "zero_fraction", {"net.3": [0.5, 0.995, 1.0]})) == {
+        ("net.3", 10, "dead"), ("net.3", 20, "dead")}  # nearly all: at once
     assert marks(figure("val_activations", "zero_fraction", {"net.3": [0.9]})) == set()  # LayerHealth's figures only
 
 
@@ -43,13 +45,13 @@ def test_a_nan_is_marked_on_the_first_module_it_is_in_not_on_what_came_after_it(
 
 
 def test_the_banner_says_since_when_a_layer_is_unhealthy_now():
-    fig = figure("activations", "zero_fraction", {"healed": [0.95, 0.95, 0.5, 0.5, 0.5, 0.5],
-                                                  "dead": [0.5, 0.5, 0.5, 0.95, 0.5, 0.9]})
+    fig = figure("activations", "zero_fraction", {"healed": [1.0, 1.0, 0.5, 0.5, 0.5, 0.5],
+                                                  "dead": [0.5, 0.5, 0.5, 1.0, 0.5, 0.995]})
     found = {(b["layer"], b["verdict"], b["since"]) for b in banner(judge([fig], DEFAULTS), DEFAULTS)}
     assert found == {("dead", "dead", 50)}  # it recovered once, so its current stretch began at step 50
     assert {b["problem"] for b in banner(judge([fig], DEFAULTS), DEFAULTS)} == {
         "dead units: zero fraction of outputs above 0.8"}  # LayerHealth's heading
-    late = figure("activations", "zero_fraction", {"late": [0.9, 0.9, 0.9, None]})
+    late = figure("activations", "zero_fraction", {"late": [1.0, 1.0, 1.0, None]})
     # Not logged at the last step: its own last point counts.
     assert {(b["layer"], b["since"]) for b in banner(judge([late], DEFAULTS), DEFAULTS)} == {("late", 0)}
 

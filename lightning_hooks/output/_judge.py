@@ -54,7 +54,9 @@ step at a time, with every judged figure of that step. How it decides (docs/verd
   first where it moved ``OVERSHOOT`` times as far as every module before it that is out (under
   SGD a jump's gradient moves their weights in the same step).
 - Absolute rules where the physics gives a bound (:mod:`~lightning_hooks.output._judge_absolute`):
-  a NaN or Inf; more than ``max_zero_fraction`` exact zeros (dead units); TransformerStability's
+  a NaN or Inf; ``ALL_ZERO`` exact zeros, or more than ``max_zero_fraction`` from the first logged point or
+  for ``SPARSE_POINTS`` logged points in a row (dead units; a small batch's sparsity crosses it for one);
+  TransformerStability's
   logit, entropy and massive-activation bounds. They judge from the first logged step.
 - A module's outputs out of range, not named yet, whose lean slowed under ``CREEP_PER_STEP`` a step over its
   last points (``lean_slowed``: a layer's learning settling, within twice the least change) are not named.
@@ -85,7 +87,7 @@ from lightning_hooks.output._findings import (
     layer_of,
 )
 from lightning_hooks.output._health_bands import Bands
-from lightning_hooks.output._judge_absolute import absolute_problems
+from lightning_hooks.output._judge_absolute import ZeroRuns, absolute_problems
 from lightning_hooks.output._judge_culprit import CulpritNaming, its_own
 from lightning_hooks.output._judge_data import gradients_jumped_together, outputs_out_together, singled_out
 from lightning_hooks.output._judge_gain import GainJudging
@@ -132,6 +134,7 @@ class Judge(LearningJudging, GainJudging, CulpritNaming):
         self.affected: set[str] = set()  # rows out as victims, not named while they stay out
         self.excused: set[str] = set()  # "figure/row": the last of its kind excused as its gradient's end
         self.first_entropy: dict[str, float] = {}
+        self.zeros = ZeroRuns()  # logged points in a row with most outputs zero, by module
         self.first_ratio: dict[str, float] = {}  # each row's first logged update ratio (Adam: lr / rms(w))
         self.fast_scales: set[str] = set()  # norms' scales named too fast and still out of their range
         self.start: Optional[int] = None  # the first logged step judged
@@ -285,7 +288,7 @@ class Judge(LearningJudging, GainJudging, CulpritNaming):
     def _absolute(self, figure: str, values: Mapping[str, float]) -> list[Finding]:
         judged_as = "level" if figure in ("nonfinite", "zero_fraction") else figure
         return [Finding(row, self.layer(judged_as, row), problem, v, judged_as)
-                for row, problem, v in absolute_problems(figure, values, self.bands, self.first_entropy)]
+                for row, problem, v in absolute_problems(figure, values, self.bands, self.first_entropy, self.zeros)]
 
     def layer(self, figure: str, row: str) -> str:
         """The layer a row of ``figure`` belongs to: a parameter's row is its module's."""
@@ -316,7 +319,8 @@ class Judge(LearningJudging, GainJudging, CulpritNaming):
                 "offset": dict(self.offset), "start": self.start, "last_step": self.last_step, "gap": self.gap,
                 "tracks": {f: {r: track_state(t) for r, t in rows.items()} for f, rows in self.tracks.items()},
                 "named": sorted(self.named), "affected": sorted(self.affected), "excused": sorted(self.excused),
-                "first_entropy": dict(self.first_entropy), "first_ratio": dict(self.first_ratio),
+                "first_entropy": dict(self.first_entropy), "zeros": self.zeros.state_dict(),
+                "first_ratio": dict(self.first_ratio),
                 "fast_scales": sorted(self.fast_scales),
                 "peers": self.peers.state_dict()}
 
@@ -330,7 +334,7 @@ class Judge(LearningJudging, GainJudging, CulpritNaming):
                        for f, rows in state["tracks"].items()}
         self.named, self.affected = set(state["named"]), set(state["affected"])
         self.excused = set(state["excused"])
-        self.first_entropy = dict(state["first_entropy"])
+        self.first_entropy, self.zeros = dict(state["first_entropy"]), ZeroRuns.from_state(state["zeros"])
         self.first_ratio = dict(state["first_ratio"])
         self.fast_scales = set(state.get("fast_scales", ()))
         self.peers.load_state_dict(state["peers"])

@@ -1,7 +1,8 @@
 """The judge's absolute rules: bounds the physics gives, no history needed (host-side, torch-free).
 
 The half of :mod:`lightning_hooks.output._judge` that needs no row's range: a NaN or Inf in a
-module's outputs, more than ``max_zero_fraction`` exact zeros (dead units), and
+module's outputs, nearly all its outputs exact zeros (or more than ``max_zero_fraction`` from its first
+logged point on, or for a few logged points in a row: dead units), and
 TransformerStability's attention-logit, entropy, output-logit and massive-activation bounds.
 """
 
@@ -9,6 +10,8 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, MutableMapping
+from dataclasses import dataclass, field
+from typing import Any
 
 from lightning_hooks.output._health_bands import Bands
 
@@ -18,8 +21,34 @@ UPPER_BOUNDS = {"attention_max_logit": ("max_attention_logit", "attention_logits
                 "massive_ratio": ("max_massive_ratio", "massive")}
 
 
+#: A module's outputs this many exact zeros (or ``max_zero_fraction``, if higher) are dead at once: nearly every
+#: unit silent for every sample. Between ``max_zero_fraction`` and this, most outputs zero is dead units where it
+#: was so from the module's first logged point (units dead at the initialisation), or stays so for ``SPARSE_POINTS``
+#: logged points in a row: a healthy ReLU's sparsity over a small batch (512 values at batch 2) crosses 0.8 for one
+#: batch (the sweep's 256-wide MLP, ``unseen10``: 0.65-0.81).
+ALL_ZERO = 0.99
+SPARSE_POINTS = 3
+
+
+@dataclass
+class ZeroRuns:
+    """Per module, the logged points in a row with most of its outputs zero, and the modules that ever had fewer."""
+
+    runs: dict[str, int] = field(default_factory=dict)
+    fired: set[str] = field(default_factory=set)
+
+    def state_dict(self) -> dict[str, Any]:
+        """As plain values."""
+        return {"runs": dict(self.runs), "fired": sorted(self.fired)}
+
+    @classmethod
+    def from_state(cls, state: Mapping[str, Any]) -> ZeroRuns:
+        """The runs of :meth:`state_dict`'s values."""
+        return cls(dict(state["runs"]), set(state["fired"]))
+
+
 def absolute_problems(figure: str, values: Mapping[str, float], bands: Bands,
-                      first_entropy: MutableMapping[str, float]) -> list[tuple[str, str, float]]:
+                      first_entropy: MutableMapping[str, float], zeros: ZeroRuns) -> list[tuple[str, str, float]]:
     """The rows of an absolute ``figure`` past their bound, as ``(row, problem, value)``.
 
     Args:
@@ -28,11 +57,17 @@ def absolute_problems(figure: str, values: Mapping[str, float], bands: Bands,
         bands: The bounds.
         first_entropy: Each row's first finite positive attention entropy (updated here): entropy
             collapse is judged against it.
+        zeros: Each row's points in a row with more than ``max_zero_fraction`` zeros (updated here from a
+            ``zero_fraction`` step's values).
     """
     if figure == "nonfinite":
         return [(row, "nonfinite", v) for row, v in values.items() if v != 0]
     if figure == "zero_fraction":
-        return [(row, "dead", v) for row, v in values.items() if v > bands.max_zero_fraction]
+        zeros.fired.update(row for row, v in values.items() if not v > bands.max_zero_fraction)
+        zeros.runs = {row: zeros.runs.get(row, 0) + 1 for row, v in values.items() if v > bands.max_zero_fraction}
+        at_once = max(ALL_ZERO, bands.max_zero_fraction)
+        return [(row, "dead", values[row]) for row, run in zeros.runs.items()
+                if values[row] >= at_once or run >= SPARSE_POINTS or row not in zeros.fired]
     if figure == "attention_entropy":
         for row, v in values.items():
             if math.isfinite(v) and v > 0:
