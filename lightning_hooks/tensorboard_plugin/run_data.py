@@ -231,9 +231,6 @@ class RunReader:
             rows = json.loads(texts[max(texts)]) if texts else {}
         except ValueError:
             return frozenset()
-        if isinstance(rows, list):  # written before the scales were: every 1-D row, a norm's scale its ``weight``
-            rows = {"unjudged": [n for n in rows if not str(n).endswith(".weight")],
-                    "scales": [n for n in rows if str(n).endswith(".weight")]}
         names = rows.get(key, []) if isinstance(rows, dict) else []
         return frozenset(str(name) for name in names) if isinstance(names, list) else frozenset()
 
