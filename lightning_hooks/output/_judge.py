@@ -336,5 +336,5 @@ class Judge(LearningJudging, GainJudging, CulpritNaming):
         self.excused = set(state["excused"])
         self.first_entropy, self.zeros = dict(state["first_entropy"]), ZeroRuns.from_state(state["zeros"])
         self.first_ratio = dict(state["first_ratio"])
-        self.fast_scales = set(state.get("fast_scales", ()))
+        self.fast_scales = set(state["fast_scales"])
         self.peers.load_state_dict(state["peers"])

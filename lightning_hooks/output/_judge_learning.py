@@ -59,7 +59,7 @@ class LearningJudging:
         Shared by :meth:`_slowed` (not named) and ``_leaning`` (not named as the cause further up either).
         """
         track = self._track(row)
-        return track is not None and lean_slowed(track, self.gap, least_change(self._judged_by(row), self.bands))
+        return track is not None and lean_slowed(track, least_change(self._judged_by(row), self.bands))
 
     def _stacked(self, found: list[Finding]) -> list[Finding]:
         """The findings less the outputs that grew with their whole kind (:meth:`_grew_with_kind`).

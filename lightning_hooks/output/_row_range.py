@@ -101,8 +101,7 @@ def track_state(track: Track) -> list:
 
 def track_from_state(state: Sequence, window: int) -> Track:
     """The track of :func:`track_state`'s values."""
-    logs, up, down, frozen, worst, held, deviation, noise, learned = state[:9]
-    clock, held_at = state[9:] or (0, [])  # a state saved before they were kept: points of unknown steps
+    logs, up, down, frozen, worst, held, deviation, noise, learned, clock, held_at = state
     return Track(deque(logs, maxlen=window), up=up, down=down, frozen=frozen, worst=worst,
                  held=deque(held, maxlen=64), deviation=deviation, noise=noise, learned=learned,
                  clock=clock, held_at=deque(held_at, maxlen=64))
@@ -231,7 +230,7 @@ def held_deviations(track: Track) -> list[float]:
             for i, x in enumerate(track.held)]
 
 
-def lean_slowed(track: Track, gap: int, floor: float) -> bool:
+def lean_slowed(track: Track, floor: float) -> bool:
     """Whether a row leaning out now moves away from its range slower than ``CREEP_PER_STEP`` a step.
 
     Its held values' deviations beyond its (held) range, the newest ``SLOW_POINTS`` against the as many
@@ -250,8 +249,7 @@ def lean_slowed(track: Track, gap: int, floor: float) -> bool:
         return False
     now = max(sign * statistics.median(devs[-SLOW_POINTS:]), sign * devs[-1])  # a step or a ramp's start: the newest
     at = list(track.held_at)
-    steps = (statistics.median(at[-SLOW_POINTS:]) - statistics.median(at[-2 * SLOW_POINTS:-SLOW_POINTS])
-             if len(at) == len(held) else gap * SLOW_POINTS)  # the steps its points span (a resume: not one gap)
+    steps = statistics.median(at[-SLOW_POINTS:]) - statistics.median(at[-2 * SLOW_POINTS:-SLOW_POINTS])  # spanned
     return now - sign * statistics.median(devs[-2 * SLOW_POINTS:-SLOW_POINTS]) < CREEP_PER_STEP * steps
 
 
