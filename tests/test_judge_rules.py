@@ -115,6 +115,23 @@ def stacked_levels(gain, seed: int, batch: float, net: list[str] = NET):
     return levels
 
 
+@pytest.mark.parametrize("after", [0.0, 0.01, 0.02])
+def test_a_gain_whose_next_copy_moved_its_own_gain_alike_is_learning(after):
+    """From point 60 ``blocks.2.conv``'s gain rises 1.5% a point (the batch moving every std, judged by gains).
+    Alone, it is a fault: named. Where ``blocks.3.conv``'s own gain rises too, at least half as fast, it is the
+    recipe (a healthy ViT at batch 4: two attention projections learning): a fault moves its own gain, not the
+    gains after it (their inputs carry its move)."""
+    def gain(i, row):
+        rate = {"blocks.2.conv": 0.015, "blocks.3.conv": after}.get(row, 0.0)
+        return math.exp(rate * max(0, i - 60))
+    for seed in range(3):
+        found = first_named(Judge(Bands(), NET), stacked_levels(gain, seed, 0.05), 100)
+        if after:
+            assert found is None or "blocks.2.conv" not in found[1], (seed, found)
+        else:
+            assert found is not None and found[1] == {"blocks.2.conv"}, (seed, found)
+
+
 @pytest.mark.parametrize("batch", [0.0, 0.05])  # judged by their std, or by their gain (the batch moving all)
 def test_a_kind_that_grew_as_a_whole_with_no_gain_leading_is_not_named(batch):
     """From point 60 every ``blocks.#.conv``'s gain rises x1.5 at once: every copy's std moves (compounding

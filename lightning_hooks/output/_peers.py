@@ -16,7 +16,9 @@ past the factor within its window (a jump its window has forgotten) is never exc
 A module whose move lies between its neighbours' is learning too: the peer before it moved the same
 way, and the peer after it, steady in its own range, at least as far (an MLP-Mixer's token-mixing
 layers each grow more than the block's before: a gradient over depth, not one block's fault, which
-cannot move a later copy as far while leaving it in its range). The last copy of its kind (a block's
+cannot move a later copy as far while leaving it in its range). A gain is learning too where the next copy
+after it (in its own range) moved its own gain the same way at least half as far: a fault moves its own gain,
+not the gains after it (their inputs carry its move). The last copy of its kind (a block's
 named part, not a Sequential's child), with no peer after it, ends such a gradient where the peer
 before it moved the same way past half the margin (more than its noise) and it at most ``STEEPEST``
 times as far, and its newest point alone did not move past the margin: a fault in the last block
@@ -93,6 +95,8 @@ class Peers:
         near = before[-1:] or after[:1]  # the first of its kind: the copies after it
         if not near:
             return False
+        if figure == "gain" and after and sign * after[0] >= sign * mine / 2:
+            return True  # the next copy's own gain moved alike: a fault moves its own gain, not the gains after it
         typical = statistics.median(before or after)
         # theirs at least half of its move, and its own part within the margin
         if any(sign * m >= sign * mine / 2 and sign * (mine - m) <= margin for m in (near[0], typical)):
