@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from lightning_hooks.output import _judge_learning
+from lightning_hooks.output import _judge_learning, _peers
 from lightning_hooks.output._findings import Finding
 from lightning_hooks.output._health_bands import Bands
 from lightning_hooks.output._judge import Judge
@@ -50,10 +50,12 @@ def recorded_names(ramp: str | None = None, onset: int = 0) -> list[tuple[int, s
 def test_a_healthy_layer_whose_lean_slowed_before_it_was_named_is_not_named(monkeypatch):
     """Block 1's ``mlp.c_fc`` gain x1.25 beyond its range by step 107, leaning 0.1% a step there: no name.
 
-    Without the rule it is named at steps 107-119 (its std agreeing with its gain only by then).
+    Without the rule it is named at steps 107-119 (its std agreeing with its gain only by then), with the next copy's
+    gain rule off too (``_peers.next_gain_alike``: block 2's own ``mlp.c_fc`` gain moved alike, which excuses it).
     """
     assert recorded_names() == []
     monkeypatch.setattr(_judge_learning, "lean_slowed", lambda track, floor: False)
+    monkeypatch.setattr(_peers, "next_gain_alike", lambda after, mine, sign: False)
     named = recorded_names()
     assert {layer for _, layer in named} == {"h.1.mlp.c_fc"} and 100 <= named[0][0] <= 120, named
 

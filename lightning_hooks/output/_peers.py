@@ -42,6 +42,13 @@ _NUMBER = re.compile(r"(^|\.)\d+(?=\.|$)")
 STEEPEST = 3.0
 
 
+def next_gain_alike(after: list[float], mine: float, sign: int) -> bool:
+    """Whether the next copy's own gain (the first of ``after``, the later copies' moves) moved ``mine``'s way
+    at least half as far: a fault moves its own gain, not the gains after it (their inputs carry its move).
+    """
+    return bool(after) and sign * after[0] >= sign * mine / 2
+
+
 def kind(row: str) -> str:
     """A module's name with its numbered parts replaced by ``#``: the same for every block's copy of it."""
     return _NUMBER.sub(r"\1#", row)
@@ -95,8 +102,8 @@ class Peers:
         near = before[-1:] or after[:1]  # the first of its kind: the copies after it
         if not near:
             return False
-        if figure == "gain" and after and sign * after[0] >= sign * mine / 2:
-            return True  # the next copy's own gain moved alike: a fault moves its own gain, not the gains after it
+        if figure == "gain" and next_gain_alike(after, mine, sign):
+            return True
         typical = statistics.median(before or after)
         # theirs at least half of its move, and its own part within the margin
         if any(sign * m >= sign * mine / 2 and sign * (mine - m) <= margin for m in (near[0], typical)):
