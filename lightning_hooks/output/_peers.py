@@ -43,8 +43,9 @@ STEEPEST = 3.0
 
 
 def next_gain_alike(after: list[float], mine: float, sign: int) -> bool:
-    """Whether the next copy's own gain (the first of ``after``, the later copies' moves) moved ``mine``'s way
-    at least half as far: a fault moves its own gain, not the gains after it (their inputs carry its move).
+    """Whether the next copy's own gain (the first of ``after``) moved ``mine``'s way at least half as far.
+
+    A fault moves its own gain, not the gains after it (their inputs carry its move).
     """
     return bool(after) and sign * after[0] >= sign * mine / 2
 
