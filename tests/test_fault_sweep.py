@@ -20,6 +20,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from benchmarks import _sweep_unseen11  # noqa: E402,F401  (the wider models)
 from benchmarks._zoo_models import RECIPES, schedule  # noqa: E402
 from benchmarks.fault_sweep import Variant, describe, grade, register, run_variant, variants, verdict  # noqa: E402
 from benchmarks.fault_zoo import Lit, judge_case  # noqa: E402
@@ -140,3 +141,19 @@ def test_a_ramp_that_holds_stops_growing_and_the_unseen7_schedules_have_their_sh
     assert lr["adamw-linear"](19) == 1.0 and lr["adamw-linear"](199) < 0.01
     assert lr["adamw-onecycle"](0) == pytest.approx(1 / 25) and lr["adamw-onecycle"](60) == pytest.approx(1.0)
     assert lr["adamw-warm40"](30) < 0.5 < lr["adamw-warm40"](79) == 1.0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model, batch", [("mlp-wide", 2), ("mlp-wide", 4), ("vit", 4)])
+def test_a_small_batch_healthy_run_gets_no_verdict_and_its_jump_is_named_first(model, batch):
+    """Small batches at seed 0 (sweep groups ``unseen9b`` ... ``unseen11b``), each named on its healthy run before:
+    the 256-wide MLP at batch 2, a ReLU's share of zeros over 512 values crossing 0.8 for single batches (``dead``);
+    at batch 4, one batch lifting every std x1.2-1.4 on a Linear's slow lean (``blowup``); the ViT at batch 4, block
+    2's attention output projection learning with block 3's (``blowup``). A jump x20 is named first at once."""
+    variant = Variant("test", model, ("healthy", "jump"), batch=batch)
+    healthy = run_variant(variant, "healthy")
+    row = verdict(variant, judge_case(healthy, healthy), healthy.culprit)
+    assert row["alarms"] == 0, row["lines"]
+    case = run_variant(variant, "jump")
+    row = verdict(variant, judge_case(case, healthy), case.culprit)
+    assert row["culprit_first"] and row["before"] == 0 and row["delay"] < variant.every, row
