@@ -56,6 +56,27 @@ def test_the_prediction_layers_blowup_waits_while_the_loss_asks_for_it_and_is_na
     assert judge.step({"level": growing, "pull": {"head": -0.1}}, 62).named  # named: it stays named while out
 
 
+@pytest.mark.parametrize("after, rate, named", [((0.1, -0.05), 1.0, False), ((0.4, 0.3), 1.0, True),
+                                               ((0.1, 0.05), 1.1, True)])
+def test_a_prediction_layers_growth_the_loss_asked_for_settles_and_an_overshoot_does_not(after, rate, named):
+    """``head`` grows x3 over 10 points while the loss asks for it (pull -0.2), then: flat with the pull about 0
+    (either sign, weaker than the ask): reached the scale the loss wanted, never named, its range following it
+    after 4 such points; pushed back harder than it was asked (+0.4): an overshoot, named; still rising 10% a
+    point with the loss asking for less: named."""
+    judge = Judge(Bands(), order=["a", "b", "head"])
+    for step in range(60):
+        judge.step({"level": {"a": 1.0, "b": 1.0, "head": 1.0}}, step)
+    found = []
+    for step in range(60, 90):
+        k = step - 60
+        head = 3.0 ** (min(k, 10) / 10) * rate ** max(0, k - 10)
+        pull = -0.2 if k <= 10 else after[k % 2]
+        found += judge.step({"level": {"a": 1.0, "b": 1.0, "head": head}, "pull": {"head": pull}}, step).named
+    assert bool(found) == named and all(f.row == "head" for f in found), found
+    if not named:
+        assert not judge.asked and judge.step({"level": {"a": 1.0, "b": 1.0, "head": 3.0}}, 90).named == []
+
+
 def test_a_module_before_the_last_is_named_whatever_its_pull():
     judge = Judge(Bands(), order=["a", "b", "head"])
     for step in range(60):

@@ -92,7 +92,7 @@ from lightning_hooks.output._judge_culprit import CulpritNaming, its_own
 from lightning_hooks.output._judge_data import gradients_jumped_together, outputs_out_together, singled_out
 from lightning_hooks.output._judge_gain import GainJudging
 from lightning_hooks.output._judge_learning import PEER_FIGURES, LearningJudging
-from lightning_hooks.output._judge_pull import PULL, asked_for
+from lightning_hooks.output._judge_pull import PULL
 from lightning_hooks.output._peers import Peers
 from lightning_hooks.output._row_range import (
     WARM_POINTS,
@@ -137,6 +137,7 @@ class Judge(LearningJudging, GainJudging, CulpritNaming):
         self.zeros = ZeroRuns()  # logged points in a row with most outputs zero, by module
         self.first_ratio: dict[str, float] = {}  # each row's first logged update ratio (Adam: lr / rms(w))
         self.fast_scales: set[str] = set()  # norms' scales named too fast and still out of their range
+        self.asked: dict[str, tuple[float, int]] = {}  # the prediction layer out since a growth asked for
         self.start: Optional[int] = None  # the first logged step judged
         self.last_step: Optional[int] = None  # the last logged step judged
         self.gap = 1  # the steps from the logged step before to this one
@@ -198,8 +199,9 @@ class Judge(LearningJudging, GainJudging, CulpritNaming):
                  for f in self._stacked([f for f in gains if f.row in by_gain])
                  if f.row in self.named or self._level_agrees(f)]
         last = self._last()
-        kept = [f for f in kept
-                if not self._let_in(f, asked_for(f, last, self.pulls, self.named)) and not self._slowed(f)]
+        out_now = {f.row for f in kept if f.problem == "blowup"}  # back in range: a growth asked for ended
+        self.asked = {row: ask for row, ask in self.asked.items() if row in out_now}
+        kept = [f for f in kept if not self._let_in(f, self._asked_or_learned(f, last)) and not self._slowed(f)]
         out = {f.row for f in kept}
         return [self._inward(f, out) for f in kept]
 
@@ -321,7 +323,7 @@ class Judge(LearningJudging, GainJudging, CulpritNaming):
                 "named": sorted(self.named), "affected": sorted(self.affected), "excused": sorted(self.excused),
                 "first_entropy": dict(self.first_entropy), "zeros": self.zeros.state_dict(),
                 "first_ratio": dict(self.first_ratio),
-                "fast_scales": sorted(self.fast_scales),
+                "fast_scales": sorted(self.fast_scales), "asked": {row: list(v) for row, v in self.asked.items()},
                 "peers": self.peers.state_dict()}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -337,4 +339,5 @@ class Judge(LearningJudging, GainJudging, CulpritNaming):
         self.first_entropy, self.zeros = dict(state["first_entropy"]), ZeroRuns.from_state(state["zeros"])
         self.first_ratio = dict(state["first_ratio"])
         self.fast_scales = set(state["fast_scales"])
+        self.asked = {row: (float(ask), int(waited)) for row, (ask, waited) in state["asked"].items()}
         self.peers.load_state_dict(state["peers"])

@@ -8,14 +8,18 @@ not named; the first three have the row's range follow the move, as it follows t
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Mapping
 
 from lightning_hooks.output._findings import RELATIVE, Finding
 from lightning_hooks.output._health_bands import Bands
-from lightning_hooks.output._row_range import Track, follow, lean_slowed, least_change
+from lightning_hooks.output._judge_pull import asked_for
+from lightning_hooks.output._row_range import MIN_NOISE, Track, follow, lean_slowed, least_change
 
 #: The figures of a module's outputs, judged against its same-kind peers before it too (``_peers.py``).
 PEER_FIGURES = ("level", "gain")
+#: The prediction layer's growth the loss asked for has settled at the scale the loss wanted after this many logged
+#: points without the loss asking, its output not rising (``_asked_or_learned``): its ranges follow it then.
+SETTLED = 4
 
 
 class LearningJudging:
@@ -31,6 +35,9 @@ class LearningJudging:
     affected: set[str]  # rows out as victims
     warm: bool  # whether the rows' own ranges judge at this step (past the warm-up in steps)
     gap: int  # the steps from the logged step before to this one
+    pulls: Mapping[str, float]  # the step's pull by module (the prediction layer's)
+    asked: dict[str, tuple[float, int]]  # the prediction layer out since a growth the loss asked for: its strongest
+    # ask, and the points it has waited since, the loss no longer asking, its output not rising
 
     def _let_in(self, found: Finding, learned: bool) -> bool:
         """``learned``; if so, in the warm-up, the ranges of ``found``'s module follow its move (early learning).
@@ -41,6 +48,36 @@ class LearningJudging:
             if learned and track is not None and (not self.warm or len(track.logs) < self.bands.min_points):
                 follow(track, self.bands.window)
         return learned
+
+    def _asked_or_learned(self, found: Finding, last: str | None) -> bool:
+        """Whether ``found`` is the prediction layer's growth the loss asks for, or asked for and now settling.
+
+        While the pull is below 0 its ``blowup`` is learning (``asked_for``). Once the loss stops asking
+        (its pull about 0, either sign from batch to batch: no stronger than its strongest ask) with the
+        output not clearly rising (its newest value within ``MIN_NOISE`` of the highest it held out), it
+        may have reached the scale the loss wanted: not named while it so waits, and after ``SETTLED``
+        such points its ranges follow it (the sweep's 256-wide MLP under SGD: its output x7 over 16
+        steps, the pull down to -0.14, the loss 0.25 -> 0.05, then flat with pulls of -0.07 to +0.11,
+        named at the first above 0). One clearly rising, or pushed back harder than it was asked, while
+        the loss asks for less overshoots: named (a ramp in it is named 2 steps later than at its first
+        pull above 0).
+        """
+        if not (found.row == last and found.problem == "blowup" and found.layer not in self.named):
+            return False
+        pull = self.pulls.get(found.row, 0.0)
+        asked = asked_for(found, last, self.pulls, self.named)
+        if not asked and (found.row not in self.asked or pull > self.asked[found.row][0]):
+            return False  # never asked for, or pushed back harder than it was asked: an overshoot
+        ask, waited = self.asked.get(found.row, (0.0, 0))
+        track = self._track(found.row)
+        held = list(track.held) if track is not None else []
+        rising = len(held) < 2 or held[-1] > max(held[:-1]) + MIN_NOISE["level"]
+        self.asked[found.row] = (max(ask, -pull), 0 if rising else waited + 1)
+        if not rising and waited + 1 >= SETTLED:
+            for figure in ("level", "gain"):
+                if (own := self.tracks.get(figure, {}).get(found.row)) is not None:
+                    follow(own, self.bands.window)
+        return asked or not rising
 
     def _slowed(self, found: Finding) -> bool:
         """Whether a module's outputs, out and not named yet, lean away from their range no faster than a creep.
