@@ -97,7 +97,9 @@ a 256-wide MLP, a 32-channel CNN) and deeper (a 12-block GPT-2, the issue's shap
 ``unseen11`` and ``unseen11b`` (``benchmarks/_sweep_unseen11.py``): MLPs with GELU, SiLU, Tanh and dropout, long and
 noisy healthy runs; ``unseen12`` and ``unseen12b`` (``benchmarks/_sweep_unseen12.py``): batches of 2 and 4 on more
 models and seeds; ``unseen13`` and ``unseen13b`` (``benchmarks/_sweep_unseen13.py``): the wider models in bf16, with
-micro-batches, clipping, other positions, intervals and optimizers.
+micro-batches, clipping, other positions, intervals and optimizers; ``unseen14`` and ``unseen14b``
+(``benchmarks/_sweep_unseen14.py``): faults where the newer excuses apply (the prediction layer, a shared gain, slow
+ramps at small batches).
 
 Per case: the culprit named first, the layers named before it, the delay (steps from the onset
 to the first logged step that names it), on healthy runs the verdict lines after the first 10%,
@@ -137,6 +139,7 @@ from benchmarks._sweep_unseen10 import unseen10  # noqa: E402
 from benchmarks._sweep_unseen11 import unseen11  # noqa: E402
 from benchmarks._sweep_unseen12 import unseen12  # noqa: E402
 from benchmarks._sweep_unseen13 import unseen13  # noqa: E402
+from benchmarks._sweep_unseen14 import unseen14  # noqa: E402
 from benchmarks._sweep_variant import Variant, register  # noqa: E402
 from benchmarks.fault_zoo import JUMP, Case, judge_case, run_case  # noqa: E402
 
@@ -175,7 +178,8 @@ def variants() -> dict[str, list[Variant]]:
              Variant("optim", "cnn", ("healthy", "ramp", "jump"), precision="bf16-mixed")]
     return {"models": models, "layers": _layers(), "rates": rates, "onsets": onsets, "every": every, "optim": optim,
             **_unseen(), **unseen3(), **unseen4(), **unseen5(), **unseen6(), **unseen7(), **unseen8(), **unseen9(),
-            **unseen10(), **unseen11(), **unseen12(), **unseen13(), **creep(), **lastblock()}
+            **unseen10(), **unseen11(), **unseen12(), **unseen13(), **unseen14(), **creep(),
+            **lastblock()}
 
 
 def _unseen() -> dict[str, list[Variant]]:

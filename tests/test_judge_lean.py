@@ -55,7 +55,7 @@ def test_a_healthy_layer_whose_lean_slowed_before_it_was_named_is_not_named(monk
     """
     assert recorded_names() == []
     monkeypatch.setattr(_judge_learning, "lean_slowed", lambda track, floor: False)
-    monkeypatch.setattr(_peers, "next_gain_alike", lambda after, mine, sign: False)
+    monkeypatch.setattr(_peers, "next_gain_alike", lambda after, mine, sign, margin: False)
     named = recorded_names()
     assert {layer for _, layer in named} == {"h.1.mlp.c_fc"} and 100 <= named[0][0] <= 120, named
 

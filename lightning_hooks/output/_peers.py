@@ -42,12 +42,13 @@ _NUMBER = re.compile(r"(^|\.)\d+(?=\.|$)")
 STEEPEST = 3.0
 
 
-def next_gain_alike(after: list[float], mine: float, sign: int) -> bool:
-    """Whether the next copy's own gain (the first of ``after``) moved ``mine``'s way at least half as far.
+def next_gain_alike(after: list[float], mine: float, sign: int, margin: float) -> bool:
+    """Whether the next copy's own gain (the first of ``after``) moved ``mine``'s way, half as far, within ``margin``.
 
-    A fault moves its own gain, not the gains after it (their inputs carry its move).
+    A fault moves its own gain, not the gains after it (their inputs carry its move); one that goes on past the
+    next copy's learning by more than the margin is its own again.
     """
-    return bool(after) and sign * after[0] >= sign * mine / 2
+    return bool(after) and sign * after[0] >= sign * mine / 2 and sign * (mine - after[0]) <= margin
 
 
 def kind(row: str) -> str:
@@ -103,7 +104,7 @@ class Peers:
         near = before[-1:] or after[:1]  # the first of its kind: the copies after it
         if not near:
             return False
-        if figure == "gain" and next_gain_alike(after, mine, sign):
+        if figure == "gain" and next_gain_alike(after, mine, sign, margin):
             return True
         typical = statistics.median(before or after)
         # theirs at least half of its move, and its own part within the margin
