@@ -9,6 +9,7 @@ import torch
 from lightning_hooks import GradientAnomalyError, GradientAnomalyStopping, LayerHealth, TransformerStability
 from lightning_hooks.output._diagnosis import REMEDIES, diagnose
 from lightning_hooks.output._health_verdicts import PROBLEMS, Bands, Verdicts
+from lightning_hooks.output._judge import Judge
 from lightning_hooks.tensorboard_plugin.run_data import Figure
 from lightning_hooks.tensorboard_plugin.verdicts import bands_from_query, judge
 from tests.helpers import events, trainer
@@ -75,6 +76,21 @@ def test_most_outputs_zero_is_dead_units_where_it_stays_so_and_nearly_all_at_onc
         record.add("zero_fraction", step * 10, {"net.1": value, "net.3": 0.995 if step >= 4 else 0.5})
     assert record.episodes[("dead", "net.1")].first == 70
     assert record.episodes[("dead", "net.3")].first == 40
+
+
+def test_a_module_not_called_at_a_step_keeps_its_run_and_a_resumed_fits_first_point_is_not_its_first():
+    """An expert logged at every other step only (not called between) keeps its count of points above the bound:
+    dead at its third. A fit resumed at step 5000 (LayerHealth starts afresh) does not take its first point above
+    the bound for units dead from the initialisation."""
+    judge, named = Judge(Bands()), []
+    for step in range(12):
+        rows = {"moe.1": 0.5} if step % 2 else {"moe.1": 0.5, "moe.3": 0.5 if step == 0 else 0.9}
+        named += [(step * 10, f.row) for f in judge.step({"zero_fraction": rows}, step * 10).named]
+    assert named[0] == (60, "moe.3"), named
+    resumed = Verdicts(Bands())
+    for step, value in zip((5000, 5010, 5020), (0.81, 0.7, 0.72)):
+        resumed.add("zero_fraction", step, {"net.1": value})
+    assert ("dead", "net.1") not in resumed.episodes
 
 
 def test_the_record_survives_a_checkpoint_and_the_episode_goes_on():

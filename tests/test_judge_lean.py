@@ -54,6 +54,9 @@ def test_a_healthy_layer_whose_lean_slowed_before_it_was_named_is_not_named(monk
     gain rule off too (``_peers.next_gain_alike``: block 2's own ``mlp.c_fc`` gain moved alike, which excuses it).
     """
     assert recorded_names() == []
+    with monkeypatch.context() as patch:  # the rule alone clears it
+        patch.setattr(_peers, "next_gain_alike", lambda after, mine, sign, margin: False)
+        assert recorded_names() == []
     monkeypatch.setattr(_judge_learning, "lean_slowed", lambda track, floor: False)
     monkeypatch.setattr(_peers, "next_gain_alike", lambda after, mine, sign, margin: False)
     named = recorded_names()

@@ -77,6 +77,30 @@ def test_a_prediction_layers_growth_the_loss_asked_for_settles_and_an_overshoot_
         assert not judge.asked and judge.step({"level": {"a": 1.0, "b": 1.0, "head": 3.0}}, 90).named == []
 
 
+def grown_head(judge: Judge, pulls) -> list:
+    """``head`` grown x3 over 10 points while the loss asks (pull -0.2), then flat; ``pulls(k)`` from point 11 on
+    (None: no pull measured). The findings named from then on."""
+    for step in range(60):
+        judge.step({"level": {"a": 1.0, "b": 1.0, "head": 1.0}}, step)
+    found = []
+    for step in range(60, 90):
+        k = step - 60
+        pull = -0.2 if k <= 10 else pulls(k)
+        figures = {"level": {"a": 1.0, "b": 1.0, "head": 3.0 ** (min(k, 10) / 10)}}
+        if pull is not None:
+            figures["pull"] = {"head": pull}
+        found += [f.row for f in judge.step(figures, step).named]
+    return found
+
+
+def test_a_growth_still_asked_for_is_not_settled_and_an_overshoot_after_it_is_named():
+    """Flat while the loss still asks (pull -0.2 to point 20): those points do not count as settled, so the push
+    back at +0.4 after it (twice the ask) is an overshoot, named; without a pull measured it is judged as before
+    (out of its range: named)."""
+    assert grown_head(Judge(Bands(), order=["a", "b", "head"]), lambda k: -0.2 if k <= 20 else 0.4)
+    assert grown_head(Judge(Bands(), order=["a", "b", "head"]), lambda k: None)
+
+
 def test_a_module_before_the_last_is_named_whatever_its_pull():
     judge = Judge(Bands(), order=["a", "b", "head"])
     for step in range(60):

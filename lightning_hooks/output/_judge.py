@@ -52,7 +52,9 @@ step at a time, with every judged figure of that step. How it decides (docs/verd
   ``sum(y * dL/dy)`` of its output ``y``, ``dL/d(scale of y)``) is below 0 at the step. A fault that
   overshoots has it above 0 (the loss wants it smaller, yet it grows), and is named then; named
   first where it moved ``OVERSHOOT`` times as far as every module before it that is out (under
-  SGD a jump's gradient moves their weights in the same step).
+  SGD a jump's gradient moves their weights in the same step). A growth the loss asked for that
+  stopped rising, the pull about 0 (no stronger than its strongest ask), waits and then settles as
+  its range (``_judge_learning.py``: ``_asked_or_learned``); without a pull measured, judged as before.
 - Absolute rules where the physics gives a bound (:mod:`~lightning_hooks.output._judge_absolute`):
   a NaN or Inf; ``ALL_ZERO`` exact zeros, or more than ``max_zero_fraction`` from the first logged point or
   for ``SPARSE_POINTS`` logged points in a row (dead units; a small batch's sparsity crosses it for one);
@@ -290,7 +292,16 @@ class Judge(LearningJudging, GainJudging, CulpritNaming):
     def _absolute(self, figure: str, values: Mapping[str, float]) -> list[Finding]:
         judged_as = "level" if figure in ("nonfinite", "zero_fraction") else figure
         return [Finding(row, self.layer(judged_as, row), problem, v, judged_as)
-                for row, problem, v in absolute_problems(figure, values, self.bands, self.first_entropy, self.zeros)]
+                for row, problem, v in absolute_problems(figure, values, self.bands, self.first_entropy, self.zeros,
+                                                         self._from_start())]
+
+    def _from_start(self) -> bool:
+        """Whether this judge saw the run from its start: its first logged step within its warm-up in steps.
+
+        A resumed fit's judge starts afresh (LayerHealth keeps no state across fits): its first point is not the
+        module's first.
+        """
+        return self.start is not None and self.start < WARM_STEPS_PER_POINT * self.bands.min_points
 
     def layer(self, figure: str, row: str) -> str:
         """The layer a row of ``figure`` belongs to: a parameter's row is its module's."""

@@ -48,7 +48,8 @@ class ZeroRuns:
 
 
 def absolute_problems(figure: str, values: Mapping[str, float], bands: Bands,
-                      first_entropy: MutableMapping[str, float], zeros: ZeroRuns) -> list[tuple[str, str, float]]:
+                      first_entropy: MutableMapping[str, float], zeros: ZeroRuns,
+                      from_start: bool = False) -> list[tuple[str, str, float]]:
     """The rows of an absolute ``figure`` past their bound, as ``(row, problem, value)``.
 
     Args:
@@ -58,16 +59,19 @@ def absolute_problems(figure: str, values: Mapping[str, float], bands: Bands,
         first_entropy: Each row's first finite positive attention entropy (updated here): entropy
             collapse is judged against it.
         zeros: Each row's points in a row with more than ``max_zero_fraction`` zeros (updated here from a
-            ``zero_fraction`` step's values).
+            ``zero_fraction`` step's values; a row absent at a step keeps its count: a module not called).
+        from_start: Whether the judge saw the run from its start: only then is a row above the bound at
+            every point so far dead from the initialisation (a resumed fit's first point is not its first).
     """
     if figure == "nonfinite":
         return [(row, "nonfinite", v) for row, v in values.items() if v != 0]
     if figure == "zero_fraction":
         zeros.fired.update(row for row, v in values.items() if not v > bands.max_zero_fraction)
-        zeros.runs = {row: zeros.runs.get(row, 0) + 1 for row, v in values.items() if v > bands.max_zero_fraction}
+        over = {row: zeros.runs.get(row, 0) + 1 for row, v in values.items() if v > bands.max_zero_fraction}
+        zeros.runs = {**{row: run for row, run in zeros.runs.items() if row not in values}, **over}
         at_once = max(ALL_ZERO, bands.max_zero_fraction)
-        return [(row, "dead", values[row]) for row, run in zeros.runs.items()
-                if values[row] >= at_once or run >= SPARSE_POINTS or row not in zeros.fired]
+        return [(row, "dead", values[row]) for row, run in over.items()
+                if values[row] >= at_once or run >= SPARSE_POINTS or (from_start and row not in zeros.fired)]
     if figure == "attention_entropy":
         for row, v in values.items():
             if math.isfinite(v) and v > 0:

@@ -53,18 +53,19 @@ class LearningJudging:
         """Whether ``found`` is the prediction layer's growth the loss asks for, or asked for and now settling.
 
         While the pull is below 0 its ``blowup`` is learning (``asked_for``). Once the loss stops asking
-        (its pull about 0, either sign from batch to batch: no stronger than its strongest ask) with the
-        output not clearly rising (its newest value within ``MIN_NOISE`` of the highest it held out), it
-        may have reached the scale the loss wanted: not named while it so waits, and after ``SETTLED``
-        such points its ranges follow it (the sweep's 256-wide MLP under SGD: its output x7 over 16
-        steps, the pull down to -0.14, the loss 0.25 -> 0.05, then flat with pulls of -0.07 to +0.11,
-        named at the first above 0). One clearly rising, or pushed back harder than it was asked, while
-        the loss asks for less overshoots: named (a ramp in it is named 2 steps later than at its first
-        pull above 0).
+        (its pull at or above 0 but no stronger than its strongest ask: about 0, either sign from batch to
+        batch) with the output not clearly rising (its newest value within ``MIN_NOISE`` of the highest it
+        held out), it may have reached the scale the loss wanted: not named while it so waits, and after
+        ``SETTLED`` such points (points where the loss still asks do not count) its ranges follow it (the
+        sweep's 256-wide MLP under SGD: its output x7 over 16 steps, the pull down to -0.14, the loss 0.25
+        -> 0.05, then flat with pulls of -0.07 to +0.11, named at the first above 0). One clearly rising,
+        or pushed back harder than it was asked, while the loss asks for less overshoots: named (a ramp in
+        it is named 2 steps later than at its first pull above 0). Without a pull at the step: as before.
         """
-        if not (found.row == last and found.problem == "blowup" and found.layer not in self.named):
-            return False
-        pull = self.pulls.get(found.row, 0.0)
+        if not (found.row == last and found.problem == "blowup" and found.layer not in self.named
+                and found.row in self.pulls):
+            return False  # not the prediction layer, named already, or its pull not measured: judged as before
+        pull = self.pulls[found.row]
         asked = asked_for(found, last, self.pulls, self.named)
         if not asked and (found.row not in self.asked or pull > self.asked[found.row][0]):
             return False  # never asked for, or pushed back harder than it was asked: an overshoot
@@ -72,8 +73,9 @@ class LearningJudging:
         track = self._track(found.row)
         held = list(track.held) if track is not None else []
         rising = len(held) < 2 or held[-1] > max(held[:-1]) + MIN_NOISE["level"]
-        self.asked[found.row] = (max(ask, -pull), 0 if rising else waited + 1)
-        if not rising and waited + 1 >= SETTLED:
+        waited = 0 if rising else waited if asked else waited + 1  # the points since the loss stopped asking
+        self.asked[found.row] = (max(ask, -pull), waited)
+        if not rising and not asked and waited >= SETTLED:
             for figure in ("level", "gain"):
                 if (own := self.tracks.get(figure, {}).get(found.row)) is not None:
                     follow(own, self.bands.window)

@@ -241,7 +241,8 @@ def lean_slowed(track: Track, floor: float) -> bool:
     a fast ramp, and stays out. False with fewer held values, or more than the track keeps (their points unknown).
     """
     held = list(track.held)
-    if len(held) < 2 * SLOW_POINTS or len(held) == track.held.maxlen or not track.logs:
+    if (len(held) < 2 * SLOW_POINTS or len(held) == track.held.maxlen or not track.logs
+            or len(track.held_at) != len(held)):  # steps unknown (a track held without them)
         return False
     devs = held_deviations(track)
     sign = math.copysign(1.0, track.deviation or devs[-1])  # the finding's way, where its newest is at the edge
