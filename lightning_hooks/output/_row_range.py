@@ -41,7 +41,7 @@ LOWER_TAIL = 3.0
 #: A lean has slowed to a creep where its deviation's median over its last this many held points moved less than
 #: ``CREEP_PER_STEP`` a step from the median of the as many before (a healthy layer learning fast, then slower).
 SLOW_POINTS = 8
-#: A lean's pace (``creeping``) is the median deviation of its newest this many points: one batch's step is not it.
+#: A lean's pace (``slow_paced``) is the median deviation of its newest this many points: one batch's step is not it.
 PACE_POINTS = 3
 
 
