@@ -101,6 +101,26 @@ def test_a_growth_still_asked_for_is_not_settled_and_an_overshoot_after_it_is_na
     assert grown_head(Judge(Bands(), order=["a", "b", "head"]), lambda k: None)
 
 
+@pytest.mark.parametrize("rate, flat, flat_pull", [(1.045, 3, -0.01), (1.03, 8, -0.01), (1.1, 6, 0.02),
+                                                   (1.045, 6, 0.02)])
+def test_a_ramp_after_a_settled_growth_is_named_however_slow_its_steps(rate, flat, flat_pull):
+    """``head`` grown x3 as the loss asked, flat for ``flat`` points, then ramping ``rate`` a point with the loss
+    asking for less (pull +0.1, under its ask): named within 15 points. Read point by point (each under 5% above
+    the one before) a slow ramp looked settled; and a range settled with the growth as its trend took the ramp
+    for more of it: its range settles at the level reached, the rise counted from the wait's start."""
+    judge = Judge(Bands(), order=["a", "b", "head"])
+    for step in range(60):
+        judge.step({"level": {"a": 1.0, "b": 1.0, "head": 1.0}}, step)
+    named = []
+    for step in range(60, 130):
+        k = step - 60
+        head, pull = ((3.0 ** (k / 10), -0.2) if k <= 10 else (3.0, flat_pull) if k <= 10 + flat
+                      else (3.0 * rate ** (k - 10 - flat), 0.1))
+        named += [step for f in judge.step({"level": {"a": 1.0, "b": 1.0, "head": head}, "pull": {"head": pull}},
+                                           step).named if f.row == "head"]
+    assert named and named[0] <= 70 + flat + 15, named
+
+
 def test_a_module_before_the_last_is_named_whatever_its_pull():
     judge = Judge(Bands(), order=["a", "b", "head"])
     for step in range(60):

@@ -13,7 +13,7 @@ from collections.abc import Callable, Collection, Mapping
 from lightning_hooks.output._findings import RELATIVE, Finding
 from lightning_hooks.output._health_bands import Bands
 from lightning_hooks.output._judge_pull import asked_for
-from lightning_hooks.output._row_range import MIN_NOISE, Track, follow, lean_slowed, least_change
+from lightning_hooks.output._row_range import MIN_NOISE, Track, follow, lean_slowed, least_change, settle_at
 
 #: The figures of a module's outputs, judged against its same-kind peers before it too (``_peers.py``).
 PEER_FIGURES = ("level", "gain")
@@ -56,7 +56,8 @@ class LearningJudging:
         (its pull at or above 0 but no stronger than its strongest ask: about 0, either sign from batch to
         batch) with the output not clearly rising (its newest value within ``MIN_NOISE`` of the highest it
         held out), it may have reached the scale the loss wanted: not named while it so waits, and after
-        ``SETTLED`` such points (points where the loss still asks do not count) its ranges follow it (the
+        ``SETTLED`` such points (points where the loss still asks do not count) its ranges settle at the level it
+        reached, without the growth as a trend (the
         sweep's 256-wide MLP under SGD: its output x7 over 16 steps, the pull down to -0.14, the loss 0.25
         -> 0.05, then flat with pulls of -0.07 to +0.11, named at the first above 0). One clearly rising,
         or pushed back harder than it was asked, while the loss asks for less overshoots: named (a ramp in
@@ -72,13 +73,14 @@ class LearningJudging:
         ask, waited = self.asked.get(found.row, (0.0, 0))
         track = self._track(found.row)
         held = list(track.held) if track is not None else []
-        rising = len(held) < 2 or held[-1] > max(held[:-1]) + MIN_NOISE["level"]
+        before = held[:max(1, len(held) - 1 - waited)]  # up to the wait's start: a slow ramp adds up against it
+        rising = len(held) < 2 or held[-1] > max(before) + MIN_NOISE["level"]
         waited = 0 if rising else waited if asked else waited + 1  # the points since the loss stopped asking
         self.asked[found.row] = (max(ask, -pull), waited)
         if not rising and not asked and waited >= SETTLED:
-            for figure in ("level", "gain"):
+            for figure in ("level", "gain"):  # at the level it reached, not with the growth as its trend
                 if (own := self.tracks.get(figure, {}).get(found.row)) is not None:
-                    follow(own, self.bands.window)
+                    settle_at(own, waited, self.bands.window)
         return asked or not rising
 
     def _slowed(self, found: Finding) -> bool:

@@ -112,6 +112,22 @@ def least_change(figure: str, bands: Bands) -> float:
     return math.log(getattr(bands, f"{FACTOR[figure]}_factor")) * (GAIN_POWER if figure == "gain" else 1.0)
 
 
+def settle_at(track: Track, points: int, window: int) -> None:
+    """Let a row settle at the level of its newest ``points`` held values, without the move that took it there.
+
+    Its history is shifted to that level and the points join it: the range is the new level with the row's old
+    spread, and no trend (the move, let in as :func:`follow` does, would carry on as the row's own slope and take
+    a later ramp for more of it).
+    """
+    flat = [x for x in list(track.held)[-points:] if math.isfinite(x)]
+    if not flat or not track.logs:
+        return
+    shift = statistics.median(flat) - statistics.median(track.logs)
+    track.logs = deque([x + shift for x in track.logs] + flat, maxlen=window)
+    track.learned = 0
+    _settle(track, window)
+
+
 def follow(track: Track, window: int) -> None:
     """Let the values a row held back join its history, as its own learning: its range follows them."""
     track.logs.extend(track.held)
