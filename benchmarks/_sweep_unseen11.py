@@ -13,30 +13,19 @@ groups at small batches, at seed 0:
 
 from __future__ import annotations
 
-from typing import Callable
+from functools import partial
 
 from torch import nn
 
 from benchmarks import _sweep_unseen9  # noqa: F401  (adds the unseen9 recipes)
 from benchmarks._sweep_models4 import _targets
 from benchmarks._sweep_variant import Variant
-from benchmarks._zoo_models import RECIPES, Recipe, regression_batches
+from benchmarks._zoo_models import RECIPES, Recipe, mlp, regression_batches
 
-
-def _mlp(activation: Callable[[], nn.Module], dropout: float = 0.0) -> Callable[[], nn.Module]:
-    """Six Linear layers 16 -> 64 ... -> 1, ``activation`` (then dropout, if any) between."""
-    def build() -> nn.Module:
-        sizes, layers = [16, 64, 64, 64, 64, 64, 1], []
-        for i in range(6):
-            layers.append(nn.Linear(sizes[i], sizes[i + 1]))
-            if i < 5:
-                layers += [activation(), *([nn.Dropout(dropout)] if dropout else [])]
-        return nn.Sequential(*layers)
-    return build
-
-
-for _name, _build, _third in (("mlp-gelu", _mlp(nn.GELU), "4"), ("mlp-silu", _mlp(nn.SiLU), "4"),
-                              ("mlp-tanh", _mlp(nn.Tanh), "4"), ("mlp-drop", _mlp(nn.ReLU, 0.1), "6")):
+for _name, _build, _third in (("mlp-gelu", partial(mlp, activation=nn.GELU), "4"),
+                              ("mlp-silu", partial(mlp, activation=nn.SiLU), "4"),
+                              ("mlp-tanh", partial(mlp, activation=nn.Tanh), "4"),
+                              ("mlp-drop", partial(mlp, dropout=0.1), "6")):
     RECIPES[_name] = Recipe(_name, _build, regression_batches, "mse", "adam", 1e-3, 32, _targets(_third))
 
 ALL = ("healthy", "ramp", "jump", "dead", "vanish", "lr100", "nan", "data")

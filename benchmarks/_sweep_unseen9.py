@@ -20,6 +20,7 @@ Groups, each fault beside its healthy twin, at seed 0:
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any
 
 from torch import nn
@@ -34,19 +35,12 @@ from benchmarks._zoo_models import (
     SWEEP_LMS,
     VOCAB,
     Recipe,
+    gpt2,
     image_batches,
     lm_batches,
     mlp,
     regression_batches,
 )
-
-
-def _gpt2(width: int, layers: int, heads: int) -> Any:
-    def build(t: Any) -> nn.Module:
-        return t.GPT2LMHeadModel(t.GPT2Config(
-            vocab_size=VOCAB, n_positions=SEQ, n_embd=width, n_layer=layers, n_head=heads,
-            activation_function="gelu", resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))
-    return build
 
 
 def _llama(t: Any) -> nn.Module:
@@ -60,7 +54,8 @@ def _gpt2_targets(block: int) -> dict[str, str]:
     return {**_targets(f"{h}.mlp.c_proj", f"{h}.mlp.c_fc"), "attn": f"{h}.attn.c_attn"}
 
 
-SWEEP_LMS.update({"gpt2-w192": _gpt2(192, 6, 6), "gpt2-12": _gpt2(64, 12, 4), "llama-w128": _llama})
+SWEEP_LMS.update({"gpt2-w192": partial(gpt2, width=192, layers=6, heads=6), "gpt2-12": partial(gpt2, layers=12),
+                  "llama-w128": _llama})
 _LLAMA = "net.model.layers.4"
 RECIPES.update({
     "gpt2-w192": Recipe("gpt2-w192", lambda: LM("gpt2-w192"), lm_batches, "lm", "adamw", 1e-3, 8, _gpt2_targets(3)),

@@ -57,6 +57,13 @@ def regression_batches(seed: int, batch: int) -> Callable[[int], tuple[Tensor, T
     return draw
 
 
+def gpt2(transformers: Any, width: int = WIDTH, layers: int = DEPTH, heads: int = 4) -> nn.Module:
+    """The zoo's GPT-2 (no dropout), ``width`` wide and ``layers`` blocks deep."""
+    return transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        vocab_size=VOCAB, n_positions=SEQ, n_embd=width, n_layer=layers, n_head=heads, activation_function="gelu",
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))
+
+
 class LM(nn.Module):
     """A causal LM from ``transformers`` that returns its logits."""
 
@@ -67,10 +74,7 @@ class LM(nn.Module):
         if kind in SWEEP_LMS:
             self.net = SWEEP_LMS[kind](transformers)
         elif kind == "gpt2":
-            config = transformers.GPT2Config(vocab_size=VOCAB, n_positions=SEQ, n_embd=WIDTH, n_layer=DEPTH,
-                                             n_head=4, activation_function="gelu", resid_pdrop=0.0,
-                                             embd_pdrop=0.0, attn_pdrop=0.0)
-            self.net = transformers.GPT2LMHeadModel(config)
+            self.net = gpt2(transformers)
         else:
             config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=WIDTH, intermediate_size=4 * WIDTH,
                                               num_hidden_layers=DEPTH, num_attention_heads=4, num_key_value_heads=4,
@@ -127,14 +131,14 @@ class CNN(nn.Module):
         return self.head(self.pool(self.blocks(self.stem(x))).flatten(1))
 
 
-def mlp(width: int = 64) -> nn.Module:
-    """Six Linear layers with ReLUs between, 16 -> 1 (``width`` wide between)."""
+def mlp(width: int = 64, activation: Callable[[], nn.Module] = nn.ReLU, dropout: float = 0.0) -> nn.Module:
+    """Six Linear layers with ``activation`` between (then dropout, if any), 16 -> 1 (``width`` wide between)."""
     sizes = [16, *[width] * 5, 1]
     layers: list[nn.Module] = []
     for i in range(6):
         layers.append(nn.Linear(sizes[i], sizes[i + 1]))
         if i < 5:
-            layers.append(nn.ReLU())
+            layers += [activation(), *([nn.Dropout(dropout)] if dropout else [])]
     return nn.Sequential(*layers)
 
 
