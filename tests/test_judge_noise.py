@@ -80,15 +80,20 @@ def few_values_std(rng: random.Random, n: int = 4) -> float:
     return 0.5 * math.log(sum((v - mean) ** 2 for v in values) / (n - 1))
 
 
+def recorded_names(name: str) -> dict[int, list[str]]:
+    """The layers a fresh judge names at each step of a recorded case in ``tests/data`` (from a recording)."""
+    data = json.loads(gzip.open(DATA / name, "rt").read())
+    judge = Judge(Bands(), data["order"])
+    return {int(step): [f.layer for f in judge.step(figures, int(step)).named]
+            for step, figures in sorted(data["steps"].items(), key=lambda item: int(item[0]))}
+
+
 def test_a_recorded_small_batch_regression_is_not_named_for_its_prediction_layers_long_lower_tail():
     """The sweep's healthy MLP regression at batch 4 (``unseen5c``): each logged step's output std of every module
     as LayerHealth got them (``benchmarks/judge_replay.py record``, levels only, 6 digits). Its one-output prediction
     layer's std is of 4 values: its gain's history spans 7 noises, and at step 165 it fell 0.76 (log) below its
     lowest, named ``collapse`` until a fall was judged by how far down the row's own history went."""
-    data = json.loads(gzip.open(DATA / "mlp_b4_healthy.json.gz", "rt").read())
-    judge = Judge(Bands(), data["order"])
-    named = {int(step): [f.layer for f in judge.step(figures, int(step)).named]
-             for step, figures in sorted(data["steps"].items(), key=lambda item: int(item[0]))}
+    named = recorded_names("mlp_b4_healthy.json.gz")
     assert not any(named[step] for step in named if step >= 20), named
 
 
@@ -97,10 +102,7 @@ def test_a_recorded_wide_small_batch_regression_is_not_named_for_one_batch_on_a_
     Its second Linear's gain leans up about 0.25% a step from step 45 (learning, settled as its level by step 91);
     at step 77 one batch lifts every module's std x1.2-1.4 and that gain 0.17 (log) out of its range, past the
     gain's least change: named ``blowup`` while a lean's pace was read from its newest point alone."""
-    data = json.loads(gzip.open(DATA / "mlp_wide_b4_healthy.json.gz", "rt").read())
-    judge = Judge(Bands(), data["order"])
-    named = {int(step): [f.layer for f in judge.step(figures, int(step)).named]
-             for step, figures in sorted(data["steps"].items(), key=lambda item: int(item[0]))}
+    named = recorded_names("mlp_wide_b4_healthy.json.gz")
     assert not any(named[step] for step in named if step >= 20), named
 
 

@@ -44,12 +44,17 @@ def test_no_pull_where_the_output_is_not_linear_in_the_modules_own_parameters_sh
     assert own_parameters(root, "block.1") is not None
 
 
-def test_the_prediction_layers_blowup_waits_while_the_loss_asks_for_it_and_is_named_once_it_does_not():
+def steady_judge() -> Judge:
+    """A judge of ``a``, ``b``, ``head`` after 60 points of every row steady at 1."""
     judge = Judge(Bands(), order=["a", "b", "head"])
-    levels = {"a": 1.0, "b": 1.0, "head": 1.0}
-    for step in range(60):  # history: every row steady
-        judge.step({"level": levels}, step)
-    growing = {**levels, "head": 3.0}
+    for step in range(60):
+        judge.step({"level": {"a": 1.0, "b": 1.0, "head": 1.0}}, step)
+    return judge
+
+
+def test_the_prediction_layers_blowup_waits_while_the_loss_asks_for_it_and_is_named_once_it_does_not():
+    judge = steady_judge()
+    growing = {"a": 1.0, "b": 1.0, "head": 3.0}
     assert not judge.step({"level": growing, "pull": {"head": -0.2}}, 60).named  # the loss asks for it: learning
     (found,) = judge.step({"level": growing, "pull": {"head": 0.4}}, 61).named  # overshot: the loss wants it smaller
     assert (found.row, found.problem) == ("head", "blowup")
@@ -60,45 +65,37 @@ def test_the_prediction_layers_blowup_waits_while_the_loss_asks_for_it_and_is_na
                                                ((0.1, 0.05), 1.1, True)])
 def test_a_prediction_layers_growth_the_loss_asked_for_settles_and_an_overshoot_does_not(after, rate, named):
     """``head`` grows x3 over 10 points while the loss asks for it (pull -0.2), then: flat with the pull about 0
-    (either sign, weaker than the ask): reached the scale the loss wanted, never named, its range following it
-    after 4 such points; pushed back harder than it was asked (+0.4): an overshoot, named; still rising 10% a
+    (either sign, weaker than the ask): reached the scale the loss wanted, never named, its range settling at
+    it after 4 such points; pushed back harder than it was asked (+0.4): an overshoot, named; still rising 10% a
     point with the loss asking for less: named."""
-    judge = Judge(Bands(), order=["a", "b", "head"])
-    for step in range(60):
-        judge.step({"level": {"a": 1.0, "b": 1.0, "head": 1.0}}, step)
-    found = []
-    for step in range(60, 90):
-        k = step - 60
-        head = 3.0 ** (min(k, 10) / 10) * rate ** max(0, k - 10)
-        pull = -0.2 if k <= 10 else after[k % 2]
-        found += judge.step({"level": {"a": 1.0, "b": 1.0, "head": head}, "pull": {"head": pull}}, step).named
-    assert bool(found) == named and all(f.row == "head" for f in found), found
+    judge, found = grown_head(lambda k: (3.0 * rate ** (k - 10), after[k % 2]))
+    assert bool(found) == named and all(row == "head" for _, row in found), found
     if not named:
         assert not judge.asked and judge.step({"level": {"a": 1.0, "b": 1.0, "head": 3.0}}, 90).named == []
 
 
-def grown_head(judge: Judge, pulls) -> list:
-    """``head`` grown x3 over 10 points while the loss asks (pull -0.2), then flat; ``pulls(k)`` from point 11 on
-    (None: no pull measured). The findings named from then on."""
-    for step in range(60):
-        judge.step({"level": {"a": 1.0, "b": 1.0, "head": 1.0}}, step)
-    found = []
-    for step in range(60, 90):
+def grown_head(later, points: int = 30) -> tuple[Judge, list[tuple[int, str]]]:
+    """A judge of ``a``, ``b``, ``head`` steady for 60 points, then ``head`` grown x3 over 10 points while the loss
+    asks (pull -0.2); from point 11 on, ``later(k)`` gives its level and pull (None: no pull measured). The judge
+    and the (step, row) it names from point 60 on, over ``points`` points."""
+    judge = steady_judge()
+    named = []
+    for step in range(60, 60 + points):
         k = step - 60
-        pull = -0.2 if k <= 10 else pulls(k)
-        figures = {"level": {"a": 1.0, "b": 1.0, "head": 3.0 ** (min(k, 10) / 10)}}
+        head, pull = (3.0 ** (k / 10), -0.2) if k <= 10 else later(k)
+        figures = {"level": {"a": 1.0, "b": 1.0, "head": head}}
         if pull is not None:
             figures["pull"] = {"head": pull}
-        found += [f.row for f in judge.step(figures, step).named]
-    return found
+        named += [(step, f.row) for f in judge.step(figures, step).named]
+    return judge, named
 
 
 def test_a_growth_still_asked_for_is_not_settled_and_an_overshoot_after_it_is_named():
     """Flat while the loss still asks (pull -0.2 to point 20): those points do not count as settled, so the push
     back at +0.4 after it (twice the ask) is an overshoot, named; without a pull measured it is judged as before
     (out of its range: named)."""
-    assert grown_head(Judge(Bands(), order=["a", "b", "head"]), lambda k: -0.2 if k <= 20 else 0.4)
-    assert grown_head(Judge(Bands(), order=["a", "b", "head"]), lambda k: None)
+    assert grown_head(lambda k: (3.0, -0.2 if k <= 20 else 0.4))[1]
+    assert grown_head(lambda k: (3.0, None))[1]
 
 
 @pytest.mark.parametrize("rate, flat, flat_pull", [(1.045, 3, -0.01), (1.03, 8, -0.01), (1.1, 6, 0.02),
@@ -108,32 +105,20 @@ def test_a_ramp_after_a_settled_growth_is_named_however_slow_its_steps(rate, fla
     asking for less (pull +0.1, under its ask): named within 15 points. Read point by point (each under 5% above
     the one before) a slow ramp looked settled; and a range settled with the growth as its trend took the ramp
     for more of it: its range settles at the level reached, the rise counted from the wait's start."""
-    judge = Judge(Bands(), order=["a", "b", "head"])
-    for step in range(60):
-        judge.step({"level": {"a": 1.0, "b": 1.0, "head": 1.0}}, step)
-    named = []
-    for step in range(60, 130):
-        k = step - 60
-        head, pull = ((3.0 ** (k / 10), -0.2) if k <= 10 else (3.0, flat_pull) if k <= 10 + flat
-                      else (3.0 * rate ** (k - 10 - flat), 0.1))
-        named += [step for f in judge.step({"level": {"a": 1.0, "b": 1.0, "head": head}, "pull": {"head": pull}},
-                                           step).named if f.row == "head"]
+    _, found = grown_head(lambda k: (3.0, flat_pull) if k <= 10 + flat else (3.0 * rate ** (k - 10 - flat), 0.1), 70)
+    named = [step for step, row in found if row == "head"]
     assert named and named[0] <= 70 + flat + 15, named
 
 
 def test_a_module_before_the_last_is_named_whatever_its_pull():
-    judge = Judge(Bands(), order=["a", "b", "head"])
-    for step in range(60):
-        judge.step({"level": {"a": 1.0, "b": 1.0, "head": 1.0}}, step)
+    judge = steady_judge()
     (found,) = judge.step({"level": {"a": 1.0, "b": 3.0, "head": 3.0}, "pull": {"b": -1.0, "head": -1.0}}, 60).named
     assert (found.row, found.problem) == ("b", "blowup")
 
 
 @pytest.mark.parametrize("head, pull, named", [(30.0, 5.0, "head"), (30.0, -5.0, "b"), (2.0, 5.0, "b")])
 def test_a_prediction_layer_that_overshot_far_past_the_modules_before_it_is_named_before_them(head, pull, named):
-    judge = Judge(Bands(), order=["a", "b", "head"])
-    for step in range(60):
-        judge.step({"level": {"a": 1.0, "b": 1.0, "head": 1.0}}, step)
+    judge = steady_judge()
     # Under SGD a jump x20 in the last layer moves the weights before it in the same step: they are out too, less far.
     found = judge.step({"level": {"a": 1.0, "b": 1.6, "head": head}, "pull": {"head": pull}}, 60).named
     assert {f.row for f in found} == {named}
