@@ -12,7 +12,7 @@ from collections.abc import Callable, Collection, Mapping
 
 from lightning_hooks.output._findings import RELATIVE, Finding
 from lightning_hooks.output._health_bands import Bands
-from lightning_hooks.output._judge_pull import asked_for
+from lightning_hooks.output._judge_pull import prediction_blowup
 from lightning_hooks.output._row_range import MIN_NOISE, Track, follow, lean_slowed, least_change, settle_at
 
 #: The figures of a module's outputs, judged against its same-kind peers before it too (``_peers.py``).
@@ -44,15 +44,19 @@ class LearningJudging:
 
         Later a move the loss asks for stays held: named once the loss no longer asks for it.
         """
-        for track in (self.tracks.get(figure, {}).get(found.row) for figure in ("level", "gain")):
-            if learned and track is not None and (not self.warm or len(track.logs) < self.bands.min_points):
+        for track in self._output_tracks(found.row):
+            if learned and (not self.warm or len(track.logs) < self.bands.min_points):
                 follow(track, self.bands.window)
         return learned
+
+    def _output_tracks(self, row: str) -> list[Track]:
+        """A module's outputs' tracks: its std's and its gain's, those it has."""
+        return [track for figure in ("level", "gain") if (track := self.tracks.get(figure, {}).get(row)) is not None]
 
     def _asked_or_learned(self, found: Finding, last: str | None) -> bool:
         """Whether ``found`` is the prediction layer's growth the loss asks for, or asked for and now settling.
 
-        While the pull is below 0 its ``blowup`` is learning (``asked_for``). Once the loss stops asking
+        While the pull is below 0 its ``blowup`` is learning (the loss asks for it). Once the loss stops asking
         (its pull at or above 0 but no stronger than its strongest ask: about 0, either sign from batch to
         batch) with the output not clearly rising (its newest value within ``MIN_NOISE`` of the highest it
         held out), it may have reached the scale the loss wanted: not named while it so waits, and after
@@ -63,11 +67,10 @@ class LearningJudging:
         or pushed back harder than it was asked, while the loss asks for less overshoots: named (a ramp in
         it is named 2 steps later than at its first pull above 0). Without a pull at the step: as before.
         """
-        if not (found.row == last and found.problem == "blowup" and found.layer not in self.named
-                and found.row in self.pulls):
+        if not prediction_blowup(found, last, self.named) or found.row not in self.pulls:
             return False  # not the prediction layer, named already, or its pull not measured: judged as before
         pull = self.pulls[found.row]
-        asked = asked_for(found, last, self.pulls, self.named)
+        asked = pull < 0
         if not asked and (found.row not in self.asked or pull > self.asked[found.row][0]):
             return False  # never asked for, or pushed back harder than it was asked: an overshoot
         ask, waited = self.asked.get(found.row, (0.0, 0))
@@ -78,9 +81,8 @@ class LearningJudging:
         waited = 0 if rising else waited if asked else waited + 1  # the points since the loss stopped asking
         self.asked[found.row] = (max(ask, -pull), waited)
         if not rising and not asked and waited >= SETTLED:
-            for figure in ("level", "gain"):  # at the level it reached, not with the growth as its trend
-                if (own := self.tracks.get(figure, {}).get(found.row)) is not None:
-                    settle_at(own, waited, self.bands.window)
+            for track in self._output_tracks(found.row):  # at the level it reached, not with the growth as a trend
+                settle_at(track, waited, self.bands.window)
         return asked or not rising
 
     def _slowed(self, found: Finding) -> bool:

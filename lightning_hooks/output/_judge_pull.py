@@ -19,17 +19,17 @@ PULL = "pull"
 OVERSHOOT = 2.0
 
 
-def asked_for(found: Finding, last: str | None, pulls: Mapping[str, float], named: Collection[str]) -> bool:
-    """Whether ``found`` is the prediction layer's ``blowup`` while the loss asks for a larger output (learning).
+def prediction_blowup(found: Finding, last: str | None, named: Collection[str]) -> bool:
+    """Whether ``found`` is the prediction layer's ``blowup``, not named yet: the finding its pull may excuse.
+
+    Below 0 the loss asks for a larger output: learning (``_judge_learning.py``: ``_asked_or_learned``).
 
     Args:
         found: A finding of a module's outputs.
         last: The last module in forward order: its output feeds the loss.
-        pulls: The step's pull by module.
         named: The layers named and still out: a layer named already stays named while it is out.
     """
-    return (found.problem == "blowup" and found.row == last and found.row not in named
-            and pulls.get(found.row, 0.0) < 0)
+    return found.problem == "blowup" and found.row == last and found.row not in named
 
 
 def overshot(outputs: Sequence[Finding], last: str | None, pulls: Mapping[str, float]) -> str | None:
