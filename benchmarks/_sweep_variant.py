@@ -34,6 +34,8 @@ class Variant:
     batch: int = 0  # the batch size; 0: the recipe's own
     weight_decay: float = -1.0  # SGD's weight decay; below 0: the recipe's own (5e-4)
     seed: Optional[int] = None  # the variant's own seed; None: the sweep's ``--seed``
+    frozen: str = ""  # a module that does not train; "": none
+    thaw: float = 0.0  # when ``frozen`` starts to train, as a fraction of the run; 0: never
 
     @property
     def name(self) -> str:
@@ -42,13 +44,14 @@ class Variant:
                  self.precision,
                  self.clip and f"clip{self.clip:g}", self.accumulate > 1 and f"acc{self.accumulate}",
                  self.batch and f"b{self.batch}", self.weight_decay >= 0 and f"wd{self.weight_decay:g}",
-                 self.seed is not None and f"s{self.seed}"]
+                 self.seed is not None and f"s{self.seed}", self.frozen and f"frozen={self.frozen}",
+                 self.thaw and f"thaw{self.thaw:g}"]
         return "+".join(p for p in parts if p)
 
     def recipe_key(self) -> tuple[Any, ...]:
         """What a healthy twin shares: recipe, run length, log interval and seed."""
         return (self.model, self.optimizer, self.lr, self.precision, self.clip, self.accumulate, self.steps,
-                self.every, self.seed, self.batch, self.weight_decay)
+                self.every, self.seed, self.batch, self.weight_decay, self.frozen, self.thaw)
 
 
 def _fault_targets(v: Variant) -> dict[str, str]:
@@ -62,5 +65,6 @@ def register(v: Variant) -> str:
     RECIPES[v.name] = replace(base, name=v.name, targets=_fault_targets(v), optimizer=v.optimizer or base.optimizer,
                               lr=v.lr or base.lr, precision=v.precision or base.precision, clip=v.clip or base.clip,
                               accumulate=v.accumulate, batch=v.batch or base.batch,
-                              weight_decay=base.weight_decay if v.weight_decay < 0 else v.weight_decay)
+                              weight_decay=base.weight_decay if v.weight_decay < 0 else v.weight_decay,
+                              frozen=v.frozen or base.frozen, thaw=v.thaw or base.thaw)
     return v.name

@@ -159,6 +159,8 @@ class Recipe:
     clip: float = 0.0  # the gradients' norm clipped to this (Lightning's ``gradient_clip_val``); 0: not clipped
     accumulate: int = 1  # micro-batches a step (Lightning's ``accumulate_grad_batches``), each drawn apart
     weight_decay: float = 5e-4  # SGD's (the other optimizers keep their own)
+    frozen: str = ""  # a module of the model whose parameters do not train (``requires_grad`` off); "": none
+    thaw: float = 0.0  # when ``frozen`` starts to train, as a fraction of the run; 0: never
 
 
 def _lm_targets(block: str, mlp_in: str, mlp_out: str, query: str) -> dict[str, str]:
@@ -181,11 +183,17 @@ RECIPES = {
 RECIPES["gpt2-bf16"] = Recipe(**{**vars(RECIPES["gpt2"]), "name": "gpt2-bf16", "precision": "bf16-mixed"})
 
 
+RESTARTS = 4  # ``-restarts`` schedules: this many cosine periods in a run
+
+
 def schedule(recipe: Recipe, steps: int) -> Callable[[int], float]:
     """The LR multiplier: warm-up (10%) and cosine for the transformers, step decay for the CNN, flat else.
 
     The fault sweep's ``unseen7`` adds AdamW with a warm-up over 40% of the run (``adamw-warm40``), with
     linear decay to 0 (``adamw-linear``) and with a one-cycle LR (``adamw-onecycle``).
+    The sweep's ``unseen15`` adds cosine with warm restarts (SGDR, Loshchilov and Hutter 2017,
+    ``torch.optim.lr_scheduler.CosineAnnealingWarmRestarts``) after a 10% warm-up, restarting every
+    ``RESTARTS``-th of the run (``adamw-restarts``, ``sgd-restarts``).
     A recipe with a ``cycle`` has a triangular cyclic LR (Smith 2017, ``torch.optim.lr_scheduler.CyclicLR``):
     from a tenth of its LR up to its LR in half a cycle, and back.
     """
@@ -201,6 +209,10 @@ def schedule(recipe: Recipe, steps: int) -> Callable[[int], float]:
         up = max(1, int(0.3 * steps))
         return lambda s: (1 / 25 + (1 - 1 / 25) * (1 - math.cos(math.pi * s / up)) / 2 if s < up else
                           1e-5 + (1 - 1e-5) * (1 + math.cos(math.pi * (s - up) / max(1, steps - up))) / 2)
+    if recipe.optimizer.endswith("-restarts"):  # the LR back at its peak at each restart
+        warm, period = max(1, steps // 10), max(1, steps // RESTARTS)
+        return lambda s: (s + 1) / warm if s < warm else 0.01 + 0.495 * (1 + math.cos(math.pi * ((s - warm) % period)
+                                                                                     / period))
     if recipe.optimizer.startswith("sgd"):
         return lambda s: 0.1 ** (s // max(1, steps // 3))
     return lambda s: 1.0

@@ -54,7 +54,10 @@ FAULTS = ("ramp", "jump", "dead", "vanish", "lr100", "attn", "nan", "data", "gra
 OTHER_OPTIMIZERS = {"rmsprop": lambda groups, lr: torch.optim.RMSprop(groups, lr=lr),
                     "adagrad": lambda groups, lr: torch.optim.Adagrad(groups, lr=lr),
                     "plain-sgd": lambda groups, lr: torch.optim.SGD(groups, lr=lr),
-                    "adafactor": lambda groups, lr: torch.optim.Adafactor(groups, lr=lr)}
+                    "adafactor": lambda groups, lr: torch.optim.Adafactor(groups, lr=lr),
+                    "radam": lambda groups, lr: torch.optim.RAdam(groups, lr=lr),  # the sweep's unseen15
+                    "nadam": lambda groups, lr: torch.optim.NAdam(groups, lr=lr),
+                    "adamax": lambda groups, lr: torch.optim.Adamax(groups, lr=lr)}
 HEALTHY = ("healthy", "swing")  # runs without a fault: every verdict line after the first 10% is a false alarm
 GROWTH, JUMP, SHRINK, LR_FACTOR, DATA_SCALE, SWING, GRAD_CUT = 1.04, 20.0, 1e-3, 100.0, 30.0, 1.3, 1e-6
 
@@ -79,6 +82,9 @@ class Lit(pl.LightningModule):
             self.get_submodule(self.culprit).register_forward_hook(self._cut)
         if fault == "data" and recipe.loss == "lm":  # the batch's embedded tokens out of range, x30
             self.model.net.get_input_embeddings().register_forward_hook(self._bad_batch)
+        self.thaw = int(recipe.thaw * steps) if recipe.frozen and recipe.thaw else -1
+        if recipe.frozen:  # the sweep's unseen15: a module that does not train (until ``thaw``)
+            self.model.get_submodule(recipe.frozen).requires_grad_(False)
 
     def _step(self) -> int:
         return self.trainer.global_step
@@ -125,7 +131,7 @@ class Lit(pl.LightningModule):
         name, lr = self.recipe.optimizer, self.recipe.lr
         if name.startswith("adamw"):  # "adamw-flat": a constant LR (``schedule``)
             return torch.optim.AdamW(groups, lr=lr, weight_decay=0.1, betas=(0.9, 0.95))
-        if name.startswith("sgd"):
+        if name.startswith("sgd"):  # "sgd-restarts": SGDR (``schedule``)
             return torch.optim.SGD(groups, lr=lr, momentum=0.9, weight_decay=self.recipe.weight_decay,
                                    nesterov=name == "sgd-nesterov")
         if name in OTHER_OPTIMIZERS:  # the sweep's unseen4: a constant LR
@@ -134,6 +140,8 @@ class Lit(pl.LightningModule):
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         step = self._step()
+        if step == self.thaw:
+            self.model.get_submodule(self.recipe.frozen).requires_grad_(True)
         for i, group in enumerate(self.optimizers().optimizer.param_groups):
             boost = LR_FACTOR if self.fault == "lr100" and i == 1 and step >= self.onset else 1.0
             group["lr"] = self.recipe.lr * self.mult(step) * boost

@@ -574,3 +574,41 @@ def test_one_layers_gradient_out_with_its_update_ratio_is_named_at_once():
         named = spike_run({100: 20.0}, seed, with_ratio=True)
         assert {(i, problem) for i, layer, problem in named if layer == "net.2" and i == named[0][0]} == {
             (100, "exploding"), (100, "too_fast")}, seed
+
+
+def coarse_levels(rate: float, onset: int, seed: int):
+    """Logged every 20 steps: four modules learning along a curve (each point 15% of the way closer to their level,
+    from 0.3x) with 3% noise; from ``onset`` ``mlp`` and ``out`` times ``rate`` a point."""
+    rng = random.Random(seed)
+
+    def levels(i: int) -> dict[str, dict[str, float]]:
+        learned = 1 - 0.7 * 0.85 ** i
+        return {"level": {row: (1 + d) * learned * math.exp(rng.gauss(0, 0.03))
+                          * (rate ** (i - onset + 1) if row in ("mlp", "out") and i >= onset else 1.0)
+                          for d, row in enumerate(CHAIN)}}
+    return levels
+
+
+def test_logged_every_20_steps_a_ramp_from_the_tenth_point_is_named_within_two_points():
+    """A ramp x2.2 a point (4% a step) from point 10 (step 200): the rows' ranges judge from their 8th value once
+    they span 120 steps, not from their 24th (step 460), by which the ramp would be their own history."""
+    for seed in range(4):
+        found = first_named(Judge(Bands(), CHAIN), coarse_levels(2.2, 10, seed), 30, every=20)
+        assert found is not None and found[1] == {"mlp"} and 10 <= found[0] <= 11, (seed, found)
+
+
+def test_logged_every_20_steps_a_row_learning_along_a_curve_is_not_named():
+    for seed in range(4):
+        assert first_named(Judge(Bands(), CHAIN), coarse_levels(1.0, 10 ** 6, seed), 40, every=20) is None, seed
+
+
+@pytest.mark.parametrize("attn, mlp, named", [(1.4, 20.0, "mlp"), (0.6, 20.0, "mlp"), (1.4, 2.0, "attn")])
+def test_a_step_far_past_the_moves_before_it_at_the_same_point_is_named_over_them(attn, mlp, named):
+    """At point 60 ``attn`` moves x1.4 (or x0.6) and ``mlp`` x20 (``out`` carried along), all from the same point:
+    logged coarsely, the layers before a step learn in reaction before the next point. A step five times as far
+    (log) as every move before it is named; x2 after a x1.4 is not that far: forward order names ``attn``."""
+    def move(i, row):
+        return {"attn": attn, "mlp": mlp, "out": mlp}.get(row, 1.0) if i >= 60 else 1.0
+    for seed in range(4):
+        found = first_named(Judge(Bands(), CHAIN), chain_levels(move, seed), 70)
+        assert found is not None and found[:2] == (60, {named}), (seed, found)

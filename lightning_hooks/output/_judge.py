@@ -67,7 +67,8 @@ step at a time, with every judged figure of that step. How it decides (docs/verd
 - A step whose findings are only gradient norms out up at their first point, nothing named, names none:
   one batch's gradient landing in one layer; named at the second point out (``_lone_spikes``).
 - A row's own range judges from its ``min_points``-th value and ``WARM_STEPS_PER_POINT * min_points``
-  steps on: the first steps move every layer, and no history tells learning from a fault there.
+  steps on: the first steps move every layer, and no history tells learning from a fault there. Logged every
+  few steps, from its ``COARSE_POINTS``-th value once its values span those steps (``in_warm_up``).
 """
 
 from __future__ import annotations
@@ -98,7 +99,9 @@ from lightning_hooks.output._judge_pull import PULL
 from lightning_hooks.output._peers import Peers
 from lightning_hooks.output._row_range import (
     WARM_POINTS,
+    WARM_STEPS_PER_POINT,
     Track,
+    in_warm_up,
     judge_value,
     track_from_state,
     track_state,
@@ -110,9 +113,6 @@ COMMON_MODE = ("norm", "ratio", "gain")
 #: move): its few entries move far more from step to step than a weight's; a param group's LR raised x100 moves it
 #: about x100.
 SCALE_JUMP = 10.0
-#: The rows' ranges judge from this many steps per ``min_points`` on (48): logged every step, a small model's
-#: fastest learning (the zoo's MLP: layers moving 20-80% over steps 25-60) is history, as logged every 2.
-WARM_STEPS_PER_POINT = 2
 
 
 class Judge(LearningJudging, GainJudging, CulpritNaming):
@@ -312,7 +312,7 @@ class Judge(LearningJudging, GainJudging, CulpritNaming):
         track = self.tracks.get(figure, {}).get(row)
         if track is None and figure == "ratio":  # a norm's scale: its ratio's range is kept apart
             track = self.tracks.get(SCALE_RATIO, {}).get(row)
-        if track is None or len(track.logs) < self.bands.min_points:
+        if track is None or in_warm_up(track, self.bands):
             return None
         return math.exp(statistics.median(track.logs) + self.offset.get(figure, 0.0))
 

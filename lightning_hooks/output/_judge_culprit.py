@@ -32,7 +32,7 @@ from lightning_hooks.output._findings import BACKWARD, EVERY_LAYER, OUTPUT_PROBL
 from lightning_hooks.output._health_bands import Bands
 from lightning_hooks.output._judge_pull import overshot
 from lightning_hooks.output._peers import Peers
-from lightning_hooks.output._row_range import WARM_POINTS, Track, follow, least_change
+from lightning_hooks.output._row_range import WARM_POINTS, Track, follow, in_warm_up, least_change
 
 #: A module's outputs are judged by its gain where that is this many times quieter than its level: where the
 #: module before it carries the batch-to-batch moves they share (an MLP's, a CNN's layers).
@@ -42,6 +42,11 @@ QUIETER = 1.5
 #: power of it (the Mamba mixer's ``out_proj``, ``y(x) * silu(z)``, 2.4 times its ``in_proj``'s move; 0.38 beyond
 #: their ranges). One leaning since before (a layer learning), or later (a victim), must be half as far.
 LEAN_SHARE = 3.0
+#: A module that left its range by a step this many times as far (log) as every module before it out at the point,
+#: all of them out from that point on, is named before them: a x20 step in one layer does not follow from a x1.3
+#: move before it (a product of branches moves 2.4 times as far); logged every 20 steps, the layers before a
+#: step learn in reaction to it before the next logged point (the MLP's: x1.3, where its culprit went x21).
+DWARFS = 5.0
 
 
 def its_own(layer: str, found: Collection[Finding]) -> bool:
@@ -114,7 +119,8 @@ class CulpritNaming:
         outputs = [f for f in fresh if f.problem in OUTPUT_PROBLEMS]
         if outputs:
             first = min(outputs, key=lambda f: self.depth.get(f.layer, 0))
-            return overshot(outputs, self._last(), self.pulls) or self._leaning(first) or first.layer
+            return (overshot(outputs, self._last(), self.pulls) or self._leaning(first) or self._dwarfing(outputs)
+                    or first.layer)
         backward = [f for f in fresh if f.figure == BACKWARD]
         if backward:  # the first module the backward pass reached whose output gradient went out
             return max(backward, key=lambda f: self.depth.get(f.layer, 0)).layer
@@ -153,6 +159,26 @@ class CulpritNaming:
                    and (t.deviation if up else -t.deviation) > least[held - 1 <= len(t.held) <= held]
                    and (t.up if up else t.down) and not self._lean_slowed(row)]
         return min(leaning, key=lambda row: self.depth.get(row, 0)) if leaning else None
+
+    def _dwarfing(self, outputs: list[Finding]) -> str | None:
+        """The first module whose outputs left their range by a step ``DWARFS`` times as far as every one before it.
+
+        Only where every module out left its range at this point (none held a value out before), up or down by a
+        finite move: a step, the moves before it its reaction. A module before it leaning out already is
+        ``_leaning``'s; dead or non-finite outputs are named in forward order; the prediction layer's step is its
+        pull's to judge (``overshot``).
+        """
+        fresh = [f for f in outputs if f.problem in RELATIVE["level"] and math.isfinite(f.moved)
+                 and (t := self._track(f.row)) is not None and len(t.held) == 1]
+        if len(fresh) < len(outputs) or len(fresh) < 2:
+            return None
+        fresh.sort(key=lambda f: self.depth.get(f.layer, 0))
+        for i, big in enumerate(fresh[1:], 1):  # the first so far past every one before it
+            if all(abs(big.moved) >= DWARFS * abs(f.moved) for f in fresh[:i]):
+                if big.row == self._last() or not self._left_by_a_step(big.row):  # the prediction layer: ``overshot``
+                    return None
+                return big.layer
+        return None
 
     def _left_by_a_step(self, row: str) -> bool:
         """Whether a module's outputs left their range by a step (past the factor from the value before).
@@ -296,11 +322,11 @@ class CulpritNaming:
     def _peers_for(self, row: str, figure: str | None = None) -> Peers:
         """The peers, the fewest values a move needs set for judging ``row`` (its ``figure``'s track, or ``_track``).
 
-        ``WARM_POINTS`` while ``row`` is in its own warm-up (fewer than ``min_points`` values: a warm-up step's
-        peers judge it as they do later); ``min_points`` after, as its own range: a peer that started late (an
+        ``WARM_POINTS`` while ``row`` is in its own warm-up (``in_warm_up``: a warm-up step's peers judge it as
+        they do later); as many as its own range holds after (at most ``min_points``): a peer that started late (an
         expert first routed late) does not count with a few values.
         """
         track = self._track(row) if figure is None else self.tracks.get(figure, {}).get(row)
-        warm = track is None or len(track.logs) < self.bands.min_points
-        self.peers.least = WARM_POINTS if warm else self.bands.min_points
+        warm = track is None or in_warm_up(track, self.bands)
+        self.peers.least = WARM_POINTS if warm else min(self.bands.min_points, len(track.logs))
         return self.peers

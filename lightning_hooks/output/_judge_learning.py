@@ -13,7 +13,15 @@ from collections.abc import Callable, Collection, Mapping
 from lightning_hooks.output._findings import RELATIVE, Finding
 from lightning_hooks.output._health_bands import Bands
 from lightning_hooks.output._judge_pull import prediction_blowup
-from lightning_hooks.output._row_range import MIN_NOISE, Track, follow, lean_slowed, least_change, settle_at
+from lightning_hooks.output._row_range import (
+    MIN_NOISE,
+    Track,
+    follow,
+    in_warm_up,
+    lean_slowed,
+    least_change,
+    settle_at,
+)
 
 #: The figures of a module's outputs, judged against its same-kind peers before it too (``_peers.py``).
 PEER_FIGURES = ("level", "gain")
@@ -45,7 +53,7 @@ class LearningJudging:
         Later a move the loss asks for stays held: named once the loss no longer asks for it.
         """
         for track in self._output_tracks(found.row):
-            if learned and (not self.warm or len(track.logs) < self.bands.min_points):
+            if learned and (not self.warm or in_warm_up(track, self.bands)):
                 follow(track, self.bands.window)
         return learned
 

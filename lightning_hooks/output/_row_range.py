@@ -43,6 +43,14 @@ LOWER_TAIL = 3.0
 SLOW_POINTS = 8
 #: A lean's pace (``slow_paced``) is the median deviation of its newest this many points: one batch's step is not it.
 PACE_POINTS = 3
+#: The rows' ranges judge from this many steps per ``min_points`` on (48): logged every step, a small model's
+#: fastest learning (the zoo's MLP: layers moving 20-80% over steps 25-60) is history, as logged every 2.
+WARM_STEPS_PER_POINT = 2
+#: Logged every 6 steps or more, a row's range judges from ``COARSE_POINTS`` values once they span this many steps per
+#: ``min_points`` (120): logged every 20, ``min_points`` values would take 480 steps, and a ramp begun before would
+#: be the row's own history. Not fewer steps: logged every 5, an embedding still learns fast at step 50 (10 points).
+COARSE_STEPS_PER_POINT = 5
+COARSE_POINTS = 8
 
 
 @dataclass
@@ -60,6 +68,16 @@ class Track:
     learned: int = 0  # the newest values let in as the row's own fast learning
     clock: int = 0  # the steps over the points judged (each point's ``gap`` added)
     held_at: deque[int] = field(default_factory=lambda: deque(maxlen=64))  # ``clock`` at each held value
+
+
+def in_warm_up(track: Track, bands: Bands) -> bool:
+    """Whether a row's own range cannot judge yet: fewer than ``min_points`` values, unless logged coarsely.
+
+    Logged every 6 steps or more, ``COARSE_POINTS`` values that span ``COARSE_STEPS_PER_POINT * min_points`` steps
+    (the steps each point adds counted in ``clock``) are enough.
+    """
+    n = len(track.logs)
+    return n < bands.min_points and (n < COARSE_POINTS or track.clock < COARSE_STEPS_PER_POINT * bands.min_points)
 
 
 def usual_range(logs: Sequence[float]) -> tuple[float, float, float, float]:
@@ -137,8 +155,8 @@ def follow(track: Track, window: int) -> None:
 def judge_value(track: Track, x: float, figure: str, bands: Bands, warm: bool = True, gap: int = 1) -> Optional[float]:
     """Add one log value to a row's track; its deviation from its range if that is a finding, else None.
 
-    Before ``min_points`` values, or while not ``warm`` (the judge's warm-up in steps), the value
-    only joins the row's history.
+    Before ``min_points`` values (fewer logged coarsely: :func:`in_warm_up`), or while not ``warm`` (the judge's
+    warm-up in steps), the value only joins the row's history.
 
     A finding needs the CUSUM past ``bands.cusum`` noises, and the deviation past the figure's
     factor up (its square down). Values seen while the row leans out are held back from its
@@ -149,7 +167,7 @@ def judge_value(track: Track, x: float, figure: str, bands: Bands, warm: bool = 
     Before that, an output out by a step past ``WARM_JUMP`` (:func:`jumped_early`) is a finding.
     """
     track.clock += gap
-    if len(track.logs) < bands.min_points or not warm:
+    if in_warm_up(track, bands) or not warm:
         jumped = jumped_early(track, x, figure)
         if jumped is not None:
             _hold(track, x)  # out by a step: held, let in if an excuse says learning (follow)
