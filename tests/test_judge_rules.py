@@ -612,3 +612,45 @@ def test_a_step_far_past_the_moves_before_it_at_the_same_point_is_named_over_the
     for seed in range(4):
         found = first_named(Judge(Bands(), CHAIN), chain_levels(move, seed), 70)
         assert found is not None and found[:2] == (60, {named}), (seed, found)
+
+
+
+def thawed_run(onset: int, lift: float, seed: int, frozen: bool):
+    """The chain's levels and its layers' gradient norms; from ``onset`` ``attn``'s std lifted up to ``lift`` over 5
+    points. ``frozen``: ``attn``'s gradient rows absent (its parameters frozen) until ``onset``, its first steps of
+    training."""
+    rng = random.Random(seed)
+
+    def figures(i: int) -> dict[str, dict[str, float]]:
+        grow = lift ** min(1.0, max(0, i - onset) / 5)
+        levels = {row: (1 + d) * math.exp(rng.gauss(0, 0.01)) * (grow if row == "attn" else 1.0)
+                  for d, row in enumerate(CHAIN)}
+        norms = {f"{row}.weight": math.exp(rng.gauss(0, 0.05)) for row in CHAIN
+                 if row != "attn" or not frozen or i >= onset}
+        return {"level": levels, "norm": norms}
+    return figures
+
+
+@pytest.mark.parametrize("frozen", [True, False])
+def test_a_layer_thawed_mid_run_is_in_a_warm_up_of_its_own(frozen):
+    """``attn`` x1.5 over 5 points from point 60 and held there. Frozen until then (no gradient rows), it is a
+    fine-tuning run's thawed layer learning: not named. The same move on a layer that trained all along is."""
+    for seed in range(4):
+        found = first_named(Judge(Bands(), CHAIN), thawed_run(60, 1.5, seed, frozen), 120)
+        if frozen:
+            assert found is None, (seed, found)
+        else:
+            assert found is not None and found[1] == {"attn"} and found[0] <= 66, (seed, found)
+
+
+def test_a_ramp_in_a_thawed_layer_after_its_warm_up_is_named():
+    """Thawed at point 20 (no move), ``attn`` ramps 8% a point from point 100, past its own warm-up: named."""
+    for seed in range(4):
+        ramp = thawed_run(20, 1.0, seed, True)
+
+        def figures(i: int, ramp=ramp):
+            out = ramp(i)
+            out["level"]["attn"] *= 1.08 ** max(0, i - 100)
+            return out
+        found = first_named(Judge(Bands(), CHAIN), figures, 130)
+        assert found is not None and found[1] == {"attn"} and 100 < found[0] <= 106, (seed, found)

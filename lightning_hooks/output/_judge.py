@@ -140,6 +140,8 @@ class Judge(LearningJudging, GainJudging, CulpritNaming):
         self.first_ratio: dict[str, float] = {}  # each row's first logged update ratio (Adam: lr / rms(w))
         self.fast_scales: set[str] = set()  # norms' scales named too fast and still out of their range
         self.asked: dict[str, tuple[float, int]] = {}  # the prediction layer out since a growth asked for
+        self.trained: set[str] = set()  # layers whose parameters' rows came in (gradient norms or update ratios)
+        self.thawed: dict[str, int] = {}  # layers whose parameters' rows first came in after the first logged step
         self.start: Optional[int] = None  # the first logged step judged
         self.last_step: Optional[int] = None  # the last logged step judged
         self.gap = 1  # the steps from the logged step before to this one
@@ -167,6 +169,7 @@ class Judge(LearningJudging, GainJudging, CulpritNaming):
             ranked = inner_first(sorted(self.depth, key=self.depth.__getitem__))
             self.depth.clear()
             self.depth.update((name, i) for i, name in enumerate(ranked))
+        self._thaw(figures, step)
         found: list[Finding] = []
         self.moves, self.levels, self.pulls = {}, figures.get("level", {}), figures.get(PULL, {})
         for figure, values in figures.items():
@@ -179,6 +182,33 @@ class Judge(LearningJudging, GainJudging, CulpritNaming):
         found.extend(self._scales(figures.get(SCALE_RATIO, {})))  # net of the step's common move of the ratios
         data = self._is_data(found, figures)
         return self._sort(self._outputs(self._lone_spikes(found)), data)
+
+    def _thaw(self, figures: Mapping[str, Mapping[str, float]], step: Optional[int]) -> None:
+        """Note the layers whose parameters start training at ``step``: frozen before, their rows absent.
+
+        A layer a fine-tuning run thaws (``requires_grad`` off, then on) moves its outputs as its first steps
+        of training do, at the learning rate of the moment: its outputs are in a warm-up of their own
+        (``_warm_for``).
+        """
+        for figure in PARAMETER_FIGURES:
+            for row in figures.get(figure, ()):
+                layer = self.layer(figure, row)
+                if layer not in self.trained:
+                    self.trained.add(layer)
+                    if step is not None and self.start is not None and step > self.start:
+                        self.thawed[layer] = step
+
+    def _warm_for(self, row: str) -> bool:
+        """Whether a module's outputs are judged by their range at this step, past every warm-up that holds it.
+
+        The judge's, and the warm-up of every layer thawed in or around the module (``_thaw``):
+        ``WARM_STEPS_PER_POINT * min_points`` steps from its thaw.
+        """
+        if not self.warm or not self.thawed or self.last_step is None:
+            return self.warm
+        span = WARM_STEPS_PER_POINT * self.bands.min_points
+        return not any(self.last_step - at < span and (layer == row or layer.startswith(row + "."))
+                       for layer, at in self.thawed.items())
 
     def _lone_spikes(self, found: list[Finding]) -> list[Finding]:
         """The findings, or none where they are only gradient norms out up at their first point, nothing named.
@@ -235,7 +265,8 @@ class Judge(LearningJudging, GainJudging, CulpritNaming):
                 last[row] = x
             track = tracks.setdefault(row, Track(deque(maxlen=self.bands.window)))
             as_ = "level" if row in blocks else figure  # a block's gain: as far as a level must move
-            moved = judge_value(track, x - self.offset[figure], as_, self.bands, self.warm, self.gap)
+            warm = self._warm_for(row) if figure in PEER_FIGURES else self.warm
+            moved = judge_value(track, x - self.offset[figure], as_, self.bands, warm, self.gap)
             if moved is not None and not self._under_first_ratio(figure, row, values[row], moved):
                 up, down = RELATIVE[figure]
                 found.append(Finding(row, self.layer(figure, row), up if moved > 0 else down, values[row], figure,
@@ -335,7 +366,7 @@ class Judge(LearningJudging, GainJudging, CulpritNaming):
                 "first_entropy": dict(self.first_entropy), "zeros": self.zeros.state_dict(),
                 "first_ratio": dict(self.first_ratio),
                 "fast_scales": sorted(self.fast_scales), "asked": {row: list(v) for row, v in self.asked.items()},
-                "peers": self.peers.state_dict()}
+                "trained": sorted(self.trained), "thawed": dict(self.thawed), "peers": self.peers.state_dict()}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore :meth:`state_dict`."""
@@ -351,4 +382,5 @@ class Judge(LearningJudging, GainJudging, CulpritNaming):
         self.first_ratio = dict(state["first_ratio"])
         self.fast_scales = set(state["fast_scales"])
         self.asked = {row: (float(ask), int(waited)) for row, (ask, waited) in state["asked"].items()}
+        self.trained, self.thawed = set(state["trained"]), {row: int(at) for row, at in state["thawed"].items()}
         self.peers.load_state_dict(state["peers"])
