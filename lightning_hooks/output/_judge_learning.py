@@ -8,6 +8,7 @@ not named; the first three have the row's range follow the move, as it follows t
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Collection, Mapping
 
 from lightning_hooks.output._findings import RELATIVE, Finding
@@ -66,8 +67,9 @@ class LearningJudging:
 
         While the pull is below 0 its ``blowup`` is learning (the loss asks for it). Once the loss stops asking
         (its pull at or above 0 but no stronger than its strongest ask: about 0, either sign from batch to
-        batch) with the output not clearly rising (its newest value within ``MIN_NOISE`` of the highest it
-        held out), it may have reached the scale the loss wanted: not named while it so waits, and after
+        batch) with the output not clearly rising (its newest value within its noise, at least ``MIN_NOISE``, of
+        the highest it held out before the wait: a head whose std wanders 15% creeps in steps of that), it may have
+        reached the scale the loss wanted: not named while it so waits, and after
         ``SETTLED`` such points (points where the loss still asks do not count) its ranges settle at the level it
         reached, without the growth as a trend (the
         sweep's 256-wide MLP under SGD: its output x7 over 16 steps, the pull down to -0.14, the loss 0.25
@@ -85,7 +87,8 @@ class LearningJudging:
         track = self._track(found.row)
         held = list(track.held) if track is not None else []
         before = held[:max(1, len(held) - 1 - waited)]  # up to the wait's start: a slow ramp adds up against it
-        rising = len(held) < 2 or held[-1] > max(before) + MIN_NOISE["level"]
+        noise = track.noise if track is not None and math.isfinite(track.noise) else 0.0
+        rising = len(held) < 2 or held[-1] > max(before) + max(MIN_NOISE["level"], noise)
         waited = 0 if rising else waited if asked else waited + 1  # the points since the loss stopped asking
         self.asked[found.row] = (max(ask, -pull), waited)
         if not rising and not asked and waited >= SETTLED:
