@@ -100,7 +100,8 @@ models and seeds; ``unseen13`` and ``unseen13b`` (``benchmarks/_sweep_unseen13.p
 micro-batches, clipping, other positions, intervals and optimizers; ``unseen14`` and ``unseen14b``
 (``benchmarks/_sweep_unseen14.py``): faults where the newer excuses apply (the prediction layer, a shared gain, slow
 ramps at small batches); ``unseen15`` to ``unseen15c`` (``benchmarks/_sweep_unseen15.py``): cosine with warm restarts,
-RAdam, NAdam and Adamax, frozen and thawed layers, an interval of 20.
+RAdam, NAdam and Adamax, frozen and thawed layers, an interval of 20; ``unseen16`` and ``unseen16b``
+(``benchmarks/_sweep_unseen16.py``): every fault logged every 20, and logged every 50 over 1,500 steps.
 
 Per case: the culprit named first, the layers named before it, the delay (steps from the onset
 to the first logged step that names it), on healthy runs the verdict lines after the first 10%,
@@ -142,6 +143,7 @@ from benchmarks._sweep_unseen12 import unseen12  # noqa: E402
 from benchmarks._sweep_unseen13 import unseen13  # noqa: E402
 from benchmarks._sweep_unseen14 import unseen14  # noqa: E402
 from benchmarks._sweep_unseen15 import unseen15  # noqa: E402
+from benchmarks._sweep_unseen16 import unseen16  # noqa: E402
 from benchmarks._sweep_variant import Variant, register  # noqa: E402
 from benchmarks.fault_zoo import JUMP, Case, judge_case, run_case  # noqa: E402
 
@@ -180,7 +182,7 @@ def variants() -> dict[str, list[Variant]]:
              Variant("optim", "cnn", ("healthy", "ramp", "jump"), precision="bf16-mixed")]
     return {"models": models, "layers": _layers(), "rates": rates, "onsets": onsets, "every": every, "optim": optim,
             **_unseen(), **unseen3(), **unseen4(), **unseen5(), **unseen6(), **unseen7(), **unseen8(), **unseen9(),
-            **unseen10(), **unseen11(), **unseen12(), **unseen13(), **unseen14(), **unseen15(), **creep(),
+            **unseen10(), **unseen11(), **unseen12(), **unseen13(), **unseen14(), **unseen15(), **unseen16(), **creep(),
             **lastblock()}
 
 

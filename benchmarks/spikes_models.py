@@ -74,6 +74,13 @@ def runs() -> list[Run]:
             Run("gpt2", 1000, optimizer="adafactor", lr=1e-2), Run("llama", 300, optimizer="adafactor", lr=1e-2),
             Run("mlp", 2000, batch=8, optimizer="rmsprop", lr=1e-3), Run("autoenc", 1000, optimizer="adagrad",
                                                                             lr=0.05)]
+    # The sweep's unseen15: cosine with warm restarts (the LR back at its peak four times a run), RAdam, NAdam, Adamax
+    out += [Run("gpt2", 1000, optimizer="adamw-restarts", lr=1e-3), Run("mlp", 1000, optimizer="adamw-restarts",
+                                                                        lr=2e-3),
+            Run("cnn", 1000, optimizer="sgd-restarts", lr=0.05), Run("mlp", 1000, batch=8, optimizer="adamw-restarts",
+                                                                     lr=2e-3),
+            Run("mlp", 1000, optimizer="radam", lr=1e-3), Run("mlp", 1000, optimizer="nadam", lr=1e-3),
+            Run("mlp", 1000, optimizer="adamax", lr=2e-3), Run("llama", 300, optimizer="nadam", lr=6e-4)]
     return out
 
 

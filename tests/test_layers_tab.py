@@ -18,7 +18,7 @@ import pytorch_lightning as ptl
 import torch
 from torch import nn
 
-from lightning_hooks import ActivationMonitor, GradientMonitor
+from lightning_hooks import ActivationMonitor, GradientMonitor, LayerHealth
 from tests.browser import (
     DEAD,
     PLUGIN,
@@ -306,6 +306,37 @@ def click_label(tools: Any, figure: str, row: str) -> None:
     y = box["y"] + float(box["top"]) + (box["rows"].split(",").index(row) + 0.5) * float(box["rowHeight"])
     for kind in ("mousePressed", "mouseReleased"):
         tools.call("Input.dispatchMouseEvent", type=kind, x=box["x"] + 20, y=y, button="left", clickCount=1)
+
+
+class SharedModules(lp.LightningModule):
+    """One ReLU applied after every Linear, and one hidden Linear applied twice (``first, act, shared, act, shared,
+    act, head``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.shared, self.act, self.head = nn.Linear(8, 16), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 1)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        hidden = self.act(self.shared(self.act(self.shared(self.act(self.first(x))))))
+        return nn.functional.mse_loss(self.head(hidden), y)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+def test_a_parameter_free_module_called_again_ranks_at_its_last_call_one_with_parameters_at_its_first(tmp_path):
+    """The shared ReLU's later calls follow ``shared``: it ranks after it (a victim of a fault there, not a module
+    before it); ``shared`` keeps its first call's place. LayerHealth judges in the same order."""
+    torch.manual_seed(0)
+    logger = lp.loggers.TensorBoardLogger(str(tmp_path), name="run", version=0)
+    health = LayerHealth()
+    package_trainer(lp, tmp_path, [*monitors(), health], logger=logger, max_steps=2).fit(SharedModules(), loader())
+    logger.experiment.flush()
+    (order,) = events(logger.log_dir).Tensors("layers/forward_order")
+    assert json.loads(order.tensor_proto.string_val[0]) == ["first", "shared", "act", "head"]
+    depth = health._verdicts.judge.depth
+    assert sorted(("first", "shared", "act", "head"), key=depth.__getitem__) == ["first", "shared", "act", "head"]
 
 
 def test_rows_follow_the_forward_order_activation_monitor_records(tmp_path):

@@ -22,11 +22,26 @@ from lightning_hooks.core._torch_internals import in_backward
 from lightning_hooks.measure.aggregate import StatBlock
 
 
+def note_call(order: dict[str, None], name: str, module: nn.Module) -> None:
+    """Add a module's call to the forward order: a module at its first call, a parameter-free one at its last.
+
+    A parameter-free module called again (one ``ReLU`` a model applies after several layers, as torchvision's
+    ResNet blocks and many MLPs do) computes nothing of its own: its outputs follow whatever fed its calls,
+    the later calls too, so it ranks after them, a victim of a fault there rather than a module before it.
+    A module with parameters called again (a layer shared across depth, as ALBERT's) keeps its first call's place.
+    """
+    if name not in order:
+        order[name] = None
+    elif next(module.parameters(), None) is None:
+        del order[name]
+        order[name] = None
+
+
 class ActivationHooks(HookCallback):
     """The hooks of :class:`~lightning_hooks.ActivationMonitor` on its modules, made once per fit.
 
     They write into ``_block`` (None: nothing is collected), the training block's gradient rows
-    with ``gradients``, and the modules' first forward order into ``_forward_order``; row
+    with ``gradients``, and the modules' forward order into ``_forward_order`` (``note_call``); row
     ``index`` is the module's output, ``index + n`` its input, after those its gradient.
     """
 
@@ -70,7 +85,7 @@ class ActivationHooks(HookCallback):
                     watch_output_gradients(output, self._block, grad_index, self._grad_scale)
                 # Not while torch.compile traces: a dict that changes, then goes, would cost a third graph.
                 if not torch.compiler.is_compiling() and self._forward_order is not None:
-                    self._forward_order.setdefault(name)
+                    note_call(self._forward_order, name, mod)
 
         # A pre-hook, as an in-place module (ReLU(inplace=True)) has overwritten its input by
         # the time a forward hook runs.
