@@ -101,7 +101,9 @@ micro-batches, clipping, other positions, intervals and optimizers; ``unseen14``
 (``benchmarks/_sweep_unseen14.py``): faults where the newer excuses apply (the prediction layer, a shared gain, slow
 ramps at small batches); ``unseen15`` to ``unseen15c`` (``benchmarks/_sweep_unseen15.py``): cosine with warm restarts,
 RAdam, NAdam and Adamax, frozen and thawed layers, an interval of 20; ``unseen16`` and ``unseen16b``
-(``benchmarks/_sweep_unseen16.py``): every fault logged every 20, and logged every 50 over 1,500 steps.
+(``benchmarks/_sweep_unseen16.py``): every fault logged every 20, and logged every 50 over 1,500 steps;
+``unseen16c`` and ``unseen16d``: modules called several times a step (ALBERT's shared layer, a looped Linear, a
+torchvision-style ResNet's one ``ReLU`` per block).
 
 Per case: the culprit named first, the layers named before it, the delay (steps from the onset
 to the first logged step that names it), on healthy runs the verdict lines after the first 10%,
