@@ -654,3 +654,27 @@ def test_a_ramp_in_a_thawed_layer_after_its_warm_up_is_named():
             return out
         found = first_named(Judge(Bands(), CHAIN), figures, 130)
         assert found is not None and found[1] == {"attn"} and 100 < found[0] <= 106, (seed, found)
+
+
+ATTENTION = ["emb", "attn.query", "attn.key", "attn.value", "attn.dense", "out"]
+
+
+def attention_levels(query, key, seed: int):
+    """An attention's modules steady to 1% (no copies of them: one layer, as ALBERT's shared one); ``query(i)`` and
+    ``key(i)`` times the query's and the key's std."""
+    rng = random.Random(seed)
+    return lambda i: {"level": {row: (1 + d) * math.exp(rng.gauss(0, 0.01))
+                                * {"attn.query": query(i), "attn.key": key(i)}.get(row, 1.0)
+                                for d, row in enumerate(ATTENTION)}}
+
+
+@pytest.mark.parametrize("query, key, named", [
+    (lambda i: 1.015 ** min(90, max(0, i - 60)), lambda i: 1.015 ** min(90, max(0, i - 60)), None),  # both, x3.8
+    (lambda i: 1.04 ** max(0, i - 60), lambda i: 1.0, "attn.query"),  # a fault in the queries alone
+    (lambda i: 1.04 ** max(0, i - 60), lambda i: 1.005 ** max(0, i - 60), "attn.query")])  # far past the keys
+def test_queries_and_keys_growing_together_are_attention_sharpening_one_alone_is_named(query, key, named):
+    """With no copies to learn beside, the query and key projections of one attention growing together (their
+    product is the logits) is learning; the queries growing alone, or far past the keys, is named."""
+    for seed in range(4):
+        found = first_named(Judge(Bands(), ATTENTION), attention_levels(query, key, seed), 160)
+        assert (found and found[1]) == ({named} if named else None), (seed, found)

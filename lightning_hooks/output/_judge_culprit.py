@@ -260,10 +260,10 @@ class CulpritNaming:
         return "gain" if self._track(row) is self.tracks.get("gain", {}).get(row) else "level"
 
     def _learning_with_peers(self, row: str, up: bool) -> bool:
-        """Whether a module's outputs lean the way its same-kind peers before it moved too (``_peers.py``)."""
+        """Whether a module's outputs lean the way its same-kind peers, or its query-key partner, moved too."""
         figure = self._judged_by(row)
         return (self._with_peers(figure, row, up) or self._ends_gradient(figure, row, up)
-                or self._grew_with_kind(row, up))
+                or self._grew_with_kind(row, up) or self._grew_with_partner(row, up))
 
     def _with_peers(self, figure: str, row: str, up: bool, out: Collection[str] = (),
                     beyond: float | None = None) -> bool:
@@ -318,6 +318,10 @@ class CulpritNaming:
         scale = 1 if up else 2
         return self._peers_for(row).grew_as_a_kind(row, least_change("level", self.bands) * scale,
                                                    least_change("gain", self.bands) * scale, up)
+
+    def _grew_with_partner(self, row: str, up: bool) -> bool:
+        """Whether a query or key projection moved with its partner: attention sharpening (``_peers.py``)."""
+        return self._peers_for(row).grew_with_partner(row, least_change("level", self.bands) * (1 if up else 2), up)
 
     def _peers_for(self, row: str, figure: str | None = None) -> Peers:
         """The peers, the fewest values a move needs set for judging ``row`` (its ``figure``'s track, or ``_track``).

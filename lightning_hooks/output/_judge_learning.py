@@ -116,12 +116,12 @@ class LearningJudging:
         return track is not None and lean_slowed(track, least_change(self._judged_by(row), self.bands))
 
     def _stacked(self, found: list[Finding]) -> list[Finding]:
-        """The findings less the outputs that grew with their whole kind (:meth:`_grew_with_kind`).
+        """The findings less the outputs that grew with their whole kind, or with their query-key partner.
 
         Their ranges follow the move, as they follow the row's own learning (``_peers.py``).
         """
-        return self._followed(found, lambda f: f.figure in PEER_FIGURES and f.problem in RELATIVE["level"]
-                              and self._grew_with_kind(f.row, f.moved > 0))
+        return self._followed(found, lambda f: f.figure in PEER_FIGURES and f.problem in RELATIVE["level"] and (
+            self._grew_with_kind(f.row, f.moved > 0) or self._grew_with_partner(f.row, f.moved > 0)))
 
     def _unshared(self, figure: str, found: list[Finding]) -> list[Finding]:
         """The findings of a module's outputs less those its same-kind peers before it moved alike (``_peers.py``).

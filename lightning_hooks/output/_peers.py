@@ -51,6 +51,20 @@ def next_gain_alike(after: list[float], mine: float, sign: int, margin: float) -
     return bool(after) and sign * after[0] >= sign * mine / 2 and sign * (mine - after[0]) <= margin
 
 
+#: The query and key projections of one attention, by the names models give them: their product is the attention
+#: logits, and attention sharpening as it learns grows both together (ALBERT's one shared layer: x4 each over
+#: steps 20-160, with no copies to grow beside). A fault moves one of them alone.
+PARTNERS = {"query": "key", "q_proj": "k_proj", "q": "k", "to_q": "to_k", "wq": "wk", "q_lin": "k_lin"}
+PARTNERS.update({key: query for query, key in list(PARTNERS.items())})
+
+
+def partner(row: str) -> str | None:
+    """The other of a query and key projection pair (``attention.query`` -> ``attention.key``), or None."""
+    parent, _, last = row.rpartition(".")
+    other = PARTNERS.get(last)
+    return None if other is None else f"{parent}.{other}" if parent else other
+
+
 def kind(row: str) -> str:
     """A module's name with its numbered parts replaced by ``#``: the same for every block's copy of it."""
     return _NUMBER.sub(r"\1#", row)
@@ -164,6 +178,19 @@ class Peers:
         if len(copies) < 2 or None in levels or None in gains:
             return False
         return all(sign * m >= least for m in levels) and sign * gains[0] - max(sign * m for m in gains[1:]) <= margin
+
+    def grew_with_partner(self, row: str, margin: float, up: bool) -> bool:
+        """Whether ``row``'s query-key partner (:func:`partner`) moved its outputs the same way with it.
+
+        Over their windows the partner moved that way at least half as far as ``row`` did, and within ``margin``
+        of it: the attention sharpening (or flattening), not a fault in one of them.
+        """
+        other = partner(row)
+        mine, theirs = self.move("level", row), self.move("level", other) if other is not None else None
+        if mine is None or theirs is None:
+            return False
+        sign = 1 if up else -1
+        return sign * mine > 0 and sign * theirs >= sign * mine / 2 and abs(mine - theirs) <= margin
 
     def state_dict(self) -> dict[str, Any]:
         """The kept values, as plain lists."""
