@@ -678,3 +678,79 @@ def test_queries_and_keys_growing_together_are_attention_sharpening_one_alone_is
     for seed in range(4):
         found = first_named(Judge(Bands(), ATTENTION), attention_levels(query, key, seed), 160)
         assert (found and found[1]) == ({named} if named else None), (seed, found)
+
+
+def test_the_layers_inside_a_block_thawed_as_a_whole_are_in_its_warm_up():
+    """Gradient rows by block (``blk``) absent until point 60, then ``blk.attn``'s std x1.5 over 5 points: the
+    block's layers started training with it, not named."""
+    rows, rng = ["emb", "blk.attn", "blk.mlp", "out"], random.Random(0)
+    for seed in range(4):
+        rng.seed(seed)
+
+        def figures(i: int) -> dict[str, dict[str, float]]:
+            lift = 1.5 ** min(1.0, max(0, i - 60) / 5)
+            levels = {row: (1 + d) * math.exp(rng.gauss(0, 0.01)) * (lift if row == "blk.attn" else 1.0)
+                      for d, row in enumerate(rows)}
+            norms = {row: math.exp(rng.gauss(0, 0.05)) for row in ("emb", "out", *(("blk",) if i >= 60 else ()))}
+            return {"level": levels, "norm": norms}
+        assert first_named(Judge(Bands(), rows), figures, 120) is None, seed
+
+
+@pytest.mark.parametrize("history", [False, True])
+def test_no_thaw_where_gradients_come_in_late_for_every_layer_or_a_layer_had_no_outputs_before(history):
+    """Gradient rows for every layer from point 30 only (a monitor on its own cadence, a resumed judge): the first
+    step holding any is where they start, nothing is thawed, and ``attn``'s x1.5 at point 60 is named. Without
+    outputs before (``history`` False: an expert first routed at 60), it is new, not thawed: judged as new."""
+    for seed in range(4):
+        thawed = thawed_run(60, 1.5, seed, frozen=not history)
+
+        def figures(i: int, thawed=thawed) -> dict[str, dict[str, float]]:
+            out = thawed(i)
+            out["norm"] = out["norm"] if i >= 30 else {}
+            if not history and i < 60:
+                del out["level"]["attn"]
+            return out
+        judge = Judge(Bands(), CHAIN)
+        found = first_named(judge, figures, 120)
+        assert not judge.thawed
+        if history:
+            assert found is not None and found[1] == {"attn"}, (seed, found)
+
+
+def test_a_judge_state_saved_before_thaws_were_noted_loads_and_starts_them_afresh():
+    judge = Judge(Bands(), CHAIN)
+    figures = thawed_run(0, 1.0, 0, frozen=False)
+    for i in range(30):
+        judge.step(figures(i), i)
+    state = judge.state_dict()
+    for key in ("trained", "thawed", "params_start", "seen"):
+        del state[key]
+    restored = Judge(Bands(), CHAIN)
+    restored.load_state_dict(state)
+    for i in range(30, 60):
+        assert not restored.step(figures(i), i).named
+    assert not restored.thawed and restored.trained == set(CHAIN)
+
+
+def test_logged_every_20_beside_gradients_every_step_the_outputs_rows_count_their_own_steps():
+    """Activations every 20 steps, gradient norms every step: the outputs' rows judge from their 8th value (their
+    own 20-step gaps), and a ramp x2.2 a point from point 10 is named within two of their points."""
+    for seed in range(4):
+        levels, rng = coarse_levels(2.2, 10, seed), random.Random(seed)
+        judge, found = Judge(Bands(), CHAIN), None
+        for step in range(600):
+            figures = {"norm": {f"{row}.weight": math.exp(rng.gauss(0, 0.05)) for row in CHAIN}}
+            if step % 20 == 0:
+                figures.update(levels(step // 20))
+            named = judge.step(figures, step).named
+            if named and found is None:
+                found = (step // 20, {f.layer for f in named})
+        assert found is not None and found[1] == {"mlp"} and 10 <= found[0] <= 11, (seed, found)
+
+
+def test_queries_and_keys_running_away_together_are_named():
+    """Both x1.08 a point from point 60 (past x4 within their window): attention logits running away, named."""
+    for seed in range(4):
+        found = first_named(Judge(Bands(), ATTENTION), attention_levels(
+            lambda i: 1.08 ** max(0, i - 60), lambda i: 1.08 ** max(0, i - 60), seed), 140)
+        assert found is not None and found[1] & {"attn.query", "attn.key"}, (seed, found)

@@ -339,6 +339,18 @@ def test_a_parameter_free_module_called_again_ranks_at_its_last_call_one_with_pa
     assert sorted(("first", "shared", "act", "head"), key=depth.__getitem__) == ["first", "shared", "act", "head"]
 
 
+
+def test_the_forward_order_is_one_forward_pass_with_gradient_accumulation(tmp_path):
+    """Two micro-batches a step: the second's calls do not move the shared ReLU after the head."""
+    torch.manual_seed(0)
+    logger = lp.loggers.TensorBoardLogger(str(tmp_path), name="run", version=0)
+    package_trainer(lp, tmp_path, monitors(), logger=logger, max_steps=2, accumulate_grad_batches=2).fit(
+        SharedModules(), loader())
+    logger.experiment.flush()
+    (order,) = events(logger.log_dir).Tensors("layers/forward_order")
+    assert json.loads(order.tensor_proto.string_val[0]) == ["first", "shared", "act", "head"]
+
+
 def test_rows_follow_the_forward_order_activation_monitor_records(tmp_path):
     torch.manual_seed(0)
     logger = lp.loggers.TensorBoardLogger(str(tmp_path), name="run", version=0)

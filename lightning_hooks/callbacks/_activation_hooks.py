@@ -50,6 +50,7 @@ class ActivationHooks(HookCallback):
     _block: Optional[StatBlock]
     _blocks: dict[str, StatBlock]
     _forward_order: Optional[dict[str, None]]
+    _ordering: bool
     _stack_ids: set[int]
     _grad_scale: list[Optional[torch.Tensor]]
     _hook_fns: dict[tuple[int, str, int, bool], tuple[Callable[..., Any], Callable[..., Any]]]
@@ -84,7 +85,7 @@ class ActivationHooks(HookCallback):
                 if self.gradients and self._block is self._blocks.get("train") and torch.is_grad_enabled():
                     watch_output_gradients(output, self._block, grad_index, self._grad_scale)
                 # Not while torch.compile traces: a dict that changes, then goes, would cost a third graph.
-                if not torch.compiler.is_compiling() and self._forward_order is not None:
+                if not torch.compiler.is_compiling() and self._ordering and self._forward_order is not None:
                     note_call(self._forward_order, name, mod)
 
         # A pre-hook, as an in-place module (ReLU(inplace=True)) has overwritten its input by

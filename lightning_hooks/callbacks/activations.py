@@ -161,6 +161,7 @@ class ActivationMonitor(ActivationHooks):
         self._pending_step: Optional[int] = None  # the log step being collected
         self._pending_global = 0  # ``trainer.global_step`` when it began: its optimizer step is done once this moves
         self._forward_order: Optional[dict[str, None]] = None  # modules as their hooks first fire, once per fit
+        self._ordering = False  # whether the forward order is still being recorded (up to the first backward)
         self._grad_scale: list[Optional[torch.Tensor]] = [None]  # AMP's 1 / loss_scale for this backward
         self._hook_fns: dict[tuple[int, str, int, bool], tuple[Callable[..., Any], Callable[..., Any]]] = {}
         self._carried: list[tuple[torch.Tensor, ScalarBlock]] = []  # other callbacks' figures of the step (`carry`)
@@ -182,7 +183,7 @@ class ActivationMonitor(ActivationHooks):
         self._blocks = {s: StatBlock(names + self._grad_names(s), self.bins, pl_module.device)
                         for s in self.stages} if written else {}
         self._block, self._pending_step, self._carried = None, None, []
-        self._forward_order = {}
+        self._forward_order, self._ordering = {}, True
         self._figures = ActivationFigures(self.stats, self.histogram)
         grads = [GRAD_PREFIX] if self._grad_names("train") else []
         charts = {category: chart for prefix in [_PREFIXES[stage] for stage in self.stages] + grads
@@ -218,7 +219,12 @@ class ActivationMonitor(ActivationHooks):
         return "train" in self._blocks and self._logs_at(step, self._every)
 
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor) -> None:
-        """On a logged step, take AMP's ``1 / loss_scale`` for the gradients about to be recorded (no sync)."""
+        """On a logged step, take AMP's ``1 / loss_scale`` for the gradients about to be recorded (no sync).
+
+        The forward order is one forward pass's: the next micro-batch's calls (gradient accumulation) are not in it.
+        """
+        if self._forward_order:
+            self._ordering = False
         if self.gradients and self._block is not None and self._block is self._blocks.get("train"):
             self._grad_scale[0] = inverse_loss_scale(trainer, loss.device)
 

@@ -141,10 +141,12 @@ class Judge(LearningJudging, GainJudging, CulpritNaming):
         self.fast_scales: set[str] = set()  # norms' scales named too fast and still out of their range
         self.asked: dict[str, tuple[float, int]] = {}  # the prediction layer out since a growth asked for
         self.trained: set[str] = set()  # layers whose parameters' rows came in (gradient norms or update ratios)
-        self.thawed: dict[str, int] = {}  # layers whose parameters' rows first came in after the first logged step
+        self.thawed: dict[str, int] = {}  # layers whose parameters' rows first came in later (a thaw), in its warm-up
+        self.params_start: Optional[int] = None  # the first step that held any parameter's rows
         self.start: Optional[int] = None  # the first logged step judged
         self.last_step: Optional[int] = None  # the last logged step judged
         self.gap = 1  # the steps from the logged step before to this one
+        self.seen: dict[str, dict[str, int]] = {}  # by figure: the step each row last came in (its own gap from it)
         self.warm = True  # whether the rows' own ranges judge at this step (past the warm-up in steps)
         self.peers = Peers(bands.window, WARM_POINTS)  # a warm-up step's peers judge it as they do later
 
@@ -188,27 +190,58 @@ class Judge(LearningJudging, GainJudging, CulpritNaming):
 
         A layer a fine-tuning run thaws (``requires_grad`` off, then on) moves its outputs as its first steps
         of training do, at the learning rate of the moment: its outputs are in a warm-up of their own
-        (``_warm_for``).
+        (``_warm_for``). Only a layer that ran while frozen (its outputs, or those of a module inside it, hold
+        ``min_points`` values: ``_ran``), after the first step that held any parameter's rows (a resumed judge,
+        or gradients logged on their own cadence, start there): an expert first routed late has no outputs
+        before, and is new, not thawed.
         """
-        for figure in PARAMETER_FIGURES:
-            for row in figures.get(figure, ()):
-                layer = self.layer(figure, row)
-                if layer not in self.trained:
-                    self.trained.add(layer)
-                    if step is not None and self.start is not None and step > self.start:
-                        self.thawed[layer] = step
+        rows = [(figure, row) for figure in PARAMETER_FIGURES for row in figures.get(figure, ())]
+        if not rows:
+            return
+        first = self.params_start is None
+        if first:
+            self.params_start = step
+        span = WARM_STEPS_PER_POINT * self.bands.min_points
+        if step is not None:  # a thaw's warm-up over: forgotten
+            self.thawed = {layer: at for layer, at in self.thawed.items() if step - at < span}
+        for figure, row in rows:
+            layer = self.layer(figure, row)
+            if layer in self.trained:
+                continue
+            self.trained.add(layer)
+            if not first and step is not None and self._ran(layer):
+                self.thawed[layer] = step
+
+    def _ran(self, layer: str) -> bool:
+        """Whether a layer's outputs, or those of a module inside it, hold ``min_points`` values (it ran before)."""
+        inside = layer + "."
+        return any(len(track.logs) >= self.bands.min_points
+                   for row, track in self.tracks.get("level", {}).items() if row == layer or row.startswith(inside))
 
     def _warm_for(self, row: str) -> bool:
         """Whether a module's outputs are judged by their range at this step, past every warm-up that holds it.
 
-        The judge's, and the warm-up of every layer thawed in or around the module (``_thaw``):
+        The judge's, and the warm-up of every layer thawed in, around or as the module (``_thaw``):
         ``WARM_STEPS_PER_POINT * min_points`` steps from its thaw.
         """
-        if not self.warm or not self.thawed or self.last_step is None:
+        if not self.warm or not self.thawed:
             return self.warm
-        span = WARM_STEPS_PER_POINT * self.bands.min_points
-        return not any(self.last_step - at < span and (layer == row or layer.startswith(row + "."))
-                       for layer, at in self.thawed.items())
+        return not any(layer == row or layer.startswith(row + ".") or row.startswith(layer + ".")
+                       for layer in self.thawed)
+
+    def _gap(self, figure: str, row: str) -> int:
+        """The steps since a row of ``figure`` last came in (the judge's gap at its first).
+
+        A monitor logging on a cadence of its own (activations every 20 beside gradients every step) gives its
+        rows their own gaps.
+        """
+        seen = self.seen.setdefault(figure, {})
+        step = self.last_step
+        if step is None:
+            return self.gap
+        before = seen.get(row)
+        seen[row] = step
+        return self.gap if before is None else max(1, step - before)
 
     def _lone_spikes(self, found: list[Finding]) -> list[Finding]:
         """The findings, or none where they are only gradient norms out up at their first point, nothing named.
@@ -266,7 +299,7 @@ class Judge(LearningJudging, GainJudging, CulpritNaming):
             track = tracks.setdefault(row, Track(deque(maxlen=self.bands.window)))
             as_ = "level" if row in blocks else figure  # a block's gain: as far as a level must move
             warm = self._warm_for(row) if figure in PEER_FIGURES else self.warm
-            moved = judge_value(track, x - self.offset[figure], as_, self.bands, warm, self.gap)
+            moved = judge_value(track, x - self.offset[figure], as_, self.bands, warm, self._gap(figure, row))
             if moved is not None and not self._under_first_ratio(figure, row, values[row], moved):
                 up, down = RELATIVE[figure]
                 found.append(Finding(row, self.layer(figure, row), up if moved > 0 else down, values[row], figure,
@@ -285,7 +318,7 @@ class Judge(LearningJudging, GainJudging, CulpritNaming):
                 continue
             track = tracks.setdefault(row, Track(deque(maxlen=self.bands.window)))
             x = math.log(v) - self.offset.get("ratio", 0.0)
-            moved = judge_value(track, x, "ratio", self.bands, self.warm, self.gap)
+            moved = judge_value(track, x, "ratio", self.bands, self.warm, self._gap(SCALE_RATIO, row))
             if moved is not None and moved > (0.0 if row in self.fast_scales else math.log(SCALE_JUMP)):
                 found.append(Finding(row, self.layer(SCALE_RATIO, row), RELATIVE["ratio"][0], v, "ratio", moved))
         self.fast_scales = (self.fast_scales - set(values)) | {f.row for f in found}  # named stays named while out
@@ -366,7 +399,9 @@ class Judge(LearningJudging, GainJudging, CulpritNaming):
                 "first_entropy": dict(self.first_entropy), "zeros": self.zeros.state_dict(),
                 "first_ratio": dict(self.first_ratio),
                 "fast_scales": sorted(self.fast_scales), "asked": {row: list(v) for row, v in self.asked.items()},
-                "trained": sorted(self.trained), "thawed": dict(self.thawed), "peers": self.peers.state_dict()}
+                "trained": sorted(self.trained), "thawed": dict(self.thawed), "params_start": self.params_start,
+                "seen": {f: dict(rows) for f, rows in self.seen.items()},
+                "peers": self.peers.state_dict()}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore :meth:`state_dict`."""
@@ -382,5 +417,8 @@ class Judge(LearningJudging, GainJudging, CulpritNaming):
         self.first_ratio = dict(state["first_ratio"])
         self.fast_scales = set(state["fast_scales"])
         self.asked = {row: (float(ask), int(waited)) for row, (ask, waited) in state["asked"].items()}
-        self.trained, self.thawed = set(state["trained"]), {row: int(at) for row, at in state["thawed"].items()}
+        # A state saved before thaws were noted (none released): the next step's parameter rows start afresh.
+        self.trained, self.params_start = set(state.get("trained", ())), state.get("params_start")
+        self.thawed = {row: int(at) for row, at in state.get("thawed", {}).items()}
+        self.seen = {f: {row: int(at) for row, at in rows.items()} for f, rows in state.get("seen", {}).items()}
         self.peers.load_state_dict(state["peers"])

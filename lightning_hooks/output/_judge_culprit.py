@@ -79,6 +79,7 @@ class CulpritNaming:
     affected: set[str]  # rows out as victims
     excused: set[str]  # "figure/row": the last of its kind excused as the end of its kind's gradient
     peers: Peers
+    gap: int  # the steps from the logged step before to this one
     _contained_in: tuple[tuple[int, int], frozenset[str]] = ((0, 0), frozenset())  # (the rows' dict, how many), blocks
 
     def _sort(self, found: list[Finding], data: bool) -> Judged:
@@ -164,17 +165,22 @@ class CulpritNaming:
         """The first module whose outputs left their range by a step ``DWARFS`` times as far as every one before it.
 
         Only where every module out left its range at this point (none held a value out before), up or down by a
-        finite move: a step, the moves before it its reaction. A module before it leaning out already is
-        ``_leaning``'s; dead or non-finite outputs are named in forward order; the prediction layer's step is its
-        pull's to judge (``overshot``).
+        finite move: a step, the moves before it its reaction. A step is the value held out against the last let
+        in, as ``_left_by_a_step`` reads it (a quiet row just past a narrow range has made none). A module before
+        it leaning out already is ``_leaning``'s; dead or non-finite outputs are named in forward order; the
+        prediction layer's step is its pull's to judge (``overshot``).
         """
-        fresh = [f for f in outputs if f.problem in RELATIVE["level"] and math.isfinite(f.moved)
-                 and (t := self._track(f.row)) is not None and len(t.held) == 1]
+        steps = {}  # each one's step: its value held out against the last let in (not how far past its range)
+        for f in outputs:
+            track = self._track(f.row)
+            if f.problem in RELATIVE["level"] and track is not None and len(track.held) == 1 and track.logs:
+                steps[f.row] = abs(track.held[0] - track.logs[-1])
+        fresh = [f for f in outputs if math.isfinite(steps.get(f.row, math.nan))]
         if len(fresh) < len(outputs) or len(fresh) < 2:
             return None
         fresh.sort(key=lambda f: self.depth.get(f.layer, 0))
         for i, big in enumerate(fresh[1:], 1):  # the first so far past every one before it
-            if all(abs(big.moved) >= DWARFS * abs(f.moved) for f in fresh[:i]):
+            if all(steps[big.row] >= DWARFS * steps[f.row] for f in fresh[:i]):
                 if big.row == self._last() or not self._left_by_a_step(big.row):  # the prediction layer: ``overshot``
                     return None
                 return big.layer
@@ -321,7 +327,8 @@ class CulpritNaming:
 
     def _grew_with_partner(self, row: str, up: bool) -> bool:
         """Whether a query or key projection moved with its partner: attention sharpening (``_peers.py``)."""
-        return self._peers_for(row).grew_with_partner(row, least_change("level", self.bands) * (1 if up else 2), up)
+        return self._peers_for(row).grew_with_partner(row, least_change("level", self.bands) * (1 if up else 2), up,
+                                                      self.gap)
 
     def _peers_for(self, row: str, figure: str | None = None) -> Peers:
         """The peers, the fewest values a move needs set for judging ``row`` (its ``figure``'s track, or ``_track``).

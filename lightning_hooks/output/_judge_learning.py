@@ -43,6 +43,7 @@ class LearningJudging:
     named: set[str]  # layers named and still out
     affected: set[str]  # rows out as victims
     warm: bool  # whether the rows' own ranges judge at this step (past the warm-up in steps)
+    _warm_for: Callable[[str], bool]  # whether a module's outputs are past every warm-up holding it (a thaw's too)
     gap: int  # the steps from the logged step before to this one
     pulls: Mapping[str, float]  # the step's pull by module (the prediction layer's)
     asked: dict[str, tuple[float, int]]  # the prediction layer out since a growth the loss asked for: its strongest
@@ -54,7 +55,7 @@ class LearningJudging:
         Later a move the loss asks for stays held: named once the loss no longer asks for it.
         """
         for track in self._output_tracks(found.row):
-            if learned and (not self.warm or in_warm_up(track, self.bands)):
+            if learned and (not self._warm_for(found.row) or in_warm_up(track, self.bands)):
                 follow(track, self.bands.window)
         return learned
 

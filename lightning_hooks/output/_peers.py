@@ -54,6 +54,11 @@ def next_gain_alike(after: list[float], mine: float, sign: int, margin: float) -
 #: The query and key projections of one attention, by the names models give them: their product is the attention
 #: logits, and attention sharpening as it learns grows both together (ALBERT's one shared layer: x4 each over
 #: steps 20-160, with no copies to grow beside). A fault moves one of them alone.
+#: Past this pace (log a step, over a pair's newest ``PACE_POINTS`` points) queries and keys growing together are
+#: not learning: attention logits running away (an LR too high for attention) are a fault. ALBERT's sharpening
+#: went 1.9% a step at its fastest.
+PARTNER_PACE = math.log(1.03)
+PACE_POINTS = 4
 PARTNERS = {"query": "key", "q_proj": "k_proj", "q": "k", "to_q": "to_k", "wq": "wk", "q_lin": "k_lin"}
 PARTNERS.update({key: query for query, key in list(PARTNERS.items())})
 
@@ -179,18 +184,29 @@ class Peers:
             return False
         return all(sign * m >= least for m in levels) and sign * gains[0] - max(sign * m for m in gains[1:]) <= margin
 
-    def grew_with_partner(self, row: str, margin: float, up: bool) -> bool:
+    def pace(self, figure: str, row: str, points: int) -> float | None:
+        """The row's move (log) over its newest ``points`` points, a point; None with fewer values."""
+        values = self.history.get(figure, {}).get(row)
+        if values is None or len(values) <= points:
+            return None
+        return (values[-1] - values[-1 - points]) / points
+
+    def grew_with_partner(self, row: str, margin: float, up: bool, gap: int = 1) -> bool:
         """Whether ``row``'s query-key partner (:func:`partner`) moved its outputs the same way with it.
 
         Over their windows the partner moved that way at least half as far as ``row`` did, and within ``margin``
-        of it: the attention sharpening (or flattening), not a fault in one of them.
+        of it, each no faster than ``PARTNER_PACE`` a step over its newest points (``gap`` steps a point): the
+        attention sharpening (or flattening), not a fault in one of them, nor logits running away.
         """
         other = partner(row)
         mine, theirs = self.move("level", row), self.move("level", other) if other is not None else None
         if mine is None or theirs is None:
             return False
         sign = 1 if up else -1
-        return sign * mine > 0 and sign * theirs >= sign * mine / 2 and abs(mine - theirs) <= margin
+        if not (sign * mine > 0 and sign * theirs >= sign * mine / 2 and abs(mine - theirs) <= margin):
+            return False
+        paces = [self.pace("level", name, PACE_POINTS) for name in (row, other)]
+        return all(p is not None and abs(p) <= PARTNER_PACE * gap for p in paces)
 
     def state_dict(self) -> dict[str, Any]:
         """The kept values, as plain lists."""
