@@ -170,11 +170,12 @@ class CulpritNaming:
         it leaning out already is ``_leaning``'s; dead or non-finite outputs are named in forward order; the
         prediction layer's step is its pull's to judge (``overshot``).
         """
-        steps = {}  # each one's step: its value held out against the last let in (not how far past its range)
+        steps = {}  # each one's step (not how far past its range), where it left its range at this point
         for f in outputs:
             track = self._track(f.row)
-            if f.problem in RELATIVE["level"] and track is not None and len(track.held) == 1 and track.logs:
-                steps[f.row] = abs(track.held[0] - track.logs[-1])
+            step = self._step_out(track)
+            if f.problem in RELATIVE["level"] and track is not None and len(track.held) == 1 and step is not None:
+                steps[f.row] = step
         fresh = [f for f in outputs if math.isfinite(steps.get(f.row, math.nan))]
         if len(fresh) < len(outputs) or len(fresh) < 2:
             return None
@@ -193,10 +194,15 @@ class CulpritNaming:
         batch out of range is a step (every layer at once, from one batch on); the first module
         ramping out over several points is its own fault, named as any module's.
         """
-        track = self._track(row)
+        step = self._step_out(self._track(row))
+        return step is None or step > least_change(self._judged_by(row), self.bands)
+
+    @staticmethod
+    def _step_out(track: Track | None) -> float | None:
+        """How far (log) a row's first value held out moved from the value let in before it; None if it holds none."""
         if track is None or not track.held or not track.logs:
-            return True
-        return abs(track.held[0] - track.logs[-1]) > least_change(self._judged_by(row), self.bands)
+            return None
+        return abs(track.held[0] - track.logs[-1])
 
     def _track(self, row: str) -> Track | None:
         """The track a module's outputs are judged by: its gain's if that is quieter than its level's.

@@ -54,13 +54,13 @@ def next_gain_alike(after: list[float], mine: float, sign: int, margin: float) -
 #: The query and key projections of one attention, by the names models give them: their product is the attention
 #: logits, and attention sharpening as it learns grows both together (ALBERT's one shared layer: x4 each over
 #: steps 20-160, with no copies to grow beside). A fault moves one of them alone.
-#: Past this pace (log a step, over a pair's newest ``PACE_POINTS`` points) queries and keys growing together are
+PARTNERS = {"query": "key", "q_proj": "k_proj", "q": "k", "to_q": "to_k", "wq": "wk", "q_lin": "k_lin"}
+PARTNERS.update({key: query for query, key in list(PARTNERS.items())})
+#: Past this pace (log a step, over a pair's newest ``PARTNER_POINTS`` points) queries and keys growing together are
 #: not learning: attention logits running away (an LR too high for attention) are a fault. ALBERT's sharpening
 #: went 1.9% a step at its fastest.
 PARTNER_PACE = math.log(1.03)
-PACE_POINTS = 4
-PARTNERS = {"query": "key", "q_proj": "k_proj", "q": "k", "to_q": "to_k", "wq": "wk", "q_lin": "k_lin"}
-PARTNERS.update({key: query for query, key in list(PARTNERS.items())})
+PARTNER_POINTS = 4
 
 
 def partner(row: str) -> str | None:
@@ -205,7 +205,7 @@ class Peers:
         sign = 1 if up else -1
         if not (sign * mine > 0 and sign * theirs >= sign * mine / 2 and abs(mine - theirs) <= margin):
             return False
-        paces = [self.pace("level", name, PACE_POINTS) for name in (row, other)]
+        paces = [self.pace("level", name, PARTNER_POINTS) for name in (row, other)]
         return all(p is not None and abs(p) <= PARTNER_PACE * gap for p in paces)
 
     def state_dict(self) -> dict[str, Any]:
