@@ -1,0 +1,59 @@
+"""The fault sweep's eighteenth unseen group: faults drawn at random, in layers nobody chose.
+
+- ``unseen18``: 48 faulty cases, each drawn (``random.Random(18)``) from 24 models, any module with weights from the
+  middle 60% of the model (a Linear, a convolution, a norm; not an embedding, not the head), a ramp (1-6% a
+  step) or a jump (x4 to x40), each drawn 3 times as often as dead units, a vanishing signal or a NaN, an onset at 30-70% of a 300-step run, logged
+  every 2 steps (every 5 drawn one time in 4); and each drawn recipe's healthy run.
+"""
+
+from __future__ import annotations
+
+import random
+
+from torch import nn
+
+from benchmarks._sweep_variant import Variant
+from benchmarks._zoo_models import RECIPES
+
+#: The models drawn from: the zoo's four and twenty of the sweep's (no shared modules: their known limits).
+MODELS = ("gpt2", "llama", "cnn", "mlp", "qwen2", "opt", "gptj", "bert", "neox", "phi", "falcon", "gemma", "mistral",
+          "stablelm", "vit", "mixer", "convnext", "resnet-preact", "cnn-gn", "mlp-deep-ln", "mobilenet", "densenet",
+          "gnn", "unet")
+FAULTS = ("ramp", "jump", "dead", "vanish", "nan")
+WEIGHTS = (3, 3, 1, 1, 1)  # ramps and jumps drawn three times as often
+CASES = 48
+_NORMS = (nn.LayerNorm, nn.GroupNorm, nn.BatchNorm2d)
+
+
+def _eligible(model: nn.Module) -> list[str]:
+    """The modules with their own weight, in the order they were made, the first and last 20% left out."""
+    names = []
+    for name, module in model.named_modules():
+        if not name or list(module.children()) or isinstance(module, nn.Embedding) or "head" in name:
+            continue
+        if getattr(module, "weight", None) is None or not isinstance(module.weight, nn.Parameter):
+            continue
+        if isinstance(module, (nn.Linear, nn.Conv1d, nn.Conv2d, *_NORMS)) or type(module).__name__ in (
+                "Conv1D", "LlamaRMSNorm", "Qwen2RMSNorm", "GemmaRMSNorm", "MistralRMSNorm"):
+            names.append(name)
+    cut = len(names) // 5
+    return names[cut: len(names) - cut]
+
+
+def unseen18() -> dict[str, list[Variant]]:
+    """The group ``unseen18``: random faults in random layers, and the drawn recipes' healthy runs."""
+    draw = random.Random(18)
+    eligible: dict[str, list[str]] = {}
+    cases, healthy = [], {}
+    for _ in range(CASES):
+        model = draw.choice(MODELS)
+        if model not in eligible:
+            eligible[model] = _eligible(RECIPES[model].build())
+        target, fault = draw.choice(eligible[model]), draw.choices(FAULTS, WEIGHTS)[0]
+        every, onset = draw.choice((2, 2, 2, 5)), round(draw.uniform(0.3, 0.7), 2)
+        growth, jump = round(draw.uniform(1.01, 1.06), 3), round(draw.uniform(4.0, 40.0), 1)
+        v = Variant("unseen18", model, (fault,), target=target, steps=300, onset=onset, every=every, growth=growth,
+                    jump=jump)
+        cases.append(v)
+        healthy.setdefault((model, every), Variant("unseen18", model, ("healthy",), steps=300, every=every))
+    return {"unseen18": [*healthy.values(), *cases]}
