@@ -1,9 +1,11 @@
-"""The fault sweep's eighteenth unseen group: faults drawn at random, in layers nobody chose.
+"""The fault sweep's eighteenth and nineteenth unseen groups: faults drawn at random, in layers nobody chose.
 
 - ``unseen18``: 48 faulty cases, each drawn (``random.Random(18)``) from 24 models, any module with weights from the
   middle 60% of the model (a Linear, a convolution, a norm; not an embedding, not the head), a ramp (1-6% a
   step) or a jump (x4 to x40), each drawn 3 times as often as dead units, a vanishing signal or a NaN, an onset at 30-70% of a 300-step run, logged
   every 2 steps (every 5 drawn one time in 4); and each drawn recipe's healthy run.
+- ``unseen19``: drawn the same way (``random.Random(19)``), after the judge was changed on ``unseen18``: a check on
+  cases the change was not made on.
 """
 
 from __future__ import annotations
@@ -41,8 +43,13 @@ def _eligible(model: nn.Module) -> list[str]:
 
 
 def unseen18() -> dict[str, list[Variant]]:
-    """The group ``unseen18``: random faults in random layers, and the drawn recipes' healthy runs."""
-    draw = random.Random(18)
+    """The groups ``unseen18`` and ``unseen19``: random faults in random layers, and the drawn recipes' healthy runs."""
+    return {name: _drawn(name, seed) for name, seed in (("unseen18", 18), ("unseen19", 19))}
+
+
+def _drawn(group: str, seed: int) -> list[Variant]:
+    """``CASES`` faults drawn with ``random.Random(seed)``, and each drawn recipe's healthy run."""
+    draw = random.Random(seed)
     eligible: dict[str, list[str]] = {}
     cases, healthy = [], {}
     for _ in range(CASES):
@@ -52,8 +59,8 @@ def unseen18() -> dict[str, list[Variant]]:
         target, fault = draw.choice(eligible[model]), draw.choices(FAULTS, WEIGHTS)[0]
         every, onset = draw.choice((2, 2, 2, 5)), round(draw.uniform(0.3, 0.7), 2)
         growth, jump = round(draw.uniform(1.01, 1.06), 3), round(draw.uniform(4.0, 40.0), 1)
-        v = Variant("unseen18", model, (fault,), target=target, steps=300, onset=onset, every=every, growth=growth,
+        v = Variant(group, model, (fault,), target=target, steps=300, onset=onset, every=every, growth=growth,
                     jump=jump)
         cases.append(v)
-        healthy.setdefault((model, every), Variant("unseen18", model, ("healthy",), steps=300, every=every))
-    return {"unseen18": [*healthy.values(), *cases]}
+        healthy.setdefault((model, every), Variant(group, model, ("healthy",), steps=300, every=every))
+    return [*healthy.values(), *cases]
