@@ -7,7 +7,7 @@ import pytest
 
 from lightning_hooks.output._health_bands import Bands
 from lightning_hooks.output._judge import Judge
-from lightning_hooks.output._peers import kind
+from lightning_hooks.output._peers import Peers, kind
 
 BLOCKS = 6
 KINDS = ("ln", "key")  # per block: a norm (its std steady to 0.1%), a key projection that grows as attention sharpens
@@ -121,3 +121,47 @@ def test_a_peer_that_started_late_does_not_excuse_a_step_after_the_warm_up(seed)
             level["moe.0.expert"] = jump * math.exp(rng.gauss(0, 0.01))
         named += [(point, f.layer) for f in judge.step({"level": level}, point).named]
     assert named and named[0] == (100, "moe.1.expert"), named
+
+
+DEEP = [f"blocks.{b}.{k}" for b in range(6) for k in ("ln", "mix")]
+DEEPER_RATES = (0.0, 0.005, 0.01, 0.02, 0.03, 0.04)  # each block's ``mix`` learns more than the one before
+
+
+def deeper_learning(seed: int):
+    """Six blocks' ``mix`` learning faster and faster from point 30 (``DEEPER_RATES`` times (i - 30)^2 / 60, to point
+    90), each block more than the block before, 2% noise, their LayerNorms steady."""
+    rng = random.Random(seed)
+
+    def levels(i: int) -> dict[str, dict[str, float]]:
+        grown = min(max(i - 30, 0), 60) ** 2 / 60
+        out = {f"blocks.{b}.ln": math.exp(rng.gauss(0, 0.002)) for b in range(6)}
+        out.update({f"blocks.{b}.mix": math.exp(DEEPER_RATES[b] * grown + rng.gauss(0, 0.02)) for b in range(6)})
+        return {"level": out}
+    return levels
+
+
+def named_by(judge: Judge, figures_at, points: int) -> list[tuple[int, str]]:
+    """Every (point, layer) ``judge`` names over ``points`` points of ``figures_at``."""
+    return [(i, f.layer) for i in range(points) for f in judge.step(figures_at(i), i).named]
+
+
+def test_blocks_learning_more_with_depth_and_faster_each_point_are_learning_not_a_fault():
+    """Learning that grows with depth and speeds up (a BERT's attention outputs, a pre-activation ResNet's block
+    inputs): a block moving past the block before's move by more than the margin, but no more than that move,
+    at most 2.5 times its pace, while the block after moves further (out of its own range too): not named."""
+    for seed in range(8):
+        assert not named_by(Judge(Bands(), DEEP), deeper_learning(seed), 140), seed
+
+
+@pytest.mark.parametrize("ramp, after, shared", [(False, True, True), (True, True, False), (False, False, False)])
+def test_a_move_past_a_learning_peers_is_learning_at_its_pace_with_the_copy_after_moving_on(ramp, after, shared):
+    """Block 3 moved 0.6 (log) over the window at an even pace, block 4 0.9, block 5 after it 1.0: block 4's
+    move is their learning. Not where block 4 was flat and then made all of it over its newest 8 points (a
+    ramp, 4 times block 3's pace there), nor where no copy after it moved on (a normalised block's fault)."""
+    peers = Peers(32, 4)
+    for i in range(32):
+        mine = 0.9 * max(0, i - 23) / 8 if ramp else 0.9 * i / 31
+        peers.add("level", {"blocks.3.mix": 0.6 * i / 31, "blocks.4.mix": mine, "blocks.5.mix": i / 31 * after})
+    depth = {"blocks.3.mix": 3, "blocks.4.mix": 4, "blocks.5.mix": 5}
+    out = {"blocks.4.mix", "blocks.5.mix"}
+    assert peers.shared("level", "blocks.4.mix", depth, math.log(1.25), True, out) is shared

@@ -8,8 +8,13 @@ and queries grow 3x as its attention sharpens, in every block); a fault in one m
 its peers *before* it in forward order (their inputs do not pass through it). So a module whose
 outputs left their range is not named where its peers before it made at least half its move, over
 its last ``window`` logged values, and it is within the figure's factor of theirs (the nearest
-one's, or their median's): it learned with them. Only peers in their own range count: a move a
-peer made out of its range is a fault's, and what follows it its victim. The first module of its
+one's, or their median's): it learned with them. Learning can grow with depth past that factor (each
+block's outputs growing more than the block's before): where the nearest peer moved past the factor
+itself, at least half as far, and the module kept its pace (at most ``DEPTH_PACE_RATIO`` times as fast
+over their newest points), and a copy after it moved on at least ``DEPTH_CARRIED`` as far, it learned
+with them too; a ramp outpaces them, and a fault in a normalised block leaves the copies after it in
+place. Only peers in their own
+range count: a move a peer made out of its range is a fault's, and what follows it its victim. The first module of its
 kind, with no peer before it, is compared with the copies after it, in their own range: a fault
 there that moved them made them victims, out of their range too. A module with no move of its own
 past the factor within its window (a jump its window has forgotten) is never excused: it stays out.
@@ -40,6 +45,15 @@ _NUMBER = re.compile(r"(^|\.)\d+(?=\.|$)")
 #: The last copy of a kind ends a gradient over depth where it moved at most this many times the copy before it
 #: (the Mixer's last token-mixing layer x2.7 its predecessor's move, the pre-activation ResNet's last conv x2.3).
 STEEPEST = 3.0
+#: A module keeps its learning peer's pace where its move over its newest this many points is at most
+#: ``DEPTH_PACE_RATIO`` times the peer's, the same way: learning that grows with depth, not a ramp, which
+#: outpaces the layers learning beside it (a BERT's attention output projections over steps 85-130: x1.7,
+#: x1.8, x2.5 in blocks 2-4; a pre-activation ResNet's block inputs x1.3, x1.7, x2.4 over 48 steps, at
+#: paces 2.0-2.2 times the block before's).
+DEPTH_PACE_POINTS = 8
+DEPTH_PACE_RATIO = 2.5
+#: ... and a copy after it moved the same way at least this share of its move (the BERT's block 5: 0.9 of block 4's).
+DEPTH_CARRIED = 0.8
 
 
 def next_gain_alike(after: list[float], mine: float, sign: int, margin: float) -> bool:
@@ -120,14 +134,20 @@ class Peers:
         peers = self._peers(figure, row, depth, out)
         before = [m for d, m, _ in peers if d < at]
         after = [m for d, m, _ in peers if d > at]
-        near = before[-1:] or after[:1]  # the first of its kind: the copies after it
-        if not near:
+        # the peer just before it; for the first of its kind, the copy after it
+        nearest = [p for p in peers if p[0] < at][-1:] or [p for p in peers if p[0] > at][:1]
+        if not nearest:
             return False
+        near, near_row = nearest[0][1:]
         if figure == "gain" and next_gain_alike(after, mine, sign, margin):
             return True
         typical = statistics.median(before or after)
         # theirs at least half of its move, and its own part within the margin
-        if any(sign * m >= sign * mine / 2 and sign * (mine - m) <= margin for m in (near[0], typical)):
+        if any(sign * m >= sign * mine / 2 and sign * (mine - m) <= margin for m in (near, typical)):
+            return True
+        # the nearest learning past the margin itself, at least half as far, and its pace kept: learning over depth
+        if sign * near > margin and sign * near >= sign * mine / 2 and self._keeps_pace(figure, row, near_row, sign) \
+                and self._carried_on(figure, row, depth, mine, sign):
             return True
         # between its neighbours: the one before moved the same way, the one after (steady) at least as far
         steady = [m for d, m, other in peers if d > at and other not in leaning]
@@ -152,6 +172,26 @@ class Peers:
         before = [m for d, m, _ in self._peers(figure, row, depth, out) if d < at]
         return bool(before) and sign * before[-1] >= margin / 2 and sign * mine <= STEEPEST * sign * before[-1] \
             and sign * (values[-1] - values[-2]) <= margin
+
+    def _keeps_pace(self, figure: str, row: str, peer: str, sign: int) -> bool:
+        """Whether ``row`` moved at most ``DEPTH_PACE_RATIO`` times as fast as ``peer`` over their newest points.
+
+        Both the same way (``sign``): a ramp outpaces a layer learning beside it, whatever their moves over the window.
+        """
+        mine, theirs = self.pace(figure, row, DEPTH_PACE_POINTS), self.pace(figure, peer, DEPTH_PACE_POINTS)
+        return (mine is not None and theirs is not None and sign * theirs > 0
+                and sign * mine <= DEPTH_PACE_RATIO * sign * theirs)
+
+    def _carried_on(self, figure: str, row: str, depth: Mapping[str, int], mine: float, sign: int) -> bool:
+        """Whether a copy after ``row``, in its range or not, moved the same way ``DEPTH_CARRIED`` of ``mine`` or more.
+
+        Learning that grows with depth goes on growing after it; a fault in a normalised block leaves the copies after
+        it where they were, and the last copy of its kind has none (``ends_gradient`` judges it).
+        """
+        at, own = depth.get(row, 0), kind(row)
+        return any(sign * m >= DEPTH_CARRIED * sign * mine for other in self.history.get(figure, {})
+                   if other != row and depth.get(other, 0) > at and kind(other) == own
+                   and (m := self.move(figure, other)) is not None)
 
     def _own_move(self, figure: str, row: str, margin: float, up: bool) -> float | None:
         """The row's move, where it moved past ``margin`` the way it is out (``up`` or down), else None.
