@@ -1,11 +1,13 @@
 """The fault sweep's eighteenth and nineteenth unseen groups: faults drawn at random, in layers nobody chose.
 
 - ``unseen18``: 48 faulty cases, each drawn (``random.Random(18)``) from 24 models, any module with weights from the
-  middle 60% of the model (a Linear, a convolution, a norm; not an embedding, not the head), a ramp (1-6% a
-  step) or a jump (x4 to x40), each drawn 3 times as often as dead units, a vanishing signal or a NaN, an onset at 30-70% of a 300-step run, logged
-  every 2 steps (every 5 drawn one time in 4); and each drawn recipe's healthy run.
+  middle 60% of the model (a Linear, a convolution, a norm; not an embedding, not the head), a ramp (1-6% a step)
+  or a jump (x4 to x40), each drawn 3 times as often as dead units, a vanishing signal or a NaN, an onset at 30-70%
+  of a 300-step run, logged every 2 steps (every 5 drawn one time in 4); and each drawn recipe's healthy run.
 - ``unseen19``: drawn the same way (``random.Random(19)``), after the judge was changed on ``unseen18``: a check on
   cases the change was not made on.
+- ``unseen20``: drawn the same way (``random.Random(20)``) from 28 other models: encoder-decoders, a Mamba, mixtures of
+  experts, recurrent and convolutional LMs, MLPs with other activations, wider and plainer CNNs.
 """
 
 from __future__ import annotations
@@ -21,6 +23,10 @@ from benchmarks._zoo_models import RECIPES
 MODELS = ("gpt2", "llama", "cnn", "mlp", "qwen2", "opt", "gptj", "bert", "neox", "phi", "falcon", "gemma", "mistral",
           "stablelm", "vit", "mixer", "convnext", "resnet-preact", "cnn-gn", "mlp-deep-ln", "mobilenet", "densenet",
           "gnn", "unet")
+#: ``unseen20``'s models: the sweep's others.
+OTHER_MODELS = ("t5", "bart", "mamba", "mixtral", "qwen3", "cohere", "roberta", "distilbert", "bloom", "bigcode",
+                "gpt2-12", "llama16", "gpt2-dropout", "gru", "lstm", "wavenet", "tfenc", "moe", "moe-top1", "autoenc",
+                "mlp-gelu", "mlp-silu", "mlp-tanh", "mlp-wide", "cnn-w32", "cnn-plain", "resnet-tv", "mlp-cls")
 FAULTS = ("ramp", "jump", "dead", "vanish", "nan")
 WEIGHTS = (3, 3, 1, 1, 1)  # ramps and jumps drawn three times as often
 CASES = 48
@@ -43,19 +49,22 @@ def _eligible(model: nn.Module) -> list[str]:
 
 
 def unseen18() -> dict[str, list[Variant]]:
-    """The groups ``unseen18`` and ``unseen19``: random faults in random layers, and the drawn recipes' healthy runs."""
-    return {name: _drawn(name, seed) for name, seed in (("unseen18", 18), ("unseen19", 19))}
+    """The groups ``unseen18`` to ``unseen20``: random faults in random layers, and the drawn recipes' healthy runs."""
+    return {"unseen18": _drawn("unseen18", 18, MODELS), "unseen19": _drawn("unseen19", 19, MODELS),
+            "unseen20": _drawn("unseen20", 20, OTHER_MODELS)}
 
 
-def _drawn(group: str, seed: int) -> list[Variant]:
-    """``CASES`` faults drawn with ``random.Random(seed)``, and each drawn recipe's healthy run."""
+def _drawn(group: str, seed: int, models: tuple[str, ...]) -> list[Variant]:
+    """``CASES`` faults on ``models`` drawn with ``random.Random(seed)``, and each drawn recipe's healthy run."""
     draw = random.Random(seed)
     eligible: dict[str, list[str]] = {}
     cases, healthy = [], {}
-    for _ in range(CASES):
-        model = draw.choice(MODELS)
+    while len(cases) < CASES:
+        model = draw.choice(models)
         if model not in eligible:
             eligible[model] = _eligible(RECIPES[model].build())
+        if not eligible[model]:  # nothing to hurt (an RNN's weights are no ``weight``): drawn again
+            continue
         target, fault = draw.choice(eligible[model]), draw.choices(FAULTS, WEIGHTS)[0]
         every, onset = draw.choice((2, 2, 2, 5)), round(draw.uniform(0.3, 0.7), 2)
         growth, jump = round(draw.uniform(1.01, 1.06), 3), round(draw.uniform(4.0, 40.0), 1)
