@@ -165,3 +165,17 @@ def test_a_move_past_a_learning_peers_is_learning_at_its_pace_with_the_copy_afte
     depth = {"blocks.3.mix": 3, "blocks.4.mix": 4, "blocks.5.mix": 5}
     out = {"blocks.4.mix", "blocks.5.mix"}
     assert peers.shared("level", "blocks.4.mix", depth, math.log(1.25), True, out) is shared
+
+
+
+def test_a_gradients_move_is_compared_with_its_peers_before_it_in_backward_order():
+    """Key weight gradients (log norms) over a window: block 0's, the last reached by the backward pass, moved 2.9
+    with blocks 1-5 moving 2.3-2.6 (the RoBERTa's queries as its attention learns): learning. Block 3's moved 2.9
+    with blocks 4-5, which the backward pass reaches first, steady: a fault, though blocks 0-2 after it in
+    backward order, its victims, moved as far."""
+    order = [f"enc.layer.{b}.{k}" for b in range(BLOCKS) for k in KINDS]
+    for moves, row, shared in (((2.9, 2.5, 2.4, 2.6, 2.3, 2.4), 0, True), ((2.9, 2.9, 2.9, 2.9, 0.0, 0.0), 3, False)):
+        judge = Judge(Bands(), order)
+        for i in range(32):
+            judge.peers.add("norm", {f"enc.layer.{b}.key.weight": m * i / 31 for b, m in enumerate(moves)})
+        assert judge._with_peers("norm", f"enc.layer.{row}.key.weight", True) is shared, row

@@ -94,7 +94,7 @@ from lightning_hooks.output._judge_absolute import ZeroRuns, absolute_problems
 from lightning_hooks.output._judge_culprit import CulpritNaming, its_own
 from lightning_hooks.output._judge_data import gradients_jumped_together, outputs_out_together, singled_out
 from lightning_hooks.output._judge_gain import GainJudging
-from lightning_hooks.output._judge_learning import PEER_FIGURES, LearningJudging
+from lightning_hooks.output._judge_learning import PEER_FIGURES, SHARED_FIGURES, LearningJudging
 from lightning_hooks.output._judge_pull import PULL
 from lightning_hooks.output._peers import Peers
 from lightning_hooks.output._row_range import (
@@ -291,7 +291,7 @@ class Judge(LearningJudging, GainJudging, CulpritNaming):
             for row, v in values.items():
                 if math.isfinite(v) and v > 0:
                     self.first_ratio.setdefault(row, v)
-        if figure in PEER_FIGURES:
+        if figure in SHARED_FIGURES:
             self.peers.add(figure, {row: x - self.offset[figure] for row, x in logs.items()})
         for row, x in logs.items():
             if math.isfinite(x):

@@ -285,7 +285,10 @@ class CulpritNaming:
         """
         margin = least_change(figure, self.bands) * (1 if up else 2)
         leaning = {other for other, track in self.tracks.get(figure, {}).items() if track.up or track.down}
-        return self._peers_for(row, figure).shared(figure, row, self.depth, margin, up, out, leaning, beyond)
+        peers, depth = self._peers_for(row, figure), self.depth
+        if figure == "norm":  # a parameter's gradient: its module's place in the backward pass (forward, reversed)
+            depth = {other: -self.depth.get(self.layer(figure, other), 0) for other in peers.history.get(figure, {})}
+        return peers.shared(figure, row, depth, margin, up, out, leaning, beyond)
 
     def _excused(self, figure: str, found: list[Finding], out: Collection[str]) -> list[Finding]:
         """``found`` less the last copies of their kind that end a gradient over depth (``_peers.py``).

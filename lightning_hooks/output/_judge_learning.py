@@ -26,6 +26,8 @@ from lightning_hooks.output._row_range import (
 
 #: The figures of a module's outputs, judged against its same-kind peers before it too (``_peers.py``).
 PEER_FIGURES = ("level", "gain")
+#: The figures whose moves the same-kind peers before a row excuse: its outputs', and its gradient's norm.
+SHARED_FIGURES = (*PEER_FIGURES, "norm")
 #: The prediction layer's growth the loss asked for has settled at the scale the loss wanted after this many logged
 #: points without the loss asking, its output not rising (``_asked_or_learned``): its ranges follow it then.
 SETTLED = 4
@@ -130,7 +132,7 @@ class LearningJudging:
         A move they share is the recipe: the row's range follows it, as it follows its own learning. The
         last copy of its kind ending a gradient over depth is excused (:meth:`_excused`).
         """
-        if figure not in PEER_FIGURES:
+        if figure not in SHARED_FIGURES:
             return found
         out = {f.row for f in found}
         return self._excused(figure, self._followed(found, lambda f: self._shares_move(figure, f, out)), out)
