@@ -329,3 +329,29 @@ def test_an_output_nested_deep_or_holding_itself_is_counted_once_per_tensor(tmp_
     x = next(iter(loader()))[0]
     assert float(row["activations/nested/count"]) == 2 * 8 * 8  # the deep tensor and the looped one, once each
     assert float(row["activations/nested/max"]) == pytest.approx(2 * x.max().item())
+
+
+class FunctionalGate(TinyNet):
+    """TinyNet with a ``gate`` Linear whose weight the forward uses directly (as transformers' Mamba uses
+    ``dt_proj.weight``): its hooks never run."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = torch.nn.Linear(1, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x) * self.gate.weight
+
+
+def test_a_module_whose_hooks_never_run_is_warned_about_once_and_a_model_that_runs_all_is_not(tmp_path):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer(tmp_path, [ActivationMonitor(log_every_n_steps=2)], logger=CSVLogger(tmp_path)).fit(
+            FunctionalGate(), loader())
+    silent = [str(w.message) for w in caught if "gave no figures" in str(w.message)]
+    assert len(silent) == 1 and "1 of the 4 modules" in silent[0] and "'gate'" in silent[0], silent
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer(tmp_path, [ActivationMonitor(log_every_n_steps=2)], logger=CSVLogger(tmp_path)).fit(
+            TinyNet(), loader())
+    assert not [w for w in caught if "gave no figures" in str(w.message)]

@@ -7,6 +7,7 @@ from typing import Any, Literal, Optional, Union, get_args
 
 import lightning.pytorch as pl
 import torch
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from lightning_hooks.callbacks._activation_grads import GRAD_PREFIX, inverse_loss_scale
 from lightning_hooks.callbacks._activation_hooks import ActivationHooks
@@ -18,7 +19,7 @@ from lightning_hooks.callbacks._base import (
     log_step,
 )
 from lightning_hooks.core._validation import check_bool, check_names
-from lightning_hooks.core.selection import ModuleSelection, check_limit, validate_limit
+from lightning_hooks.core.selection import ModuleSelection, check_limit, short_list, validate_limit
 from lightning_hooks.measure._stat_rows import DEFAULT_STATS, STAT_NAMES
 from lightning_hooks.measure.aggregate import StatBlock
 from lightning_hooks.measure.stats import Bins, binning
@@ -297,3 +298,16 @@ class ActivationMonitor(ActivationHooks):
                                 order, carried)
         if order:
             self._forward_order = None
+            self._warn_silent(set(order), step)
+
+    def _warn_silent(self, ran: set[str], step: int) -> None:
+        """Warn once per fit about selected modules whose hooks did not run in the first logged step."""
+        silent = [name for name in self.module_names if name not in ran]
+        if silent:
+            rank_zero_warn(
+                f"ActivationMonitor: {len(silent)} of the {len(self.module_names)} modules selected gave no figures at"
+                f" the first logged step ({step}): {short_list(silent, 10)}. Their forward hooks did not run: the"
+                " module was not called in that step (an expert not routed, a branch not taken), or the model uses its"
+                " weights without calling it (a fused kernel, `F.conv1d(x, conv.weight)`; transformers' Mamba"
+                " `conv1d` and `dt_proj`). A fault in such a module is seen only in the modules after it. Select the"
+                " modules that run with `modules=` to leave them out.")

@@ -220,7 +220,7 @@ def select_modules(
     if not chosen:
         raise ValueError(
             f"`{argument}`={selection!r} selected no module of {type(root).__name__}."
-            f" Available modules: {_short_list(names)}"
+            f" Available modules: {short_list(names)}"
         )
     first_names = {id(m): n for n, m in reversed(named)}
     return list({id(m): (first_names[id(m)], m) for _, m in chosen}.values())
@@ -309,13 +309,13 @@ def _no_match_message(argument: str, item: str | type, names: list[str]) -> str:
     if isinstance(item, type):
         return (
             f"`{argument}` names type {item.__name__}, but the model holds no {item.__name__}."
-            f" Available modules: {_short_list(names)}"
+            f" Available modules: {short_list(names)}"
         )
     close = close_matches(item, names)
     hint = f" Did you mean: {', '.join(repr(c) for c in close)}?" if close else ""
     return (
         f"`{argument}` pattern {item!r} matched no module.{hint}"
-        f" Available modules: {_short_list(names)}. Patterns are fnmatch globs over"
+        f" Available modules: {short_list(names)}. Patterns are fnmatch globs over"
         " qualified names, e.g. 'encoder.*' or '*.relu'."
     )
 
@@ -341,6 +341,7 @@ def close_matches(name: str, names: list[str], n: int = 5, cutoff: float = 0.5) 
     return [other for _, _, other in ranked[:n]]
 
 
-def _short_list(names: list[str], limit: int = 30) -> str:
+def short_list(names: list[str], limit: int = 30) -> str:
+    """``names`` quoted and joined, the first ``limit`` of them, with how many more there are."""
     shown = ", ".join(repr(n) for n in names[:limit])
     return shown + (f", ... ({len(names) - limit} more)" if len(names) > limit else "")
