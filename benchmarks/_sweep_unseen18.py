@@ -8,6 +8,8 @@
   cases the change was not made on.
 - ``unseen20``: drawn the same way (``random.Random(20)``) from 28 other models: encoder-decoders, a Mamba, mixtures of
   experts, recurrent and convolutional LMs, MLPs with other activations, wider and plainer CNNs.
+- ``unseen21``: drawn the same way (``random.Random(21)``) from all 52 models, after the rules written on
+  ``unseen18`` to ``unseen20``.
 """
 
 from __future__ import annotations
@@ -49,9 +51,9 @@ def _eligible(model: nn.Module) -> list[str]:
 
 
 def unseen18() -> dict[str, list[Variant]]:
-    """The groups ``unseen18`` to ``unseen20``: random faults in random layers, and the drawn recipes' healthy runs."""
+    """The groups ``unseen18`` to ``unseen21``: random faults in random layers, and the drawn recipes' healthy runs."""
     return {"unseen18": _drawn("unseen18", 18, MODELS), "unseen19": _drawn("unseen19", 19, MODELS),
-            "unseen20": _drawn("unseen20", 20, OTHER_MODELS)}
+            "unseen20": _drawn("unseen20", 20, OTHER_MODELS), "unseen21": _drawn("unseen21", 21, MODELS + OTHER_MODELS)}
 
 
 def _drawn(group: str, seed: int, models: tuple[str, ...]) -> list[Variant]:

@@ -106,7 +106,7 @@ RAdam, NAdam and Adamax, frozen and thawed layers, an interval of 20; ``unseen16
 torchvision-style ResNet's one ``ReLU`` per block); ``unseen17`` (``benchmarks/_sweep_unseen17.py``): ramps and
 jumps begun at 12% and 16% of the run, in or just after the judge's warm-up; ``unseen18``
 (``benchmarks/_sweep_unseen18.py``): 48 faults drawn at random (model, layer, fault, rate, onset, interval), and
-``unseen19``, drawn the same way at another seed; ``unseen20``, drawn from 28 other models.
+``unseen19``, drawn the same way at another seed; ``unseen20``, drawn from 28 other models; ``unseen21``, from all 52.
 
 Per case: the culprit named first, the layers named before it, the delay (steps from the onset
 to the first logged step that names it), on healthy runs the verdict lines after the first 10%,
