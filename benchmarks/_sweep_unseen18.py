@@ -1,9 +1,10 @@
-"""The fault sweep's eighteenth and nineteenth unseen groups: faults drawn at random, in layers nobody chose.
+"""The fault sweep's eighteenth to twenty-first unseen groups: faults drawn at random, in layers nobody chose.
 
 - ``unseen18``: 48 faulty cases, each drawn (``random.Random(18)``) from 24 models, any module with weights from the
-  middle 60% of the model (a Linear, a convolution, a norm; not an embedding, not the head), a ramp (1-6% a step)
-  or a jump (x4 to x40), each drawn 3 times as often as dead units, a vanishing signal or a NaN, an onset at 30-70%
-  of a 300-step run, logged every 2 steps (every 5 drawn one time in 4); and each drawn recipe's healthy run.
+  middle 60% of the model (a Linear, a convolution, a norm of torch's or four RMSNorms; not an embedding, not the
+  head), a ramp (1-6% a step) or a jump (x4 to x40), each drawn 3 times as often as dead units, a vanishing signal
+  or a NaN, an onset at 30-70% of a 300-step run, logged every 2 steps (every 5 drawn one time in 4); and each
+  drawn recipe's healthy run.
 - ``unseen19``: drawn the same way (``random.Random(19)``), after the judge was changed on ``unseen18``: a check on
   cases the change was not made on.
 - ``unseen20``: drawn the same way (``random.Random(20)``) from 28 other models: encoder-decoders, a Mamba, mixtures of
@@ -14,6 +15,7 @@
 
 from __future__ import annotations
 
+import functools
 import random
 
 from torch import nn
@@ -33,21 +35,28 @@ FAULTS = ("ramp", "jump", "dead", "vanish", "nan")
 WEIGHTS = (3, 3, 1, 1, 1)  # ramps and jumps drawn three times as often
 CASES = 48
 _NORMS = (nn.LayerNorm, nn.GroupNorm, nn.BatchNorm2d)
+RMS_NORMS = ("LlamaRMSNorm", "Qwen2RMSNorm", "GemmaRMSNorm", "MistralRMSNorm")
 
 
-def _eligible(model: nn.Module) -> list[str]:
-    """The modules with their own weight, in the order they were made, the first and last 20% left out."""
+@functools.cache
+def _eligible(recipe: str) -> tuple[str, ...]:
+    """The recipe's modules with their own weight, in the order they were made, the first and last 20% left out.
+
+    Built once per recipe (``fault_sweep.variants`` is called for every line of a comparison). The norms drawn are
+    torch's and the RMSNorms of ``RMS_NORMS`` (the ones written when the groups were drawn: widening the list would
+    change what the recorded groups hold).
+    """
     names = []
-    for name, module in model.named_modules():
+    for name, module in RECIPES[recipe].build().named_modules():
         if not name or list(module.children()) or isinstance(module, nn.Embedding) or "head" in name:
             continue
         if getattr(module, "weight", None) is None or not isinstance(module.weight, nn.Parameter):
             continue
         if isinstance(module, (nn.Linear, nn.Conv1d, nn.Conv2d, *_NORMS)) or type(module).__name__ in (
-                "Conv1D", "LlamaRMSNorm", "Qwen2RMSNorm", "GemmaRMSNorm", "MistralRMSNorm"):
+                "Conv1D", *RMS_NORMS):
             names.append(name)
     cut = len(names) // 5
-    return names[cut: len(names) - cut]
+    return tuple(names[cut: len(names) - cut])
 
 
 def unseen18() -> dict[str, list[Variant]]:
@@ -59,15 +68,12 @@ def unseen18() -> dict[str, list[Variant]]:
 def _drawn(group: str, seed: int, models: tuple[str, ...]) -> list[Variant]:
     """``CASES`` faults on ``models`` drawn with ``random.Random(seed)``, and each drawn recipe's healthy run."""
     draw = random.Random(seed)
-    eligible: dict[str, list[str]] = {}
     cases, healthy = [], {}
     while len(cases) < CASES:
         model = draw.choice(models)
-        if model not in eligible:
-            eligible[model] = _eligible(RECIPES[model].build())
-        if not eligible[model]:  # nothing to hurt (an RNN's weights are no ``weight``): drawn again
+        if not _eligible(model):  # nothing to hurt (an RNN's weights are no ``weight``): drawn again
             continue
-        target, fault = draw.choice(eligible[model]), draw.choices(FAULTS, WEIGHTS)[0]
+        target, fault = draw.choice(_eligible(model)), draw.choices(FAULTS, WEIGHTS)[0]
         every, onset = draw.choice((2, 2, 2, 5)), round(draw.uniform(0.3, 0.7), 2)
         growth, jump = round(draw.uniform(1.01, 1.06), 3), round(draw.uniform(4.0, 40.0), 1)
         v = Variant(group, model, (fault,), target=target, steps=300, onset=onset, every=every, growth=growth,

@@ -153,20 +153,24 @@ def test_blocks_learning_more_with_depth_and_faster_each_point_are_learning_not_
         assert not named_by(Judge(Bands(), DEEP), deeper_learning(seed), 140), seed
 
 
-@pytest.mark.parametrize("ramp, after, shared", [(False, True, True), (True, True, False), (False, False, False)])
-def test_a_move_past_a_learning_peers_is_learning_at_its_pace_with_the_copy_after_moving_on(ramp, after, shared):
-    """Block 3 moved 0.6 (log) over the window at an even pace, block 4 0.9, block 5 after it 1.0: block 4's
-    move is their learning. Not where block 4 was flat and then made all of it over its newest 8 points (a
-    ramp, 4 times block 3's pace there), nor where no copy after it moved on (a normalised block's fault)."""
+@pytest.mark.parametrize("ramp, after, first, shared", [
+    (False, True, False, True), (True, True, False, False), (False, False, False, False), (False, True, True, False)])
+def test_a_move_past_a_learning_peers_is_learning_at_its_pace_with_the_copy_after_moving_on(ramp, after, first, shared):
+    """Over the window block 3 moved 0.76 (log, its newest against its older half's median), block 4 1.14, block
+    5 after it 1.29, all at even paces: block 4's move is their learning. Not where block 4 was flat and then made
+    all of it over its newest 8 points (a ramp, 5.8 times block 3's pace there), nor where no copy after it moved
+    on (a normalised block's fault), nor where block 4 is the first of its kind (``first``: no block 3; the copies
+    after it are its victims)."""
     peers = Peers(32, 4)
     for i in range(32):
-        mine = 0.9 * max(0, i - 23) / 8 if ramp else 0.9 * i / 31
-        peers.add("level", {"blocks.3.mix": 0.6 * i / 31, "blocks.4.mix": mine, "blocks.5.mix": i / 31 * after})
-    depth = {"blocks.3.mix": 3, "blocks.4.mix": 4, "blocks.5.mix": 5}
+        mine = 1.5 * max(0, i - 23) / 8 if ramp else 1.5 * i / 31
+        rows = {"blocks.4.mix": mine, "blocks.5.mix": 1.7 * i / 31 * after, "blocks.6.mix": 1.0 * i / 31 * first}
+        if not first:
+            rows["blocks.3.mix"] = 1.0 * i / 31
+        peers.add("level", rows)
+    depth = {"blocks.3.mix": 3, "blocks.4.mix": 4, "blocks.5.mix": 5, "blocks.6.mix": 6}
     out = {"blocks.4.mix", "blocks.5.mix"}
     assert peers.shared("level", "blocks.4.mix", depth, math.log(1.25), True, out) is shared
-
-
 
 def test_a_gradients_move_is_compared_with_its_peers_before_it_in_backward_order():
     """Key weight gradients (log norms) over a window: block 0's, the last reached by the backward pass, moved 2.9
@@ -179,3 +183,22 @@ def test_a_gradients_move_is_compared_with_its_peers_before_it_in_backward_order
         for i in range(32):
             judge.peers.add("norm", {f"enc.layer.{b}.key.weight": m * i / 31 for b, m in enumerate(moves)})
         assert judge._with_peers("norm", f"enc.layer.{row}.key.weight", True) is shared, row
+
+
+def test_a_gradient_going_non_finite_while_every_copy_grows_is_named_at_once():
+    """Every block's key gradient growing 10% a point from point 50, block 0's NaN from point 80: a non-finite
+    gradient is no move its peers share, named at 80."""
+    order = [f"enc.layer.{b}.{k}" for b in range(BLOCKS) for k in KINDS]
+    for seed in range(3):
+        rng, judge = random.Random(seed), Judge(Bands(), order)
+        for i in range(81):
+            norms = {}
+            for b in range(BLOCKS):
+                norms[f"enc.layer.{b}.ln.weight"] = 0.01 * math.exp(rng.gauss(0, 0.05))
+                norms[f"enc.layer.{b}.key.weight"] = 1e-4 * math.exp(0.1 * max(0, i - 50) + rng.gauss(0, 0.1))
+            if i == 80:
+                norms["enc.layer.0.key.weight"] = math.nan
+            level = {f"enc.layer.{b}.{k}": math.exp(rng.gauss(0, 0.01)) for b in range(BLOCKS) for k in KINDS}
+            named = judge.step({"level": level, "norm": norms}, i).named
+        assert ("enc.layer.0.key", "nonfinite_grad") in {(f.layer, f.problem) for f in named}, seed
+        assert "norm" in judge.peers.history  # the gradients' norms are kept for their peers

@@ -25,8 +25,10 @@ step at a time, with every judged figure of that step. How it decides (docs/verd
   the gain led).
 - Gradient norms and update ratios are judged against their peers too: the step's median change
   over all rows (the learning-rate schedule, the loss falling, the batch's own noise) is taken
-  out first, so no fixed band judges the recipe. Activations are not taken net of every row's
-  move, where a single layer's fault would move every row downstream of it; a module's outputs
+  out first, so no fixed band judges the recipe; and a gradient's norm that moved as far as the same
+  parameter's in the blocks before it in backward order (in their own range) is not named.
+  Activations are not taken net of every row's move, where a single layer's fault would move
+  every row downstream of it; a module's outputs
   that moved as far as its same-kind peers *before* it (in their own range) moved learned with
   them, and are not named (``_peers.py``; one leaning slowly, not yet named, by its move from its range where its
   window's is under the margin); the last copy of a kind ending a gradient over depth is
@@ -94,9 +96,9 @@ from lightning_hooks.output._judge_absolute import ZeroRuns, absolute_problems
 from lightning_hooks.output._judge_culprit import CulpritNaming, its_own
 from lightning_hooks.output._judge_data import gradients_jumped_together, outputs_out_together, singled_out
 from lightning_hooks.output._judge_gain import GainJudging
-from lightning_hooks.output._judge_learning import PEER_FIGURES, SHARED_FIGURES, LearningJudging
+from lightning_hooks.output._judge_learning import SHARED_FIGURES, LearningJudging
 from lightning_hooks.output._judge_pull import PULL
-from lightning_hooks.output._peers import Peers
+from lightning_hooks.output._peers import PEER_FIGURES, Peers
 from lightning_hooks.output._row_range import (
     WARM_POINTS,
     WARM_STEPS_PER_POINT,

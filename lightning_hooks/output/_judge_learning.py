@@ -14,6 +14,7 @@ from collections.abc import Callable, Collection, Mapping
 from lightning_hooks.output._findings import RELATIVE, Finding
 from lightning_hooks.output._health_bands import Bands
 from lightning_hooks.output._judge_pull import prediction_blowup
+from lightning_hooks.output._peers import PEER_FIGURES
 from lightning_hooks.output._row_range import (
     MIN_NOISE,
     Track,
@@ -24,9 +25,8 @@ from lightning_hooks.output._row_range import (
     settle_at,
 )
 
-#: The figures of a module's outputs, judged against its same-kind peers before it too (``_peers.py``).
-PEER_FIGURES = ("level", "gain")
-#: The figures whose moves the same-kind peers before a row excuse: its outputs', and its gradient's norm.
+#: The figures whose moves the same-kind peers before a row excuse: its outputs' (``PEER_FIGURES``), and its
+#: gradient's norm (peers in backward order).
 SHARED_FIGURES = (*PEER_FIGURES, "norm")
 #: The prediction layer's growth the loss asked for has settled at the scale the loss wanted after this many logged
 #: points without the loss asking, its output not rising (``_asked_or_learned``): its ranges follow it then.
@@ -127,15 +127,20 @@ class LearningJudging:
             self._grew_with_kind(f.row, f.moved > 0) or self._grew_with_partner(f.row, f.moved > 0)))
 
     def _unshared(self, figure: str, found: list[Finding]) -> list[Finding]:
-        """The findings of a module's outputs less those its same-kind peers before it moved alike (``_peers.py``).
+        """The findings of a module's outputs, or of a gradient's norm, less the moves its same-kind peers made too.
 
-        A move they share is the recipe: the row's range follows it, as it follows its own learning. The
-        last copy of its kind ending a gradient over depth is excused (:meth:`_excused`).
+        The peers are those before it in forward order (a gradient's: in backward order, ``_with_peers``). A move
+        they share is the recipe: the row's range follows it, as it follows its own learning. The last copy of
+        its kind ending a gradient over depth is excused (:meth:`_excused`: outputs only). A non-finite gradient
+        is no move: never excused.
         """
         if figure not in SHARED_FIGURES:
             return found
         out = {f.row for f in found}
-        return self._excused(figure, self._followed(found, lambda f: self._shares_move(figure, f, out)), out)
+        moved = self._followed([f for f in found if f.problem in RELATIVE[figure]],
+                               lambda f: self._shares_move(figure, f, out))
+        kept = {id(f) for f in (self._excused(figure, moved, out) if figure in PEER_FIGURES else moved)}
+        return [f for f in found if f.problem not in RELATIVE[figure] or id(f) in kept]
 
     def _shares_move(self, figure: str, found: Finding, out: Collection[str]) -> bool:
         """Whether a finding's move is its peers' (``_with_peers``); one not named yet is measured from its range too.

@@ -40,6 +40,9 @@ from collections import deque
 from collections.abc import Collection, Mapping
 from typing import Any
 
+#: The figures of a module's outputs, judged against their same-kind peers before them (a gradient's norm is
+#: judged against its peers in backward order, where the copies after it are its victims: no learning over depth).
+PEER_FIGURES = ("level", "gain")
 #: A numbered part of a module's name (a block's or a Sequential's index).
 _NUMBER = re.compile(r"(^|\.)\d+(?=\.|$)")
 #: The last copy of a kind ends a gradient over depth where it moved at most this many times the copy before it
@@ -145,9 +148,10 @@ class Peers:
         # theirs at least half of its move, and its own part within the margin
         if any(sign * m >= sign * mine / 2 and sign * (mine - m) <= margin for m in (near, typical)):
             return True
-        # the nearest learning past the margin itself, at least half as far, and its pace kept: learning over depth
-        if sign * near > margin and sign * near >= sign * mine / 2 and self._keeps_pace(figure, row, near_row, sign) \
-                and self._carried_on(figure, row, depth, mine, sign):
+        # outputs: the peer before learning past the margin itself, at least half as far, its pace kept, a copy
+        # after moving on: learning over depth (not for the first of its kind, whose copies after are its victims)
+        if figure in PEER_FIGURES and before and sign * near > margin and sign * near >= sign * mine / 2 \
+                and self._keeps_pace(figure, row, near_row, sign) and self._carried_on(figure, row, depth, mine, sign):
             return True
         # between its neighbours: the one before moved the same way, the one after (steady) at least as far
         steady = [m for d, m, other in peers if d > at and other not in leaning]
