@@ -9,12 +9,13 @@ its peers *before* it in forward order (their inputs do not pass through it). So
 outputs left their range is not named where its peers before it made at least half its move, over
 its last ``window`` logged values, and it is within the figure's factor of theirs (the nearest
 one's, or their median's): it learned with them. Learning can grow with depth past that factor (each
-block's outputs growing more than the block's before): where the nearest peer moved past the factor
-itself, at least half as far, and the module kept its pace (at most ``DEPTH_PACE_RATIO`` times as fast
-over their newest points), and a copy after it moved on at least ``DEPTH_CARRIED`` as far, it learned
-with them too; a ramp outpaces them, and a fault in a normalised block leaves the copies after it in
-place. Only peers in their own
-range count: a move a peer made out of its range is a fault's, and what follows it its victim. The first module of its
+block's outputs growing more than the block's before): where the peer just before it moved past the
+factor itself, at least half as far, the module kept its pace (at most ``DEPTH_PACE_RATIO`` times as
+fast over their newest points), and a copy after it moved on at least ``DEPTH_CARRIED`` as far, it
+learned with them too; a ramp outpaces them, and a fault in a normalised block leaves the copies after
+it in place (outputs only, never the first of a kind). Only peers in their own range count: a move a
+peer made out of its range is a fault's, and what follows it its victim. A gradient's norm is compared
+with its peers the same way, in backward order (the judge gives the depths). The first module of its
 kind, with no peer before it, is compared with the copies after it, in their own range: a fault
 there that moved them made them victims, out of their range too. A module with no move of its own
 past the factor within its window (a jump its window has forgotten) is never excused: it stays out.
