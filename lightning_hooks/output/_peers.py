@@ -136,10 +136,9 @@ class Peers:
             return False
         sign, at = 1 if up else -1, depth.get(row, 0)
         peers = self._peers(figure, row, depth, out)
-        before = [m for d, m, _ in peers if d < at]
-        after = [m for d, m, _ in peers if d > at]
-        # the peer just before it; for the first of its kind, the copy after it
-        nearest = [p for p in peers if p[0] < at][-1:] or [p for p in peers if p[0] > at][:1]
+        below, above = [p for p in peers if p[0] < at], [p for p in peers if p[0] > at]
+        before, after = [m for _, m, _ in below], [m for _, m, _ in above]
+        nearest = below[-1:] or above[:1]  # the peer just before it; for the first of its kind, the copy after it
         if not nearest:
             return False
         near, near_row = nearest[0][1:]
@@ -193,10 +192,9 @@ class Peers:
         Learning that grows with depth goes on growing after it; a fault in a normalised block leaves the copies after
         it where they were, and the last copy of its kind has none (``ends_gradient`` judges it).
         """
-        at, own = depth.get(row, 0), kind(row)
-        return any(sign * m >= DEPTH_CARRIED * sign * mine for other in self.history.get(figure, {})
-                   if other != row and depth.get(other, 0) > at and kind(other) == own
-                   and (m := self.move(figure, other)) is not None)
+        at = depth.get(row, 0)
+        return any(d > at and sign * m >= DEPTH_CARRIED * sign * mine
+                   for d, m, _ in self._peers(figure, row, depth, ()))
 
     def _own_move(self, figure: str, row: str, margin: float, up: bool) -> float | None:
         """The row's move, where it moved past ``margin`` the way it is out (``up`` or down), else None.
