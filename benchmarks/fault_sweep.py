@@ -106,7 +106,9 @@ RAdam, NAdam and Adamax, frozen and thawed layers, an interval of 20; ``unseen16
 torchvision-style ResNet's one ``ReLU`` per block); ``unseen17`` (``benchmarks/_sweep_unseen17.py``): ramps and
 jumps begun at 12% and 16% of the run, in or just after the judge's warm-up; ``unseen18``
 (``benchmarks/_sweep_unseen18.py``): 48 faults drawn at random (model, layer, fault, rate, onset, interval), and
-``unseen19``, drawn the same way at another seed; ``unseen20``, drawn from 28 other models; ``unseen21``, from all 52.
+``unseen19``, drawn the same way at another seed; ``unseen20``, drawn from 28 other models; ``unseen21``, from all 52;
+``unseen22`` and ``unseen23`` (``benchmarks/_sweep_unseen22.py``): from all 52, at wider rates and onsets, on
+recipes varied at random (seed, learning rate, run length, log interval).
 
 Per case: the culprit named first, the layers named before it, the delay (steps from the onset
 to the first logged step that names it), on healthy runs the verdict lines after the first 10%,
@@ -151,6 +153,7 @@ from benchmarks._sweep_unseen15 import unseen15  # noqa: E402
 from benchmarks._sweep_unseen16 import unseen16  # noqa: E402
 from benchmarks._sweep_unseen17 import unseen17  # noqa: E402
 from benchmarks._sweep_unseen18 import unseen18  # noqa: E402
+from benchmarks._sweep_unseen22 import unseen22  # noqa: E402
 from benchmarks._sweep_variant import Variant, register  # noqa: E402
 from benchmarks.fault_zoo import JUMP, Case, judge_case, run_case  # noqa: E402
 
@@ -190,7 +193,7 @@ def variants() -> dict[str, list[Variant]]:
     return {"models": models, "layers": _layers(), "rates": rates, "onsets": onsets, "every": every, "optim": optim,
             **_unseen(), **unseen3(), **unseen4(), **unseen5(), **unseen6(), **unseen7(), **unseen8(), **unseen9(),
             **unseen10(), **unseen11(), **unseen12(), **unseen13(), **unseen14(), **unseen15(), **unseen16(),
-            **unseen17(), **unseen18(), **creep(), **lastblock()}
+            **unseen17(), **unseen18(), **unseen22(), **creep(), **lastblock()}
 
 
 def _unseen() -> dict[str, list[Variant]]:

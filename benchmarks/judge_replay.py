@@ -18,15 +18,18 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import functools
 import os
 import pickle
+import re
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Collection, Iterator, Sequence
 from pathlib import Path
 from typing import Any, Optional
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks import fault_sweep, fault_zoo  # noqa: E402
+from lightning_hooks.callbacks._judged_rows import LOOKUPS  # noqa: E402
 from lightning_hooks.callbacks.health import LayerHealth  # noqa: E402
 from lightning_hooks.output._findings import SCALE_RATIO  # noqa: E402
 from lightning_hooks.output._health_verdicts import JUDGED, Verdicts, judged_figure  # noqa: E402
@@ -87,13 +90,17 @@ def recording() -> Iterator[list[tuple[fault_zoo.Case, fault_zoo.Case, dict[str,
         fault_zoo.judge_case = fault_sweep.judge_case = judge
 
 
-def replay(events: Sequence[Event]) -> dict[int, list[str]]:
-    """The layers a fresh judge names at each step the probe read, as the probe lists them."""
+def replay(events: Sequence[Event], lookups: Collection[str] = ()) -> dict[int, list[str]]:
+    """The layers a fresh judge names at each step the probe read, as the probe lists them.
+
+    ``lookups``: the model's embeddings, as LayerHealth hands them to its judge (not in the older recordings).
+    """
     verdicts: Optional[Verdicts] = None
     named: dict[int, list[str]] = {}
     for event in events:
         if event[0] == "bands":
             verdicts = Verdicts(event[1])
+            verdicts.judge.lookups = frozenset(lookups)
         elif event[0] == "add" and event[1] != SCALE_RATIO:  # a scale's ratio: from its "vectors" event
             verdicts.add(*event[1:])
         elif event[0] == "vectors":  # as LayerHealth passes them on today (the recording kept them all)
@@ -118,7 +125,7 @@ def replay(events: Sequence[Event]) -> dict[int, list[str]]:
 
 def replayed_row(case: fault_zoo.Case, healthy: Optional[fault_zoo.Case], row: dict[str, Any]) -> dict[str, Any]:
     """A recorded case's row with this tree's judge: the zoo's, or the sweep's (graded) where it was one."""
-    again = dataclasses.replace(case, named=replay(case.extra["events"]))
+    again = dataclasses.replace(case, named=replay(case.extra["events"], lookups_of(row["model"])))
     new = fault_zoo.judge_case(again, again if healthy is case else healthy)
     if "group" not in row:
         return new
@@ -126,6 +133,17 @@ def replayed_row(case: fault_zoo.Case, healthy: Optional[fault_zoo.Case], row: d
     if new["fault"] not in ("healthy", "data"):
         new["culprit_first"] = fault_zoo.is_culprit(new["first"] or "", case.culprit)
     return fault_sweep.grade(new)
+
+
+@functools.cache
+def lookups_of(model: str) -> frozenset[str]:
+    """The embeddings of a recipe's model, named as its rows are (the Lightning module holds it as ``model``).
+
+    A variant (``mixer+@blocks.3.token_fc1``, ``qwen3~o_proj``) has its base recipe's model.
+    """
+    base = fault_zoo.RECIPES.get(model) or fault_zoo.RECIPES[re.split(r"[+~]", model)[0]]
+    return frozenset(f"model.{name}" for name, module in base.build().named_modules()
+                     if isinstance(module, LOOKUPS))
 
 
 def line(row: dict[str, Any]) -> str:

@@ -15,7 +15,7 @@ from lightning_hooks.core._compat import callbacks_of
 from lightning_hooks.measure._stat_rows import DEFAULT_STATS, DIVERGENCE_STATS, N_FIELDS, summarize_rows
 from lightning_hooks.measure.aggregate import StatBlock
 from lightning_hooks.output._histograms import log_histograms
-from lightning_hooks.output._plugin_data import FORWARD_ORDER_TAG
+from lightning_hooks.output._plugin_data import FORWARD_ORDER_TAG, LOOKUPS_TAG
 from lightning_hooks.output.figures import FigureListener, HistogramBlock, ScalarBlock
 from lightning_hooks.output.sinks import Charts, log_layout, log_plugin_data, log_scalars
 
@@ -73,7 +73,8 @@ class ActivationFigures:
         return {prefix: charts, f"{prefix}, non-finite": nonfinite}
 
     def log_block(self, trainer: pl.Trainer, block: StatBlock, prefix: str, grads: int, step: int,
-                  order: Sequence[str] = (), carried: Sequence[tuple[Tensor, ScalarBlock]] = ()) -> None:
+                  order: Sequence[str] = (), carried: Sequence[tuple[Tensor, ScalarBlock]] = (),
+                  lookups: Sequence[str] = ()) -> None:
         """Drain ``block`` (one transfer) and log its rows at ``step`` from rank zero.
 
         Args:
@@ -88,6 +89,7 @@ class ActivationFigures:
             carried: Other callbacks' figures of the step on device (:meth:`ActivationMonitor.carry`),
                 each with the block it is logged as (its values taken from the device's), brought
                 over in the same transfer and logged in the same event.
+            lookups: The watched embeddings, written with ``order`` for the Layers tab's judge (a JSON list).
         """
         # The forward's rows and the gradients', and whatever was carried, in one transfer.
         rows, values = block.drain_with(trainer, [device for device, _ in carried])
@@ -105,6 +107,7 @@ class ActivationFigures:
         log_scalars(trainer, {}, step, figures)
         if order:
             log_plugin_data(trainer, FORWARD_ORDER_TAG, json.dumps(list(order)), step)
+            log_plugin_data(trainer, LOOKUPS_TAG, json.dumps(list(lookups)), step)
 
     def log_rows(self, trainer: pl.Trainer, rows: np.ndarray, names: list[str], prefix: str,
                  step: int, edges: Sequence[float]) -> list[ScalarBlock]:

@@ -8,8 +8,22 @@ from __future__ import annotations
 
 from typing import Any
 
+from torch import nn
+
 from lightning_hooks.core.selection import clean_name, named_parameters
 from lightning_hooks.output._findings import owner_of
+
+#: The modules whose outputs are rows of their own weights, whatever the batch's scale: the embeddings.
+LOOKUPS = (nn.Embedding, nn.EmbeddingBag)
+
+
+def lookups(pl_module: Any) -> frozenset[str]:
+    """``pl_module``'s embeddings (:data:`LOOKUPS`), as the monitors name them (``clean_name``).
+
+    Their outputs only move as their weights learn: the judge lets a drift of theirs in as learning
+    (``output._judge_learning``).
+    """
+    return frozenset(clean_name(name) for name, module in pl_module.named_modules() if isinstance(module, LOOKUPS))
 
 
 def judged_apart(pl_module: Any) -> tuple[set[str], set[str]]:

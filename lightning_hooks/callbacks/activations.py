@@ -18,6 +18,7 @@ from lightning_hooks.callbacks._base import (
     _validate_stats,
     log_step,
 )
+from lightning_hooks.callbacks._judged_rows import lookups
 from lightning_hooks.core._validation import check_bool, check_names
 from lightning_hooks.core.selection import ModuleSelection, check_limit, short_list, validate_limit
 from lightning_hooks.measure._stat_rows import DEFAULT_STATS, STAT_NAMES
@@ -162,6 +163,7 @@ class ActivationMonitor(ActivationHooks):
         self._pending_step: Optional[int] = None  # the log step being collected
         self._pending_global = 0  # ``trainer.global_step`` when it began: its optimizer step is done once this moves
         self._forward_order: Optional[dict[str, None]] = None  # modules as their hooks first fire, once per fit
+        self._lookups: list[str] = []  # the watched embeddings, written with the forward order
         self._ordering = False  # whether the forward order is still being recorded (up to the first backward)
         self._grad_scale: list[Optional[torch.Tensor]] = [None]  # AMP's 1 / loss_scale for this backward
         self._hook_fns: dict[tuple[int, str, int, bool], tuple[Callable[..., Any], Callable[..., Any]]] = {}
@@ -185,6 +187,7 @@ class ActivationMonitor(ActivationHooks):
                         for s in self.stages} if written else {}
         self._block, self._pending_step, self._carried = None, None, []
         self._forward_order, self._ordering = {}, True
+        self._lookups = sorted(lookups(pl_module) & set(self.module_names))  # written with the forward order
         self._figures = ActivationFigures(self.stats, self.histogram)
         grads = [GRAD_PREFIX] if self._grad_names("train") else []
         charts = {category: chart for prefix in [_PREFIXES[stage] for stage in self.stages] + grads
@@ -295,7 +298,7 @@ class ActivationMonitor(ActivationHooks):
         order = list(self._forward_order or ())  # once per fit: for LayerHealth and the Layers tab's row order
         carried, self._carried = self._carried, []
         self._figures.log_block(trainer, self._blocks[stage], _PREFIXES[stage], len(self._grad_names(stage)), step,
-                                order, carried)
+                                order, carried, self._lookups)
         if order:
             self._forward_order = None
             self._warn_silent(set(order), step)

@@ -14,7 +14,7 @@ import numpy as np
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from lightning_hooks.callbacks._base import claim, release
-from lightning_hooks.callbacks._judged_rows import judged_apart
+from lightning_hooks.callbacks._judged_rows import judged_apart, lookups
 from lightning_hooks.callbacks._loss_pull import PredictionPull
 from lightning_hooks.callbacks.activations import ActivationMonitor
 from lightning_hooks.callbacks.gradients import GradientMonitor
@@ -170,6 +170,7 @@ class LayerHealth(FigureListener, Diagnoses, *CALLBACK_BASES):  # type: ignore[m
         for stability in callbacks_of(trainer, TransformerStability)[:1]:  # judge its figures by its bands
             self._bands = replace(self._bands, **{name: getattr(stability.bands, name) for name in STABILITY_BANDS})
             self._verdicts = Verdicts(self._bands)
+        self._verdicts.judge.lookups = lookups(pl_module)  # embeddings: their outputs' drift is learning
         if not any(callbacks_of(trainer, kind) for kind in (ActivationMonitor, GradientMonitor, TransformerStability)):
             rank_zero_warn("LayerHealth: no ActivationMonitor or GradientMonitor in `callbacks`: nothing to show")
         if not any(isinstance(lg, TENSORBOARD_LOGGERS) for lg in trainer.loggers):

@@ -57,6 +57,10 @@ step at a time, with every judged figure of that step. How it decides (docs/verd
   SGD a jump's gradient moves their weights in the same step). A growth the loss asked for that
   stopped rising, the pull about 0 (no stronger than its strongest ask), waits and then settles as
   its range (``_judge_learning.py``: ``_asked_or_learned``); without a pull measured, judged as before.
+- An embedding's outputs (``lookups``: rows of its own weight, whatever the batch) drifting out no further than
+  ``WEIGHT_SLACK`` times the sum of its weight's update ratios over its last points (a weight's norm moves at most by
+  its update ratio a step) are its weights learning; without its update ratio, any drift of theirs is
+  (``_judge_learning.py``: ``_looked_up``). A step is judged as before.
 - Absolute rules where the physics gives a bound (:mod:`~lightning_hooks.output._judge_absolute`):
   a NaN or Inf; ``ALL_ZERO`` exact zeros, or more than ``max_zero_fraction`` from the first logged point or
   for ``SPARSE_POINTS`` logged points in a row (dead units; a small batch's sparsity crosses it for one);
@@ -78,7 +82,7 @@ from __future__ import annotations
 import math
 import statistics
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any, Optional
 
 from lightning_hooks.output._findings import (
@@ -123,9 +127,11 @@ class Judge(LearningJudging, GainJudging, CulpritNaming):
     Args:
         bands: The thresholds (see :class:`~lightning_hooks.output._health_bands.Bands`).
         order: The modules in forward order, if known; else the order their rows first come in.
+        lookups: The modules whose outputs are rows of their own weights (the embeddings), if known: a drift of
+            their outputs is their weights learning (``_judge_learning.py``: ``_looked_up``).
     """
 
-    def __init__(self, bands: Bands, order: Sequence[str] = ()) -> None:
+    def __init__(self, bands: Bands, order: Sequence[str] = (), lookups: Collection[str] = ()) -> None:
         self.bands = bands
         self.depth: dict[str, int] = {name: i for i, name in enumerate(inner_first(order))}
         self.tracks: dict[str, dict[str, Track]] = {}
@@ -151,6 +157,8 @@ class Judge(LearningJudging, GainJudging, CulpritNaming):
         self.seen: dict[str, dict[str, int]] = {}  # by figure: the step each row last came in (its own gap from it)
         self.warm = True  # whether the rows' own ranges judge at this step (past the warm-up in steps)
         self.peers = Peers(bands.window, WARM_POINTS)  # a warm-up step's peers judge it as they do later
+        self.lookups = frozenset(lookups)  # modules whose outputs are rows of their own weights (embeddings)
+        self.paths: dict[str, deque[tuple[int, float, float]]] = {}  # by lookup: (gap, log std, its update ratio)
 
     def step(self, figures: Mapping[str, Mapping[str, float]], step: Optional[int] = None) -> Judged:
         """Judge one logged step.
@@ -174,6 +182,7 @@ class Judge(LearningJudging, GainJudging, CulpritNaming):
             self.depth.clear()
             self.depth.update((name, i) for i, name in enumerate(ranked))
         self._thaw(figures, step)
+        self._note_paths(figures)
         found: list[Finding] = []
         self.moves, self.levels, self.pulls = {}, figures.get("level", {}), figures.get(PULL, {})
         for figure, values in figures.items():
@@ -186,6 +195,15 @@ class Judge(LearningJudging, GainJudging, CulpritNaming):
         found.extend(self._scales(figures.get(SCALE_RATIO, {})))  # net of the step's common move of the ratios
         data = self._is_data(found, figures)
         return self._sort(self._outputs(self._lone_spikes(found)), data)
+
+    def _note_paths(self, figures: Mapping[str, Mapping[str, float]]) -> None:
+        """Note each embedding's outputs' std and its weight's update ratio at the step (``_looked_up``)."""
+        levels, ratios = figures.get("level", {}), figures.get("ratio", {})
+        for row in self.lookups.intersection(levels):
+            v, r = levels[row], ratios.get(f"{row}.weight", math.nan)
+            if math.isfinite(v) and v > 0:
+                path = self.paths.setdefault(row, deque(maxlen=self.bands.window))
+                path.append((self.gap, math.log(v), r if math.isfinite(r) and r >= 0 else math.nan))
 
     def _thaw(self, figures: Mapping[str, Mapping[str, float]], step: Optional[int]) -> None:
         """Note the layers whose parameters start training at ``step``: frozen before, their rows absent.
@@ -269,6 +287,7 @@ class Judge(LearningJudging, GainJudging, CulpritNaming):
         out_now = {f.row for f in kept if f.problem == "blowup"}  # back in range: a growth asked for ended
         self.asked = {row: ask for row, ask in self.asked.items() if row in out_now}
         kept = [f for f in kept if not self._let_in(f, self._asked_or_learned(f, last)) and not self._slowed(f)]
+        kept = self._looked_up(kept)
         out = {f.row for f in kept}
         return [self._inward(f, out) for f in kept]
 
@@ -400,6 +419,7 @@ class Judge(LearningJudging, GainJudging, CulpritNaming):
                 "named": sorted(self.named), "affected": sorted(self.affected), "excused": sorted(self.excused),
                 "first_entropy": dict(self.first_entropy), "zeros": self.zeros.state_dict(),
                 "first_ratio": dict(self.first_ratio),
+                "paths": {row: [list(point) for point in path] for row, path in self.paths.items()},
                 "fast_scales": sorted(self.fast_scales), "asked": {row: list(v) for row, v in self.asked.items()},
                 "trained": sorted(self.trained), "thawed": dict(self.thawed), "params_start": self.params_start,
                 "seen": {f: dict(rows) for f, rows in self.seen.items()},
@@ -417,6 +437,8 @@ class Judge(LearningJudging, GainJudging, CulpritNaming):
         self.excused = set(state["excused"])
         self.first_entropy, self.zeros = dict(state["first_entropy"]), ZeroRuns.from_state(state["zeros"])
         self.first_ratio = dict(state["first_ratio"])
+        self.paths = {row: deque((tuple(p) for p in path), maxlen=self.bands.window)
+                      for row, path in state.get("paths", {}).items()}
         self.fast_scales = set(state["fast_scales"])
         self.asked = {row: (float(ask), int(waited)) for row, (ask, waited) in state["asked"].items()}
         # A state saved before thaws were noted (none released): the next step's parameter rows start afresh.

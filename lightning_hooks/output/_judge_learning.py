@@ -9,7 +9,8 @@ not named; the first three have the row's range follow the move, as it follows t
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Collection, Mapping, Sequence
+from typing import Optional
 
 from lightning_hooks.output._findings import RELATIVE, Finding
 from lightning_hooks.output._health_bands import Bands
@@ -31,6 +32,11 @@ SHARED_FIGURES = (*PEER_FIGURES, "norm")
 #: The prediction layer's growth the loss asked for has settled at the scale the loss wanted after this many logged
 #: points without the loss asking, its output not rising (``_asked_or_learned``): its ranges follow it then.
 SETTLED = 4
+#: An embedding's outputs are judged against its weight's updates over this many logged points at least.
+LOOKBACK = 3
+#: An embedding's outputs drifting no further than this many times its weight's updates moved (the sum of its update
+#: ratios) are learning: the used rows' share of the update can exceed the whole weight's.
+WEIGHT_SLACK = 2.0
 
 
 class LearningJudging:
@@ -46,6 +52,10 @@ class LearningJudging:
     affected: set[str]  # rows out as victims
     warm: bool  # whether the rows' own ranges judge at this step (past the warm-up in steps)
     _warm_for: Callable[[str], bool]  # whether a module's outputs are past every warm-up holding it (a thaw's too)
+    lookups: frozenset[str]  # modules whose outputs are rows of their own weights (embeddings)
+    paths: Mapping[str, Sequence[tuple[int, float, float]]]  # by lookup: (gap, log std, update ratio) per point
+    _track: Callable[[str], Optional[Track]]  # the track a module's outputs are judged by
+    _left_by_a_step: Callable[[str], bool]  # whether a module's outputs left their range by a step
     gap: int  # the steps from the logged step before to this one
     pulls: Mapping[str, float]  # the step's pull by module (the prediction layer's)
     asked: dict[str, tuple[float, int]]  # the prediction layer out since a growth the loss asked for: its strongest
@@ -60,6 +70,33 @@ class LearningJudging:
             if learned and (not self._warm_for(found.row) or in_warm_up(track, self.bands)):
                 follow(track, self.bands.window)
         return learned
+
+    def _looked_up(self, found: list[Finding]) -> list[Finding]:
+        """``found`` less an embedding's outputs drifting out as far as its weights moved: learning, ranges follow."""
+        kept = []
+        for f in found:
+            if (f.row in self.lookups and f.problem in RELATIVE["level"] and f.layer not in self.named
+                    and not self._left_by_a_step(f.row) and self._weights_moved(f.row)):
+                for track in self._output_tracks(f.row):
+                    follow(track, self.bands.window)
+            else:
+                kept.append(f)
+        return kept
+
+    def _weights_moved(self, row: str) -> bool:
+        """Whether an embedding's outputs moved no further than ``WEIGHT_SLACK`` times its weight's updates did.
+
+        Over its last ``LOOKBACK`` points (more while it has held more out): the log move of its std against the sum
+        of its update ratio times the steps between points, the most a weight's norm can move. Without its update
+        ratio logged, its drift is its weights' anyway (nothing else moves a lookup's outputs): learning.
+        """
+        path, track = self.paths.get(row), self._track(row)
+        held = len(track.held) if track is not None else 0
+        span = list(path or ())[-(max(held, LOOKBACK) + 1):]
+        if len(span) < 2:
+            return True
+        budget = sum(gap * ratio for gap, _, ratio in span[1:])
+        return not math.isfinite(budget) or abs(span[-1][1] - span[0][1]) <= WEIGHT_SLACK * budget
 
     def _output_tracks(self, row: str) -> list[Track]:
         """A module's outputs' tracks: its std's and its gain's, those it has."""

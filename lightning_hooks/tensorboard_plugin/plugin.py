@@ -112,7 +112,8 @@ class LayersPlugin(base_plugin.TBPlugin):
         """The run route's answer: the figures with their marks, the banner, the anomalies."""
         unjudged = reader.unjudged_ratios(run)
         # Every figure of a step together, in the order the modules ran, as LayerHealth judges.
-        replay = judge(figures, limits, unjudged, reader.forward_order(run), reader.scale_ratios(run))
+        replay = judge(figures, limits, unjudged, reader.forward_order(run), reader.scale_ratios(run),
+                       reader.lookups(run))
         return {
             "run": run,
             "figures": [_figure_json(figure, marks, limits) for figure, marks in replay.figures],

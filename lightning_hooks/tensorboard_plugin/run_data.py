@@ -24,7 +24,7 @@ from typing import Any, Optional, Union
 from tensorboard.data import provider
 
 from lightning_hooks.output._health_verdicts import UNJUDGED_RATIOS_TAG
-from lightning_hooks.output._plugin_data import FLIGHT_RECORD_TAG, FORWARD_ORDER_TAG, PLUGIN_NAME
+from lightning_hooks.output._plugin_data import FLIGHT_RECORD_TAG, FORWARD_ORDER_TAG, LOOKUPS_TAG, PLUGIN_NAME
 from lightning_hooks.tensorboard_plugin.flight_records import parse_record
 
 #: Scalar tags the tab draws: an optional logger prefix, the kind, the layer, the statistic.
@@ -216,6 +216,15 @@ class RunReader:
         except ValueError:
             return []
         return [str(name) for name in order] if isinstance(order, list) else []
+
+    def lookups(self, run: str) -> frozenset[str]:
+        """The watched embeddings, as ActivationMonitor recorded them with the forward order (latest fit)."""
+        texts = self._own_data(run, LOOKUPS_TAG)
+        try:
+            names = json.loads(texts[max(texts)]) if texts else []
+        except ValueError:
+            return frozenset()
+        return frozenset(str(name) for name in names) if isinstance(names, list) else frozenset()
 
     def unjudged_ratios(self, run: str) -> frozenset[str]:
         """The update rows whose ratio LayerHealth does not judge, as GradientMonitor recorded them (latest fit)."""

@@ -1,0 +1,46 @@
+"""The fault sweep's twenty-second and twenty-third unseen groups: random faults on recipes varied at random too.
+
+- ``unseen22``: 48 faulty cases drawn (``random.Random(22)``) as ``unseen18``'s are (any module with weights from
+  the middle 60% of any of the 52 models, a ramp or a jump three times as often as dead units, a vanishing signal or
+  a NaN), with wider rates (ramps 0.8-8% a step, jumps x3 to x60) and onsets (25-75% of the run), on a recipe that
+  is varied at random once per model: its seed (1-3), its learning rate (x0.5, x1 or x2 the recipe's), its run length
+  (200, 300 or 400 steps) and its log interval (every 1, 2, 2 or 5 steps); and each varied recipe's healthy run.
+- ``unseen23``: drawn the same way (``random.Random(23)``), after the judge was changed on ``unseen22``.
+"""
+
+from __future__ import annotations
+
+import random
+
+from benchmarks._sweep_unseen18 import FAULTS, MODELS, OTHER_MODELS, WEIGHTS, _eligible
+from benchmarks._sweep_variant import Variant
+from benchmarks._zoo_models import RECIPES
+
+CASES = 48
+
+
+def unseen22() -> dict[str, list[Variant]]:
+    """The groups ``unseen22`` and ``unseen23``: random faults on randomly varied recipes, and their healthy runs."""
+    return {"unseen22": _drawn("unseen22", 22), "unseen23": _drawn("unseen23", 23)}
+
+
+def _drawn(group: str, seed: int) -> list[Variant]:
+    """``CASES`` faults drawn with ``random.Random(seed)`` from all the models, each model's recipe varied once."""
+    draw = random.Random(seed)
+    recipes: dict[str, dict[str, float]] = {}
+    cases, healthy = [], {}
+    while len(cases) < CASES:
+        model = draw.choice(MODELS + OTHER_MODELS)
+        if not _eligible(model):
+            continue
+        if model not in recipes:
+            recipes[model] = {"seed": draw.choice((1, 2, 3)), "lr": RECIPES[model].lr * draw.choice((0.5, 1.0, 2.0)),
+                              "steps": draw.choice((200, 300, 400)), "every": draw.choice((1, 2, 2, 5))}
+        r = recipes[model]
+        target, fault = draw.choice(_eligible(model)), draw.choices(FAULTS, WEIGHTS)[0]
+        onset = round(draw.uniform(0.25, 0.75), 2)
+        growth, jump = round(draw.uniform(1.008, 1.08), 3), round(draw.uniform(3.0, 60.0), 1)
+        common = {"steps": int(r["steps"]), "every": int(r["every"]), "lr": r["lr"], "seed": int(r["seed"])}
+        cases.append(Variant(group, model, (fault,), target=target, onset=onset, growth=growth, jump=jump, **common))
+        healthy.setdefault(model, Variant(group, model, ("healthy",), **common))
+    return [*healthy.values(), *cases]

@@ -1,0 +1,133 @@
+"""An embedding's outputs are rows of its own weights: their drift is its weights learning, bounded by its updates.
+
+A healthy BLOOM's or BART's token embedding (initialised at std 0.02, trained by AdamW) grows x2.6-3.7 over a run,
+about 1.3% a step at its fastest, and was named ``blowup``. Nothing but its weights moves a lookup's outputs, and a
+weight's norm moves at most by its update ratio a step: a drift within twice the sum of its update ratios is
+learning; a ramp put on its outputs (4% a step against ratios of 1%) is named as before (docs/verdicts.md).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+from collections.abc import Callable
+from typing import Any, Optional
+
+import lightning as L
+import torch
+from lightning.pytorch.loggers import TensorBoardLogger
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_hooks import ActivationMonitor, GradientMonitor, LayerHealth
+from lightning_hooks.callbacks._judged_rows import lookups
+from lightning_hooks.output._health_bands import Bands
+from lightning_hooks.output._judge import Judge
+from tests.helpers import events, run_reader, trainer
+
+ORDER = ("emb", "emb_ln", "block.0.fc", "block.1.fc", "block.2.fc", "head")
+POINTS = 150  # logged every 2 steps: 300 steps
+
+
+def embedding_std(point: int) -> float:
+    """Flat at 0.02 for 15 points, then 2.6% a point (1.3% a step) for 40, then 0.6% a point: x3.7 in all."""
+    fast = min(max(point - 15, 0), 40)
+    slow = max(point - 55, 0)
+    return 0.02 * math.exp(0.026 * fast + 0.006 * slow)
+
+
+def embedding_ratio(point: int) -> float:
+    """Its weight's update ratio a step (Adam's ``lr / rms(w)``): 1.5% while it grows fastest, falling with it."""
+    return 0.015 if 15 <= point < 55 else 0.004
+
+
+def figures(rng: random.Random, point: int, fault: Optional[Callable[[int], float]] = None,
+            ratios: bool = True) -> dict[str, dict[str, float]]:
+    """One logged point: the embedding's std (times ``fault(point)``), steady rows after it, every update ratio."""
+    level = {"emb": embedding_std(point) * math.exp(rng.gauss(0, 0.01)) * (fault(point) if fault else 1.0)}
+    for row in ORDER[1:]:
+        level[row] = (1.0 if "ln" in row else 0.5) * math.exp(rng.gauss(0, 0.03))
+    out = {"level": level}
+    if ratios:
+        out["ratio"] = {f"{row}.weight": 0.004 * math.exp(rng.gauss(0, 0.05)) for row in ORDER[1:]}
+        out["ratio"]["emb.weight"] = embedding_ratio(point) * math.exp(rng.gauss(0, 0.05))
+    return out
+
+
+def named(lookup: bool, fault: Optional[Callable[[int], float]] = None, ratios: bool = True,
+          seed: int = 0) -> list[tuple[int, str]]:
+    """The (point, layer) pairs the judge names, told ``emb`` is an embedding or not."""
+    rng = random.Random(seed)
+    judge = Judge(Bands(), ORDER, {"emb"} if lookup else ())
+    found = []
+    for point in range(POINTS):
+        found += [(point, f.layer) for f in judge.step(figures(rng, point, fault, ratios), 2 * point).named]
+    return found
+
+
+def test_an_embedding_growing_as_far_as_its_weights_moved_is_learning_not_a_blowup():
+    for seed in range(4):
+        assert named(lookup=True, seed=seed) == [], seed
+        assert named(lookup=True, ratios=False, seed=seed) == [], seed  # no update ratio: a lookup's drift is its own
+    # Told nothing about the module, the judge names the healthy embedding's growth (the failure this rule mends).
+    assert any(layer == "emb" for seed in range(4) for _, layer in named(lookup=False, seed=seed))
+
+
+def test_a_ramp_on_an_embeddings_outputs_outruns_its_weights_and_is_named_within_a_few_points():
+    ramp = lambda point: 1.04 ** (2 * max(0, point - 100))  # noqa: E731  4% a step from step 200
+    for seed in range(4):
+        found = named(lookup=True, fault=ramp, seed=seed)
+        assert found and found[0][1] == "emb" and 100 < found[0][0] <= 110, (seed, found[:3])
+
+
+def test_an_embeddings_step_is_still_named_at_once():
+    jump = lambda point: 20.0 if point >= 100 else 1.0  # noqa: E731
+    for seed in range(4):
+        found = named(lookup=True, fault=jump, seed=seed)
+        assert found and found[0][0] == 100, (seed, found[:3])  # the first module's step: the batch, or its own
+
+
+def test_the_judges_memory_of_an_embeddings_path_survives_its_state_dict():
+    rng, judge = random.Random(0), Judge(Bands(), ORDER, {"emb"})
+    for point in range(60):
+        judge.step(figures(rng, point), 2 * point)
+    again = Judge(Bands(), ORDER, {"emb"})
+    again.load_state_dict(json.loads(json.dumps(judge.state_dict())))
+    assert list(again.paths["emb"]) == list(judge.paths["emb"]) and len(judge.paths["emb"]) == Bands().window
+
+
+class TinyLM(L.LightningModule):
+    """An embedding, a LayerNorm and an MLP predicting the next token."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(64, 16)
+        self.net = nn.Sequential(nn.LayerNorm(16), nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 64))
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return nn.functional.cross_entropy(self.net(self.emb(x)).flatten(0, 1), y.flatten())
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+
+def test_activation_monitor_writes_the_embeddings_and_layer_health_and_the_tab_judge_with_them(tmp_path):
+    torch.manual_seed(0)
+    x = torch.randint(0, 64, (64, 8))
+    data = DataLoader(TensorDataset(x, (x * 7 + 3) % 64), batch_size=8)
+    logger = TensorBoardLogger(tmp_path, name="", version=0)
+    health = LayerHealth(max_images=1)
+    callbacks = [ActivationMonitor(log_every_n_steps=2), GradientMonitor(log_every_n_steps=2, update_ratio=True),
+                 health]
+    model = TinyLM()
+    trainer(tmp_path, callbacks, logger=logger, max_steps=6, log_every_n_steps=2).fit(model, data)
+    logger.experiment.flush()
+    assert lookups(model) == {"emb"}
+    (written,) = events(logger.log_dir).Tensors("layers/lookups")  # once per fit, with the forward order
+    assert json.loads(written.tensor_proto.string_val[0]) == ["emb"]
+    path = health._verdicts.judge.paths["emb"]  # logged at steps 0, 1, 3, 5: its std and its weight's update ratio
+    assert health._verdicts.judge.lookups == {"emb"} and len(path) == 4
+    assert all(math.isfinite(log_std) and ratio > 0 for _, log_std, ratio in path), path
+    assert run_reader(tmp_path).lookups("version_0") == {"emb"}
