@@ -131,6 +131,20 @@ def test_a_noisy_prediction_layer_settling_is_judged_rising_by_its_own_noise(rat
         assert bool(found) == named, (seed, [(f.row, f.problem) for f in found])
 
 
+@pytest.mark.parametrize("pulls, named", [((-0.6, 0.05), False), ((-0.6, 0.05, 0.1), True), ((0.05, 0.1), True)])
+def test_one_small_batchs_pull_above_0_while_the_loss_asks_names_no_growing_prediction_layer(pulls, named):
+    """A classifier's head trained at batch 32 and logged every step (the sweep's ``unseen22``, a GroupNorm CNN)
+    grew x3.5 while its pulls were -0.6 to -0.1, one batch's +0.05 among them, as it rose on: named at that point. The
+    loss asks where the mean of its last ``PULL_POINTS`` pulls is below 0; two in a row above 0 while it rises (an
+    overshoot) are named, as is a first pull above 0 with none asking before it."""
+    judge = steady_judge()
+    found = []
+    for k, asked in enumerate(pulls):  # the head rising 20% a point from x3, past its range from the first point
+        found += judge.step({"level": {"a": 1.0, "b": 1.0, "head": 3.0 * 1.2 ** k}, "pull": {"head": asked}},
+                            60 + k).named
+    assert bool(found) == named and {f.row for f in found} <= {"head"}, found
+
+
 def test_a_module_before_the_last_is_named_whatever_its_pull():
     judge = steady_judge()
     (found,) = judge.step({"level": {"a": 1.0, "b": 3.0, "head": 3.0}, "pull": {"b": -1.0, "head": -1.0}}, 60).named

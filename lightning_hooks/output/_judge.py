@@ -51,7 +51,8 @@ step at a time, with every judged figure of that step. How it decides (docs/verd
   While a named layer is still out, the others that go out are counted as affected, not named.
 - The prediction layer (the last module in forward order, whose output feeds the loss) growing
   while the loss asks for it is learning: its ``blowup`` is not named while its ``pull`` (LayerHealth's
-  ``sum(y * dL/dy)`` of its output ``y``, ``dL/d(scale of y)``) is below 0 at the step. A fault that
+  ``sum(y * dL/dy)`` of its output ``y``, ``dL/d(scale of y)``) is below 0 at the step (the mean of its last
+  ``PULL_POINTS``: one small batch's takes either sign). A fault that
   overshoots has it above 0 (the loss wants it smaller, yet it grows), and is named then; named
   first where it moved ``OVERSHOOT`` times as far as every module before it that is out (under
   SGD a jump's gradient moves their weights in the same step). A growth the loss asked for that
@@ -119,6 +120,9 @@ COMMON_MODE = ("norm", "ratio", "gain")
 #: move): its few entries move far more from step to step than a weight's; a param group's LR raised x100 moves it
 #: about x100.
 SCALE_JUMP = 10.0
+#: Whether the loss asks for the prediction layer's growth is read from the mean of its last this many logged pulls:
+#: one small batch's pull can take either sign.
+PULL_POINTS = 2
 
 
 class Judge(LearningJudging, GainJudging, CulpritNaming):
@@ -158,6 +162,7 @@ class Judge(LearningJudging, GainJudging, CulpritNaming):
         self.warm = True  # whether the rows' own ranges judge at this step (past the warm-up in steps)
         self.peers = Peers(bands.window, WARM_POINTS)  # a warm-up step's peers judge it as they do later
         self.lookups = frozenset(lookups)  # modules whose outputs are rows of their own weights (embeddings)
+        self.recent_pulls: dict[str, deque[float]] = {}  # by module: its last pulls (``_note_pulls``)
         self.paths: dict[str, deque[tuple[int, float, float]]] = {}  # by lookup: (gap, log std, its update ratio)
 
     def step(self, figures: Mapping[str, Mapping[str, float]], step: Optional[int] = None) -> Judged:
@@ -185,6 +190,7 @@ class Judge(LearningJudging, GainJudging, CulpritNaming):
         self._note_paths(figures)
         found: list[Finding] = []
         self.moves, self.levels, self.pulls = {}, figures.get("level", {}), figures.get(PULL, {})
+        self._note_pulls(self.pulls)
         for figure, values in figures.items():
             if figure in (PULL, SCALE_RATIO):
                 continue
@@ -195,6 +201,12 @@ class Judge(LearningJudging, GainJudging, CulpritNaming):
         found.extend(self._scales(figures.get(SCALE_RATIO, {})))  # net of the step's common move of the ratios
         data = self._is_data(found, figures)
         return self._sort(self._outputs(self._lone_spikes(found)), data)
+
+    def _note_pulls(self, pulls: Mapping[str, float]) -> None:
+        """Keep each module's last ``PULL_POINTS`` finite pulls (``_judge_learning.py``: ``_asked_or_learned``)."""
+        for row, v in pulls.items():
+            if math.isfinite(v):
+                self.recent_pulls.setdefault(row, deque(maxlen=PULL_POINTS)).append(v)
 
     def _note_paths(self, figures: Mapping[str, Mapping[str, float]]) -> None:
         """Note each embedding's outputs' std and its weight's update ratio at the step (``_looked_up``)."""
@@ -420,6 +432,7 @@ class Judge(LearningJudging, GainJudging, CulpritNaming):
                 "first_entropy": dict(self.first_entropy), "zeros": self.zeros.state_dict(),
                 "first_ratio": dict(self.first_ratio),
                 "paths": {row: [list(point) for point in path] for row, path in self.paths.items()},
+                "recent_pulls": {row: list(pulls) for row, pulls in self.recent_pulls.items()},
                 "fast_scales": sorted(self.fast_scales), "asked": {row: list(v) for row, v in self.asked.items()},
                 "trained": sorted(self.trained), "thawed": dict(self.thawed), "params_start": self.params_start,
                 "seen": {f: dict(rows) for f, rows in self.seen.items()},
@@ -439,6 +452,8 @@ class Judge(LearningJudging, GainJudging, CulpritNaming):
         self.first_ratio = dict(state["first_ratio"])
         self.paths = {row: deque((tuple(p) for p in path), maxlen=self.bands.window)
                       for row, path in state.get("paths", {}).items()}
+        self.recent_pulls = {row: deque(pulls, maxlen=PULL_POINTS)
+                             for row, pulls in state.get("recent_pulls", {}).items()}
         self.fast_scales = set(state["fast_scales"])
         self.asked = {row: (float(ask), int(waited)) for row, (ask, waited) in state["asked"].items()}
         # A state saved before thaws were noted (none released): the next step's parameter rows start afresh.

@@ -58,6 +58,7 @@ class LearningJudging:
     _left_by_a_step: Callable[[str], bool]  # whether a module's outputs left their range by a step
     gap: int  # the steps from the logged step before to this one
     pulls: Mapping[str, float]  # the step's pull by module (the prediction layer's)
+    recent_pulls: Mapping[str, Sequence[float]]  # by module: its last pulls, this step's last
     asked: dict[str, tuple[float, int]]  # the prediction layer out since a growth the loss asked for: its strongest
     # ask, and the points it has waited since, the loss no longer asking, its output not rising
 
@@ -105,7 +106,8 @@ class LearningJudging:
     def _asked_or_learned(self, found: Finding, last: str | None) -> bool:
         """Whether ``found`` is the prediction layer's growth the loss asks for, or asked for and now settling.
 
-        While the pull is below 0 its ``blowup`` is learning (the loss asks for it). Once the loss stops asking
+        While the pull is below 0 (the mean of its last ``PULL_POINTS``: one small batch's takes either sign) its
+        ``blowup`` is learning (the loss asks for it). Once the loss stops asking
         (its pull at or above 0 but no stronger than its strongest ask: about 0, either sign from batch to
         batch) with the output not clearly rising (its newest value within its noise, at least ``MIN_NOISE``, of
         the highest it held out before the wait: a head whose std wanders 15% creeps in steps of that), it may have
@@ -120,9 +122,10 @@ class LearningJudging:
         if not prediction_blowup(found, last, self.named) or found.row not in self.pulls:
             return False  # not the prediction layer, named already, or its pull not measured: judged as before
         pull = self.pulls[found.row]
-        asked = pull < 0
-        if not asked and (found.row not in self.asked or pull > self.asked[found.row][0]):
-            return False  # never asked for, or pushed back harder than it was asked: an overshoot
+        if pull >= 0 and (found.row not in self.asked or pull > self.asked[found.row][0]):
+            return False  # never asked for, or pushed back harder than it was asked (at this step): an overshoot
+        recent = self.recent_pulls.get(found.row) or [pull]
+        asked = sum(recent) / len(recent) < 0  # over its last points: one small batch's pull takes either sign
         ask, waited = self.asked.get(found.row, (0.0, 0))
         track = self._track(found.row)
         held = list(track.held) if track is not None else []
