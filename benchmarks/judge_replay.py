@@ -23,13 +23,13 @@ import os
 import pickle
 import re
 import sys
-from collections.abc import Collection, Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Optional
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks import fault_sweep, fault_zoo  # noqa: E402
-from lightning_hooks.callbacks._judged_rows import LOOKUPS  # noqa: E402
+from lightning_hooks.callbacks._judged_rows import lookups  # noqa: E402
 from lightning_hooks.callbacks.health import LayerHealth  # noqa: E402
 from lightning_hooks.output._findings import SCALE_RATIO  # noqa: E402
 from lightning_hooks.output._health_verdicts import JUDGED, Verdicts, judged_figure  # noqa: E402
@@ -90,7 +90,7 @@ def recording() -> Iterator[list[tuple[fault_zoo.Case, fault_zoo.Case, dict[str,
         fault_zoo.judge_case = fault_sweep.judge_case = judge
 
 
-def replay(events: Sequence[Event], lookups: Collection[str] = ()) -> dict[int, list[str]]:
+def replay(events: Sequence[Event], lookups: Optional[Mapping[str, str]] = None) -> dict[int, list[str]]:
     """The layers a fresh judge names at each step the probe read, as the probe lists them.
 
     ``lookups``: the model's embeddings, as LayerHealth hands them to its judge (not in the older recordings).
@@ -100,7 +100,7 @@ def replay(events: Sequence[Event], lookups: Collection[str] = ()) -> dict[int, 
     for event in events:
         if event[0] == "bands":
             verdicts = Verdicts(event[1])
-            verdicts.judge.lookups = frozenset(lookups)
+            verdicts.judge.lookups = dict(lookups or {})
         elif event[0] == "add" and event[1] != SCALE_RATIO:  # a scale's ratio: from its "vectors" event
             verdicts.add(*event[1:])
         elif event[0] == "vectors":  # as LayerHealth passes them on today (the recording kept them all)
@@ -136,14 +136,13 @@ def replayed_row(case: fault_zoo.Case, healthy: Optional[fault_zoo.Case], row: d
 
 
 @functools.cache
-def lookups_of(model: str) -> frozenset[str]:
+def lookups_of(model: str) -> dict[str, str]:
     """The embeddings of a recipe's model, named as its rows are (the Lightning module holds it as ``model``).
 
     A variant (``mixer+@blocks.3.token_fc1``, ``qwen3~o_proj``) has its base recipe's model.
     """
     base = fault_zoo.RECIPES.get(model) or fault_zoo.RECIPES[re.split(r"[+~]", model)[0]]
-    return frozenset(f"model.{name}" for name, module in base.build().named_modules()
-                     if isinstance(module, LOOKUPS))
+    return {f"model.{row}": f"model.{weight}" for row, weight in lookups(base.build()).items()}
 
 
 def line(row: dict[str, Any]) -> str:

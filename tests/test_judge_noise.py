@@ -73,6 +73,30 @@ def test_a_ramp_is_named_at_the_first_point_past_its_floor_as_before():
 
 
 
+def test_a_quiet_rows_ramp_under_its_noise_floor_a_point_is_named_not_walked_up():
+    """A norm's output steady to 0.1%, ramped 3.5% a step and logged every step (BLOOM's ``input_layernorm``, the
+    sweep's ``unseen22``): each point is under the level's noise floor (5%) past the one before. Let in, each
+    widened the range the next was judged against, so the ramp walked up it and was never named (its
+    ``query_key_value`` was, 11 steps late). A creep's own points are left out of the range it is judged by."""
+    bands = Bands()
+    for seed in range(4):
+        rng, track = random.Random(seed), Track(deque(maxlen=bands.window))
+        for _ in range(bands.window):
+            judge_value(track, rng.gauss(0, 0.001), "level", bands)
+        ramp = [math.log(1.035) * (i + 1) + rng.gauss(0, 0.001) for i in range(30)]
+        named = [i for i, x in enumerate(ramp) if judge_value(track, x, "level", bands) is not None]
+        assert named and named[0] <= 8, (seed, named[:3])
+
+
+def test_a_rows_noise_let_in_above_its_range_point_after_point_is_not_a_ramp():
+    """Values a little above the range several points running (a quiet row's noise, no trend) stay unnamed."""
+    bands = Bands()
+    for seed in range(4):
+        rng, track = random.Random(seed), Track(deque(maxlen=bands.window))
+        wander = [rng.gauss(0, 0.01) for _ in range(bands.window)] + [0.02 + rng.gauss(0, 0.01) for _ in range(200)]
+        assert [i for i, x in enumerate(wander) if judge_value(track, x, "level", bands) is not None] == [], seed
+
+
 def few_values_std(rng: random.Random, n: int = 4) -> float:
     """The log of the std of ``n`` Gaussian values: a small batch's prediction layer with one output."""
     values = [rng.gauss(0, 1) for _ in range(n)]

@@ -2,8 +2,8 @@
 
 A healthy BLOOM's or BART's token embedding (initialised at std 0.02, trained by AdamW) grows x2.6-3.7 over a run,
 about 1.3% a step at its fastest, and was named ``blowup``. Nothing but its weights moves a lookup's outputs, and a
-weight's norm moves at most by its update ratio a step: a drift within twice the sum of its update ratios is
-learning; a ramp put on its outputs (4% a step against ratios of 1%) is named as before (docs/verdicts.md).
+weight's norm moves at most by its update ratio a step: a drift within twice its update ratio times the steps it
+spans is learning; a ramp put on its outputs (4% a step against ratios of 1%) is named as before (docs/verdicts.md).
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from collections.abc import Callable
 from typing import Any, Optional
 
 import lightning as L
+import pytest
 import torch
 from lightning.pytorch.loggers import TensorBoardLogger
 from torch import nn
@@ -24,6 +25,7 @@ from lightning_hooks import ActivationMonitor, GradientMonitor, LayerHealth
 from lightning_hooks.callbacks._judged_rows import lookups
 from lightning_hooks.output._health_bands import Bands
 from lightning_hooks.output._judge import Judge
+from lightning_hooks.tensorboard_plugin.verdicts import judge as judge_run
 from tests.helpers import events, run_reader, trainer
 
 ORDER = ("emb", "emb_ln", "block.0.fc", "block.1.fc", "block.2.fc", "head")
@@ -55,14 +57,16 @@ def figures(rng: random.Random, point: int, fault: Optional[Callable[[int], floa
     return out
 
 
-def named(lookup: bool, fault: Optional[Callable[[int], float]] = None, ratios: bool = True,
-          seed: int = 0) -> list[tuple[int, str]]:
-    """The (point, layer) pairs the judge names, told ``emb`` is an embedding or not."""
+def named(lookup: bool, fault: Optional[Callable[[int], float]] = None, ratios: bool = True, seed: int = 0,
+          ratio_every: int = 1) -> list[tuple[int, str]]:
+    """The (point, layer) pairs the judge names, told ``emb`` is an embedding or not; the update ratios logged at
+    every ``ratio_every``-th point only."""
     rng = random.Random(seed)
     judge = Judge(Bands(), ORDER, {"emb"} if lookup else ())
     found = []
     for point in range(POINTS):
-        found += [(point, f.layer) for f in judge.step(figures(rng, point, fault, ratios), 2 * point).named]
+        figs = figures(rng, point, fault, ratios and point % ratio_every == 0)
+        found += [(point, f.layer) for f in judge.step(figs, 2 * point).named]
     return found
 
 
@@ -81,11 +85,38 @@ def test_a_ramp_on_an_embeddings_outputs_outruns_its_weights_and_is_named_within
         assert found and found[0][1] == "emb" and 100 < found[0][0] <= 110, (seed, found[:3])
 
 
-def test_an_embeddings_step_is_still_named_at_once():
-    jump = lambda point: 20.0 if point >= 100 else 1.0  # noqa: E731
+def test_a_ramp_is_named_with_its_update_ratios_logged_at_every_other_point_only():
+    ramp = lambda point: 1.04 ** (2 * max(0, point - 100))  # noqa: E731
     for seed in range(4):
-        found = named(lookup=True, fault=jump, seed=seed)
-        assert found and found[0][0] == 100, (seed, found[:3])  # the first module's step: the batch, or its own
+        found = named(lookup=True, fault=ramp, seed=seed, ratio_every=2)
+        assert found and found[0][1] == "emb" and 100 < found[0][0] <= 110, (seed, found[:3])
+
+
+def test_an_embedding_logged_every_10_steps_is_judged_against_its_ratios_logged_every_step():
+    """Activations logged every 10 steps, update ratios every step: the budget spans the steps between its points."""
+    for seed in range(4):
+        rng, judge, found = random.Random(seed), Judge(Bands(), ORDER, {"emb": "emb.weight"}), []
+        for step in range(10 * POINTS):
+            figs = figures(rng, step // 10)
+            if step % 10:
+                figs.pop("level")
+            found += [(step, f.layer) for f in judge.step(figs, step).named]
+        assert found == [], (seed, found[:3])
+
+
+def test_an_embeddings_small_step_is_named_at_once_though_its_weights_could_have_moved_as_far():
+    """x1.3 at once, with update ratios of 15% a step (a budget far past it): a step is judged as without the rule
+    (the first module's step: the batch's, named once it stays, at the next point)."""
+    for seed in range(4):
+        found: dict[bool, list[tuple[int, str]]] = {}
+        for lookup in (True, False):
+            rng, judge = random.Random(seed), Judge(Bands(), ORDER, {"emb"} if lookup else ())
+            found[lookup] = []
+            for point in range(POINTS):
+                figs = figures(rng, point, lambda p: (1.3 if p >= 100 else 1.0) * 0.02 / embedding_std(p))  # flat
+                figs["ratio"]["emb.weight"] = 0.15
+                found[lookup] += [(point, f.layer) for f in judge.step(figs, 2 * point).named]
+        assert found[True] and found[True] == found[False] and found[True][0][0] <= 101, (seed, found[True][:3])
 
 
 def test_the_judges_memory_of_an_embeddings_path_survives_its_state_dict():
@@ -95,13 +126,30 @@ def test_the_judges_memory_of_an_embeddings_path_survives_its_state_dict():
     again = Judge(Bands(), ORDER, {"emb"})
     again.load_state_dict(json.loads(json.dumps(judge.state_dict())))
     assert list(again.paths["emb"]) == list(judge.paths["emb"]) and len(judge.paths["emb"]) == Bands().window
+    assert list(again.ratio_paths["emb"]) == list(judge.ratio_paths["emb"]) and again.points == judge.points == 60
+
+
+def test_a_tied_embedding_is_judged_by_its_weights_first_name():
+    """BART's encoder and decoder embeddings share ``shared``'s weight: its rows are logged under that name."""
+    shared = nn.Embedding(8, 4)
+    model = nn.ModuleDict({"shared": shared, "enc": nn.Embedding(8, 4), "dec": nn.Embedding(8, 4),
+                           "bag": nn.EmbeddingBag(8, 4)})
+    model["enc"].weight = model["dec"].weight = shared.weight
+    assert lookups(model) == {"shared": "shared.weight", "enc": "shared.weight", "dec": "shared.weight"}
 
 
 class TinyLM(L.LightningModule):
-    """An embedding, a LayerNorm and an MLP predicting the next token."""
+    """An embedding, a LayerNorm and an MLP predicting the next token; built in ``configure_model`` if ``late``."""
 
-    def __init__(self) -> None:
+    def __init__(self, late: bool = False) -> None:
         super().__init__()
+        self.late = late
+        if not late:
+            self.configure_model()
+
+    def configure_model(self) -> None:
+        if hasattr(self, "emb"):
+            return
         self.emb = nn.Embedding(64, 16)
         self.net = nn.Sequential(nn.LayerNorm(16), nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 64))
 
@@ -113,7 +161,8 @@ class TinyLM(L.LightningModule):
         return torch.optim.AdamW(self.parameters(), lr=1e-3)
 
 
-def test_activation_monitor_writes_the_embeddings_and_layer_health_and_the_tab_judge_with_them(tmp_path):
+@pytest.mark.parametrize("late", [False, True])  # built in ``configure_model``, after the callbacks' ``setup``
+def test_activation_monitor_writes_the_embeddings_and_layer_health_and_the_tab_judge_with_them(tmp_path, late):
     torch.manual_seed(0)
     x = torch.randint(0, 64, (64, 8))
     data = DataLoader(TensorDataset(x, (x * 7 + 3) % 64), batch_size=8)
@@ -121,13 +170,18 @@ def test_activation_monitor_writes_the_embeddings_and_layer_health_and_the_tab_j
     health = LayerHealth(max_images=1)
     callbacks = [ActivationMonitor(log_every_n_steps=2), GradientMonitor(log_every_n_steps=2, update_ratio=True),
                  health]
-    model = TinyLM()
+    model = TinyLM(late)
     trainer(tmp_path, callbacks, logger=logger, max_steps=6, log_every_n_steps=2).fit(model, data)
     logger.experiment.flush()
-    assert lookups(model) == {"emb"}
+    assert lookups(model) == {"emb": "emb.weight"}
     (written,) = events(logger.log_dir).Tensors("layers/lookups")  # once per fit, with the forward order
-    assert json.loads(written.tensor_proto.string_val[0]) == ["emb"]
-    path = health._verdicts.judge.paths["emb"]  # logged at steps 0, 1, 3, 5: its std and its weight's update ratio
-    assert health._verdicts.judge.lookups == {"emb"} and len(path) == 4
-    assert all(math.isfinite(log_std) and ratio > 0 for _, log_std, ratio in path), path
-    assert run_reader(tmp_path).lookups("version_0") == {"emb"}
+    assert json.loads(written.tensor_proto.string_val[0]) == {"emb": "emb.weight"}
+    judge = health._verdicts.judge  # logged at steps 0, 1, 3, 5: its std and its weight's update ratio
+    assert judge.lookups == {"emb": "emb.weight"} and [at for at, _ in judge.paths["emb"]] == [0, 1, 3, 5]
+    assert [at for at, ratio in judge.ratio_paths["emb"] if ratio > 0] == [0, 1, 3, 5]
+    reader = run_reader(tmp_path)
+    tab = judge_run(reader.figures("version_0"), Bands(), reader.unjudged_ratios("version_0"),
+                    reader.forward_order("version_0"), reader.scale_ratios("version_0"), reader.lookups("version_0"))
+    tab_path = list(tab.referee.paths["emb"])  # read back from the event file, as float32
+    assert tab.referee.lookups == judge.lookups and [at for at, _ in tab_path] == [at for at, _ in judge.paths["emb"]]
+    assert all(abs(x - y) < 1e-6 for (_, x), (_, y) in zip(tab_path, judge.paths["emb"]))

@@ -145,6 +145,14 @@ def test_one_small_batchs_pull_above_0_while_the_loss_asks_names_no_growing_pred
     assert bool(found) == named and {f.row for f in found} <= {"head"}, found
 
 
+def test_a_pull_below_0_at_the_step_asks_whatever_the_pull_before_it():
+    """A head in range with a pull of +0.5, then out with -0.2: the loss asks for it at that step (the mean over
+    the two, +0.15, does not overrule it)."""
+    judge = steady_judge()
+    assert not judge.step({"level": {"a": 1.0, "b": 1.0, "head": 1.0}, "pull": {"head": 0.5}}, 60).named
+    assert not judge.step({"level": {"a": 1.0, "b": 1.0, "head": 3.0}, "pull": {"head": -0.2}}, 61).named
+
+
 def test_a_module_before_the_last_is_named_whatever_its_pull():
     judge = steady_judge()
     (found,) = judge.step({"level": {"a": 1.0, "b": 3.0, "head": 3.0}, "pull": {"b": -1.0, "head": -1.0}}, 60).named

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Optional
 
 import lightning.pytorch as pl
@@ -74,7 +74,7 @@ class ActivationFigures:
 
     def log_block(self, trainer: pl.Trainer, block: StatBlock, prefix: str, grads: int, step: int,
                   order: Sequence[str] = (), carried: Sequence[tuple[Tensor, ScalarBlock]] = (),
-                  lookups: Sequence[str] = ()) -> None:
+                  lookups: Optional[Mapping[str, str]] = None) -> None:
         """Drain ``block`` (one transfer) and log its rows at ``step`` from rank zero.
 
         Args:
@@ -89,7 +89,8 @@ class ActivationFigures:
             carried: Other callbacks' figures of the step on device (:meth:`ActivationMonitor.carry`),
                 each with the block it is logged as (its values taken from the device's), brought
                 over in the same transfer and logged in the same event.
-            lookups: The watched embeddings, written with ``order`` for the Layers tab's judge (a JSON list).
+            lookups: The watched embeddings and their weights' rows, written with ``order`` for the Layers tab's
+                judge (a JSON object).
         """
         # The forward's rows and the gradients', and whatever was carried, in one transfer.
         rows, values = block.drain_with(trainer, [device for device, _ in carried])
@@ -107,7 +108,7 @@ class ActivationFigures:
         log_scalars(trainer, {}, step, figures)
         if order:
             log_plugin_data(trainer, FORWARD_ORDER_TAG, json.dumps(list(order)), step)
-            log_plugin_data(trainer, LOOKUPS_TAG, json.dumps(list(lookups)), step)
+            log_plugin_data(trainer, LOOKUPS_TAG, json.dumps(dict(lookups or {})), step)
 
     def log_rows(self, trainer: pl.Trainer, rows: np.ndarray, names: list[str], prefix: str,
                  step: int, edges: Sequence[float]) -> list[ScalarBlock]:

@@ -13,17 +13,23 @@ from torch import nn
 from lightning_hooks.core.selection import clean_name, named_parameters
 from lightning_hooks.output._findings import owner_of
 
-#: The modules whose outputs are rows of their own weights, whatever the batch's scale: the embeddings.
-LOOKUPS = (nn.Embedding, nn.EmbeddingBag)
+#: The modules whose outputs are rows of their own weights, whatever the batch's scale: the embeddings (not an
+#: ``EmbeddingBag``, whose sums and means scale with the bags).
+LOOKUPS = (nn.Embedding,)
 
 
-def lookups(pl_module: Any) -> frozenset[str]:
-    """``pl_module``'s embeddings (:data:`LOOKUPS`), as the monitors name them (``clean_name``).
+def lookups(pl_module: Any) -> dict[str, str]:
+    """``pl_module``'s embeddings (:data:`LOOKUPS`), each with its weight's row, as the monitors name them.
 
-    Their outputs only move as their weights learn: the judge lets a drift of theirs in as learning
-    (``output._judge_learning``).
+    Their outputs only move as their weights learn: the judge lets a drift of theirs as far as their weights moved
+    in as learning (``output._judge_learning``). A weight tied to another module's (BART's ``shared``) has the row
+    of its first name, as the gradient monitor logs it.
     """
-    return frozenset(clean_name(name) for name, module in pl_module.named_modules() if isinstance(module, LOOKUPS))
+    first: dict[int, str] = {}
+    for name, param in named_parameters(pl_module):  # each parameter once, under its first name
+        first.setdefault(id(param), name)
+    return {clean_name(name): first[id(module.weight)] for name, module in pl_module.named_modules()
+            if isinstance(module, LOOKUPS) and id(module.weight) in first}
 
 
 def judged_apart(pl_module: Any) -> tuple[set[str], set[str]]:

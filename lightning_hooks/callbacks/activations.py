@@ -163,7 +163,7 @@ class ActivationMonitor(ActivationHooks):
         self._pending_step: Optional[int] = None  # the log step being collected
         self._pending_global = 0  # ``trainer.global_step`` when it began: its optimizer step is done once this moves
         self._forward_order: Optional[dict[str, None]] = None  # modules as their hooks first fire, once per fit
-        self._lookups: list[str] = []  # the watched embeddings, written with the forward order
+        self._lookups: dict[str, str] = {}  # the watched embeddings and their weights' rows, written with the order
         self._ordering = False  # whether the forward order is still being recorded (up to the first backward)
         self._grad_scale: list[Optional[torch.Tensor]] = [None]  # AMP's 1 / loss_scale for this backward
         self._hook_fns: dict[tuple[int, str, int, bool], tuple[Callable[..., Any], Callable[..., Any]]] = {}
@@ -187,7 +187,8 @@ class ActivationMonitor(ActivationHooks):
                         for s in self.stages} if written else {}
         self._block, self._pending_step, self._carried = None, None, []
         self._forward_order, self._ordering = {}, True
-        self._lookups = sorted(lookups(pl_module) & set(self.module_names))  # written with the forward order
+        watched = set(self.module_names)  # the embeddings among them, written with the forward order
+        self._lookups = {row: weight for row, weight in lookups(pl_module).items() if row in watched}
         self._figures = ActivationFigures(self.stats, self.histogram)
         grads = [GRAD_PREFIX] if self._grad_names("train") else []
         charts = {category: chart for prefix in [_PREFIXES[stage] for stage in self.stages] + grads

@@ -170,7 +170,6 @@ class LayerHealth(FigureListener, Diagnoses, *CALLBACK_BASES):  # type: ignore[m
         for stability in callbacks_of(trainer, TransformerStability)[:1]:  # judge its figures by its bands
             self._bands = replace(self._bands, **{name: getattr(stability.bands, name) for name in STABILITY_BANDS})
             self._verdicts = Verdicts(self._bands)
-        self._verdicts.judge.lookups = lookups(pl_module)  # embeddings: their outputs' drift is learning
         if not any(callbacks_of(trainer, kind) for kind in (ActivationMonitor, GradientMonitor, TransformerStability)):
             rank_zero_warn("LayerHealth: no ActivationMonitor or GradientMonitor in `callbacks`: nothing to show")
         if not any(isinstance(lg, TENSORBOARD_LOGGERS) for lg in trainer.loggers):
@@ -183,6 +182,10 @@ class LayerHealth(FigureListener, Diagnoses, *CALLBACK_BASES):  # type: ignore[m
         """Free the instance for another Trainer."""
         self._pull.stop()
         release(self, trainer)
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Tell the judge the model's embeddings, read as ActivationMonitor reads them (after ``configure_model``)."""
+        self._verdicts.judge.lookups = lookups(pl_module)
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         """Free the instance for another Trainer when ``fit`` raises."""

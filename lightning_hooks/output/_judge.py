@@ -58,9 +58,9 @@ step at a time, with every judged figure of that step. How it decides (docs/verd
   SGD a jump's gradient moves their weights in the same step). A growth the loss asked for that
   stopped rising, the pull about 0 (no stronger than its strongest ask), waits and then settles as
   its range (``_judge_learning.py``: ``_asked_or_learned``); without a pull measured, judged as before.
-- An embedding's outputs (``lookups``: rows of its own weight, whatever the batch) drifting out no further than
-  ``WEIGHT_SLACK`` times the sum of its weight's update ratios over its last points (a weight's norm moves at most by
-  its update ratio a step) are its weights learning; without its update ratio, any drift of theirs is
+- An embedding's outputs (``lookups``: rows of its own weight) drifting out no further than ``WEIGHT_SLACK`` times
+  its weight's update ratio times the steps of its last points (a weight's norm moves at most by its update ratio a
+  step) are its weights learning; without an update ratio logged there, any drift of theirs is
   (``_judge_learning.py``: ``_looked_up``). A step is judged as before.
 - Absolute rules where the physics gives a bound (:mod:`~lightning_hooks.output._judge_absolute`):
   a NaN or Inf; ``ALL_ZERO`` exact zeros, or more than ``max_zero_fraction`` from the first logged point or
@@ -84,7 +84,7 @@ import math
 import statistics
 from collections import deque
 from collections.abc import Collection, Mapping, Sequence
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 from lightning_hooks.output._findings import (
     BACKWARD,
@@ -120,9 +120,19 @@ COMMON_MODE = ("norm", "ratio", "gain")
 #: move): its few entries move far more from step to step than a weight's; a param group's LR raised x100 moves it
 #: about x100.
 SCALE_JUMP = 10.0
+#: An embedding's weight's update ratios kept (``Judge.ratio_paths``): logged every step, a window of outputs
+#: logged every 4.
+RATIO_POINTS = 128
 #: Whether the loss asks for the prediction layer's growth is read from the mean of its last this many logged pulls:
 #: one small batch's pull can take either sign.
 PULL_POINTS = 2
+
+
+def lookup_rows(lookups: Union[Mapping[str, str], Collection[str]]) -> dict[str, str]:
+    """The embeddings as ``{module: its weight's row}``; a module named alone has ``<module>.weight``."""
+    if isinstance(lookups, Mapping):
+        return {str(row): str(weight) for row, weight in lookups.items()}
+    return {str(row): f"{row}.weight" for row in lookups}
 
 
 class Judge(LearningJudging, GainJudging, CulpritNaming):
@@ -131,11 +141,13 @@ class Judge(LearningJudging, GainJudging, CulpritNaming):
     Args:
         bands: The thresholds (see :class:`~lightning_hooks.output._health_bands.Bands`).
         order: The modules in forward order, if known; else the order their rows first come in.
-        lookups: The modules whose outputs are rows of their own weights (the embeddings), if known: a drift of
-            their outputs is their weights learning (``_judge_learning.py``: ``_looked_up``).
+        lookups: The modules whose outputs are rows of their own weights (the embeddings), if known, each with its
+            weight's row (a name alone: ``<name>.weight``): a drift of their outputs as far as their weights moved is
+            learning (``_judge_learning.py``: ``_looked_up``).
     """
 
-    def __init__(self, bands: Bands, order: Sequence[str] = (), lookups: Collection[str] = ()) -> None:
+    def __init__(self, bands: Bands, order: Sequence[str] = (),
+                 lookups: Union[Mapping[str, str], Collection[str]] = ()) -> None:
         self.bands = bands
         self.depth: dict[str, int] = {name: i for i, name in enumerate(inner_first(order))}
         self.tracks: dict[str, dict[str, Track]] = {}
@@ -161,9 +173,11 @@ class Judge(LearningJudging, GainJudging, CulpritNaming):
         self.seen: dict[str, dict[str, int]] = {}  # by figure: the step each row last came in (its own gap from it)
         self.warm = True  # whether the rows' own ranges judge at this step (past the warm-up in steps)
         self.peers = Peers(bands.window, WARM_POINTS)  # a warm-up step's peers judge it as they do later
-        self.lookups = frozenset(lookups)  # modules whose outputs are rows of their own weights (embeddings)
+        self.lookups = lookup_rows(lookups)  # embeddings: each module's weight's row
         self.recent_pulls: dict[str, deque[float]] = {}  # by module: its last pulls (``_note_pulls``)
-        self.paths: dict[str, deque[tuple[int, float, float]]] = {}  # by lookup: (gap, log std, its update ratio)
+        self.paths: dict[str, deque[tuple[int, float]]] = {}  # by lookup: (step, log std) of its outputs
+        self.ratio_paths: dict[str, deque[tuple[int, float]]] = {}  # by lookup: (step, update ratio) of its weight
+        self.points = 0  # the logged steps judged (the steps' count where no step number is given)
 
     def step(self, figures: Mapping[str, Mapping[str, float]], step: Optional[int] = None) -> Judged:
         """Judge one logged step.
@@ -174,6 +188,7 @@ class Judge(LearningJudging, GainJudging, CulpritNaming):
             step: The step's number, if known: the rows' ranges judge from ``WARM_STEPS_PER_POINT *
                 min_points`` steps after the first logged step on (and from their ``min_points``-th value).
         """
+        self.points += 1
         if step is not None:
             self.gap = max(1, step - self.last_step) if self.last_step is not None else 1
             self.start, self.last_step = (step if self.start is None else self.start), step
@@ -209,13 +224,19 @@ class Judge(LearningJudging, GainJudging, CulpritNaming):
                 self.recent_pulls.setdefault(row, deque(maxlen=PULL_POINTS)).append(v)
 
     def _note_paths(self, figures: Mapping[str, Mapping[str, float]]) -> None:
-        """Note each embedding's outputs' std and its weight's update ratio at the step (``_looked_up``)."""
+        """Note each embedding's outputs' std and its weight's update ratio, each at the step it came in.
+
+        Each on its own cadence (``_looked_up``): its weight's row as the gradient monitor names it (a tied weight's
+        first name), or its module's (``granularity="module"``).
+        """
         levels, ratios = figures.get("level", {}), figures.get("ratio", {})
-        for row in self.lookups.intersection(levels):
-            v, r = levels[row], ratios.get(f"{row}.weight", math.nan)
+        at = self.last_step if self.last_step is not None else self.points
+        for row, weight in self.lookups.items():
+            v, r = levels.get(row, math.nan), ratios.get(weight, ratios.get(row, math.nan))
             if math.isfinite(v) and v > 0:
-                path = self.paths.setdefault(row, deque(maxlen=self.bands.window))
-                path.append((self.gap, math.log(v), r if math.isfinite(r) and r >= 0 else math.nan))
+                self.paths.setdefault(row, deque(maxlen=self.bands.window)).append((at, math.log(v)))
+            if math.isfinite(r) and r >= 0:
+                self.ratio_paths.setdefault(row, deque(maxlen=RATIO_POINTS)).append((at, r))
 
     def _thaw(self, figures: Mapping[str, Mapping[str, float]], step: Optional[int]) -> None:
         """Note the layers whose parameters start training at ``step``: frozen before, their rows absent.
@@ -432,6 +453,8 @@ class Judge(LearningJudging, GainJudging, CulpritNaming):
                 "first_entropy": dict(self.first_entropy), "zeros": self.zeros.state_dict(),
                 "first_ratio": dict(self.first_ratio),
                 "paths": {row: [list(point) for point in path] for row, path in self.paths.items()},
+                "ratio_paths": {row: [list(point) for point in path] for row, path in self.ratio_paths.items()},
+                "points": self.points,
                 "recent_pulls": {row: list(pulls) for row, pulls in self.recent_pulls.items()},
                 "fast_scales": sorted(self.fast_scales), "asked": {row: list(v) for row, v in self.asked.items()},
                 "trained": sorted(self.trained), "thawed": dict(self.thawed), "params_start": self.params_start,
@@ -450,8 +473,11 @@ class Judge(LearningJudging, GainJudging, CulpritNaming):
         self.excused = set(state["excused"])
         self.first_entropy, self.zeros = dict(state["first_entropy"]), ZeroRuns.from_state(state["zeros"])
         self.first_ratio = dict(state["first_ratio"])
-        self.paths = {row: deque((tuple(p) for p in path), maxlen=self.bands.window)
+        self.paths = {row: deque(((int(at), float(x)) for at, x in path), maxlen=self.bands.window)
                       for row, path in state.get("paths", {}).items()}
+        self.ratio_paths = {row: deque(((int(at), float(r)) for at, r in path), maxlen=RATIO_POINTS)
+                            for row, path in state.get("ratio_paths", {}).items()}
+        self.points = int(state.get("points", 0))
         self.recent_pulls = {row: deque(pulls, maxlen=PULL_POINTS)
                              for row, pulls in state.get("recent_pulls", {}).items()}
         self.fast_scales = set(state["fast_scales"])

@@ -32,7 +32,7 @@ SHARED_FIGURES = (*PEER_FIGURES, "norm")
 #: The prediction layer's growth the loss asked for has settled at the scale the loss wanted after this many logged
 #: points without the loss asking, its output not rising (``_asked_or_learned``): its ranges follow it then.
 SETTLED = 4
-#: An embedding's outputs are judged against its weight's updates over this many logged points at least.
+#: An embedding's outputs are judged against its weight's updates over this many logged moves at least.
 LOOKBACK = 3
 #: An embedding's outputs drifting no further than this many times its weight's updates moved (the sum of its update
 #: ratios) are learning: the used rows' share of the update can exceed the whole weight's.
@@ -52,8 +52,9 @@ class LearningJudging:
     affected: set[str]  # rows out as victims
     warm: bool  # whether the rows' own ranges judge at this step (past the warm-up in steps)
     _warm_for: Callable[[str], bool]  # whether a module's outputs are past every warm-up holding it (a thaw's too)
-    lookups: frozenset[str]  # modules whose outputs are rows of their own weights (embeddings)
-    paths: Mapping[str, Sequence[tuple[int, float, float]]]  # by lookup: (gap, log std, update ratio) per point
+    lookups: Mapping[str, str]  # modules whose outputs are rows of their own weights (embeddings): their weights' rows
+    paths: Mapping[str, Sequence[tuple[int, float]]]  # by lookup: (step, log std) of its outputs
+    ratio_paths: Mapping[str, Sequence[tuple[int, float]]]  # by lookup: (step, update ratio) of its weight
     _track: Callable[[str], Optional[Track]]  # the track a module's outputs are judged by
     _left_by_a_step: Callable[[str], bool]  # whether a module's outputs left their range by a step
     gap: int  # the steps from the logged step before to this one
@@ -87,17 +88,21 @@ class LearningJudging:
     def _weights_moved(self, row: str) -> bool:
         """Whether an embedding's outputs moved no further than ``WEIGHT_SLACK`` times its weight's updates did.
 
-        Over its last ``LOOKBACK`` points (more while it has held more out): the log move of its std against the sum
-        of its update ratio times the steps between points, the most a weight's norm can move. Without its update
-        ratio logged, its drift is its weights' anyway (nothing else moves a lookup's outputs): learning.
+        Over its last ``LOOKBACK`` moves (more while it has held more out): the log move of its std against its
+        weight's update ratio (the mean of those logged over the span, on their own cadence) times the span's steps,
+        the most a weight's norm can move. Without an update ratio logged over the span, its drift is its weights'
+        anyway (nothing else moves a lookup's outputs): learning.
         """
-        path, track = self.paths.get(row), self._track(row)
+        track = self._track(row)
         held = len(track.held) if track is not None else 0
-        span = list(path or ())[-(max(held, LOOKBACK) + 1):]
+        span = list(self.paths.get(row, ()))[-(max(held, LOOKBACK) + 1):]
         if len(span) < 2:
             return True
-        budget = sum(gap * ratio for gap, _, ratio in span[1:])
-        return not math.isfinite(budget) or abs(span[-1][1] - span[0][1]) <= WEIGHT_SLACK * budget
+        (start, first), (end, last) = span[0], span[-1]
+        rates = [ratio for at, ratio in self.ratio_paths.get(row, ()) if start < at <= end]
+        if not rates:
+            return True
+        return abs(last - first) <= WEIGHT_SLACK * (end - start) * sum(rates) / len(rates)
 
     def _output_tracks(self, row: str) -> list[Track]:
         """A module's outputs' tracks: its std's and its gain's, those it has."""
@@ -122,10 +127,11 @@ class LearningJudging:
         if not prediction_blowup(found, last, self.named) or found.row not in self.pulls:
             return False  # not the prediction layer, named already, or its pull not measured: judged as before
         pull = self.pulls[found.row]
-        if pull >= 0 and (found.row not in self.asked or pull > self.asked[found.row][0]):
+        if not pull < 0 and (found.row not in self.asked or pull > self.asked[found.row][0]):
             return False  # never asked for, or pushed back harder than it was asked (at this step): an overshoot
         recent = self.recent_pulls.get(found.row) or [pull]
-        asked = sum(recent) / len(recent) < 0  # over its last points: one small batch's pull takes either sign
+        # Asked at this step, or over its last points (one small batch's pull takes either sign).
+        asked = pull < 0 or (math.isfinite(pull) and sum(recent) / len(recent) < 0)
         ask, waited = self.asked.get(found.row, (0.0, 0))
         track = self._track(found.row)
         held = list(track.held) if track is not None else []

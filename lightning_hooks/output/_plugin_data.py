@@ -24,8 +24,8 @@ CONTENT_VERSION = b"1"
 FLIGHT_RECORD_TAG = "anomalies/flight_record_data"
 #: ActivationMonitor's forward order (JSON list of module names), once per fit.
 FORWARD_ORDER_TAG = "layers/forward_order"
-#: ActivationMonitor's watched embeddings (JSON list of module names), once per fit, with the forward order: the judge
-#: lets their outputs' drift in as learning (``output._judge_learning``).
+#: ActivationMonitor's watched embeddings (JSON object: each module's name, its weight's row), once per fit, with the
+#: forward order: the judge lets their outputs' drift as far as their weights moved in as learning.
 LOOKUPS_TAG = "layers/lookups"
 
 

@@ -25,6 +25,11 @@ MIN_NOISE = {"level": math.log(1.05), "gain": math.log(1.02), "norm": math.log(1
 #: 100 steps): a healthy layer's slow creep late in a long run (GPT-2's attention, 0.25% a step) is not
 #: named; the slowest fault ramp of the sweep (0.5% a step) gets past it. Measured in steps, not logged points.
 CREEP_PER_STEP = math.log(1.003)
+#: A row whose noise is under this share of its figure's floor (``MIN_NOISE``) is quiet: its values let in beyond its
+#: range point after point are a creep's, not its noise, and are left out of the range the next is judged by.
+QUIET_SHARE = 0.25
+#: The figures judged so: a module's outputs (a gradient's norm is judged by its peers' common move too).
+CREPT = ("level", "gain")
 #: The band (a field ``<name>_factor`` of :class:`Bands`) each relative figure is judged by: a gain is an output's.
 FACTOR = {"level": "level", "gain": "level", "norm": "norm", "ratio": "ratio", "output_grad": "output_grad"}
 #: A gain's least change, as a power of ``level_factor`` (1.25 ** 0.7 = 1.17): the batch's share of an output's
@@ -68,6 +73,7 @@ class Track:
     learned: int = 0  # the newest values let in as the row's own fast learning
     clock: int = 0  # the steps over the points judged (each point's ``gap`` added)
     held_at: deque[int] = field(default_factory=lambda: deque(maxlen=64))  # ``clock`` at each held value
+    crept: int = 0  # the newest values let in beyond the range, each on the same side (+ above, - below)
 
 
 def in_warm_up(track: Track, bands: Bands) -> bool:
@@ -114,15 +120,15 @@ def step_noise(moves: Sequence[float]) -> float:
 def track_state(track: Track) -> list:
     """A track as plain values (for a checkpoint); :func:`track_from_state` restores it."""
     return [list(track.logs), track.up, track.down, track.frozen, track.worst, list(track.held), track.deviation,
-            track.noise, track.learned, track.clock, list(track.held_at)]
+            track.noise, track.learned, track.clock, list(track.held_at), track.crept]
 
 
 def track_from_state(state: Sequence, window: int) -> Track:
     """The track of :func:`track_state`'s values."""
-    logs, up, down, frozen, worst, held, deviation, noise, learned, clock, held_at = state
+    logs, up, down, frozen, worst, held, deviation, noise, learned, clock, held_at, *crept = state
     return Track(deque(logs, maxlen=window), up=up, down=down, frozen=frozen, worst=worst,
                  held=deque(held, maxlen=64), deviation=deviation, noise=noise, learned=learned,
-                 clock=clock, held_at=deque(held_at, maxlen=64))
+                 clock=clock, held_at=deque(held_at, maxlen=64), crept=crept[0] if crept else 0)
 
 
 def least_change(figure: str, bands: Bands) -> float:
@@ -142,13 +148,14 @@ def settle_at(track: Track, points: int, window: int) -> None:
         return
     shift = statistics.median(flat) - statistics.median(track.logs)
     track.logs = deque([x + shift for x in track.logs] + flat, maxlen=window)
-    track.learned = 0
+    track.learned = track.crept = 0
     _settle(track, window)
 
 
 def follow(track: Track, window: int) -> None:
     """Let the values a row held back join its history, as its own learning: its range follows them."""
     track.logs.extend(track.held)
+    track.crept = 0
     _settle(track, window)
 
 
@@ -194,6 +201,7 @@ def judge_value(track: Track, x: float, figure: str, bands: Bands, warm: bool = 
         if track.frozen < bands.min_points or abs(track.worst) > 2 * floor:
             return deviation
         track.logs = deque(track.held, maxlen=bands.window)  # settled: learning, at a new level
+        track.crept = 0
     elif leaning:
         _hold(track, x)
         track.frozen += 1
@@ -203,6 +211,11 @@ def judge_value(track: Track, x: float, figure: str, bands: Bands, warm: bool = 
     else:
         track.logs.extend(track.held)
         track.logs.append(x)
+        # Beyond the range, under the noise floor, on a row far quieter than it: a creep's step (a noisier row's is its
+        # noise, judged by the range it widens).
+        quiet = figure in CREPT and track.noise < MIN_NOISE[figure] * QUIET_SHARE
+        side = (deviation > 0) - (deviation < 0) if quiet else 0
+        track.crept = track.crept + side if side and side * track.crept >= 0 else side  # a run on one side
     _settle(track, bands.window)
     return None
 
@@ -258,7 +271,8 @@ def slow_paced(track: Track, deviation: float, gap: int, floor: float) -> bool:
 def held_deviations(track: Track) -> list[float]:
     """The deviation of each value a row holds back, beyond its (held) range at that value's point."""
     level, slope, lag, _ = usual_range(track.logs)
-    seen = list(track.logs)[:len(track.logs) - track.learned]  # as ``_deviation``: not the newest learned
+    seen = list(track.logs)[:max(0, len(track.logs) - max(track.learned, abs(track.crept)))]  # as ``_deviation``:
+    # not the newest learned, nor a creep's own
     high, low = max([level, *seen]), min([level, *seen])
     return [max(0.0, x - max(high, level + slope * (lag + i))) + min(0.0, x - min(low, level + slope * (lag + i)))
             for i, x in enumerate(track.held)]
@@ -297,7 +311,8 @@ def _deviation(track: Track, x: float, figure: str, floor: float) -> tuple[Optio
     in range there.
 
     None while the row is still learning fast on its own and ``x`` is not a step away: its own
-    history cannot judge it, and ``x`` joins it.
+    history cannot judge it, and ``x`` joins it. A quiet row's newest values let in beyond the range point after
+    point (``crept``) are not part of its extremes: a creep does not widen the range it is judged against.
     """
     level, slope, lag, noise = usual_range(track.logs)
     track.noise = noise
@@ -305,10 +320,11 @@ def _deviation(track: Track, x: float, figure: str, floor: float) -> tuple[Optio
     if abs(ahead - level) > floor / 2 and not (track.up or track.down) and abs(x - level) < 2 * floor:
         track.logs.append(x)
         track.learned += 1
+        track.crept = 0  # the row's own learning: no creep's run
         return None, noise
     if not math.isfinite(x):
         return -math.inf, max(noise, MIN_NOISE[figure])
-    seen = list(track.logs)[:len(track.logs) - track.learned]
+    seen = list(track.logs)[:max(0, len(track.logs) - max(track.learned, abs(track.crept)))]  # not a creep's own
     track.learned = 0
     high, low = max(level, ahead, *seen), min(level, ahead, *seen)
     deviation, noise = max(0.0, x - high) + min(0.0, x - low), _judging_noise(track, noise, slope, floor)

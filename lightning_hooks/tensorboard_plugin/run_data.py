@@ -217,14 +217,14 @@ class RunReader:
             return []
         return [str(name) for name in order] if isinstance(order, list) else []
 
-    def lookups(self, run: str) -> frozenset[str]:
-        """The watched embeddings, as ActivationMonitor recorded them with the forward order (latest fit)."""
+    def lookups(self, run: str) -> dict[str, str]:
+        """The watched embeddings and their weights' rows, as ActivationMonitor recorded them (latest fit)."""
         texts = self._own_data(run, LOOKUPS_TAG)
         try:
-            names = json.loads(texts[max(texts)]) if texts else []
+            found = json.loads(texts[max(texts)]) if texts else {}
         except ValueError:
-            return frozenset()
-        return frozenset(str(name) for name in names) if isinstance(names, list) else frozenset()
+            return {}
+        return {str(row): str(weight) for row, weight in found.items()} if isinstance(found, dict) else {}
 
     def unjudged_ratios(self, run: str) -> frozenset[str]:
         """The update rows whose ratio LayerHealth does not judge, as GradientMonitor recorded them (latest fit)."""

@@ -71,7 +71,7 @@ def judged_as(figure: Figure) -> Optional[str]:
 
 def judge(figures: list[Figure], bands: Bands, unjudged: frozenset[str] = frozenset(),
           order: Sequence[str] = (), scales: frozenset[str] = frozenset(),
-          lookups: frozenset[str] = frozenset()) -> Replay:
+          lookups: Optional[Mapping[str, str]] = None) -> Replay:
     """Each figure with its marked cells: the run replayed step by step through LayerHealth's judge.
 
     Args:
@@ -82,8 +82,8 @@ def judge(figures: list[Figure], bands: Bands, unjudged: frozenset[str] = frozen
         order: The modules in the order their forward hooks first fired (ActivationMonitor's
             ``layers/forward_order``), as LayerHealth judges them; else the figures' row order.
         scales: Norms' scales: their update ratio is judged apart, their finite gradient norm not judged.
-        lookups: The watched embeddings (ActivationMonitor's ``layers/lookups``), as LayerHealth hands them to its
-            judge: their outputs' drift is learning.
+        lookups: The watched embeddings and their weights' rows (ActivationMonitor's ``layers/lookups``), as
+            LayerHealth hands them to its judge: their outputs' drift as far as their weights moved is learning.
 
     Returns:
         The :class:`Replay`: every figure, in the order given, with its marked cells, and the judge.
@@ -95,7 +95,7 @@ def judge(figures: list[Figure], bands: Bands, unjudged: frozenset[str] = frozen
             if kind is not None:
                 columns.setdefault(step, []).append((figure, kind, col))
     marks: dict[int, Marks] = {id(figure): [] for figure in figures}
-    referee = Judge(bands, order, lookups)
+    referee = Judge(bands, order, lookups or {})
     for step in sorted(columns):
         values: dict[str, dict[str, float]] = {}
         where: dict[tuple[str, str], tuple[Figure, int]] = {}
