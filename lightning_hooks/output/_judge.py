@@ -51,8 +51,8 @@ step at a time, with every judged figure of that step. How it decides (docs/verd
   While a named layer is still out, the others that go out are counted as affected, not named.
 - The prediction layer (the last module in forward order, whose output feeds the loss) growing
   while the loss asks for it is learning: its ``blowup`` is not named while its ``pull`` (LayerHealth's
-  ``sum(y * dL/dy)`` of its output ``y``, ``dL/d(scale of y)``) is below 0 at the step (the mean of its last
-  ``PULL_POINTS``: one small batch's takes either sign). A fault that
+  ``sum(y * dL/dy)`` of its output ``y``, ``dL/d(scale of y)``) is below 0 at the step, or the mean of its last
+  ``PULL_POINTS`` is (one small batch's takes either sign). A fault that
   overshoots has it above 0 (the loss wants it smaller, yet it grows), and is named then; named
   first where it moved ``OVERSHOOT`` times as far as every module before it that is out (under
   SGD a jump's gradient moves their weights in the same step). A growth the loss asked for that

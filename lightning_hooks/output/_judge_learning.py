@@ -34,8 +34,8 @@ SHARED_FIGURES = (*PEER_FIGURES, "norm")
 SETTLED = 4
 #: An embedding's outputs are judged against its weight's updates over this many logged moves at least.
 LOOKBACK = 3
-#: An embedding's outputs drifting no further than this many times its weight's updates moved (the sum of its update
-#: ratios) are learning: the used rows' share of the update can exceed the whole weight's.
+#: An embedding's outputs drifting no further than this many times its weight's updates moved (its update ratio times
+#: the steps) are learning: the used rows' share of the update can exceed the whole weight's.
 WEIGHT_SLACK = 2.0
 
 
@@ -111,8 +111,8 @@ class LearningJudging:
     def _asked_or_learned(self, found: Finding, last: str | None) -> bool:
         """Whether ``found`` is the prediction layer's growth the loss asks for, or asked for and now settling.
 
-        While the pull is below 0 (the mean of its last ``PULL_POINTS``: one small batch's takes either sign) its
-        ``blowup`` is learning (the loss asks for it). Once the loss stops asking
+        While the pull is below 0 at the step, or the mean of its last ``PULL_POINTS`` is (one small batch's takes
+        either sign), its ``blowup`` is learning (the loss asks for it). Once the loss stops asking
         (its pull at or above 0 but no stronger than its strongest ask: about 0, either sign from batch to
         batch) with the output not clearly rising (its newest value within its noise, at least ``MIN_NOISE``, of
         the highest it held out before the wait: a head whose std wanders 15% creeps in steps of that), it may have
