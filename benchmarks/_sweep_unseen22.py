@@ -1,4 +1,4 @@
-"""The fault sweep's twenty-second and twenty-third unseen groups: random faults on recipes varied at random too.
+"""The fault sweep's twenty-second to twenty-fourth unseen groups: random faults on recipes varied at random too.
 
 - ``unseen22``: 48 faulty cases drawn (``random.Random(22)``) as ``unseen18``'s are (any module with weights from
   the middle 60% of any of the 52 models, a ramp or a jump three times as often as dead units, a vanishing signal or
@@ -6,6 +6,7 @@
   is varied at random once per model: its seed (1-3), its learning rate (x0.5, x1 or x2 the recipe's), its run length
   (200, 300 or 400 steps) and its log interval (every 1, 2, 2 or 5 steps); and each varied recipe's healthy run.
 - ``unseen23``: drawn the same way (``random.Random(23)``), after the judge was changed on ``unseen22``.
+- ``unseen24``: drawn the same way (``random.Random(24)``), after every rule written on ``unseen22``.
 """
 
 from __future__ import annotations
@@ -20,8 +21,8 @@ CASES = 48
 
 
 def unseen22() -> dict[str, list[Variant]]:
-    """The groups ``unseen22`` and ``unseen23``: random faults on randomly varied recipes, and their healthy runs."""
-    return {"unseen22": _drawn("unseen22", 22), "unseen23": _drawn("unseen23", 23)}
+    """The groups ``unseen22`` to ``unseen24``: random faults on randomly varied recipes, and their healthy runs."""
+    return {"unseen22": _drawn("unseen22", 22), "unseen23": _drawn("unseen23", 23), "unseen24": _drawn("unseen24", 24)}
 
 
 def _drawn(group: str, seed: int) -> list[Variant]:
