@@ -107,7 +107,7 @@ torchvision-style ResNet's one ``ReLU`` per block); ``unseen17`` (``benchmarks/_
 jumps begun at 12% and 16% of the run, in or just after the judge's warm-up; ``unseen18``
 (``benchmarks/_sweep_unseen18.py``): 48 faults drawn at random (model, layer, fault, rate, onset, interval), and
 ``unseen19``, drawn the same way at another seed; ``unseen20``, drawn from 28 other models; ``unseen21``, from all 52;
-``unseen22`` and ``unseen23`` (``benchmarks/_sweep_unseen22.py``): from all 52, at wider rates and onsets, on
+``unseen22`` to ``unseen24`` (``benchmarks/_sweep_unseen22.py``): from all 52, at wider rates and onsets, on
 recipes varied at random (seed, learning rate, run length, log interval).
 
 Per case: the culprit named first, the layers named before it, the delay (steps from the onset
