@@ -208,22 +208,12 @@ class RunReader:
 
     def forward_order(self, run: str) -> list[str]:
         """The modules in the order their forward hooks first fired, as ActivationMonitor recorded it."""
-        texts = self._own_data(run, FORWARD_ORDER_TAG)
-        if not texts:
-            return []
-        try:
-            order = json.loads(texts[max(texts)])
-        except ValueError:
-            return []
+        order = self._latest_json(run, FORWARD_ORDER_TAG)
         return [str(name) for name in order] if isinstance(order, list) else []
 
     def lookups(self, run: str) -> dict[str, str]:
         """The watched embeddings and their weights' rows, as ActivationMonitor recorded them (latest fit)."""
-        texts = self._own_data(run, LOOKUPS_TAG)
-        try:
-            found = json.loads(texts[max(texts)]) if texts else {}
-        except ValueError:
-            return {}
+        found = self._latest_json(run, LOOKUPS_TAG)
         return {str(row): str(weight) for row, weight in found.items()} if isinstance(found, dict) else {}
 
     def unjudged_ratios(self, run: str) -> frozenset[str]:
@@ -235,13 +225,17 @@ class RunReader:
         return self._ratio_rows(run, "scales")
 
     def _ratio_rows(self, run: str, key: str) -> frozenset[str]:
-        texts = self._own_data(run, UNJUDGED_RATIOS_TAG)
-        try:
-            rows = json.loads(texts[max(texts)]) if texts else {}
-        except ValueError:
-            return frozenset()
+        rows = self._latest_json(run, UNJUDGED_RATIOS_TAG)
         names = rows.get(key, []) if isinstance(rows, dict) else []
         return frozenset(str(name) for name in names) if isinstance(names, list) else frozenset()
+
+    def _latest_json(self, run: str, tag: str) -> Any:
+        """The newest entry of the tab's own ``tag`` in ``run``, parsed; None where there is none or it is no JSON."""
+        texts = self._own_data(run, tag)
+        try:
+            return json.loads(texts[max(texts)]) if texts else None
+        except ValueError:
+            return None
 
     def histogram(self, run: str, tag: str, step: int) -> Optional[dict[str, Any]]:
         """The histogram logged under ``tag`` nearest to ``step``: its step and ``[left, right, count]`` bins."""
