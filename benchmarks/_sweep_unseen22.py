@@ -21,8 +21,8 @@ CASES = 48
 
 
 def unseen22() -> dict[str, list[Variant]]:
-    """The groups ``unseen22`` to ``unseen24``: random faults on randomly varied recipes, and their healthy runs."""
-    return {"unseen22": _drawn("unseen22", 22), "unseen23": _drawn("unseen23", 23), "unseen24": _drawn("unseen24", 24)}
+    """The groups ``unseen22`` to ``unseen26``: random faults on randomly varied recipes, and their healthy runs."""
+    return {f"unseen{seed}": _drawn(f"unseen{seed}", seed) for seed in range(22, 27)}
 
 
 def _drawn(group: str, seed: int) -> list[Variant]:
