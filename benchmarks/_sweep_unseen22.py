@@ -1,4 +1,4 @@
-"""The fault sweep's twenty-second to twenty-fourth unseen groups: random faults on recipes varied at random too.
+"""The fault sweep's twenty-second to twenty-sixth unseen groups: random faults on recipes varied at random too.
 
 - ``unseen22``: 48 faulty cases drawn (``random.Random(22)``) as ``unseen18``'s are (any module with weights from
   the middle 60% of any of the 52 models, a ramp or a jump three times as often as dead units, a vanishing signal or
@@ -7,6 +7,8 @@
   (200, 300 or 400 steps) and its log interval (every 1, 2, 2 or 5 steps); and each varied recipe's healthy run.
 - ``unseen23``: drawn the same way (``random.Random(23)``), after the judge was changed on ``unseen22``.
 - ``unseen24``: drawn the same way (``random.Random(24)``), after every rule written on ``unseen22``.
+- ``unseen25``: drawn the same way (``random.Random(25)``), at the start of the next session (the neighbours rule was
+  written on it); ``unseen26`` (``random.Random(26)``) held out, recorded after that session's rules.
 """
 
 from __future__ import annotations

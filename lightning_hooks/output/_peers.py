@@ -58,6 +58,10 @@ DEPTH_PACE_POINTS = 8
 DEPTH_PACE_RATIO = 2.5
 #: ... and a copy after it moved the same way at least this share of its move (the BERT's block 5: 0.9 of block 4's).
 DEPTH_CARRIED = 0.8
+#: ... or where the copies just before and just after it each moved the same way more than this share of its move:
+#: a kind learning at rates a little apart (a healthy RoBERTa's attention outputs: block 4 1.35, blocks 3 and 5 0.78
+#: and 0.98).
+NEIGHBOURS_SHARE = 0.55
 
 
 def next_gain_alike(after: list[float], mine: float, sign: int, margin: float) -> bool:
@@ -126,8 +130,11 @@ class Peers:
         Its peers' move: the nearest one's before it (the block before's copy, the likest) or their
         median's, of the peers in their own range (not in ``out``): a move a peer made out of its
         range is a fault's, and what follows it is its victim, not the recipe. With no peer before
-        it, the copies after it. ``beyond``: how far the row is out of its range (its finding's move), its
-        move where its window's is under the ``margin`` (a range held since before the window: a slow lean).
+        it, the copies after it. Outputs only: a move past its nearest peer's by more than ``margin`` is learning too
+        where the copies just before and just after it each made more than ``NEIGHBOURS_SHARE`` of it, or the peer
+        before learned as far at its pace with a copy after it carrying on (``DEPTH_CARRIED``). ``beyond``: how far
+        the row is out of its range (its finding's move), its move where its window's is under the ``margin`` (a
+        range held since before the window: a slow lean).
         """
         mine = self._own_move(figure, row, margin, up)
         if mine is None and beyond is not None and (1 if up else -1) * beyond > margin:
@@ -147,6 +154,11 @@ class Peers:
         typical = statistics.median(before or after)
         # theirs at least half of its move, and its own part within the margin
         if any(sign * m >= sign * mine / 2 and sign * (mine - m) <= margin for m in (near, typical)):
+            return True
+        # outputs: a kind learning at rates a little apart, the copies just before and after it each made most of its
+        # move (a gradient's copies after it in backward order are its victims)
+        if figure in PEER_FIGURES and before and after \
+                and min(sign * before[-1], sign * after[0]) >= NEIGHBOURS_SHARE * sign * mine:
             return True
         # outputs: the peer before learning past the margin itself, at least half as far, its pace kept, a copy
         # after moving on: learning over depth (not for the first of its kind, whose copies after are its victims)
