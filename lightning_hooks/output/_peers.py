@@ -22,7 +22,10 @@ past the factor within its window (a jump its window has forgotten) is never exc
 A module whose move lies between its neighbours' is learning too: the peer before it moved the same
 way, and the peer after it, steady in its own range, at least as far (an MLP-Mixer's token-mixing
 layers each grow more than the block's before: a gradient over depth, not one block's fault, which
-cannot move a later copy as far while leaving it in its range). A gain is learning too where the next copy
+cannot move a later copy as far while leaving it in its range). A kind can learn at rates a little apart: a
+module whose copies just before and after it, in their own range, each made ``NEIGHBOURS_SHARE`` of its move, at a
+pace it kept, learned with them (not a Sequential's children, whose victim after a fault moves as far). A gain is
+learning too where the next copy
 after it (in its own range) moved its own gain the same way at least half as far: a fault moves its own gain,
 not the gains after it (their inputs carry its move). The last copy of its kind (a block's
 named part, not a Sequential's child), with no peer after it, ends such a gradient where the peer
@@ -58,9 +61,9 @@ DEPTH_PACE_POINTS = 8
 DEPTH_PACE_RATIO = 2.5
 #: ... and a copy after it moved the same way at least this share of its move (the BERT's block 5: 0.9 of block 4's).
 DEPTH_CARRIED = 0.8
-#: ... or where the copies just before and just after it each moved the same way more than this share of its move:
-#: a kind learning at rates a little apart (a healthy RoBERTa's attention outputs: block 4 1.35, blocks 3 and 5 0.78
-#: and 0.98).
+#: ... or where the copies just before and just after it each moved the same way at least this share of its move, at
+#: a pace no more than ``DEPTH_PACE_RATIO`` times the faster's: a kind learning at rates a little apart (a healthy
+#: RoBERTa's attention outputs: block 4 1.35, blocks 3 and 5 0.78 and 0.98).
 NEIGHBOURS_SHARE = 0.55
 
 
@@ -131,8 +134,9 @@ class Peers:
         median's, of the peers in their own range (not in ``out``): a move a peer made out of its
         range is a fault's, and what follows it is its victim, not the recipe. With no peer before
         it, the copies after it. Outputs only: a move past its nearest peer's by more than ``margin`` is learning too
-        where the copies just before and just after it each made more than ``NEIGHBOURS_SHARE`` of it, or the peer
-        before learned as far at its pace with a copy after it carrying on (``DEPTH_CARRIED``). ``beyond``: how far
+        where the copies just before and just after it each made at least ``NEIGHBOURS_SHARE`` of it at a pace it
+        kept (``_neighbours_learned``), or the peer before moved past the margin, at least half as far, the row kept
+        its pace and a copy after it carried on (``DEPTH_CARRIED``). ``beyond``: how far
         the row is out of its range (its finding's move), its move where its window's is under the ``margin`` (a
         range held since before the window: a slow lean).
         """
@@ -155,10 +159,8 @@ class Peers:
         # theirs at least half of its move, and its own part within the margin
         if any(sign * m >= sign * mine / 2 and sign * (mine - m) <= margin for m in (near, typical)):
             return True
-        # outputs: a kind learning at rates a little apart, the copies just before and after it each made most of its
-        # move (a gradient's copies after it in backward order are its victims)
-        if figure in PEER_FIGURES and before and after \
-                and min(sign * before[-1], sign * after[0]) >= NEIGHBOURS_SHARE * sign * mine:
+        if figure in PEER_FIGURES and below and above and self._neighbours_learned(figure, row, below[-1], above[0],
+                                                                                    mine, sign):
             return True
         # outputs: the peer before learning past the margin itself, at least half as far, its pace kept, a copy
         # after moving on: learning over depth (not for the first of its kind, whose copies after are its victims)
@@ -188,6 +190,22 @@ class Peers:
         before = [m for d, m, _ in self._peers(figure, row, depth, out) if d < at]
         return bool(before) and sign * before[-1] >= margin / 2 and sign * mine <= STEEPEST * sign * before[-1] \
             and sign * (values[-1] - values[-2]) <= margin
+
+    def _neighbours_learned(self, figure: str, row: str, before: tuple[int, float, str], after: tuple[int, float, str],
+                            mine: float, sign: int) -> bool:
+        """Whether the copies just ``before`` and just ``after`` ``row`` each made ``NEIGHBOURS_SHARE`` of its move.
+
+        A kind learning at rates a little apart (outputs only). Not a Sequential's children (``model.#``: one kind by
+        name, not by type, a fault's victim after it moving as far), and not where ``row`` moved faster than
+        ``DEPTH_PACE_RATIO`` times the faster of the two over their newest points: a ramp outpaces the layers
+        learning beside it. ``before`` and ``after``: (depth, move, name), in their own range.
+        """
+        if kind(row).endswith("#") or min(sign * before[1], sign * after[1]) < NEIGHBOURS_SHARE * sign * mine:
+            return False
+        mine_pace = self.pace(figure, row, DEPTH_PACE_POINTS)
+        paces = [p for peer in (before, after) if (p := self.pace(figure, peer[2], DEPTH_PACE_POINTS)) is not None]
+        return mine_pace is not None and bool(paces) and max(sign * p for p in paces) > 0 \
+            and sign * mine_pace <= DEPTH_PACE_RATIO * max(sign * p for p in paces)
 
     def _keeps_pace(self, figure: str, row: str, peer: str, sign: int) -> bool:
         """Whether ``row`` moved at most ``DEPTH_PACE_RATIO`` times as fast as ``peer`` over their newest points.
