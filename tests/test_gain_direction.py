@@ -94,3 +94,31 @@ def test_at_one_step_the_gradients_a_fault_sent_back_upstream_come_after_its_out
         verdicts._note(problem, row, 5, 1.0)
     ongoing = sorted(((p, row, e) for (p, row), e in verdicts.episodes.items()), key=verdicts.order)
     assert [row for _, row, _ in ongoing] == ["net.4", "net.0.weight", "net.2.weight"]
+
+
+ATTENTION = ["enc.0.norm", "enc.1.attn.query", "enc.1.attn.key", "enc.1.attn.value", "enc.1.attn.out", "enc.1.norm"]
+
+
+def attention(rng: random.Random, step: int, ramp_from: int) -> dict[str, dict[str, float]]:
+    """A block's input norm and its three projections of it, each moving 3% with the batch and 1% on its own; the
+    query grows 4% a step from ``ramp_from``, and the attention output after them with it."""
+    batch, ramp = math.exp(rng.gauss(0, 0.03)), 1.04 ** max(0, step - ramp_from)
+    level = {name: batch * (1 + i) * math.exp(rng.gauss(0, 0.01)) for i, name in enumerate(ATTENTION)}
+    level["enc.1.attn.query"] *= ramp
+    level["enc.1.attn.out"] *= ramp
+    return {"level": level}
+
+
+def test_a_key_is_judged_against_the_input_it_shares_with_its_query_not_against_the_query():
+    """Forward order runs an attention's query, key and value one after the other, but each is a projection of the
+    block's input: the key's gain is its std over the input's, not over the query's. A query ramping from step 60 is
+    named first, and the key (its std steady) never: against the query its gain would fall 4% a step (``collapse``).
+    """
+    for seed in range(3):
+        rng, judge, found = random.Random(seed), Judge(Bands(), ATTENTION), []
+        for step in range(120):
+            found += [(step, f.layer) for f in judge.step(attention(rng, step, 60), step).named]
+        assert judge._before()["enc.1.attn.key"] == judge._before()["enc.1.attn.query"] == "enc.0.norm"
+        assert judge._before()["enc.1.attn.out"] == "enc.1.attn.value"
+        assert found and found[0][1] == "enc.1.attn.query" and all(layer != "enc.1.attn.key" for _, layer in found), \
+            (seed, found[:4])

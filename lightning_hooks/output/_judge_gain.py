@@ -14,6 +14,7 @@ import statistics
 from collections.abc import Callable
 
 from lightning_hooks.output._findings import Finding
+from lightning_hooks.output._peers import siblings
 from lightning_hooks.output._row_range import follow, least_change
 
 #: A gain's finding stands where the module's own outputs moved the same way, this share of the gain's move at least.
@@ -86,7 +87,7 @@ class GainJudging:
                 while j >= 0 and rows[j].startswith(row + "."):
                     j -= 1
             else:  # a layer's gain as it was without the blocks watched: against the layer before it
-                while j >= 0 and rows[j] in blocks:
+                while j >= 0 and (rows[j] in blocks or siblings(row, rows[j])):  # a key's input is its query's too
                     j -= 1
             if j >= 0:
                 before[row] = rows[j]

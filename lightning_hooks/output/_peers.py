@@ -88,6 +88,19 @@ PARTNER_PACE = math.log(1.03)
 PARTNER_POINTS = 4
 
 
+#: The projections one attention makes of the same input, by the names models give them: siblings, not one the
+#: input of the next, though forward order runs them one after the other.
+PROJECTIONS = ({"query", "key", "value"}, {"q_proj", "k_proj", "v_proj"}, {"q", "k", "v"}, {"to_q", "to_k", "to_v"},
+               {"wq", "wk", "wv"}, {"q_lin", "k_lin", "v_lin"})
+
+
+def siblings(row: str, other: str) -> bool:
+    """Whether ``row`` and ``other`` are two projections of one attention's input (``self.query``, ``self.key``)."""
+    parent, _, last = row.rpartition(".")
+    other_parent, _, other_last = other.rpartition(".")
+    return parent == other_parent and last != other_last and any(last in s and other_last in s for s in PROJECTIONS)
+
+
 def partner(row: str) -> str | None:
     """The other of a query and key projection pair (``attention.query`` -> ``attention.key``), or None."""
     parent, _, last = row.rpartition(".")
