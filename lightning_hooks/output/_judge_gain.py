@@ -4,7 +4,8 @@ A part of :class:`~lightning_hooks.output._judge.Judge` (docs/verdicts.md): a mo
 judged by their gain where that is the quieter figure. A gain's finding stands where the module's own
 std moved the same way (``AGREE``), or where its input's std leaned out only after the gain had
 (``LEAD``): the gain led. A module judged by its gain whose level moved while its gain held has its
-level's range follow the move (its input's).
+level's range follow the move (its input's). An attention's key and value projections take their input's std
+from the module before the query: the projections are siblings, not one the input of the next (``siblings``).
 """
 
 from __future__ import annotations
@@ -76,7 +77,8 @@ class GainJudging:
         forward order, but its input is what came before them: the one before its first inner module. A
         layer's gain is against the layer before it, blocks passed over: a block watched changes no layer's
         gain (a network without normalisation, growing as a whole, holds its head's gain against its last
-        convolution, not against the stream).
+        convolution, not against the stream). An attention's projections run before it of the same input (a key's
+        query) are passed over too: a key's input is its query's.
         """
         rows = sorted((r for r, v in self.levels.items() if math.isfinite(v) and v >= 0),
                       key=lambda row: self.depth.get(row, 0))
