@@ -76,22 +76,20 @@ def next_gain_alike(after: list[float], mine: float, sign: int, margin: float) -
     return bool(after) and sign * after[0] >= sign * mine / 2 and sign * (mine - after[0]) <= margin
 
 
-#: The query and key projections of one attention, by the names models give them: their product is the attention
+#: The projections one attention makes of the same input, (query, key, value), by the names models give them:
+#: siblings, not one the input of the next, though forward order runs them one after the other.
+PROJECTIONS = (("query", "key", "value"), ("q_proj", "k_proj", "v_proj"), ("q", "k", "v"), ("to_q", "to_k", "to_v"),
+               ("wq", "wk", "wv"), ("q_lin", "k_lin", "v_lin"))
+#: The query and key projections of one attention (of :data:`PROJECTIONS`): their product is the attention
 #: logits, and attention sharpening as it learns grows both together (ALBERT's one shared layer: x4 each over
 #: steps 20-160, with no copies to grow beside). A fault moves one of them alone.
-PARTNERS = {"query": "key", "q_proj": "k_proj", "q": "k", "to_q": "to_k", "wq": "wk", "q_lin": "k_lin"}
+PARTNERS = {query: key for query, key, _ in PROJECTIONS}
 PARTNERS.update({key: query for query, key in list(PARTNERS.items())})
 #: Past this pace (log a step, over a pair's newest ``PARTNER_POINTS`` points) queries and keys growing together are
 #: not learning: attention logits running away (an LR too high for attention) are a fault. ALBERT's sharpening
 #: went 1.9% a step at its fastest.
 PARTNER_PACE = math.log(1.03)
 PARTNER_POINTS = 4
-
-
-#: The projections one attention makes of the same input, by the names models give them: siblings, not one the
-#: input of the next, though forward order runs them one after the other.
-PROJECTIONS = ({"query", "key", "value"}, {"q_proj", "k_proj", "v_proj"}, {"q", "k", "v"}, {"to_q", "to_k", "to_v"},
-               {"wq", "wk", "wv"}, {"q_lin", "k_lin", "v_lin"})
 
 
 def siblings(row: str, other: str) -> bool:
@@ -215,10 +213,7 @@ class Peers:
         """
         if kind(row).endswith("#") or min(sign * before[1], sign * after[1]) < NEIGHBOURS_SHARE * sign * mine:
             return False
-        mine_pace = self.pace(figure, row, DEPTH_PACE_POINTS)
-        paces = [p for peer in (before, after) if (p := self.pace(figure, peer[2], DEPTH_PACE_POINTS)) is not None]
-        return mine_pace is not None and bool(paces) and max(sign * p for p in paces) > 0 \
-            and sign * mine_pace <= DEPTH_PACE_RATIO * max(sign * p for p in paces)
+        return any(self._keeps_pace(figure, row, peer, sign) for _, _, peer in (before, after))
 
     def _keeps_pace(self, figure: str, row: str, peer: str, sign: int) -> bool:
         """Whether ``row`` moved at most ``DEPTH_PACE_RATIO`` times as fast as ``peer`` over their newest points.

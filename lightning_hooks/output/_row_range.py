@@ -268,11 +268,15 @@ def slow_paced(track: Track, deviation: float, gap: int, floor: float) -> bool:
     return creeping(track, statistics.median([*held_deviations(track)[-(PACE_POINTS - 1):], deviation]), gap)
 
 
+def _seen(track: Track) -> list[float]:
+    """The history a row's range takes its extremes from: not its newest values learned, nor a creep's own."""
+    return list(track.logs)[:max(0, len(track.logs) - max(track.learned, abs(track.crept)))]
+
+
 def held_deviations(track: Track) -> list[float]:
     """The deviation of each value a row holds back, beyond its (held) range at that value's point."""
     level, slope, lag, _ = usual_range(track.logs)
-    seen = list(track.logs)[:max(0, len(track.logs) - max(track.learned, abs(track.crept)))]  # as ``_deviation``:
-    # not the newest learned, nor a creep's own
+    seen = _seen(track)  # as ``_deviation``
     high, low = max([level, *seen]), min([level, *seen])
     return [max(0.0, x - max(high, level + slope * (lag + i))) + min(0.0, x - min(low, level + slope * (lag + i)))
             for i, x in enumerate(track.held)]
@@ -324,7 +328,7 @@ def _deviation(track: Track, x: float, figure: str, floor: float) -> tuple[Optio
         return None, noise
     if not math.isfinite(x):
         return -math.inf, max(noise, MIN_NOISE[figure])
-    seen = list(track.logs)[:max(0, len(track.logs) - max(track.learned, abs(track.crept)))]  # not a creep's own
+    seen = _seen(track)
     track.learned = 0
     high, low = max(level, ahead, *seen), min(level, ahead, *seen)
     deviation, noise = max(0.0, x - high) + min(0.0, x - low), _judging_noise(track, noise, slope, floor)
