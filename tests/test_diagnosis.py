@@ -1,6 +1,7 @@
 """The diagnosis in plain words: which layer, which signal, since when, how far, what helps; "healthy" otherwise."""
 
 import logging
+import random
 from typing import Any
 
 import pytest
@@ -76,6 +77,24 @@ def test_most_outputs_zero_is_dead_units_where_it_stays_so_and_nearly_all_at_onc
         record.add("zero_fraction", step * 10, {"net.1": value, "net.3": 0.995 if step >= 4 else 0.5})
     assert record.episodes[("dead", "net.1")].first == 70
     assert record.episodes[("dead", "net.3")].first == 40
+
+
+def test_a_relus_sparsity_creeping_past_the_bound_as_it_learns_is_not_dead_units_and_units_dying_then_are():
+    """A healthy 1024-wide MLP's ReLU (``unseen27``): 0.5 of its outputs zero at the start, 0.8 by step 250, then
+    0.77-0.83 batch to batch, over the bound for several points in a row. Its live outputs fell from 0.5 to 0.2 over
+    250 points, never to half of the most they were over the last 24: not dead. The same ReLU whose live share then
+    falls from 0.2 to 0.08 over 4 points (units dying at a learning rate too high) is dead at the third point above
+    the bound after that."""
+    rng = random.Random(0)
+    for dies in (False, True):
+        record = Verdicts(Bands())
+        for step in range(400):
+            zeros = 0.5 + 0.3 * min(1.0, step / 250) + rng.uniform(-0.03, 0.03)
+            if dies and step >= 300:
+                zeros = 0.8 + 0.12 * min(1.0, (step - 300) / 4)
+            record.add("zero_fraction", step, {"net.1": zeros})
+        episode = record.episodes.get(("dead", "net.1"))
+        assert (episode is not None and 302 <= episode.first <= 304) if dies else episode is None, episode
 
 
 def test_a_module_not_called_at_a_step_keeps_its_run_and_a_resumed_fits_first_point_is_not_its_first():

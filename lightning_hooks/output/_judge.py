@@ -64,7 +64,8 @@ step at a time, with every judged figure of that step. How it decides (docs/verd
   (``_judge_learning.py``: ``_looked_up``). A step is judged as before.
 - Absolute rules where the physics gives a bound (:mod:`~lightning_hooks.output._judge_absolute`):
   a NaN or Inf; ``ALL_ZERO`` exact zeros, or more than ``max_zero_fraction`` from the first logged point or
-  for ``SPARSE_POINTS`` logged points in a row (dead units; a small batch's sparsity crosses it for one);
+  for ``SPARSE_POINTS`` logged points in a row (dead units; a small batch's sparsity crosses it for one) with the
+  live outputs fallen to ``DYING_SHARE`` of the most they were over ``DYING_POINTS`` (units dying, not a creep);
   TransformerStability's
   logit, entropy and massive-activation bounds. They judge from the first logged step.
 - A module's outputs out of range, not named yet, whose lean slowed under ``CREEP_PER_STEP`` a step over its

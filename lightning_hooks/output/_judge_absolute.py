@@ -2,13 +2,14 @@
 
 The half of :mod:`lightning_hooks.output._judge` that needs no row's range: a NaN or Inf in a
 module's outputs, nearly all its outputs exact zeros (or more than ``max_zero_fraction`` from its first
-logged point on, or for a few logged points in a row: dead units), and
+logged point on, or for a few logged points in a row as its live outputs fell by half: dead units), and
 TransformerStability's attention-logit, entropy, output-logit and massive-activation bounds.
 """
 
 from __future__ import annotations
 
 import math
+from collections import deque
 from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -28,23 +29,45 @@ UPPER_BOUNDS = {"attention_max_logit": ("max_attention_logit", "attention_logits
 #: batch (the sweep's 256-wide MLP, ``unseen10``: 0.65-0.81).
 ALL_ZERO = 0.99
 SPARSE_POINTS = 3
+#: ... and where its live outputs (those not zero) fell to at most ``DYING_SHARE`` of the most it had over its
+#: last ``DYING_POINTS`` logged points: units dying, not a ReLU's sparsity creeping up as it learns (a healthy
+#: 1024-wide MLP's: 0.5 to 0.8 zeros over 300 steps, crossing 0.8 for a few batches in a row).
+DYING_SHARE = 0.5
+DYING_POINTS = 24
 
 
 @dataclass
 class ZeroRuns:
-    """Per module, the logged points in a row with most of its outputs zero, and the modules that ever had fewer."""
+    """Per module: the logged points in a row with most outputs zero, whether it ever had fewer, its live shares.
+
+    The live share is the share of its outputs not zero, kept for its last ``DYING_POINTS`` points.
+    """
 
     runs: dict[str, int] = field(default_factory=dict)
     fired: set[str] = field(default_factory=set)
+    live: dict[str, deque[float]] = field(default_factory=dict)
+
+    def add(self, values: Mapping[str, float]) -> None:
+        """Keep a step's live shares, ``1 - zero fraction``, finite ones only."""
+        for row, v in values.items():
+            if math.isfinite(v):
+                self.live.setdefault(row, deque(maxlen=DYING_POINTS)).append(1.0 - v)
+
+    def dying(self, row: str) -> bool:
+        """Whether ``row``'s newest live share is at most ``DYING_SHARE`` of the most it had over its kept points."""
+        live = self.live.get(row)
+        return live is not None and live[-1] <= DYING_SHARE * max(live)
 
     def state_dict(self) -> dict[str, Any]:
         """As plain values."""
-        return {"runs": dict(self.runs), "fired": sorted(self.fired)}
+        return {"runs": dict(self.runs), "fired": sorted(self.fired),
+                "live": {row: list(v) for row, v in self.live.items()}}
 
     @classmethod
     def from_state(cls, state: Mapping[str, Any]) -> ZeroRuns:
-        """The runs of :meth:`state_dict`'s values."""
-        return cls(dict(state["runs"]), set(state["fired"]))
+        """The runs of :meth:`state_dict`'s values (a state from before the live shares has none)."""
+        live = {row: deque(v, maxlen=DYING_POINTS) for row, v in state.get("live", {}).items()}
+        return cls(dict(state["runs"]), set(state["fired"]), live)
 
 
 def absolute_problems(figure: str, values: Mapping[str, float], bands: Bands,
@@ -69,9 +92,11 @@ def absolute_problems(figure: str, values: Mapping[str, float], bands: Bands,
         zeros.fired.update(row for row, v in values.items() if not v > bands.max_zero_fraction)
         over = {row: zeros.runs.get(row, 0) + 1 for row, v in values.items() if v > bands.max_zero_fraction}
         zeros.runs = {**{row: run for row, run in zeros.runs.items() if row not in values}, **over}
+        zeros.add(values)
         at_once = max(ALL_ZERO, bands.max_zero_fraction)
         return [(row, "dead", values[row]) for row, run in over.items()
-                if values[row] >= at_once or run >= SPARSE_POINTS or (from_start and row not in zeros.fired)]
+                if values[row] >= at_once or (run >= SPARSE_POINTS and zeros.dying(row))
+                or (from_start and row not in zeros.fired)]
     if figure == "attention_entropy":
         for row, v in values.items():
             if math.isfinite(v) and v > 0:
