@@ -9,8 +9,8 @@
 - ``unseen24``: drawn the same way (``random.Random(24)``), after every rule written on ``unseen22``.
 - ``unseen25``: drawn the same way (``random.Random(25)``), at the start of the next session (the neighbours rule was
   written on it); ``unseen26`` (``random.Random(26)``) held out, recorded after that session's rules.
-- ``unseen27``: drawn the same way (``random.Random(27)``), at the start of the session after, held out from its
-  rules.
+- ``unseen27``: drawn the same way (``random.Random(27)``), at the start of the session after (its dead-units rule
+  was written on it); ``unseen28`` (``random.Random(28)``) held out, recorded after that session's rules.
 """
 
 from __future__ import annotations
@@ -25,8 +25,8 @@ CASES = 48
 
 
 def unseen22() -> dict[str, list[Variant]]:
-    """The groups ``unseen22`` to ``unseen27``: random faults on randomly varied recipes, and their healthy runs."""
-    return {f"unseen{seed}": _drawn(f"unseen{seed}", seed) for seed in range(22, 28)}
+    """The groups ``unseen22`` to ``unseen28``: random faults on randomly varied recipes, and their healthy runs."""
+    return {f"unseen{seed}": _drawn(f"unseen{seed}", seed) for seed in range(22, 29)}
 
 
 def _drawn(group: str, seed: int) -> list[Variant]:
