@@ -232,8 +232,10 @@ def run_variant(v: Variant, fault: str, seed: int = 0) -> Case:
 
 def verdict(v: Variant, row: dict[str, Any], culprit: str) -> dict[str, Any]:
     """The zoo's row of a case, with its variant and whether the culprit was named first, graded."""
-    row.update(group=v.group, variant=v.name, every=v.every, growth=v.growth, jump=v.jump,
-               onset=int(v.onset * v.steps))  # a healthy twin shared by two onsets: the variant's
+    onset = int(v.onset * v.steps)  # a healthy twin shared by two onsets: the variant's
+    if row["fault"] == "nan":  # a NaN born later (its module, an expert, not run at the onset): then
+        onset = max(onset, row.get("onset", 0))
+    row.update(group=v.group, variant=v.name, every=v.every, growth=v.growth, jump=v.jump, onset=onset)
     if v.hold:
         row["hold"] = v.hold
     if row["fault"] not in ("healthy", "data"):

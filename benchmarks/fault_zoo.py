@@ -12,7 +12,8 @@ every verdict line after the first 10% of the run is a false alarm.
 Faults: ``ramp`` (the module's output grows 4% a step), ``jump`` (x20 at once), ``dead`` (its
 output becomes 0), ``vanish`` (its weights shrunk 1000x once), ``lr100`` (its param group's LR
 x100), ``attn`` (one block's queries grow 4% a step: its attention logits grow), ``nan`` (one NaN
-in its output, once), ``data`` (the batch goes bad: its inputs x30, the LMs' embedded tokens x30),
+in its output, once: at the first logged step from the onset where the module runs, the case's onset
+then), ``data`` (the batch goes bad: its inputs x30, the LMs' embedded tokens x30),
 ``gradvanish`` (the gradient reaching the ``vanish`` module's output x1e-6 from the onset: a cut in the
 backward pass; its run watches output gradients, ``ActivationMonitor(gradients=True)``, as every
 run does with ``--gradients``).
@@ -71,6 +72,7 @@ class Lit(pl.LightningModule):
         self.every, self.growth, self.hold = every, growth, hold
         torch.manual_seed(seed)
         self.recipe, self.fault, self.onset, self.steps = recipe, fault, onset, steps
+        self.fired: Optional[int] = None  # the step the NaN was born at (``nan``)
         self.model = recipe.build()
         self.draw = recipe.data(seed, recipe.batch)
         target = recipe.targets.get({"gradvanish": "vanish", "swing": "ramp"}.get(fault or "", fault or ""))
@@ -113,9 +115,11 @@ class Lit(pl.LightningModule):
             return out * JUMP
         if self.fault == "dead":
             return out * 0.0
-        if self.fault == "nan":  # born at the first logged step from the onset on, where the figures can see it
-            if (self._step() + 1) % self.every or t >= self.every:
+        if self.fault == "nan":  # born at the first logged step from the onset on where the module runs (an expert
+            # routed no token at a step is not called): there the figures can see it; that step is the fault's onset
+            if (self._step() + 1) % self.every or self.fired not in (None, self._step()):
                 return None
+            self.fired = self._step()
             out = out.clone(memory_format=torch.contiguous_format)  # an RNN's output may be a strided view
             out.view(-1)[0] = float("nan")
             return out
@@ -246,6 +250,7 @@ def run_case(model: str, fault: Optional[str], steps: int, onset: int, every: in
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         trainer.fit(lit)
+    onset = lit.fired if lit.fired is not None else onset  # a NaN born after the onset, where the module first ran
     case = Case(model, fault or "healthy", lit.culprit, onset, steps, probe.losses, probe.named,
                 seconds=time.perf_counter() - start, summary=health.summary())
     if fault and probe.norms:

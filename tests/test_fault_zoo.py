@@ -10,10 +10,11 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.fault_zoo import judge_case, run_case  # noqa: E402
+from benchmarks.fault_zoo import RECIPES, Lit, judge_case, run_case  # noqa: E402
 
 STEPS, ONSET, EVERY = 200, 100, 2
 ABRUPT = ("jump", "dead", "vanish", "lr100", "nan", "gradvanish")
@@ -83,3 +84,19 @@ def test_logged_every_step_the_fastest_learning_is_history_and_a_ramp_is_named_f
     case = run_case("mlp", "ramp", STEPS, ONSET, 1, seed)
     row = judge_case(case, healthy_run)
     assert row["before"] == 0 and row["first"].startswith(case.culprit), row
+
+
+def test_a_nan_is_born_at_the_first_logged_step_from_the_onset_where_its_module_runs():
+    """An expert routed no token at the onset's logged step is not called there: its NaN is born at the next logged
+    step where it runs (that step is the case's onset), in each call of that step, and at no other."""
+
+    lit = Lit(RECIPES["mlp"], "nan", onset=10, steps=40, seed=0, every=2)
+    lit.train()
+    out, at = torch.ones(2, 3), {"step": 0}
+    lit._step = lambda: at["step"]  # the trainer's global step, without a trainer
+    born = []
+    for step in (9, 12, 15, 15, 17, 19):  # odd steps log (every 2); not called at 11 and 13 (not routed)
+        at["step"] = step
+        hurt = lit._hurt(lit.model, (), out)
+        born.append(step if hurt is not None and torch.isnan(hurt).any() else None)
+    assert born == [None, None, 15, 15, None, None] and lit.fired == 15
