@@ -13,7 +13,8 @@ Faults: ``ramp`` (the module's output grows 4% a step), ``jump`` (x20 at once), 
 output becomes 0), ``vanish`` (its weights shrunk 1000x once), ``lr100`` (its param group's LR
 x100), ``attn`` (one block's queries grow 4% a step: its attention logits grow), ``nan`` (one NaN
 in its output, once: at the first logged step from the onset where the module runs, the case's onset
-then), ``data`` (the batch goes bad: its inputs x30, the LMs' embedded tokens x30),
+then; never run after the onset, never born, graded as missed), ``data`` (the batch goes bad: its inputs x30,
+the LMs' embedded tokens x30),
 ``gradvanish`` (the gradient reaching the ``vanish`` module's output x1e-6 from the onset: a cut in the
 backward pass; its run watches output gradients, ``ActivationMonitor(gradients=True)``, as every
 run does with ``--gradients``).

@@ -84,7 +84,7 @@ def test_a_relus_sparsity_creeping_past_the_bound_as_it_learns_is_not_dead_units
     0.77-0.83 batch to batch, over the bound for several points in a row. Its live outputs fell from 0.5 to 0.2 over
     250 points, never to half of the most they were over the last 24: not dead. The same ReLU whose live share then
     falls from 0.2 to 0.08 over 4 points (units dying at a learning rate too high) is dead at the third point above
-    the bound after that."""
+    the bound after that, and stays named to the end while it stays there (the fall long out of the 24 points)."""
     rng = random.Random(0)
     for dies in (False, True):
         record = Verdicts(Bands())
@@ -93,8 +93,12 @@ def test_a_relus_sparsity_creeping_past_the_bound_as_it_learns_is_not_dead_units
             if dies and step >= 300:
                 zeros = 0.8 + 0.12 * min(1.0, (step - 300) / 4)
             record.add("zero_fraction", step, {"net.1": zeros})
+        record.flush()
         episode = record.episodes.get(("dead", "net.1"))
-        assert (episode is not None and 302 <= episode.first <= 304) if dies else episode is None, episode
+        if dies:
+            assert episode is not None and 302 <= episode.first <= 304 and episode.ongoing and episode.last == 399
+        else:
+            assert episode is None, episode
 
 
 def test_a_module_not_called_at_a_step_keeps_its_run_and_a_resumed_fits_first_point_is_not_its_first():

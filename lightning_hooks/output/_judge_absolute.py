@@ -31,7 +31,8 @@ ALL_ZERO = 0.99
 SPARSE_POINTS = 3
 #: ... and where its live outputs (those not zero) fell to at most ``DYING_SHARE`` of the most it had over its
 #: last ``DYING_POINTS`` logged points: units dying, not a ReLU's sparsity creeping up as it learns (a healthy
-#: 1024-wide MLP's: 0.5 to 0.8 zeros over 300 steps, crossing 0.8 for a few batches in a row).
+#: 1024-wide MLP's: 0.5 to 0.8 zeros over 250 steps, crossing 0.8 for a few batches in a row). Named so, it stays
+#: named while above the bound.
 DYING_SHARE = 0.5
 DYING_POINTS = 24
 
@@ -40,12 +41,15 @@ DYING_POINTS = 24
 class ZeroRuns:
     """Per module: the logged points in a row with most outputs zero, whether it ever had fewer, its live shares.
 
-    The live share is the share of its outputs not zero, kept for its last ``DYING_POINTS`` points.
+    The live share is the share of its outputs not zero, kept for its last ``DYING_POINTS`` points. ``died``: the
+    modules named dead by that run as their units died, named while they stay above the bound (the fall leaves the
+    kept points; the units stay dead).
     """
 
     runs: dict[str, int] = field(default_factory=dict)
     fired: set[str] = field(default_factory=set)
     live: dict[str, deque[float]] = field(default_factory=dict)
+    died: set[str] = field(default_factory=set)
 
     def add(self, values: Mapping[str, float]) -> None:
         """Keep a step's live shares, ``1 - zero fraction``, finite ones only."""
@@ -56,18 +60,18 @@ class ZeroRuns:
     def dying(self, row: str) -> bool:
         """Whether ``row``'s newest live share is at most ``DYING_SHARE`` of the most it had over its kept points."""
         live = self.live.get(row)
-        return live is not None and live[-1] <= DYING_SHARE * max(live)
+        return bool(live) and live[-1] <= DYING_SHARE * max(live)
 
     def state_dict(self) -> dict[str, Any]:
         """As plain values."""
         return {"runs": dict(self.runs), "fired": sorted(self.fired),
-                "live": {row: list(v) for row, v in self.live.items()}}
+                "live": {row: list(v) for row, v in self.live.items()}, "died": sorted(self.died)}
 
     @classmethod
     def from_state(cls, state: Mapping[str, Any]) -> ZeroRuns:
         """The runs of :meth:`state_dict`'s values (a state from before the live shares has none)."""
         live = {row: deque(v, maxlen=DYING_POINTS) for row, v in state.get("live", {}).items()}
-        return cls(dict(state["runs"]), set(state["fired"]), live)
+        return cls(dict(state["runs"]), set(state["fired"]), live, set(state.get("died", ())))
 
 
 def absolute_problems(figure: str, values: Mapping[str, float], bands: Bands,
@@ -93,10 +97,11 @@ def absolute_problems(figure: str, values: Mapping[str, float], bands: Bands,
         over = {row: zeros.runs.get(row, 0) + 1 for row, v in values.items() if v > bands.max_zero_fraction}
         zeros.runs = {**{row: run for row, run in zeros.runs.items() if row not in values}, **over}
         zeros.add(values)
+        zeros.died = {row for row in zeros.died if row not in values or row in over}  # back under the bound: alive
+        zeros.died.update(row for row, run in over.items() if run >= SPARSE_POINTS and zeros.dying(row))
         at_once = max(ALL_ZERO, bands.max_zero_fraction)
-        return [(row, "dead", values[row]) for row, run in over.items()
-                if values[row] >= at_once or (run >= SPARSE_POINTS and zeros.dying(row))
-                or (from_start and row not in zeros.fired)]
+        return [(row, "dead", values[row]) for row in over
+                if values[row] >= at_once or row in zeros.died or (from_start and row not in zeros.fired)]
     if figure == "attention_entropy":
         for row, v in values.items():
             if math.isfinite(v) and v > 0:
