@@ -232,9 +232,8 @@ def run_variant(v: Variant, fault: str, seed: int = 0) -> Case:
 
 def verdict(v: Variant, row: dict[str, Any], culprit: str) -> dict[str, Any]:
     """The zoo's row of a case, with its variant and whether the culprit was named first, graded."""
-    onset = int(v.onset * v.steps)  # a healthy twin shared by two onsets: the variant's
-    if row["fault"] == "nan":  # a NaN born later (its module, an expert, not run at the onset): then
-        onset = max(onset, row.get("onset", 0))
+    # the case's own onset (a NaN's: the step it was born at); a healthy twin shared by two onsets: the variant's
+    onset = int(v.onset * v.steps) if row["fault"] == "healthy" else row["onset"]
     row.update(group=v.group, variant=v.name, every=v.every, growth=v.growth, jump=v.jump, onset=onset)
     if v.hold:
         row["hold"] = v.hold
