@@ -32,7 +32,7 @@ def test_norms_per_gradient_per_group_and_total_match_torch():
 
 
 @pytest.mark.parametrize("exact", [True, False])
-def test_nonfinite_gradients_are_counted_per_group_and_make_the_norms_nonfinite(exact):
+def test_nonfinite_gradients_are_counted_per_group_and_make_the_norms_nonfinite(exact, c_pass):
     g = grads()
     g[0][1, 2], g[2][0] = NAN, -INF
     figures = gradient_figures(g, [2, 1], exact=exact)
@@ -41,16 +41,31 @@ def test_nonfinite_gradients_are_counted_per_group_and_make_the_norms_nonfinite(
     assert math.isnan(figures.group_norms[0]) and math.isinf(figures.group_norms[1])
 
 
-def test_a_huge_finite_gradient_whose_float32_norm_overflows_is_not_counted_nonfinite():
-    figures = gradient_figures([torch.full((4,), 1e30)], [1])
+def test_the_cpu_measures_with_the_c_pass_where_it_can_and_both_ways_agree(c_pass):
+    g = grads()
+    figures = gradient_figures(g, [2, 1])
+    assert figures.exact is c_pass and figures.measured.dtype == (torch.float64 if c_pass else torch.float32)
+    reference = torch.stack([torch.linalg.vector_norm(t.double()) for t in g])
+    torch.testing.assert_close(figures.norms, reference, rtol=0 if c_pass else 1e-6, atol=1e-12 if c_pass else 1e-6)
+    mixed = gradient_figures([g[0], g[1].double()], [2])  # a float64 gradient: the tensor ops, for all
+    assert not mixed.exact
+
+
+def test_a_huge_finite_gradient_whose_float32_norm_overflows_is_not_counted_nonfinite(c_pass):
+    huge = torch.full((4,), 1e30)
+    figures = gradient_figures([huge], [1])
     assert figures.nonfinite.tolist() == [0, 0] and figures.bad.tolist() == [False]
-    assert math.isinf(figures.norms[0])
+    if c_pass:  # float64 sums: the norm itself is right
+        assert figures.norms[0].item() == pytest.approx(torch.linalg.vector_norm(huge.double()).item(), rel=1e-12)
+    else:
+        assert math.isinf(figures.norms[0])
     assert flag(anomaly_flags(figures.group_norms, figures.nonfinite, norm_threshold=1e3), "exploding") == [True, True]
 
 
-def test_without_exact_an_overflowing_norm_counts_as_nonfinite_and_only_then_differs():
+def test_without_exact_an_overflowing_norm_counts_as_nonfinite_and_only_then_differs(c_pass):
     huge, fine = torch.full((4,), 1e30), torch.ones(4)
-    assert gradient_figures([huge, fine], [2], exact=False).bad.tolist() == [True, False]
+    # The C pass's norms do not overflow: exact or not, nothing is counted wrongly.
+    assert gradient_figures([huge, fine], [2], exact=False).bad.tolist() == [not c_pass, False]
     assert gradient_figures([huge, fine], [2], exact=True).bad.tolist() == [False, False]
 
 
@@ -183,3 +198,19 @@ def test_report_reads_well():
     assert "first non-finite output: module 'net.2' on rank 1" in text
     assert "non-finite gradients in 10 parameter(s): p0, p1" in text and "(2 more)" in text
     assert "largest gradient norms: net.0.weight 0.5" in text and "saved to /tmp/a.pt" in text
+
+
+def _ops(grads: list[torch.Tensor]) -> list[str]:
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        gradient_figures(grads, [len(grads)], exact=False).group_norms.tolist()
+    return sorted(e.name for e in prof.events() if e.name.startswith("aten::"))
+
+
+def test_on_the_cpu_the_c_pass_reads_the_gradients_with_no_tensor_operation_per_gradient(c_pass):
+    # The check's read at every step: with the C pass, the same few tensor operations for 5 or 500 gradients.
+    gen = torch.Generator().manual_seed(4)
+    few, many = ([torch.randn(8, 8, generator=gen) for _ in range(n)] for n in (5, 500))
+    if c_pass:
+        assert _ops(few) == _ops(many) and not any("foreach" in op or op == "aten::stack" for op in _ops(many))
+    else:
+        assert "aten::_foreach_norm" in _ops(many)

@@ -2,6 +2,7 @@
 two passes on the CPU (a copy that sums what it moves, a norm of the update that stores none),
 the tensor ops elsewhere, and the same figures either way."""
 
+import math
 import os
 
 import numpy as np
@@ -86,6 +87,39 @@ def test_the_chained_pass_gives_the_update_and_the_next_copy_bit_for_bit(dtype, 
     assert torch.equal(moved, passes.copy_squares_([torch.empty_like(a) for a in after], after))
     assert all(torch.equal(c.view(torch.uint8), a.view(torch.uint8)) for c, a in zip(copies, after))
     assert deltas.tolist() == pytest.approx(_update_sums(after, params).tolist(), rel=1e-12)
+
+
+@needs_native
+@pytest.mark.parametrize("threads", [1, 3])
+def test_the_c_pass_reads_plain_cpu_tensors_themselves_in_float64(threads, monkeypatch):
+    # The gradient check's read: the tensors' own memory, no numpy view; the sums exact for every narrow
+    # dtype, over several chunks and threads, and empty tensors; NaN and Inf stay what they are.
+    monkeypatch.setattr(passes, "NATIVE_PASSES", True)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
+    tensors = [t for dtype in (torch.float32, torch.float16, torch.bfloat16) for t in _params(dtype)]
+    got = passes.tensor_squares(tensors)
+    assert got.dtype == torch.float64 and got.tolist() == pytest.approx(_sums(tensors).tolist(), rel=1e-12)
+    sliced = torch.randn(10, 8)[2:5]  # contiguous, at an offset into its storage
+    bad = [torch.tensor([1.0, float("nan")]), torch.tensor([-float("inf")]), sliced]
+    found = passes.tensor_squares(bad).tolist()
+    assert math.isnan(found[0]) and found[1] == math.inf and found[2] == pytest.approx(_sums([sliced]).item())
+    huge = torch.full((3,), 3e38)  # finite float32 values whose float32 norm overflows: not here
+    assert math.isfinite(passes.tensor_squares([huge]).item())
+
+
+@needs_native
+@pytest.mark.parametrize("refused", ["parameter", "transposed", "float64", "subclass", "a list member not a tensor"])
+def test_the_c_pass_on_tensors_takes_all_or_nothing(refused, monkeypatch):
+    monkeypatch.setattr(passes, "NATIVE_PASSES", True)
+
+    class Sub(torch.Tensor):
+        pass
+
+    odd = {"parameter": nn.Parameter(torch.randn(3)), "transposed": torch.randn(4, 3).t(),
+           "float64": torch.randn(3).double(), "subclass": torch.randn(3).as_subclass(Sub),
+           "a list member not a tensor": [1.0, 2.0]}[refused]
+    assert passes.tensor_squares([torch.randn(5), odd]) is None
+    assert passes.tensor_squares([torch.randn(5)]) is not None
 
 
 def test_the_chained_pass_takes_all_or_nothing():

@@ -251,7 +251,8 @@ class Agreed:
         norms, checks = host["norms"], []
         # A gradient's infinite norm (a finite gradient's may overflow) makes the total's infinite or NaN:
         # only then are the gradients' own norms read (on such a step alone, a second read).
-        unsure_any = not math.isfinite(norms[-1]) and bool(torch.isinf(self.steps[0].figures.measured).any())
+        figures = self.steps[0].figures
+        unsure_any = not math.isfinite(norms[-1]) and not figures.exact and bool(torch.isinf(figures.measured).any())
         alike: dict[Any, dict[str, bool]] = {}  # detectors that flag alike: made once
         for i, (detector, step) in enumerate(zip(self.detectors, self.steps)):
             flags = alike.get(detector.shares_flags)

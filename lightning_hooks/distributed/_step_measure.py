@@ -138,7 +138,7 @@ def measure_step(trainer: pl.Trainer, optimizer: Any, detectors: Sequence[Anomal
     key = _index(trainer.optimizers, optimizer)
     if flags_on_host(trainer, detectors, figures, overflow):  # the flags follow from the norms, on the host
         return [Step(key, params, figures, None, None, None) for _ in detectors]
-    unsure = torch.zeros((), device=device) if exact else torch.isinf(figures.measured).sum()
+    unsure = torch.zeros((), device=device) if exact or figures.exact else torch.isinf(figures.measured).sum()
     shared: dict[Any, Tensor] = {}  # detectors that flag alike share one computation of the flags
     steps = []
     for detector in detectors:

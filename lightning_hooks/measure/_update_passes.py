@@ -19,12 +19,13 @@ import warnings
 from collections.abc import Callable, Sequence
 from typing import Optional
 
+import numpy as np
 import torch
 from torch import Tensor
 
 from lightning_hooks.core._torch_internals import torch_modes_on
 
-NATIVE_ABI = 2  # _cupdate.c's ABI_VERSION: a build left over from older sources is not used
+NATIVE_ABI = 3  # _cupdate.c's ABI_VERSION: a build left over from older sources is not used
 try:  # built at install time where a C compiler is available
     from lightning_hooks.measure import _cupdate as cupdate  # type: ignore[attr-defined]
 
@@ -83,6 +84,26 @@ def _all_native(kernel: Callable[..., None], lists: Sequence[Sequence[Tensor]]) 
     except (KeyError, TypeError, ValueError, RuntimeError):
         return None
     return sums
+
+
+_NARROW_DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # tensor_squares' order
+
+
+def tensor_squares(tensors: Sequence[Tensor]) -> Optional[Tensor]:
+    """Each tensor's sum of squares (float64, on the CPU), read by the C pass from the tensors themselves.
+
+    The gradient check's read on the CPU: no numpy view per tensor, no tensor made per tensor.
+    None (nothing computed) unless every tensor is a plain contiguous float32, float16 or bfloat16
+    CPU tensor (not a parameter, not a subclass) and the C passes are on, outside tracing and torch
+    modes. The squares of such values cannot overflow a float64 sum: an infinite or NaN sum means
+    an Inf or a NaN in the tensor, and only then.
+    """
+    if not NATIVE_PASSES or not tensors or torch.compiler.is_compiling() or torch_modes_on():
+        return None
+    sums = np.empty(len(tensors))  # float64; a tensor made from it is no tensor operation (a `numpy()` is 3)
+    if cupdate.tensor_squares(tensors, sums, torch.get_num_threads(), Tensor, _NARROW_DTYPES):
+        return torch.from_numpy(sums)
+    return None
 
 
 def _detached(tensor: Tensor) -> Tensor:
