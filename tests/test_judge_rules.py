@@ -17,6 +17,7 @@ from lightning_hooks.output._findings import SCALE_RATIO
 from lightning_hooks.output._health_bands import Bands
 from lightning_hooks.output._health_verdicts import judged_figure
 from lightning_hooks.output._judge import Judge
+from tests.test_judge_noise import recorded_names
 
 CHAIN = ["stem", "attn", "mlp", "out"]
 
@@ -204,6 +205,49 @@ def test_the_prediction_layer_that_overshot_far_past_the_modules_before_it_is_na
     with its pull above 0 ``head`` is named; below 0, or not measured, forward order names ``b``."""
     for seed in range(3):
         assert head_named(steady_head(seed), 30.0, pull, 60, b=1.6) == {named}, seed
+
+
+GROWING = ["a", "b", "c", "head"]
+
+
+def growing_head(rates: dict[str, float], seed: int, points: int = 20):
+    """Four modules steady (2% noise) for 60 logged steps, then each of ``rates`` growing that much a point, the
+    loss asking the head for more (its pull below 0). Yields each point's layers named."""
+    rng, judge = random.Random(seed), Judge(Bands(), GROWING)
+    for k in range(-60, points + 1):
+        levels = {row: math.exp(rng.gauss(0, 0.02)) * rates.get(row, 1.0) ** max(0, k) for row in GROWING}
+        named = {f.layer for f in judge.step({"level": levels, "pull": {"head": -0.1}}, 60 + k).named}
+        if k > 0:
+            yield named
+        else:
+            assert not named
+
+
+def test_a_recorded_layer_rising_while_the_network_learns_its_targets_scale_is_not_named():
+    """The sweep's healthy GELU MLP at half its LR (``unseen28``, Adam, regression, logged every 2 steps; its
+    outputs' std and the head's pull as LayerHealth got them): the head's outputs x50 over steps 40-70, ``model.4``
+    x1.5-1.8 with it, the head's input twice as far. ``model.4`` was named ``blowup`` at steps 57-103 (before the
+    rule, as here with the rule off); now nothing is named."""
+    assert not any(recorded_names("mlp_gelu_halflr_healthy.json.gz").values())
+
+
+def test_a_recorded_ramp_while_the_head_learns_its_scale_is_named_at_its_first_point_out():
+    """The sweep's RAdam MLP (``unseen15``) with ``model.4``'s outputs ramping 4% a step from step 100 while its
+    head still grew x17 (its pull below 0 throughout): the head three times as far as the ramp, its input less far
+    than the ramp. ``model.4`` is named at step 107, first, as before the rule."""
+    named = recorded_names("mlp_radam_ramp_model4.json.gz")
+    first = min(step for step, layers in named.items() if layers)
+    assert first == 107 and named[first] == ["model.4"], named
+
+
+@pytest.mark.parametrize("rates", [{"c": 1.06, "head": 1.08}, {"c": 1.05, "head": 1.25}])
+def test_a_ramp_that_the_layers_after_it_carry_no_further_than_itself_is_named(rates):
+    """``b`` ramps 6% a point and ``c`` after it grows about as far (its gain holds), the loss asking for more:
+    ``b`` is named within a few points, as without the rule, even where the head learns on, 4 times as far."""
+    for seed in range(3):
+        named = list(growing_head({"b": 1.06, **rates}, seed, points=12))
+        first = next(i for i, layers in enumerate(named) if layers)
+        assert named[first] == {"b"} and first <= 8, (seed, named)
 
 
 @pytest.mark.parametrize("rate, named", [(1.002, False), (1.003, False), (1.015, True)])

@@ -102,7 +102,7 @@ from lightning_hooks.output._judge_absolute import ZeroRuns, absolute_problems
 from lightning_hooks.output._judge_culprit import CulpritNaming, its_own
 from lightning_hooks.output._judge_data import gradients_jumped_together, outputs_out_together, singled_out
 from lightning_hooks.output._judge_gain import GainJudging
-from lightning_hooks.output._judge_learning import SHARED_FIGURES, LearningJudging
+from lightning_hooks.output._judge_learning import CARRY_POINTS, SHARED_FIGURES, LearningJudging
 from lightning_hooks.output._judge_pull import PULL
 from lightning_hooks.output._peers import PEER_FIGURES, Peers
 from lightning_hooks.output._row_range import (
@@ -176,6 +176,7 @@ class Judge(LearningJudging, GainJudging, CulpritNaming):
         self.peers = Peers(bands.window, WARM_POINTS)  # a warm-up step's peers judge it as they do later
         self.lookups = lookup_rows(lookups)  # embeddings: each module's weight's row
         self.recent_pulls: dict[str, deque[float]] = {}  # by module: its last pulls (``_note_pulls``)
+        self.recent_levels: dict[str, deque[float]] = {}  # by module: its last logged log stds, raw (``_carried``)
         self.paths: dict[str, deque[tuple[int, float]]] = {}  # by lookup: (step, log std) of its outputs
         self.ratio_paths: dict[str, deque[tuple[int, float]]] = {}  # by lookup: (step, update ratio) of its weight
         self.points = 0  # the logged steps judged (the steps' count where no step number is given)
@@ -207,6 +208,7 @@ class Judge(LearningJudging, GainJudging, CulpritNaming):
         found: list[Finding] = []
         self.moves, self.levels, self.pulls = {}, figures.get("level", {}), figures.get(PULL, {})
         self._note_pulls(self.pulls)
+        self._note_levels(self.levels)
         for figure, values in figures.items():
             if figure in (PULL, SCALE_RATIO):
                 continue
@@ -223,6 +225,12 @@ class Judge(LearningJudging, GainJudging, CulpritNaming):
         for row, v in pulls.items():
             if math.isfinite(v):
                 self.recent_pulls.setdefault(row, deque(maxlen=PULL_POINTS)).append(v)
+
+    def _note_levels(self, levels: Mapping[str, float]) -> None:
+        """Keep each module's last ``CARRY_POINTS + 1`` log stds as logged, in or out of its range (``_carried``)."""
+        for row, v in levels.items():
+            if math.isfinite(v) and v > 0:
+                self.recent_levels.setdefault(row, deque(maxlen=CARRY_POINTS + 1)).append(math.log(v))
 
     def _note_paths(self, figures: Mapping[str, Mapping[str, float]]) -> None:
         """Note each embedding's outputs' std and its weight's update ratio, each at the step it came in.
@@ -321,7 +329,7 @@ class Judge(LearningJudging, GainJudging, CulpritNaming):
         out_now = {f.row for f in kept if f.problem == "blowup"}  # back in range: a growth asked for ended
         self.asked = {row: ask for row, ask in self.asked.items() if row in out_now}
         kept = [f for f in kept if not self._let_in(f, self._asked_or_learned(f, last)) and not self._slowed(f)]
-        kept = self._looked_up(kept)
+        kept = self._looked_up(self._carried(kept, last))
         out = {f.row for f in kept}
         return [self._inward(f, out) for f in kept]
 
@@ -457,6 +465,7 @@ class Judge(LearningJudging, GainJudging, CulpritNaming):
                 "ratio_paths": {row: [list(point) for point in path] for row, path in self.ratio_paths.items()},
                 "points": self.points,
                 "recent_pulls": {row: list(pulls) for row, pulls in self.recent_pulls.items()},
+                "recent_levels": {row: list(logs) for row, logs in self.recent_levels.items()},
                 "fast_scales": sorted(self.fast_scales), "asked": {row: list(v) for row, v in self.asked.items()},
                 "trained": sorted(self.trained), "thawed": dict(self.thawed), "params_start": self.params_start,
                 "seen": {f: dict(rows) for f, rows in self.seen.items()},
@@ -481,6 +490,8 @@ class Judge(LearningJudging, GainJudging, CulpritNaming):
         self.points = int(state.get("points", 0))
         self.recent_pulls = {row: deque(pulls, maxlen=PULL_POINTS)
                              for row, pulls in state.get("recent_pulls", {}).items()}
+        self.recent_levels = {row: deque(logs, maxlen=CARRY_POINTS + 1)
+                              for row, logs in state.get("recent_levels", {}).items()}
         self.fast_scales = set(state["fast_scales"])
         self.asked = {row: (float(ask), int(waited)) for row, (ask, waited) in state["asked"].items()}
         # A state saved before thaws were noted (none released): the next step's parameter rows start afresh.

@@ -9,6 +9,7 @@ not named; the first three have the row's range follow the move, as it follows t
 from __future__ import annotations
 
 import math
+import statistics
 from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Optional
 
@@ -32,11 +33,24 @@ SHARED_FIGURES = (*PEER_FIGURES, "norm")
 #: The prediction layer's growth the loss asked for has settled at the scale the loss wanted after this many logged
 #: points without the loss asking, its output not rising (``_asked_or_learned``): its ranges follow it then.
 SETTLED = 4
+#: A module's outputs rising while the prediction layer's rose this many times as far (log) over the same
+#: ``CARRY_POINTS`` logged points are carried by the network's learning to the targets' scale (``_carried``).
+CARRY = 2.0
+CARRY_POINTS = 8
+#: ... and rose at least this far (log: x2), from the median of its first 3 of those points to that of its last 3.
+CARRY_LEAST = math.log(2.0)
+#: ... and the prediction layer's input rose this many times as far as the module: the layers between them grew too.
+CARRY_INPUT = 1.2
 #: An embedding's outputs are judged against its weight's updates over this many logged moves at least.
 LOOKBACK = 3
 #: An embedding's outputs drifting no further than this many times its weight's updates moved (its update ratio times
 #: the steps) are learning: the used rows' share of the update can exceed the whole weight's.
 WEIGHT_SLACK = 2.0
+
+
+def _rise(logs: Sequence[float]) -> float:
+    """How far a row rose over its points (log): from the median of its first 3 to the median of its last 3."""
+    return statistics.median(logs[-3:]) - statistics.median(logs[:3])
 
 
 class LearningJudging:
@@ -56,10 +70,12 @@ class LearningJudging:
     paths: Mapping[str, Sequence[tuple[int, float]]]  # by lookup: (step, log std) of its outputs
     ratio_paths: Mapping[str, Sequence[tuple[int, float]]]  # by lookup: (step, update ratio) of its weight
     _track: Callable[[str], Optional[Track]]  # the track a module's outputs are judged by
+    _before: Callable[[], dict[str, str]]  # each module by the one before it in forward order (``_judge_gain.py``)
     _left_by_a_step: Callable[[str], bool]  # whether a module's outputs left their range by a step
     gap: int  # the steps from the logged step before to this one
     pulls: Mapping[str, float]  # the step's pull by module (the prediction layer's)
     recent_pulls: Mapping[str, Sequence[float]]  # by module: its last pulls, this step's last
+    recent_levels: Mapping[str, Sequence[float]]  # by module: its last CARRY_POINTS + 1 log stds, this step's last
     asked: dict[str, tuple[float, int]]  # the prediction layer out since a growth the loss asked for: its strongest
     # ask, and the points it has waited since, the loss no longer asking, its output not rising
 
@@ -79,6 +95,46 @@ class LearningJudging:
         for f in found:
             if (f.row in self.lookups and f.problem in RELATIVE["level"] and f.layer not in self.named
                     and not self._left_by_a_step(f.row) and self._weights_moved(f.row)):
+                for track in self._output_tracks(f.row):
+                    follow(track, self.bands.window)
+            else:
+                kept.append(f)
+        return kept
+
+    def _carried(self, found: list[Finding], last: str | None) -> list[Finding]:
+        """``found`` less the outputs rising as the network learns its targets' scale: their ranges follow.
+
+        A module's ``blowup`` not named yet, before the prediction layer (``last``), where over the last
+        ``CARRY_POINTS`` logged points the prediction layer's outputs rose ``CARRY`` times as far (log, from the
+        median of the first 3 points to that of the last 3: one batch's noise is no rise) as the module's did, and
+        as far as the module is beyond its range, and at least x2, and where the prediction layer's input (the
+        module before it) rose ``CARRY_INPUT`` times as far as the module: the whole network growing to fit the
+        targets, the layers nearer the loss more (the sweep's GELU and SiLU MLPs at half their LR: the head x50
+        over 16 points, ``model.4`` x1.5-1.8 with it, the head's input twice as far as ``model.4``). A fault
+        carries the layers after it about as far as itself (their gain holds), where the prediction layer itself
+        may rise more, still learning its scale: a RAdam MLP's ``model.4`` ramping 4% a step from step 100 while its
+        head grew x17 (pull below 0), the head three times as far as the ramp, but the head's input less far than
+        the ramp; named at its first points out, as before. A prediction layer that rose by a jump (more than half
+        its rise in one point) carries nothing.
+        """
+        window = list(self.recent_levels.get(last, ())) if last is not None else []
+        if len(window) <= CARRY_POINTS:
+            return found
+        head_rise = _rise(window)
+        # Grown at least x2, over the points, not in one: a jump in the prediction layer carries nothing before it.
+        if head_rise < CARRY_LEAST or max(b - a for a, b in zip(window, window[1:])) > (window[-1] - window[0]) / 2:
+            return found
+        feed = list(self.recent_levels.get(self._before().get(last, ""), ()))  # the prediction layer's input
+        if len(feed) <= CARRY_POINTS:
+            return found
+        feed_rise, kept = _rise(feed), []
+        for f in found:
+            own = list(self.recent_levels.get(f.row, ()))
+            if len(own) <= CARRY_POINTS or f.problem != "blowup" or f.row == last or f.layer in self.named:
+                kept.append(f)
+                continue
+            rise = max(_rise(own), f.moved)
+            if head_rise >= CARRY * rise and feed_rise >= CARRY_INPUT * rise:
                 for track in self._output_tracks(f.row):
                     follow(track, self.bands.window)
             else:
