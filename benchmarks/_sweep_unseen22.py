@@ -1,4 +1,4 @@
-"""The fault sweep's twenty-second to twenty-sixth unseen groups: random faults on recipes varied at random too.
+"""The fault sweep's twenty-second to twenty-ninth unseen groups: random faults on recipes varied at random too.
 
 - ``unseen22``: 48 faulty cases drawn (``random.Random(22)``) as ``unseen18``'s are (any module with weights from
   the middle 60% of any of the 52 models, a ramp or a jump three times as often as dead units, a vanishing signal or
@@ -11,6 +11,8 @@
   written on it); ``unseen26`` (``random.Random(26)``) held out, recorded after that session's rules.
 - ``unseen27``: drawn the same way (``random.Random(27)``), at the start of the session after (its dead-units rule
   was written on it); ``unseen28`` (``random.Random(28)``) held out, recorded after that session's rules.
+- ``unseen29``: drawn the same way (``random.Random(29)``), held out, recorded after the next session's rules (a
+  layer carried by the network's growth; issue 29).
 """
 
 from __future__ import annotations
@@ -25,8 +27,8 @@ CASES = 48
 
 
 def unseen22() -> dict[str, list[Variant]]:
-    """The groups ``unseen22`` to ``unseen28``: random faults on randomly varied recipes, and their healthy runs."""
-    return {f"unseen{seed}": _drawn(f"unseen{seed}", seed) for seed in range(22, 29)}
+    """The groups ``unseen22`` to ``unseen29``: random faults on randomly varied recipes, and their healthy runs."""
+    return {f"unseen{seed}": _drawn(f"unseen{seed}", seed) for seed in range(22, 30)}
 
 
 def _drawn(group: str, seed: int) -> list[Variant]:
