@@ -61,6 +61,8 @@ def _instrument() -> None:
                         (figures, "_stacked"), (_shared_measurement.SharedMeasurement, "_measure"),
                         (GradientMonitor, "_handle")):
         _wrap(owner, name, name if name != "_handle" else "GradientMonitor._handle")
+    if hasattr(figures, "tensor_squares"):  # the read in C, on the CPU (a tree from before it has none)
+        _wrap(figures, "tensor_squares", "tensor_squares")
 
 
 def quick_start() -> list[Any]:
