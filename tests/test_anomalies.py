@@ -62,7 +62,7 @@ def test_a_huge_finite_gradient_whose_float32_norm_overflows_is_not_counted_nonf
     assert flag(anomaly_flags(figures.group_norms, figures.nonfinite, norm_threshold=1e3), "exploding") == [True, True]
 
 
-def test_without_exact_an_overflowing_norm_counts_as_nonfinite_and_only_then_differs(c_pass):
+def test_without_exact_an_overflowing_float32_norm_counts_as_nonfinite_unless_the_c_pass_measured_it(c_pass):
     huge, fine = torch.full((4,), 1e30), torch.ones(4)
     # The C pass's norms do not overflow: exact or not, nothing is counted wrongly.
     assert gradient_figures([huge, fine], [2], exact=False).bad.tolist() == [not c_pass, False]

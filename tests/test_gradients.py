@@ -81,7 +81,7 @@ def test_flags_are_logged_on_logged_steps_where_one_is_raised_and_at_the_step_af
     assert logged(rows, "anomalies/nonfinite") == {0: 0.0, 3: 0.0, 5: 0.0, 6: 0.0, 7: 0.0}
 
 
-def test_a_finite_gradient_whose_norm_overflows_is_measured_again_and_flagged_exploding_only(
+def test_a_finite_gradient_whose_float32_norm_overflows_is_flagged_exploding_only_measured_again_if_it_must(
     tmp_path, monkeypatch, c_pass
 ):
     torch.manual_seed(0)

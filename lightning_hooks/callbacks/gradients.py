@@ -48,8 +48,8 @@ class GradientMonitor(GradientCheck):
     On logged steps (as Lightning logs: the loop's step ``n`` with ``(n + 1) % log_every_n_steps
     == 0``, and step 0, at the step ``self.log`` writes at) it logs ``gradients/<name>/norm`` per
     parameter (``granularity="parameter"``) or per module (``"module"``), ``gradients/total_norm``
-    (as ``torch.nn.utils.get_total_norm``; ``gradients/total_norm/group<i>`` per parameter group
-    when there are several), any other ``stats``, and ``gradients/<name>`` histograms to a
+    (as ``torch.nn.utils.get_total_norm``, in float64 sums on the CPU; ``gradients/total_norm/group<i>`` per
+    parameter group when there are several), any other ``stats``, and ``gradients/<name>`` histograms to a
     TensorBoardLogger or WandbLogger, non-finite values left out and counted. Each TensorBoardLogger
     gets a Custom Scalars layout once: a chart per stat of every row, the total norms, the flags.
 

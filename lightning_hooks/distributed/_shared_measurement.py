@@ -137,8 +137,9 @@ class SharedMeasurement:
         """Measure the step for ``readers``, in one collective and one host transfer.
 
         The L2 norms alone tell whether gradients are finite unless a norm is infinite, which a
-        finite gradient whose float32 norm overflows also gives; only then (agreed across
-        ranks) are the gradients measured again exactly, in a second collective and transfer.
+        finite gradient whose float32 norm overflows also gives (not the CPU's C pass, whose float64
+        sums cannot overflow: ``GradientFigures.exact``); only then (agreed across ranks) are the
+        gradients measured again exactly, in a second collective and transfer.
         A step read a step late is not measured again (its gradients are gone): there a finite
         gradient whose norm overflows counts as non-finite. Only the first evaluation of a step
         joins the running medians; a closure evaluated several times (LBFGS) is read at once.

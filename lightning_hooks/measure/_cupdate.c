@@ -297,7 +297,7 @@ refuse:
  * exactly `tensor_type` (torch.Tensor: no subclass, no parameter), on the CPU, contiguous, and of one of the
  * three `dtypes` (float32, float16, bfloat16; float64 is left to the tensor ops: its squares can overflow).
  * Returns True with out[i] = sum(tensors[i] ** 2) in float64, or False, out untouched, where any tensor is
- * not such a tensor. The list holds the tensors, so their memory stays while the GIL is released. */
+ * not such a tensor. */
 static PyObject *py_tensor_squares(PyObject *self, PyObject *args) {
     (void)self;
     PyObject *tensors_obj, *out_obj, *type_obj, *dtypes_obj;
@@ -311,9 +311,10 @@ static PyObject *py_tensor_squares(PyObject *self, PyObject *args) {
     }
     PyObject *const dtypes[3] = {PyTuple_GET_ITEM(dtypes_obj, 0), PyTuple_GET_ITEM(dtypes_obj, 1),
                                  PyTuple_GET_ITEM(dtypes_obj, 2)};
-    PyObject *tensors = PySequence_Fast(tensors_obj, "the tensors must be a sequence");
+    /* A tuple of its own (each tensor referenced): no other thread can free one while the GIL is released. */
+    PyObject *tensors = PySequence_Tuple(tensors_obj);
     if (tensors == NULL) return NULL;
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(tensors);
+    Py_ssize_t n = PyTuple_GET_SIZE(tensors);
     Item *items = (Item *)calloc((size_t)n + 1, sizeof(Item));
     int64_t *lengths = (int64_t *)calloc((size_t)n + 1, sizeof(int64_t));
     PyObject *result = NULL;
@@ -328,8 +329,7 @@ static PyObject *py_tensor_squares(PyObject *self, PyObject *args) {
                          out.format != NULL ? out.format : "B");
         } else {
             PyTypeObject *tensor_type = (PyTypeObject *)type_obj;
-            while (i < n && tensor_item(PySequence_Fast_GET_ITEM(tensors, i), tensor_type, dtypes, &items[i],
-                                        &lengths[i]) >= 0)
+            while (i < n && tensor_item(PyTuple_GET_ITEM(tensors, i), tensor_type, dtypes, &items[i], &lengths[i]) >= 0)
                 i++;
             if (i < n) {
                 result = Py_False;

@@ -130,14 +130,18 @@ def gradient_figures(
 ) -> GradientFigures:
     """Norms of gradients, per gradient, per parameter group and in total, batched on device.
 
-    The total norm is the one ``torch.nn.utils.get_total_norm`` gives: accumulated in float32
-    for float32 and narrower gradients. A gradient that holds a NaN or an Inf has a non-finite
-    norm, but so has a finite gradient whose float32 norm overflows (beyond 3.4e38). With
-    ``exact`` the two are told apart by each gradient's largest absolute value, one more pass
-    over the gradients (one multi-tensor kernel on CUDA, but about 20x the L2 norm's cost on CPU);
-    without it, every gradient with a non-finite norm counts as holding a NaN or an Inf, which
-    is exact whenever no norm is infinite (a NaN norm means a NaN or opposite Infs). A group
-    without gradients, and the total when there is none at all, has a NaN norm.
+    On the CPU, plain contiguous float32, float16 and bfloat16 gradients are read by one C pass
+    (:func:`~lightning_hooks.measure._update_passes.tensor_squares`): sums of squares in float64,
+    so the norms are ``torch.nn.utils.get_total_norm``'s up to the last bits, and a norm is
+    non-finite exactly when its gradient holds a NaN or an Inf (:attr:`GradientFigures.exact`;
+    ``exact`` then costs nothing more). Elsewhere (a GPU, other gradients) the total is the one
+    ``get_total_norm`` gives, accumulated in float32 for float32 and narrower gradients: a
+    gradient that holds a NaN or an Inf has a non-finite norm, but so has a finite gradient whose
+    float32 norm overflows (beyond 3.4e38). With ``exact`` the two are told apart by each
+    gradient's largest absolute value, one more pass over the gradients (one multi-tensor kernel
+    on CUDA); without it, every gradient with a non-finite norm counts as holding a NaN or an
+    Inf, which is exact whenever no norm is infinite (a NaN norm means a NaN or opposite Infs). A
+    group without gradients, and the total when there is none at all, has a NaN norm.
 
     Sharded gradients (DTensors, see :class:`~lightning_hooks.measure._sharding.ShardGroups`) are
     measured on their local shards, and the shards' squared norms and non-finite counts are
@@ -202,6 +206,8 @@ def _figures(grads: Sequence[Tensor], group_sizes: Sequence[int], device: torch.
         summed = shards.sum_(torch.stack([norms if exact_norms else norms.square(), bad.double()], 1))
         norms, bad = summed[:, 0].sqrt(), summed[:, 1] > 0
     by_norm = bad is None and narrow and all(group_sizes)
+    # Summed over the ranks, a shard another rank's tensor ops measured may have overflowed there: exact only alone.
+    exact_norms = exact_norms and not sharded
     f64 = torch.float64
     if len(group_sizes) == 1 and grads:  # the usual case, one group: its figures are the totals, computed once
         total = torch.linalg.vector_norm(norms, dtype=f64)

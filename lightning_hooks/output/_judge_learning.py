@@ -34,7 +34,8 @@ SHARED_FIGURES = (*PEER_FIGURES, "norm")
 #: points without the loss asking, its output not rising (``_asked_or_learned``): its ranges follow it then.
 SETTLED = 4
 #: A module's outputs rising while the prediction layer's rose this many times as far (log) over the same
-#: ``CARRY_POINTS`` logged points are carried by the network's learning to the targets' scale (``_carried``).
+#: ``CARRY_POINTS`` moves (their last ``CARRY_POINTS + 1`` logged points) are carried by the network's learning to
+#: the targets' scale (``_carried``).
 CARRY = 2.0
 CARRY_POINTS = 8
 #: ... and rose at least this far (log: x2), from the median of its first 3 of those points to that of its last 3.
@@ -66,6 +67,7 @@ class LearningJudging:
     affected: set[str]  # rows out as victims
     warm: bool  # whether the rows' own ranges judge at this step (past the warm-up in steps)
     _warm_for: Callable[[str], bool]  # whether a module's outputs are past every warm-up holding it (a thaw's too)
+    levels: Mapping[str, float]  # the step's activation std by module
     lookups: Mapping[str, str]  # modules whose outputs are rows of their own weights (embeddings): their weights' rows
     paths: Mapping[str, Sequence[tuple[int, float]]]  # by lookup: (step, log std) of its outputs
     ratio_paths: Mapping[str, Sequence[tuple[int, float]]]  # by lookup: (step, update ratio) of its weight
@@ -104,32 +106,33 @@ class LearningJudging:
     def _carried(self, found: list[Finding], last: str | None) -> list[Finding]:
         """``found`` less the outputs rising as the network learns its targets' scale: their ranges follow.
 
-        A module's ``blowup`` not named yet, before the prediction layer (``last``), where over the last
-        ``CARRY_POINTS`` logged points the prediction layer's outputs rose ``CARRY`` times as far (log, from the
-        median of the first 3 points to that of the last 3: one batch's noise is no rise) as the module's did, and
-        as far as the module is beyond its range, and at least x2, and where the prediction layer's input (the
-        module before it) rose ``CARRY_INPUT`` times as far as the module: the whole network growing to fit the
-        targets, the layers nearer the loss more (the sweep's GELU and SiLU MLPs at half their LR: the head x50
-        over 16 points, ``model.4`` x1.5-1.8 with it, the head's input twice as far as ``model.4``). A fault
+        A module's ``blowup`` not named yet, before the prediction layer (``last``), where over their last
+        ``CARRY_POINTS + 1`` logged points (each of the three's std in at this step) the prediction layer's outputs
+        rose at least x2 and ``CARRY`` times as far (log, from the median of the first 3 points to that of the last
+        3: one batch's noise is no rise) as the module's rise or its distance beyond its range, whichever is more,
+        and the prediction layer's input (the module before it) ``CARRY_INPUT`` times as far as that: the whole
+        network growing to fit the targets, the layers nearer the loss more (the sweep's GELU and SiLU MLPs at half
+        their LR: the head x50 over 16 points, ``model.4`` x1.5-1.8 with it, the head's input twice as far). A fault
         carries the layers after it about as far as itself (their gain holds), where the prediction layer itself
         may rise more, still learning its scale: a RAdam MLP's ``model.4`` ramping 4% a step from step 100 while its
         head grew x17 (pull below 0), the head three times as far as the ramp, but the head's input less far than
         the ramp; named at its first points out, as before. A prediction layer that rose by a jump (more than half
-        its rise in one point) carries nothing.
+        its raw rise, newest point against oldest, in one point) carries nothing.
         """
-        window = list(self.recent_levels.get(last, ())) if last is not None else []
+        window = list(self.recent_levels.get(last, ())) if self._fresh(last) else []
         if len(window) <= CARRY_POINTS:
             return found
         head_rise = _rise(window)
         # Grown at least x2, over the points, not in one: a jump in the prediction layer carries nothing before it.
         if head_rise < CARRY_LEAST or max(b - a for a, b in zip(window, window[1:])) > (window[-1] - window[0]) / 2:
             return found
-        feed = list(self.recent_levels.get(self._before().get(last, ""), ()))  # the prediction layer's input
+        feed_row = self._before().get(last, "")  # the prediction layer's input
+        feed = list(self.recent_levels.get(feed_row, ())) if self._fresh(feed_row) else []
         if len(feed) <= CARRY_POINTS:
             return found
         feed_rise, kept = _rise(feed), []
         for f in found:
-            own = list(self.recent_levels.get(f.row, ()))
+            own = list(self.recent_levels.get(f.row, ())) if self._fresh(f.row) else []
             if len(own) <= CARRY_POINTS or f.problem != "blowup" or f.row == last or f.layer in self.named:
                 kept.append(f)
                 continue
@@ -140,6 +143,11 @@ class LearningJudging:
             else:
                 kept.append(f)
         return kept
+
+    def _fresh(self, row: str | None) -> bool:
+        """Whether a module's std came in at this step, finite and above 0: its newest noted point is this step's."""
+        value = self.levels.get(row, math.nan) if row is not None else math.nan
+        return math.isfinite(value) and value > 0
 
     def _weights_moved(self, row: str) -> bool:
         """Whether an embedding's outputs moved no further than ``WEIGHT_SLACK`` times its weight's updates did.
