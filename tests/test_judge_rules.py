@@ -192,6 +192,14 @@ def test_the_prediction_layers_growth_is_not_named_while_the_loss_asks_for_it_an
         assert head_named(judge, 3.0, {"head": -0.1}, 62) == {"head"}, seed
 
 
+def test_a_recorded_head_growth_asked_for_in_the_warm_up_is_not_named_at_its_first_point_after():
+    """The sweep's healthy GroupNorm CNN at LR 0.1 (``unseen29``; outputs' std and the head's pull as LayerHealth got
+    them): its head grew x5 over steps 45-59 with the loss asking (pull -0.1 to -0.24), in the judge's warm-up, which
+    let the growth in. At step 61, the first point past it, it is out with one batch's pull at +0.002: named
+    ``blowup`` at steps 61-69 while no ask was remembered; the ask at the point before counts now."""
+    assert not any(recorded_names("cnn_gn_lr01_healthy.json.gz").values())
+
+
 @pytest.mark.parametrize("pull", [{}, {"b": -1.0}, {"head": 0.0}])  # not measured (or only for another module), 0
 def test_the_prediction_layers_growth_without_a_pull_below_0_is_judged_as_any_layers(pull):
     """Where the pull of ``head`` is missing at the step, or 0, its blowup is named as without the rule."""

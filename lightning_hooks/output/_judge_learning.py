@@ -186,17 +186,27 @@ class LearningJudging:
         sweep's 256-wide MLP under SGD: its output x7 over 16 steps, the pull down to -0.14, the loss 0.25
         -> 0.05, then flat with pulls of -0.07 to +0.11, named at the first above 0). One clearly rising,
         or pushed back harder than it was asked, while the loss asks for less overshoots: named (a ramp in
-        it is named 2 steps later than at its first pull above 0). Without a pull at the step: as before.
+        it is named 2 steps later than at its first pull above 0). Without a pull at the step: as before. At its
+        first point out, unless it went half its way out in that point, its strongest ask counts from its last
+        ``PULL_POINTS`` pulls: a growth asked for in the judge's warm-up was let in there, unremembered (the sweep's
+        GroupNorm CNN at LR 0.1: x5 asked for in the warm-up, then one batch's pull of +0.002 at the first point
+        past it); a jump's pull is about 0 (a classifier's saturated loss), its ask before it no reason to let it
+        go (the sweep's CNN with its head jumping x20).
         """
         if not prediction_blowup(found, last, self.named) or found.row not in self.pulls:
             return False  # not the prediction layer, named already, or its pull not measured: judged as before
         pull = self.pulls[found.row]
-        if not pull < 0 and (found.row not in self.asked or pull > self.asked[found.row][0]):
-            return False  # never asked for, or pushed back harder than it was asked (at this step): an overshoot
         recent = self.recent_pulls.get(found.row) or [pull]
+        # First out, not by a step: the loss's ask over its last points counts (a growth it asked for in the warm-up
+        # was let in); a jump's own batch saturates the loss (its pull about 0): judged as before.
+        levels = self.recent_levels.get(found.row, ())  # its std, this step's last
+        jumped = len(levels) < 2 or levels[-1] - levels[-2] > found.moved / 2  # half its way out in this one point
+        first = 0.0 if jumped else max(0.0, -min(recent))
+        ask, waited = self.asked.get(found.row, (first, 0))
+        if not pull < 0 and ((found.row not in self.asked and not ask > 0) or pull > ask):
+            return False  # never asked for, or pushed back harder than it was asked (at this step): an overshoot
         # Asked at this step, or over its last points (one small batch's pull takes either sign).
         asked = pull < 0 or (math.isfinite(pull) and sum(recent) / len(recent) < 0)
-        ask, waited = self.asked.get(found.row, (0.0, 0))
         track = self._track(found.row)
         held = list(track.held) if track is not None else []
         before = held[:max(1, len(held) - 1 - waited)]  # up to the wait's start: a slow ramp adds up against it
