@@ -189,25 +189,25 @@ def _figures(grads: Sequence[Tensor], group_sizes: Sequence[int], device: torch.
     parts = grads if shards is not None and not shards.distributed else [local(g) for g in grads]
     sharded = shards is not None and shards.sharded
     squares = tensor_squares(parts) if device.type == "cpu" else None  # the C pass: float64, exact as to NaN and Inf
-    exact_norms = squares is not None
-    if exact_norms:
+    native = squares is not None
+    if native:
         narrow = True
         norms = squares if sharded else squares.sqrt()  # a shard's squares are summed first
     else:
         found, narrow = _foreach_norms(parts, 2.0)
         # Float32 norms stay float32 (read in float64, as the sums below take them, where something reads them).
         norms = _stacked(found, device, None if narrow and not sharded else torch.float64)
-    bad = None  # made from the norms when read, unless it must be measured apart (exact) or summed (shards)
-    if (exact and not exact_norms) or sharded:
-        bad = ~torch.isfinite(_stacked(_foreach_norms(parts, math.inf)[0], device) if exact and not exact_norms
-                              else norms)
+    apart = exact and not native  # a finite gradient's float32 norm may overflow: the bad ones measured apart
+    bad = None  # made from the norms when read, unless it must be measured apart or summed (shards)
+    if apart or sharded:
+        bad = ~torch.isfinite(_stacked(_foreach_norms(parts, math.inf)[0], device) if apart else norms)
     if sharded:
         # Whole-gradient figures from the shards': squared norms and bad-shard counts add.
-        summed = shards.sum_(torch.stack([norms if exact_norms else norms.square(), bad.double()], 1))
+        summed = shards.sum_(torch.stack([norms if native else norms.square(), bad.double()], 1))
         norms, bad = summed[:, 0].sqrt(), summed[:, 1] > 0
     by_norm = bad is None and narrow and all(group_sizes)
     # Summed over the ranks, a shard another rank's tensor ops measured may have overflowed there: exact only alone.
-    exact_norms = exact_norms and not sharded
+    exact_norms = native and not sharded
     f64 = torch.float64
     if len(group_sizes) == 1 and grads:  # the usual case, one group: its figures are the totals, computed once
         total = torch.linalg.vector_norm(norms, dtype=f64)
