@@ -246,9 +246,13 @@ def grade(row: dict[str, Any]) -> dict[str, Any]:
     """Set ``ok`` if the case meets the goals, and ``goal`` in words.
 
     A ramp not named while the loss never moved 5% is ``unmoved`` (not counted as a failure: no
-    harm yet); one named after the loss moved is ``late`` (ramp timing, reported apart).
+    harm yet); one named after the loss moved is ``late`` (ramp timing, reported apart). A fault
+    whose hook never ran (the model never calls the module drawn as a module) ``never ran``.
     """
     row["goal"] = "ok"
+    if row.get("ran") is False and row["fault"] != "healthy":  # no fault happened: nothing to name, not counted
+        row["goal"], row["ok"] = "never ran", True
+        return row
     if row["fault"] == "healthy":
         row["ok"] = row["alarms"] == 0
     elif row["fault"] == "data":
@@ -300,8 +304,15 @@ def table(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     print(HEADER)
     for row in rows:
         print(describe(grade(row)))
-    print(f"\n{sum(r['ok'] for r in rows)} of {len(rows)} cases meet the goals")
+    print(counted(rows))
     return rows
+
+
+def counted(rows: list[dict[str, Any]]) -> str:
+    """How many cases meet the goals, of those whose fault happened."""
+    ran = [r for r in rows if r["goal"] != "never ran"]
+    left = f" ({len(rows) - len(ran)} whose fault never ran left out)" if len(ran) < len(rows) else ""
+    return f"\n{sum(r['ok'] for r in ran)} of {len(ran)} cases meet the goals{left}"
 
 
 def _table_rows(paths: list[str]) -> dict[tuple[str, ...], list[str]]:
@@ -322,8 +333,10 @@ def compare(before: list[str], after: list[str]) -> None:
     for key in sorted(new, key=lambda k: old.get(k, [""] * 7)[4] == new[k][4]):
         was = old.get(key, ["-"] * 7)
         print("| " + " | ".join([*key, was[4], new[key][4], f"{was[5]} -> {new[key][5]}"]) + " |")
-    ok = [sum(cells[5] != "**FAIL**" for cells in rows.values()) for rows in (old, new)]
-    print(f"\nbefore: {ok[0]} of {len(old)} cases meet the goals; after: {ok[1]} of {len(new)}")
+    ran = [[cells for cells in rows.values() if cells[5] != "never ran"] for rows in (old, new)]
+    ok = [sum(cells[5] != "**FAIL**" for cells in rows) for rows in ran]
+    print(f"\nbefore: {ok[0]} of {len(ran[0])} cases meet the goals; after: {ok[1]} of {len(ran[1])}"
+          " (faults that never ran left out)")
 
 
 def main(argv: Optional[list[str]] = None) -> list[dict[str, Any]]:
@@ -362,7 +375,7 @@ def main(argv: Optional[list[str]] = None) -> list[dict[str, Any]]:
                 print(case.summary, flush=True)
             if args.json:  # after every case: a long sweep stopped keeps what it ran
                 Path(args.json).write_text(json.dumps(rows, indent=1, default=str))
-    print(f"\n{sum(r['ok'] for r in rows)} of {len(rows)} cases meet the goals")
+    print(counted(rows))
     return rows
 
 

@@ -61,6 +61,9 @@ OTHER_OPTIMIZERS = {"rmsprop": lambda groups, lr: torch.optim.RMSprop(groups, lr
                     "nadam": lambda groups, lr: torch.optim.NAdam(groups, lr=lr),
                     "adamax": lambda groups, lr: torch.optim.Adamax(groups, lr=lr)}
 HEALTHY = ("healthy", "swing")  # runs without a fault: every verdict line after the first 10% is a false alarm
+# faults carried by a forward hook on the culprit: none happens where the model never calls it as a module (say
+# ``nn.MultiheadAttention``'s ``out_proj``, used by its weights); ``vanish`` and ``lr100`` act on its weights
+HOOKED = ("ramp", "jump", "dead", "nan", "attn", "swing", "gradvanish")
 GROWTH, JUMP, SHRINK, LR_FACTOR, DATA_SCALE, SWING, GRAD_CUT = 1.04, 20.0, 1e-3, 100.0, 30.0, 1.3, 1e-6
 
 
@@ -74,11 +77,14 @@ class Lit(pl.LightningModule):
         torch.manual_seed(seed)
         self.recipe, self.fault, self.onset, self.steps = recipe, fault, onset, steps
         self.fired: Optional[int] = None  # the step the NaN was born at (``nan``)
+        self.hurt = 0  # training calls of the culprit from the onset on: 0, a fault carried by its hook never happened
         self.model = recipe.build()
         self.draw = recipe.data(seed, recipe.batch)
         target = recipe.targets.get({"gradvanish": "vanish", "swing": "ramp"}.get(fault or "", fault or ""))
         self.culprit = "model." + target if target else ""
         self.mult = schedule(recipe, steps)
+        if self.culprit and fault in HOOKED:
+            self.get_submodule(self.culprit).register_forward_hook(self._count)
         if self.culprit and fault in ("ramp", "jump", "dead", "nan", "attn", "swing"):
             self.get_submodule(self.culprit).register_forward_hook(self._hurt)
         if fault == "gradvanish":
@@ -91,6 +97,9 @@ class Lit(pl.LightningModule):
 
     def _step(self) -> int:
         return self.trainer.global_step
+
+    def _count(self, module: nn.Module, args: Any, out: Any) -> None:
+        self.hurt += self.training and self._step() >= self.onset
 
     def _bad_batch(self, module: nn.Module, args: Any, out: Tensor) -> Optional[Tensor]:
         return out * DATA_SCALE if self.training and self._step() >= self.onset else None
@@ -254,6 +263,7 @@ def run_case(model: str, fault: Optional[str], steps: int, onset: int, every: in
     onset = lit.fired if lit.fired is not None else onset  # a NaN born after the onset, where the module first ran
     case = Case(model, fault or "healthy", lit.culprit, onset, steps, probe.losses, probe.named,
                 seconds=time.perf_counter() - start, summary=health.summary())
+    case.extra["fault_ran"] = fault not in HOOKED or lit.hurt > 0
     if fault and probe.norms:
         flight_leaders(case, probe, onset, flight)
     return case
@@ -292,6 +302,8 @@ def judge_case(case: Case, healthy: Optional[Case]) -> dict[str, Any]:
     steps = sorted(s for s in case.named if s >= quiet_from)
     first_step = next((s for s in steps if case.named[s]), None)
     row: dict[str, Any] = {"model": case.model, "fault": case.fault, "onset": case.onset, "s": round(case.seconds, 1)}
+    if not case.extra.get("fault_ran", True):  # recorded before it was kept: every fault ran
+        row["ran"] = False
     if case.fault in HEALTHY:
         lines = sorted({n for s in steps for n in case.named[s]})
         row.update(alarms=len(lines), lines=lines[:6], first_alarm=first_step)

@@ -166,14 +166,16 @@ def main(argv: Optional[list[str]] = None) -> None:
         return
     for path in args.paths:
         cases = pickle.loads(Path(path).read_bytes())
-        changed = ok = 0
+        changed = ok = never = 0
         for case, healthy, row in cases:
             new = replayed_row(case, healthy, row)
-            ok += new.get("ok", True)
+            never += new.get("goal") == "never ran"
+            ok += new.get("ok", True) and new.get("goal") != "never ran"
             if line(new) != line(row):
                 changed += 1
                 print(f"before {line(row)}\nafter  {line(new)}")
-        print(f"{path}: {len(cases)} cases, {changed} changed, {ok} meet the goals (a zoo row counts as met)")
+        print(f"{path}: {len(cases)} cases, {changed} changed, {ok} of {len(cases) - never} meet the goals (a zoo row"
+              f" counts as met; {never} whose fault never ran left out)")
 
 
 if __name__ == "__main__":

@@ -22,7 +22,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks import _sweep_unseen11  # noqa: E402,F401  (the wider models)
 from benchmarks._zoo_models import RECIPES, schedule  # noqa: E402
-from benchmarks.fault_sweep import Variant, describe, grade, register, run_variant, variants, verdict  # noqa: E402
+from benchmarks.fault_sweep import (  # noqa: E402
+    Variant,
+    counted,
+    describe,
+    grade,
+    register,
+    run_variant,
+    variants,
+    verdict,
+)
 from benchmarks.fault_zoo import Lit, judge_case  # noqa: E402
 from benchmarks.judge_replay import recording  # noqa: E402
 
@@ -55,6 +64,21 @@ def test_a_shrink_past_x0_5_is_graded_as_abrupt_and_a_variant_with_its_own_seed_
     assert grade({**unnamed, "jump": 0.3, "delay": 1, "culprit_first": True})["ok"]
     seeded, plain = Variant("test", "mlp", ("healthy",), seed=3), Variant("test", "mlp", ("healthy",))
     assert seeded.name == "mlp+s3" and seeded.recipe_key() != plain.recipe_key()
+
+
+def test_a_fault_drawn_on_a_module_the_model_never_calls_never_ran_and_is_left_out_of_the_count():
+    v = Variant("test", "tfenc", ("jump",), target="net.encoder.layers.1.self_attn.out_proj", steps=12, onset=0.5,
+                every=2)  # ``nn.MultiheadAttention`` uses its ``out_proj``'s weights, never calls it
+    case = run_variant(v, "jump")
+    row = verdict(v, judge_case(case, None), case.culprit)
+    assert case.extra["fault_ran"] is False and row["goal"] == "never ran" and "never ran" in describe(row)
+    called = Variant("test", "tfenc", ("jump",), target="net.encoder.layers.1.linear1", steps=12, onset=0.5, every=2)
+    assert run_variant(called, "jump").extra["fault_ran"] is True
+    failed = {"fault": "jump", "jump": 20.0, "delay": None, "before": 0, "loss5": None, "culprit_first": False,
+              "every": 2}
+    rows = [grade({**failed, "ran": False}), grade(dict(failed))]
+    assert [r["goal"] for r in rows] == ["never ran", "**FAIL**"]
+    assert counted(rows).strip() == "0 of 1 cases meet the goals (1 whose fault never ran left out)"
 
 
 @pytest.mark.slow
