@@ -807,3 +807,61 @@ def test_queries_and_keys_running_away_together_are_named():
         found = first_named(Judge(Bands(), ATTENTION), attention_levels(
             lambda i: 1.08 ** max(0, i - 60), lambda i: 1.08 ** max(0, i - 60), seed), 140)
         assert found is not None and found[1] & {"attn.query", "attn.key"}, (seed, found)
+
+
+WEIGHTED = ["a", "b", "c", "head"]
+
+
+def weighted_run(grow: float, seed: int, surge: bool, jump: float = 1.0, row: str = "b",
+                 usual: float = 0.003) -> list[set[str]]:
+    """Four modules steady (2% noise) for 60 logged steps, each weight's update ratio falling from 0.04 to ``usual``
+    a step over the first 20 (SGD's first steps on fresh weights) and staying; with ``surge`` ``row``'s rises from
+    there x10 over the last 16 before its outputs grow ``grow`` a point (times ``jump`` from the first) and stays:
+    the layers named at each point."""
+    rng, judge = random.Random(seed), Judge(Bands(), WEIGHTED)
+    named = []
+    for k in range(-60, 21):
+        levels = {r: math.exp(rng.gauss(0, 0.02)) * (grow ** max(0, k) * (jump if k > 0 else 1.0) if r == row else 1.0)
+                  for r in WEIGHTED}
+        rate = max(usual, 0.04 * (usual / 0.04) ** ((k + 60) / 20))
+        rates = {r: rate * (10 ** min(1.0, max(0, k + 16) / 16) if surge and r == row else 1.0) for r in WEIGHTED}
+        ratios = {f"{r}.weight": rates[r] * math.exp(rng.gauss(0, 0.05)) for r in WEIGHTED}
+        found = {f.layer for f in judge.step({"level": levels, "ratio": ratios}, 60 + k).named}
+        assert k > 0 or not found, (k, found)
+        named.append(found)
+    return named[61:]
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_outputs_rising_as_their_own_weights_surge_are_learning_and_a_step_or_a_usual_update_size_is_not(seed):
+    """``b``'s weight's update ratio (logged every step) rises x10 against the others', to 3% a step, and then its
+    outputs rise 3% a point: its weights learning faster than the others' (a layer starting to learn a feature), its
+    outputs no further than their updates can move them (``WEIGHT_SLACK`` times, noise and all): never named. The
+    same rise with every ratio at 3% a step throughout (Adam's usual step, ``lr / rms(w)``: no surge), or with its
+    ratio as the others' (no update of its own: a fault put on its outputs), is named within 20 points (at its 9th
+    to 16th, as without the rule). A step x3 after the surge: named at once. The prediction layer rising so: named
+    (its pull judges its growth, not its weights)."""
+    assert not any(weighted_run(1.03, seed, surge=True)), seed
+    for usual in (weighted_run(1.03, seed, surge=False, usual=0.03), weighted_run(1.03, seed, surge=False)):
+        assert {"b"} in usual and all(named <= {"b"} for named in usual), (seed, usual)
+    assert weighted_run(1.0, seed, surge=True, jump=3.0)[0] == {"b"}, seed
+    assert any(weighted_run(1.03, seed, surge=True, row="head")), seed
+
+
+def test_a_recorded_first_conv_learning_fast_and_a_head_asked_for_over_the_warm_ups_last_points_are_not_named():
+    """The sweep's healthy GroupNorm CNN at LR 0.1, seed 2 (``unseen30``; outputs' std, the head's pull and the
+    weights' update ratios as LayerHealth got them). Over steps 55-100 ``blocks.0.conv1``'s outputs rise x2.6 while
+    its weight's update ratio rises x10 to 5% a step (its copies' x2-3): its weights learning, named ``blowup`` at
+    steps 77-117 before the rule on a module's own weights. Its head grew x9 over steps 41-67 with the loss asking
+    (pull down to -0.25), and at step 71, past it, one batch's pull was +0.21 after -0.03: named at steps 71-101
+    while only the last 2 pulls' ask was remembered (``ASK_POINTS``)."""
+    assert not any(recorded_names("cnn_gn_lr01_s2_healthy.json.gz").values())
+
+
+def test_with_the_ask_of_the_last_2_pulls_only_the_recorded_head_is_named_at_71(monkeypatch):
+    """The recording above with the ask remembered from the last ``PULL_POINTS`` pulls only: the head is named at 71."""
+    from lightning_hooks.output import _judge
+
+    monkeypatch.setattr(_judge, "ASK_POINTS", 2)
+    named = recorded_names("cnn_gn_lr01_s2_healthy.json.gz")
+    assert named[71] == ["model.head"] and not any(named[step] for step in named if step < 71), named

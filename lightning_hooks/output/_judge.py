@@ -61,7 +61,9 @@ step at a time, with every judged figure of that step. How it decides (docs/verd
 - An embedding's outputs (``lookups``: rows of its own weight) drifting out no further than ``WEIGHT_SLACK`` times
   its weight's update ratio times the steps of its last points (a weight's norm moves at most by its update ratio a
   step) are its weights learning; without an update ratio logged there, any drift of theirs is
-  (``_judge_learning.py``: ``_looked_up``). A step is judged as before.
+  (``_judge_learning.py``: ``_looked_up``). A step is judged as before. So are any other module's outputs, not
+  the prediction layer's, whose own weight's update ratio is logged and surged ``SURGE`` times against the
+  step's others (its weights learning faster than theirs; under Adam a ratio's size is ``lr / rms(w)``, no sign).
 - Absolute rules where the physics gives a bound (:mod:`~lightning_hooks.output._judge_absolute`):
   a NaN or Inf; ``ALL_ZERO`` exact zeros, or more than ``max_zero_fraction`` from the first logged point or
   for ``SPARSE_POINTS`` logged points in a row (dead units; a small batch's sparsity crosses it for one) with the
@@ -103,7 +105,7 @@ from lightning_hooks.output._judge_culprit import CulpritNaming, its_own
 from lightning_hooks.output._judge_data import gradients_jumped_together, outputs_out_together, singled_out
 from lightning_hooks.output._judge_gain import GainJudging
 from lightning_hooks.output._judge_learning import CARRY_POINTS, SHARED_FIGURES, LearningJudging
-from lightning_hooks.output._judge_pull import PULL
+from lightning_hooks.output._judge_pull import ASK_POINTS, PULL
 from lightning_hooks.output._peers import PEER_FIGURES, Peers
 from lightning_hooks.output._row_range import (
     WARM_POINTS,
@@ -124,9 +126,6 @@ SCALE_JUMP = 10.0
 #: An embedding's weight's update ratios kept (``Judge.ratio_paths``): logged every step, a window of outputs
 #: logged every 4.
 RATIO_POINTS = 128
-#: Whether the loss asks for the prediction layer's growth is read from the mean of its last this many logged pulls:
-#: one small batch's pull can take either sign.
-PULL_POINTS = 2
 
 
 def lookup_rows(lookups: Union[Mapping[str, str], Collection[str]]) -> dict[str, str]:
@@ -175,10 +174,12 @@ class Judge(LearningJudging, GainJudging, CulpritNaming):
         self.warm = True  # whether the rows' own ranges judge at this step (past the warm-up in steps)
         self.peers = Peers(bands.window, WARM_POINTS)  # a warm-up step's peers judge it as they do later
         self.lookups = lookup_rows(lookups)  # embeddings: each module's weight's row
+        self.weighted: dict[str, str] = {}  # other modules whose own weight's update ratio comes in: that row
         self.recent_pulls: dict[str, deque[float]] = {}  # by module: its last pulls (``_note_pulls``)
         self.recent_levels: dict[str, deque[float]] = {}  # by module: its last logged log stds, raw (``_carried``)
-        self.paths: dict[str, deque[tuple[int, float]]] = {}  # by lookup: (step, log std) of its outputs
-        self.ratio_paths: dict[str, deque[tuple[int, float]]] = {}  # by lookup: (step, update ratio) of its weight
+        self.paths: dict[str, deque[tuple[int, float]]] = {}  # by lookup or weighted: (step, log std) of its outputs
+        self.ratio_paths: dict[str, deque[tuple[int, float]]] = {}  # ... and (step, update ratio) of its weight
+        self.ratio_shares: dict[str, deque[tuple[int, float]]] = {}  # by weighted: (step, its ratio / step's median)
         self.points = 0  # the logged steps judged (the steps' count where no step number is given)
 
     def step(self, figures: Mapping[str, Mapping[str, float]], step: Optional[int] = None) -> Judged:
@@ -221,10 +222,10 @@ class Judge(LearningJudging, GainJudging, CulpritNaming):
         return self._sort(self._outputs(self._lone_spikes(found)), data)
 
     def _note_pulls(self, pulls: Mapping[str, float]) -> None:
-        """Keep each module's last ``PULL_POINTS`` finite pulls (``_judge_learning.py``: ``_asked_or_learned``)."""
+        """Keep each module's last ``ASK_POINTS`` finite pulls (``_judge_learning.py``: ``_asked_or_learned``)."""
         for row, v in pulls.items():
             if math.isfinite(v):
-                self.recent_pulls.setdefault(row, deque(maxlen=PULL_POINTS)).append(v)
+                self.recent_pulls.setdefault(row, deque(maxlen=ASK_POINTS)).append(v)
 
     def _note_levels(self, levels: Mapping[str, float]) -> None:
         """Keep each module's last ``CARRY_POINTS + 1`` log stds as logged, in or out of its range (``_carried``)."""
@@ -233,19 +234,26 @@ class Judge(LearningJudging, GainJudging, CulpritNaming):
                 self.recent_levels.setdefault(row, deque(maxlen=CARRY_POINTS + 1)).append(math.log(v))
 
     def _note_paths(self, figures: Mapping[str, Mapping[str, float]]) -> None:
-        """Note each embedding's outputs' std and its weight's update ratio, each at the step it came in.
+        """Note each embedding's, and each weighted module's, outputs' std and its weight's update ratio, as they come.
 
         Each on its own cadence (``_looked_up``): its weight's row as the gradient monitor names it (a tied weight's
         first name), or its module's (``granularity="module"``).
         """
         levels, ratios = figures.get("level", {}), figures.get("ratio", {})
         at = self.last_step if self.last_step is not None else self.points
-        for row, weight in self.lookups.items():
+        for row in levels:  # a module with a weight of its own whose update ratio comes in (``_weights_moved``)
+            if row not in self.lookups and row not in self.weighted and (f"{row}.weight" in ratios or row in ratios):
+                self.weighted[row] = f"{row}.weight" if f"{row}.weight" in ratios else row
+        rates = [r for r in ratios.values() if math.isfinite(r) and r > 0]
+        typical = statistics.median(rates) if len(rates) >= 3 else math.nan  # the step's usual update ratio
+        for row, weight in (*self.lookups.items(), *self.weighted.items()):
             v, r = levels.get(row, math.nan), ratios.get(weight, ratios.get(row, math.nan))
             if math.isfinite(v) and v > 0:
                 self.paths.setdefault(row, deque(maxlen=self.bands.window)).append((at, math.log(v)))
             if math.isfinite(r) and r >= 0:
                 self.ratio_paths.setdefault(row, deque(maxlen=RATIO_POINTS)).append((at, r))
+                if math.isfinite(typical) and row in self.weighted:
+                    self.ratio_shares.setdefault(row, deque(maxlen=RATIO_POINTS)).append((at, r / typical))
 
     def _thaw(self, figures: Mapping[str, Mapping[str, float]], step: Optional[int]) -> None:
         """Note the layers whose parameters start training at ``step``: frozen before, their rows absent.
@@ -329,7 +337,7 @@ class Judge(LearningJudging, GainJudging, CulpritNaming):
         out_now = {f.row for f in kept if f.problem == "blowup"}  # back in range: a growth asked for ended
         self.asked = {row: ask for row, ask in self.asked.items() if row in out_now}
         kept = [f for f in kept if not self._let_in(f, self._asked_or_learned(f, last)) and not self._slowed(f)]
-        kept = self._looked_up(self._carried(kept, last))
+        kept = self._looked_up(self._carried(kept, last), last)
         out = {f.row for f in kept}
         return [self._inward(f, out) for f in kept]
 
@@ -463,6 +471,7 @@ class Judge(LearningJudging, GainJudging, CulpritNaming):
                 "first_ratio": dict(self.first_ratio),
                 "paths": {row: [list(point) for point in path] for row, path in self.paths.items()},
                 "ratio_paths": {row: [list(point) for point in path] for row, path in self.ratio_paths.items()},
+                "ratio_shares": {row: [list(point) for point in path] for row, path in self.ratio_shares.items()},
                 "points": self.points,
                 "recent_pulls": {row: list(pulls) for row, pulls in self.recent_pulls.items()},
                 "recent_levels": {row: list(logs) for row, logs in self.recent_levels.items()},
@@ -487,8 +496,10 @@ class Judge(LearningJudging, GainJudging, CulpritNaming):
                       for row, path in state.get("paths", {}).items()}
         self.ratio_paths = {row: deque(((int(at), float(r)) for at, r in path), maxlen=RATIO_POINTS)
                             for row, path in state.get("ratio_paths", {}).items()}
+        self.ratio_shares = {row: deque(((int(at), float(r)) for at, r in path), maxlen=RATIO_POINTS)
+                             for row, path in state.get("ratio_shares", {}).items()}
         self.points = int(state.get("points", 0))
-        self.recent_pulls = {row: deque(pulls, maxlen=PULL_POINTS)
+        self.recent_pulls = {row: deque(pulls, maxlen=ASK_POINTS)
                              for row, pulls in state.get("recent_pulls", {}).items()}
         self.recent_levels = {row: deque(logs, maxlen=CARRY_POINTS + 1)
                               for row, logs in state.get("recent_levels", {}).items()}

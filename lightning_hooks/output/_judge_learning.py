@@ -15,7 +15,7 @@ from typing import Optional
 
 from lightning_hooks.output._findings import RELATIVE, Finding
 from lightning_hooks.output._health_bands import Bands
-from lightning_hooks.output._judge_pull import prediction_blowup
+from lightning_hooks.output._judge_pull import PULL_POINTS, prediction_blowup
 from lightning_hooks.output._peers import PEER_FIGURES
 from lightning_hooks.output._row_range import (
     MIN_NOISE,
@@ -47,6 +47,15 @@ LOOKBACK = 3
 #: An embedding's outputs drifting no further than this many times its weight's updates moved (its update ratio times
 #: the steps) are learning: the used rows' share of the update can exceed the whole weight's.
 WEIGHT_SLACK = 2.0
+#: A module that is no embedding is so judged only where its weight's update ratio's share (over the step's median
+#: ratio) over the span is this many times its usual share, the lower quartile of the ``window`` before it (at least
+#: ``SURGE_POINTS``; a learning phase that goes on keeps its surge): its weights learning faster than the others', as
+#: a layer's do when it starts to learn a feature (a GroupNorm CNN's first conv under SGD at LR 0.1: its ratio x10 in
+#: 16 steps, the others' x2-3, its outputs x2.6).
+#: Not its size alone: under Adam a layer's ratio is about ``lr / rms(w)`` whatever its gradient (2-4% a step in the
+#: sweep's transformers at twice their LR), and a schedule's warm-up moves every layer's together.
+SURGE = 2.0
+SURGE_POINTS = 4
 
 
 def _rise(logs: Sequence[float]) -> float:
@@ -69,8 +78,10 @@ class LearningJudging:
     _warm_for: Callable[[str], bool]  # whether a module's outputs are past every warm-up holding it (a thaw's too)
     levels: Mapping[str, float]  # the step's activation std by module
     lookups: Mapping[str, str]  # modules whose outputs are rows of their own weights (embeddings): their weights' rows
+    weighted: Mapping[str, str]  # other modules whose own weight's update ratio comes in: that row
     paths: Mapping[str, Sequence[tuple[int, float]]]  # by lookup: (step, log std) of its outputs
     ratio_paths: Mapping[str, Sequence[tuple[int, float]]]  # by lookup: (step, update ratio) of its weight
+    ratio_shares: Mapping[str, Sequence[tuple[int, float]]]  # by weighted module: (step, its ratio / the step's median)
     _track: Callable[[str], Optional[Track]]  # the track a module's outputs are judged by
     _before: Callable[[], dict[str, str]]  # each module by the one before it in forward order (``_judge_gain.py``)
     _left_by_a_step: Callable[[str], bool]  # whether a module's outputs left their range by a step
@@ -91,11 +102,17 @@ class LearningJudging:
                 follow(track, self.bands.window)
         return learned
 
-    def _looked_up(self, found: list[Finding]) -> list[Finding]:
-        """``found`` less an embedding's outputs drifting out as far as its weights moved: learning, ranges follow."""
+    def _looked_up(self, found: list[Finding], last: str | None) -> list[Finding]:
+        """``found`` less the outputs drifting out as far as their own weights moved: learning, ranges follow.
+
+        An embedding's (its outputs are its weights' rows), or a module's with a weight of its own whose update ratio
+        is logged over the drift (``weighted``), not the prediction layer's (its pull judges it). Not one named
+        already, nor one that left its range by a step (a fault's jump moves its weight's gradient in the same step).
+        """
         kept = []
         for f in found:
-            if (f.row in self.lookups and f.problem in RELATIVE["level"] and f.layer not in self.named
+            own = f.row in self.lookups or (f.row in self.weighted and f.row != last)
+            if (own and f.problem in RELATIVE["level"] and f.layer not in self.named
                     and not self._left_by_a_step(f.row) and self._weights_moved(f.row)):
                 for track in self._output_tracks(f.row):
                     follow(track, self.bands.window)
@@ -150,23 +167,30 @@ class LearningJudging:
         return math.isfinite(value) and value > 0
 
     def _weights_moved(self, row: str) -> bool:
-        """Whether an embedding's outputs moved no further than ``WEIGHT_SLACK`` times its weight's updates did.
+        """Whether a module's outputs moved no further than ``WEIGHT_SLACK`` times its weight's updates did.
 
         Over its last ``LOOKBACK`` moves (more while it has held more out): the log move of its std against its
         weight's update ratio (the mean of those logged over the span, on their own cadence) times the span's steps,
-        the most a weight's norm can move. Without an update ratio logged over the span, its drift is its weights'
-        anyway (nothing else moves a lookup's outputs): learning.
+        the most a weight's norm can move. Without an update ratio logged over the span, an embedding's drift is its
+        weights' anyway (nothing else moves a lookup's outputs): learning; another module's is not.
         """
         track = self._track(row)
         held = len(track.held) if track is not None else 0
         span = list(self.paths.get(row, ()))[-(max(held, LOOKBACK) + 1):]
         if len(span) < 2:
-            return True
+            return row in self.lookups
         (start, first), (end, last) = span[0], span[-1]
         rates = [ratio for at, ratio in self.ratio_paths.get(row, ()) if start < at <= end]
         if not rates:
-            return True
-        return abs(last - first) <= WEIGHT_SLACK * (end - start) * sum(rates) / len(rates)
+            return row in self.lookups
+        rate = sum(rates) / len(rates)
+        if row not in self.lookups:  # its updates surged against the others' over the span: its weights learning
+            shares = self.ratio_shares.get(row, ())
+            now = [share for at, share in shares if start < at <= end]
+            before = sorted([share for at, share in shares if at <= start][-self.bands.window:])
+            if not now or len(before) < SURGE_POINTS or sum(now) / len(now) < SURGE * before[len(before) // 4]:
+                return False
+        return abs(last - first) <= WEIGHT_SLACK * (end - start) * rate
 
     def _output_tracks(self, row: str) -> list[Track]:
         """A module's outputs' tracks: its std's and its gain's, those it has."""
@@ -196,12 +220,13 @@ class LearningJudging:
         if not prediction_blowup(found, last, self.named) or found.row not in self.pulls:
             return False  # not the prediction layer, named already, or its pull not measured: judged as before
         pull = self.pulls[found.row]
-        recent = self.recent_pulls.get(found.row) or [pull]
+        asks = list(self.recent_pulls.get(found.row) or [pull])
+        recent = asks[-PULL_POINTS:]
         # First out, not by a step: the loss's ask over its last points counts (a growth it asked for in the warm-up
         # was let in); a jump's own batch saturates the loss (its pull about 0): judged as before.
         levels = self.recent_levels.get(found.row, ())  # its std, this step's last
         jumped = len(levels) < 2 or levels[-1] - levels[-2] > found.moved / 2  # half its way out in this one point
-        first = 0.0 if jumped else max(0.0, -min(recent))
+        first = 0.0 if jumped else max(0.0, -min(asks))
         ask, waited = self.asked.get(found.row, (first, 0))
         if not pull < 0 and ((found.row not in self.asked and not ask > 0) or pull > ask):
             return False  # never asked for, or pushed back harder than it was asked (at this step): an overshoot

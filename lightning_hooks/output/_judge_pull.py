@@ -17,6 +17,12 @@ PULL = "pull"
 #: The prediction layer overshooting (the loss asks for less) is named before the modules before it where it moved
 #: this many times as far (log) as each of them: under SGD its jump's gradient moves their weights in the same step.
 OVERSHOOT = 2.0
+#: Whether the loss asks for the prediction layer's growth is read from the mean of its last this many logged pulls:
+#: one small batch's pull can take either sign.
+PULL_POINTS = 2
+#: At the prediction layer's first point out (not by a step), its strongest ask over its last this many logged pulls
+#: counts (``_judge_learning.py``: ``_asked_or_learned``): a growth asked for over the warm-up's last points.
+ASK_POINTS = 8
 
 
 def prediction_blowup(found: Finding, last: str | None, named: Collection[str]) -> bool:
