@@ -62,8 +62,9 @@ step at a time, with every judged figure of that step. How it decides (docs/verd
   its weight's update ratio times the steps of its last points (a weight's norm moves at most by its update ratio a
   step) are its weights learning; without an update ratio logged there, any drift of theirs is
   (``_judge_learning.py``: ``_looked_up``). A step is judged as before. So are any other module's outputs, not
-  the prediction layer's, whose own weight's update ratio is logged and surged ``SURGE`` times against the
-  step's others (its weights learning faster than theirs; under Adam a ratio's size is ``lr / rms(w)``, no sign).
+  the prediction layer's, whose own weight's update ratio is logged and whose share of the step's median ratio
+  surged ``SURGE`` times its usual (its weights learning faster than the others'; under Adam a ratio's size is
+  ``lr / rms(w)``, no sign).
 - Absolute rules where the physics gives a bound (:mod:`~lightning_hooks.output._judge_absolute`):
   a NaN or Inf; ``ALL_ZERO`` exact zeros, or more than ``max_zero_fraction`` from the first logged point or
   for ``SPARSE_POINTS`` logged points in a row (dead units; a small batch's sparsity crosses it for one) with the
@@ -123,8 +124,8 @@ COMMON_MODE = ("norm", "ratio", "gain")
 #: move): its few entries move far more from step to step than a weight's; a param group's LR raised x100 moves it
 #: about x100.
 SCALE_JUMP = 10.0
-#: An embedding's weight's update ratios kept (``Judge.ratio_paths``): logged every step, a window of outputs
-#: logged every 4.
+#: An embedding's, or a weighted module's, weight's update ratios and their shares kept (``Judge.ratio_paths``,
+#: ``Judge.ratio_shares``): logged every step, a window of outputs logged every 4.
 RATIO_POINTS = 128
 
 
@@ -237,7 +238,8 @@ class Judge(LearningJudging, GainJudging, CulpritNaming):
         """Note each embedding's, and each weighted module's, outputs' std and its weight's update ratio, as they come.
 
         Each on its own cadence (``_looked_up``): its weight's row as the gradient monitor names it (a tied weight's
-        first name), or its module's (``granularity="module"``).
+        first name), or its module's (``granularity="module"``). A module whose ``<module>.weight`` (or own) ratio row
+        comes in beside its std is weighted from then on; its ratio's share of the step's median ratio is kept too.
         """
         levels, ratios = figures.get("level", {}), figures.get("ratio", {})
         at = self.last_step if self.last_step is not None else self.points
@@ -246,7 +248,7 @@ class Judge(LearningJudging, GainJudging, CulpritNaming):
                 self.weighted[row] = f"{row}.weight" if f"{row}.weight" in ratios else row
         rates = [r for r in ratios.values() if math.isfinite(r) and r > 0]
         typical = statistics.median(rates) if len(rates) >= 3 else math.nan  # the step's usual update ratio
-        for row, weight in (*self.lookups.items(), *self.weighted.items()):
+        for row, weight in {**self.weighted, **self.lookups}.items():  # an embedding noted once, as an embedding
             v, r = levels.get(row, math.nan), ratios.get(weight, ratios.get(row, math.nan))
             if math.isfinite(v) and v > 0:
                 self.paths.setdefault(row, deque(maxlen=self.bands.window)).append((at, math.log(v)))
@@ -472,6 +474,7 @@ class Judge(LearningJudging, GainJudging, CulpritNaming):
                 "paths": {row: [list(point) for point in path] for row, path in self.paths.items()},
                 "ratio_paths": {row: [list(point) for point in path] for row, path in self.ratio_paths.items()},
                 "ratio_shares": {row: [list(point) for point in path] for row, path in self.ratio_shares.items()},
+                "weighted": dict(self.weighted),
                 "points": self.points,
                 "recent_pulls": {row: list(pulls) for row, pulls in self.recent_pulls.items()},
                 "recent_levels": {row: list(logs) for row, logs in self.recent_levels.items()},
@@ -498,6 +501,7 @@ class Judge(LearningJudging, GainJudging, CulpritNaming):
                             for row, path in state.get("ratio_paths", {}).items()}
         self.ratio_shares = {row: deque(((int(at), float(r)) for at, r in path), maxlen=RATIO_POINTS)
                              for row, path in state.get("ratio_shares", {}).items()}
+        self.weighted = {str(row): str(weight) for row, weight in state.get("weighted", {}).items()}
         self.points = int(state.get("points", 0))
         self.recent_pulls = {row: deque(pulls, maxlen=ASK_POINTS)
                              for row, pulls in state.get("recent_pulls", {}).items()}

@@ -79,8 +79,8 @@ class LearningJudging:
     levels: Mapping[str, float]  # the step's activation std by module
     lookups: Mapping[str, str]  # modules whose outputs are rows of their own weights (embeddings): their weights' rows
     weighted: Mapping[str, str]  # other modules whose own weight's update ratio comes in: that row
-    paths: Mapping[str, Sequence[tuple[int, float]]]  # by lookup: (step, log std) of its outputs
-    ratio_paths: Mapping[str, Sequence[tuple[int, float]]]  # by lookup: (step, update ratio) of its weight
+    paths: Mapping[str, Sequence[tuple[int, float]]]  # by lookup or weighted module: (step, log std) of its outputs
+    ratio_paths: Mapping[str, Sequence[tuple[int, float]]]  # ... and (step, update ratio) of its weight
     ratio_shares: Mapping[str, Sequence[tuple[int, float]]]  # by weighted module: (step, its ratio / the step's median)
     _track: Callable[[str], Optional[Track]]  # the track a module's outputs are judged by
     _before: Callable[[], dict[str, str]]  # each module by the one before it in forward order (``_judge_gain.py``)
@@ -172,7 +172,9 @@ class LearningJudging:
         Over its last ``LOOKBACK`` moves (more while it has held more out): the log move of its std against its
         weight's update ratio (the mean of those logged over the span, on their own cadence) times the span's steps,
         the most a weight's norm can move. Without an update ratio logged over the span, an embedding's drift is its
-        weights' anyway (nothing else moves a lookup's outputs): learning; another module's is not.
+        weights' anyway (nothing else moves a lookup's outputs): learning; another module's is not. Another module's
+        updates must have surged too: its ratio's share of the step's median, over the span, ``SURGE`` times its
+        lower quartile over the ``window`` of output points before the span (in steps: each on its own cadence).
         """
         track = self._track(row)
         held = len(track.held) if track is not None else 0
@@ -186,9 +188,11 @@ class LearningJudging:
         rate = sum(rates) / len(rates)
         if row not in self.lookups:  # its updates surged against the others' over the span: its weights learning
             shares = self.ratio_shares.get(row, ())
+            horizon = start - self.bands.window * (end - start) / (len(span) - 1)  # a window of output points
             now = [share for at, share in shares if start < at <= end]
-            before = sorted([share for at, share in shares if at <= start][-self.bands.window:])
-            if not now or len(before) < SURGE_POINTS or sum(now) / len(now) < SURGE * before[len(before) // 4]:
+            before = sorted(share for at, share in shares if horizon < at <= start)
+            usual = before[len(before) // 4] if len(before) >= SURGE_POINTS else 0.0
+            if not now or not usual > 0 or sum(now) / len(now) < SURGE * usual:
                 return False
         return abs(last - first) <= WEIGHT_SLACK * (end - start) * rate
 
@@ -212,7 +216,7 @@ class LearningJudging:
         or pushed back harder than it was asked, while the loss asks for less overshoots: named (a ramp in
         it is named 2 steps later than at its first pull above 0). Without a pull at the step: as before. At its
         first point out, unless it went half its way out in that point, its strongest ask counts from its last
-        ``PULL_POINTS`` pulls: a growth asked for in the judge's warm-up was let in there, unremembered (the sweep's
+        ``ASK_POINTS`` pulls: a growth asked for in the judge's warm-up was let in there, unremembered (the sweep's
         GroupNorm CNN at LR 0.1: x5 asked for in the warm-up, then one batch's pull of +0.002 at the first point
         past it); a jump's pull is about 0 (a classifier's saturated loss), its ask before it no reason to let it
         go (the sweep's CNN with its head jumping x20).
