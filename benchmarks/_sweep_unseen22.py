@@ -15,6 +15,8 @@
   layer carried by the network's growth; issue 29).
 - ``unseen30``: drawn the same way (``random.Random(30)``), held out, recorded at the start of the session after (the
   judge of 9859e9d, the first group graded with faults that never ran left out).
+- ``unseen31``: drawn the same way (``random.Random(31)``), held out, recorded at the start of the session after (the
+  judge of df65b92: a layer whose own weights surge, the head's ask over 8 pulls).
 """
 
 from __future__ import annotations
@@ -29,8 +31,8 @@ CASES = 48
 
 
 def unseen22() -> dict[str, list[Variant]]:
-    """The groups ``unseen22`` to ``unseen30``: random faults on randomly varied recipes, and their healthy runs."""
-    return {f"unseen{seed}": _drawn(f"unseen{seed}", seed) for seed in range(22, 31)}
+    """The groups ``unseen22`` to ``unseen31``: random faults on randomly varied recipes, and their healthy runs."""
+    return {f"unseen{seed}": _drawn(f"unseen{seed}", seed) for seed in range(22, 32)}
 
 
 def _drawn(group: str, seed: int) -> list[Variant]:

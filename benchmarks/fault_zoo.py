@@ -62,8 +62,10 @@ OTHER_OPTIMIZERS = {"rmsprop": lambda groups, lr: torch.optim.RMSprop(groups, lr
                     "adamax": lambda groups, lr: torch.optim.Adamax(groups, lr=lr)}
 HEALTHY = ("healthy", "swing")  # runs without a fault: every verdict line after the first 10% is a false alarm
 # faults carried by a forward hook on the culprit: none happens where the model never calls it as a module (say
-# ``nn.MultiheadAttention``'s ``out_proj``, used by its weights); ``vanish`` and ``lr100`` act on its weights
-HOOKED = ("ramp", "jump", "dead", "nan", "attn", "swing", "gradvanish")
+# ``nn.MultiheadAttention``'s ``out_proj``, used by its weights); ``vanish`` and ``lr100`` act on its weights.
+# ``OUTPUT``: those that change its output (``Lit._hurt``); ``gradvanish`` cuts the gradient reaching it
+OUTPUT = ("ramp", "jump", "dead", "nan", "attn", "swing")
+HOOKED = (*OUTPUT, "gradvanish")
 GROWTH, JUMP, SHRINK, LR_FACTOR, DATA_SCALE, SWING, GRAD_CUT = 1.04, 20.0, 1e-3, 100.0, 30.0, 1.3, 1e-6
 
 
@@ -85,7 +87,7 @@ class Lit(pl.LightningModule):
         self.mult = schedule(recipe, steps)
         if self.culprit and fault in HOOKED:
             self.get_submodule(self.culprit).register_forward_hook(self._count)
-        if self.culprit and fault in ("ramp", "jump", "dead", "nan", "attn", "swing"):
+        if self.culprit and fault in OUTPUT:
             self.get_submodule(self.culprit).register_forward_hook(self._hurt)
         if fault == "gradvanish":
             self.get_submodule(self.culprit).register_forward_hook(self._cut)
