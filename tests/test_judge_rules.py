@@ -868,6 +868,19 @@ def test_with_the_ask_of_the_last_2_pulls_only_the_recorded_head_is_named_at_71(
     assert named[71] == ["model.head"] and not any(named[step] for step in named if step < 71), named
 
 
+def test_a_recorded_roberta_whose_block_learns_half_again_as_far_as_its_neighbours_is_not_named(monkeypatch):
+    """The sweep's healthy RoBERTa at twice its LR, seed 3, logged every step (``unseen30``; outputs' std as LayerHealth
+    got them, steps 0-110). Every block's attention output grows x2-3 over steps 40-100, block 4's ahead: at step 78
+    one batch's point takes its move over its window to 1.07 (log), block 3's before it 0.57 and block 5's after it
+    0.87, all at even paces: 0.54 of its move, where ``NEIGHBOURS_SHARE`` at 0.55 named it at steps 78, 79 and 83."""
+    from lightning_hooks.output import _peers
+
+    assert not any(recorded_names("roberta_lr2x_s3_healthy.json.gz").values())
+    monkeypatch.setattr(_peers, "NEIGHBOURS_SHARE", 0.55)
+    named = {step: layers for step, layers in recorded_names("roberta_lr2x_s3_healthy.json.gz").items() if layers}
+    assert named == {step: ["net.roberta.encoder.layer.4.attention.output.dense"] for step in (78, 79, 83)}, named
+
+
 def share_run(seed: int, points: int = 170, onset: int = 140) -> list[set[str]]:
     """``b``'s weight's update ratio 1% a step for 40 points, rising over the next 60 to 3% and staying there (its
     share of the others' x1 -> x3, slowly); from ``onset`` its outputs ramp 3% a point: the layers named from then."""
