@@ -109,3 +109,42 @@ def test_recorded_healthy_runs_with_their_blocks_watched_name_nothing(recording)
     named = {int(step): [f.layer for f in judge.step({"level": levels}, int(step)).named]
              for step, levels in data["steps"].items()}
     assert not any(named[step] for step in named if step >= 20), named
+
+
+GATED = ["embed", *(f"h.{b}.{part}" for b in range(3) for part in ("norm", "up", "down", "")), "head"]
+GATED = [name.rstrip(".") for name in GATED]
+
+
+def gated_named(ramp: str, seed: int) -> dict[int, list[str]]:
+    """A stack of gated MLP blocks (``norm``, ``up``, ``down``; the block's row after them): ``down``'s output is the
+    square of its input's scale, as a gated MLP's product of two projections of the same input is. ``ramp`` in block
+    1 grows 8% a point from point 8 (in the judge's warm-up); the layers named at each point."""
+    rng, judge, found = random.Random(seed), Judge(Bands(), GATED), {}
+    noise = lambda: math.exp(rng.gauss(0, 0.01))  # noqa: E731
+    for i in range(100):
+        stream, levels = 1.0, {"embed": noise()}
+        for b in range(3):
+            grow = 1.08 ** max(0, i - 8) if b == 1 else 1.0
+            norm = (grow if ramp == "norm" else 1.0) * noise()
+            up = 0.5 * norm * (grow if ramp == "up" else 1.0) * noise()
+            down = 0.3 * (up / 0.5) ** 2 * (grow if ramp == "down" else 1.0) * noise()
+            stream = math.hypot(stream, down)
+            levels.update({f"h.{b}.norm": norm, f"h.{b}.up": up, f"h.{b}.down": down, f"h.{b}": stream * noise()})
+        levels["head"] = 0.5 * noise()
+        layers = [f.layer for f in judge.step({"level": levels}, 2 * i).named]
+        if layers:
+            found[i] = layers
+    return found
+
+
+@pytest.mark.parametrize("ramp", ["norm", "up", "down"])
+def test_a_layer_ramping_from_the_warm_up_is_named_not_the_layer_after_it_that_moved_further(ramp):
+    """A ramp from the warm-up in block 1's ``norm``, ``up`` or ``down``: its block's gain goes out for it, and the
+    layer inside that moved furthest is traced back through the inputs that moved with it (a third as far or more):
+    ``down`` moves twice as far as a ramp before it (the sweep's Qwen2 with its ``post_attention_layernorm``
+    ramping 8% a step from step 84, logged every 5: its ``mlp.down_proj`` x6 as far), and was named first for it.
+    The ramping layer is named first, at the block's first point out, and nothing before it."""
+    for seed in range(3):
+        found = gated_named(ramp, seed)
+        assert found and min(found) <= 50 and set(range(min(found), 60)) <= set(found), (seed, found)
+        assert found[min(found)] == [f"h.1.{ramp}"], (seed, found)

@@ -223,8 +223,10 @@ class CulpritNaming:
         whose figure (gain or level, as it is judged) moved furthest the block's way over its window
         (``_peers.py``), in least changes, where that is past one least change and at least half as far as
         the block's gain moved (the stream a block is handed dilutes what a layer inside adds to it: the
-        layer moves further). A block's own fault (its whole output scaled) moves no module inside it, and
-        stays the block's. Whichever is named, the block or a layer inside it, stays named while the block is out.
+        layer moves further), traced back through its inputs inside the block that moved with it (``_fed``): a
+        gated MLP's ``down_proj`` moves twice as far as a ramp in the norm before it. A block's own fault (its
+        whole output scaled) moves no module inside it, and stays the block's. Whichever is named, the block or a
+        layer inside it, stays named while the block is out.
         """
         if (found.row not in self._containers() or found.problem not in RELATIVE["level"]
                 or any(row.startswith(found.row + ".") for row in out)):
@@ -249,7 +251,21 @@ class CulpritNaming:
         changes, move, row = max(inner)  # its move in its figure's least changes: past one, and the block's half
         if changes < 1 or sign * move < sign * own / 2:
             return found
+        before = self._before()
+        while (fed := before.get(row, "")).startswith(found.row + ".") and (by := self._fed(fed, move)) is not None:
+            row, move = fed, by  # its input, inside the block, moved with it: it is that input's victim
         return Finding(row, row, found.problem, self.levels[row], "level", move)
+
+    def _fed(self, row: str, moved: float) -> float | None:
+        """A module's outputs' move over its window (``_peers.py``) if a victim's input's, else None.
+
+        That is: the same way as ``moved``, past one least change, and at least 1/``LEAN_SHARE`` as far (a product
+        of two projections of one input moves twice as far as the input).
+        """
+        move = self._peers_for(row, "level").move("level", row)
+        sign = 1 if moved > 0 else -1
+        least = least_change("level", self.bands) * (1 if sign > 0 else 2)
+        return move if move is not None and sign * move > max(least, sign * moved / LEAN_SHARE) else None
 
     def _containers(self) -> frozenset[str]:
         """The modules watched beside two or more modules inside them: blocks of a stack.
