@@ -15,8 +15,9 @@
   layer carried by the network's growth; issue 29).
 - ``unseen30``: drawn the same way (``random.Random(30)``), held out, recorded at the start of the session after (the
   judge of 9859e9d, the first group graded with faults that never ran left out).
-- ``unseen31``: drawn the same way (``random.Random(31)``), held out, recorded at the start of the session after (the
-  judge of df65b92: a layer whose own weights surge, the head's ask over 8 pulls).
+- ``unseen31``: drawn the same way (``random.Random(31)``), recorded at the start of the session after (the judge of
+  df65b92: a layer whose own weights surge, the head's ask over 8 pulls), held out until the same session wrote a
+  rule on its Qwen2 (a block's layer traced back through the modules before it that moved with it).
 """
 
 from __future__ import annotations

@@ -223,20 +223,19 @@ class CulpritNaming:
         whose figure (gain or level, as it is judged) moved furthest the block's way over its window
         (``_peers.py``), in least changes, where that is past one least change and at least half as far as
         the block's gain moved (the stream a block is handed dilutes what a layer inside adds to it: the
-        layer moves further), traced back through its inputs inside the block that moved with it (``_fed``): a
-        gated MLP's ``down_proj`` moves twice as far as a ramp in the norm before it. A block's own fault (its
-        whole output scaled) moves no module inside it, and stays the block's. Whichever is named, the block or a
-        layer inside it, stays named while the block is out.
+        layer moves further), traced back through the modules before it in forward order, inside the block, that
+        moved with it (``_fed``): a gated MLP's ``down_proj`` moves twice as far as a ramp in the norm before it.
+        A block's own fault (its whole output scaled) moves no module inside it, and stays the block's. Whichever
+        is named, the block or a layer inside it, stays named while the block is out, a victim inside it out too.
         """
-        if (found.row not in self._containers() or found.problem not in RELATIVE["level"]
-                or any(row.startswith(found.row + ".") for row in out)):
-            return found
-        if found.row in self.named:  # named as itself: it stays the block's while it is out
-            return found
+        if found.row not in self._containers() or found.problem not in RELATIVE["level"] or found.row in self.named:
+            return found  # not a block's outputs, or named as itself: it stays the block's while it is out
         inward = sorted(row for row in self.named if row.startswith(found.row + "."))
-        if inward:  # named for a layer inside it: that layer's while the block is out
+        if inward:  # named for a layer inside it: that layer's while the block is out (a victim inside out too)
             return Finding(inward[0], inward[0], found.problem, self.levels.get(inward[0], found.value), "level",
                            found.moved)
+        if any(row.startswith(found.row + ".") for row in out):
+            return found
         own = self._peers_for(found.row, "gain").move("gain", found.row)
         sign = 1 if found.moved > 0 else -1
         inner = []  # each module inside: its move in its figure's least changes, its move, its name
@@ -251,16 +250,18 @@ class CulpritNaming:
         changes, move, row = max(inner)  # its move in its figure's least changes: past one, and the block's half
         if changes < 1 or sign * move < sign * own / 2:
             return found
-        before = self._before()
-        while (fed := before.get(row, "")).startswith(found.row + ".") and (by := self._fed(fed, move)) is not None:
-            row, move = fed, by  # its input, inside the block, moved with it: it is that input's victim
+        before, furthest = self._before(), move
+        while (fed := before.get(row, "")).startswith(found.row + "."):
+            if (by := self._fed(fed, furthest)) is None:
+                break
+            row, move = fed, by  # the module before it, inside the block, moved with it: it is that one's victim
         return Finding(row, row, found.problem, self.levels[row], "level", move)
 
     def _fed(self, row: str, moved: float) -> float | None:
-        """A module's outputs' move over its window (``_peers.py``) if a victim's input's, else None.
+        """A module's outputs' move over its window (``_peers.py``) where it moved with the furthest mover, else None.
 
-        That is: the same way as ``moved``, past one least change, and at least 1/``LEAN_SHARE`` as far (a product
-        of two projections of one input moves twice as far as the input).
+        That is: the same way as ``moved`` (the furthest mover's), past one least change, and at least
+        1/``LEAN_SHARE`` as far (a product of two projections of one input moves twice as far as the input).
         """
         move = self._peers_for(row, "level").move("level", row)
         sign = 1 if moved > 0 else -1
