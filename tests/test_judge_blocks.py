@@ -11,7 +11,7 @@ import gzip
 import json
 import math
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import pytest
@@ -44,12 +44,20 @@ def named(lin: Callable[[int, int], float], out: Callable[[int, int], float], po
     """The layers named at each point; ``ordered``: the forward order given, else the rows as registered (a
     compiled model records none): a block before the layers inside it."""
     registered = ["embed", *(name for b in range(3) for name in (f"h.{b}", f"h.{b}.norm", f"h.{b}.lin")), "head"]
-    rng, judge, found = random.Random(seed), Judge(Bands(), ORDER if ordered else ()), {}
-    for i in range(points):
+    rng = random.Random(seed)
+
+    def levels_at(i: int) -> dict[str, float]:
         levels = stack(i, rng, lin, out, learn)
-        if not ordered:
-            levels = {name: levels[name] for name in registered}
-        layers = [f.layer for f in judge.step({"level": levels}, 2 * i).named]
+        return levels if ordered else {name: levels[name] for name in registered}
+
+    return judged(ORDER if ordered else (), points, levels_at)
+
+
+def judged(order: Sequence[str], points: int, levels_at: Callable[[int], dict[str, float]]) -> dict[int, list[str]]:
+    """The layers a fresh judge names at each point (logged every 2 steps) of the levels ``levels_at(point)``."""
+    judge, found = Judge(Bands(), order), {}
+    for i in range(points):
+        layers = [f.layer for f in judge.step({"level": levels_at(i)}, 2 * i).named]
         if layers:
             found[i] = layers
     return found
@@ -119,9 +127,10 @@ def gated_named(ramp: str, seed: int) -> dict[int, list[str]]:
     """A stack of gated MLP blocks (``norm``, ``up``, ``down``; the block's row after them): ``down``'s output is the
     square of its input's scale, as a gated MLP's product of two projections of the same input is. ``ramp`` in block
     1 grows 8% a point from point 8 (in the judge's warm-up); the layers named at each point."""
-    rng, judge, found = random.Random(seed), Judge(Bands(), GATED), {}
+    rng = random.Random(seed)
     noise = lambda: math.exp(rng.gauss(0, 0.01))  # noqa: E731
-    for i in range(100):
+
+    def levels_at(i: int) -> dict[str, float]:
         stream, levels = 1.0, {"embed": noise()}
         for b in range(3):
             grow = 1.08 ** max(0, i - 8) if b == 1 else 1.0
@@ -131,10 +140,9 @@ def gated_named(ramp: str, seed: int) -> dict[int, list[str]]:
             stream = math.hypot(stream, down)
             levels.update({f"h.{b}.norm": norm, f"h.{b}.up": up, f"h.{b}.down": down, f"h.{b}": stream * noise()})
         levels["head"] = 0.5 * noise()
-        layers = [f.layer for f in judge.step({"level": levels}, 2 * i).named]
-        if layers:
-            found[i] = layers
-    return found
+        return levels
+
+    return judged(GATED, 100, levels_at)
 
 
 @pytest.mark.parametrize("ramp", ["norm", "up", "down"])

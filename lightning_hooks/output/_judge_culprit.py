@@ -265,7 +265,7 @@ class CulpritNaming:
         """
         move = self._peers_for(row, "level").move("level", row)
         sign = 1 if moved > 0 else -1
-        least = least_change("level", self.bands) * (1 if sign > 0 else 2)
+        least = self._margin("level", sign > 0)
         return move if move is not None and sign * move > max(least, sign * moved / LEAN_SHARE) else None
 
     def _containers(self) -> frozenset[str]:
@@ -300,7 +300,7 @@ class CulpritNaming:
 
         ``beyond``: how far it is out of its range, its move where its window's is under the margin (a slow lean).
         """
-        margin = least_change(figure, self.bands) * (1 if up else 2)
+        margin = self._margin(figure, up)
         leaning = {other for other, track in self.tracks.get(figure, {}).items() if track.up or track.down}
         peers, depth = self._peers_for(row, figure), self.depth
         if figure == "norm":  # a parameter's gradient: its module's place in the backward pass (forward, reversed)
@@ -334,12 +334,12 @@ class CulpritNaming:
     def _stopped(self, figure: str, row: str, up: bool) -> bool:
         """Whether a row's own move is within the margin of a finding again (``up`` or down)."""
         move = self._peers_for(row, figure).move(figure, row)
-        return move is not None and (1 if up else -1) * move <= least_change(figure, self.bands) * (1 if up else 2)
+        return move is not None and (1 if up else -1) * move <= self._margin(figure, up)
 
     def _ends_gradient(self, figure: str, row: str, up: bool, out: Collection[str] = ()) -> bool:
         """Whether ``row``, the last copy of its kind, ends its kind's gradient over depth (``_peers.py``)."""
-        margin = least_change(figure, self.bands) * (1 if up else 2)
-        return self._peers_for(row, figure).ends_gradient(figure, row, self.depth, margin, up, out)
+        return self._peers_for(row, figure).ends_gradient(figure, row, self.depth, self._margin(figure, up),
+                                                          up, out)
 
     def _grew_with_kind(self, row: str, up: bool) -> bool:
         """Whether a module's kind grew as a whole, as far as a finding, its gain leading none (``_peers.py``).
@@ -347,14 +347,15 @@ class CulpritNaming:
         A network without normalisation under SGD grows everywhere at once: every copy is out of its
         range together, and the peers rule has none in range to compare with.
         """
-        scale = 1 if up else 2
-        return self._peers_for(row).grew_as_a_kind(row, least_change("level", self.bands) * scale,
-                                                   least_change("gain", self.bands) * scale, up)
+        return self._peers_for(row).grew_as_a_kind(row, self._margin("level", up), self._margin("gain", up), up)
 
     def _grew_with_partner(self, row: str, up: bool) -> bool:
         """Whether a query or key projection moved with its partner: attention sharpening (``_peers.py``)."""
-        return self._peers_for(row).grew_with_partner(row, least_change("level", self.bands) * (1 if up else 2), up,
-                                                      self.gap)
+        return self._peers_for(row).grew_with_partner(row, self._margin("level", up), up, self.gap)
+
+    def _margin(self, figure: str, up: bool) -> float:
+        """The least move (log) of ``figure`` that is a finding: upward one least change, downward twice as far."""
+        return least_change(figure, self.bands) * (1 if up else 2)
 
     def _peers_for(self, row: str, figure: str | None = None) -> Peers:
         """The peers, the fewest values a move needs set for judging ``row`` (its ``figure``'s track, or ``_track``).
