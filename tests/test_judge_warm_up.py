@@ -29,10 +29,11 @@ def named_at(move, seed: int, points: int) -> dict[int, list[str]]:
     return named
 
 
-@pytest.mark.parametrize("onset, factor", [(6, 20.0), (12, 20.0), (20, 8.0)])
+@pytest.mark.parametrize("onset, factor", [(6, 20.0), (12, 20.0), (20, 8.0), (6, 0.01), (20, 0.03)])
 def test_a_jump_before_the_ranges_judge_is_named_at_once_and_while_it_stays(onset, factor):
-    """``mlp`` (and ``out``, after it) jump x``factor`` at a point of the warm-up (step 12-40): ``mlp`` is named
-    there and at every point after, first; ``out``, whose gain held, never."""
+    """``mlp`` (and ``out``, after it) jump x``factor`` at a point of the warm-up (step 12-40), up or down (a layer's
+    weights shrunk: a fall named past x1/25): ``mlp`` is named there and at every point after, first; ``out``, whose
+    gain held, never."""
     def move(i, row):
         return factor if row in ("mlp", "out") and i >= onset else 1.0
     for seed in range(3):
@@ -44,10 +45,13 @@ def test_a_jump_before_the_ranges_judge_is_named_at_once_and_while_it_stays(onse
 @pytest.mark.parametrize("rate", [1.5, 2.0])
 def test_fast_early_learning_and_a_small_jump_in_the_warm_up_are_not_named(rate):
     """The prediction layer ``out`` grows x``rate`` a point over the first 10 points (an MLP's last Linear from a
-    near-zero start), and ``attn`` steps x4 at point 12: in the warm-up neither is a finding (x5 is)."""
+    near-zero start), ``attn`` steps x4 at point 12 and ``stem`` falls x0.1 at point 14: in the warm-up none is a
+    finding (x5 up is, x1/25 down)."""
     def move(i, row):
         if row == "out":
             return rate ** min(i, 10)
+        if row == "stem":
+            return 0.1 if i >= 14 else 1.0
         return 4.0 if row == "attn" and i >= 12 else 1.0
     for seed in range(3):
         assert named_at(move, seed, 24) == {}, seed

@@ -39,6 +39,9 @@ GAIN_POWER = 0.7
 #: output (its std or its gain) this far (log) above every value its history holds, from ``WARM_POINTS`` values on,
 #: is a finding: a step no early learning takes (healthy: at most x2.4 over every recorded case).
 WARM_JUMP = math.log(5.0)
+#: ... and an output this far (log) below every value its history holds: a fall twice as far as a jump, as after the
+#: warm-up (healthy: at most x0.31 over every recorded case; a layer's weights shrunk x0.01 fall x0.009 at once).
+WARM_FALL = 2 * WARM_JUMP
 WARM_POINTS = 4
 #: A Gaussian row's lowest point in a window of 24-32 lies about 2 noises below its line; one further than this
 #: many noises below it has a long lower tail (``_lower_tail``), which a fall is judged by.
@@ -233,18 +236,20 @@ def _release(track: Track) -> None:
 
 
 def jumped_early(track: Track, x: float, figure: str) -> Optional[float]:
-    """How far (log) an output's ``x`` is above every value of its short history, if past ``WARM_JUMP``; else None.
+    """How far (log) an output's ``x`` is out of its short history by a step (``WARM_JUMP`` up, ``WARM_FALL`` down).
+
+    Up: how far above every value it holds; down: how far below every value, negative. Else None.
 
     Judged from ``WARM_POINTS`` values on, while the row's range cannot judge yet (the first steps of
     training move every layer, but no layer of any recorded healthy run went x2.4 above all its values
-    before). Such a value is held out of the row's history: it is named while it stays out, and its range
-    is the one it left, unless an excuse (the loss asking for it, its kind or peers moving alike) lets it in
-    as learning (:func:`follow`).
+    before, nor below x0.31). Such a value is held out of the row's history: it is named while it stays out, and
+    its range is the one it left, unless an excuse (the loss asking for it, its kind or peers moving alike) lets it
+    in as learning (:func:`follow`).
     """
     if FACTOR[figure] != "level" or len(track.logs) < WARM_POINTS or not math.isfinite(x):
         return None
-    over = x - max(track.logs)
-    return over if over > WARM_JUMP else None
+    over, under = x - max(track.logs), min(track.logs) - x
+    return over if over > WARM_JUMP else -under if under > WARM_FALL else None
 
 
 def creeping(track: Track, deviation: float, gap: int) -> bool:
