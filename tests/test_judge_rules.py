@@ -881,6 +881,16 @@ def test_a_recorded_roberta_whose_block_learns_half_again_as_far_as_its_neighbou
     assert named == {step: ["net.roberta.encoder.layer.4.attention.output.dense"] for step in (78, 79, 83)}, named
 
 
+def test_a_recorded_bert_whose_attention_outputs_learn_more_with_depth_is_not_named_for_the_first_to_move():
+    """The sweep's healthy BERT (``unseen33``, LR 1e-3, seed 3, logged every 2 steps; levels as LayerHealth got
+    them, steps 0-150). Over steps 100-125 the attention outputs of blocks 2-5 rise x1.5-2 (log moves over their
+    windows 0.78, 0.83, 0.74, 1.06), blocks 0-1 less (0.15, 0.30): block 2's is the first to go, with no peer before
+    it that moved half as far. Judged by its std, its move is its input's (0.43) and its gain's (0.35), and block
+    3's copy moved its own gain 0.36: the kind learning (``Peers.gain_alike_after``), where it was named at steps 115
+    and 117."""
+    assert not any(recorded_names("bert_s3_healthy.json.gz").values())
+
+
 def share_run(seed: int, points: int = 170, onset: int = 140) -> list[set[str]]:
     """``b``'s weight's update ratio 1% a step for 40 points, rising over the next 60 to 3% and staying there (its
     share of the others' x1 -> x3, slowly); from ``onset`` its outputs ramp 3% a point: the layers named from then."""

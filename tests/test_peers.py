@@ -230,3 +230,24 @@ def test_a_gradient_going_non_finite_while_every_copy_grows_is_named_at_once():
             named = judge.step({"level": level, "norm": norms}, i).named
         assert ("enc.layer.0.key", "nonfinite_grad") in {(f.layer, f.problem) for f in named}, seed
         assert "norm" in judge.peers.history  # the gradients' norms are kept for their peers
+
+
+@pytest.mark.parametrize("after, step, shared", [(0.36, False, True), (0.2, False, True), (0.6, False, True),
+                                                 (0.15, False, False), (0.0, False, False), (0.36, True, False)])
+@pytest.mark.parametrize("up", [True, False])
+def test_a_std_whose_gains_move_the_next_copy_made_too_is_the_kinds_learning(after, step, up, shared):
+    """A healthy BERT's block-2 attention output (judged by its std) rose 0.78 (log) over its window, 0.43 of it its
+    input's and 0.35 its gain's; block 3's copy after it moved its own gain 0.36. A fault moves its own gain, not
+    the next copy's (its input carries the move): the kind learning, where the next copy made half of it (0.2) or
+    more (0.6), not less (0.15, 0.0). Not where the std's newest point alone moved past its margin (``step``): a step
+    is its own, and its gain's point may not be in yet (a Falcon's query-key-value x41, its gain judged after its
+    std). Down as up, twice as far (a fall's margin)."""
+    scale, margin = 1 if up else -2, math.log(1.25) * (1 if up else 2)
+    rows = [f"enc.layer.{b}.attention.output.dense" for b in (2, 3)]
+    peers = Peers(32, 4)
+    for i in range(32):
+        level = 0.78 * i / 31 + (3.0 if step and i == 31 else 0.0)
+        peers.add("level", {rows[0]: scale * level, rows[1]: 0.0})
+        peers.add("gain", {rows[0]: scale * 0.35 * i / 31, rows[1]: scale * after * i / 31})
+    depth = {row: d for d, row in enumerate(rows)}
+    assert peers.gain_alike_after(rows[0], depth, (margin, margin * 0.7), up, {rows[0]}) is shared

@@ -305,7 +305,8 @@ class CulpritNaming:
         peers, depth = self._peers_for(row, figure), self.depth
         if figure == "norm":  # a parameter's gradient: its module's place in the backward pass (forward, reversed)
             depth = {other: -self.depth.get(self.layer(figure, other), 0) for other in peers.history.get(figure, {})}
-        return peers.shared(figure, row, depth, margin, up, out, leaning, beyond)
+        return peers.shared(figure, row, depth, margin, up, out, leaning, beyond) or (
+            figure == "level" and peers.gain_alike_after(row, depth, (margin, self._margin("gain", up)), up, out))
 
     def _excused(self, figure: str, found: list[Finding], out: Collection[str]) -> list[Finding]:
         """``found`` less the last copies of their kind that end a gradient over depth (``_peers.py``).

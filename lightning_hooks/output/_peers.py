@@ -27,7 +27,8 @@ module whose copies just before and after it, in their own range, each made ``NE
 pace it kept, learned with them (not a Sequential's children, whose victim after a fault moves as far). A gain is
 learning too where the next copy
 after it (in its own range) moved its own gain the same way at least half as far: a fault moves its own gain,
-not the gains after it (their inputs carry its move). The last copy of its kind (a block's
+not the gains after it (their inputs carry its move); a module judged by its std likewise, where its gain's move is
+such (its std's move is its input's and its gain's), but not a step in its std. The last copy of its kind (a block's
 named part, not a Sequential's child), with no peer after it, ends such a gradient where the peer
 before it moved the same way past half the margin (more than its noise) and it at most ``STEEPEST``
 times as far, and its newest point alone did not move past the margin: a fault in the last block
@@ -182,6 +183,24 @@ class Peers:
         # between its neighbours: the one before moved the same way, the one after (steady) at least as far
         steady = [m for d, m, other in peers if d > at and other not in leaning]
         return bool(before and steady) and sign * before[-1] > 0 and sign * steady[0] >= sign * mine
+
+    def gain_alike_after(self, row: str, depth: Mapping[str, int], margins: tuple[float, float], up: bool,
+                         out: Collection[str] = ()) -> bool:
+        """Whether ``row``'s gain moved past its margin as the next copy after it (in its own range) moved its own.
+
+        For a module judged by its std: its move is its input's (the layers before it) and its gain's, and a gain's
+        move the next copy made too is its kind's learning (:func:`next_gain_alike`), not a fault in it. Not where
+        its std's newest point alone moved past its margin: a step is its own (its gain's point may not be in yet).
+        ``margins``: the std's and the gain's.
+        """
+        mine = self._own_move("gain", row, margins[1], up)
+        levels = self.history.get("level", {}).get(row, ())
+        sign = 1 if up else -1
+        if mine is None or len(levels) < 2 or sign * (levels[-1] - levels[-2]) > margins[0]:
+            return False
+        at = depth.get(row, 0)
+        after = [m for d, m, _ in self._peers("gain", row, depth, out) if d > at]
+        return next_gain_alike(after, mine, sign, margins[1])
 
     def ends_gradient(self, figure: str, row: str, depth: Mapping[str, int], margin: float, up: bool,
                       out: Collection[str]) -> bool:
