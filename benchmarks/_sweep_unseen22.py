@@ -20,7 +20,7 @@
   rule on its Qwen2 (a block's layer traced back through the modules before it that moved with it).
 - ``unseen32``: drawn the same way (``random.Random(32)``), held out, recorded after that session's rules.
 - ``unseen33``: drawn the same way (``random.Random(33)``), recorded at the start of the session after (the judge of
-  4378e9d).
+  4378e9d); ``unseen34`` and ``unseen35`` held out, recorded after that session's rules.
 """
 
 from __future__ import annotations
@@ -35,8 +35,8 @@ CASES = 48
 
 
 def unseen22() -> dict[str, list[Variant]]:
-    """The groups ``unseen22`` to ``unseen33``: random faults on randomly varied recipes, and their healthy runs."""
-    return {f"unseen{seed}": _drawn(f"unseen{seed}", seed) for seed in range(22, 34)}
+    """The groups ``unseen22`` to ``unseen35``: random faults on randomly varied recipes, and their healthy runs."""
+    return {f"unseen{seed}": _drawn(f"unseen{seed}", seed) for seed in range(22, 36)}
 
 
 def _drawn(group: str, seed: int) -> list[Variant]:
