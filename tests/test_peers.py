@@ -251,3 +251,18 @@ def test_a_std_whose_gains_move_the_next_copy_made_too_is_the_kinds_learning(aft
         peers.add("gain", {rows[0]: scale * 0.35 * i / 31, rows[1]: scale * after * i / 31})
     depth = {row: d for d, row in enumerate(rows)}
     assert peers.gain_alike_after(rows[0], depth, (margin, margin * 0.7), up, {rows[0]}) is shared
+
+
+@pytest.mark.parametrize("place", ["out", "before"])
+def test_a_std_whose_gains_move_only_a_copy_out_or_before_it_made_is_not_excused_by_it(place):
+    """As above, block 3's gain moving as block 2's (0.36): not where block 3 is out of its own range (``out``: a
+    move a peer made out of its range is a fault's), nor where the copy that moved so is the one before it (its
+    copies before it are the other rule's, ``shared``, half its std's move and within the margin)."""
+    rows = [f"enc.layer.{b}.attention.output.dense" for b in (2, 3)]
+    peers = Peers(32, 4)
+    for i in range(32):
+        peers.add("level", {rows[0]: 0.78 * i / 31, rows[1]: 0.0})
+        peers.add("gain", {rows[0]: 0.35 * i / 31, rows[1]: 0.36 * i / 31})
+    depth = {rows[0]: 1, rows[1]: 2 if place == "out" else 0}
+    out = set(rows) if place == "out" else {rows[0]}
+    assert peers.gain_alike_after(rows[0], depth, (math.log(1.25), 0.7 * math.log(1.25)), True, out) is False

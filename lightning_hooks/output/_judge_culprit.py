@@ -296,9 +296,11 @@ class CulpritNaming:
 
     def _with_peers(self, figure: str, row: str, up: bool, out: Collection[str] = (),
                     beyond: float | None = None) -> bool:
-        """Whether ``row``'s move of ``figure`` (up or down) is one its same-kind peers before it made too.
+        """Whether ``row``'s move of ``figure`` (up or down) is one its same-kind peers made too (``_peers.py``).
 
-        ``beyond``: how far it is out of its range, its move where its window's is under the margin (a slow lean).
+        Those before it; for a module judged by its std, also its gain's move where the next copy's gain made it
+        (``Peers.gain_alike_after``). ``beyond``: how far it is out of its range, its move where its window's is
+        under the margin (a slow lean).
         """
         margin = self._margin(figure, up)
         leaning = {other for other, track in self.tracks.get(figure, {}).items() if track.up or track.down}
@@ -306,7 +308,8 @@ class CulpritNaming:
         if figure == "norm":  # a parameter's gradient: its module's place in the backward pass (forward, reversed)
             depth = {other: -self.depth.get(self.layer(figure, other), 0) for other in peers.history.get(figure, {})}
         return peers.shared(figure, row, depth, margin, up, out, leaning, beyond) or (
-            figure == "level" and peers.gain_alike_after(row, depth, (margin, self._margin("gain", up)), up, out))
+            figure == "level" and self._judged_by(row) == "level"
+            and peers.gain_alike_after(row, depth, (margin, self._margin("gain", up)), up, out))
 
     def _excused(self, figure: str, found: list[Finding], out: Collection[str]) -> list[Finding]:
         """``found`` less the last copies of their kind that end a gradient over depth (``_peers.py``).

@@ -174,7 +174,8 @@ def judge_value(track: Track, x: float, figure: str, bands: Bands, warm: bool = 
     if it drifted just past its range and settled there (learning); a row that went out by a step
     stays out until it comes back. A row that drifted out slower than ``CREEP_PER_STEP`` a step
     (``gap``: the steps from the logged point before) is held as a drift, not named.
-    Before that, an output out by a step past ``WARM_JUMP`` (:func:`jumped_early`) is a finding.
+    Before that, an output out by a step past ``WARM_JUMP`` up or ``WARM_FALL`` down (:func:`jumped_early`) is a
+    finding.
     """
     track.clock += gap
     if in_warm_up(track, bands) or not warm:
