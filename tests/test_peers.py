@@ -232,6 +232,19 @@ def test_a_gradient_going_non_finite_while_every_copy_grows_is_named_at_once():
         assert "norm" in judge.peers.history  # the gradients' norms are kept for their peers
 
 
+def attention_outputs(after: float, scale: float = 1.0, step: bool = False) -> tuple[Peers, list[str]]:
+    """Blocks 2 and 3's attention outputs over a window of 32 points: block 2's std rising 0.78 (log) and its gain
+    0.35, block 3's std steady and its gain rising ``after``; all times ``scale`` (negative: falling). ``step``: block
+    2's std's newest point 3.0 further. The peers and the two rows."""
+    rows = [f"enc.layer.{b}.attention.output.dense" for b in (2, 3)]
+    peers = Peers(32, 4)
+    for i in range(32):
+        level = 0.78 * i / 31 + (3.0 if step and i == 31 else 0.0)
+        peers.add("level", {rows[0]: scale * level, rows[1]: 0.0})
+        peers.add("gain", {rows[0]: scale * 0.35 * i / 31, rows[1]: scale * after * i / 31})
+    return peers, rows
+
+
 @pytest.mark.parametrize("after, step, shared", [(0.36, False, True), (0.2, False, True), (0.6, False, True),
                                                  (0.15, False, False), (0.0, False, False), (0.36, True, False)])
 @pytest.mark.parametrize("up", [True, False])
@@ -242,13 +255,8 @@ def test_a_std_whose_gains_move_the_next_copy_made_too_is_the_kinds_learning(aft
     more (0.6), not less (0.15, 0.0). Not where the std's newest point alone moved past its margin (``step``): a step
     is its own, and its gain's point may not be in yet (a Falcon's query-key-value x41, its gain judged after its
     std). Down as up, twice as far (a fall's margin)."""
-    scale, margin = 1 if up else -2, math.log(1.25) * (1 if up else 2)
-    rows = [f"enc.layer.{b}.attention.output.dense" for b in (2, 3)]
-    peers = Peers(32, 4)
-    for i in range(32):
-        level = 0.78 * i / 31 + (3.0 if step and i == 31 else 0.0)
-        peers.add("level", {rows[0]: scale * level, rows[1]: 0.0})
-        peers.add("gain", {rows[0]: scale * 0.35 * i / 31, rows[1]: scale * after * i / 31})
+    margin = math.log(1.25) * (1 if up else 2)
+    peers, rows = attention_outputs(after, 1 if up else -2, step)
     depth = {row: d for d, row in enumerate(rows)}
     assert peers.gain_alike_after(rows[0], depth, (margin, margin * 0.7), up, {rows[0]}) is shared
 
@@ -258,11 +266,7 @@ def test_a_std_whose_gains_move_only_a_copy_out_or_before_it_made_is_not_excused
     """As above, block 3's gain moving as block 2's (0.36): not where block 3 is out of its own range (``out``: a
     move a peer made out of its range is a fault's), nor where the copy that moved so is the one before it (its
     copies before it are the other rule's, ``shared``, half its std's move and within the margin)."""
-    rows = [f"enc.layer.{b}.attention.output.dense" for b in (2, 3)]
-    peers = Peers(32, 4)
-    for i in range(32):
-        peers.add("level", {rows[0]: 0.78 * i / 31, rows[1]: 0.0})
-        peers.add("gain", {rows[0]: 0.35 * i / 31, rows[1]: 0.36 * i / 31})
+    peers, rows = attention_outputs(0.36)
     depth = {rows[0]: 1, rows[1]: 2 if place == "out" else 0}
     out = set(rows) if place == "out" else {rows[0]}
     assert peers.gain_alike_after(rows[0], depth, (math.log(1.25), 0.7 * math.log(1.25)), True, out) is False

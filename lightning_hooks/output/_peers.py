@@ -193,10 +193,8 @@ class Peers:
         its std's newest point alone moved past its margin: a step is its own (its gain's point may not be in yet).
         ``margins``: the std's and the gain's.
         """
-        mine = self._own_move("gain", row, margins[1], up)
-        levels = self.history.get("level", {}).get(row, ())
-        sign = 1 if up else -1
-        if mine is None or len(levels) < 2 or sign * (levels[-1] - levels[-2]) > margins[0]:
+        mine, sign = self._own_move("gain", row, margins[1], up), 1 if up else -1
+        if mine is None or self._stepped("level", row, sign, margins[0]):
             return False
         at = depth.get(row, 0)
         after = [m for d, m, _ in self._peers("gain", row, depth, out) if d > at]
@@ -217,10 +215,18 @@ class Peers:
         if mine is None or own.endswith("#") or any(depth.get(other, 0) > at for other in self.history[figure]
                                if other != row and kind(other) == own):
             return False
-        sign, values = 1 if up else -1, self.history[figure][row]
+        sign = 1 if up else -1
         before = [m for d, m, _ in self._peers(figure, row, depth, out) if d < at]
         return bool(before) and sign * before[-1] >= margin / 2 and sign * mine <= STEEPEST * sign * before[-1] \
-            and sign * (values[-1] - values[-2]) <= margin
+            and not self._stepped(figure, row, sign, margin)
+
+    def _stepped(self, figure: str, row: str, sign: int, margin: float) -> bool:
+        """Whether the row's newest point alone moved past ``margin`` (``sign``'s way), or it has no two points.
+
+        A step is its own (a fault), never a peer's learning.
+        """
+        values = self.history.get(figure, {}).get(row, ())
+        return len(values) < 2 or sign * (values[-1] - values[-2]) > margin
 
     def _neighbours_learned(self, figure: str, row: str, before: tuple[int, float, str], after: tuple[int, float, str],
                             mine: float, sign: int) -> bool:
