@@ -21,6 +21,8 @@
 - ``unseen32``: drawn the same way (``random.Random(32)``), held out, recorded after that session's rules.
 - ``unseen33``: drawn the same way (``random.Random(33)``), recorded at the start of the session after (the judge of
   4378e9d); ``unseen34`` and ``unseen35`` held out, recorded after that session's rules.
+- ``unseen36``: drawn the same way (``random.Random(36)``), recorded at the start of the session after (the judge of
+  ef2d397); ``unseen37`` held out, recorded after that session's rules.
 """
 
 from __future__ import annotations
@@ -35,8 +37,8 @@ CASES = 48
 
 
 def unseen22() -> dict[str, list[Variant]]:
-    """The groups ``unseen22`` to ``unseen35``: random faults on randomly varied recipes, and their healthy runs."""
-    return {f"unseen{seed}": _drawn(f"unseen{seed}", seed) for seed in range(22, 36)}
+    """The groups ``unseen22`` to ``unseen37``: random faults on randomly varied recipes, and their healthy runs."""
+    return {f"unseen{seed}": _drawn(f"unseen{seed}", seed) for seed in range(22, 38)}
 
 
 def _drawn(group: str, seed: int) -> list[Variant]:
