@@ -86,19 +86,33 @@ def test_a_relus_sparsity_creeping_past_the_bound_as_it_learns_is_not_dead_units
     falls from 0.2 to 0.08 over 4 points (units dying at a learning rate too high) is dead at the third point above
     the bound after that, and stays named to the end while it stays there (the fall long out of the 24 points)."""
     rng = random.Random(0)
-    for dies in (False, True):
-        record = Verdicts(Bands())
-        for step in range(400):
-            zeros = 0.5 + 0.3 * min(1.0, step / 250) + rng.uniform(-0.03, 0.03)
-            if dies and step >= 300:
-                zeros = 0.8 + 0.12 * min(1.0, (step - 300) / 4)
-            record.add("zero_fraction", step, {"net.1": zeros})
-        record.flush()
-        episode = record.episodes.get(("dead", "net.1"))
-        if dies:
-            assert episode is not None and 302 <= episode.first <= 304 and episode.ongoing and episode.last == 399
-        else:
-            assert episode is None, episode
+    learning = [0.5 + 0.3 * min(1.0, step / 250) + rng.uniform(-0.03, 0.03) for step in range(400)]
+    assert dead_episode(range(400), learning) is None
+    dying = [0.8 + 0.12 * min(1.0, (step - 300) / 4) if step >= 300 else z for step, z in enumerate(learning)]
+    episode = dead_episode(range(400), dying)
+    assert episode is not None and 302 <= episode.first <= 304 and episode.ongoing and episode.last == 399
+
+
+def dead_episode(steps: range, zeros: list[float]) -> Any:
+    """The ``dead`` episode (or None) of one module whose zero fraction at each of ``steps`` is ``zeros``'s."""
+    record = Verdicts(Bands())
+    for step, value in zip(steps, zeros):
+        record.add("zero_fraction", step, {"net.1": value})
+    record.flush()
+    return record.episodes.get(("dead", "net.1"))
+
+
+@pytest.mark.parametrize("every", [2, 5])
+def test_units_dying_are_judged_over_steps_not_logged_points(every: int):
+    """A plain CNN's last ReLU at twice its LR (``unseen28``): 0.5 of its outputs zero until step 40, 0.81 by step 100,
+    then flat; its live share halved within 48 steps (24 points logged every 2), never within 24: a learning phase,
+    not named, logged every 2 or every 5. Units dying within 10 steps after that are dead, logged either way."""
+    rng, steps = random.Random(every), range(0, 400, every)
+    learning = [0.5 + 0.31 * min(1.0, max(0.0, step - 40) / 60) + rng.uniform(-0.005, 0.005) for step in steps]
+    assert dead_episode(steps, learning) is None
+    dying = [0.81 + 0.13 * min(1.0, (step - 300) / 10) if step >= 300 else z for step, z in zip(steps, learning)]
+    episode = dead_episode(steps, dying)
+    assert episode is not None and 300 < episode.first <= 300 + 4 * every and episode.ongoing, episode
 
 
 def test_a_module_not_called_at_a_step_keeps_its_run_and_a_resumed_fits_first_point_is_not_its_first():

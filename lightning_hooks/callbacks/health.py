@@ -81,7 +81,7 @@ class LayerHealth(FigureListener, Diagnoses, *CALLBACK_BASES):  # type: ignore[m
     own last ``window`` logged values, the last two net of the step's common move of every layer;
     more than ``max_zero_fraction`` of its outputs exactly 0 from its first logged point or for 3
     logged points in a row as its live outputs fell to half the most they were over its last 24
-    (then while it stays above), or 99% at once (dead units); the gradient reaching its output
+    steps (then while it stays above), or 99% at once (dead units); the gradient reaching its output
     (``ActivationMonitor(gradients=True)``; ``output_grad_factor``), the last such
     module in forward order named, the modules before it its victims; a NaN or Inf in its
     outputs or gradients; and, from a :class:`~lightning_hooks.TransformerStability` in the same

@@ -5,7 +5,7 @@ Host-side and torch-free (the TensorBoard plugin imports it).
 - dead units: a ReLU-like layer whose inputs are centred outputs about half zeros; above
   ``max_zero_fraction`` (0.8) of its outputs exactly 0 from its first logged point, or for 3 logged
   points in a row (a small batch's sparsity crosses it for one) with its live outputs fallen to half the
-  most they were over its last 24 (units dying, not a sparsity creeping up as it learns), or 99% at once,
+  most they were over its last 24 steps (units dying, not a sparsity creeping up as it learns), or 99% at once,
   most of its units never fire.
 - a layer's outputs (activation std), gradient norm and update ratio are judged against the
   layer's own history (the median of its last ``window`` logged values, on a log scale) and, for

@@ -68,7 +68,7 @@ step at a time, with every judged figure of that step. How it decides (docs/verd
 - Absolute rules where the physics gives a bound (:mod:`~lightning_hooks.output._judge_absolute`):
   a NaN or Inf; ``ALL_ZERO`` exact zeros, or more than ``max_zero_fraction`` from the first logged point or
   for ``SPARSE_POINTS`` logged points in a row (dead units; a small batch's sparsity crosses it for one) with the
-  live outputs fallen to ``DYING_SHARE`` of the most they were over ``DYING_POINTS`` (units dying, not a creep);
+  live outputs fallen to ``DYING_SHARE`` of the most they were over ``DYING_STEPS`` (units dying, not a creep);
   TransformerStability's
   logit, entropy and massive-activation bounds. They judge from the first logged step.
 - A module's outputs out of range, not named yet, whose lean slowed under ``CREEP_PER_STEP`` a step over its
@@ -430,6 +430,7 @@ class Judge(LearningJudging, GainJudging, CulpritNaming):
         judged_as = "level" if figure in ("nonfinite", "zero_fraction") else figure
         return [Finding(row, self.layer(judged_as, row), problem, v, judged_as)
                 for row, problem, v in absolute_problems(figure, values, self.bands, self.first_entropy, self.zeros,
+                                                         self.points if self.last_step is None else self.last_step,
                                                          self._from_start())]
 
     def _from_start(self) -> bool:
