@@ -270,3 +270,92 @@ def test_a_std_whose_gains_move_only_a_copy_out_or_before_it_made_is_not_excused
     depth = {rows[0]: 1, rows[1]: 2 if place == "out" else 0}
     out = set(rows) if place == "out" else {rows[0]}
     assert peers.gain_alike_after(rows[0], depth, (math.log(1.25), 0.7 * math.log(1.25)), True, out) is False
+
+
+def kind_moves(moves: dict[str, float], points: int = 32, seed: int = 0) -> Peers:
+    """Peers whose rows each moved ``moves[row]`` (log, down where negative) as ``Peers.leads`` measures a move: the
+    older half of the window at 0, then a ramp to the move, the newest 3 points there; 1% noise."""
+    rng, peers = random.Random(seed), Peers(32, 4)
+    for i in range(points):
+        share = min(1.0, max(0.0, (i - points // 2) / (points - 3 - points // 2)))
+        peers.add("level", {row: move * share + rng.gauss(0, 0.01) for row, move in moves.items()})
+    return peers
+
+
+@pytest.mark.parametrize("moves, ahead", [
+    ((0.0, -0.1, 1.6), "enc.layers.2.out_proj"),  # a BART encoder's last attention output ramping, its copies steady
+    ((0.0, -2.0, 0.1), "enc.layers.1.out_proj"),  # one copy falling x0.14: twice as far as a rise, down
+    ((0.0, 0.2, 0.7), None),  # a healthy Falcon's block-1 attention output: x2 against x1.2, under the bar (x2.44)
+    ((0.0, 0.15, 1.0), None),  # past the bar, but 0.85 ahead of a copy: the lead is under it
+    ((0.0, -0.3, 0.5, 1.45), None),  # a pre-activation ResNet's blocks over depth: under 3x its predecessor's move
+    ((0.0, 0.1, -1.2), None),  # x0.3 down: past the bar up, not twice as far
+])
+def test_a_copy_far_ahead_of_every_copy_of_its_kind_is_outpacing_it(moves, ahead):
+    """``Peers.outpaced``: a row moved 4 margins (x2.44 at ``level_factor`` 1.25) over its window, as far ahead of
+    every copy of its kind, and 3 times as far as each one that moved its way; down, twice as far (log). Each case
+    but the first two fails one of these alone."""
+    rows = [f"enc.layers.{b}.out_proj" for b in range(len(moves))]
+    found = kind_moves(dict(zip(rows, moves))).outpaced("level", math.log(1.25))
+    assert list(found) == ([ahead] if ahead else []), found
+    if ahead:
+        assert math.copysign(1.0, found[ahead]) == math.copysign(1.0, moves[rows.index(ahead)])
+
+
+def test_a_sequentials_children_and_a_kind_of_two_are_not_judged_by_their_copies():
+    """``model.#``'s children are one kind by name only (a victim after a fault moves as far); two copies are too
+    few to say which one moved alone. Nor a row with fewer than 8 points."""
+    assert kind_moves({"model.2": 0.0, "model.4": 0.0, "model.6": 1.6}).outpaced("level", math.log(1.25)) == {}
+    assert kind_moves({"h.0.attn": 0.0, "h.1.attn": 1.6}).outpaced("level", math.log(1.25)) == {}
+    few = kind_moves({f"h.{b}.attn": m for b, m in enumerate((0.0, 0.0, 1.6))}, points=7)
+    assert few.outpaced("level", math.log(1.25)) == {}
+
+
+@pytest.mark.parametrize("before, traced", [((0.0, 0.0, -0.7), True), ((0.8, 0.0, 0.02), False)])
+def test_a_copy_outpacing_its_kind_is_traced_back_to_the_module_before_it_that_led_its_own_the_same_way(before,
+                                                                                                      traced):
+    """Block 2's attention output fell x0.14 (-2.0, log) over its window, its copies steady. Its query projection
+    (the module before it) fell -0.7, a third as far and past a margin ahead of its own copies: the fall is traced
+    to it, and it is out (``collapse``). Not where the query projection moved the other way (+0.02) while a copy
+    rose 0.8: 0.78 from that copy, but no lead of its own its way."""
+    order = [f"enc.layers.{b}.{part}" for b in range(3) for part in ("q_proj", "out_proj")]
+    moves = {f"enc.layers.{b}.q_proj": m for b, m in enumerate(before)}
+    moves.update({f"enc.layers.{b}.out_proj": m for b, m in enumerate((0.0, 0.05, -2.0))})
+    judge = Judge(Bands(), order)
+    judge.peers, judge.levels = kind_moves(moves), dict.fromkeys(order, 1.0)
+    found = judge._outpaced(judge.levels, ())
+    expected = "enc.layers.2.q_proj" if traced else "enc.layers.2.out_proj"
+    assert [(f.row, f.problem) for f in found] == [(expected, "collapse")], found
+
+
+def encoder(point: int, rng: random.Random, onset: int | None) -> dict[str, float]:
+    """Three encoder blocks' modules over points logged every 5 steps: their first 6 points swing x4 up and back
+    together (the warm-up's learning), then steady with 10% noise; ``layers.2.out_proj`` x1.25 a point (4.5% a
+    step) from ``onset`` on."""
+    swing = 4.0 ** math.sin(math.pi * min(point, 6) / 6)
+    levels = {}
+    for b in range(3):
+        for part, base in (("norm", 1.0), ("q_proj", 0.3), ("out_proj", 0.03), ("fc2", 0.1)):
+            row = f"enc.layers.{b}.{part}"
+            ramp = 1.25 ** (point - onset) if onset is not None and point >= onset and row.endswith("2.out_proj") else 1
+            levels[row] = base * (swing if part != "norm" else 1.0) * ramp * math.exp(rng.gauss(0, 0.1))
+    return levels
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_a_ramp_begun_in_the_warm_up_is_named_as_it_outpaces_its_copies(seed):
+    """A BART encoder's last attention output ramping 4.5% a step from step 50 (logged every 5, in the judge's
+    warm-up of 120 steps), its two copies steady: its own range takes the ramp in as its trend (named 19 points on,
+    or never); it is x2.44 ahead of its copies 8-9 points on, and named then, first and alone. Its healthy run:
+    nothing."""
+    order = [f"enc.layers.{b}.{part}" for b in range(3) for part in ("norm", "q_proj", "out_proj", "fc2")]
+    for onset in (10, None):
+        rng, judge, found = random.Random(seed), Judge(Bands(), order), {}
+        for point in range(50):
+            layers = [f.layer for f in judge.step({"level": encoder(point, rng, onset)}, 5 * point).named]
+            if layers:
+                found[point] = layers
+        if onset is None:
+            assert found == {}, found
+        else:
+            assert found and onset < min(found) <= onset + 10, found
+            assert all(layers == ["enc.layers.2.out_proj"] for layers in found.values()), found

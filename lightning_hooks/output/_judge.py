@@ -35,6 +35,9 @@ step at a time, with every judged figure of that step. How it decides (docs/verd
   excused while the copy before it moves, its range held until it stops too.
   Nor where its whole kind grew at once (every same-kind copy's outputs moved as far as a finding the
   same way) and its gain led none of its copies' (a network without normalisation under SGD).
+  And a module whose outputs moved ``OUTPACE`` margins and as far ahead of every copy of its kind (three or
+  more copies) is out whatever its own range says (a ramp its range took in as its trend): the first module
+  before it in forward order that led its own copies as well (a third as far) is (``_outpaced``).
 - The gradient reaching each module's output (``output_grad``, ActivationMonitor's
   ``gradients=True``) against its own history, net of the move of the last module's (the
   loss's own move: the loss falling, the batch, the schedule): the backward pass's gain from the
@@ -102,7 +105,7 @@ from lightning_hooks.output._findings import (
 )
 from lightning_hooks.output._health_bands import Bands
 from lightning_hooks.output._judge_absolute import ZeroRuns, absolute_problems
-from lightning_hooks.output._judge_culprit import CulpritNaming, its_own
+from lightning_hooks.output._judge_culprit import LEAN_SHARE, CulpritNaming, its_own
 from lightning_hooks.output._judge_data import gradients_jumped_together, outputs_out_together, singled_out
 from lightning_hooks.output._judge_gain import GainJudging
 from lightning_hooks.output._judge_learning import CARRY_POINTS, SHARED_FIGURES, LearningJudging
@@ -114,6 +117,7 @@ from lightning_hooks.output._row_range import (
     Track,
     in_warm_up,
     judge_value,
+    least_change,
     track_from_state,
     track_state,
 )
@@ -164,6 +168,7 @@ class Judge(LearningJudging, GainJudging, CulpritNaming):
         self.zeros = ZeroRuns()  # logged points in a row with most outputs zero, by module
         self.first_ratio: dict[str, float] = {}  # each row's first logged update ratio (Adam: lr / rms(w))
         self.fast_scales: set[str] = set()  # norms' scales named too fast and still out of their range
+        self.outpacing: set[str] = set()  # the step's modules out for leading every copy of their kind
         self.asked: dict[str, tuple[float, int]] = {}  # the prediction layer out since a growth asked for
         self.trained: set[str] = set()  # layers whose parameters' rows came in (gradient norms or update ratios)
         self.thawed: dict[str, int] = {}  # layers whose parameters' rows first came in later (a thaw), in its warm-up
@@ -209,6 +214,7 @@ class Judge(LearningJudging, GainJudging, CulpritNaming):
         self._note_paths(figures)
         found: list[Finding] = []
         self.moves, self.levels, self.pulls = {}, figures.get("level", {}), figures.get(PULL, {})
+        self.outpacing = set()
         self._note_pulls(self.pulls)
         self._note_levels(self.levels)
         for figure, values in figures.items():
@@ -296,10 +302,11 @@ class Judge(LearningJudging, GainJudging, CulpritNaming):
         The judge's, and the warm-up of every layer thawed in, around or as the module (``_thaw``):
         ``WARM_STEPS_PER_POINT * min_points`` steps from its thaw.
         """
-        if not self.warm or not self.thawed:
-            return self.warm
-        return not any(layer == row or layer.startswith(row + ".") or row.startswith(layer + ".")
-                       for layer in self.thawed)
+        return self.warm and not self._thawing(row)
+
+    def _thawing(self, row: str) -> bool:
+        """Whether a layer thawed in, around or as the module is in its warm-up (``_thaw``)."""
+        return any(layer == row or layer.startswith(row + ".") or row.startswith(layer + ".") for layer in self.thawed)
 
     def _gap(self, figure: str, row: str) -> int:
         """The steps since a row of ``figure`` last came in (the judge's gap at its first).
@@ -329,7 +336,7 @@ class Judge(LearningJudging, GainJudging, CulpritNaming):
     def _outputs(self, found: list[Finding]) -> list[Finding]:
         """Each module's outputs judged by its gain where that is the quieter figure (see the module docstring)."""
         gains = self._relative("gain", self._gains())
-        by_gain = {row for row in self.levels if self._judged_by(row) == "gain"}
+        by_gain = {row for row in self.levels if self._judged_by(row) == "gain"} - self.outpacing
         self._follow_input([f for f in found if f.problem in RELATIVE["level"] and f.row in by_gain], gains)
         kept = self._stacked([f for f in found if not (f.problem in RELATIVE["level"] and f.row in by_gain)])
         kept += [Finding(f.row, f.layer, f.problem, self.levels[f.row], "level", f.moved)
@@ -377,7 +384,37 @@ class Judge(LearningJudging, GainJudging, CulpritNaming):
                 up, down = RELATIVE[figure]
                 found.append(Finding(row, self.layer(figure, row), up if moved > 0 else down, values[row], figure,
                                      moved))
-        return self._unshared(figure, found)
+        if figure == "level":
+            found += self._outpaced(values, {f.row for f in found})
+        found = self._unshared(figure, found)
+        if figure == "level":  # an outpacing module excused (its peers, a gradient over depth) is not out
+            self.outpacing &= {f.row for f in found}
+        return found
+
+    def _outpaced(self, values: Mapping[str, float], out: Collection[str]) -> list[Finding]:
+        """The modules whose outputs moved far ahead of every copy of their kind, not out of their own range yet.
+
+        (``Peers.outpaced``): a ramp its own range took in as its trend. Each one traced back through the modules
+        before it in forward order that moved its way and led their own copies so, past one least change and at least
+        1/``LEAN_SHARE`` as far (a gated MLP's product of two projections of one input moves twice as far as a ramp
+        in the norm before it, and leads its copies first): the first of them is out. ``moved``: how far ahead. Not
+        a module in a thaw's warm-up (``_thaw``: a layer a fine-tune starts training moves ahead of its copies).
+        """
+        leads = self.peers.leads("level")
+        ahead = self.peers.outpaced("level", least_change("level", self.bands), leads)
+        if not ahead:
+            return []
+        before, found = self._before(), {}
+        up, down = RELATIVE["level"]
+        for row, lead in ahead.items():
+            sign, least = (1 if lead > 0 else -1), max(least_change("level", self.bands), abs(lead) / LEAN_SHARE)
+            while (prev := before.get(row)) in leads and sign * leads[prev][0] > 0 and sign * leads[prev][1] >= least:
+                row = prev
+            if row not in out and math.isfinite(values.get(row, math.nan)) and not self._thawing(row):
+                found[row] = Finding(row, self.layer("level", row), up if sign > 0 else down, values[row], "level",
+                                     leads[row][1])
+        self.outpacing = set(found)  # a module judged by its gain too: its std's lead is what is out
+        return list(found.values())
 
     def _scales(self, values: Mapping[str, float]) -> list[Finding]:
         """Each norm's scale whose update ratio went ``SCALE_JUMP`` times beyond its own range: ``too_fast``.

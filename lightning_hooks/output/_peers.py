@@ -34,6 +34,8 @@ before it moved the same way past half the margin (more than its noise) and it a
 times as far, and its newest point alone did not move past the margin: a fault in the last block
 moves it alone (its predecessor in place), and a step is its own.
 Excused, not learned (the judge holds its range until it stops: ``_judge_culprit.py``).
+The other way round, a copy far ahead of every other copy of its kind (``OUTPACE``) is out even where its own
+range took its move in as its trend (``Peers.outpaced``).
 """
 
 from __future__ import annotations
@@ -67,6 +69,16 @@ DEPTH_CARRIED = 0.8
 #: RoBERTa's attention outputs: block 4 1.35, blocks 3 and 5 0.78 and 0.98; at twice its LR, logged every step, one
 #: batch's point takes block 4 to 1.07 against 0.57 and 0.87: 0.54 of it, where 0.55 named it for 3 steps).
 NEIGHBOURS_SHARE = 0.5
+#: A module whose outputs moved this many margins (x2.44 up at ``level_factor`` 1.25) over its window, and as far
+#: ahead of every copy of its kind, is out, whatever its own range says (``Peers.outpaced``): a ramp begun in the
+#: judge's warm-up rides its row's trend (a BART encoder's last attention output x25 over 110 steps, its two copies
+#: steady). Over every recorded healthy run a kind's fastest copy stayed within it, but for a pre-activation ResNet's
+#: last block (x2 its predecessor's move: ``STEEPEST``).
+OUTPACE = 4.0
+#: ... judged from this many logged values on (a window's older half of 4 against its newest values) ...
+OUTPACE_POINTS = 8
+#: ... its move from the median of its newest this many values: one batch is no move.
+RECENT_POINTS = 3
 
 
 def next_gain_alike(after: list[float], mine: float, sign: int, margin: float) -> bool:
@@ -314,6 +326,54 @@ class Peers:
             return False
         paces = [self.pace("level", name, PARTNER_POINTS) for name in (row, other)]
         return all(p is not None and abs(p) <= PARTNER_PACE * gap for p in paces)
+
+    def outpaced(self, figure: str, margin: float,
+                 leads: Mapping[str, tuple[float, float, float]] | None = None) -> dict[str, float]:
+        """The rows that moved ``OUTPACE`` margins and as far ahead of every copy of their kind: how far ahead (log).
+
+        Their moves and leads as :meth:`leads` measures them; a move down needs twice as far, and the row must have
+        moved ``STEEPEST`` times as far as each copy that moved its way: a kind's gradient over depth moves its last
+        copy 2-3 times its predecessor's. A ramp begun where its row's own range cannot see it (in the warm-up, or
+        over a range the warm-up's swings widened) takes it there; a kind's fastest learner of any recorded healthy
+        run stayed within it. ``leads``: :meth:`leads`'s, where the caller has them.
+        """
+        ahead = {}
+        for row, (mine, lead, furthest) in (self.leads(figure) if leads is None else leads).items():
+            sign = 1 if mine > 0 else -1
+            need = OUTPACE * margin * (1 if sign > 0 else 2)
+            if sign * mine >= need and sign * lead >= need and sign * mine >= STEEPEST * furthest:
+                ahead[row] = lead
+        return ahead
+
+    def leads(self, figure: str) -> dict[str, tuple[float, float, float]]:
+        """Each row's move, its lead over the copies of its kind, and the furthest a copy moved its way (log).
+
+        A row's move: its ``RECENT_POINTS`` newest values' median against its window's older half's (one batch is
+        no move), from ``OUTPACE_POINTS`` values on. Its lead: how far beyond every copy's move it is, the way it
+        moved (signed as its move; negative where a copy moved further). Only a block's named part
+        (``blocks.3.attn.out_proj``; a Sequential's children are one kind by name, not by type) with three copies
+        or more.
+        """
+        kinds: dict[str, list[tuple[float, str]]] = {}
+        for row, values in self.history.get(figure, {}).items():
+            own = kind(row)
+            if len(values) >= OUTPACE_POINTS and not own.endswith("#"):
+                logs = list(values)
+                move = statistics.median(logs[-RECENT_POINTS:]) - statistics.median(logs[:len(logs) // 2])
+                kinds.setdefault(own, []).append((move, row))
+        leads = {}
+        for copies in kinds.values():
+            if len(copies) < 3:
+                continue
+            ranked = sorted(copies)  # the two lowest and the two highest: each row's furthest other copy either way
+            for mine, row in copies:
+                highest = ranked[-2][0] if ranked[-1][1] == row else ranked[-1][0]
+                lowest = ranked[1][0] if ranked[0][1] == row else ranked[0][0]
+                if mine > 0:
+                    leads[row] = (mine, mine - highest, max(0.0, highest))
+                else:
+                    leads[row] = (mine, mine - lowest, max(0.0, -lowest))
+        return leads
 
     def state_dict(self) -> dict[str, Any]:
         """The kept values, as plain lists."""
