@@ -22,7 +22,7 @@
 - ``unseen33``: drawn the same way (``random.Random(33)``), recorded at the start of the session after (the judge of
   4378e9d); ``unseen34`` and ``unseen35`` held out, recorded after that session's rules.
 - ``unseen36``: drawn the same way (``random.Random(36)``), recorded at the start of the session after (the judge of
-  ef2d397); ``unseen37`` held out, recorded after that session's rules.
+  ef2d397); ``unseen37`` held out, recorded while that session's second rule was written, read after both.
 """
 
 from __future__ import annotations
