@@ -121,7 +121,7 @@ def partner(row: str) -> str | None:
     return None if other is None else f"{parent}.{other}" if parent else other
 
 
-@functools.lru_cache(maxsize=1 << 16)  # every rule asks it of every row at every logged step: 0.2 ms per 20 rows
+@functools.lru_cache(maxsize=1 << 16)  # every rule asks it of every row at every logged step (10 µs a call)
 def kind(row: str) -> str:
     """A module's name with its numbered parts replaced by ``#``: the same for every block's copy of it."""
     return _NUMBER.sub(r"\1#", row)
