@@ -22,7 +22,8 @@
 - ``unseen33``: drawn the same way (``random.Random(33)``), recorded at the start of the session after (the judge of
   4378e9d); ``unseen34`` and ``unseen35`` held out, recorded after that session's rules.
 - ``unseen36``: drawn the same way (``random.Random(36)``), recorded at the start of the session after (the judge of
-  ef2d397); ``unseen37`` held out, recorded while that session's second rule was written, read after both.
+  ef2d397); ``unseen37`` held out, recorded while that session's second rule was written, read after both;
+  ``unseen38`` held out, drawn and recorded after both.
 """
 
 from __future__ import annotations
@@ -37,8 +38,8 @@ CASES = 48
 
 
 def unseen22() -> dict[str, list[Variant]]:
-    """The groups ``unseen22`` to ``unseen37``: random faults on randomly varied recipes, and their healthy runs."""
-    return {f"unseen{seed}": _drawn(f"unseen{seed}", seed) for seed in range(22, 38)}
+    """The groups ``unseen22`` to ``unseen38``: random faults on randomly varied recipes, and their healthy runs."""
+    return {f"unseen{seed}": _drawn(f"unseen{seed}", seed) for seed in range(22, 39)}
 
 
 def _drawn(group: str, seed: int) -> list[Variant]:
