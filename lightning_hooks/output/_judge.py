@@ -400,14 +400,14 @@ class Judge(LearningJudging, GainJudging, CulpritNaming):
         in the norm before it, and leads its copies first): the first of them is out. ``moved``: how far ahead. Not
         a module in a thaw's warm-up (``_thaw``: a layer a fine-tune starts training moves ahead of its copies).
         """
-        leads = self.peers.leads("level")
-        ahead = self.peers.outpaced("level", least_change("level", self.bands), leads)
+        leads, margin = self.peers.leads("level"), least_change("level", self.bands)
+        ahead = self.peers.outpaced("level", margin, leads)
         if not ahead:
             return []
         before, found = self._before(), {}
         up, down = RELATIVE["level"]
         for row, lead in ahead.items():
-            sign, least = (1 if lead > 0 else -1), max(least_change("level", self.bands), abs(lead) / LEAN_SHARE)
+            sign, least = (1 if lead > 0 else -1), max(margin, abs(lead) / LEAN_SHARE)
             while (prev := before.get(row)) in leads and sign * leads[prev][0] > 0 and sign * leads[prev][1] >= least:
                 row = prev
             if row not in out and math.isfinite(values.get(row, math.nan)) and not self._thawing(row):
