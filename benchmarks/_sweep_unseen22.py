@@ -24,6 +24,8 @@
 - ``unseen36``: drawn the same way (``random.Random(36)``), recorded at the start of the session after (the judge of
   ef2d397); ``unseen37`` held out, recorded while that session's second rule was written, read after both;
   ``unseen38`` held out, drawn and recorded after both.
+- ``unseen39``: drawn the same way (``random.Random(39)``), recorded at the start of the session after (the judge of
+  3b16a53).
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ CASES = 48
 
 def unseen22() -> dict[str, list[Variant]]:
     """The groups ``unseen22`` to ``unseen38``: random faults on randomly varied recipes, and their healthy runs."""
-    return {f"unseen{seed}": _drawn(f"unseen{seed}", seed) for seed in range(22, 39)}
+    return {f"unseen{seed}": _drawn(f"unseen{seed}", seed) for seed in range(22, 40)}
 
 
 def _drawn(group: str, seed: int) -> list[Variant]:
