@@ -142,3 +142,12 @@ def test_a_std_of_4_values_falling_x0_01_is_still_named_by_its_second_point_in_n
         falls = [judge_value(track, few_values_std(rng) + math.log(0.01), "level", bands) for _ in range(2)]
         by_second += any(m is not None and m < 0 for m in falls)
     assert by_second >= 90
+
+
+def test_a_recorded_neox_whose_first_attention_output_leans_out_for_one_point_is_not_named():
+    """The sweep's healthy GPT-NeoX at twice its LR (``unseen36``, seed 3, logged every 2 steps; levels as
+    LayerHealth got them, steps 0-160). Block 0's attention output grows x2.3 over steps 40-180 (its copies x1.3),
+    0.9% a step over 90-127, as fast as the slowest fault ramps: at step 127 one batch takes it 0.26 (log) beyond its
+    range, past its bound (0.22), and at 129 it is back within: named ``blowup`` at 127 while a first point out was
+    named at once (``_first_leans``)."""
+    assert not any(recorded_names("neox_lr2x_s3_healthy.json.gz").values())

@@ -80,6 +80,10 @@ step at a time, with every judged figure of that step. How it decides (docs/verd
   named ``too_fast`` ``SCALE_JUMP`` times beyond it (an LR raised on the norm), then while it stays out.
 - A step whose findings are only gradient norms out up at their first point, nothing named, names none:
   one batch's gradient landing in one layer; named at the second point out (``_lone_spikes``).
+- Nor a step, nothing named, whose findings are modules' outputs that each rose at their first point out, within
+  ``LEAN_WAIT`` times their bound (and lone gradient spikes): one batch on a healthy layer's fast lean. Its culprit
+  waits for the next point, named there as if named at this one if its outputs are out still (``_first_leans``);
+  a ramp costs a point.
 - A row's own range judges from its ``min_points``-th value and ``WARM_STEPS_PER_POINT * min_points``
   steps on: the first steps move every layer, and no history tells learning from a fault there. Logged every
   few steps, from its ``COARSE_POINTS``-th value once its values span those steps (``in_warm_up``).
@@ -128,6 +132,10 @@ COMMON_MODE = ("norm", "ratio", "gain")
 #: move): its few entries move far more from step to step than a weight's; a param group's LR raised x100 moves it
 #: about x100.
 SCALE_JUMP = 10.0
+#: Modules' outputs risen out at their first logged point no further than this many times a std's least change (x1.56
+#: at the default ``level_factor``) wait for the next point, nothing named (``_first_leans``): a jump past it is named
+#: at once, and any fall.
+LEAN_WAIT = 2.0
 #: An embedding's, or a weighted module's, weight's update ratios and their shares kept (``Judge.ratio_paths``,
 #: ``Judge.ratio_shares``): logged every step, a window of outputs logged every 4.
 RATIO_POINTS = 128
@@ -169,6 +177,9 @@ class Judge(LearningJudging, GainJudging, CulpritNaming):
         self.first_ratio: dict[str, float] = {}  # each row's first logged update ratio (Adam: lr / rms(w))
         self.fast_scales: set[str] = set()  # norms' scales named too fast and still out of their range
         self.outpacing: set[str] = set()  # the step's modules out for leading every copy of their kind
+        self.outs_before: set[str] = set()  # the modules whose outputs were out at the last step that held them
+        self.waited: Optional[str] = None  # the culprit of the last such step, whose outputs waited (``_first_leans``)
+        self.confirming = False  # whether ``waited`` is named through this step only to be judged so (``_confirm``)
         self.asked: dict[str, tuple[float, int]] = {}  # the prediction layer out since a growth asked for
         self.trained: set[str] = set()  # layers whose parameters' rows came in (gradient norms or update ratios)
         self.thawed: dict[str, int] = {}  # layers whose parameters' rows first came in later (a thaw), in its warm-up
@@ -217,6 +228,7 @@ class Judge(LearningJudging, GainJudging, CulpritNaming):
         self.outpacing = set()
         self._note_pulls(self.pulls)
         self._note_levels(self.levels)
+        self._confirm("level" in figures)
         for figure, values in figures.items():
             if figure in (PULL, SCALE_RATIO):
                 continue
@@ -226,7 +238,7 @@ class Judge(LearningJudging, GainJudging, CulpritNaming):
                 found.extend(self._absolute(figure, values))
         found.extend(self._scales(figures.get(SCALE_RATIO, {})))  # net of the step's common move of the ratios
         data = self._is_data(found, figures)
-        return self._sort(self._outputs(self._lone_spikes(found)), data)
+        return self._sort(self._first_leans(self._outputs(self._lone_spikes(found)), "level" in figures, data), data)
 
     def _note_pulls(self, pulls: Mapping[str, float]) -> None:
         """Keep each module's last ``ASK_POINTS`` finite pulls (``_judge_learning.py``: ``_asked_or_learned``)."""
@@ -332,6 +344,62 @@ class Judge(LearningJudging, GainJudging, CulpritNaming):
         """
         lone = [f for f in found if f.problem == RELATIVE["norm"][0] and len(self.tracks["norm"][f.row].held) < 2]
         return found if self.named or len(lone) < len(found) else []
+
+    def _first_leans(self, found: list[Finding], judged: bool, data: bool) -> list[Finding]:
+        """The findings, or none where they are modules' outputs each risen at its first point out within ``LEAN_WAIT``.
+
+        One batch on a healthy layer's fast lean (a transformer at twice its learning rate: one block's attention
+        output x2 over 100 steps, as fast as the slowest fault ramps) takes it just past its bound for one logged point,
+        and back at the next; a ramp's next point is further out. Such a step's outputs wait for the next, its culprit
+        noted (``waited``): named there, as it would have been at the step it waited, if its outputs are out still
+        (their excuses judged again); the modules before it going out there within ``LEAN_WAIT`` bounds went out
+        after it, its victims (one further out is judged as rule 5 of the culprit's says: a cause further up).
+        Judged at once where any module's outputs went past ``LEAN_WAIT`` bounds (a jump: past x2 is abrupt) or
+        fell (a fall's least change is twice a rise's already: x0.64, and a shrink to x0.5 is abrupt), were out at
+        the last step, or lead every copy of their kind (a lead over 8 points); where any other row is out (not a
+        lone gradient spike: ``_lone_spikes``), the culprit is the first module (the batch's step, named once it
+        stays), the batch is named (data), or a layer is. The bound is a std's (x1.56 at the default
+        ``level_factor``), for a module judged by its gain too. ``judged``: whether the step held the modules'
+        outputs (``outs_before`` is their last such step's).
+        """
+        if not judged:
+            return found
+        outputs = [f for f in found if f.problem in RELATIVE["level"]]
+        before, self.outs_before = self.outs_before, {f.row for f in outputs}
+        waited, self.waited = self.waited, None
+        if waited is not None:  # named through the step (``_confirm``): its outputs out still, or not named
+            if any(f.layer == waited for f in outputs):
+                top = self.depth.get(waited, 0)  # the modules before it going out now went out after it
+                self.affected |= {f.row for f in outputs if self.depth.get(f.layer, 0) < top
+                                  and abs(f.moved) <= LEAN_WAIT * self._margin("level", f.moved > 0)}
+                return found
+            if self.confirming:
+                self.named.discard(waited)
+                found = self._lone_spikes(found)
+        if self.named or data or not outputs:
+            return found
+        bound = least_change("level", self.bands)
+        if not all(f.row not in before and f.row not in self.outpacing and 0 < f.moved <= LEAN_WAIT * bound
+                   for f in outputs):
+            return found
+        culprit = self._culprit([f for f in found if f.row not in self.affected and f.figure in RELATIVE])
+        if culprit == self._first():  # the batch's step, named once it stays (``_sort``)
+            return found
+        rest = self._lone_spikes([f for f in found if f.problem not in RELATIVE["level"]])
+        if any(f.figure in RELATIVE for f in rest):  # other rows out beside them: judged at once
+            return found
+        self.waited = culprit
+        return rest
+
+    def _confirm(self, judged: bool) -> None:
+        """The culprit whose outputs waited at the last step is judged as named at this one (``_first_leans``).
+
+        As it would have been, named at the step it waited: a named layer's outputs are judged by their own move (no
+        excuse a module not named has lets them in), and stay named while out.
+        """
+        self.confirming = judged and self.waited is not None and self.waited not in self.named
+        if self.confirming:
+            self.named.add(self.waited)
 
     def _outputs(self, found: list[Finding]) -> list[Finding]:
         """Each module's outputs judged by its gain where that is the quieter figure (see the module docstring)."""
@@ -516,7 +584,9 @@ class Judge(LearningJudging, GainJudging, CulpritNaming):
                 "points": self.points,
                 "recent_pulls": {row: list(pulls) for row, pulls in self.recent_pulls.items()},
                 "recent_levels": {row: list(logs) for row, logs in self.recent_levels.items()},
-                "fast_scales": sorted(self.fast_scales), "asked": {row: list(v) for row, v in self.asked.items()},
+                "fast_scales": sorted(self.fast_scales), "outs_before": sorted(self.outs_before),
+                "waited": self.waited,
+                "asked": {row: list(v) for row, v in self.asked.items()},
                 "trained": sorted(self.trained), "thawed": dict(self.thawed), "params_start": self.params_start,
                 "seen": {f: dict(rows) for f, rows in self.seen.items()},
                 "peers": self.peers.state_dict()}
@@ -546,6 +616,7 @@ class Judge(LearningJudging, GainJudging, CulpritNaming):
         self.recent_levels = {row: deque(logs, maxlen=CARRY_POINTS + 1)
                               for row, logs in state.get("recent_levels", {}).items()}
         self.fast_scales = set(state["fast_scales"])
+        self.outs_before, self.waited = set(state.get("outs_before", ())), state.get("waited")
         self.asked = {row: (float(ask), int(waited)) for row, (ask, waited) in state["asked"].items()}
         # A state saved before thaws were noted (none released): the next step's parameter rows start afresh.
         self.trained, self.params_start = set(state.get("trained", ())), state.get("params_start")
