@@ -37,21 +37,29 @@ function groupDepth(names) {  // the finest module-prefix depth that fits MAX_VI
 }
 
 // The member a collapsed group's cell is drawn by: its most abnormal one at that step. A non-finite value first,
-// then a marked cell, then the value farthest from the members' mean colour position (a mean would
-// hide one layer 150x its peers). null when no member was logged at that step.
+// then a marked cell, then the value farthest from its own member's usual (its median colour position over the
+// figure's steps: a layer 150x its peers, or 150x its own usual, is drawn, where a mean would hide it). Members
+// within NEAR of each other's distance are no more abnormal than one another: the first of them is drawn, so that
+// a healthy group of members at different scales is drawn by one member, not striped by whichever one's noise is
+// the larger at each step. null when no member was logged at that step.
+export const NEAR = 0.05;  // of the colour scale's span
+
 export function drawnMember(view, row, c) {
-  let best = null, bestScore = -1, sum = 0, n = 0;
-  for (const m of row.members) {
-    const v = view.values[m][c];
-    if (v !== null && Number.isFinite(v)) { sum += view.scale.at(v); n++; }
-  }
-  const middle = n ? sum / n : 0;
+  const usual = view.usual || (view.usual = new Map());
+  let best = null, bestScore = -1;
   for (const m of row.members) {
     const v = view.values[m][c];
     if (v === null) continue;
+    if (!usual.has(m)) usual.set(m, median(view.values[m].filter((x) => x !== null && Number.isFinite(x)).map((x) => view.scale.at(x))));
     const marked = view.markedRows.has(m) && view.marks.has(`${m},${c}`);
-    const score = !Number.isFinite(v) ? 3 : (marked ? 2 : 0) + Math.abs(view.scale.at(v) - middle);
-    if (score > bestScore) { best = m; bestScore = score; }
+    const score = !Number.isFinite(v) ? 4 : (marked ? 2 : 0) + Math.abs(view.scale.at(v) - usual.get(m));
+    if (score > bestScore + NEAR) { best = m; bestScore = score; }
   }
   return best;
+}
+
+function median(xs) {
+  if (!xs.length) return 0;
+  const sorted = [...xs].sort((a, b) => a - b), mid = sorted.length >> 1;
+  return sorted.length % 2 ? sorted[mid] : (sorted[mid - 1] + sorted[mid]) / 2;
 }
