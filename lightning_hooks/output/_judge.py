@@ -346,7 +346,7 @@ class Judge(LearningJudging, GainJudging, CulpritNaming):
         return found if self.named or len(lone) < len(found) else []
 
     def _first_leans(self, found: list[Finding], judged: bool, data: bool) -> list[Finding]:
-        """The findings, or none where they are modules' outputs each risen at its first point out within ``LEAN_WAIT``.
+        """The findings, less the modules' outputs where each rose at its first point out, within ``LEAN_WAIT``.
 
         One batch on a healthy layer's fast lean (a transformer at twice its learning rate: one block's attention
         output x2 over 100 steps, as fast as the slowest fault ramps) takes it just past its bound for one logged point,
