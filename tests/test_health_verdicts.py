@@ -126,15 +126,18 @@ def test_outputs_just_out_for_one_point_wait_for_the_next_and_a_jump_does_not(se
 
 
 def waiting_runs(seed: int) -> dict[str, list]:
-    """Chains where a first point out waits: a blip, a step that stays, a lean led by a gain whose input falls, and
-    every module's outputs up at once (the batch: the first module's step, judged at once)."""
+    """Chains where a first point out waits: a blip, a step that stays, a lean led by a gain whose input falls,
+    every module's outputs up at once (the batch: the first module's step, judged at once), and a blip before a step
+    that stays (the blip waits as the culprit; at the next point the step, out at the last, is named at once)."""
     def led(step, figures):  # ``net.3``'s gain rises 10% a point from 60, ``net.2`` falls 15% a point from 62
         k = max(0, step - 60)
         for d, name in enumerate(LAYERS):
             figures["level"][name] *= (1.1 ** k if d >= 3 else 1.0) * (0.85 ** max(0, k - 2) if d >= 2 else 1.0)
     return {"blip": scale("level", LAYERS[3:], lambda s: 1.45 if s == 80 else 1.0),
             "step": scale("level", LAYERS[3:], lambda s: 1.45 if s >= 80 else 1.0), "led": led,
-            "batch": scale("level", LAYERS, lambda s: 1.45 if s >= 80 else 1.0)}
+            "batch": scale("level", LAYERS, lambda s: 1.45 if s >= 80 else 1.0),
+            "two": together(scale("level", ["net.2"], lambda s: 1.5 if s == 80 else 1.0),
+                            scale("level", LAYERS[4:], lambda s: 1.45 if s >= 80 else 1.0))}
 
 
 @pytest.mark.parametrize("seed", range(3))
