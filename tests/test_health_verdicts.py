@@ -6,6 +6,7 @@ import random
 
 import pytest
 
+from lightning_hooks.output import _judge
 from lightning_hooks.output._health_verdicts import EVERY_LAYER, Bands, Verdicts
 from lightning_hooks.output._judge import Judge
 
@@ -110,8 +111,22 @@ def test_a_ramp_under_batch_noise_is_named_by_its_gain_before_it_grows_a_third()
     assert first_named(run_chain(lambda step, figures: None, steps=400)) is None
 
 
+@pytest.fixture
+def any_lean(monkeypatch):
+    """The wait's mechanics on any lean (``LEAN_AGE`` 0): a synthetic row's step has no lean before it."""
+    monkeypatch.setattr(_judge, "LEAN_AGE", 0)
+
+
 @pytest.mark.parametrize("seed", range(8))
-def test_outputs_just_out_for_one_point_wait_for_the_next_and_a_jump_does_not(seed):
+def test_a_rise_from_a_row_not_leaning_is_named_at_once(seed):
+    """``net.3`` (and what follows it) x1.45 for one point at step 80, on a chain steady before: a step, no slow lean
+    one batch took over its bound, named at once (``LEAN_AGE``: a lean under 12 steps old is a ramp's or none)."""
+    fault = scale("level", LAYERS[3:], lambda s: 1.45 if s == 80 else 1.0)
+    assert first_named(run_chain(fault, seed=seed)) == (80, [("net.3", "blowup")])
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_outputs_just_out_for_one_point_wait_for_the_next_and_a_jump_does_not(seed, any_lean):
     """A chain whose stds move 8% with the batch: ``net.3`` (and what follows it) x1.45 for one point at step 80,
     past its bound (x1.25), within twice it, and back at the next: nothing named (``_first_leans``). For ten points:
     named at the second. x2, past twice the bound: named at once; so is a fall for one point (x0.6: a fall's bound
@@ -141,7 +156,7 @@ def waiting_runs(seed: int) -> dict[str, list]:
 
 
 @pytest.mark.parametrize("seed", range(3))
-def test_a_judge_restored_at_every_step_names_what_one_never_stopped_names(seed):
+def test_a_judge_restored_at_every_step_names_what_one_never_stopped_names(seed, any_lean):
     """The wait's memory (the modules out at the last step, the culprit that waited) is the judge's state: a judge
     saved and restored at every step (JSON) names the same layers at the same steps, across the waits."""
     for name, fault in waiting_runs(seed).items():
@@ -157,7 +172,7 @@ def test_a_judge_restored_at_every_step_names_what_one_never_stopped_names(seed)
         assert judge.outs_before == resumed.outs_before and judge.waited == resumed.waited
 
 
-def test_a_first_point_out_waits_across_steps_that_hold_no_outputs():
+def test_a_first_point_out_waits_across_steps_that_hold_no_outputs(any_lean):
     """Gradients every step, outputs every other: ``net.3``'s one-point blip at step 80 names nothing; a step that
     stays is named at the next step holding outputs (82), not at the gradients-only step between."""
     for fault, first in ((lambda s: 1.45 if s == 80 else 1.0, None), (lambda s: 1.45 if s >= 80 else 1.0, 82)):
@@ -181,7 +196,7 @@ def together(*faults):
 
 
 @pytest.mark.parametrize("seed", [0, 1, 3])
-def test_a_rise_just_past_its_bound_with_another_row_out_is_judged_at_once(seed):
+def test_a_rise_just_past_its_bound_with_another_row_out_is_judged_at_once(seed, any_lean):
     """``net.3``'s outputs x1.45 from step 80 (within twice the bound: alone, they wait a point) while ``net.1``'s
     update ratio goes x8 (a row out beside them): the step is judged at once, ``net.3`` named at 80, not ``net.1``.
     (Seed 2's ``net.3`` is named late with or without the rule, this generator's x1.45 at its edge.)"""
@@ -191,7 +206,7 @@ def test_a_rise_just_past_its_bound_with_another_row_out_is_judged_at_once(seed)
 
 
 @pytest.mark.parametrize("seed", range(4))
-def test_a_cause_further_up_going_out_as_a_waiting_culprit_is_confirmed_is_named(seed):
+def test_a_cause_further_up_going_out_as_a_waiting_culprit_is_confirmed_is_named(seed, any_lean):
     """``net.3`` x1.45 for one point at step 80 (it waits), then ``net.1`` and everything after it x20 from 81: at 81
     ``net.1``, before the culprit that waited and far past the wait's bound, is named (a cause further up), not taken
     for the waiting one's victim."""

@@ -81,9 +81,9 @@ step at a time, with every judged figure of that step. How it decides (docs/verd
 - A step whose findings are only gradient norms out up at their first point, nothing named, names none:
   one batch's gradient landing in one layer; named at the second point out (``_lone_spikes``).
 - Nor a step, nothing named, whose findings are modules' outputs that each rose at their first point out, within
-  ``LEAN_WAIT`` times their bound (and lone gradient spikes): one batch on a healthy layer's fast lean. Its culprit
-  waits for the next point, named there as if named at this one if its outputs are out still (``_first_leans``);
-  a ramp costs a point.
+  ``LEAN_WAIT`` times their bound (and lone gradient spikes), its culprit's lean ``LEAN_AGE`` steps old or more: one
+  batch on a healthy layer's long lean. The culprit waits for the next point, named there as if named at this one
+  if its outputs are out still (``_first_leans``); a slow ramp costs a point.
 - A row's own range judges from its ``min_points``-th value and ``WARM_STEPS_PER_POINT * min_points``
   steps on: the first steps move every layer, and no history tells learning from a fault there. Logged every
   few steps, from its ``COARSE_POINTS``-th value once its values span those steps (``in_warm_up``).
@@ -136,6 +136,10 @@ SCALE_JUMP = 10.0
 #: at the default ``level_factor``) wait for the next point, nothing named (``_first_leans``): a jump past it is named
 #: at once, and any fall.
 LEAN_WAIT = 2.0
+#: ... where the culprit's outputs had leaned out of their range this many steps or more: a slow lean, learning's pace,
+#: that one batch takes over its bound. A lean younger crossed it at a ramp's pace (the sweep's fault ramps crossed
+#: within 4-10 steps of leaning; the healthy leans one batch took over, after 12-42).
+LEAN_AGE = 12
 #: An embedding's, or a weighted module's, weight's update ratios and their shares kept (``Judge.ratio_paths``,
 #: ``Judge.ratio_shares``): logged every step, a window of outputs logged every 4.
 RATIO_POINTS = 128
@@ -348,9 +352,10 @@ class Judge(LearningJudging, GainJudging, CulpritNaming):
     def _first_leans(self, found: list[Finding], judged: bool, data: bool) -> list[Finding]:
         """The findings, less the modules' outputs where each rose at its first point out, within ``LEAN_WAIT``.
 
-        One batch on a healthy layer's fast lean (a transformer at twice its learning rate: one block's attention
+        One batch on a healthy layer's long lean (a transformer at twice its learning rate: one block's attention
         output x2 over 100 steps, as fast as the slowest fault ramps) takes it just past its bound for one logged point,
-        and back at the next; a ramp's next point is further out. Such a step's outputs wait for the next, its culprit
+        and back at the next; a ramp's next point is further out. Where the culprit's outputs had leaned out of their
+        range ``LEAN_AGE`` steps or more (a fault's ramp crosses sooner), such a step's outputs wait, its culprit
         noted (``waited``): named there, as it would have been at the step it waited, if its outputs are out still
         (their excuses judged again); the modules before it going out there within ``LEAN_WAIT`` bounds went out
         after it, its victims (one further out is judged as rule 5 of the culprit's says: a cause further up).
@@ -383,8 +388,9 @@ class Judge(LearningJudging, GainJudging, CulpritNaming):
                    for f in outputs):
             return found
         culprit = self._culprit([f for f in found if f.row not in self.affected and f.figure in RELATIVE])
-        if culprit == self._first():  # the batch's step, named once it stays (``_sort``)
-            return found
+        track = self._track(culprit) if culprit is not None else None
+        if culprit == self._first() or track is None or len(track.held) * self.gap < LEAN_AGE:
+            return found  # the batch's step, named once it stays (``_sort``); or a lean as young as a ramp's
         rest = self._lone_spikes([f for f in found if f.problem not in RELATIVE["level"]])
         if any(f.figure in RELATIVE for f in rest):  # other rows out beside them: judged at once
             return found
