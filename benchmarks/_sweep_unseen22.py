@@ -26,6 +26,8 @@
   ``unseen38`` held out, drawn and recorded after both.
 - ``unseen39``: drawn the same way (``random.Random(39)``), recorded at the start of the session after (the judge of
   3b16a53).
+- ``unseen40``: drawn the same way (``random.Random(40)``), recorded at the start of the session after (the judge of
+  4bf9d38).
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ CASES = 48
 
 def unseen22() -> dict[str, list[Variant]]:
     """The groups ``unseen22`` to ``unseen38``: random faults on randomly varied recipes, and their healthy runs."""
-    return {f"unseen{seed}": _drawn(f"unseen{seed}", seed) for seed in range(22, 40)}
+    return {f"unseen{seed}": _drawn(f"unseen{seed}", seed) for seed in range(22, 41)}
 
 
 def _drawn(group: str, seed: int) -> list[Variant]:
