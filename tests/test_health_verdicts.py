@@ -242,6 +242,44 @@ def test_a_lone_gradient_spike_as_a_waiting_culprit_comes_back_is_not_named(seed
     assert first_named(run(fault, seed=seed)) is None
 
 
+def grads(rng: random.Random, step: int) -> dict[str, dict[str, float]]:
+    """Six layers whose gradient norms move together with the batch (25%), each 3% on its own; outputs steady."""
+    batch = math.exp(rng.gauss(0, 0.25))
+    return {"level": {n: (1 + i) * math.exp(rng.gauss(0, 0.02)) for i, n in enumerate(LAYERS)},
+            "norm": {f"{n}.weight": batch * (1 + i) * math.exp(rng.gauss(0, 0.03)) for i, n in enumerate(LAYERS)}}
+
+
+def run_resumed(fault, make, seed: int, steps: int = 120) -> list[tuple[int, list[tuple[str, str]]]]:
+    """As :func:`run`, the judge saved and restored (JSON) before every step."""
+    rng, judge, named = random.Random(seed), Judge(Bands()), []
+    for step in range(steps):
+        figures = make(rng, step)
+        fault(step, figures)
+        again = Judge(Bands())
+        again.load_state_dict(json.loads(json.dumps(judge.state_dict())))
+        judge = again
+        named.append((step, [(f.layer, f.problem) for f in judge.step(figures).named]))
+    return named
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_a_gradient_norm_just_past_its_bound_on_a_long_lean_waits_a_point(seed):
+    """``net.4``'s gradient norm leans out x2 from step 60 (under its x4 bound: held, not named). At step 80, 20 steps
+    into the lean, one batch takes it x3 further (x6, past its bound, within twice it) for one point: nothing named
+    (one batch on a slow lean). Staying there: named at the next point. x40 (past twice the bound): named at once;
+    so is x3 four steps into the lean (a young lean: a ramp's pace). A judge restored at every step names the same.
+    (Before the rule: named at 80 for the one point.)"""
+    def lean(by, points):
+        return scale("norm", ["net.4.weight"], lambda s: (2.0 if s >= 60 else 1.0) * (by if s in points else 1.0))
+
+    cases = {"blip": (lean(3.0, {80}), None), "stays": (lean(3.0, set(range(80, 120))), (81, [("net.4", "exploding")])),
+             "far": (lean(40.0, {80}), (80, [("net.4", "exploding")])),
+             "young": (lean(3.0, {64}), (64, [("net.4", "exploding")]))}
+    for name, (fault, expected) in cases.items():
+        assert first_named(run(fault, seed=seed, make=grads)) == expected, name
+        assert run_resumed(fault, grads, seed) == run(fault, seed=seed, make=grads), name
+
+
 @pytest.mark.parametrize("points", [30, 60])  # a cycle of 60 steps logged every 2 or every step
 def test_a_layer_swinging_with_a_cyclic_learning_rate_is_not_named(points):
     swing = scale("level", LAYERS[3:], lambda s: 1.3 ** -math.cos(2 * math.pi * s / points))

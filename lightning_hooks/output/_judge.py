@@ -79,7 +79,9 @@ step at a time, with every judged figure of that step. How it decides (docs/verd
 - A norm's scale's update ratio (``SCALE_RATIO``) is judged against its own range apart from the other rows,
   named ``too_fast`` ``SCALE_JUMP`` times beyond it (an LR raised on the norm), then while it stays out.
 - A step whose findings are only gradient norms out up at their first point, nothing named, names none:
-  one batch's gradient landing in one layer; named at the second point out (``_lone_spikes``).
+  one batch's gradient landing in one layer; named at the second point out (``_lone_spikes``). So is a norm's first
+  point past its bound on a lean ``LEAN_AGE`` steps old, within ``LEAN_WAIT`` times its bound (one batch on a slow
+  lean, as for outputs below).
 - Nor a step, nothing named, whose findings are modules' outputs that each rose at their first point out, within
   ``LEAN_WAIT`` times their bound (and lone gradient spikes), its culprit's lean ``LEAN_AGE`` steps old or more: one
   batch on a healthy layer's long lean. The culprit waits for the next point, named there as if named at this one
@@ -182,6 +184,7 @@ class Judge(LearningJudging, GainJudging, CulpritNaming):
         self.fast_scales: set[str] = set()  # norms' scales named too fast and still out of their range
         self.outpacing: set[str] = set()  # the step's modules out for leading every copy of their kind
         self.outs_before: set[str] = set()  # the modules whose outputs were out at the last step that held them
+        self.grads_before: set[str] = set()  # the gradient norms out up at the last step that held them
         self.waited: Optional[str] = None  # the culprit of the last such step, whose outputs waited (``_first_leans``)
         self.confirming = False  # whether ``waited`` is named through this step only to be judged so (``_confirm``)
         self.asked: dict[str, tuple[float, int]] = {}  # the prediction layer out since a growth asked for
@@ -242,7 +245,10 @@ class Judge(LearningJudging, GainJudging, CulpritNaming):
                 found.extend(self._absolute(figure, values))
         found.extend(self._scales(figures.get(SCALE_RATIO, {})))  # net of the step's common move of the ratios
         data = self._is_data(found, figures)
-        return self._sort(self._first_leans(self._outputs(self._lone_spikes(found)), "level" in figures, data), data)
+        judged = self._sort(self._first_leans(self._outputs(self._lone_spikes(found)), "level" in figures, data), data)
+        if "norm" in figures:
+            self.grads_before = {f.row for f in found if f.figure == "norm" and f.problem == RELATIVE["norm"][0]}
+        return judged
 
     def _note_pulls(self, pulls: Mapping[str, float]) -> None:
         """Keep each module's last ``ASK_POINTS`` finite pulls (``_judge_learning.py``: ``_asked_or_learned``)."""
@@ -342,11 +348,18 @@ class Judge(LearningJudging, GainJudging, CulpritNaming):
         """The findings, or none where they are only gradient norms out up at their first point, nothing named.
 
         One batch's gradient concentrated in one layer (a healthy Qwen2's keys: x14 for one step, every
-        other layer's x2) is not a fault of the layer: named at its second point out. Where anything else
-        is out (its outputs, output gradient or update ratio, another layer), or a layer is named, it is
-        judged at once with the rest: named with its own layer's, or counted as a victim.
+        other layer's x2) is not a fault of the layer: named at its second point out. So is one batch taking a
+        slow lean just over its bound: a norm out up at its first point (not out at the last step holding norms),
+        within ``LEAN_WAIT`` times its bound, on a lean ``LEAN_AGE`` steps old or more (a plain CNN's head gradient
+        at twice its LR, leaning for 40 steps, x4.2 for one point). Where anything else is out (its outputs,
+        output gradient or update ratio, another layer), or a layer is named, it is judged at once with the rest:
+        named with its own layer's, or counted as a victim.
         """
-        lone = [f for f in found if f.problem == RELATIVE["norm"][0] and len(self.tracks["norm"][f.row].held) < 2]
+        spike, bound = RELATIVE["norm"][0], LEAN_WAIT * self._margin("norm", True)
+        lone = [f for f in found if f.problem == spike and f.figure == "norm" and (
+            len(self.tracks["norm"][f.row].held) < 2
+            or (f.row not in self.grads_before and f.moved <= bound
+                and len(self.tracks["norm"][f.row].held) * self.gap >= LEAN_AGE))]
         return found if self.named or len(lone) < len(found) else []
 
     def _first_leans(self, found: list[Finding], judged: bool, data: bool) -> list[Finding]:
@@ -383,7 +396,7 @@ class Judge(LearningJudging, GainJudging, CulpritNaming):
                 found = self._lone_spikes(found)
         if self.named or data or not outputs:
             return found
-        bound = least_change("level", self.bands)
+        bound = self._margin("level", True)
         if not all(f.row not in before and f.row not in self.outpacing and 0 < f.moved <= LEAN_WAIT * bound
                    for f in outputs):
             return found
@@ -591,7 +604,7 @@ class Judge(LearningJudging, GainJudging, CulpritNaming):
                 "recent_pulls": {row: list(pulls) for row, pulls in self.recent_pulls.items()},
                 "recent_levels": {row: list(logs) for row, logs in self.recent_levels.items()},
                 "fast_scales": sorted(self.fast_scales), "outs_before": sorted(self.outs_before),
-                "waited": self.waited,
+                "grads_before": sorted(self.grads_before), "waited": self.waited,
                 "asked": {row: list(v) for row, v in self.asked.items()},
                 "trained": sorted(self.trained), "thawed": dict(self.thawed), "params_start": self.params_start,
                 "seen": {f: dict(rows) for f, rows in self.seen.items()},
@@ -623,6 +636,7 @@ class Judge(LearningJudging, GainJudging, CulpritNaming):
                               for row, logs in state.get("recent_levels", {}).items()}
         self.fast_scales = set(state["fast_scales"])
         self.outs_before, self.waited = set(state.get("outs_before", ())), state.get("waited")
+        self.grads_before = set(state.get("grads_before", ()))
         self.asked = {row: (float(ask), int(waited)) for row, (ask, waited) in state["asked"].items()}
         # A state saved before thaws were noted (none released): the next step's parameter rows start afresh.
         self.trained, self.params_start = set(state.get("trained", ())), state.get("params_start")
