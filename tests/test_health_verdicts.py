@@ -280,6 +280,25 @@ def test_a_gradient_norm_just_past_its_bound_on_a_long_lean_waits_a_point(seed):
         assert run_resumed(fault, grads, seed) == run(fault, seed=seed, make=grads), name
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_a_gradient_norm_logged_every_other_step_waits_a_point_of_its_own(seed):
+    """As above, ``net.4``'s gradient norm logged at even steps only (the others at every step: a router's expert not
+    picked at odd ones), its lean from step 56: x3 further at step 80 for one point names nothing; staying, it is
+    named at its next point (82): a step without its row keeps what it was at its last."""
+    def sparse(fault):
+        def at(step, figures):
+            fault(step, figures)
+            if step % 2:
+                del figures["norm"]["net.4.weight"]
+        return at
+
+    def lean(points):
+        return scale("norm", ["net.4.weight"], lambda s: (2.0 if s >= 56 else 1.0) * (3.0 if s in points else 1.0))
+
+    assert first_named(run(sparse(lean({80})), seed=seed, make=grads)) is None
+    assert first_named(run(sparse(lean(set(range(80, 120)))), seed=seed, make=grads)) == (82, [("net.4", "exploding")])
+
+
 @pytest.mark.parametrize("points", [30, 60])  # a cycle of 60 steps logged every 2 or every step
 def test_a_layer_swinging_with_a_cyclic_learning_rate_is_not_named(points):
     swing = scale("level", LAYERS[3:], lambda s: 1.3 ** -math.cos(2 * math.pi * s / points))

@@ -151,3 +151,16 @@ def test_a_recorded_neox_whose_first_attention_output_leans_out_for_one_point_is
     range, past its bound (0.22), and at 129 it is back within: named ``blowup`` at 127 while a first point out was
     named at once (``_first_leans``)."""
     assert not any(recorded_names("neox_lr2x_s3_healthy.json.gz").values())
+
+
+def test_a_recorded_preact_resnet_whose_stream_carries_a_wave_over_depth_is_not_named():
+    """The sweep's healthy pre-activation ResNet (no normalisation) at twice its LR (``unseen36``, SGD, seed 3, logged
+    every 2 steps; levels and update ratios as LayerHealth got them, steps 1-119). At step 59 one SGD step lifts
+    every block's convolutions x1.4-1.7 and the residual stream more with depth: the last block's input ReLU
+    (``blocks.3.act1``, quieter than its gain, so judged by its std) x1.36, out of its range, while its input
+    (``blocks.2.conv2``, within its own wider range) went x1.7: its gain fell out of its range (``_input_carried``).
+    At 67 the first block's inner ReLU (``blocks.0.act2``, no weights) passes 20% less of a convolution grown x1.5:
+    its gain out low, its std above its median (``_level_agrees``). Named ``blowup`` at 59-63 and ``collapse`` at
+    67 before; neither is its module's own move."""
+    named = recorded_names("preact_lr2x_s3_healthy.json.gz")
+    assert not any(named.values()), {step: layers for step, layers in named.items() if layers}

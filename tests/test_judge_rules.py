@@ -423,6 +423,26 @@ def test_a_gain_that_led_its_inputs_fall_is_named_though_its_std_held(rise, fall
         assert found is not None and found[1] == {"dec"} and 60 < found[0] <= 65, (seed, found)
 
 
+@pytest.mark.parametrize("rise, fall, lag", [(1.1, 0.85, 1), (1.06, 0.9, 2)])
+def test_a_gain_that_led_its_inputs_fall_is_named_in_a_module_without_weights_of_its_own(rise, fall, lag):
+    """As above, with every other module's update ratio logged and none of ``dec``'s (an activation a fault's hook
+    scales): a gain that led upward is its own whatever the module (only a weightless module's gain falling as its std
+    rose is its input's distribution's, ``_level_agrees``). ``dec`` is named, not ``mid``."""
+    def gain(i, row):
+        k = max(0, i - 60)
+        return {"dec": rise ** k, "mid": fall ** max(0, k - lag)}.get(row, 1.0)
+    def with_ratios(seed: int):
+        levels, rng = stacked_levels(gain, seed, 0.05, PULLED), random.Random(seed)
+
+        def figures(i: int) -> dict[str, dict[str, float]]:
+            ratios = {f"{row}.weight": 1e-3 * math.exp(rng.gauss(0, 0.05)) for row in PULLED if row != "dec"}
+            return {**levels(i), "ratio": ratios}
+        return figures
+    for seed in range(4):
+        found = first_named(Judge(Bands(), PULLED), with_ratios(seed), 90)
+        assert found is not None and found[1] == {"dec"} and 60 < found[0] <= 65, (seed, found)
+
+
 def test_a_gain_moved_by_its_inputs_step_is_not_named_for_it():
     """``mid``'s gain drops x0.8 at point 60 and ``dec``'s rises x1.15 (a saturating layer passing on less of its
     input's fall): ``dec``'s std moved the other way, its input from the same point: ``mid`` is named, not ``dec``."""

@@ -246,8 +246,9 @@ class Judge(LearningJudging, GainJudging, CulpritNaming):
         found.extend(self._scales(figures.get(SCALE_RATIO, {})))  # net of the step's common move of the ratios
         data = self._is_data(found, figures)
         judged = self._sort(self._first_leans(self._outputs(self._lone_spikes(found)), "level" in figures, data), data)
-        if "norm" in figures:
-            self.grads_before = {f.row for f in found if f.figure == "norm" and f.problem == RELATIVE["norm"][0]}
+        if "norm" in figures:  # a row not logged at the step keeps its state (a router's expert not picked)
+            self.grads_before = (self.grads_before - set(figures["norm"])) | {
+                f.row for f in found if f.figure == "norm" and f.problem == RELATIVE["norm"][0]}
         return judged
 
     def _note_pulls(self, pulls: Mapping[str, float]) -> None:
@@ -429,6 +430,8 @@ class Judge(LearningJudging, GainJudging, CulpritNaming):
         kept += [Finding(f.row, f.layer, f.problem, self.levels[f.row], "level", f.moved)
                  for f in self._stacked([f for f in gains if f.row in by_gain])
                  if f.row in self.named or self._level_agrees(f)]
+        out = {f.row for f in kept if f.figure == "level"}
+        kept = [f for f in kept if f.row in by_gain or f.layer in self.named or not self._input_carried(f, out)]
         last = self._last()
         out_now = {f.row for f in kept if f.problem == "blowup"}  # back in range: a growth asked for ended
         self.asked = {row: ask for row, ask in self.asked.items() if row in out_now}

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 import statistics
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 
 from lightning_hooks.output._findings import Finding
 from lightning_hooks.output._peers import siblings
@@ -42,17 +42,44 @@ class GainJudging:
             if gain is not None and f.row not in moved and not gain.held:
                 follow(self.tracks["level"][f.row], self.bands.window)
 
+    def _input_carried(self, found: Finding, out: Collection[str]) -> bool:
+        """Whether a module judged by its std, out, moved less than its input: its gain went the other way, out.
+
+        Its gain out of its range the other way (past a gain finding's margin and its noise) says the module before
+        it moved further than this one at the step, within the input's own range (``out``: the rows out at the step;
+        an input out is the cause, named first by forward order, and this module its victim): the move came through
+        its input, and the module passes on less of it than usual: not named at the step (its range does not follow:
+        a step of its own that stays is named at the next point).
+        """
+        before = self._before().get(found.row)
+        if found.figure != "level" or before is None or before in out:
+            return False
+        gain = self.tracks.get("gain", {}).get(found.row)
+        if gain is None or not gain.deviation * found.moved < 0 or not (gain.up if gain.deviation > 0 else gain.down):
+            return False  # not the other way, or a deviation from before (a gain learning fast holds no sum)
+        margin = least_change("gain", self.bands) * (1 if gain.deviation > 0 else 2)  # a gain finding's, up or down
+        return abs(gain.deviation) > max(gain.noise, margin)
+
     def _level_agrees(self, found: Finding) -> bool:
         """Whether a module's own outputs moved the way its gain did, at least ``AGREE`` as far (from their median).
 
         A gain that fell while the outputs rose is the module before it rising faster (a saturating
-        layer that does not pass it on): that module's move, not this one's fault; and likewise up.
+        layer that does not pass it on): that module's move, not this one's fault; and likewise up. Nor
+        does a gain that led its input's lean (``_input_led``) stand where it fell while the outputs rose, in a
+        module with no weights of its own (where update ratios are logged, none of its own comes in): how much of
+        its input an activation passes is its input's distribution's (a pre-activation ResNet's first ReLU passing
+        20% less of a convolution that grew x1.5, its std above its median, is no collapse of its outputs). A gain
+        that led upward keeps the rule whatever the module (a fault's hook on a module, its std pulled back by the
+        loss shrinking its input).
         """
         track, level = self.tracks.get("level", {}).get(found.row), self.levels.get(found.row, 0.0)
         if track is None or not track.logs or not level > 0:
             return True
         moved = math.log(level) - statistics.median(track.logs)
-        return moved * math.copysign(1.0, found.moved) >= AGREE * abs(found.moved) or not self._input_led(found)
+        along = moved * math.copysign(1.0, found.moved)
+        weightless = bool(self.weighted) and found.row not in self.weighted and found.row not in self.lookups
+        passes = found.moved < 0 and along < 0 and weightless  # an activation passing less of a grown input
+        return along >= AGREE * abs(found.moved) or (not passes and not self._input_led(found))
 
     def _input_led(self, found: Finding) -> bool:
         """Whether the std of the module before ``found``'s leaned out of range as early as its gain did, or earlier.
