@@ -27,7 +27,7 @@
 - ``unseen39``: drawn the same way (``random.Random(39)``), recorded at the start of the session after (the judge of
   3b16a53).
 - ``unseen40``: drawn the same way (``random.Random(40)``), recorded at the start of the session after (the judge of
-  4bf9d38).
+  4bf9d38), held out until that session's rules were final.
 """
 
 from __future__ import annotations
