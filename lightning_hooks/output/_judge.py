@@ -359,8 +359,7 @@ class Judge(LearningJudging, GainJudging, CulpritNaming):
         spike, bound = RELATIVE["norm"][0], LEAN_WAIT * self._margin("norm", True)
         lone = [f for f in found if f.problem == spike and f.figure == "norm" and (
             len(self.tracks["norm"][f.row].held) < 2
-            or (f.row not in self.grads_before and f.moved <= bound
-                and len(self.tracks["norm"][f.row].held) * self.gap >= LEAN_AGE))]
+            or (f.row not in self.grads_before and f.moved <= bound and self._long_lean(self.tracks["norm"][f.row])))]
         return found if self.named or len(lone) < len(found) else []
 
     def _first_leans(self, found: list[Finding], judged: bool, data: bool) -> list[Finding]:
@@ -403,13 +402,17 @@ class Judge(LearningJudging, GainJudging, CulpritNaming):
             return found
         culprit = self._culprit([f for f in found if f.row not in self.affected and f.figure in RELATIVE])
         track = self._track(culprit) if culprit is not None else None
-        if culprit == self._first() or track is None or len(track.held) * self.gap < LEAN_AGE:
+        if culprit == self._first() or track is None or not self._long_lean(track):
             return found  # the batch's step, named once it stays (``_sort``); or a lean as young as a ramp's
         rest = self._lone_spikes([f for f in found if f.problem not in RELATIVE["level"]])
         if any(f.figure in RELATIVE for f in rest):  # other rows out beside them: judged at once
             return found
         self.waited = culprit
         return rest
+
+    def _long_lean(self, track: Track) -> bool:
+        """Whether ``track`` has held its range (leaned out of it) ``LEAN_AGE`` steps or more: no fault's ramp."""
+        return len(track.held) * self.gap >= LEAN_AGE
 
     def _confirm(self, judged: bool) -> None:
         """The culprit whose outputs waited at the last step is judged as named at this one (``_first_leans``).
@@ -430,8 +433,9 @@ class Judge(LearningJudging, GainJudging, CulpritNaming):
         kept += [Finding(f.row, f.layer, f.problem, self.levels[f.row], "level", f.moved)
                  for f in self._stacked([f for f in gains if f.row in by_gain])
                  if f.row in self.named or self._level_agrees(f)]
-        out = {f.row for f in kept if f.figure == "level"}
-        kept = [f for f in kept if f.row in by_gain or f.layer in self.named or not self._input_carried(f, out)]
+        out, inputs = {f.row for f in kept if f.figure == "level"}, self._before()
+        kept = [f for f in kept
+                if f.row in by_gain or f.layer in self.named or not self._input_carried(f, out, inputs)]
         last = self._last()
         out_now = {f.row for f in kept if f.problem == "blowup"}  # back in range: a growth asked for ended
         self.asked = {row: ask for row, ask in self.asked.items() if row in out_now}

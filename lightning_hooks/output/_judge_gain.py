@@ -42,23 +42,22 @@ class GainJudging:
             if gain is not None and f.row not in moved and not gain.held:
                 follow(self.tracks["level"][f.row], self.bands.window)
 
-    def _input_carried(self, found: Finding, out: Collection[str]) -> bool:
+    def _input_carried(self, found: Finding, out: Collection[str], inputs: dict[str, str]) -> bool:
         """Whether a module judged by its std, out, moved less than its input: its gain went the other way, out.
 
         Its gain out of its range the other way (past a gain finding's margin and its noise) says the module before
         it moved further than this one at the step, within the input's own range (``out``: the rows out at the step;
         an input out is the cause, named first by forward order, and this module its victim): the move came through
         its input, and the module passes on less of it than usual: not named at the step (its range does not follow:
-        a step of its own that stays is named at the next point).
+        a step of its own that stays is named at the next point). ``inputs``: ``_before()`` at the step.
         """
-        before = self._before().get(found.row)
+        before = inputs.get(found.row)
         if found.figure != "level" or before is None or before in out:
             return False
         gain = self.tracks.get("gain", {}).get(found.row)
         if gain is None or not gain.deviation * found.moved < 0 or not (gain.up if gain.deviation > 0 else gain.down):
             return False  # not the other way, or a deviation from before (a gain learning fast holds no sum)
-        margin = least_change("gain", self.bands) * (1 if gain.deviation > 0 else 2)  # a gain finding's, up or down
-        return abs(gain.deviation) > max(gain.noise, margin)
+        return abs(gain.deviation) > max(gain.noise, self._margin("gain", gain.deviation > 0))
 
     def _level_agrees(self, found: Finding) -> bool:
         """Whether a module's own outputs moved the way its gain did, at least ``AGREE`` as far (from their median).
