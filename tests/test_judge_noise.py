@@ -164,3 +164,14 @@ def test_a_recorded_preact_resnet_whose_stream_carries_a_wave_over_depth_is_not_
     67 before; neither is its module's own move."""
     named = recorded_names("preact_lr2x_s3_healthy.json.gz")
     assert not any(named.values()), {step: layers for step, layers in named.items() if layers}
+
+
+def test_a_recorded_preact_resnet_whose_last_block_leaned_out_while_the_head_grew_is_not_named():
+    """The sweep's healthy pre-activation ResNet at twice its LR, seed 2 (``unseen24``, SGD, logged every 2 steps;
+    levels, pulls, update ratios and gradient norms as LayerHealth got them, steps 1-100). The last block's input
+    ReLU (``blocks.3.act1``) leans up from step 40 (x1.9 by 89), leaving its range at 79; by 95, 9 points out, it rose
+    x1.6 over those points while the head rose x3.4 and the head's input x2.8: the network growing to its targets'
+    scale. Its distance beyond its range (x2.2, its range's level lagging the lean it took inside it) set against
+    the head's last 16 steps named it ``blowup`` at 95-99 (``_carried``: over the lean's points now)."""
+    named = recorded_names("preact_lr2x_s2_healthy.json.gz")
+    assert not any(named.values()), {step: layers for step, layers in named.items() if layers}

@@ -114,7 +114,7 @@ from lightning_hooks.output._judge_absolute import ZeroRuns, absolute_problems
 from lightning_hooks.output._judge_culprit import LEAN_SHARE, CulpritNaming, its_own
 from lightning_hooks.output._judge_data import gradients_jumped_together, outputs_out_together, singled_out
 from lightning_hooks.output._judge_gain import GainJudging
-from lightning_hooks.output._judge_learning import CARRY_POINTS, SHARED_FIGURES, LearningJudging
+from lightning_hooks.output._judge_learning import LEAN_POINTS, SHARED_FIGURES, LearningJudging
 from lightning_hooks.output._judge_pull import ASK_POINTS, PULL
 from lightning_hooks.output._peers import PEER_FIGURES, Peers
 from lightning_hooks.output._row_range import (
@@ -261,7 +261,7 @@ class Judge(LearningJudging, GainJudging, CulpritNaming):
         """Keep each module's last ``CARRY_POINTS + 1`` log stds as logged, in or out of its range (``_carried``)."""
         for row, v in levels.items():
             if math.isfinite(v) and v > 0:
-                self.recent_levels.setdefault(row, deque(maxlen=CARRY_POINTS + 1)).append(math.log(v))
+                self.recent_levels.setdefault(row, deque(maxlen=LEAN_POINTS)).append(math.log(v))
 
     def _note_paths(self, figures: Mapping[str, Mapping[str, float]]) -> None:
         """Note each embedding's, and each weighted module's, outputs' std and its weight's update ratio, as they come.
@@ -639,7 +639,7 @@ class Judge(LearningJudging, GainJudging, CulpritNaming):
         self.points = int(state.get("points", 0))
         self.recent_pulls = {row: deque(pulls, maxlen=ASK_POINTS)
                              for row, pulls in state.get("recent_pulls", {}).items()}
-        self.recent_levels = {row: deque(logs, maxlen=CARRY_POINTS + 1)
+        self.recent_levels = {row: deque(logs, maxlen=LEAN_POINTS)
                               for row, logs in state.get("recent_levels", {}).items()}
         self.fast_scales = set(state["fast_scales"])
         self.outs_before, self.waited = set(state.get("outs_before", ())), state.get("waited")

@@ -42,6 +42,9 @@ CARRY_POINTS = 8
 CARRY_LEAST = math.log(2.0)
 #: ... and the prediction layer's input rose this many times as far as the module: the layers between them grew too.
 CARRY_INPUT = 1.2
+#: A module's last logged stds kept (``recent_levels``): a lean up to this many points (a window's, and the point
+#: before it) is compared over its whole span (``_carried``).
+LEAN_POINTS = 33
 #: An embedding's outputs are judged against its weight's updates over this many logged moves at least.
 LOOKBACK = 3
 #: An embedding's outputs drifting no further than this many times its weight's updates moved (its update ratio times
@@ -88,7 +91,7 @@ class LearningJudging:
     gap: int  # the steps from the logged step before to this one
     pulls: Mapping[str, float]  # the step's pull by module (the prediction layer's)
     recent_pulls: Mapping[str, Sequence[float]]  # by module: its last pulls, this step's last
-    recent_levels: Mapping[str, Sequence[float]]  # by module: its last CARRY_POINTS + 1 log stds, this step's last
+    recent_levels: Mapping[str, Sequence[float]]  # by module: its last LEAN_POINTS log stds, this step's last
     asked: dict[str, tuple[float, int]]  # the prediction layer out since a growth the loss asked for: its strongest
     # ask, and the points it has waited since, the loss no longer asking, its output not rising
 
@@ -135,31 +138,53 @@ class LearningJudging:
         head grew x17 (pull below 0), the head three times as far as the ramp, but the head's input less far than
         the ramp; named at its first points out, as before. A prediction layer that rose by a jump (more than half
         its raw rise, newest point against oldest, in one point) carries nothing.
+
+        A module out of its range for longer than those points (``held``: its range held since it left) is judged so
+        over the points since it left too (up to ``LEAN_POINTS``), its rise measured over them as the others' are,
+        not its distance beyond its range, whose level lags the slow lean it took inside the range before it left:
+        a healthy pre-activation ResNet at twice its LR, its last block's input out for 9 points, x1.6 over them and
+        x2.2 beyond its range, the head x3.4 and the head's input x2.8 over them (x3.4 is under twice x2.2 in log).
         """
-        window = list(self.recent_levels.get(last, ())) if self._fresh(last) else []
-        if len(window) <= CARRY_POINTS:
-            return found
-        head_rise = _rise(window)
-        # Grown at least x2, over the points, not in one: a jump in the prediction layer carries nothing before it.
-        if head_rise < CARRY_LEAST or max(b - a for a, b in zip(window, window[1:])) > (window[-1] - window[0]) / 2:
-            return found
-        feed_row = self._before().get(last, "")  # the prediction layer's input
-        feed = list(self.recent_levels.get(feed_row, ())) if self._fresh(feed_row) else []
-        if len(feed) <= CARRY_POINTS:
-            return found
-        feed_rise, kept = _rise(feed), []
+        head = list(self.recent_levels.get(last, ())) if self._fresh(last) else []
+        feed: Optional[list[float]] = None  # the prediction layer's input's, once a blow-up is judged
+        kept = []
         for f in found:
-            own = list(self.recent_levels.get(f.row, ())) if self._fresh(f.row) else []
-            if len(own) <= CARRY_POINTS or f.problem != "blowup" or f.row == last or f.layer in self.named:
+            if f.problem != "blowup" or f.row == last or f.layer in self.named:
                 kept.append(f)
                 continue
-            rise = max(_rise(own), f.moved)
-            if head_rise >= CARRY * rise and feed_rise >= CARRY_INPUT * rise:
-                for track in self._output_tracks(f.row):
-                    follow(track, self.bands.window)
-            else:
+            if feed is None:
+                feed_row = self._before().get(last, "")
+                feed = list(self.recent_levels.get(feed_row, ())) if self._fresh(feed_row) else []
+            own = list(self.recent_levels.get(f.row, ())) if self._fresh(f.row) else []
+            if not self._carried_by(f, own, head, feed):
                 kept.append(f)
+                continue
+            for track in self._output_tracks(f.row):
+                follow(track, self.bands.window)
         return kept
+
+    def _carried_by(self, found: Finding, own: Sequence[float], head: Sequence[float], feed: Sequence[float]) -> bool:
+        """Whether ``found``'s module rose as the network learning its scale carries it (``_carried``).
+
+        Over the last ``CARRY_POINTS + 1`` points (its rise at least its distance beyond its range), or over its lean's
+        points where it held its range longer (its rise over them). ``own``, ``head``, ``feed``: the recent log stds
+        of the module, the prediction layer and its input, each this step's last (empty where not in at the step).
+        """
+        track = self._track(found.row)
+        lean = len(track.held) + 1 if track is not None else 0  # the point before it left, and those held since
+        spans = [(CARRY_POINTS + 1, found.moved)] + ([(lean, 0.0)] if lean > CARRY_POINTS + 1 else [])
+        for points, beyond in spans:
+            if min(len(own), len(head), len(feed)) < points:
+                continue  # a lean longer than the points kept: judged over the last points alone
+            window = head[-points:]
+            head_rise = _rise(window)
+            # Grown at least x2, over the points, not in one: a jump in the prediction layer carries nothing before it.
+            if head_rise < CARRY_LEAST or max(b - a for a, b in zip(window, window[1:])) > (window[-1] - window[0]) / 2:
+                continue
+            rise = max(_rise(own[-points:]), beyond)
+            if head_rise >= CARRY * rise and _rise(feed[-points:]) >= CARRY_INPUT * rise:
+                return True
+        return False
 
     def _fresh(self, row: str | None) -> bool:
         """Whether a module's std came in at this step, finite and above 0: its newest noted point is this step's."""
