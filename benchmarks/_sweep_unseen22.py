@@ -28,6 +28,8 @@
   3b16a53).
 - ``unseen40``: drawn the same way (``random.Random(40)``), recorded at the start of the session after (the judge of
   4bf9d38), held out until that session's rules were final.
+- ``unseen41``: drawn the same way (``random.Random(41)``), recorded at the start of the session after (the judge of
+  1512f64), held out until that session's rules were final.
 """
 
 from __future__ import annotations
@@ -42,8 +44,8 @@ CASES = 48
 
 
 def unseen22() -> dict[str, list[Variant]]:
-    """The groups ``unseen22`` to ``unseen38``: random faults on randomly varied recipes, and their healthy runs."""
-    return {f"unseen{seed}": _drawn(f"unseen{seed}", seed) for seed in range(22, 41)}
+    """The groups ``unseen22`` to ``unseen41``: random faults on randomly varied recipes, and their healthy runs."""
+    return {f"unseen{seed}": _drawn(f"unseen{seed}", seed) for seed in range(22, 42)}
 
 
 def _drawn(group: str, seed: int) -> list[Variant]:
