@@ -123,15 +123,7 @@ def partner(row: str) -> str | None:
 
 @functools.lru_cache(maxsize=1 << 16)  # every rule asks it of every row at every logged step (10 µs a call)
 def kind(row: str) -> str:
-    """A module's name with its numbered parts replaced by ``#``: the same for every block's copy of it.
-
-    A name ending in a number after a numbered part keeps that last number: a position in a container each copy
-    holds (``moe.0.experts.2.2``, an expert's second Linear: ``moe.#.experts.#.2``), not a copy's index. A name whose
-    one number ends it (``model.4``) is a position in one container: a kind of its own (``model.#``, no copies).
-    """
-    head, dot, last = row.rpartition(".")
-    if dot and last.isdigit() and _NUMBER.search(head):
-        return _NUMBER.sub(r"\1#", head) + dot + last
+    """A module's name with its numbered parts replaced by ``#``: the same for every block's copy of it."""
     return _NUMBER.sub(r"\1#", row)
 
 
@@ -361,8 +353,7 @@ class Peers:
         A row's move: its ``RECENT_POINTS`` newest values' median against its window's older half's (one batch is
         no move), from ``OUTPACE_POINTS`` values on. Its lead: how far beyond every copy's move it is, the way it
         moved (signed as its move; negative where a copy moved further). Only a block's named part
-        (``blocks.3.attn.out_proj``; a Sequential's children are one kind by name, not by type, but for a position
-        in a container each copy holds: ``kind``) with three copies
+        (``blocks.3.attn.out_proj``; a Sequential's children are one kind by name, not by type) with three copies
         or more.
         """
         kinds: dict[str, list[tuple[float, str]]] = {}
