@@ -7,6 +7,7 @@ import random
 from collections import deque
 from pathlib import Path
 
+from lightning_hooks.output._findings import Finding
 from lightning_hooks.output._health_verdicts import EVERY_LAYER, Bands
 from lightning_hooks.output._judge import Judge
 from lightning_hooks.output._row_range import Track, judge_value, least_change
@@ -175,3 +176,17 @@ def test_a_recorded_preact_resnet_whose_last_block_leaned_out_while_the_head_gre
     the head's last 16 steps named it ``blowup`` at 95-99 (``_carried``: over the lean's points now)."""
     named = recorded_names("preact_lr2x_s2_healthy.json.gz")
     assert not any(named.values()), {step: layers for step, layers in named.items() if layers}
+
+
+def test_a_module_that_left_its_range_by_a_step_is_not_carried_over_its_leans_points():
+    """``_carried_by`` over a lean's points measures the module's rise from the median of their first 3: a step x3 at
+    the first point out, flat after, reads as no rise there. Out for 11 points while the head rose x2 smoothly, it
+    was carried (its range following the step); a step is judged over the last 9 points alone (its distance beyond
+    its range: x3, the head's rise under twice that)."""
+    judge = Judge(Bands(), ["m", "feed", "head"])
+    track = Track(deque([0.0] * 22, maxlen=32))
+    track.held.extend([1.1] * 11)  # x3 at the first point out, and there since
+    judge.tracks.setdefault("level", {})["m"] = track
+    own = [0.0] * 22 + [1.1] * 11
+    head, feed = [0.08 * i for i in range(33)], [0.05 * i for i in range(33)]  # x2.4, x1.7 over the last 12 points
+    assert not judge._carried_by(Finding("m", "m", "blowup", 3.0, "level", 1.1), own, head, feed)

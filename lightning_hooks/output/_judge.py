@@ -258,7 +258,7 @@ class Judge(LearningJudging, GainJudging, CulpritNaming):
                 self.recent_pulls.setdefault(row, deque(maxlen=ASK_POINTS)).append(v)
 
     def _note_levels(self, levels: Mapping[str, float]) -> None:
-        """Keep each module's last ``CARRY_POINTS + 1`` log stds as logged, in or out of its range (``_carried``)."""
+        """Keep each module's last ``LEAN_POINTS`` log stds as logged, in or out of its range (``_carried``)."""
         for row, v in levels.items():
             if math.isfinite(v) and v > 0:
                 self.recent_levels.setdefault(row, deque(maxlen=LEAN_POINTS)).append(math.log(v))

@@ -139,11 +139,12 @@ class LearningJudging:
         the ramp; named at its first points out, as before. A prediction layer that rose by a jump (more than half
         its raw rise, newest point against oldest, in one point) carries nothing.
 
-        A module out of its range for longer than those points (``held``: its range held since it left) is judged so
-        over the points since it left too (up to ``LEAN_POINTS``), its rise measured over them as the others' are,
-        not its distance beyond its range, whose level lags the slow lean it took inside the range before it left:
-        a healthy pre-activation ResNet at twice its LR, its last block's input out for 9 points, x1.6 over them and
-        x2.2 beyond its range, the head x3.4 and the head's input x2.8 over them (x3.4 is under twice x2.2 in log).
+        A module that has held its range for ``CARRY_POINTS + 1`` points or more (``held``: its values since it
+        left, not by a step) is judged so over the points since it left too (its last ``LEAN_POINTS``), its rise
+        measured over them as the others' are, not its distance beyond its range, whose level lags the slow lean it
+        took inside the range before it left: a healthy pre-activation ResNet at twice its LR, its last block's input
+        out for 9 points, x1.6 over them and x2.2 beyond its range, the head x3.4 and the head's input x2.8 over them
+        (x3.4 is under twice x2.2 in log).
         """
         head = list(self.recent_levels.get(last, ())) if self._fresh(last) else []
         feed: Optional[list[float]] = None  # the prediction layer's input's, once a blow-up is judged
@@ -166,16 +167,21 @@ class LearningJudging:
     def _carried_by(self, found: Finding, own: Sequence[float], head: Sequence[float], feed: Sequence[float]) -> bool:
         """Whether ``found``'s module rose as the network learning its scale carries it (``_carried``).
 
-        Over the last ``CARRY_POINTS + 1`` points (its rise at least its distance beyond its range), or over its lean's
-        points where it held its range longer (its rise over them). ``own``, ``head``, ``feed``: the recent log stds
-        of the module, the prediction layer and its input, each this step's last (empty where not in at the step).
+        Over the last ``CARRY_POINTS + 1`` points (its rise at least its distance beyond its range), or over its
+        lean's points where it held its range longer (its rise over them; the last ``LEAN_POINTS`` of a longer lean),
+        not where it left its range by a step (a rise in one point, which the median of a span's first points does
+        not see). ``own``, ``head``, ``feed``: the recent log stds of the module, the prediction layer and its input,
+        each this step's last (empty where not in at the step).
         """
         track = self._track(found.row)
         lean = len(track.held) + 1 if track is not None else 0  # the point before it left, and those held since
-        spans = [(CARRY_POINTS + 1, found.moved)] + ([(lean, 0.0)] if lean > CARRY_POINTS + 1 else [])
+        lean = min(lean, len(own), len(head), len(feed))  # a lean longer than the points kept: over those kept
+        spans = [(CARRY_POINTS + 1, found.moved)]
+        if lean > CARRY_POINTS + 1 and not self._left_by_a_step(found.row):  # a step's rise is in one point: no lean
+            spans.append((lean, 0.0))
         for points, beyond in spans:
             if min(len(own), len(head), len(feed)) < points:
-                continue  # a lean longer than the points kept: judged over the last points alone
+                continue
             window = head[-points:]
             head_rise = _rise(window)
             # Grown at least x2, over the points, not in one: a jump in the prediction layer carries nothing before it.
