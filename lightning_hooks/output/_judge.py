@@ -440,7 +440,7 @@ class Judge(LearningJudging, GainJudging, CulpritNaming):
         out_now = {f.row for f in kept if f.problem == "blowup"}  # back in range: a growth asked for ended
         self.asked = {row: ask for row, ask in self.asked.items() if row in out_now}
         kept = [f for f in kept if not self._let_in(f, self._asked_or_learned(f, last)) and not self._slowed(f)]
-        kept = self._looked_up(self._carried(kept, last), last)
+        kept = self._looked_up(self._carried(kept, last, inputs), last)
         out = {f.row for f in kept}
         return [self._inward(f, out) for f in kept]
 

@@ -123,7 +123,7 @@ class LearningJudging:
                 kept.append(f)
         return kept
 
-    def _carried(self, found: list[Finding], last: str | None) -> list[Finding]:
+    def _carried(self, found: list[Finding], last: str | None, inputs: Mapping[str, str]) -> list[Finding]:
         """``found`` less the outputs rising as the network learns its targets' scale: their ranges follow.
 
         A module's ``blowup`` not named yet, before the prediction layer (``last``), where over their last
@@ -137,7 +137,7 @@ class LearningJudging:
         may rise more, still learning its scale: a RAdam MLP's ``model.4`` ramping 4% a step from step 100 while its
         head grew x17 (pull below 0), the head three times as far as the ramp, but the head's input less far than
         the ramp; named at its first points out, as before. A prediction layer that rose by a jump (more than half
-        its raw rise, newest point against oldest, in one point) carries nothing.
+        its raw rise, newest point against oldest, in one point) carries nothing. ``inputs``: ``_before()`` at the step.
 
         A module that has held its range for ``CARRY_POINTS + 1`` points or more (``held``: its values since it
         left, not by a step) is judged so over the points since it left too (its last ``LEAN_POINTS``), its rise
@@ -147,17 +147,13 @@ class LearningJudging:
         (x3.4 is under twice x2.2 in log).
         """
         head = list(self.recent_levels.get(last, ())) if self._fresh(last) else []
-        feed: Optional[list[float]] = None  # the prediction layer's input's, once a blow-up is judged
+        feed_row = inputs.get(last or "", "")  # the prediction layer's input
+        feed = list(self.recent_levels.get(feed_row, ())) if self._fresh(feed_row) else []
         kept = []
         for f in found:
-            if f.problem != "blowup" or f.row == last or f.layer in self.named:
-                kept.append(f)
-                continue
-            if feed is None:
-                feed_row = self._before().get(last, "")
-                feed = list(self.recent_levels.get(feed_row, ())) if self._fresh(feed_row) else []
             own = list(self.recent_levels.get(f.row, ())) if self._fresh(f.row) else []
-            if not self._carried_by(f, own, head, feed):
+            if (f.problem != "blowup" or f.row == last or f.layer in self.named
+                    or not self._carried_by(f, own, head, feed)):
                 kept.append(f)
                 continue
             for track in self._output_tracks(f.row):
