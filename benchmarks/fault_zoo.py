@@ -66,6 +66,10 @@ HEALTHY = ("healthy", "swing")  # runs without a fault: every verdict line after
 # ``OUTPUT``: those that change its output (``Lit._hurt``); ``gradvanish`` cuts the gradient reaching it
 OUTPUT = ("ramp", "jump", "dead", "nan", "attn", "swing")
 HOOKED = (*OUTPUT, "gradvanish")
+# faults that change the culprit's output at once, from the first call from the onset on: their onset is that call's
+# step (a top-1 MoE's expert routed no token at the nominal onset is hurt when first routed one; the figures see it
+# then, and no detector can sooner)
+ABRUPT = ("jump", "dead")
 GROWTH, JUMP, SHRINK, LR_FACTOR, DATA_SCALE, SWING, GRAD_CUT = 1.04, 20.0, 1e-3, 100.0, 30.0, 1.3, 1e-6
 
 
@@ -80,6 +84,7 @@ class Lit(pl.LightningModule):
         self.recipe, self.fault, self.onset, self.steps = recipe, fault, onset, steps
         self.fired: Optional[int] = None  # the step the NaN was born at (``nan``)
         self.hurt = 0  # training calls of the culprit from the onset on: 0, a fault carried by its hook never happened
+        self.first_ran: Optional[int] = None  # the first step from the onset on that called the culprit
         self.model = recipe.build()
         self.draw = recipe.data(seed, recipe.batch)
         target = recipe.targets.get({"gradvanish": "vanish", "swing": "ramp"}.get(fault or "", fault or ""))
@@ -101,7 +106,10 @@ class Lit(pl.LightningModule):
         return self.trainer.global_step
 
     def _count(self, module: nn.Module, args: Any, out: Any) -> None:
-        self.hurt += self.training and self._step() >= self.onset
+        ran = self.training and self._step() >= self.onset
+        self.hurt += ran
+        if ran and self.first_ran is None:
+            self.first_ran = self._step()
 
     def _bad_batch(self, module: nn.Module, args: Any, out: Tensor) -> Optional[Tensor]:
         return out * DATA_SCALE if self.training and self._step() >= self.onset else None
@@ -263,6 +271,8 @@ def run_case(model: str, fault: Optional[str], steps: int, onset: int, every: in
         warnings.simplefilter("ignore")
         trainer.fit(lit)
     onset = lit.fired if lit.fired is not None else onset  # a NaN born after the onset, where the module first ran
+    if fault in ABRUPT and lit.first_ran is not None:  # an expert routed no token at the onset: hurt when first called
+        onset = lit.first_ran
     case = Case(model, fault or "healthy", lit.culprit, onset, steps, probe.losses, probe.named,
                 seconds=time.perf_counter() - start, summary=health.summary())
     case.extra["fault_ran"] = fault not in HOOKED or lit.hurt > 0

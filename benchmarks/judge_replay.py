@@ -125,7 +125,8 @@ def replay(events: Sequence[Event], lookups: Optional[Mapping[str, str]] = None)
 
 def replayed_row(case: fault_zoo.Case, healthy: Optional[fault_zoo.Case], row: dict[str, Any]) -> dict[str, Any]:
     """A recorded case's row with this tree's judge: the zoo's, or the sweep's (graded) where it was one."""
-    again = dataclasses.replace(case, named=replay(case.extra["events"], lookups_of(row["model"])))
+    again = dataclasses.replace(case, named=replay(case.extra["events"], lookups_of(row["model"])),
+                                onset=first_ran(case))
     new = fault_zoo.judge_case(again, again if healthy is case else healthy)
     if "group" not in row:
         return new
@@ -133,6 +134,21 @@ def replayed_row(case: fault_zoo.Case, healthy: Optional[fault_zoo.Case], row: d
     if new["fault"] not in ("healthy", "data"):
         new["culprit_first"] = fault_zoo.is_culprit(new["first"] or "", case.culprit)
     return fault_sweep.grade(new)
+
+
+def first_ran(case: fault_zoo.Case) -> int:
+    """An abrupt fault's onset as a recording made before the zoo kept it says: the first step its culprit ran.
+
+    The culprit's outputs are in a logged step's figures where it ran there. Where logged steps from the nominal
+    onset on lack them (a top-1 MoE's expert routed no token), the first logged step that holds them; else the
+    onset recorded (a recording made since holds the first step that called it).
+    """
+    if case.fault not in fault_zoo.ABRUPT:
+        return case.onset
+    logged = [(e[2], case.culprit in e[3]) for e in case.extra["events"]
+              if e[0] == "add" and e[1] == "level" and e[2] >= case.onset]
+    ran = next((step for step, held in logged if held), None)
+    return case.onset if ran is None or all(held for _, held in logged[:1]) else ran
 
 
 @functools.cache

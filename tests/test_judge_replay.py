@@ -11,7 +11,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks import fault_zoo  # noqa: E402
-from benchmarks.judge_replay import line, recording, replay, replayed_row  # noqa: E402
+from benchmarks.judge_replay import first_ran, line, recording, replay, replayed_row  # noqa: E402
 from lightning_hooks.output._health_verdicts import Verdicts  # noqa: E402
 
 
@@ -29,3 +29,16 @@ def test_a_recorded_zoo_run_replays_to_the_verdicts_it_gave_and_the_recording_ho
         assert any(case.named.values()) == (case.fault != "healthy")  # the faults were named: something to replay
         assert replay(case.extra["events"]) == case.named, case.fault
         assert line(replayed_row(case, healthy, row)) == line(row)
+
+
+def test_an_abrupt_faults_onset_is_the_first_logged_step_its_culprit_ran_and_a_ramps_is_as_recorded():
+    def case(fault: str, ran_from: int) -> fault_zoo.Case:
+        events = [("add", "level", step, {"model.other": 1.0, **({"model.expert": 2.0} if step >= ran_from else {})})
+                  for step in range(195, 210)]  # a top-1 MoE's expert routed no token before ``ran_from``
+        return fault_zoo.Case("moe-top1", fault, "model.expert", 201, 300, [], {}, extra={"events": events})
+
+    assert first_ran(case("jump", 204)) == 204  # not called at 201-203: the figures could see it from 204 on
+    assert first_ran(case("dead", 204)) == 204
+    assert first_ran(case("jump", 0)) == 201  # called at the onset: as recorded
+    assert first_ran(case("ramp", 204)) == 201  # a ramp's growth counts from the nominal onset: as recorded
+    assert fault_zoo.ABRUPT == ("jump", "dead")
