@@ -10,7 +10,7 @@ from pathlib import Path
 from lightning_hooks.output._findings import Finding
 from lightning_hooks.output._health_verdicts import EVERY_LAYER, Bands
 from lightning_hooks.output._judge import Judge
-from lightning_hooks.output._row_range import Track, judge_value, least_change
+from lightning_hooks.output._row_range import Track, came_back, judge_value, least_change
 from tests.test_health_verdicts import first_named, run
 
 DATA = Path(__file__).parent / "data"
@@ -152,6 +152,29 @@ def test_a_recorded_neox_whose_first_attention_output_leans_out_for_one_point_is
     range, past its bound (0.22), and at 129 it is back within: named ``blowup`` at 127 while a first point out was
     named at once (``_first_leans``)."""
     assert not any(recorded_names("neox_lr2x_s3_healthy.json.gz").values())
+
+
+def test_a_recorded_gpt2_whose_attention_output_hops_out_of_its_range_and_back_is_not_named():
+    """The sweep's healthy 12-block GPT-2 at twice its LR (``unseen42``, seed 2, logged every step; levels as
+    LayerHealth got them, 4 digits, steps 0-145). Block 5's attention output swings x1.3 from one batch to the next:
+    it leans up at 134, is 0.19 (log) beyond its range at 135, back within at 136, and 0.23 beyond at 137, past its
+    bound (0.22) by a hair, then back under it: named ``blowup`` at 137 (and before the culprit of its vanish twin)
+    while a first point out on a lean younger than ``LEAN_AGE`` was named at once (``_first_leans``: a lean back
+    within its range at the point before is no ramp's, and waits for the next)."""
+    named = recorded_names("gpt2_lr2x_s2_healthy.json.gz")
+    assert not any(named.values()), {step: layers for step, layers in named.items() if layers}
+
+
+def test_a_lean_that_came_back_within_its_range_hops_and_a_ramps_does_not():
+    track = Track(deque([0.0, 0.05, -0.05] * 8, maxlen=32))
+    track.held.extend([0.1, -0.1, 0.3])  # out, back within, out again
+    assert came_back(track)
+    track.held.clear()
+    track.held.extend([0.1, 0.2, 0.3])  # a ramp's points, each further out
+    assert not came_back(track)
+    track.held.clear()
+    track.held.append(0.3)  # the newest starts the lean: a step of its own
+    assert not came_back(track)
 
 
 def test_a_recorded_preact_resnet_whose_stream_carries_a_wave_over_depth_is_not_named():

@@ -84,7 +84,8 @@ step at a time, with every judged figure of that step. How it decides (docs/verd
   lean, as for outputs below).
 - Nor a step, nothing named, whose findings are modules' outputs that each rose at their first point out, within
   ``LEAN_WAIT`` times their bound (and lone gradient spikes), its culprit's lean ``LEAN_AGE`` steps old or more: one
-  batch on a healthy layer's long lean. The culprit waits for the next point, named there as if named at this one
+  batch on a healthy layer's long lean; or its lean back within its range at the point before: a noisy row hopping
+  out and in, no ramp's lean. The culprit waits for the next point, named there as if named at this one
   if its outputs are out still (``_first_leans``); a slow ramp costs a point.
 - A row's own range judges from its ``min_points``-th value and ``WARM_STEPS_PER_POINT * min_points``
   steps on: the first steps move every layer, and no history tells learning from a fault there. Logged every
@@ -121,6 +122,7 @@ from lightning_hooks.output._row_range import (
     WARM_POINTS,
     WARM_STEPS_PER_POINT,
     Track,
+    came_back,
     in_warm_up,
     judge_value,
     least_change,
@@ -368,7 +370,9 @@ class Judge(LearningJudging, GainJudging, CulpritNaming):
         One batch on a healthy layer's long lean (a transformer at twice its learning rate: one block's attention
         output x2 over 100 steps, as fast as the slowest fault ramps) takes it just past its bound for one logged point,
         and back at the next; a ramp's next point is further out. Where the culprit's outputs had leaned out of their
-        range ``LEAN_AGE`` steps or more (a fault's ramp crosses sooner), such a step's outputs wait, its culprit
+        range ``LEAN_AGE`` steps or more (a fault's ramp crosses sooner), or whose lean was back within their range at
+        the point before (a noisy row hopping out and in: a ramp's points lean further out one after the other; a
+        healthy GPT-2's attention output swinging x1.3 from batch to batch), such a step's outputs wait, its culprit
         noted (``waited``): named there, as it would have been at the step it waited, if its outputs are out still
         (their excuses judged again); the modules before it going out there within ``LEAN_WAIT`` bounds went out
         after it, its victims (one further out is judged as rule 5 of the culprit's says: a cause further up).
@@ -402,7 +406,7 @@ class Judge(LearningJudging, GainJudging, CulpritNaming):
             return found
         culprit = self._culprit([f for f in found if f.row not in self.affected and f.figure in RELATIVE])
         track = self._track(culprit) if culprit is not None else None
-        if culprit == self._first() or track is None or not self._long_lean(track):
+        if culprit == self._first() or track is None or not (self._long_lean(track) or came_back(track)):
             return found  # the batch's step, named once it stays (``_sort``); or a lean as young as a ramp's
         rest = self._lone_spikes([f for f in found if f.problem not in RELATIVE["level"]])
         if any(f.figure in RELATIVE for f in rest):  # other rows out beside them: judged at once

@@ -288,6 +288,15 @@ def held_deviations(track: Track) -> list[float]:
             for i, x in enumerate(track.held)]
 
 
+def came_back(track: Track) -> bool:
+    """Whether a row leaning up was back within its range at the point before its newest (its lean no ramp's).
+
+    A ramp's points lean further out one after the other; a noisy row's lean that one batch took back in, and the
+    next took out again, hops. False with fewer than two values held (the newest starts the lean).
+    """
+    return len(track.held) >= 2 and bool(track.logs) and held_deviations(track)[-2] <= 0.0
+
+
 def lean_slowed(track: Track, floor: float) -> bool:
     """Whether a row leaning out now moves away from its range slower than ``CREEP_PER_STEP`` a step.
 
