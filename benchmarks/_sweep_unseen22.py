@@ -30,6 +30,12 @@
   4bf9d38), held out until that session's rules were final.
 - ``unseen41``: drawn the same way (``random.Random(41)``), recorded at the start of the session after (the judge of
   1512f64), held out until that session's rules were final.
+- ``unseen42``: drawn the same way (``random.Random(42)``), recorded at the start of the session after (the judge of
+  c61d443); its two misses (a healthy GPT-2 at twice its LR, and its vanish twin) were read to write that session's
+  rule.
+- ``unseen43``: drawn the same way (``random.Random(43)``), recorded after that rule was final (the judge of 515cf28),
+  held out from it; its U-Net miss (a jump in the judge's warm-up, logged every 5) was read to write the session's
+  second rule.
 """
 
 from __future__ import annotations
@@ -44,8 +50,8 @@ CASES = 48
 
 
 def unseen22() -> dict[str, list[Variant]]:
-    """The groups ``unseen22`` to ``unseen41``: random faults on randomly varied recipes, and their healthy runs."""
-    return {f"unseen{seed}": _drawn(f"unseen{seed}", seed) for seed in range(22, 42)}
+    """The groups ``unseen22`` to ``unseen43``: random faults on randomly varied recipes, and their healthy runs."""
+    return {f"unseen{seed}": _drawn(f"unseen{seed}", seed) for seed in range(22, 44)}
 
 
 def _drawn(group: str, seed: int) -> list[Variant]:

@@ -167,7 +167,10 @@ def test_a_recorded_gpt2_whose_attention_output_hops_out_of_its_range_and_back_i
 
 def test_a_lean_that_came_back_within_its_range_hops_and_a_ramps_does_not():
     track = Track(deque([0.0, 0.05, -0.05] * 8, maxlen=32))
-    track.held.extend([0.1, -0.1, 0.3])  # out, back within, out again
+    track.held.extend([0.1, 0.0, 0.3])  # out, back within, out again
+    assert came_back(track)
+    track.held.clear()
+    track.held.extend([0.1, -0.1, 0.3])  # out, below, out again
     assert came_back(track)
     track.held.clear()
     track.held.extend([0.1, 0.2, 0.3])  # a ramp's points, each further out

@@ -6,8 +6,11 @@ rows' ranges judge from their 24th value (step 46) and the judge's warm-up of 48
 
 from __future__ import annotations
 
+import gzip
+import json
 import math
 import random
+from pathlib import Path
 
 import pytest
 
@@ -92,3 +95,25 @@ def test_a_whole_kind_stepping_up_early_is_let_in():
         named = named_with_pull(lambda i, row: 6.0 if row.endswith("mlp") and i >= 8 else 1.0,
                                 lambda i, rng: rng.gauss(0, 0.1), chain, seed, 100)
         assert named == {}, (seed, named)
+
+
+def test_a_module_whose_gain_jumped_in_its_warm_up_past_its_early_peak_is_named_where_its_std_did_not():
+    """The sweep's U-Net (``unseen43``, seed 3, logged every 5 steps; levels as LayerHealth got them, steps 0-80), its
+    middle convolution's output x7.9 from step 57. At 59 (its 12th point, in its warm-up) its std went x5.6 in one
+    point but only x4.67 above its early-learning peak (step 19), under ``WARM_JUMP``; its gain (its input steady)
+    went x5.2 above its own: judged by its std alone before either noise was measured, it was never named."""
+    data = json.loads(gzip.open(Path(__file__).parent / "data" / "unet_mid_jump_every5.json.gz", "rt").read())
+
+    def named(steps: dict) -> dict[int, list[str]]:
+        judge = Judge(Bands(), data["order"])
+        return {int(step): [f.layer for f in judge.step(figures, int(step)).named]
+                for step, figures in sorted(steps.items(), key=lambda item: int(item[0]))}
+
+    recorded = named(data["steps"])
+    assert recorded[59] == ["mid"] and not any(layers for step, layers in recorded.items() if step < 59), recorded
+    # the network did not take it back: the middle and the modules after it stay where the step took them
+    after = [row for row in data["order"] if data["order"].index(row) >= data["order"].index("mid")]
+    kept = {step: {"level": {row: (data["steps"]["59"]["level"][row] if int(step) >= 59 and row in after else v)
+                             for row, v in figures["level"].items()}} for step, figures in data["steps"].items()}
+    stays = named(kept)
+    assert all(stays[step] == ["mid"] for step in stays if step >= 59), stays

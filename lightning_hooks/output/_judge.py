@@ -89,7 +89,9 @@ step at a time, with every judged figure of that step. How it decides (docs/verd
   if its outputs are out still (``_first_leans``); a slow ramp costs a point.
 - A row's own range judges from its ``min_points``-th value and ``WARM_STEPS_PER_POINT * min_points``
   steps on: the first steps move every layer, and no history tells learning from a fault there. Logged every
-  few steps, from its ``COARSE_POINTS``-th value once its values span those steps (``in_warm_up``).
+  few steps, from its ``COARSE_POINTS``-th value once its values span those steps (``in_warm_up``). Before that
+  only a step is judged (``WARM_JUMP``); a module's gain's step stands for its outputs where its std's newest point
+  went beyond its history the same way, half as far at least (``_stepped_with_gain``).
 """
 
 from __future__ import annotations
@@ -114,15 +116,18 @@ from lightning_hooks.output._health_bands import Bands
 from lightning_hooks.output._judge_absolute import ZeroRuns, absolute_problems
 from lightning_hooks.output._judge_culprit import LEAN_SHARE, CulpritNaming, its_own
 from lightning_hooks.output._judge_data import gradients_jumped_together, outputs_out_together, singled_out
-from lightning_hooks.output._judge_gain import GainJudging
+from lightning_hooks.output._judge_gain import AGREE, GainJudging
 from lightning_hooks.output._judge_learning import LEAN_POINTS, SHARED_FIGURES, LearningJudging
 from lightning_hooks.output._judge_pull import ASK_POINTS, PULL
 from lightning_hooks.output._peers import PEER_FIGURES, Peers
 from lightning_hooks.output._row_range import (
+    WARM_FALL,
+    WARM_JUMP,
     WARM_POINTS,
     WARM_STEPS_PER_POINT,
     Track,
     came_back,
+    hold_newest,
     in_warm_up,
     judge_value,
     least_change,
@@ -434,6 +439,11 @@ class Judge(LearningJudging, GainJudging, CulpritNaming):
         by_gain = {row for row in self.levels if self._judged_by(row) == "gain"} - self.outpacing
         self._follow_input([f for f in found if f.problem in RELATIVE["level"] and f.row in by_gain], gains)
         kept = self._stacked([f for f in found if not (f.problem in RELATIVE["level"] and f.row in by_gain)])
+        levels_out = {f.row for f in kept if f.problem in RELATIVE["level"]}
+        stepped = {f.row for f in gains if f.row not in levels_out and self._stepped_with_gain(f)}
+        for row in stepped:  # the std's point held back, as a step of its own is: named while it stays out
+            hold_newest(self.tracks["level"][row], math.log(self.levels[row]))
+        by_gain |= stepped
         kept += [Finding(f.row, f.layer, f.problem, self.levels[f.row], "level", f.moved)
                  for f in self._stacked([f for f in gains if f.row in by_gain])
                  if f.row in self.named or self._level_agrees(f)]
@@ -447,6 +457,32 @@ class Judge(LearningJudging, GainJudging, CulpritNaming):
         kept = self._looked_up(self._carried(kept, last, inputs), last)
         out = {f.row for f in kept}
         return [self._inward(f, out) for f in kept]
+
+    def _stepped_with_gain(self, found: Finding) -> bool:
+        """Whether a module's std, in its warm-up, stepped its gain's way with it: the gain's early jump is theirs.
+
+        Before either figure's noise is measured a module's outputs are judged by their std (``_track``), whose
+        early jump is measured against every value its history holds, the early learning's peak among them; its
+        gain's (its input's move taken out) stands for them where the std's newest point went beyond every value
+        its history holds the same way, ``AGREE`` of the gain's move at least (the module's own step, not its input
+        falling away under it), and not past ``WARM_JUMP`` (``WARM_FALL`` down) itself: a step of the std's own is
+        judged as its own, its excuses with it. The std's point is held back then (``_outputs``), named while it stays
+        out. A U-Net's middle convolution x7.9 at step 59, logged every 5 (its 12th point): its std x5.6 in one point
+        but x4.67 above its step-19 peak, under ``WARM_JUMP``; its gain x5.2 above its own.
+        """
+        track, level = self.tracks.get("level", {}).get(found.row), self.levels.get(found.row, 0.0)
+        if track is None or not level > 0:
+            return False
+        x = math.log(level)
+        joined = bool(track.logs) and track.logs[-1] == x  # the std's point joined its history: no jump of its own
+        if not (in_warm_up(track, self.bands, joined) or not self._warm_for(found.row)):
+            return False
+        history = list(track.logs)[:-1] if joined else list(track.logs)
+        if not history:
+            return False
+        sign = 1.0 if found.moved > 0 else -1.0
+        beyond = sign * (x - (max(history) if sign > 0 else min(history)))
+        return AGREE * abs(found.moved) <= beyond < (WARM_JUMP if sign > 0 else WARM_FALL)
 
     def _relative(self, figure: str, values: Mapping[str, float]) -> list[Finding]:
         tracks, last = self.tracks.setdefault(figure, {}), self.last.setdefault(figure, {})

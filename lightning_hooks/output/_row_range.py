@@ -79,13 +79,14 @@ class Track:
     crept: int = 0  # the newest values let in beyond the range, each on the same side (+ above, - below)
 
 
-def in_warm_up(track: Track, bands: Bands) -> bool:
+def in_warm_up(track: Track, bands: Bands, joined: bool = False) -> bool:
     """Whether a row's own range cannot judge yet: fewer than ``min_points`` values, unless logged coarsely.
 
     Logged every 6 steps or more, ``COARSE_POINTS`` values that span ``COARSE_STEPS_PER_POINT * min_points`` steps
-    (the steps each point adds counted in ``clock``) are enough.
+    (the steps each point adds counted in ``clock``) are enough. ``joined``: whether the row's newest point is in its
+    history already, asked as its point was judged (counted out).
     """
-    n = len(track.logs)
+    n = len(track.logs) - joined
     return n < bands.min_points and (n < COARSE_POINTS or track.clock < COARSE_STEPS_PER_POINT * bands.min_points)
 
 
@@ -224,6 +225,16 @@ def judge_value(track: Track, x: float, figure: str, bands: Bands, warm: bool = 
     return None
 
 
+def hold_newest(track: Track, x: float) -> None:
+    """Take the row's newest point ``x`` back out of its history and hold it: a step another figure found.
+
+    Held, it is named while it stays out (as a step of its own: :func:`judge_value`), and let in if it comes back.
+    """
+    if track.logs and track.logs[-1] == x:
+        track.logs.pop()
+        _hold(track, x)
+
+
 def _hold(track: Track, x: float) -> None:
     """Hold ``x`` back from the row's history, with the steps at which it came (``clock``)."""
     track.held.append(x)
@@ -289,7 +300,7 @@ def held_deviations(track: Track) -> list[float]:
 
 
 def came_back(track: Track) -> bool:
-    """Whether a row leaning up was back within its range at the point before its newest (its lean no ramp's).
+    """Whether a row leaning up was back within its range (or below it) at the point before its newest: no ramp's lean.
 
     A ramp's points lean further out one after the other; a noisy row's lean that one batch took back in, and the
     next took out again, hops. False with fewer than two values held (the newest starts the lean).
