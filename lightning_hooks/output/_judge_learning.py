@@ -151,13 +151,13 @@ class LearningJudging:
         feed = list(self.recent_levels.get(feed_row, ())) if self._fresh(feed_row) else []
         kept = []
         for f in found:
-            own = list(self.recent_levels.get(f.row, ())) if self._fresh(f.row) else []
-            if (f.problem != "blowup" or f.row == last or f.layer in self.named
-                    or not self._carried_by(f, own, head, feed)):
-                kept.append(f)
-                continue
-            for track in self._output_tracks(f.row):
-                follow(track, self.bands.window)
+            if f.problem == "blowup" and f.row != last and f.layer not in self.named:
+                own = list(self.recent_levels.get(f.row, ())) if self._fresh(f.row) else []
+                if self._carried_by(f, own, head, feed):
+                    for track in self._output_tracks(f.row):
+                        follow(track, self.bands.window)
+                    continue
+            kept.append(f)
         return kept
 
     def _carried_by(self, found: Finding, own: Sequence[float], head: Sequence[float], feed: Sequence[float]) -> bool:
